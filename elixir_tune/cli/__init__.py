@@ -1,0 +1,1 @@
+"""Command-line interface: click commands, one per file, all output through cli.console."""

@@ -1,0 +1,107 @@
+"""HardwareSpec: the numbers the cost model needs about one kind of node.
+
+A preset (configs/hardware/*.yaml) and a probe result (`elixir-tune probe`) have the same fields,
+so either can drive a search. This module imports no torch.
+
+Units are in the names: bytes, seconds, GB/s (1e9 bytes per second), TFLOP/s (1e12 FLOP/s),
+elements per second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+@dataclass
+class HardwareSpec:
+    """One node type: its accelerators, host and links.
+
+    Attributes:
+        name: preset id or a description of the probed machine.
+        device: ``cuda`` or ``cpu`` (the CPU described as the device).
+        device_name: e.g. "NVIDIA H100 80GB HBM3".
+        gpus_per_node: accelerators per node (for cpu: worker processes the node runs well).
+        gpu_memory_bytes: total memory of one device.
+        usable_memory_bytes: what tensors can use after the driver/context.
+        allocator_overhead_bytes: fragmentation and workspace the allocator adds on top of tensors.
+        matmul_tflops: dense matmul rate reached at transformer shapes, per dtype (fp32/bf16/fp16).
+        hbm_gbps: device memory copy bandwidth.
+        h2d_gbps: pinned host->device bandwidth, one device copying.
+        d2h_gbps: pinned device->host bandwidth, one device copying.
+        h2d_gbps_all: per-device host->device bandwidth when all devices of the node copy at once.
+        d2h_gbps_all: per-device device->host bandwidth when all devices of the node copy at once.
+        copy_latency_s: fixed cost of one host<->device copy.
+        allgather_gbps: all-gather bus bandwidth inside a node.
+        reduce_scatter_gbps: reduce-scatter bus bandwidth inside a node.
+        inter_node_gbps: bus bandwidth of collectives spanning nodes (per device).
+        collective_latency_s: fixed cost of one collective.
+        gpu_adam_elems_per_s: fused Adam update rate on the device.
+        cpu_adam_elems_per_s: Adam update rate on the host with the cores one rank gets.
+        host_memory_bytes: host RAM of the node.
+        host_cores: host CPU cores of the node.
+        sources: where each number comes from (field name -> datasheet, measurement, benchmark).
+    """
+
+    name: str
+    device: str
+    device_name: str
+    gpus_per_node: int
+    gpu_memory_bytes: int
+    usable_memory_bytes: int
+    matmul_tflops: dict[str, float]
+    hbm_gbps: float
+    h2d_gbps: float
+    d2h_gbps: float
+    h2d_gbps_all: float
+    d2h_gbps_all: float
+    allgather_gbps: float
+    reduce_scatter_gbps: float
+    inter_node_gbps: float
+    gpu_adam_elems_per_s: float
+    cpu_adam_elems_per_s: float
+    host_memory_bytes: int
+    host_cores: int
+    allocator_overhead_bytes: int = 0
+    copy_latency_s: float = 10e-6
+    collective_latency_s: float = 30e-6
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "HardwareSpec":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"unknown hardware field(s): {', '.join(unknown)}")
+        return cls(**raw)
+
+
+def save_hardware(spec: HardwareSpec, path: str | Path, header: str = "") -> None:
+    """Writes a spec as YAML with an optional comment header."""
+    comment = "".join(f"# {line}\n" for line in header.splitlines())
+    Path(path).write_text(comment + yaml.safe_dump(spec.to_dict(), sort_keys=False, width=100))
+
+
+def load_hardware_file(path: str | Path) -> HardwareSpec:
+    """Reads a spec written by save_hardware or a preset file.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the file does not describe a HardwareSpec (message says which field).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such hardware file")
+    raw = yaml.safe_load(path.read_text())
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a mapping of hardware fields")
+    try:
+        return HardwareSpec.from_dict(raw)
+    except TypeError as error:
+        raise ValueError(f"{path}: {error}") from None

@@ -1,0 +1,215 @@
+"""The plan: typed dataclasses for everything the engine reads at run time.
+
+A plan is written by `elixir-tune search` (or by hand), checked by `validate`, and read by the
+engine and the launcher. This module imports no torch, so a plan can be loaded anywhere.
+
+Conventions:
+    * sizes of tensors are in elements (``chunk_size``, ``numel``), sizes of memory in bytes
+      (names ending in ``_bytes``), times in seconds (``_s``);
+    * the data-parallel size is ``cluster.nodes * cluster.gpus_per_node`` (one process per GPU,
+      or per CPU worker when ``cluster.device`` is ``cpu``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+DTYPES = ("fp32", "bf16", "fp16")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+DEVICES = ("cuda", "cpu")
+BACKENDS = ("nccl", "gloo")
+
+# Bytes per element of this rank's shard of model states, for a chunk, by optimizer: fp32 master
+# weight (4) + fp32 gradient (4) + optimizer state (Adam: m and v, 8; SGD with momentum: 4).
+SHARD_BYTES_PER_ELEMENT = {"adam": 16, "sgd_momentum": 12, "sgd": 8}
+
+# Keys of Prediction.model_state_bytes; the engine reports the same keys (Engine.memory_report).
+#   cache_bytes:        cache_blocks gathered chunks, chunk_size elements each, compute dtype (device)
+#   resident_bytes:     resident chunks, always gathered, chunk_size elements each, compute dtype (device)
+#   device_shard_bytes: this rank's shards of chunks with offload false (master + grad + optim), device
+#   host_shard_bytes:   this rank's shards of chunks with offload true, host memory
+MODEL_STATE_KEYS = ("cache_bytes", "resident_bytes", "device_shard_bytes", "host_shard_bytes")
+
+
+@dataclass
+class ModelInfo:
+    """Which model the plan is for.
+
+    Attributes:
+        source: the model file or model YAML the plan was made from.
+        fingerprint: hash of parameter names, shapes and dtypes in order; the engine refuses a
+            model whose fingerprint differs.
+        num_params: number of parameters (tied parameters counted once).
+        name: a human name for the model.
+        block_list: dotted path of the ModuleList of repeated blocks ("" when the model has none);
+            activation checkpointing applies to its items.
+        num_blocks: number of items in ``block_list``.
+    """
+
+    source: str
+    fingerprint: str
+    num_params: int
+    name: str = ""
+    block_list: str = ""
+    num_blocks: int = 0
+
+
+@dataclass
+class ClusterInfo:
+    """Where the plan runs.
+
+    Attributes:
+        hardware: hardware preset id or file the plan was searched for.
+        nodes: number of nodes.
+        gpus_per_node: processes per node (one per GPU; CPU workers when device is cpu).
+        device: ``cuda`` or ``cpu``.
+        backend: ``nccl`` (cuda) or ``gloo`` (cpu).
+    """
+
+    hardware: str
+    nodes: int
+    gpus_per_node: int
+    device: str
+    backend: str
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass
+class Checkpointing:
+    """Activation checkpointing of the model's repeated blocks.
+
+    Attributes:
+        every: 0 for none, 1 for every block, k for blocks 0, k, 2k, ...
+    """
+
+    every: int = 0
+
+    def applies_to(self, block_index: int) -> bool:
+        return self.every > 0 and block_index % self.every == 0
+
+
+@dataclass
+class TrainingInfo:
+    """Batching and precision.
+
+    Attributes:
+        dtype: compute dtype, one of fp32, bf16, fp16 (master weights are always fp32).
+        global_batch_size: samples per optimizer step over all ranks.
+        micro_batch_size: samples per forward/backward on one rank.
+        grad_accum_steps: micro-batches per optimizer step on one rank.
+        seq_len: tokens per sample.
+        activation_checkpointing: which blocks recompute their activations in backward.
+    """
+
+    dtype: str
+    global_batch_size: int
+    micro_batch_size: int
+    grad_accum_steps: int
+    seq_len: int
+    activation_checkpointing: Checkpointing = field(default_factory=Checkpointing)
+
+
+@dataclass
+class ChunkPlan:
+    """One chunk: a flat buffer of ``MemoryPlan.chunk_size`` elements holding whole parameters.
+
+    Attributes:
+        id: position of the chunk, 0-based, in first-use order.
+        params: parameter names packed into the chunk, in order.
+        numel: elements used by those parameters (the rest of the chunk is padding).
+        resident: keep the gathered chunk on the device all the time (outside the cache).
+        offload: this rank's shard (fp32 master, gradient, optimizer state) lives in host memory
+            and its optimizer step runs on the CPU; otherwise it lives on the device.
+    """
+
+    id: int
+    params: list[str]
+    numel: int
+    resident: bool = False
+    offload: bool = False
+
+
+@dataclass
+class MemoryPlan:
+    """Chunking, caching and placement.
+
+    Attributes:
+        chunk_size: elements per chunk, a multiple of the world size.
+        cache_blocks: gathered non-resident chunks the device holds at once.
+        prefetch: chunks fetched ahead of their first use.
+        chunks: every trainable parameter exactly once, in first-use order.
+    """
+
+    chunk_size: int
+    cache_blocks: int
+    prefetch: int
+    chunks: list[ChunkPlan]
+
+
+@dataclass
+class Prediction:
+    """What the cost model predicts for one optimizer step (all ranks in parallel).
+
+    Attributes:
+        step_time_s: seconds per optimizer step.
+        tokens_per_s: tokens per second over the whole cluster.
+        tflops_per_gpu: model TFLOP/s per GPU (recomputation not counted as useful work).
+        mfu: model FLOPs utilisation against the hardware's dense matmul rate.
+        peak_gpu_bytes: peak device memory of one rank.
+        peak_host_bytes: peak host memory of one node.
+        model_state_bytes: the model-state part of memory, keys MODEL_STATE_KEYS.
+        breakdown: named parts of the step time in seconds (compute_s, exposed_fetch_s, ...).
+    """
+
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_gpu: float
+    mfu: float
+    peak_gpu_bytes: int
+    peak_host_bytes: int
+    model_state_bytes: dict[str, int] = field(default_factory=dict)
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class SearchInfo:
+    """How the plan was found.
+
+    Attributes:
+        strategy: name of the search strategy.
+        candidates: candidates scored.
+        elapsed_s: wall time of the search.
+        alternatives: the next best candidates, each a flat mapping of choices and predictions.
+    """
+
+    strategy: str
+    candidates: int
+    elapsed_s: float
+    alternatives: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    """A complete plan (``schema_version`` 1)."""
+
+    model: ModelInfo
+    cluster: ClusterInfo
+    training: TrainingInfo
+    memory: MemoryPlan
+    prediction: Prediction | None = None
+    search: SearchInfo | None = None
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def world_size(self) -> int:
+        return self.cluster.world_size
+
+    def chunk_of(self) -> dict[str, int]:
+        """Maps each parameter name to the id of the chunk holding it."""
+        return {name: chunk.id for chunk in self.memory.chunks for name in chunk.params}

@@ -1,0 +1,163 @@
+"""The model profile: everything the cost model and search need to know about a model.
+
+Written by `elixir-tune profile` (elixir_tune.profiler) and read by the cost model; hardware
+independent. This module imports no torch, so a profile can be read on any machine.
+
+Units: sizes of tensors in elements (``numel``), memory in bytes (``_bytes``), FLOPs in
+floating-point operations (a multiply-add counts 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+PROFILE_VERSION = 1
+
+
+@dataclass
+class ParamInfo:
+    """One parameter.
+
+    Attributes:
+        name: its name in ``model.named_parameters()`` (the first name when shared).
+        shape: its shape.
+        dtype: fp32, bf16 or fp16 (the dtype it was built with).
+        numel: number of elements.
+        shared: used by several modules (tied embeddings); counted once.
+        requires_grad: trained (False for frozen parameters).
+    """
+
+    name: str
+    shape: list[int]
+    dtype: str
+    numel: int
+    shared: bool = False
+    requires_grad: bool = True
+
+
+@dataclass
+class BlockInfo:
+    """One item of the model's repeated blocks (a transformer layer).
+
+    Attributes:
+        index: position in the block list.
+        first_param: index into ModelProfile.params of the block's first parameter.
+        num_params: how many consecutive parameters (in ModelProfile.params order) it owns.
+        fwd_flops_per_sample: forward FLOPs for one sample at the profiled seq_len.
+        activation_bytes_per_sample: activation memory the block keeps for backward, one sample.
+        boundary_bytes_per_sample: the block's input, what checkpointing keeps, one sample.
+    """
+
+    index: int
+    first_param: int
+    num_params: int
+    fwd_flops_per_sample: float
+    activation_bytes_per_sample: int
+    boundary_bytes_per_sample: int
+
+
+@dataclass
+class ActivationLine:
+    """Activation memory as a line in the micro-batch size: fixed_bytes + per_sample_bytes * b.
+
+    Attributes:
+        fixed_bytes: the part that does not grow with the batch.
+        per_sample_bytes: the part per sample at the profiled seq_len.
+    """
+
+    fixed_bytes: int
+    per_sample_bytes: int
+
+    def at(self, micro_batch_size: int) -> int:
+        return self.fixed_bytes + self.per_sample_bytes * micro_batch_size
+
+
+@dataclass
+class ModelProfile:
+    """A profile of one model at one seq_len and compute dtype.
+
+    Attributes:
+        name: model name.
+        source: the model file or model YAML it was built from.
+        fingerprint: same hash a plan carries (see elixir_tune.profiler.fingerprint).
+        num_params: parameters, tied ones counted once.
+        dtype: compute dtype the profile was traced in.
+        batch_size: batch size of the traced example.
+        seq_len: tokens per sample.
+        params: every parameter, in first-use order (the order of the access trace).
+        trace: forward then backward, one entry per operation: indices into ``params`` that the
+            operation touches. No checkpointing.
+        trace_checkpointed: the same with every block checkpointed (recomputation included);
+            empty when the model has no blocks or it was not asked for.
+        block_list: dotted path of the ModuleList of repeated blocks ("" when none).
+        blocks: the repeated blocks.
+        flops_per_sample: forward + backward FLOPs of one sample (no recomputation).
+        recompute_flops_per_sample: extra forward FLOPs of one sample when every block recomputes.
+        activation: peak activation memory over forward+backward, no checkpointing.
+        activation_checkpointed: the same with every block checkpointed.
+        buffers_bytes: bytes of the model's buffers (not trained, kept on the device).
+        summary: one-line human description.
+    """
+
+    name: str
+    source: str
+    fingerprint: str
+    num_params: int
+    dtype: str
+    batch_size: int
+    seq_len: int
+    params: list[ParamInfo]
+    trace: list[list[int]]
+    flops_per_sample: float
+    activation: ActivationLine
+    trace_checkpointed: list[list[int]] = field(default_factory=list)
+    block_list: str = ""
+    blocks: list[BlockInfo] = field(default_factory=list)
+    recompute_flops_per_sample: float = 0.0
+    activation_checkpointed: ActivationLine | None = None
+    buffers_bytes: int = 0
+    summary: str = ""
+    version: int = PROFILE_VERSION
+
+    @property
+    def flops_per_token(self) -> float:
+        return self.flops_per_sample / self.seq_len
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "ModelProfile":
+        raw = dict(raw)
+        raw["params"] = [ParamInfo(**p) for p in raw["params"]]
+        raw["blocks"] = [BlockInfo(**b) for b in raw.get("blocks", [])]
+        raw["activation"] = ActivationLine(**raw["activation"])
+        if raw.get("activation_checkpointed"):
+            raw["activation_checkpointed"] = ActivationLine(**raw["activation_checkpointed"])
+        return cls(**raw)
+
+
+def save_profile(profile: ModelProfile, path: str | Path) -> None:
+    """Writes a profile as YAML, its summary as a comment header."""
+    header = "".join(f"# {line}\n" for line in profile.summary.splitlines())
+    Path(path).write_text(header + yaml.safe_dump(profile.to_dict(), sort_keys=False, width=120))
+
+
+def load_profile(path: str | Path) -> ModelProfile:
+    """Reads a profile written by save_profile.
+
+    Raises:
+        FileNotFoundError: no such file (run `elixir-tune profile MODEL` first).
+        ValueError: the file is not a profile of this version.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no profile; run `elixir-tune profile MODEL --out {path}` first")
+    raw = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    if not isinstance(raw, dict) or raw.get("version") != PROFILE_VERSION:
+        raise ValueError(f"{path}: not a version-{PROFILE_VERSION} profile; run `elixir-tune profile` again")
+    return ModelProfile.from_dict(raw)
