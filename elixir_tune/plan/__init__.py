@@ -1,5 +1,6 @@
 """The plan: what to run, read by the engine and the launcher. Imports no torch."""
 
+from elixir_tune.plan.fingerprint import fingerprint
 from elixir_tune.plan.io import (
     PLAN_ENV_VAR, PlanError, dump_plan, load_plan, plan_from_dict, plan_to_dict, read_plan_dict, save_plan,
 )
@@ -13,5 +14,5 @@ __all__ = [
     "PLAN_ENV_VAR", "PlanError", "dump_plan", "load_plan", "plan_from_dict", "plan_to_dict", "read_plan_dict",
     "save_plan", "DTYPE_BYTES", "DTYPES", "MODEL_STATE_KEYS", "SCHEMA_VERSION", "SHARD_BYTES_PER_ELEMENT",
     "Checkpointing", "ChunkPlan", "ClusterInfo", "MemoryPlan", "ModelInfo", "Plan", "Prediction", "SearchInfo",
-    "TrainingInfo", "validate", "validate_dict",
+    "TrainingInfo", "fingerprint", "validate", "validate_dict",
 ]
