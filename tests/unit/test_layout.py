@@ -1,0 +1,41 @@
+"""The dependency direction of DESIGN section 3, checked by importing each package in a fresh
+interpreter and looking at what came along."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+# package -> module prefixes it must not pull in
+FORBIDDEN = {
+    "elixir_tune.plan": ["torch", "click", "rich", "elixir_tune.engine", "elixir_tune.search"],
+    "elixir_tune.profiler.schema": ["torch", "click", "rich"],
+    "elixir_tune.hardware.spec": ["torch", "click", "rich"],
+    "elixir_tune.costmodel": ["elixir_tune.engine", "elixir_tune.launcher", "elixir_tune.cli", "click", "rich"],
+    "elixir_tune.search": ["elixir_tune.engine", "elixir_tune.launcher", "elixir_tune.cli", "click", "rich"],
+    "elixir_tune.profiler": ["elixir_tune.engine", "elixir_tune.launcher", "elixir_tune.cli", "click", "rich"],
+    "elixir_tune.hardware": ["elixir_tune.engine", "elixir_tune.launcher", "elixir_tune.cli", "click", "rich"],
+    "elixir_tune.engine": ["elixir_tune.search", "elixir_tune.costmodel", "elixir_tune.profiler",
+                           "elixir_tune.cli", "click", "rich"],
+    "elixir_tune.launcher": ["elixir_tune.search", "elixir_tune.costmodel", "elixir_tune.profiler",
+                             "elixir_tune.cli", "click", "rich"],
+    "elixir_tune": ["torch", "click", "rich"],
+}
+
+
+def _imported_by(module: str) -> set[str]:
+    code = f"import sys, json, {module}; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return set(json.loads(out.stdout.splitlines()[-1]))
+
+
+@pytest.mark.parametrize("module", sorted(FORBIDDEN))
+def test_package_imports_only_what_the_design_allows(module: str):
+    loaded = _imported_by(module)
+    bad = sorted(name for name in loaded for prefix in FORBIDDEN[module]
+                 if name == prefix or name.startswith(prefix + "."))
+    assert not bad, f"{module} pulls in {bad}"
