@@ -170,3 +170,11 @@ def test_plan_package_imports_no_torch():
     code = "import sys, elixir_tune.plan; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_frozen_version_1_fixture_keeps_loading():
+    fixture = Path(__file__).parent / "plans" / "v1-gpt2-tiny.yaml"
+    plan = load_plan(fixture)
+    assert plan.schema_version == 1
+    assert [len(chunk.params) for chunk in plan.memory.chunks] == [1, 13, 14]
+    assert plan.training.activation_checkpointing.applies_to(0)
