@@ -1,0 +1,96 @@
+"""Chunk packing: which parameters share a chunk, the same way the engine will lay them out.
+
+Trainable parameters are packed greedily in first-use order into chunks of ``chunk_size``
+elements (a parameter is never split); shared (tied) parameters get chunks of their own that stay
+resident; frozen parameters are not chunked (they stay replicated on the device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from elixir_tune.profiler.schema import ModelProfile
+
+
+@dataclass
+class Chunk:
+    """One packed chunk.
+
+    Attributes:
+        params: indices into ``ModelProfile.params``, in order.
+        numel: elements used (the rest of the chunk is padding).
+        resident: always gathered (shared parameters).
+    """
+
+    params: list[int]
+    numel: int
+    resident: bool = False
+
+
+@dataclass
+class ChunkLayout:
+    """Chunks of one chunk size.
+
+    Attributes:
+        chunk_size: elements per chunk.
+        chunks: in first-use order, resident ones included.
+        chunk_of_param: parameter index -> chunk id (-1 for frozen parameters).
+        frozen_numel: elements of the frozen parameters (replicated, not chunked).
+    """
+
+    chunk_size: int
+    chunks: list[Chunk]
+    chunk_of_param: list[int]
+    frozen_numel: int
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunks)
+
+    @property
+    def num_resident(self) -> int:
+        return sum(1 for chunk in self.chunks if chunk.resident)
+
+    @property
+    def num_cacheable(self) -> int:
+        return self.num_chunks - self.num_resident
+
+
+def largest_trainable_numel(profile: ModelProfile) -> int:
+    """Elements of the largest trainable parameter: the smallest allowed chunk size."""
+    return max((p.numel for p in profile.params if p.requires_grad), default=1)
+
+
+def pack_chunks(profile: ModelProfile, chunk_size: int) -> ChunkLayout:
+    """Packs the trainable parameters into chunks.
+
+    Args:
+        profile: the model profile (``params`` in first-use order).
+        chunk_size: elements per chunk; at least the largest trainable parameter.
+
+    Returns:
+        The layout: shared parameters in resident chunks, the others in first-use order.
+
+    Raises:
+        ValueError: a parameter is larger than ``chunk_size``.
+    """
+    chunks: list[Chunk] = []
+    chunk_of_param = [-1] * len(profile.params)
+    open_chunk = {False: None, True: None}  # resident flag -> chunk still being filled
+    frozen_numel = 0
+    for index, param in enumerate(profile.params):
+        if not param.requires_grad:
+            frozen_numel += param.numel
+            continue
+        if param.numel > chunk_size:
+            raise ValueError(f"parameter {param.name} has {param.numel} elements, more than chunk_size {chunk_size}")
+        resident = bool(param.shared)
+        current = open_chunk[resident]
+        if current is None or chunks[current].numel + param.numel > chunk_size:
+            chunks.append(Chunk(params=[], numel=0, resident=resident))
+            current = open_chunk[resident] = len(chunks) - 1
+        chunks[current].params.append(index)
+        chunks[current].numel += param.numel
+        chunk_of_param[index] = current
+    return ChunkLayout(chunk_size=chunk_size, chunks=chunks, chunk_of_param=chunk_of_param,
+                       frozen_numel=frozen_numel)

@@ -1,0 +1,215 @@
+"""The cost model of one model on one cluster: memory and step time of any candidate plan shape.
+
+Everything that several candidates share is computed once and kept: the chunk layout per chunk
+size, the chunk trace per (chunk size, checkpointing), the cache simulation per (chunk size,
+checkpointing, cache blocks) and the transfer costs per chunk size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from elixir_tune.costmodel.cache import CacheSim, simulate_cache
+from elixir_tune.costmodel.layout import ChunkLayout, pack_chunks
+from elixir_tune.costmodel.memory import MemoryEstimate, checkpointed_blocks, estimate_memory
+from elixir_tune.costmodel.timeline import (
+    TransferCosts, combine_step, issue_steps, simulate_micro_batch, transfer_costs,
+)
+from elixir_tune.costmodel.trace import ChunkTrace, chunk_trace
+from elixir_tune.hardware.spec import HardwareSpec
+from elixir_tune.profiler.schema import ModelProfile
+
+
+@dataclass
+class Shape:
+    """The choices that make one candidate.
+
+    Attributes:
+        chunk_size: elements per chunk.
+        cache_blocks: gathered non-resident chunks held at once.
+        num_offloaded: chunks whose shard lives on the host (the first ones of ``offload_order``).
+        prefetch: fetches issued ahead.
+        every: checkpointing (0 none, k every k-th block).
+        micro_batch_size: samples per micro-batch.
+        grad_accum_steps: micro-batches per step.
+        offloaded: explicit chunk ids to offload instead of the first ``num_offloaded`` of
+            ``CostModel.offload_order`` (a baseline strategy places shards its own way).
+    """
+
+    chunk_size: int
+    cache_blocks: int
+    num_offloaded: int
+    prefetch: int
+    every: int
+    micro_batch_size: int
+    grad_accum_steps: int
+    offloaded: tuple[int, ...] | None = None
+
+
+@dataclass
+class StepEstimate:
+    """Predicted step time of one candidate.
+
+    Attributes:
+        step_time_s: seconds per optimizer step.
+        breakdown: named parts in seconds.
+    """
+
+    step_time_s: float
+    breakdown: dict[str, float]
+
+
+class CostModel:
+    """Memory and time of candidates for one (profile, cluster, dtype)."""
+
+    def __init__(self, profile: ModelProfile, hardware: HardwareSpec, gpus_per_node: int, nodes: int = 1,
+                 dtype: str | None = None):
+        """Prepares the model.
+
+        Args:
+            profile: the model profile.
+            hardware: the node spec.
+            gpus_per_node: ranks per node.
+            nodes: nodes.
+            dtype: compute dtype (default: the profile's).
+        """
+        self.profile = profile
+        self.hardware = hardware
+        self.gpus_per_node = gpus_per_node
+        self.nodes = nodes
+        self.world_size = gpus_per_node * nodes
+        self.dtype = dtype or profile.dtype
+        rate = hardware.matmul_tflops.get(self.dtype) or hardware.matmul_tflops.get("fp32")
+        if not rate:
+            raise ValueError(f"hardware {hardware.name} has no matmul rate for {self.dtype}")
+        self.flops_per_s = rate * 1e12
+        self._layouts: dict[int, ChunkLayout] = {}
+        self._traces: dict[tuple[int, int], tuple[ChunkTrace, list[tuple[int, ...]]]] = {}
+        self._sims: dict[tuple[int, int, int], tuple[CacheSim, list[tuple[int, int, int]]]] = {}
+        self._costs: dict[int, TransferCosts] = {}
+        self._orders: dict[tuple[int, int, int], list[int]] = {}
+
+    # -- shared pieces ---------------------------------------------------------------------------
+
+    def layout(self, chunk_size: int) -> ChunkLayout:
+        """The chunk layout of one chunk size (cached)."""
+        if chunk_size not in self._layouts:
+            self._layouts[chunk_size] = pack_chunks(self.profile, chunk_size)
+        return self._layouts[chunk_size]
+
+    def trace(self, chunk_size: int, every: int) -> ChunkTrace:
+        """The chunk trace of one micro-batch (cached)."""
+        return self._trace(chunk_size, every)[0]
+
+    def _trace(self, chunk_size: int, every: int) -> tuple[ChunkTrace, list[tuple[int, ...]]]:
+        key = (chunk_size, every)
+        if key not in self._traces:
+            layout = self.layout(chunk_size)
+            trace = chunk_trace(self.profile, layout, every)
+            reduce_after: list[list[int]] = [[] for _ in trace.steps]
+            for chunk, step in enumerate(trace.last_use):
+                if step >= 0:
+                    reduce_after[step].append(chunk)
+            self._traces[key] = (trace, [tuple(r) for r in reduce_after])
+        return self._traces[key]
+
+    def min_cache_blocks(self, chunk_size: int, every: int) -> int:
+        """The fewest cache blocks any step can run with (no prefetch)."""
+        return max(self.trace(chunk_size, every).max_step_chunks, 1 if self.layout(chunk_size).num_cacheable else 0)
+
+    def cache_sim(self, chunk_size: int, every: int, cache_blocks: int) -> tuple[CacheSim, list[tuple[int, int, int]]]:
+        """Cache simulation (cached) and the cold fetch list with resident chunks added."""
+        key = (chunk_size, every, cache_blocks)
+        if key not in self._sims:
+            layout = self.layout(chunk_size)
+            trace = self.trace(chunk_size, every)
+            sim = simulate_cache(trace.steps, cache_blocks, layout.num_cacheable)
+            resident = [(trace.first_use[c], c, -1) for c, chunk in enumerate(layout.chunks)
+                        if chunk.resident and trace.first_use[c] >= 0]
+            cold = sorted(sim.cold + resident, key=lambda fetch: fetch[0])
+            self._sims[key] = (sim, cold)
+        return self._sims[key]
+
+    def costs(self, chunk_size: int) -> TransferCosts:
+        """Per-chunk operation times (cached)."""
+        if chunk_size not in self._costs:
+            self._costs[chunk_size] = transfer_costs(self.hardware, chunk_size, self.world_size,
+                                                     self.gpus_per_node, self.nodes, self.dtype)
+        return self._costs[chunk_size]
+
+    def offload_order(self, chunk_size: int, every: int, cache_blocks: int) -> list[int]:
+        """Chunks in the order their shards go to the host: fewest fetches per step first, then
+        the last chunks first (their gradients are reduced earliest in backward, so their
+        device->host copies overlap the most)."""
+        key = (chunk_size, every, cache_blocks)
+        if key not in self._orders:
+            sim, cold = self.cache_sim(chunk_size, every, cache_blocks)
+            counts = [0] * self.layout(chunk_size).num_chunks
+            for _step, chunk, _free in cold + sim.steady:
+                counts[chunk] += 1
+            self._orders[key] = sorted(range(len(counts)), key=lambda c: (counts[c], -c))
+        return self._orders[key]
+
+    def offload_mask(self, shape: Shape) -> list[bool]:
+        """Per chunk, whether its shard is offloaded."""
+        mask = [False] * self.layout(shape.chunk_size).num_chunks
+        chosen = shape.offloaded
+        if chosen is None:
+            chosen = self.offload_order(shape.chunk_size, shape.every, shape.cache_blocks)[:shape.num_offloaded]
+        for chunk in chosen:
+            mask[chunk] = True
+        return mask
+
+    # -- per candidate ---------------------------------------------------------------------------
+
+    def recompute_flops_per_sample(self, every: int) -> float:
+        """Extra forward FLOPs per sample of every-k checkpointing: the profile's figure for all
+        blocks, shared out by the checkpointed blocks' forward FLOPs."""
+        blocks = self.profile.blocks
+        if every <= 0 or not blocks:
+            return 0.0
+        total = sum(b.fwd_flops_per_sample for b in blocks)
+        chosen = sum(b.fwd_flops_per_sample for b in blocks if b.index % every == 0)
+        share = chosen / total if total else checkpointed_blocks(len(blocks), every) / len(blocks)
+        full = self.profile.recompute_flops_per_sample or total
+        return full * share
+
+    def compute_s(self, micro_batch_size: int, every: int) -> tuple[float, float]:
+        """(compute, recompute part) seconds of one micro-batch."""
+        recompute = micro_batch_size * self.recompute_flops_per_sample(every) / self.flops_per_s
+        return micro_batch_size * self.profile.flops_per_sample / self.flops_per_s + recompute, recompute
+
+    def memory(self, shape: Shape) -> MemoryEstimate:
+        """Peak device and host memory of a candidate."""
+        layout = self.layout(shape.chunk_size)
+        return estimate_memory(
+            self.profile, chunk_size=shape.chunk_size, world_size=self.world_size,
+            gpus_per_node=self.gpus_per_node, dtype=self.dtype, cache_blocks=shape.cache_blocks,
+            num_resident=layout.num_resident, num_chunks=layout.num_chunks, num_offloaded=shape.num_offloaded,
+            frozen_numel=layout.frozen_numel, micro_batch_size=shape.micro_batch_size, every=shape.every,
+            allocator_overhead_bytes=self.hardware.allocator_overhead_bytes)
+
+    def step_time(self, shape: Shape) -> StepEstimate:
+        """Simulated step time of a candidate."""
+        trace, reduce_after = self._trace(shape.chunk_size, shape.every)
+        sim, cold = self.cache_sim(shape.chunk_size, shape.every, shape.cache_blocks)
+        offloaded = self.offload_mask(shape)
+        costs = self.costs(shape.chunk_size)
+        mb_compute, mb_recompute = self.compute_s(shape.micro_batch_size, shape.every)
+        step_compute = [share * mb_compute for share in trace.flops_share]
+        first = simulate_micro_batch(step_compute, cold, issue_steps(cold, shape.prefetch), reduce_after,
+                                     offloaded, costs)
+        steady = None
+        if shape.grad_accum_steps > 1:
+            steady = simulate_micro_batch(step_compute, sim.steady, issue_steps(sim.steady, shape.prefetch),
+                                          reduce_after, offloaded, costs)
+        shard_numel = shape.chunk_size // self.world_size
+        host_shards = shape.num_offloaded
+        device_shards = len(offloaded) - host_shards
+        gpu_adam = device_shards * shard_numel / self.hardware.gpu_adam_elems_per_s
+        cpu_adam = host_shards * shard_numel / self.hardware.cpu_adam_elems_per_s
+        accum = shape.grad_accum_steps
+        step_time, breakdown = combine_step(first, steady, accum, costs, gpu_adam, cpu_adam,
+                                            mb_compute * accum, mb_recompute * accum,
+                                            serial_optimizers=self.hardware.device == "cpu")
+        return StepEstimate(step_time_s=step_time, breakdown=breakdown)

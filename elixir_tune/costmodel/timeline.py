@@ -1,0 +1,211 @@
+"""Step time: a timeline of one optimizer step over resources that run in parallel.
+
+Resources: the compute stream, the collective stream (all-gathers and reduce-scatters in program
+order), the host->device and device->host copy engines, and the CPU optimizer. Per micro-batch:
+
+* before step j runs, every chunk it needs must be gathered: an offloaded shard is first copied
+  host->device, then the chunk is all-gathered (compute dtype) into a cache block;
+* a fetch is issued at the hook of its own step, or up to ``prefetch`` fetches earlier, but never
+  before the block it evicts is free (the evicted chunk's last use has run);
+* after a chunk's last use its gradients are complete: reduce-scatter into the shard, then a
+  device->host copy when the shard is offloaded.
+
+The first micro-batch starts from a cold cache, the later ones from the steady state, so the step
+is simulated as one cold and one steady micro-batch, the steady one repeated. After the last
+micro-batch: the gradient-norm all-reduce, then Adam on the device shards (GPU) and on the host
+shards (CPU) in parallel; the step ends with the slower.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from elixir_tune.hardware.spec import HardwareSpec
+from elixir_tune.plan.schema import DTYPE_BYTES
+
+
+@dataclass
+class TransferCosts:
+    """Seconds of each per-chunk operation for one chunk size on one cluster.
+
+    Attributes:
+        h2d_s: host->device copy of one shard (compute dtype).
+        allgather_s: gathering one chunk (cast included; a cast only with one rank).
+        reduce_scatter_s: reducing one chunk's gradients into the fp32 shard.
+        d2h_s: device->host copy of one shard's gradients.
+        grad_norm_s: the all-reduce of the global gradient norm.
+    """
+
+    h2d_s: float
+    allgather_s: float
+    reduce_scatter_s: float
+    d2h_s: float
+    grad_norm_s: float
+
+
+def transfer_costs(hardware: HardwareSpec, chunk_size: int, world_size: int, gpus_per_node: int, nodes: int,
+                   dtype: str) -> TransferCosts:
+    """Per-chunk operation times from the hardware's measured bandwidths and latencies.
+
+    Args:
+        hardware: the node spec.
+        chunk_size: elements per chunk.
+        world_size: data-parallel size.
+        gpus_per_node: ranks per node (they share the host links).
+        nodes: number of nodes (collectives across nodes use the inter-node bandwidth).
+        dtype: compute dtype.
+
+    Returns:
+        The costs.
+    """
+    dtype_bytes = DTYPE_BYTES[dtype]
+    shard_numel = chunk_size // world_size
+    hbm_bps = hardware.hbm_gbps * 1e9
+    h2d_bps = (hardware.h2d_gbps_all if gpus_per_node > 1 else hardware.h2d_gbps) * 1e9
+    d2h_bps = (hardware.d2h_gbps_all if gpus_per_node > 1 else hardware.d2h_gbps) * 1e9
+    # Casting the fp32 master shard to the compute dtype, and adding gradients into the fp32 shard.
+    cast_s = shard_numel * (4 + dtype_bytes) / hbm_bps
+    accumulate_s = shard_numel * (8 + dtype_bytes) / hbm_bps
+    gather_s, reduce_s, norm_s = cast_s, accumulate_s, 0.0
+    if world_size > 1:
+        wire_bytes = chunk_size * dtype_bytes * (world_size - 1) / world_size
+        ag_bps = (hardware.inter_node_gbps if nodes > 1 else hardware.allgather_gbps) * 1e9
+        rs_bps = (hardware.inter_node_gbps if nodes > 1 else hardware.reduce_scatter_gbps) * 1e9
+        gather_s += hardware.collective_latency_s + wire_bytes / ag_bps
+        reduce_s += hardware.collective_latency_s + wire_bytes / rs_bps
+        norm_s = hardware.collective_latency_s
+    return TransferCosts(
+        h2d_s=hardware.copy_latency_s + shard_numel * dtype_bytes / h2d_bps,
+        allgather_s=gather_s, reduce_scatter_s=reduce_s,
+        d2h_s=hardware.copy_latency_s + shard_numel * dtype_bytes / d2h_bps, grad_norm_s=norm_s)
+
+
+def issue_steps(fetches: list[tuple[int, int, int]], prefetch: int) -> list[int]:
+    """The step at whose hook each fetch is issued.
+
+    Args:
+        fetches: (step, chunk, free_after_step) in order.
+        prefetch: how many fetches ahead the engine may run.
+
+    Returns:
+        Per fetch, the issue step (never after its own step, never before its block is free).
+    """
+    out = []
+    for index, (step, _chunk, free_after) in enumerate(fetches):
+        earliest = fetches[index - prefetch][0] if index >= prefetch else 0
+        out.append(min(step, max(earliest, free_after + 1)))
+    return out
+
+
+@dataclass
+class MicroBatchTime:
+    """One simulated micro-batch.
+
+    Attributes:
+        compute_end_s: when its last compute step ends.
+        drained_s: when its last reduce-scatter / device->host copy ends.
+        exposed_fetch_s: time the compute stream waited for fetches.
+        allgather_s, reduce_scatter_s, h2d_s, d2h_s: busy time of each resource.
+    """
+
+    compute_end_s: float
+    drained_s: float
+    exposed_fetch_s: float
+    allgather_s: float
+    reduce_scatter_s: float
+    h2d_s: float
+    d2h_s: float
+
+
+def simulate_micro_batch(step_compute_s: list[float], fetches: list[tuple[int, int, int]], issue: list[int],
+                         reduce_after: list[tuple[int, ...]], offloaded: list[bool],
+                         costs: TransferCosts) -> MicroBatchTime:
+    """Runs one micro-batch's timeline.
+
+    Args:
+        step_compute_s: compute seconds of each step.
+        fetches: (step, chunk, free_after_step) in order.
+        issue: issue step of each fetch (``issue_steps``).
+        reduce_after: per step, the chunks whose gradients are complete after it.
+        offloaded: per chunk, whether its shard lives on the host.
+        costs: per-chunk operation times.
+
+    Returns:
+        The micro-batch's times.
+    """
+    num_steps = len(step_compute_s)
+    issued_at: list[list[int]] = [[] for _ in range(num_steps)]
+    for index, step in enumerate(issue):
+        issued_at[step].append(index)
+    needed = [0.0] * num_steps
+    h2d_s, gather_s, rs_s, d2h_s = costs.h2d_s, costs.allgather_s, costs.reduce_scatter_s, costs.d2h_s
+    coll_free = h2d_free = d2h_free = 0.0
+    end = exposed = 0.0
+    h2d_count = d2h_count = gathers = reduces = 0
+    for step in range(num_steps):
+        for index in issued_at[step]:
+            fetch_step, chunk, _free = fetches[index]
+            ready = end
+            if offloaded[chunk]:
+                h2d_free = (h2d_free if h2d_free > ready else ready) + h2d_s
+                ready = h2d_free
+                h2d_count += 1
+            coll_free = (coll_free if coll_free > ready else ready) + gather_s
+            gathers += 1
+            if coll_free > needed[fetch_step]:
+                needed[fetch_step] = coll_free
+        if needed[step] > end:
+            exposed += needed[step] - end
+            end = needed[step]
+        end += step_compute_s[step]
+        for chunk in reduce_after[step]:
+            coll_free = (coll_free if coll_free > end else end) + rs_s
+            reduces += 1
+            if offloaded[chunk]:
+                d2h_free = (d2h_free if d2h_free > coll_free else coll_free) + d2h_s
+                d2h_count += 1
+    return MicroBatchTime(compute_end_s=end, drained_s=max(end, coll_free, d2h_free), exposed_fetch_s=exposed,
+                          allgather_s=gathers * gather_s, reduce_scatter_s=reduces * rs_s,
+                          h2d_s=h2d_count * h2d_s, d2h_s=d2h_count * d2h_s)
+
+
+def combine_step(cold: MicroBatchTime, steady: MicroBatchTime | None, grad_accum_steps: int, costs: TransferCosts,
+                 gpu_adam_s: float, cpu_adam_s: float, compute_s: float, recompute_s: float,
+                 serial_optimizers: bool = False) -> tuple[float, dict[str, float]]:
+    """Step time from the cold and steady micro-batches, plus the optimizer.
+
+    Args:
+        cold: the first micro-batch.
+        steady: a later micro-batch (None when there is only one).
+        grad_accum_steps: micro-batches per step.
+        costs: per-chunk operation times.
+        gpu_adam_s: Adam over the device shards.
+        cpu_adam_s: Adam over the host shards.
+        compute_s: compute of the whole step (recompute included).
+        recompute_s: the recompute part of it.
+        serial_optimizers: the device is the CPU itself, so the two Adam steps share its cores.
+
+    Returns:
+        (step_time_s, breakdown).
+    """
+    parts = [cold] + [steady] * (grad_accum_steps - 1) if steady is not None else [cold]
+    if len(parts) == 1:
+        backward_done = cold.drained_s
+    else:
+        backward_done = cold.compute_end_s + steady.compute_end_s * (len(parts) - 2) + steady.drained_s
+    optimizer_s = gpu_adam_s + cpu_adam_s if serial_optimizers else max(gpu_adam_s, cpu_adam_s)
+    step_time = backward_done + costs.grad_norm_s + optimizer_s
+    breakdown = {
+        "compute_s": compute_s,
+        "recompute_s": recompute_s,
+        "exposed_fetch_s": sum(p.exposed_fetch_s for p in parts),
+        "grad_drain_s": parts[-1].drained_s - parts[-1].compute_end_s,
+        "allgather_s": sum(p.allgather_s for p in parts),
+        "reduce_scatter_s": sum(p.reduce_scatter_s for p in parts),
+        "h2d_s": sum(p.h2d_s for p in parts),
+        "d2h_s": sum(p.d2h_s for p in parts),
+        "optimizer_gpu_s": gpu_adam_s,
+        "optimizer_cpu_s": cpu_adam_s,
+        "optimizer_exposed_s": costs.grad_norm_s + optimizer_s,
+    }
+    return step_time, breakdown

@@ -1,0 +1,128 @@
+"""The access trace at chunk granularity, with checkpointing and per-step compute shares.
+
+The profile's trace lists, per module call (forward then backward), the parameters the module
+owns directly; that is where the engine gathers chunks. Here it becomes a list of steps, each the
+set of non-resident chunks that must be gathered at once, plus the share of the micro-batch's
+FLOPs that runs in the step. Steps whose chunks are a subset of the previous step's cannot miss,
+so they are merged into it; that keeps the cache and timeline simulations short.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from elixir_tune.costmodel.layout import ChunkLayout
+from elixir_tune.profiler.schema import ModelProfile
+
+FORWARD, BACKWARD, RECOMPUTE = 0, 1, 2
+# Backward of a matmul costs twice its forward; a recomputed forward costs one forward.
+_KIND_FLOPS = {FORWARD: 1.0, BACKWARD: 2.0, RECOMPUTE: 1.0}
+
+
+def forward_length(trace: list[list[int]]) -> int:
+    """Number of forward steps in a non-checkpointed trace (the backward mirrors the forward)."""
+    steps = [step for step in trace if step]
+    half = len(steps) // 2
+    if len(steps) % 2 == 0 and steps[:half] == steps[half:][::-1]:
+        return half
+    for index in range(1, len(steps)):
+        if steps[index] == steps[index - 1]:
+            return index
+    return half
+
+
+def checkpointed_trace(profile: ModelProfile, every: int) -> list[tuple[list[int], int]]:
+    """The module-level trace with blocks 0, every, 2*every, ... checkpointed.
+
+    A checkpointed block runs its forward steps again right before its backward.
+
+    Args:
+        profile: the model profile.
+        every: 0 for no checkpointing, k for every k-th block.
+
+    Returns:
+        (parameter indices, kind) per step, kind one of FORWARD, BACKWARD, RECOMPUTE.
+    """
+    steps = [list(step) for step in profile.trace if step]
+    num_forward = forward_length(profile.trace)
+    block_of_param = {}
+    for block in profile.blocks:
+        for index in range(block.first_param, block.first_param + block.num_params):
+            block_of_param[index] = block.index
+
+    def block_of(step: list[int]) -> int:
+        owners = {block_of_param.get(index, -1) for index in step}
+        return owners.pop() if len(owners) == 1 else -1
+
+    out = [(step, FORWARD) for step in steps[:num_forward]]
+    if every <= 0 or not profile.blocks:
+        return out + [(step, BACKWARD) for step in steps[num_forward:]]
+    forward_of_block: dict[int, list[list[int]]] = {}
+    for step in steps[:num_forward]:
+        forward_of_block.setdefault(block_of(step), []).append(step)
+    recomputed = set()
+    for step in steps[num_forward:]:
+        block = block_of(step)
+        if block >= 0 and block % every == 0 and block not in recomputed:
+            recomputed.add(block)
+            out.extend((fwd, RECOMPUTE) for fwd in forward_of_block.get(block, []))
+        out.append((step, BACKWARD))
+    return out
+
+
+@dataclass
+class ChunkTrace:
+    """One micro-batch's access trace over chunks, merged.
+
+    Attributes:
+        steps: per step, the non-resident chunk ids it needs gathered together (sorted).
+        flops_share: per step, its share of the micro-batch's FLOPs (sums to 1).
+        first_use: per chunk id, the step of its first use.
+        last_use: per chunk id, the step of its last use (its gradients are complete after it).
+        max_step_chunks: most non-resident chunks one step needs.
+    """
+
+    steps: list[tuple[int, ...]]
+    flops_share: list[float]
+    first_use: list[int]
+    last_use: list[int]
+    max_step_chunks: int
+
+
+def chunk_trace(profile: ModelProfile, layout: ChunkLayout, every: int) -> ChunkTrace:
+    """Maps the module trace to chunks, merging steps that cannot miss.
+
+    Args:
+        profile: the model profile.
+        layout: the chunk layout.
+        every: checkpointing (0 none, k every k-th block).
+
+    Returns:
+        The merged chunk trace of one micro-batch.
+    """
+    chunk_of = layout.chunk_of_param
+    resident = [chunk.resident for chunk in layout.chunks]
+    numel = [p.numel for p in profile.params]
+    steps: list[tuple[int, ...]] = []
+    weights: list[float] = []
+    first_use = [-1] * layout.num_chunks
+    last_use = [-1] * layout.num_chunks
+    previous: set[int] | None = None
+    for params, kind in checkpointed_trace(profile, every):
+        touched = {chunk_of[i] for i in params if chunk_of[i] >= 0}
+        weight = _KIND_FLOPS[kind] * sum(numel[i] for i in params)
+        cacheable = {c for c in touched if not resident[c]}
+        if previous is not None and cacheable <= previous:
+            weights[-1] += weight
+        else:
+            steps.append(tuple(sorted(cacheable)))
+            weights.append(weight)
+            previous = cacheable
+        position = len(steps) - 1
+        for chunk in touched:
+            if first_use[chunk] < 0:
+                first_use[chunk] = position
+            last_use[chunk] = position
+    total = sum(weights) or 1.0
+    return ChunkTrace(steps=steps, flops_share=[w / total for w in weights], first_use=first_use,
+                      last_use=last_use, max_step_chunks=max((len(s) for s in steps), default=0))

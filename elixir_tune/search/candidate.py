@@ -1,0 +1,93 @@
+"""A scored candidate: its shape, predicted memory and time, and the figures a user compares."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from elixir_tune.costmodel.memory import MemoryEstimate
+from elixir_tune.costmodel.model import CostModel, Shape, StepEstimate
+from elixir_tune.plan.schema import DTYPE_BYTES
+
+
+@dataclass
+class Candidate:
+    """One plan shape with its prediction.
+
+    Attributes:
+        shape: the choices.
+        num_chunks: chunks of its chunk size (resident ones included).
+        num_cacheable: non-resident chunks.
+        dtype: compute dtype.
+        memory: predicted peaks.
+        estimate: predicted step time and breakdown.
+        tokens_per_s: cluster throughput.
+        tflops_per_gpu: model TFLOP/s per GPU (recomputation not counted).
+        mfu: against the hardware's dense peak for the dtype (its achieved matmul rate when unknown).
+    """
+
+    shape: Shape
+    num_chunks: int
+    num_cacheable: int
+    dtype: str
+    memory: MemoryEstimate
+    estimate: StepEstimate
+    tokens_per_s: float
+    tflops_per_gpu: float
+    mfu: float
+
+    @property
+    def step_time_s(self) -> float:
+        return self.estimate.step_time_s
+
+    @property
+    def offload_share(self) -> float:
+        return self.shape.num_offloaded / self.num_chunks if self.num_chunks else 0.0
+
+    def row(self) -> dict[str, Any]:
+        """A flat mapping of choices and predictions (plan ``search.alternatives``, tables, JSON)."""
+        s = self.shape
+        return {
+            "chunk_size": s.chunk_size,
+            "chunk_mib": round(s.chunk_size * DTYPE_BYTES[self.dtype] / 2**20, 3),
+            "cache_blocks": s.cache_blocks,
+            "cacheable_chunks": self.num_cacheable,
+            "offload": round(self.offload_share, 4),
+            "offloaded_chunks": s.num_offloaded,
+            "num_chunks": self.num_chunks,
+            "prefetch": s.prefetch,
+            "checkpointing": s.every,
+            "micro_batch_size": s.micro_batch_size,
+            "grad_accum_steps": s.grad_accum_steps,
+            "step_time_s": round(self.step_time_s, 6),
+            "tokens_per_s": round(self.tokens_per_s, 2),
+            "tflops_per_gpu": round(self.tflops_per_gpu, 3),
+            "mfu": round(self.mfu, 4),
+            "peak_gpu_bytes": self.memory.peak_gpu_bytes,
+            "peak_host_bytes": self.memory.peak_host_bytes,
+        }
+
+
+def score(model: CostModel, shape: Shape, memory: MemoryEstimate, global_batch_size: int) -> Candidate:
+    """Simulates a candidate's step and derives its throughput figures.
+
+    Args:
+        model: the cost model.
+        shape: the choices.
+        memory: its memory estimate (already checked to fit).
+        global_batch_size: samples per step over all ranks.
+
+    Returns:
+        The scored candidate.
+    """
+    estimate = model.step_time(shape)
+    layout = model.layout(shape.chunk_size)
+    profile = model.profile
+    step_s = estimate.step_time_s
+    tflops = profile.flops_per_sample * global_batch_size / model.world_size / step_s / 1e12
+    # MFU against the datasheet peak when the spec has it, else against the achieved matmul rate.
+    peak_tflops = model.hardware.matmul_peak_tflops.get(model.dtype) or model.flops_per_s / 1e12
+    return Candidate(shape=shape, num_chunks=layout.num_chunks, num_cacheable=layout.num_cacheable,
+                     dtype=model.dtype, memory=memory, estimate=estimate,
+                     tokens_per_s=global_batch_size * profile.seq_len / step_s, tflops_per_gpu=tflops,
+                     mfu=tflops / peak_tflops)

@@ -1,0 +1,230 @@
+"""The joint search: chunk size, cache blocks, offload share, prefetch, checkpointing and
+micro-batch size explored together, each candidate scored by simulated step time.
+
+Loops run from the choices shared by many candidates (chunk size, checkpointing) to the ones
+that change only the timeline (offload share), so the cost model's caches are hit. Pruning:
+
+* the smallest offload share that fits is computed in closed form (device memory falls by one
+  shard per offloaded chunk); smaller shares are never tried;
+* host memory grows with the offload share, so the offload loop stops at the first that
+  overflows the host;
+* a lower bound on the step (compute of all micro-batches, then the optimizer) is checked
+  against the K-th best step so far before any simulation;
+* along the offload grid, simulation stops after two shares in a row that are slower.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+from elixir_tune.costmodel.layout import largest_trainable_numel
+from elixir_tune.costmodel.memory import SHARD_BYTES
+from elixir_tune.costmodel.model import CostModel, Shape
+from elixir_tune.search.candidate import Candidate, score
+from elixir_tune.search.space import (
+    ALL, CHECKPOINTING_CHOICES, OFFLOAD_GRID, PREFETCH_CHOICES, cache_grid, chunk_size_grid, divisors,
+)
+
+
+@dataclass
+class Budget:
+    """What one rank and one node may use.
+
+    Attributes:
+        usable_gpu_bytes: device memory a rank may fill.
+        host_bytes: host memory of a node.
+        global_batch_size: samples per step over all ranks.
+    """
+
+    usable_gpu_bytes: int
+    host_bytes: int
+    global_batch_size: int
+
+
+@dataclass
+class Exploration:
+    """What a search found.
+
+    Attributes:
+        best: the best candidates, fastest first.
+        num_scored: candidates whose step was simulated.
+        min_gpu_bytes: the least device memory any configuration needs (everything offloaded;
+            None when the pinned choices allow no configuration at all).
+        min_host_bytes: the least host memory a configuration that fits the device needs
+            (None when none fits the device).
+    """
+
+    best: list[Candidate]
+    num_scored: int
+    min_gpu_bytes: int | None
+    min_host_bytes: int | None
+
+
+class _TopK:
+    """The K fastest candidates seen so far, leaving out any that another kept one dominates (as
+    fast or faster with no more device and host memory), so that the table shows real choices."""
+
+    def __init__(self, k: int):
+        self.k = max(k, 1)
+        self._heap: list[tuple[float, int, int, int, Candidate]] = []
+        self._count = 0
+
+    @property
+    def threshold_s(self) -> float:
+        return -self._heap[0][0] if len(self._heap) >= self.k else math.inf
+
+    def add(self, candidate: Candidate) -> None:
+        self._count += 1
+        item = (-candidate.step_time_s, -candidate.memory.peak_gpu_bytes, -candidate.memory.peak_host_bytes,
+                -self._count, candidate)
+        if any(all(kept[i] >= item[i] for i in range(3)) for kept in self._heap):
+            return
+        if len(self._heap) >= self.k and item[:4] <= self._heap[0][:4]:
+            return
+        survivors = [kept for kept in self._heap if not all(item[i] >= kept[i] for i in range(3))]
+        if len(survivors) != len(self._heap):
+            self._heap = survivors
+            heapq.heapify(self._heap)
+        if len(self._heap) < self.k:
+            heapq.heappush(self._heap, item)
+        else:
+            heapq.heapreplace(self._heap, item)
+
+    def ranked(self) -> list[Candidate]:
+        return [item[4] for item in sorted(self._heap, key=lambda item: item[:4], reverse=True)]
+
+
+def chunk_sizes(model: CostModel, fixed: dict) -> list[int]:
+    """Chunk sizes to explore (or the pinned one, checked)."""
+    profile = model.profile
+    world = model.world_size
+    largest = largest_trainable_numel(profile)
+    if "chunk_size" in fixed:
+        size = fixed["chunk_size"]
+        if size % world:
+            raise ValueError(f"--fix chunk_size={size}: not a multiple of the world size {world}")
+        if size < largest:
+            raise ValueError(f"--fix chunk_size={size}: smaller than the largest parameter ({largest} elements)")
+        return [size]
+    trainable = sum(p.numel for p in profile.params if p.requires_grad and not p.shared)
+    return chunk_size_grid(largest, max(trainable, largest), world)
+
+
+def checkpointing_choices(model: CostModel, fixed: dict) -> list[int]:
+    """Checkpointing options (or the pinned one, checked)."""
+    num_blocks = len(model.profile.blocks)
+    if "checkpointing" in fixed:
+        every = fixed["checkpointing"]
+        if every and not num_blocks:
+            raise ValueError("--fix checkpointing: the model has no repeated blocks to checkpoint")
+        return [every]
+    return [every for every in CHECKPOINTING_CHOICES if every <= num_blocks] if num_blocks else [0]
+
+
+def micro_batch_choices(per_rank_batch: int, fixed: dict) -> list[int]:
+    """Micro-batch sizes, largest first (or the pinned one, checked)."""
+    if "micro_batch_size" in fixed:
+        size = fixed["micro_batch_size"]
+        if per_rank_batch % size:
+            raise ValueError(f"--fix micro_batch_size={size}: does not divide the {per_rank_batch} samples per rank "
+                             "(global batch / world size)")
+        return [size]
+    return divisors(per_rank_batch)[::-1]
+
+
+def cache_choices(minimum: int, cacheable: int, fixed: dict) -> list[int]:
+    """Cache sizes to try for one chunk size and checkpointing."""
+    if cacheable == 0:
+        return [0]
+    pinned = fixed.get("cache_blocks")
+    if pinned == ALL:
+        return [cacheable]
+    if pinned is not None:
+        size = min(pinned, cacheable)
+        return [size] if size >= minimum else []
+    return cache_grid(minimum, cacheable)
+
+
+def prefetch_choices(cache_blocks: int, minimum: int, cacheable: int, fixed: dict) -> list[int]:
+    """Prefetch depths that a cache of ``cache_blocks`` leaves room for."""
+    room = cache_blocks - minimum if cache_blocks < cacheable else cache_blocks - 1
+    if "prefetch" in fixed:
+        depth = fixed["prefetch"]
+        return [depth] if depth == 0 or depth <= room else []
+    return sorted({max(0, min(depth, room)) for depth in PREFETCH_CHOICES})
+
+
+def offload_choices(num_chunks: int, smallest: int, fixed: dict) -> list[int]:
+    """Offloaded chunk counts: the smallest that fits, then a grid of shares above it."""
+    if "offload" in fixed:
+        count = int(fixed["offload"] * num_chunks + 0.5)  # half up: 0.5 of 5 chunks is 3
+        return [count] if count >= smallest else []
+    grid = {round(i * num_chunks / OFFLOAD_GRID) for i in range(OFFLOAD_GRID + 1)}
+    return sorted({smallest} | {count for count in grid if count >= smallest})
+
+
+def explore(model: CostModel, budget: Budget, fixed: dict, top_k: int) -> Exploration:
+    """Runs the joint search.
+
+    Args:
+        model: the cost model (fixes profile, hardware, cluster and dtype).
+        budget: memory limits and the global batch.
+        fixed: pinned choices (``parse_fixed``).
+        top_k: how many of the best candidates to keep.
+
+    Returns:
+        The best candidates and what the search learnt about memory.
+    """
+    world = model.world_size
+    per_rank = budget.global_batch_size // world
+    hardware = model.hardware
+    top = _TopK(top_k)
+    scored = 0
+    min_gpu: int | None = None
+    min_host: int | None = None
+    for chunk_size in chunk_sizes(model, fixed):
+        layout = model.layout(chunk_size)
+        num_chunks, cacheable = layout.num_chunks, layout.num_cacheable
+        shard_state_bytes = chunk_size // world * SHARD_BYTES
+        shard_numel = chunk_size // world
+        costs = model.costs(chunk_size)
+        for every in checkpointing_choices(model, fixed):
+            minimum = model.min_cache_blocks(chunk_size, every)
+            for micro_batch in micro_batch_choices(per_rank, fixed):
+                accum = per_rank // micro_batch
+                compute_s = accum * model.compute_s(micro_batch, every)[0]
+                for cache_blocks in cache_choices(minimum, cacheable, fixed):
+                    for prefetch in prefetch_choices(cache_blocks, minimum, cacheable, fixed):
+                        shape = Shape(chunk_size, cache_blocks, 0, prefetch, every, micro_batch, accum)
+                        base = model.memory(shape)
+                        need_all_offloaded = base.peak_gpu_bytes - num_chunks * shard_state_bytes
+                        min_gpu = need_all_offloaded if min_gpu is None else min(min_gpu, need_all_offloaded)
+                        over = base.peak_gpu_bytes - budget.usable_gpu_bytes
+                        smallest = max(0, -(-over // shard_state_bytes))
+                        if smallest > num_chunks:
+                            continue
+                        host_need = model.memory(Shape(chunk_size, cache_blocks, smallest, prefetch, every,
+                                                       micro_batch, accum)).peak_host_bytes
+                        min_host = host_need if min_host is None else min(min_host, host_need)
+                        if compute_s >= top.threshold_s:
+                            continue
+                        previous, worse = math.inf, 0
+                        for offloaded in offload_choices(num_chunks, smallest, fixed):
+                            optimizer_s = max((num_chunks - offloaded) * shard_numel / hardware.gpu_adam_elems_per_s,
+                                              offloaded * shard_numel / hardware.cpu_adam_elems_per_s)
+                            if compute_s + costs.grad_norm_s + optimizer_s >= top.threshold_s:
+                                continue  # the optimizer bound is V-shaped in the offload share
+                            shape = Shape(chunk_size, cache_blocks, offloaded, prefetch, every, micro_batch, accum)
+                            memory = model.memory(shape)
+                            if memory.peak_host_bytes > budget.host_bytes:
+                                break
+                            candidate = score(model, shape, memory, budget.global_batch_size)
+                            scored += 1
+                            top.add(candidate)
+                            worse = worse + 1 if candidate.step_time_s > previous else 0
+                            if worse >= 2:
+                                break
+                            previous = candidate.step_time_s
+    return Exploration(best=top.ranked(), num_scored=scored, min_gpu_bytes=min_gpu, min_host_bytes=min_host)

@@ -1,0 +1,139 @@
+"""The search space: pinned choices (``--fix KEY=VALUE``) and the grids of free ones."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from elixir_tune.plan.schema import DTYPES
+
+FIX_KEYS = {
+    "chunk_size": "elements per chunk (a multiple of the world size, at least the largest parameter)",
+    "cache_blocks": "gathered chunks held at once, an integer or 'all'",
+    "offload": "fraction of chunks whose shards live on the host, 0..1",
+    "prefetch": "chunks fetched ahead, an integer",
+    "micro_batch_size": "samples per micro-batch on one rank",
+    "checkpointing": "none, all or every:<k>",
+    "dtype": "fp32, bf16 or fp16",
+}
+ALL = "all"
+# Checkpointing options the search tries when the model has blocks: none, all, every 2nd, every 4th.
+CHECKPOINTING_CHOICES = (0, 1, 2, 4)
+# Prefetch depths the search tries (each capped by the room the cache leaves).
+PREFETCH_CHOICES = (1, 2, 4)
+# Offload shares the search tries besides the smallest one that fits.
+OFFLOAD_GRID = 16
+
+
+def _int(key: str, value: Any, minimum: int) -> int:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"--fix {key}={value}: expected an integer") from None
+    if isinstance(value, float) and value != number or number < minimum:
+        raise ValueError(f"--fix {key}={value}: expected an integer >= {minimum}")
+    return number
+
+
+def parse_checkpointing(value: Any) -> int:
+    """Checkpointing as the plan's ``every``: none -> 0, all -> 1, every:k -> k (an int passes)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"--fix checkpointing={value}: expected none, all or every:<k>")
+        return value
+    text = str(value).strip().lower()
+    if text == "none":
+        return 0
+    if text == "all":
+        return 1
+    if text.startswith("every:"):
+        return _int("checkpointing", text.split(":", 1)[1], 1)
+    raise ValueError(f"--fix checkpointing={value}: expected none, all or every:<k>")
+
+
+def parse_fixed(fixed: dict[str, Any] | list[str] | None) -> dict[str, Any]:
+    """Normalises pinned choices.
+
+    Args:
+        fixed: a mapping (Python callers) or KEY=VALUE strings (the command line).
+
+    Returns:
+        Mapping with typed values: chunk_size, prefetch, micro_batch_size ints; cache_blocks an int
+        or "all"; offload a float; checkpointing an int ``every``; dtype a string.
+
+    Raises:
+        ValueError: an unknown key or a bad value (the message names the key and what it accepts).
+    """
+    if fixed is None:
+        return {}
+    if isinstance(fixed, (list, tuple)):
+        pairs = {}
+        for item in fixed:
+            if "=" not in item:
+                raise ValueError(f"--fix {item}: expected KEY=VALUE (keys: {', '.join(FIX_KEYS)})")
+            key, value = item.split("=", 1)
+            pairs[key.strip()] = value.strip()
+        fixed = pairs
+    out: dict[str, Any] = {}
+    for key, value in fixed.items():
+        if key not in FIX_KEYS:
+            raise ValueError(f"--fix {key}: unknown key (known: {', '.join(FIX_KEYS)})")
+        if key in ("chunk_size", "micro_batch_size"):
+            out[key] = _int(key, value, 1)
+        elif key == "prefetch":
+            out[key] = _int(key, value, 0)
+        elif key == "cache_blocks":
+            out[key] = ALL if str(value).strip().lower() == ALL else _int(key, value, 1)
+        elif key == "offload":
+            try:
+                share = float(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"--fix offload={value}: expected a fraction between 0 and 1") from None
+            if not 0.0 <= share <= 1.0:
+                raise ValueError(f"--fix offload={value}: expected a fraction between 0 and 1")
+            out[key] = share
+        elif key == "checkpointing":
+            out[key] = parse_checkpointing(value)
+        else:
+            if str(value) not in DTYPES:
+                raise ValueError(f"--fix dtype={value}: expected one of {', '.join(DTYPES)}")
+            out[key] = str(value)
+    return out
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def chunk_size_grid(largest_numel: int, trainable_numel: int, world_size: int) -> list[int]:
+    """Chunk sizes to try: from the largest parameter up, by factors of about 1.5, up to 8x it or
+    the whole model, each a multiple of the world size (and of 1024 elements when that is small
+    next to the chunk, so that shards stay aligned)."""
+    align = world_size * (1024 if largest_numel >= 1024 * 1024 else 1)
+    smallest = round_up(largest_numel, align)
+    largest = max(smallest, min(8 * smallest, round_up(trainable_numel, align)))
+    sizes = []
+    size = float(smallest)
+    while size < largest:
+        sizes.append(round_up(int(size), align))
+        size *= 1.5
+    sizes.append(largest)
+    return sorted(set(sizes))
+
+
+def cache_grid(minimum: int, cacheable: int) -> list[int]:
+    """Cache sizes to try: the smallest, a few above it, then growing by about 1.5x up to every
+    non-resident chunk (ZeRO-2-like)."""
+    if cacheable <= minimum:
+        return [max(cacheable, minimum)]
+    values = {minimum, min(minimum + 1, cacheable), min(minimum + 2, cacheable), cacheable}
+    size = float(minimum + 2)
+    while size < cacheable:
+        values.add(int(math.ceil(size)))
+        size *= 1.5
+    return sorted(v for v in values if minimum <= v <= cacheable)
+
+
+def divisors(number: int) -> list[int]:
+    """Positive divisors of ``number``, ascending."""
+    return [d for d in range(1, number + 1) if number % d == 0]

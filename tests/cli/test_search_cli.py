@@ -1,0 +1,82 @@
+"""`elixir-tune search`: plan written and valid, table and JSON, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from elixir_tune.cli.main import cli
+from elixir_tune.costmodel.synthetic import gpt2_profile
+from elixir_tune.plan import load_plan
+from elixir_tune.profiler.schema import save_profile
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    save_profile(gpt2_profile("gpt2-4b"), tmp_path / "profile.yaml")
+    save_profile(gpt2_profile("gpt2-20b"), tmp_path / "big.yaml")
+    return tmp_path
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(cli, ["search", *args])
+
+
+def test_search_writes_a_valid_plan_and_shows_the_best_candidates(workdir):
+    result = invoke("--gpus", "2", "--hardware", "a100-40gb-pcie", "--top", "3")
+    assert result.exit_code == 0, result.output
+    plan = load_plan(workdir / "plan.yaml")  # raises unless valid
+    assert plan.prediction is not None and plan.cluster.world_size == 2
+    for column in ("chunk MiB", "cache", "offloaded", "ckpt", "TFLOPS/GPU", "MFU", "GPU GiB", "host GiB"):
+        assert column in result.output
+    assert "why #1" in result.output
+    text = (workdir / "plan.yaml").read_text()
+    assert text.startswith("# Written by `elixir-tune search")
+    assert "elixir-run plan.yaml scripts/train_gpt2.py" in text
+
+
+def test_search_json_and_pins(workdir):
+    result = invoke("--gpus", "2", "--hardware", "a100-40gb-pcie", "--fix", "offload=0.5", "--fix", "cache_blocks=all",
+                    "--fix", "checkpointing=all", "--global-batch-size", "32", "--out", "p.yaml", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["plan"] == "p.yaml" and data["candidates_scored"] >= 1
+    best = data["candidates"][0]
+    assert best["offload"] == pytest.approx(0.5, abs=0.05) and best["cache_blocks"] == best["cacheable_chunks"]
+    assert best["checkpointing"] == 1
+    plan = load_plan(workdir / "p.yaml")
+    assert plan.training.global_batch_size == 32
+
+
+def test_nothing_fits_exits_1_with_what_is_needed(workdir):
+    result = invoke("--gpus", "1", "--profile", "big.yaml", "--hardware", "l4-24gb", "--host-memory", "32GiB")
+    assert result.exit_code == 1
+    assert "nothing fits" in result.output and "GiB" in result.output
+    assert "hint" in result.output
+    assert not (workdir / "plan.yaml").exists()
+
+
+def test_bad_pin_exits_1_naming_the_key(workdir):
+    result = invoke("--gpus", "2", "--hardware", "a100-40gb-pcie", "--fix", "cache=3")
+    assert result.exit_code == 1
+    assert "cache" in result.output and "known" in result.output
+
+
+def test_no_hardware_tells_to_probe(workdir):
+    result = invoke("--gpus", "2")
+    assert result.exit_code == 1
+    assert "elixir-tune probe" in result.output
+
+
+def test_missing_profile_tells_to_profile(workdir):
+    result = invoke("--gpus", "2", "--hardware", "a100-40gb-pcie", "--profile", "nope.yaml")
+    assert result.exit_code == 1
+    assert "elixir-tune profile" in result.output
+
+
+def test_bad_host_memory_is_a_usage_error(workdir):
+    result = invoke("--gpus", "2", "--hardware", "a100-40gb-pcie", "--host-memory", "lots")
+    assert result.exit_code == 2

@@ -1,0 +1,55 @@
+"""`elixir-tune show PLAN`: memory, timeline and placement of a searched plan and a hand-written one."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from elixir_tune import paths
+from elixir_tune.cli.main import cli
+from elixir_tune.costmodel.synthetic import gpt2_profile
+from elixir_tune.hardware import load_hardware
+from elixir_tune.plan import save_plan
+from elixir_tune.search import search
+
+EXAMPLE = str(paths.CONFIGS_DIR / "plans" / "example.yaml")
+
+
+def test_show_a_searched_plan(tmp_path):
+    plan = search(gpt2_profile("gpt2-10b"), load_hardware("a100-40gb-pcie"), gpus_per_node=1).plan
+    save_plan(plan, tmp_path / "plan.yaml")
+    result = CliRunner().invoke(cli, ["show", str(tmp_path / "plan.yaml")])
+    assert result.exit_code == 0, result.output
+    for text in ("memory per device", "peak per GPU", "predicted step", "compute waiting for fetches",
+                 "chunk placement", "shard on host", "resident"):
+        assert text in result.output
+
+
+def test_show_json_of_a_searched_plan(tmp_path):
+    plan = search(gpt2_profile("gpt2-4b"), load_hardware("a100-40gb-pcie"), gpus_per_node=2).plan
+    save_plan(plan, tmp_path / "plan.yaml")
+    result = CliRunner().invoke(cli, ["show", str(tmp_path / "plan.yaml"), "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["prediction"]["step_time_s"] == plan.prediction.step_time_s
+    assert data["memory"]["model_state_bytes"] == plan.prediction.model_state_bytes
+    assert sum(run["count"] for run in data["placement"]) == len(plan.memory.chunks)
+
+
+def test_show_the_hand_written_example_says_it_has_no_prediction():
+    result = CliRunner().invoke(cli, ["show", EXAMPLE])
+    assert result.exit_code == 0, result.output
+    assert "no prediction" in result.output
+    assert "chunk placement" in result.output
+    data = json.loads(CliRunner().invoke(cli, ["show", EXAMPLE, "--json"]).output)
+    assert data["prediction"] is None
+    # cache 2 x 65536 fp32 elements, by the plan's formula
+    assert data["memory"]["model_state_bytes"]["cache_bytes"] == 2 * 65536 * 4
+
+
+def test_show_an_invalid_plan_exits_1(tmp_path):
+    (tmp_path / "bad.yaml").write_text("schema_version: 1\nmodel: {}\n")
+    result = CliRunner().invoke(cli, ["show", str(tmp_path / "bad.yaml")])
+    assert result.exit_code == 1
+    assert "validate" in result.output

@@ -1,0 +1,64 @@
+"""The step timeline on hand-computed cases, and the per-chunk costs from the hardware numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from elixir_tune.costmodel.synthetic import example_hardware
+from elixir_tune.costmodel.timeline import (
+    TransferCosts, combine_step, issue_steps, simulate_micro_batch, transfer_costs,
+)
+
+COSTS = TransferCosts(h2d_s=0.1, allgather_s=0.5, reduce_scatter_s=0.25, d2h_s=0.2, grad_norm_s=0.01)
+FETCHES = [(0, 0, -1), (1, 1, -1)]  # chunk 0 before step 0, chunk 1 (offloaded) before step 1
+REDUCE_AFTER = [(), (0, 1)]
+
+
+def test_without_prefetch_every_fetch_is_exposed():
+    run = simulate_micro_batch([1.0, 1.0], FETCHES, issue_steps(FETCHES, 0), REDUCE_AFTER, [False, True], COSTS)
+    # gather 0: 0-0.5; step 0: 0.5-1.5; h2d 1: 1.5-1.6; gather 1: 1.6-2.1; step 1: 2.1-3.1;
+    # reduce 0: 3.1-3.35; reduce 1: 3.35-3.6; d2h 1: 3.6-3.8
+    assert run.compute_end_s == pytest.approx(3.1)
+    assert run.exposed_fetch_s == pytest.approx(1.1)
+    assert run.drained_s == pytest.approx(3.8)
+    assert (run.h2d_s, run.d2h_s, run.allgather_s, run.reduce_scatter_s) == pytest.approx((0.1, 0.2, 1.0, 0.5))
+
+
+def test_prefetch_overlaps_the_next_fetch_with_compute():
+    issue = issue_steps(FETCHES, 1)
+    assert issue == [0, 0]
+    run = simulate_micro_batch([1.0, 1.0], FETCHES, issue, REDUCE_AFTER, [False, True], COSTS)
+    assert run.exposed_fetch_s == pytest.approx(0.5)
+    assert run.compute_end_s == pytest.approx(2.5)
+    assert run.drained_s == pytest.approx(3.2)
+
+
+def test_prefetch_waits_for_the_evicted_block():
+    fetches = [(0, 0, -1), (1, 1, -1), (3, 2, 1)]  # chunk 2 replaces chunk 1, last used at step 1
+    assert issue_steps(fetches, 2) == [0, 0, 2]
+
+
+def test_step_adds_accumulation_and_optimizer():
+    cold = simulate_micro_batch([1.0, 1.0], FETCHES, [0, 1], REDUCE_AFTER, [False, True], COSTS)
+    steady = simulate_micro_batch([1.0, 1.0], [], [], REDUCE_AFTER, [False, True], COSTS)
+    step, parts = combine_step(cold, steady, 3, COSTS, gpu_adam_s=0.3, cpu_adam_s=0.7, compute_s=6.0,
+                               recompute_s=0.0)
+    # cold compute 3.1, one steady compute 2.0, last steady drained 2.0+0.5+0.2, norm 0.01, slower Adam 0.7
+    assert step == pytest.approx(3.1 + 2.0 + 2.7 + 0.01 + 0.7)
+    assert parts["grad_drain_s"] == pytest.approx(0.7)
+    serial, _ = combine_step(cold, None, 1, COSTS, 0.3, 0.7, 2.0, 0.0, serial_optimizers=True)
+    assert serial == pytest.approx(3.8 + 0.01 + 1.0)
+
+
+def test_transfer_costs_from_bandwidths():
+    spec = example_hardware(gpus_per_node=4)
+    chunk = 2**20
+    costs = transfer_costs(spec, chunk, world_size=4, gpus_per_node=4, nodes=1, dtype="bf16")
+    wire_s = chunk * 2 * 3 / 4 / (spec.allgather_gbps * 1e9)
+    cast_s = chunk // 4 * 6 / (spec.hbm_gbps * 1e9)
+    assert costs.allgather_s == pytest.approx(spec.collective_latency_s + wire_s + cast_s)
+    assert costs.h2d_s == pytest.approx(spec.copy_latency_s + chunk // 4 * 2 / (spec.h2d_gbps_all * 1e9))
+    across = transfer_costs(spec, chunk, world_size=8, gpus_per_node=4, nodes=2, dtype="bf16")
+    assert across.allgather_s > costs.allgather_s  # inter-node bandwidth is lower
+    alone = transfer_costs(spec, chunk, world_size=1, gpus_per_node=1, nodes=1, dtype="bf16")
+    assert alone.grad_norm_s == 0 and alone.allgather_s == pytest.approx(chunk * 6 / (spec.hbm_gbps * 1e9))
