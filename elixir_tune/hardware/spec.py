@@ -44,6 +44,12 @@ class HardwareSpec:
         host_memory_bytes: host RAM of the node.
         host_cores: host CPU cores of the node.
         sources: where each number comes from (field name -> datasheet, measurement, benchmark).
+        matmul_peak_tflops: datasheet dense peak per dtype, so that matmul_tflops / peak is the
+            efficiency reached at transformer shapes (empty when unknown, e.g. a probed CPU).
+        bandwidth_curves: measured bandwidth over transfer sizes, field name (h2d_gbps,
+            d2h_gbps, h2d_gbps_all, d2h_gbps_all, allgather_gbps, reduce_scatter_gbps) ->
+            {bytes: GB/s}; the scalar field is the median over the sizes of at least 1/16 of the
+            largest (the asymptotic rate, robust to one noisy point). Empty in presets.
     """
 
     name: str
@@ -69,6 +75,8 @@ class HardwareSpec:
     copy_latency_s: float = 10e-6
     collective_latency_s: float = 30e-6
     sources: dict[str, str] = field(default_factory=dict)
+    matmul_peak_tflops: dict[str, float] = field(default_factory=dict)
+    bandwidth_curves: dict[str, dict[int, float]] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -1,0 +1,147 @@
+"""Hardware presets (configs/hardware/<id>.yaml), loading by id or file, and sanity checks.
+
+No torch here: a search on a laptop loads presets without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from pathlib import Path
+
+from elixir_tune import paths
+from elixir_tune.hardware.spec import HardwareSpec, load_hardware_file
+
+DEVICES = ("cuda", "cpu")
+_POSITIVE_RATES = ("hbm_gbps", "h2d_gbps", "d2h_gbps", "h2d_gbps_all", "d2h_gbps_all",
+                   "allgather_gbps", "reduce_scatter_gbps", "inter_node_gbps",
+                   "gpu_adam_elems_per_s", "cpu_adam_elems_per_s")
+
+
+def list_presets() -> list[str]:
+    """Ids of the hardware presets shipped in configs/hardware/, sorted."""
+    return sorted(path.stem for path in paths.HARDWARE_CONFIGS_DIR.glob("*.yaml"))
+
+
+def preset_path(preset_id: str) -> Path:
+    """The file of a preset id (it may not exist)."""
+    return paths.HARDWARE_CONFIGS_DIR / f"{preset_id}.yaml"
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.endswith((".yaml", ".yml")) or os.sep in name or "/" in name
+
+
+def load_hardware(name_or_path: str) -> HardwareSpec:
+    """Loads a preset by id (``a100-40gb-pcie``) or a spec file (a probe result).
+
+    A bare id that names a preset wins over a file of the same name in the working directory;
+    anything that looks like a path (has a ``/`` or ends in .yaml) is read as a file.
+
+    Args:
+        name_or_path: a preset id or a YAML file path.
+
+    Returns:
+        The spec, checked with ``spec_problems``.
+
+    Raises:
+        FileNotFoundError: a path that does not exist (the message lists the preset ids).
+        ValueError: neither a preset id nor a file, or the spec is not valid.
+    """
+    name = str(name_or_path)
+    presets = list_presets()
+    listed = ", ".join(presets) or f"(none found in {paths.HARDWARE_CONFIGS_DIR})"
+    known = f"known presets: {listed}"
+    if name in presets and not _looks_like_path(name):
+        path = preset_path(name)
+    elif Path(name).is_file():
+        path = Path(name)
+    elif _looks_like_path(name):
+        raise FileNotFoundError(f"{name}: no such hardware file; {known}, or write one with "
+                                f"`elixir-tune probe --out {name}`")
+    else:
+        raise ValueError(f"unknown hardware {name!r}: not a preset id nor a file; {known}")
+    spec = load_hardware_file(path)
+    problems = spec_problems(spec)
+    if problems:
+        raise ValueError(f"{path}: invalid hardware spec:\n  - " + "\n  - ".join(problems))
+    return spec
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def spec_problems(spec: HardwareSpec) -> list[str]:
+    """Every way ``spec`` is not a usable description of a node (empty list when it is).
+
+    Checks types (a YAML ``1e9`` without a dot reads as a string), signs and the obvious
+    relations (usable <= total memory); magnitudes are the tests' business, not the loader's.
+    """
+    problems = []
+    if spec.device not in DEVICES:
+        problems.append(f"device: {spec.device!r} is not one of {', '.join(DEVICES)}")
+    for name in ("gpus_per_node", "gpu_memory_bytes", "usable_memory_bytes", "host_memory_bytes",
+                 "host_cores", "allocator_overhead_bytes"):
+        value = getattr(spec, name)
+        if not isinstance(value, int) or isinstance(value, bool):
+            problems.append(f"{name}: expected an integer, got {value!r}")
+        elif value < (0 if name == "allocator_overhead_bytes" else 1):
+            problems.append(f"{name}: must be positive, got {value}")
+    if isinstance(spec.usable_memory_bytes, int) and isinstance(spec.gpu_memory_bytes, int) \
+            and spec.usable_memory_bytes > spec.gpu_memory_bytes:
+        problems.append("usable_memory_bytes: larger than gpu_memory_bytes")
+    if not isinstance(spec.matmul_tflops, dict) or "fp32" not in spec.matmul_tflops:
+        problems.append("matmul_tflops: expected a mapping with at least fp32")
+    else:
+        for dtype, value in spec.matmul_tflops.items():
+            if not _is_number(value) or value <= 0:
+                problems.append(f"matmul_tflops.{dtype}: expected a positive number, got {value!r}")
+    for name in _POSITIVE_RATES:
+        value = getattr(spec, name)
+        if not _is_number(value) or value <= 0:
+            problems.append(f"{name}: expected a positive number, got {value!r}")
+    for name in ("copy_latency_s", "collective_latency_s"):
+        value = getattr(spec, name)
+        if not _is_number(value) or not 0 <= value < 1:
+            problems.append(f"{name}: expected seconds in [0, 1), got {value!r}")
+    fields = {f.name for f in dataclasses.fields(HardwareSpec)}
+    if not isinstance(spec.sources, dict):
+        problems.append("sources: expected a mapping of field name -> source")
+    else:
+        problems += [f"sources.{key}: not a hardware field" for key in spec.sources if key not in fields]
+    for dtype, value in (spec.matmul_peak_tflops or {}).items():
+        if not _is_number(value) or value <= 0:
+            problems.append(f"matmul_peak_tflops.{dtype}: expected a positive number, got {value!r}")
+    for curve_name, curve in (spec.bandwidth_curves or {}).items():
+        if curve_name not in fields:
+            problems.append(f"bandwidth_curves.{curve_name}: not a hardware field")
+        elif not isinstance(curve, dict) or not all(
+                isinstance(size, int) and _is_number(gbps) and gbps > 0 for size, gbps in curve.items()):
+            problems.append(f"bandwidth_curves.{curve_name}: expected {{bytes: positive GB/s}}")
+    return problems
+
+
+def closest_preset(spec: HardwareSpec) -> str | None:
+    """The preset of the same device kind most like ``spec`` (None when there is none).
+
+    Distance: sum of |log ratio| over memory, the best matmul rate, HBM and host-link bandwidth.
+    """
+    def key_numbers(candidate: HardwareSpec) -> list[float]:
+        return [candidate.gpu_memory_bytes, max(candidate.matmul_tflops.values()),
+                candidate.hbm_gbps, candidate.h2d_gbps]
+
+    mine = key_numbers(spec)
+    best, best_distance = None, math.inf
+    for preset_id in list_presets():
+        try:
+            preset = load_hardware(preset_id)
+        except (ValueError, FileNotFoundError):
+            continue
+        if preset.device != spec.device:
+            continue
+        distance = sum(abs(math.log(a / b)) for a, b in zip(mine, key_numbers(preset)))
+        if distance < best_distance:
+            best, best_distance = preset_id, distance
+    return best

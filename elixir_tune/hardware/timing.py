@@ -1,0 +1,80 @@
+"""Timing helpers for the probe's micro-benchmarks: warm-up, adaptive repeats, median.
+
+On CUDA a benchmark is timed with CUDA events on the current stream (what the GPU spent, not
+the launch overhead of Python); on the CPU with perf_counter. Repeats adapt to a time budget so
+that a slow device (a laptop CPU doing bf16) does not blow up `--quick`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+MiB = 2**20
+GiB = 2**30
+
+
+def synchronize(device: torch.device) -> None:
+    """Waits for all work queued on ``device`` (no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_once(fn: Callable[[], object], device: torch.device) -> float:
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    begin = time.perf_counter()
+    fn()
+    return time.perf_counter() - begin
+
+
+def median_time_s(fn: Callable[[], object], device: torch.device, budget_s: float,
+                  min_repeats: int = 3, max_repeats: int = 50, warmup: int = 1) -> float:
+    """Median wall time of ``fn`` on ``device``, repeated as often as ``budget_s`` allows.
+
+    Args:
+        fn: the operation; it must queue its work on the current stream of ``device``.
+        device: where ``fn`` runs (cuda: timed with events; cpu: perf_counter).
+        budget_s: rough time to spend on the timed repeats.
+        min_repeats: repeats even when one run exceeds the budget.
+        max_repeats: repeats at most, however fast ``fn`` is.
+        warmup: untimed runs first (allocations, kernel selection, lazy loading).
+
+    Returns:
+        The median of the timed runs, in seconds.
+    """
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    first_s = _time_once(fn, device)
+    repeats = int(min(max_repeats, max(min_repeats, budget_s / max(first_s, 1e-7))))
+    samples = [first_s] + [_time_once(fn, device) for _ in range(repeats - 1)]
+    return statistics.median(samples)
+
+
+def asymptotic_gbps(curve: dict[int, float]) -> float:
+    """The large-transfer rate of a {bytes: GB/s} curve.
+
+    Median over the sizes of at least 1/16 of the largest: latency no longer matters there, and
+    one noisy point (a shared machine) does not decide the result.
+    """
+    largest = max(curve)
+    return statistics.median(gbps for size, gbps in curve.items() if size * 16 >= largest)
+
+
+def size_ladder(min_bytes: int, max_bytes: int, factor: int = 4) -> list[int]:
+    """Sizes min, min*factor, ... up to max (max always included)."""
+    sizes, size = [], min_bytes
+    while size < max_bytes:
+        sizes.append(size)
+        size *= factor
+    sizes.append(max_bytes)
+    return sizes

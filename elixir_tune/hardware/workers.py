@@ -1,0 +1,238 @@
+"""The multi-process part of the probe: one process per device, all measuring at the same time.
+
+`run_workers` starts ``world_size`` copies of this module (``python -m
+elixir_tune.hardware.workers CONFIG``) with a TCP rendezvous on a free local port and a hard
+timeout. Each worker measures:
+- all-gather and reduce-scatter bus bandwidth over sizes (gloo on CPU, NCCL on GPUs), with the
+  nccl-tests conventions: algbw = total bytes / time, busbw = algbw * (n - 1) / n, the time being
+  the slowest rank's;
+- on CPU, the host copy curve with every process copying at once (the CPU's "h2d_gbps_all");
+- the CPU Adam rate with the threads one rank gets, all ranks stepping at once as in training.
+Every rank writes its results as JSON; the launcher merges them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+# torch >= 2.13 renamed the tensor collectives; the old names still work there but warn.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (bind to port 0 and let the OS choose)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _collective_time_s(op, device: torch.device, budget_s: float, max_iters: int = 20) -> float:
+    """Mean time of ``op`` over a loop (nccl-tests style), the slowest rank's, agreed by all."""
+    for _ in range(2 if device.type == "cuda" else 1):
+        op()  # warm-up: connection setup, NCCL channel buffers
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()
+    begin = time.perf_counter()
+    op()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    estimate = torch.tensor([time.perf_counter() - begin], dtype=torch.float64, device=device)
+    dist.all_reduce(estimate, op=dist.ReduceOp.MAX)
+    iters = int(min(max_iters, max(2, budget_s / max(estimate.item(), 1e-6))))
+    dist.barrier()
+    begin = time.perf_counter()
+    for _ in range(iters):
+        op()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed = torch.tensor([(time.perf_counter() - begin) / iters], dtype=torch.float64,
+                           device=device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
+
+
+def _collective_curves(device: torch.device, sizes_bytes: list[int], budget_s: float) -> dict:
+    world = dist.get_world_size()
+    allgather, reduce_scatter = {}, {}
+    rs_impl = "reduce_scatter_tensor"
+    per_op_s = budget_s / (2 * len(sizes_bytes) + 1)
+    # Latency: an all-gather of 256 fp32 elements per rank, where bandwidth plays no part.
+    tiny_shard = torch.ones(256, dtype=torch.float32, device=device)
+    tiny_full = torch.ones(256 * world, dtype=torch.float32, device=device)
+    latency_s = _collective_time_s(lambda: _all_gather_tensor(tiny_full, tiny_shard), device,
+                                   per_op_s, max_iters=200)
+    for size in sizes_bytes:
+        count = max(world, size // 4 // world * world)  # fp32 elements, divisible by world
+        full = torch.ones(count, dtype=torch.float32, device=device)
+        shard = torch.ones(count // world, dtype=torch.float32, device=device)
+        total_bytes = count * 4
+        seconds = _collective_time_s(lambda: _all_gather_tensor(full, shard), device, per_op_s)
+        allgather[total_bytes] = total_bytes / seconds / 1e9 * (world - 1) / world
+        try:
+            seconds = _collective_time_s(lambda: _reduce_scatter_tensor(shard, full), device,
+                                         per_op_s)
+        except (RuntimeError, NotImplementedError):
+            # Old gloo builds lack reduce-scatter; an all-reduce is what a gloo engine falls
+            # back to, so that is the time a reduce-scatter costs there.
+            rs_impl = "all_reduce (no gloo reduce_scatter in this torch)"
+            seconds = _collective_time_s(lambda: dist.all_reduce(full), device, per_op_s)
+        reduce_scatter[total_bytes] = total_bytes / seconds / 1e9 * (world - 1) / world
+        del full, shard
+    return {"allgather": allgather, "reduce_scatter": reduce_scatter, "latency_s": latency_s,
+            "reduce_scatter_impl": rs_impl}
+
+
+def worker_main(config: dict) -> None:
+    """One probe worker: join the group, measure, write rank<r>.json into config["out_dir"]."""
+    from elixir_tune.hardware.bench_compute import adam_elems_per_s
+    from elixir_tune.hardware.bench_copy import host_copy_curve
+
+    rank, world = config["rank"], config["world_size"]
+    phases_s: dict[str, float] = {}  # where the time went, for `sources`-level diagnosis
+    clock = time.perf_counter()
+
+    def phase(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        phases_s[name] = round(now - clock, 3)
+        clock = now
+
+    torch.set_num_threads(config["threads"])
+    if config["device"] == "cuda":
+        torch.cuda.set_device(rank)
+        device, backend = torch.device("cuda", rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{config['port']}", rank=rank,
+                            world_size=world,
+                            timeout=datetime.timedelta(seconds=config["timeout_s"]))
+    phase("init")
+    try:
+        result = {"rank": rank, "backend": backend, "threads": config["threads"]}
+        result.update(_collective_curves(device, config["sizes_bytes"], config["budget_s"]))
+        phase("collectives")
+        if config["device"] == "cpu":
+            dist.barrier()
+            result["host_copy_all"] = host_copy_curve(config["copy_sizes_bytes"],
+                                                      config["budget_s"] / 2)
+            phase("host_copies")
+        dist.barrier()
+        rate, impl = adam_elems_per_s(torch.device("cpu"), config["adam_elements"],
+                                      config["budget_s"] / 2)
+        result["cpu_adam_elems_per_s"], result["cpu_adam_impl"] = rate, impl
+        dist.barrier()
+        phase("cpu_adam")
+    finally:
+        dist.destroy_process_group()
+    result["phases_s"] = phases_s
+    Path(config["out_dir"], f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> None:
+    """Waits until every worker exited, one failed (the others would wait for it), or time is up."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        codes = [proc.poll() for proc in procs]
+        if all(code is not None for code in codes) or any(code not in (None, 0) for code in codes):
+            return
+        time.sleep(0.05)
+
+
+def run_workers(device: str, world_size: int, threads: int, sizes_bytes: list[int],
+                copy_sizes_bytes: list[int], adam_elements: int, budget_s: float,
+                timeout_s: float) -> dict:
+    """Runs ``world_size`` probe workers and merges what they measured.
+
+    Args:
+        device: "cuda" (one worker per GPU, NCCL) or "cpu" (gloo).
+        world_size: processes to start.
+        threads: CPU threads each worker uses (the cores one rank gets).
+        sizes_bytes: total collective buffer sizes to measure.
+        copy_sizes_bytes: host copy sizes (cpu only).
+        adam_elements: elements per CPU Adam step.
+        budget_s: time each worker spends measuring, roughly.
+        timeout_s: hard limit; workers still running then are killed.
+
+    Returns:
+        {"allgather": {bytes: busbw GB/s}, "reduce_scatter": {...}, "latency_s": float (a tiny
+        all-gather),
+        "reduce_scatter_impl": str, "host_copy_all": {bytes: GB/s per process} (cpu),
+        "cpu_adam_elems_per_s": float (mean over ranks), "cpu_adam_impl": str, "backend": str}.
+
+    Raises:
+        RuntimeError: a worker failed or timed out (the message carries its stderr tail).
+    """
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore")
+    package_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    with tempfile.TemporaryDirectory(prefix="elixir-probe-") as out_dir:
+        procs, log_paths = [], []
+        for rank in range(world_size):
+            config = {"rank": rank, "world_size": world_size, "port": port, "device": device,
+                      "threads": threads, "sizes_bytes": sizes_bytes,
+                      "copy_sizes_bytes": copy_sizes_bytes, "adam_elements": adam_elements,
+                      "budget_s": budget_s, "timeout_s": timeout_s, "out_dir": out_dir}
+            log_paths.append(Path(out_dir, f"rank{rank}.log"))
+            with open(log_paths[-1], "w") as log:
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "elixir_tune.hardware.workers", json.dumps(config)],
+                    env=env, stdout=log, stderr=subprocess.STDOUT))
+        killed = set()
+        try:
+            _wait_all(procs, timeout_s)
+        finally:
+            for rank, proc in enumerate(procs):
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                    killed.add(rank)
+        # Report the worker that failed by itself, not one we stopped because of it.
+        failed = [r for r, proc in enumerate(procs) if proc.returncode != 0 and r not in killed]
+        if failed or killed:
+            rank = failed[0] if failed else min(killed)
+            reason = (f"exited with status {procs[rank].returncode}" if failed
+                      else f"timed out after {timeout_s:.0f} s")
+            tail = log_paths[rank].read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"probe worker {rank} of {world_size} ({device}) {reason}:\n{tail}")
+        results = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world_size)]
+    return _merge(results)
+
+
+def _merge(results: list[dict]) -> dict:
+    def int_keys(curve: dict) -> dict[int, float]:
+        return {int(size): value for size, value in curve.items()}
+
+    first = results[0]  # collective times are already the slowest rank's on every rank
+    merged = {key: int_keys(first[key]) for key in ("allgather", "reduce_scatter")}
+    merged["latency_s"] = first["latency_s"]
+    merged["reduce_scatter_impl"] = first["reduce_scatter_impl"]
+    merged["backend"] = first["backend"]
+    merged["phases_s"] = first["phases_s"]
+    if "host_copy_all" in first:
+        sizes = int_keys(first["host_copy_all"])
+        merged["host_copy_all"] = {
+            size: statistics.fmean(int_keys(r["host_copy_all"])[size] for r in results)
+            for size in sizes}
+    merged["cpu_adam_elems_per_s"] = statistics.fmean(r["cpu_adam_elems_per_s"] for r in results)
+    merged["cpu_adam_impl"] = first["cpu_adam_impl"]
+    return merged
+
+
+if __name__ == "__main__":
+    worker_main(json.loads(sys.argv[1]))

@@ -1,0 +1,64 @@
+"""`elixir-tune probe`: help, usage errors, and a real --quick run on this machine."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from elixir_tune.cli.main import cli
+from elixir_tune.cli.probe import _table
+from elixir_tune.hardware import load_hardware
+
+
+def _elixir_tune() -> list[str]:
+    script = Path(sys.executable).parent / "elixir-tune"
+    if script.exists():
+        return [str(script)]
+    found = shutil.which("elixir-tune")
+    return [found] if found else [sys.executable, "-m", "elixir_tune.cli.main"]
+
+
+def test_help_shows_options_and_example():
+    result = CliRunner().invoke(cli, ["probe", "--help"])
+    assert result.exit_code == 0
+    for option in ("--quick", "--out", "--procs", "--json", "elixir-tune probe --quick"):
+        assert option in result.output
+
+
+def test_bad_procs_is_a_usage_error():
+    result = CliRunner().invoke(cli, ["probe", "--procs", "0"])
+    assert result.exit_code == 2
+
+
+def test_table_puts_measured_next_to_preset():
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(_table(load_hardware("cpu"), "a100-40gb-pcie"))
+    text = console.export_text()
+    assert "closest preset: a100-40gb-pcie" in text and "all-gather busbw" in text
+    assert "NVIDIA A100-PCIE-40GB" in text
+
+
+@pytest.mark.slow
+def test_quick_probe_subprocess_writes_a_loadable_spec(tmp_path):
+    out = tmp_path / "sub" / "hardware.yaml"
+    proc = subprocess.run(_elixir_tune() + ["probe", "--quick", "--out", str(out), "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["path"] == str(out)
+    spec = load_hardware(str(out))
+    assert spec.to_dict() == load_hardware(str(out)).to_dict()
+    assert spec.device == report["hardware"]["device"]
+    assert spec.gpus_per_node == report["hardware"]["gpus_per_node"]
+    assert report["closest_preset"] is not None
+    header = out.read_text().splitlines()[0]
+    assert header.startswith("# Measured by `elixir-tune probe --quick`")
+    assert "--hardware" in out.read_text()
