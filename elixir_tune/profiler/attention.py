@@ -1,0 +1,53 @@
+"""Scaled-dot-product attention on the meta device, the way real devices run it.
+
+On meta tensors ``F.scaled_dot_product_attention`` falls back to the math path, which keeps the
+seq x seq attention matrix for backward. GPUs (flash / memory-efficient kernels) and CPUs (flash
+for CPU) keep only the output and a log-sum-exp per row, so the math path would overstate
+activation memory by far at seq 1024 and beyond. While profiling, calls on meta tensors go to
+the memory-efficient kernel's meta implementation instead: same outputs kept, same FLOPs counted
+by torch's flop formulas.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+
+class FusedAttentionOnMeta(TorchFunctionMode):
+    """Routes ``F.scaled_dot_product_attention`` on meta tensors to a fused kernel's meta shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._fused_works = hasattr(torch.ops.aten, "_scaled_dot_product_efficient_attention")
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and self._fused_works and args and args[0].is_meta:
+            try:
+                return _efficient_attention(*args, **kwargs)
+            except (RuntimeError, TypeError, NotImplementedError):
+                self._fused_works = False  # this torch has no meta kernel for it: keep the math path
+        return func(*args, **kwargs)
+
+
+def _efficient_attention(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
+    heads = query.shape[-3]
+    if key.shape[-3] != heads:  # grouped-query attention: the kernel wants as many kv heads as q heads
+        key = key.repeat_interleave(heads // key.shape[-3], dim=-3)
+        value = value.repeat_interleave(heads // value.shape[-3], dim=-3)
+    bias = None
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            bias = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device)
+            bias = bias.masked_fill(attn_mask.logical_not(), float("-inf"))
+        else:
+            bias = attn_mask.to(query.dtype)
+        bias = bias.expand(query.shape[0], heads, query.shape[-2], key.shape[-2])
+    out = torch.ops.aten._scaled_dot_product_efficient_attention(
+        query, key, value, bias, query.requires_grad or key.requires_grad, dropout_p, is_causal, scale=scale
+    )
+    return out[0]

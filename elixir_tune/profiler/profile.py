@@ -1,0 +1,304 @@
+"""`profile_model`: build a model on the meta device, trace it, and write down a ModelProfile.
+
+Four traced forward+backward passes, all on meta tensors (no weights, any model size): two batch
+sizes give activation memory as a line in the micro-batch size, once plain and once with every
+block checkpointed. The first plain pass also gives the access trace, the first-use order of the
+parameters, FLOPs and the per-block statistics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from elixir_tune.plan.fingerprint import fingerprint
+from elixir_tune.profiler.attention import FusedAttentionOnMeta
+from elixir_tune.profiler.blocks import checkpointed, find_block_list
+from elixir_tune.profiler.meter import LiveMemoryMeter, MetaOpCache
+from elixir_tune.profiler.schema import ActivationLine, BlockInfo, ModelProfile, ParamInfo
+from elixir_tune.profiler.source import ModelSource, ModelSourceError, load_model_source, quiet_transformers
+from elixir_tune.profiler.trace import FORWARD, AccessRecorder, BlockStats, Step, ordered_trace
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float": "fp32"}
+CHECKPOINTING = ("none", "all")
+DEFAULT_SEQ_LEN = 1024
+
+
+@dataclass
+class _Pass:
+    """What one traced forward+backward measured."""
+
+    steps: list[Step]
+    peak_bytes: int
+    flops: float
+    block_fwd_flops: dict[int, float]
+    blocks: list[BlockStats]
+
+
+def profile_model(
+    source: ModelSource | str,
+    batch_size: int = 8,
+    seq_len: int | None = None,
+    dtype: str = "fp32",
+    checkpointing: str = "none",
+    progress: Callable[[str], None] | None = None,
+) -> ModelProfile:
+    """Profiles a model on the meta device.
+
+    Args:
+        source: a ModelSource or a spec for load_model_source (file.py, file.py:builder, a model
+            YAML or a config name).
+        batch_size: micro-batch size of the traced example (activation memory is also given
+            for any other size, as a line).
+        seq_len: tokens per sample; default: the model YAML's seq_len, else 1024.
+        dtype: compute dtype, fp32, bf16 or fp16 (parameters are cast to it for tracing).
+        checkpointing: "all" also records the access trace with every block checkpointed;
+            activation memory with checkpointing is measured either way.
+        progress: called with a short description before each stage.
+
+    Returns:
+        The profile.
+
+    Raises:
+        ModelSourceError: bad spec, builder failure, forward without a loss, unsupported dtype.
+    """
+    dtype = DTYPE_ALIASES.get(dtype, dtype)
+    if dtype not in DTYPES:
+        raise ModelSourceError(f"unsupported dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    if checkpointing not in CHECKPOINTING:
+        raise ModelSourceError(f"unsupported checkpointing {checkpointing!r}: use one of {', '.join(CHECKPOINTING)}")
+    if batch_size < 1:
+        raise ModelSourceError(f"batch size must be at least 1, got {batch_size}")
+    report = progress or (lambda message: None)
+    if not isinstance(source, ModelSource):
+        source = load_model_source(source)
+    seq_len = seq_len or source.default_seq_len or DEFAULT_SEQ_LEN
+    if source.max_seq_len and seq_len > source.max_seq_len:
+        # Meta tensors hold no indices, so an out-of-range position would go unnoticed here.
+        raise ModelSourceError(
+            f"{source.source}: seq_len {seq_len} is longer than the model's {source.max_seq_len} positions"
+        )
+
+    report(f"building {source.name} on the meta device")
+    model = _build_on_meta(source)
+    model_fingerprint = fingerprint(
+        [(n, list(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters()]
+    )
+    built_dtypes = [p.dtype for p in model.parameters()]
+    model.to(DTYPES[dtype])
+    model.train()
+    named = list(model.named_parameters())
+    params = [p for _, p in named]
+    param_pos = {id(p): i for i, p in enumerate(params)}
+    owners: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        owners[id(p)] = owners.get(id(p), 0) + 1
+    block_list, block_modules = find_block_list(model)
+
+    sizes = (batch_size, 2 * batch_size)
+    tracer = _Tracer(model, source, seq_len, DTYPES[dtype], param_pos, block_modules, MetaOpCache())
+    plain, ckpt = [], []
+    for b in sizes:
+        report(f"tracing forward+backward at batch {b}")
+        plain.append(tracer.run(b, checkpoint_blocks=False))
+    for b in sizes if block_modules else ():
+        report(f"tracing forward+backward at batch {b}, blocks checkpointed")
+        ckpt.append(tracer.run(b, checkpoint_blocks=True))
+
+    order = _first_use_order(plain[0].steps, len(params))
+    new_index = {pos: rank for rank, pos in enumerate(order)}
+
+    def trace_of(result: _Pass) -> list[list[int]]:
+        return [[new_index[p] for p in step.params] for step in ordered_trace(result.steps)]
+
+    param_infos = [
+        ParamInfo(
+            name=named[pos][0],
+            shape=list(params[pos].shape),
+            dtype=_short_dtype(built_dtypes[pos]),
+            numel=params[pos].numel(),
+            shared=owners[id(params[pos])] > 1,
+            requires_grad=params[pos].requires_grad,
+        )
+        for pos in order
+    ]
+    blocks = _block_infos(block_modules, param_pos, new_index, plain, sizes)
+    activation = _line(plain, sizes)
+    activation_ckpt = _line(ckpt, sizes) if ckpt else None
+    num_params = sum(p.numel for p in param_infos)
+    buffers_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    profile = ModelProfile(
+        name=source.name,
+        source=source.source,
+        fingerprint=model_fingerprint,
+        num_params=num_params,
+        dtype=dtype,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        params=param_infos,
+        trace=trace_of(plain[0]),
+        trace_checkpointed=trace_of(ckpt[0]) if ckpt and checkpointing == "all" else [],
+        flops_per_sample=plain[0].flops / batch_size,
+        activation=activation,
+        block_list=block_list,
+        blocks=blocks,
+        recompute_flops_per_sample=(ckpt[0].flops - plain[0].flops) / batch_size if ckpt else 0.0,
+        activation_checkpointed=activation_ckpt,
+        buffers_bytes=buffers_bytes,
+    )
+    profile.summary = summarize(profile)
+    return profile
+
+
+def summarize(profile: ModelProfile) -> str:
+    """The human header of a profile: name, parameters, FLOPs per token, activation per sample."""
+    shared = sum(p.shared for p in profile.params)
+    lines = [
+        f"{profile.name}: {profile.num_params:,} parameters"
+        + (f" ({shared} shared, counted once)" if shared else "")
+        + (f", {len(profile.blocks)} blocks in {profile.block_list}" if profile.blocks else ", no repeated blocks"),
+        f"{profile.dtype}, seq_len {profile.seq_len}: "
+        f"{profile.flops_per_token / 1e9:.3f} GFLOP per token (forward+backward)",
+        f"activations per sample: {profile.activation.per_sample_bytes:,} bytes ({_gib(profile.activation.per_sample_bytes)})"
+        + (
+            f", {profile.activation_checkpointed.per_sample_bytes:,} bytes with every block checkpointed"
+            if profile.activation_checkpointed
+            else ""
+        ),
+        f"made by: elixir-tune profile {profile.source} --batch-size {profile.batch_size} --seq-len {profile.seq_len}"
+        f" --dtype {profile.dtype}" + (" --checkpointing all" if profile.trace_checkpointed else ""),
+    ]
+    return "\n".join(lines)
+
+
+def _build_on_meta(source: ModelSource) -> nn.Module:
+    with torch.device("meta"):
+        model = source.build_model()
+    if any(not p.is_meta for p in model.parameters()) or any(not b.is_meta for b in model.buffers()):
+        model = model.to("meta")  # the builder placed tensors on a device explicitly
+    return model
+
+
+@dataclass
+class _Tracer:
+    """Runs traced forward+backward passes of one model (meta, cast to the compute dtype)."""
+
+    model: nn.Module
+    source: ModelSource
+    seq_len: int
+    dtype: torch.dtype
+    param_pos: dict[int, int]
+    block_modules: list[nn.Module]
+    op_cache: MetaOpCache
+
+    def run(self, batch_size: int, checkpoint_blocks: bool) -> _Pass:
+        """One forward+backward at ``batch_size``, every block checkpointed or none."""
+        with torch.device("meta"):
+            batch = self.source.example_batch(batch_size, self.seq_len)
+        batch = {k: _to_meta(v, self.dtype) for k, v in batch.items()}
+        inputs = [v for v in batch.values() if isinstance(v, torch.Tensor)]
+        meter = LiveMemoryMeter([*self.model.parameters(), *self.model.buffers(), *inputs], self.op_cache)
+        recorder = AccessRecorder(self.model, self.param_pos, self.block_modules, meter)
+        # The engine moves each gradient into its chunk as soon as it is complete, so a finished
+        # gradient is not activation memory: drop it as the engine would.
+        handles = [p.register_post_accumulate_grad_hook(_drop_grad) for p in self.model.parameters() if p.requires_grad]
+        blocks = checkpointed(self.block_modules, FusedAttentionOnMeta) if checkpoint_blocks else contextlib.nullcontext()
+        try:
+            # The attention mode is left before backward (a torch-function mode would swallow the
+            # whole backward call); checkpointed blocks enter it again when they recompute.
+            with quiet_transformers(), meter, blocks:
+                with FusedAttentionOnMeta():
+                    loss = _loss_of(self.source, self.model, batch)
+                meter.in_backward = True
+                loss.backward()
+                del loss
+        finally:
+            recorder.remove()
+            for handle in handles:
+                handle.remove()
+        return _Pass(recorder.steps, meter.peak_bytes, meter.flops, dict(meter.block_fwd_flops), recorder.blocks)
+
+
+def _loss_of(source: ModelSource, model: nn.Module, batch: dict) -> torch.Tensor:
+    try:
+        out = model(**batch)
+    except Exception as exc:
+        raise ModelSourceError(f"{source.source}: model(**batch) raised {type(exc).__name__}: {exc}") from exc
+    loss = out if isinstance(out, torch.Tensor) else getattr(out, "loss", None)
+    if loss is None and isinstance(out, dict):
+        loss = out.get("loss")
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        got = f"shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ModelSourceError(
+            f"{source.source}: the forward did not return a loss (model(**batch) gave {type(out).__name__}, "
+            f"loss {got}); return a scalar loss tensor or an object with .loss (for transformers models, "
+            "pass labels in example_batch)"
+        )
+    if not loss.requires_grad:
+        raise ModelSourceError(f"{source.source}: the loss does not require grad (are all parameters frozen?)")
+    return loss
+
+
+def _drop_grad(param: torch.Tensor) -> None:
+    param.grad = None
+
+
+def _to_meta(value, dtype: torch.dtype):
+    if not isinstance(value, torch.Tensor):
+        return value
+    value = value.to("meta")
+    return value.to(dtype) if value.is_floating_point() else value
+
+
+def _first_use_order(steps: list[Step], num_params: int) -> list[int]:
+    seen: dict[int, None] = {}
+    for step in steps:
+        if step.kind == FORWARD:
+            for pos in step.params:
+                seen.setdefault(pos, None)
+    return [*seen, *(pos for pos in range(num_params) if pos not in seen)]
+
+
+def _block_infos(
+    block_modules: list[nn.Module],
+    param_pos: dict[int, int],
+    new_index: dict[int, int],
+    plain: list[_Pass],
+    sizes: tuple[int, int],
+) -> list[BlockInfo]:
+    infos = []
+    delta = sizes[1] - sizes[0]
+    for i, block in enumerate(block_modules):
+        indices = sorted(new_index[param_pos[id(p)]] for p in block.parameters())
+        retained = [result.blocks[i].retained_bytes for result in plain]
+        infos.append(
+            BlockInfo(
+                index=i,
+                first_param=indices[0] if indices else 0,
+                num_params=len(indices),
+                fwd_flops_per_sample=plain[0].block_fwd_flops.get(i, 0.0) / sizes[0],
+                activation_bytes_per_sample=max(0, (retained[1] - retained[0]) // delta),
+                boundary_bytes_per_sample=plain[0].blocks[i].boundary_bytes // sizes[0],
+            )
+        )
+    return infos
+
+
+def _line(results: list[_Pass], sizes: tuple[int, int]) -> ActivationLine:
+    per_sample = max(0, (results[1].peak_bytes - results[0].peak_bytes) // (sizes[1] - sizes[0]))
+    fixed = max(0, results[0].peak_bytes - per_sample * sizes[0])
+    return ActivationLine(fixed_bytes=fixed, per_sample_bytes=per_sample)
+
+
+def _short_dtype(dtype: torch.dtype) -> str:
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    return names.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:.3f} GiB"

@@ -1,0 +1,232 @@
+"""Where a model comes from: a Python file with a builder, or a model YAML naming a transformers
+architecture.
+
+A Python file exposes ``build_model() -> nn.Module`` and ``example_batch(batch_size, seq_len) ->
+dict[str, Tensor]``; ``file.py:other_builder`` names another builder. A model YAML (see
+``configs/models/``) names a transformers ``model_type`` and its config fields; it is built with
+``AutoModelForCausalLM.from_config``, so nothing is downloaded. A bare name such as ``gpt2-tiny``
+is looked up in ``configs/models/``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import yaml
+from torch import nn
+
+from elixir_tune.paths import MODEL_CONFIGS_DIR
+
+
+class ModelSourceError(ValueError):
+    """The model cannot be loaded, built or run; the message says why."""
+
+
+@dataclass
+class ModelSource:
+    """A model the profiler (and a training script) can build.
+
+    Attributes:
+        name: model name (the YAML's ``name`` or the file's stem).
+        source: the spec it was loaded from, as given.
+        default_seq_len: the seq_len to profile at when none is asked (YAML ``seq_len``), or None.
+        vocab_size: vocabulary size for token-id batches (YAML models), or None.
+        max_seq_len: the longest sequence the model takes (YAML models' position count), or None.
+    """
+
+    name: str
+    source: str
+    default_seq_len: int | None = None
+    vocab_size: int | None = None
+    max_seq_len: int | None = None
+    _build: Callable[[], nn.Module] = field(default=None, repr=False)  # type: ignore[assignment]
+    _batch: Callable[[int, int], dict] = field(default=None, repr=False)  # type: ignore[assignment]
+    _builder_name: str = field(default="build_model", repr=False)
+
+    def build_model(self) -> nn.Module:
+        """Builds the model (real weights on CPU, or shapes only under ``torch.device("meta")``).
+
+        Raises:
+            ModelSourceError: the builder raised, or did not return an nn.Module.
+        """
+        try:
+            model = self._build()
+        except ModelSourceError:
+            raise
+        except Exception as exc:
+            raise ModelSourceError(
+                f"{self.source}: {self._builder_name}() raised {type(exc).__name__}: {exc}"
+            ) from exc
+        if not isinstance(model, nn.Module):
+            raise ModelSourceError(
+                f"{self.source}: {self._builder_name}() returned {type(model).__name__}, not a torch.nn.Module"
+            )
+        return model
+
+    def example_batch(self, batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
+        """One batch of inputs for ``model(**batch)``.
+
+        Raises:
+            ModelSourceError: example_batch raised or did not return a dict.
+        """
+        try:
+            batch = self._batch(batch_size, seq_len)
+        except Exception as exc:
+            raise ModelSourceError(
+                f"{self.source}: example_batch({batch_size}, {seq_len}) raised {type(exc).__name__}: {exc}"
+            ) from exc
+        if not isinstance(batch, dict):
+            raise ModelSourceError(
+                f"{self.source}: example_batch() returned {type(batch).__name__}; it must return a dict "
+                "of keyword arguments for model(**batch)"
+            )
+        return batch
+
+
+def load_model_source(spec: str) -> ModelSource:
+    """Resolves a model spec.
+
+    Args:
+        spec: ``path.py``, ``path.py:builder``, a model YAML path, or a bare config name such as
+            ``gpt2-tiny`` (looked up as ``configs/models/<name>.yaml``).
+
+    Returns:
+        The ModelSource; nothing is built yet.
+
+    Raises:
+        ModelSourceError: missing file, no builder, unknown architecture, malformed YAML.
+    """
+    spec = str(spec)
+    path_part, builder = spec, "build_model"
+    head, sep, tail = spec.rpartition(":")
+    if sep and head.endswith(".py") and tail.isidentifier():
+        path_part, builder = head, tail
+    path = Path(path_part)
+    if path.suffix in (".yaml", ".yml"):
+        return _load_yaml(path, spec)
+    if path.suffix == ".py":
+        return _load_python(path, builder, spec)
+    if "/" not in path_part and "\\" not in path_part:  # a config name ("opt-1.3b" has a dot, no extension)
+        candidate = MODEL_CONFIGS_DIR / f"{path_part}.yaml"
+        if candidate.is_file():
+            return _load_yaml(candidate, spec)
+        raise ModelSourceError(
+            f"{spec}: no such model file and no config named {path_part!r}; known configs: "
+            f"{', '.join(available_model_configs()) or '(none)'}"
+        )
+    raise ModelSourceError(
+        f"{spec}: MODEL must be a .py file (optionally file.py:builder), a model .yaml, or a config name"
+    )
+
+
+def available_model_configs() -> list[str]:
+    """Names of the model YAMLs shipped in configs/models/."""
+    return sorted(p.stem for p in MODEL_CONFIGS_DIR.glob("*.yaml"))
+
+
+def _load_python(path: Path, builder: str, spec: str) -> ModelSource:
+    if not path.is_file():
+        raise ModelSourceError(f"{path}: no such file")
+    module_name = f"_elixir_tune_model_{abs(hash(str(path.resolve())))}"
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ModelSourceError(f"{path}: cannot be imported as a Python module")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module  # dataclasses and pickling look the module up by name
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:
+        sys.modules.pop(module_name, None)
+        raise ModelSourceError(f"{path}: importing it raised {type(exc).__name__}: {exc}") from exc
+    build = getattr(module, builder, None)
+    if not callable(build):
+        raise ModelSourceError(f"{path}: no builder function {builder}() (define it, or name one as {path}:my_builder)")
+    batch = getattr(module, "example_batch", None)
+    if not callable(batch):
+        raise ModelSourceError(f"{path}: no example_batch(batch_size, seq_len) function returning a dict of inputs")
+    return ModelSource(name=path.stem, source=spec, _build=build, _batch=batch, _builder_name=builder)
+
+
+def _load_yaml(path: Path, spec: str) -> ModelSource:
+    if not path.is_file():
+        raise ModelSourceError(f"{path}: no such file")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ModelSourceError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(raw, dict) or "architecture" not in raw:
+        raise ModelSourceError(
+            f"{path}: a model YAML needs at least `architecture:` (a transformers model_type) and `config:`"
+        )
+    architecture = str(raw["architecture"])
+    config_fields = raw.get("config") or {}
+    if not isinstance(config_fields, dict):
+        raise ModelSourceError(f"{path}: `config:` must be a mapping of transformers config fields")
+    from transformers import CONFIG_MAPPING  # deferred: importing transformers takes seconds
+
+    if architecture not in CONFIG_MAPPING:
+        close = [name for name in CONFIG_MAPPING.keys() if architecture.lower()[:3] in name][:8]
+        raise ModelSourceError(
+            f"{path}: unknown architecture {architecture!r} (not a transformers model_type)"
+            + (f"; similar: {', '.join(close)}" if close else "")
+        )
+    attn_implementation = raw.get("attn_implementation", "sdpa")
+    config_fields = {"use_cache": False, **config_fields}  # training keeps no KV cache
+
+    def make_config() -> Any:
+        from transformers import AutoConfig
+
+        try:
+            with quiet_transformers():
+                return AutoConfig.for_model(architecture, **config_fields)
+        except Exception as exc:
+            raise ModelSourceError(f"{path}: config for {architecture!r} rejected: {exc}") from exc
+
+    config = make_config()
+    if not getattr(config, "vocab_size", None):
+        raise ModelSourceError(f"{path}: {architecture!r} has no vocab_size; model YAMLs are for token models")
+    vocab_size = int(config.vocab_size)
+    max_seq_len = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+
+    def build() -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        with quiet_transformers():
+            return AutoModelForCausalLM.from_config(make_config(), attn_implementation=attn_implementation)
+
+    def batch(batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
+        input_ids = torch.randint(0, vocab_size, (batch_size, seq_len))
+        return {"input_ids": input_ids, "labels": input_ids.clone()}
+
+    return ModelSource(
+        name=str(raw.get("name", path.stem)),
+        source=spec,
+        default_seq_len=int(raw["seq_len"]) if raw.get("seq_len") else None,
+        vocab_size=vocab_size,
+        max_seq_len=int(max_seq_len) if max_seq_len else None,
+        _build=build,
+        _batch=batch,
+        _builder_name=f"{architecture} from_config",
+    )
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """Silences transformers' chatter (token ids, loss type) while a model is built or run."""
+    if "transformers" not in sys.modules:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
