@@ -64,10 +64,16 @@ class Exploration:
 
 class _TopK:
     """The K fastest candidates seen so far, leaving out any that another kept one dominates (as
-    fast or faster with no more device and host memory), so that the table shows real choices."""
+    fast or faster with no more device and host memory), so that the table shows real choices.
 
-    def __init__(self, k: int):
+    With ``one_memory`` (the device is the CPU) device and host memory are the same RAM, so a
+    candidate is judged by their sum: offloading there frees nothing and only adds staging copies.
+    """
+
+    def __init__(self, k: int, one_memory: bool = False, gpus_per_node: int = 1):
         self.k = max(k, 1)
+        self.one_memory = one_memory
+        self.gpus_per_node = gpus_per_node
         self._heap: list[tuple[float, int, int, int, Candidate]] = []
         self._count = 0
 
@@ -77,8 +83,10 @@ class _TopK:
 
     def add(self, candidate: Candidate) -> None:
         self._count += 1
-        item = (-candidate.step_time_s, -candidate.memory.peak_gpu_bytes, -candidate.memory.peak_host_bytes,
-                -self._count, candidate)
+        gpu_bytes, host_bytes = candidate.memory.peak_gpu_bytes, candidate.memory.peak_host_bytes
+        if self.one_memory:
+            gpu_bytes = host_bytes = gpu_bytes * self.gpus_per_node + host_bytes
+        item = (-candidate.step_time_s, -gpu_bytes, -host_bytes, -self._count, candidate)
         if any(all(kept[i] >= item[i] for i in range(3)) for kept in self._heap):
             return
         if len(self._heap) >= self.k and item[:4] <= self._heap[0][:4]:
@@ -180,7 +188,7 @@ def explore(model: CostModel, budget: Budget, fixed: dict, top_k: int) -> Explor
     world = model.world_size
     per_rank = budget.global_batch_size // world
     hardware = model.hardware
-    top = _TopK(top_k)
+    top = _TopK(top_k, one_memory=hardware.device == "cpu", gpus_per_node=model.gpus_per_node)
     scored = 0
     min_gpu: int | None = None
     min_host: int | None = None
