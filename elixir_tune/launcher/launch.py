@@ -1,0 +1,170 @@
+"""Running torchrun in this process and turning its outcome into an exit status and a message.
+
+torchrun's agent watches the workers: when one dies (killed, crashed, non-zero exit) it stops
+the others (SIGTERM, then SIGKILL after a grace period) and raises ChildFailedError; when the
+agent itself gets SIGINT/SIGTERM it forwards the signal to the workers, waits for them and
+raises SignalException. Workers run in their own sessions, so a terminal's Ctrl-C reaches only
+elixir-run, which then stops them through the agent.
+"""
+
+from __future__ import annotations
+
+import signal
+import dataclasses
+from dataclasses import dataclass, field
+
+from elixir_tune.launcher.argv import LaunchSpec, compose_torchrun_argv
+
+_HANDLED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+                         if hasattr(signal, name))
+# Signals the agent itself sends to stop the surviving workers after the first failure.
+_AGENT_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
+@dataclass
+class WorkerFailure:
+    """One failed worker, as torchrun reported it.
+
+    Attributes:
+        rank: global rank.
+        local_rank: rank on its node.
+        pid: process id.
+        exit_code: exit status; negative -N when killed by signal N.
+        message: the worker's recorded error, when it left one.
+    """
+
+    rank: int
+    local_rank: int
+    pid: int
+    exit_code: int
+    message: str = ""
+
+    @property
+    def signal_name(self) -> str:
+        if self.exit_code >= 0:
+            return ""
+        try:
+            return signal.Signals(-self.exit_code).name
+        except ValueError:
+            return f"signal {-self.exit_code}"
+
+    def describe(self) -> str:
+        how = f"was killed by {self.signal_name}" if self.exit_code < 0 else f"exited with code {self.exit_code}"
+        return f"rank {self.rank} (local rank {self.local_rank}, pid {self.pid}) {how}"
+
+
+@dataclass
+class LaunchOutcome:
+    """How the job ended.
+
+    Attributes:
+        exit_code: the job's exit status: 0, the failed worker's code, or 128 + signal number.
+        message: what went wrong, naming the failed rank(s); empty on success.
+        hint: what to look at next.
+        failures: every failed worker torchrun reported, root cause first.
+    """
+
+    exit_code: int
+    message: str = ""
+    hint: str = ""
+    failures: list[WorkerFailure] = field(default_factory=list)
+
+
+def exit_code_of(failure: WorkerFailure) -> int:
+    """Shell convention: a worker killed by signal N gives 128 + N."""
+    return failure.exit_code if failure.exit_code >= 0 else 128 + (-failure.exit_code)
+
+
+def order_failures(failures: list[WorkerFailure]) -> list[WorkerFailure]:
+    """Root cause first: a worker killed by a signal the agent does not send (SIGKILL, SIGSEGV,
+    ...), then workers that exited with an error, then those the agent stopped (SIGTERM, SIGINT);
+    torchrun's order (first observed) within each group."""
+    def group(failure: WorkerFailure) -> int:
+        if failure.exit_code >= 0:
+            return 1
+        return 2 if -failure.exit_code in _AGENT_STOP_SIGNALS else 0
+
+    return sorted(failures, key=group)
+
+
+def describe_failures(failures: list[WorkerFailure]) -> str:
+    """One sentence naming the failed ranks, root cause first."""
+    ordered = order_failures(failures)
+    text = "worker " + ordered[0].describe()
+    if ordered[0].message:
+        text += f": {ordered[0].message}"
+    if len(ordered) > 1:
+        text += "; then " + "; ".join(failure.describe() for failure in ordered[1:])
+    return text
+
+
+def _failures_from(error) -> list[WorkerFailure]:
+    failures = []
+    # torchrun's failures map rank -> failure; order them as first observed, as torchrun does.
+    for rank, failure in sorted(error.failures.items(), key=lambda item: (item[1].timestamp, item[0])):
+        message = failure.message if isinstance(failure.message, str) else str(failure.message.get("message", ""))
+        if message.startswith("To enable traceback") or message.startswith("Signal "):
+            message = ""  # torchrun's placeholders, not the worker's words
+        failures.append(WorkerFailure(rank=int(rank), local_rank=int(failure.local_rank), pid=int(failure.pid),
+                                      exit_code=int(failure.exitcode), message=message.strip().splitlines()[-1]
+                                      if message.strip() else ""))
+    return order_failures(failures)
+
+
+def run_torchrun(spec: LaunchSpec) -> LaunchOutcome:
+    """Runs `torch.distributed.run` in this process as ``spec`` says and waits for the job.
+
+    The current environment is the workers' environment (torchrun copies it). torchrun's parser
+    reads only its own options and the script; the script's arguments are set afterwards, because
+    argparse rejects a script argument that abbreviates a torchrun option (``--log`` looks like
+    ``--log-dir``) even after the script name.
+
+    Args:
+        spec: the launch (see compose_torchrun_argv).
+
+    Returns:
+        The outcome; never raises for a failed job, a signal or a failed rendezvous.
+    """
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+    args = torchrun.parse_args(compose_torchrun_argv(dataclasses.replace(spec, script_args=())))
+    args.training_script_args = list(spec.script_args)
+    saved_handlers = {sig: signal.getsignal(sig) for sig in _HANDLED_SIGNALS}
+    try:
+        torchrun.run(args)
+        return LaunchOutcome(0)
+    except ChildFailedError as error:
+        failures = _failures_from(error)
+        if not failures:
+            return LaunchOutcome(1, f"the job failed: {error}")
+        root = failures[0]
+        hint = "the worker's output above shows why"
+        if root.exit_code == -signal.SIGKILL:
+            hint += "; a worker killed by SIGKILL that nobody killed is often the out-of-memory killer (see dmesg)"
+        return LaunchOutcome(exit_code_of(root), f"the job failed: {describe_failures(failures)}", hint=hint,
+                             failures=failures)
+    except SignalException as error:
+        name = signal.Signals(error.sigval).name
+        return LaunchOutcome(128 + int(error.sigval), f"interrupted by {name}; the workers were stopped")
+    except KeyboardInterrupt:
+        return LaunchOutcome(128 + signal.SIGINT, "interrupted by SIGINT before the workers started")
+    except RendezvousError as error:
+        endpoint = getattr(args, "rdzv_endpoint", "") or "this node"
+        detail = str(error).strip() or (
+            f"not all {args.nnodes} nodes joined within the join timeout (600 s unless "
+            "--rdzv-conf join_timeout=SECONDS)" if type(error).__name__ == "RendezvousTimeoutError" else "")
+        return LaunchOutcome(1, f"rendezvous at {endpoint} failed: {type(error).__name__}"
+                             + (f": {detail}" if detail else ""),
+                             hint="start elixir-run on every node with the same --rdzv-endpoint, --rdzv-id "
+                                  "and --nnodes, each with its own --node-rank; check that the endpoint's "
+                                  "host is reachable from every node")
+    finally:
+        # torchrun leaves its raising handlers installed; later signals must behave normally.
+        for sig, handler in saved_handlers.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+

@@ -1,0 +1,94 @@
+"""Helpers for launcher and end-to-end tests: plans made from the example, ports, processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from elixir_tune.paths import REPO_DIR
+
+EXAMPLE_PLAN = REPO_DIR / "configs" / "plans" / "example.yaml"
+WORKERS_DIR = Path(__file__).parent / "workers"
+ALLREDUCE_WORKER = WORKERS_DIR / "allreduce_worker.py"
+
+
+def console_script(name: str) -> str:
+    """The installed console script beside the interpreter running the tests (.venv/bin)."""
+    found = Path(sys.executable).parent / name
+    return str(found) if found.exists() else (shutil.which(name) or pytest.fail(f"{name} is not installed"))
+
+
+def write_plan(path: Path, changes: dict | None = None) -> Path:
+    """Writes the example plan (a valid 2-process cpu plan) with dotted-path changes applied."""
+    raw = yaml.safe_load(EXAMPLE_PLAN.read_text())
+    for dotted, value in (changes or {}).items():
+        *parents, leaf = dotted.split(".")
+        node = raw
+        for key in parents:
+            node = node[key]
+        node[leaf] = value
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def job_env() -> dict[str, str]:
+    """The environment for launched jobs: no inherited thread count, unbuffered output."""
+    env = dict(os.environ)
+    env.pop("OMP_NUM_THREADS", None)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def alive(pid: int) -> bool:
+    """Whether a process exists and is not a zombie (psutil-free: reads /proc)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    state = stat.rsplit(")", 1)[1].split()[0]
+    return state not in ("Z", "X")
+
+
+def wait_for_ranks(out_dir: Path, ranks: int, timeout_s: float) -> list[dict]:
+    """Waits until every rank wrote its start-up record; returns the records by rank."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        files = [out_dir / f"rank{rank}.json" for rank in range(ranks)]
+        if all(file.exists() and file.stat().st_size for file in files):
+            try:
+                return [json.loads(file.read_text()) for file in files]
+            except json.JSONDecodeError:
+                pass  # a worker is still writing
+        time.sleep(0.1)
+    raise AssertionError(f"workers did not start within {timeout_s} s: {sorted(p.name for p in out_dir.iterdir())}")
+
+
+def kill_leftovers(pids: list[int]) -> list[int]:
+    """SIGKILLs (only) the given pids still alive, so a failed test leaves nothing behind."""
+    left = [pid for pid in pids if alive(pid)]
+    for pid in left:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+    return left
+
+
+def run_elixir(args: list[str], timeout_s: float = 120, cwd: Path = REPO_DIR) -> subprocess.CompletedProcess:
+    return subprocess.run([console_script("elixir-run"), *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout_s, env=job_env(), cwd=cwd)

@@ -1,0 +1,133 @@
+"""Real elixir-run jobs with plain torch.distributed workers (gloo, CPU): success, exit status,
+a worker killed with SIGKILL, Ctrl-C, and two nodes on loopback. Each job is bounded in time and
+every worker pid is checked to be gone afterwards."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from elixir_tune.launcher.checks import cpu_cores
+
+from launch_helpers import (
+    ALLREDUCE_WORKER, EXAMPLE_PLAN, console_script, free_port, job_env, kill_leftovers, run_elixir,
+    wait_for_ranks, write_plan,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def _start(args: list) -> subprocess.Popen:
+    return subprocess.Popen([console_script("elixir-run"), *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=job_env(), start_new_session=True)
+
+
+def _finish(process: subprocess.Popen, timeout_s: float) -> str:
+    try:
+        output, _ = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        output, _ = process.communicate()
+        pytest.fail(f"elixir-run did not end within {timeout_s} s:\n{output}")
+    return output
+
+
+def test_job_runs_with_the_plans_world_and_environment(tmp_path):
+    result = run_elixir([EXAMPLE_PLAN, ALLREDUCE_WORKER, "--out", tmp_path, "--iterations", "3"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = wait_for_ranks(tmp_path, 2, timeout_s=1)
+    assert [record["world_size"] for record in records] == [2, 2]
+    assert all(record["plan"] == str(EXAMPLE_PLAN) for record in records)
+    assert all(record["omp_num_threads"] == str(max(1, cpu_cores() // 2)) for record in records)
+    assert all(record["argv"] == ["--out", str(tmp_path), "--iterations", "3"] for record in records)
+    # sum over 3 iterations of all-reduce(1 + 2) = 9 on both ranks: the workers really talked.
+    assert all((tmp_path / f"done{rank}.json").exists() for rank in range(2))
+    assert "job finished" in result.stdout
+
+
+def test_the_failed_workers_exit_code_is_the_jobs(tmp_path):
+    result = run_elixir([EXAMPLE_PLAN, ALLREDUCE_WORKER, "--out", tmp_path, "--fail-rank", "1", "--exit-code", "7"])
+    assert result.returncode == 7, result.stdout + result.stderr
+    assert "rank 1 (local rank 1" in result.stderr and "exited with code 7" in result.stderr
+    pids = [record["pid"] for record in wait_for_ranks(tmp_path, 2, timeout_s=1)]
+    assert not kill_leftovers(pids)
+
+
+def test_sigkill_of_one_worker_ends_the_job(tmp_path):
+    process = _start([EXAMPLE_PLAN, ALLREDUCE_WORKER, "--out", tmp_path, "--iterations", "0"])
+    try:
+        records = wait_for_ranks(tmp_path, 2, timeout_s=90)
+        pids = [record["pid"] for record in records]
+        killed_at = time.monotonic()
+        os.kill(pids[1], signal.SIGKILL)
+        output = _finish(process, timeout_s=60)
+        ended_s = time.monotonic() - killed_at
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert ended_s < 60
+    assert process.returncode != 0 and process.returncode == 128 + signal.SIGKILL, output
+    assert f"rank 1 (local rank 1, pid {pids[1]}) was killed by SIGKILL" in output
+    time.sleep(0.2)
+    assert not kill_leftovers(pids), "worker processes outlived the job"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_to_elixir_run_stops_the_job_cleanly(tmp_path, sig):
+    process = _start([EXAMPLE_PLAN, ALLREDUCE_WORKER, "--out", tmp_path, "--iterations", "0"])
+    try:
+        pids = [record["pid"] for record in wait_for_ranks(tmp_path, 2, timeout_s=90)]
+        sent_at = time.monotonic()
+        # Ctrl-C (SIGINT) reaches only elixir-run: torchrun starts the workers in their own sessions.
+        process.send_signal(sig)
+        output = _finish(process, timeout_s=60)
+        ended_s = time.monotonic() - sent_at
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 128 + sig, output
+    assert f"interrupted by {sig.name}; the workers were stopped" in output
+    assert ended_s < 30
+    time.sleep(0.2)
+    assert not kill_leftovers(pids), "worker processes outlived the job"
+
+
+def test_two_nodes_on_loopback(tmp_path):
+    plan = write_plan(tmp_path / "plan.yaml", {"cluster.nodes": 2, "training.global_batch_size": 32})
+    port = free_port()
+    out = tmp_path / "out"
+    out.mkdir()
+    nodes = [_start(["--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", f"127.0.0.1:{port}",
+                     plan, ALLREDUCE_WORKER, "--out", out, "--iterations", "5"]) for rank in (0, 1)]
+    try:
+        outputs = [_finish(node, timeout_s=120) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    records = wait_for_ranks(out, 4, timeout_s=1)
+    assert sorted(record["rank"] for record in records) == [0, 1, 2, 3]
+    assert all(record["world_size"] == 4 and record["plan"] == str(plan) for record in records)
+    assert all((out / f"done{rank}.json").exists() for rank in range(4))
+    assert "node 0 of 2" in outputs[0] and "node 1 of 2" in outputs[1]
+    assert not kill_leftovers([record["pid"] for record in records])
+
+
+def test_a_node_alone_times_out_at_the_rendezvous(tmp_path):
+    plan = write_plan(tmp_path / "plan.yaml", {"cluster.nodes": 2, "training.global_batch_size": 32})
+    out = tmp_path / "out"
+    out.mkdir()
+    started = time.monotonic()
+    # torchrun's --rdzv-conf passes through; the second node never comes.
+    result = run_elixir(["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-conf=join_timeout=3",
+                         plan, ALLREDUCE_WORKER, "--out", out], timeout_s=90)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "rendezvous at 127.0.0.1:" in result.stderr and "RendezvousTimeoutError" in result.stderr
+    assert "not all 2 nodes joined" in result.stderr
+    assert time.monotonic() - started < 60
+    assert not list(out.iterdir()), "workers started without a full rendezvous"

@@ -1,0 +1,93 @@
+"""The user's whole path on the CPU: profile the tiny GPT-2 -> hardware preset -> search --gpus 2
+-> elixir-run scripts/train_gpt2.py with 2 worker processes; the loss falls and the job exits 0.
+Then the same plan started on another model: the worker's engine refuses it (fingerprint)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from elixir_tune.paths import REPO_DIR
+
+from launch_helpers import console_script, free_port, job_env, run_elixir
+
+pytestmark = pytest.mark.slow
+
+TRAIN = REPO_DIR / "scripts" / "train_gpt2.py"
+
+
+def _tune(args: list, timeout_s: float = 180) -> subprocess.CompletedProcess:
+    result = subprocess.run([console_script("elixir-tune"), *map(str, args)], capture_output=True, text=True,
+                            timeout=timeout_s, env=job_env(), cwd=REPO_DIR)
+    assert result.returncode == 0, f"elixir-tune {args[0]} failed:\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def cpu_plan(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("pipeline")
+    _tune(["profile", "configs/models/gpt2-tiny.yaml", "--batch-size", "8", "--seq-len", "128",
+           "--out", work / "profile.yaml"])
+    _tune(["search", "--gpus", "2", "--profile", work / "profile.yaml", "--hardware", "cpu",
+           "--global-batch-size", "16", "--out", work / "plan.yaml"])
+    return work / "plan.yaml"
+
+
+def test_two_nodes_on_loopback_train_one_plan(cpu_plan, tmp_path):
+    plan = tmp_path / "plan-2nodes.yaml"
+    _tune(["search", "--nodes", "2", "--gpus", "1", "--profile", cpu_plan.parent / "profile.yaml", "--hardware",
+           "cpu", "--global-batch-size", "16", "--out", plan])
+    endpoint = f"127.0.0.1:{free_port()}"
+    log = tmp_path / "train.json"  # written by global rank 0, on whichever node the rendezvous put it
+    env = {**job_env(), "OMP_NUM_THREADS": "1"}  # both "nodes" share this machine's cores
+    nodes = [subprocess.Popen([console_script("elixir-run"), "--nnodes", "2", "--node-rank", str(rank),
+                               "--rdzv-endpoint", endpoint, str(plan), str(TRAIN), "--steps", "12", "--log", str(log)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO_DIR)
+             for rank in (0, 1)]
+    outputs = []
+    try:
+        for node in nodes:
+            outputs.append(node.communicate(timeout=240)[0])
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], "\n\n".join(out[-3000:] for out in outputs)
+    record = json.loads(log.read_text())
+    assert record["world_size"] == 2 and record["summary"]["status"] == "finished"
+    assert len(record["steps"]) == 12
+    assert record["summary"]["last_loss"] < record["summary"]["first_loss"] - 1.0
+    assert all("job finished" in out for out in outputs)
+
+
+def test_profile_search_run_trains_and_the_loss_falls(cpu_plan, tmp_path):
+    log = tmp_path / "train.json"
+    result = run_elixir([cpu_plan, TRAIN, "--steps", "40", "--log", log], timeout_s=300)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    record = json.loads(log.read_text())
+    losses = [step["loss"] for step in record["steps"]]
+    assert len(losses) == 40 and record["world_size"] == 2
+    assert record["summary"]["status"] == "finished"
+    assert losses[0] > 5.0  # ~ln(256): an untrained byte model
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.5, losses
+    assert all(step["tokens_per_s"] > 0 and step["memory_bytes"] > 0 for step in record["steps"])
+    assert "job finished" in result.stdout
+
+
+def test_a_plan_for_another_model_is_refused_by_the_workers(cpu_plan, tmp_path):
+    other = tmp_path / "gpt2-other.yaml"
+    other.write_text((REPO_DIR / "configs" / "models" / "gpt2-tiny.yaml").read_text()
+                     .replace("n_layer: 2", "n_layer: 1"))
+    started = time.monotonic()
+    result = run_elixir([cpu_plan, TRAIN, "--model", other, "--steps", "2", "--log", tmp_path / "t.json"],
+                        timeout_s=120)
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "another model" in output and "fingerprint" in output
+    assert "the job failed: worker rank" in output
+    assert time.monotonic() - started < 120
+    assert not (tmp_path / "t.json").exists()
