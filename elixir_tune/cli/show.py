@@ -32,8 +32,9 @@ def human_bytes(num_bytes: float) -> str:
 def placement_runs(plan: Plan) -> list[dict]:
     """Consecutive chunks with the same placement, as rows (first/last id, count, placement, params)."""
     runs: list[dict] = []
+    device = "GPU" if plan.cluster.device == "cuda" else "device (CPU)"
     for chunk in plan.memory.chunks:
-        where = ("resident" if chunk.resident else "cached") + (", shard on host" if chunk.offload else ", shard on GPU")
+        where = ("resident" if chunk.resident else "cached") + (", shard on host" if chunk.offload else f", shard on {device}")
         if runs and runs[-1]["placement"] == where and runs[-1]["last"] == chunk.id - 1:
             run = runs[-1]
             run.update(last=chunk.id, count=run["count"] + 1, numel=run["numel"] + chunk.numel,
