@@ -1,1 +1,36 @@
-"""engine"""
+"""The chunk-based training engine: ``setup(model, optimizer, plan)`` runs a plan.
+
+Public names:
+    setup(model, optimizer, plan=None) -> (ElixirModel, ShardedOptimizer); plan: Plan, path, or
+        None for $ELIXIR_TUNE_PLAN.
+    ElixirModel: call like the model; .state_dict() (collective: full fp32 weights, original
+        names, every rank), .load_state_dict(full), .memory_report() (model-state bytes, keys
+        elixir_tune.plan.MODEL_STATE_KEYS), .engine (Engine; .engine.memory_stats() for measured
+        figures).
+    ShardedOptimizer (a torch.optim.Optimizer): .backward(loss) (fp16 loss scaling),
+        .clip_grad_norm(max_norm, norm_type=2.0) -> global norm, .step(), .zero_grad(),
+        .param_groups (the user's groups: LR schedulers work), .loss_scale, .skipped_steps,
+        .state_dict() / .load_state_dict() (this rank's shard state).
+    model_fingerprint(model) -> the fingerprint a plan for this model carries.
+
+Rules a plan must follow beyond validate():
+    * cache_blocks >= the most non-resident chunks one module needs at once, counting the chunks
+      of enclosing modules that own parameters directly (they stay gathered while their children
+      run); setup raises ValueError naming the module and the minimum otherwise;
+    * every rank runs the same modules in the same order (no data-dependent control flow), as
+      with FSDP: the collectives are issued by the hooks.
+
+Access order for eviction and prefetch: recorded at run time during the first micro-batch
+(forward, recomputation, backward); before that, the plan's chunk order (ascending in forward,
+descending in backward).
+"""
+
+from elixir_tune.engine.cache import CacheTooSmall
+from elixir_tune.engine.engine import Engine
+from elixir_tune.engine.model import ElixirModel
+from elixir_tune.engine.optimizer import ShardedOptimizer
+from elixir_tune.engine.setup import check_plan_matches, model_fingerprint, setup
+from elixir_tune.engine.states import TensorState
+
+__all__ = ["CacheTooSmall", "ElixirModel", "Engine", "ShardedOptimizer", "TensorState", "check_plan_matches",
+           "model_fingerprint", "setup"]

@@ -1,0 +1,361 @@
+"""The engine: chunks, cache and hooks put together for one model on one rank.
+
+Life of a micro-batch:
+    forward   module pre-hooks fetch the module's chunks through the cache (all-gather), post-hooks
+              mark them idle and hook the module's outputs for backward;
+    backward  output hooks fetch the chunks again (they may have been evicted; checkpointed blocks
+              recompute through the forward hooks); each parameter's post-accumulate-grad hook
+              copies its gradient into the chunk's staging buffer, and a chunk whose gradients are
+              all staged starts its reduce-scatter (asynchronous) into the fp32 shard gradient;
+    end       a callback queued on the autograd engine reduces the chunks left incomplete
+              (parameters unused in this step count as zero), in chunk order, and waits for all
+              reductions: gradients accumulate in the shard until the optimizer step or zero_grad.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from elixir_tune.engine.cache import ChunkCache
+from elixir_tune.engine.chunk import Chunk, ParamSlot
+from elixir_tune.engine.comm import Comm
+from elixir_tune.engine.hooks import install_grad_hooks, install_module_hooks, wrap_checkpointed
+from elixir_tune.engine.states import GRAD_STAGED, TensorState, transition
+from elixir_tune.plan import DTYPE_BYTES, MODEL_STATE_KEYS, Plan
+
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Engine:
+    """Runs ``model`` with its trainable parameters in chunks as ``plan`` says.
+
+    Args:
+        model: the user's module (its parameters' data is replaced by views of chunk payloads).
+        plan: a valid plan for this model and world size.
+        comm: the data-parallel group.
+    """
+
+    def __init__(self, model: torch.nn.Module, plan: Plan, comm: Comm):
+        self.model = model
+        self.plan = plan
+        self.comm = comm
+        self.device = comm.device
+        self.compute_dtype = COMPUTE_DTYPES[plan.training.dtype]
+        self._placeholders: dict[torch.Size, torch.Tensor] = {}
+        self._nan = torch.full((1,), float("nan"), dtype=self.compute_dtype, device=self.device)
+
+        named = dict(model.named_parameters())
+        self.chunks: list[Chunk] = []
+        self.slot_of: dict[int, ParamSlot] = {}  # id(param) -> slot
+        for chunk_plan in plan.memory.chunks:
+            chunk = Chunk(chunk_plan.id, [(name, named[name]) for name in chunk_plan.params], plan.memory.chunk_size,
+                          comm, self.compute_dtype, self.device, chunk_plan.resident, chunk_plan.offload)
+            self.chunks.append(chunk)
+            for slot in chunk.slots:
+                self.slot_of[id(slot.param)] = slot
+        self.slots: list[ParamSlot] = [slot for chunk in self.chunks for slot in chunk.slots]
+        self._init_shards()
+        self._place_replicated()
+
+        side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" and plan.memory.prefetch else None
+        self.cache = ChunkCache(self.chunks, plan.memory.cache_blocks, plan.memory.prefetch, self.placeholder,
+                                side_stream)
+        self.module_names: dict[torch.nn.Module, str] = {}
+        self.module_chunks: dict[torch.nn.Module, list[Chunk]] = {}
+        self.module_slots: dict[torch.nn.Module, list[ParamSlot]] = {}
+        for name, module in model.named_modules():
+            slots = [self.slot_of[id(p)] for p in module.parameters(recurse=False) if id(p) in self.slot_of]
+            if slots:
+                chunks = list(dict.fromkeys(slot.chunk for slot in slots))
+                self.module_names[module] = name or "<model>"
+                self.module_chunks[module] = [c for c in chunks if not c.resident]
+                self.module_slots[module] = slots
+        self.module_ancestors = self._hooked_ancestors()
+        self._check_cache_fits()
+        self._handles = install_module_hooks(self.module_names, self._pre_forward, self._post_forward,
+                                             self._pre_backward)
+        self._handles += install_grad_hooks([slot.param for slot in self.slots], self._on_grad)
+        self._apply_checkpointing()
+
+        self.used = torch.zeros(len(self.slots), dtype=torch.bool)  # got a gradient since zero_grad
+        self._slot_index = {id(slot): i for i, slot in enumerate(self.slots)}
+        self._free_staging: list[torch.Tensor] = []
+        self._reducing: list[Chunk] = []
+        self._callback_queued = False
+        self._bwd_module: torch.nn.Module | None = None
+        self._bwd_pins: list[torch.nn.Module] = []
+        self.in_backward = False
+        self.backward_passes = 0
+        for chunk in self.chunks:
+            if chunk.resident:
+                chunk.gather(async_op=False)
+                chunk.bind()
+            else:
+                chunk.unbind(self.placeholder(chunk))
+
+    # --- setup ---------------------------------------------------------------------------------
+
+    def placeholder(self, chunk: Chunk) -> torch.Tensor:
+        return self._nan
+
+    def _init_shards(self) -> None:
+        """Master shards from the model's weights; rank 0's weights win, as in DDP."""
+        for chunk in self.chunks:
+            flat = chunk.flat_from_params()
+            self.comm.broadcast(flat, src=0)
+            chunk.init_master(flat)
+
+    def _place_replicated(self) -> None:
+        """Frozen parameters and buffers: ordinary replicated tensors on the device."""
+        for param in self.model.parameters():
+            if id(param) in self.slot_of:
+                continue
+            data = param.data.to(self.device)
+            if data.is_floating_point() and self.compute_dtype != torch.float32:
+                data = data.to(self.compute_dtype)
+            data = data.contiguous()
+            self.comm.broadcast(data, src=0)
+            param.data = data
+        for module in self.model.modules():
+            for name, buffer in list(module.named_buffers(recurse=False)):
+                if buffer is not None and buffer.device != self.device:
+                    module._buffers[name] = buffer.to(self.device)
+
+    def _hooked_ancestors(self) -> dict[torch.nn.Module, list[torch.nn.Module]]:
+        """For each module owning chunked parameters, its ancestors that own some too."""
+        ancestors: dict[torch.nn.Module, list[torch.nn.Module]] = {}
+
+        def walk(module: torch.nn.Module, chain: list[torch.nn.Module]) -> None:
+            if module in self.module_chunks:
+                ancestors[module] = list(chain)
+                chain = chain + [module]
+            for child in module.children():
+                walk(child, chain)
+
+        walk(self.model, [])
+        return ancestors
+
+    def _chain_chunks(self, module: torch.nn.Module) -> list[Chunk]:
+        """Non-resident chunks a module needs while it runs: its own and its running ancestors'."""
+        chunks = list(self.module_chunks[module])
+        for ancestor in self.module_ancestors.get(module, []):
+            chunks += self.module_chunks[ancestor]
+        return list(dict.fromkeys(chunks))
+
+    def _check_cache_fits(self) -> None:
+        """A module runs inside its ancestors' forward: their chunks stay gathered meanwhile."""
+        need = {module: len(self._chain_chunks(module)) for module in self.module_chunks}
+        worst = max(need, key=need.get, default=None)
+        if worst is not None and need[worst] > self.plan.memory.cache_blocks:
+            raise ValueError(
+                f"module {self.module_names[worst]!r} uses {need[worst]} non-resident chunks at once (its own and "
+                f"those of the enclosing modules that own parameters) but the plan has memory.cache_blocks="
+                f"{self.plan.memory.cache_blocks}; the minimum for this chunking is {need[worst]}")
+
+    def _apply_checkpointing(self) -> None:
+        checkpointing = self.plan.training.activation_checkpointing
+        if checkpointing.every <= 0:
+            return
+        if not self.plan.model.block_list:
+            raise ValueError("training.activation_checkpointing is set but model.block_list names no blocks")
+        blocks = self.model.get_submodule(self.plan.model.block_list)
+        for index, block in enumerate(blocks):
+            if checkpointing.applies_to(index):
+                wrap_checkpointed(block)
+
+    # --- forward -------------------------------------------------------------------------------
+
+    def begin_forward(self) -> None:
+        """Called by the model wrapper before each forward (one micro-batch)."""
+        if self.in_backward:
+            self._abandon_backward()
+        self.cache.start_microbatch()
+
+    def _abandon_backward(self) -> None:
+        """A backward stopped by an exception never ran its end callback: drop what it staged."""
+        for chunk in self._reducing:
+            chunk.finish_reduce()
+        self._reducing.clear()
+        for chunk in self.chunks:
+            if chunk.staging is not None:
+                self._free_staging.append(chunk.staging)
+                chunk.staging, chunk.staged = None, 0
+            for slot in chunk.slots:
+                slot.awaiting_grad = False
+                slot.state = transition(slot.state, "reduced")
+        self.cache.wait_all()
+        self._bwd_module, self._bwd_pins = None, []
+        self._callback_queued = self.in_backward = False
+
+    def _pre_forward(self, module: torch.nn.Module) -> None:
+        if self.in_backward and self._bwd_module is not None:
+            # A recomputation: the module waiting for it need not hold its chunks meanwhile (its
+            # own recomputed forward, which comes last, gathers them again and pins them).
+            self._set_state(self._bwd_module, "done")
+        self.cache.fetch(self.module_chunks[module], self.module_names[module])
+        self._set_state(module, "use")
+
+    def _post_forward(self, module: torch.nn.Module) -> None:
+        self._set_state(module, "done")
+        if self.in_backward and module is self._bwd_module:
+            self._set_state(module, "use")
+
+    def _set_state(self, module: torch.nn.Module, event: str) -> None:
+        for slot in self.module_slots[module]:
+            slot.state = transition(slot.state, event)
+
+    # --- backward ------------------------------------------------------------------------------
+
+    def _queue_end_of_backward(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            self.in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _pre_backward(self, module: torch.nn.Module) -> None:
+        # Pin the module and its ancestors that own parameters: the ancestors' own ops around
+        # this module may need their weights in backward too.
+        self._queue_end_of_backward()
+        if module in self._bwd_pins:
+            return  # an ancestor whose output hook fires after its child's: already pinned and gathered
+        pins = [module] + self.module_ancestors.get(module, [])
+        for old in self._bwd_pins:
+            self._set_state(old, "done")
+        self._bwd_pins = pins
+        self._bwd_module = module
+        self.cache.fetch(self._chain_chunks(module), self.module_names[module])
+        for pinned in pins:
+            self._set_state(pinned, "use")
+        for slot in self.module_slots[module]:
+            if slot.state not in GRAD_STAGED:
+                slot.awaiting_grad = True
+
+    def _acquire_staging(self, chunk: Chunk) -> torch.Tensor:
+        if self._free_staging:
+            staging = self._free_staging.pop()
+            staging.zero_()
+            return staging
+        return torch.zeros(chunk.chunk_size, dtype=self.compute_dtype, device=self.device)
+
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        self._queue_end_of_backward()
+        slot = self.slot_of[id(param)]
+        chunk = slot.chunk
+        if chunk.staging is None:
+            chunk.staging = self._acquire_staging(chunk)
+        grad = param.grad
+        chunk.staging[slot.offset:slot.offset + slot.numel].copy_(grad.reshape(-1))
+        param.grad = None
+        slot.state = transition(slot.state, "grad")
+        slot.awaiting_grad = False
+        chunk.staged += 1
+        self.used[self._slot_index[id(slot)]] = True
+        if chunk.reduce_ready():
+            chunk.start_reduce()
+            self._reducing.append(chunk)
+
+    def _end_backward(self) -> None:
+        # Deterministic order on every rank: incomplete chunks in chunk order.
+        for chunk in self.chunks:
+            if chunk.staging is not None:
+                chunk.start_reduce()
+                self._reducing.append(chunk)
+        for chunk in self._reducing:
+            staging = chunk.finish_reduce()
+            if staging is not None:
+                self._free_staging.append(staging)
+        self._reducing.clear()
+        for slot in self.slots:
+            slot.awaiting_grad = False
+            if slot.state is TensorState.COMPUTE:
+                slot.state = transition(slot.state, "done")
+        self.cache.wait_all()
+        self.cache.finish_recording()
+        self._bwd_module = None
+        self._bwd_pins = []
+        self._callback_queued = False
+        self.in_backward = False
+        self.backward_passes += 1
+
+    # --- around the optimizer step -------------------------------------------------------------
+
+    def after_step(self) -> None:
+        """The shards changed: drop stale gathered copies, gather resident chunks again."""
+        self.cache.invalidate()
+        for chunk in self.chunks:
+            if chunk.resident:
+                chunk.gather(async_op=False)
+                chunk.fresh = True
+
+    def zero_grad(self) -> None:
+        for chunk in self.chunks:
+            chunk.grad.zero_()
+        self.used.zero_()
+
+    # --- state and accounting ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full fp32 weights under the original names (frozen parameters and buffers included).
+
+        Every rank takes part (all-gathers) and gets the full dictionary, on the CPU.
+        """
+        full: dict[int, torch.Tensor] = {}
+        for chunk in self.chunks:
+            flat = torch.empty(chunk.chunk_size, dtype=torch.float32, device=self.device)
+            shard = chunk.master.to(self.device)
+            self.comm.all_gather_into_tensor(flat, shard, async_op=False)
+            flat = flat.cpu()
+            for slot in chunk.slots:
+                full[id(slot.param)] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+        state = {}
+        for name, value in self.model.state_dict(keep_vars=True).items():
+            if id(value) in full:
+                state[name] = full[id(value)]
+            else:
+                tensor = value.detach()
+                if isinstance(value, torch.nn.Parameter) and tensor.is_floating_point():
+                    tensor = tensor.float()
+                state[name] = tensor.cpu().clone()
+        return state
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Sets the weights from a full state dict (as ``full_state_dict`` returns), on every rank.
+
+        Raises:
+            KeyError: a chunked parameter is missing from ``state``.
+        """
+        names = {id(value): name for name, value in self.model.state_dict(keep_vars=True).items()}
+        for chunk in self.chunks:
+            flat = torch.zeros(chunk.chunk_size, dtype=torch.float32, device=self.device)
+            for slot in chunk.slots:
+                value = state[names.get(id(slot.param), slot.name)]
+                flat[slot.offset:slot.offset + slot.numel].copy_(value.reshape(-1))
+            chunk.init_master(flat)
+        for name, value in self.model.state_dict(keep_vars=True).items():
+            if id(value) not in self.slot_of and name in state:
+                value.data.copy_(state[name])
+        self.after_step()
+
+    def memory_report(self) -> dict[str, int]:
+        """Model-state bytes of this rank, keys ``elixir_tune.plan.MODEL_STATE_KEYS``.
+
+        Computed from the buffers the engine allocated: cache slots (capacity: cache_blocks chunk
+        payloads in compute dtype), resident payloads, and master + gradient + optimizer-state
+        bytes of device and host shards.
+        """
+        item = DTYPE_BYTES[self.plan.training.dtype]
+        report = dict.fromkeys(MODEL_STATE_KEYS, 0)
+        report["cache_bytes"] = self.cache.cache_blocks * self.plan.memory.chunk_size * item
+        for chunk in self.chunks:
+            if chunk.resident:
+                report["resident_bytes"] += chunk.payload_bytes()
+            key = "host_shard_bytes" if chunk.offload else "device_shard_bytes"
+            report[key] += chunk.shard_bytes() + getattr(chunk, "optimizer_state_bytes", 0)
+        return report
+
+    def memory_stats(self) -> dict[str, int]:
+        """Measured figures beside the report: peak bytes of cache payloads actually held."""
+        return {"peak_cache_bytes": self.cache.peak_bytes, "gathers": self.cache.gathers,
+                "held_cache_bytes": sum(c.payload_bytes() for c in self.cache.held.values())}

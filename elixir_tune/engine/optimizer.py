@@ -1,0 +1,264 @@
+"""The user's optimizer, rebuilt over this rank's fp32 shards.
+
+``ShardedOptimizer`` is a torch.optim.Optimizer whose ``param_groups`` are the user's groups (so
+LR schedulers work on it); at each step their hyperparameters are copied into inner optimizers of
+the user's class, built over slices of the master shards: one tensor per (parameter, part of it in
+this shard), with the parameter's group's hyperparameters. Elementwise optimizers (Adam, AdamW,
+SGD) then do exactly what torch does per parameter. One inner optimizer per side (device shards,
+host shards: the host one steps on the CPU), fused where torch has a fused implementation.
+
+Adam's and SGD-momentum's state is preallocated as one flat buffer per chunk shard (so a shard
+costs exactly 16, resp. 12, bytes per element) and handed to torch as views.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from elixir_tune.engine.engine import Engine
+from elixir_tune.engine.scaler import DynamicLossScaler
+
+_IMPLEMENTATION_KEYS = ("fused", "foreach", "params")
+
+
+@dataclass
+class _ShardParam:
+    slot_index: int
+    tensor: torch.Tensor  # view of the master shard
+    grad: torch.Tensor  # view of the shard gradient
+    group: int  # user group index
+
+
+@dataclass
+class _GradStats:
+    backward_passes: int
+    overflow: bool
+    norm: torch.Tensor | None = None
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """Keeps the user's optimizer class, groups and hyperparameters, over this rank's shards.
+
+    Args:
+        optimizer: the user's optimizer, built on ``model.parameters()``.
+        engine: the engine holding the chunks.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: Engine):
+        self.engine = engine
+        self.optimizer_class = type(optimizer)
+        super().__init__([dict(group) for group in optimizer.param_groups], dict(optimizer.defaults))
+        self.scaler = DynamicLossScaler() if engine.plan.training.dtype == "fp16" else None
+        self.skipped_steps = 0
+        self._stats: _GradStats | None = None
+        self._unscaled_at = -1
+        group_of = {id(p): gi for gi, group in enumerate(self.param_groups) for p in group["params"]}
+        self._entries: list[_ShardParam] = []
+        per_side: dict[bool, list[_ShardParam]] = {False: [], True: []}
+        for index, slot in enumerate(engine.slots):
+            owned = slot.chunk.owned_range(slot)
+            gi = group_of.get(id(slot.param))
+            if owned is None or gi is None:
+                continue
+            begin, end = owned
+            entry = _ShardParam(index, slot.chunk.master[begin:end], slot.chunk.grad[begin:end], gi)
+            self._entries.append(entry)
+            per_side[slot.chunk.offload].append(entry)
+        self._inner: list[tuple[torch.optim.Optimizer, list[int]]] = []
+        for entries in per_side.values():
+            if entries:
+                self._inner.append(self._build_inner(entries))
+        self._preallocate_state()
+
+    # --- construction --------------------------------------------------------------------------
+
+    def _build_inner(self, entries: list[_ShardParam]) -> tuple[torch.optim.Optimizer, list[int]]:
+        group_ids = sorted({entry.group for entry in entries})
+        base_groups = []
+        for gi in group_ids:
+            group = {k: v for k, v in self.param_groups[gi].items() if k not in _IMPLEMENTATION_KEYS}
+            group["params"] = [entry.tensor for entry in entries if entry.group == gi]
+            base_groups.append(group)
+        defaults = self.defaults
+        attempts = []
+        if "fused" in defaults:
+            attempts.append({"fused": True, **({"foreach": None} if "foreach" in defaults else {})})
+        attempts.append({"foreach": True} if "foreach" in defaults else {})
+        error = None
+        for extra in attempts:
+            try:
+                inner = self.optimizer_class([dict(group, **extra) for group in base_groups])
+                return inner, group_ids
+            except (RuntimeError, ValueError, TypeError) as exc:  # no fused kernel for this device/version
+                error = exc
+        raise RuntimeError(f"cannot rebuild {self.optimizer_class.__name__} over the shards: {error}")
+
+    def _state_names(self) -> list[str]:
+        """Per-element optimizer state that torch keeps for this class (preallocated flat)."""
+        groups = self.param_groups
+        if issubclass(self.optimizer_class, (torch.optim.Adam, torch.optim.AdamW)):
+            return ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if any(g.get("amsgrad") for g in groups) else [])
+        if issubclass(self.optimizer_class, torch.optim.SGD):
+            if any(g.get("momentum", 0) != 0 for g in groups) and all(g.get("dampening", 0) == 0 for g in groups):
+                return ["momentum_buffer"]  # a zero buffer == torch's first-step clone of the gradient
+        return []
+
+    def _preallocate_state(self) -> None:
+        names = self._state_names()
+        for chunk in self.engine.chunks:
+            # Every chunk gets the full shard, padding included: 16 (Adam) or 12 (SGD) bytes/element.
+            chunk.optimizer_flats = {name: torch.zeros_like(chunk.master) for name in names}
+            chunk.optimizer_state_bytes = sum(flat.nbytes for flat in chunk.optimizer_flats.values())
+        by_tensor = {id(entry.tensor): entry for entry in self._entries}
+        is_adam = issubclass(self.optimizer_class, (torch.optim.Adam, torch.optim.AdamW))
+        for inner, _ in self._inner:
+            for group in inner.param_groups:
+                for tensor in group["params"]:
+                    entry = by_tensor[id(tensor)]
+                    chunk = self.engine.slots[entry.slot_index].chunk
+                    begin = (tensor.data_ptr() - chunk.master.data_ptr()) // chunk.master.element_size()
+                    state = inner.state[tensor]
+                    for name in names:
+                        if name == "max_exp_avg_sq" and not group.get("amsgrad"):
+                            continue
+                        if name == "momentum_buffer" and group.get("momentum", 0) == 0:
+                            continue
+                        state[name] = chunk.optimizer_flats[name][begin:begin + tensor.numel()]
+                    if is_adam:
+                        fused = group.get("fused") or group.get("capturable")
+                        dtype = torch.float32 if fused or torch.get_default_dtype() != torch.float64 else torch.float64
+                        state["step"] = (torch.zeros((), dtype=dtype, device=tensor.device) if fused
+                                         else torch.tensor(0.0, dtype=dtype))
+
+    # --- the training-loop API -----------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, scaled by the loss scale for fp16."""
+        if self.scaler is not None:
+            loss = loss * self.scaler.scale
+        loss.backward()
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def _grad_stats(self, need_norm: bool = False, norm_type: float = 2.0) -> _GradStats:
+        """Unscales (fp16), checks overflow and (when asked) the global norm; all-reduced once."""
+        engine = self.engine
+        passes = engine.backward_passes
+        stats = self._stats
+        if stats is not None and stats.backward_passes == passes and (stats.norm is not None or not need_norm):
+            return stats
+        grads = [chunk.grad for chunk in engine.chunks]
+        if self.scaler is not None and self._unscaled_at != passes:
+            inverse = 1.0 / self.scaler.scale
+            for grad in grads:
+                grad.mul_(inverse)
+            self._unscaled_at = passes
+        if not need_norm and self.scaler is None:
+            self._stats = _GradStats(passes, False)
+            return self._stats
+        device = engine.comm.device
+        if math.isinf(norm_type):
+            local = torch.stack([g.abs().max().float().to(device) for g in grads]).max().reshape(1)
+            engine.comm.all_reduce_max(local)
+            norm = local[0]
+        else:
+            local = torch.stack([torch.linalg.vector_norm(g.float(), norm_type).to(device) ** norm_type
+                                 for g in grads]).sum().reshape(1)
+            engine.comm.all_reduce_sum(local)
+            norm = local[0] ** (1.0 / norm_type)
+        overflow = self.scaler is not None and not bool(torch.isfinite(norm))
+        self._stats = _GradStats(passes, overflow, norm)
+        return self._stats
+
+    @torch.no_grad()
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips the gradients of all shards of all ranks together, as torch.nn.utils.clip_grad_norm_.
+
+        Args:
+            max_norm: largest allowed global norm.
+            norm_type: 2.0 or inf.
+
+        Returns:
+            The global norm before clipping (fp32 scalar tensor, same on every rank).
+        """
+        if norm_type not in (2.0, math.inf):
+            raise ValueError(f"clip_grad_norm supports norm_type 2 and inf, got {norm_type}")
+        stats = self._grad_stats(need_norm=True, norm_type=norm_type)
+        norm = stats.norm
+        if torch.isfinite(norm):
+            coef = max_norm / (float(norm) + 1e-6)
+            if coef < 1.0:
+                for chunk in self.engine.chunks:
+                    chunk.grad.mul_(coef)
+        return norm
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One optimizer step over this rank's shards (skipped on every rank on fp16 overflow)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        stats = self._grad_stats()
+        if stats.overflow:
+            self.scaler.update(overflow=True)
+            self.skipped_steps += 1
+            return loss
+        used = self.engine.used.to(torch.float32).to(self.engine.comm.device)
+        self.engine.comm.all_reduce_sum(used)  # used on any rank = has a gradient (tiny, once a step)
+        used = used.cpu() > 0
+        for entry in self._entries:
+            # A parameter without a gradient anywhere is skipped, as torch skips grad None.
+            entry.tensor.grad = entry.grad if bool(used[entry.slot_index]) else None
+        if self.engine.device.type == "cuda" and any(chunk.offload for chunk in self.engine.chunks):
+            # Asynchronous host<->device copies of host shards must be done before the CPU step.
+            torch.cuda.current_stream(self.engine.device).synchronize()
+        for inner, group_ids in self._inner:
+            for inner_group, gi in zip(inner.param_groups, group_ids):
+                for key, value in self.param_groups[gi].items():
+                    if key not in _IMPLEMENTATION_KEYS:
+                        inner_group[key] = value
+            inner.step()
+        if self.scaler is not None:
+            self.scaler.update(overflow=False)
+        self.engine.after_step()
+        self._stats = None
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zeroes the shard gradients (they are buffers: never None)."""
+        self.engine.zero_grad()
+        self._stats = None
+        self._unscaled_at = -1
+
+    # --- checkpoints ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """This rank's optimizer state (shard-local) and the loss scaler."""
+        return {"inner": [inner.state_dict() for inner, _ in self._inner],
+                "scaler": self.scaler.state_dict() if self.scaler else None,
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restores what ``state_dict`` saved on this rank (same plan and world size)."""
+        for (inner, _), state in zip(self._inner, state_dict["inner"]):
+            flats = {id(p): {k: v for k, v in inner.state[p].items() if k != "step"} for g in inner.param_groups
+                     for p in g["params"]}
+            inner.load_state_dict(state)
+            for group in inner.param_groups:
+                for param in group["params"]:
+                    for name, view in flats[id(param)].items():
+                        # Keep the state in the preallocated flat buffers.
+                        loaded = inner.state[param].get(name)
+                        if loaded is not None:
+                            view.copy_(loaded)
+                            inner.state[param][name] = view
+        if self.scaler is not None and state_dict.get("scaler"):
+            self.scaler.load_state_dict(state_dict["scaler"])
+        for group, saved in zip(self.param_groups, state_dict.get("param_groups", [])):
+            group.update(saved)

@@ -1,0 +1,84 @@
+"""``setup``: from an ordinary model and optimizer to the chunk engine a plan describes."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from elixir_tune.engine.comm import init_comm
+from elixir_tune.engine.engine import Engine
+from elixir_tune.engine.model import ElixirModel
+from elixir_tune.engine.optimizer import ShardedOptimizer
+from elixir_tune.plan import PLAN_ENV_VAR, Plan, PlanError, fingerprint, load_plan, validate
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """The fingerprint a plan for ``model`` must carry (names, shapes, dtypes in order)."""
+    return fingerprint([(name, list(p.shape), str(p.dtype).removeprefix("torch."))
+                        for name, p in model.named_parameters()])
+
+
+def _resolve_plan(plan: Plan | str | os.PathLike | None) -> Plan:
+    if plan is None:
+        path = os.environ.get(PLAN_ENV_VAR)
+        if not path:
+            raise ValueError(f"no plan: pass plan= to setup or set ${PLAN_ENV_VAR} "
+                             "(elixir-run sets it); make one with `elixir-tune search`")
+        return load_plan(path)
+    if isinstance(plan, Plan):
+        problems = validate(plan)
+        if problems:
+            raise PlanError("<plan>", problems)
+        return plan
+    return load_plan(plan)
+
+
+def check_plan_matches(model: torch.nn.Module, plan: Plan) -> None:
+    """Raises ValueError when the plan was made for another model or misses its parameters."""
+    found = model_fingerprint(model)
+    if found != plan.model.fingerprint:
+        raise ValueError(
+            f"the plan was made for another model: its model fingerprint is {plan.model.fingerprint}, this model's "
+            f"is {found} (parameter names, shapes or dtypes differ); run `elixir-tune profile` and "
+            "`elixir-tune search` again for this model")
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    planned = [name for chunk in plan.memory.chunks for name in chunk.params]
+    problems = []
+    missing = sorted(trainable - set(planned))
+    if missing:
+        problems.append(f"trainable parameters in no chunk: {', '.join(missing[:5])}")
+    unknown = sorted(set(planned) - trainable - frozen)
+    if unknown:
+        problems.append(f"chunks name unknown parameters: {', '.join(unknown[:5])}")
+    in_chunks_frozen = sorted(set(planned) & frozen)
+    if in_chunks_frozen:
+        problems.append("frozen parameters (requires_grad False) must not be in chunks: "
+                        + ", ".join(in_chunks_frozen[:5]))
+    if problems:
+        raise ValueError("the plan does not match the model's parameters: " + "; ".join(problems))
+
+
+def setup(model: torch.nn.Module, optimizer: torch.optim.Optimizer, plan: Plan | str | None = None):
+    """Shards ``model`` and ``optimizer`` as the plan says.
+
+    Starts the process group when needed (nccl for cuda, gloo for cpu; from the torchrun
+    environment), checks the plan against the model, packs the trainable parameters into chunks,
+    installs the hooks and rebuilds the optimizer over this rank's shards.
+
+    Args:
+        model: the user's module (weights as initialised; rank 0's are used everywhere).
+        optimizer: an optimizer built on ``model.parameters()`` (Adam, AdamW, SGD, param groups kept).
+        plan: a Plan, a path to a plan YAML, or None to read ``$ELIXIR_TUNE_PLAN``.
+
+    Returns:
+        (model, optimizer): an ElixirModel to call like the original module, and a
+        ShardedOptimizer with ``backward(loss)``, ``clip_grad_norm(max_norm)``, ``step()`` and
+        ``zero_grad()``.
+    """
+    plan = _resolve_plan(plan)
+    check_plan_matches(model, plan)
+    comm = init_comm(plan.world_size, plan.cluster.device, plan.cluster.backend)
+    engine = Engine(model, plan, comm)
+    return ElixirModel(model, engine), ShardedOptimizer(optimizer, engine)

@@ -1,0 +1,207 @@
+#!/usr/bin/env python
+"""Step time of the chunk engine against plain PyTorch (1 process) and torch DDP (2 gloo processes), CPU.
+
+    python scripts/bench_engine.py                      # both comparisons, default model
+    python scripts/bench_engine.py --steps 6 --layers 4 --out benchmarks/results/engine-cpu.json
+
+Model: transformers GPT-2 (n_embd 512, 6 layers, 8 heads, vocab 16384, seq 128: 27M parameters by
+default), fp32, AdamW; engine plan: 1M-element chunks, every chunk cached, no offload, no
+checkpointing, no prefetch (what a plan for a model that fits looks like). A step is forward +
+backward + optimizer step + zero_grad; baseline and engine steps alternate (the same load hits
+both); figures are the median and the minimum over ``--steps`` timed steps after ``--warmup``
+steps. Prints and saves JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def build_model(args):
+    import torch
+    import transformers
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = GPT2Config(n_embd=args.hidden, n_layer=args.layers, n_head=args.heads, vocab_size=args.vocab,
+                        n_positions=args.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config)
+
+
+def make_plan(model, world: int, chunk_size: int, prefetch: int = 0):
+    from elixir_tune.engine import model_fingerprint
+    from elixir_tune.plan import ChunkPlan, ClusterInfo, MemoryPlan, ModelInfo, Plan, TrainingInfo
+
+    chunk_size = -(-chunk_size // world) * world
+    chunks, used = [[]], 0
+    for name, param in model.named_parameters():
+        chunk_size = max(chunk_size, -(-param.numel() // world) * world)
+    for name, param in model.named_parameters():
+        if used + param.numel() > chunk_size and chunks[-1]:
+            chunks.append([])
+            used = 0
+        chunks[-1].append((name, param.numel()))
+        used += param.numel()
+    return Plan(
+        model=ModelInfo(source="bench", fingerprint=model_fingerprint(model),
+                        num_params=sum(p.numel() for p in model.parameters())),
+        cluster=ClusterInfo(hardware="cpu", nodes=1, gpus_per_node=world, device="cpu", backend="gloo"),
+        training=TrainingInfo(dtype="fp32", global_batch_size=world, micro_batch_size=1, grad_accum_steps=1,
+                              seq_len=128),
+        memory=MemoryPlan(chunk_size=chunk_size, cache_blocks=len(chunks), prefetch=min(prefetch, len(chunks) - 1),
+                          chunks=[ChunkPlan(id=i, params=[n for n, _ in c], numel=sum(k for _, k in c))
+                                  for i, c in enumerate(chunks)]),
+    )
+
+
+def one_step(model, optimizer, batch, engine: bool) -> float:
+    start = time.perf_counter()
+    loss = model(**batch).loss
+    if engine:
+        optimizer.backward(loss)
+    else:
+        loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return time.perf_counter() - start
+
+
+def build_pair(args, baseline: str, rank: int, world: int):
+    """(baseline model, optimizer), (engine model, optimizer), batch; same weights and data."""
+    import torch
+
+    import elixir_tune
+
+    generator = torch.Generator().manual_seed(rank)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator)
+    batch = {"input_ids": ids, "labels": ids}
+    model = build_model(args)
+    if baseline == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    base = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    model = build_model(args)
+    plan = make_plan(model, world, args.chunk_size, args.prefetch)
+    engine = elixir_tune.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4), plan=plan)
+    return base, engine, batch
+
+
+def alternate(args, baseline: str, rank: int, world: int) -> dict[str, list[float]]:
+    """Times baseline and engine steps alternately, so that load from other processes hits both alike."""
+    base, engine, batch = build_pair(args, baseline, rank, world)
+    times: dict[str, list[float]] = {baseline: [], "engine": []}
+    for step in range(args.warmup + args.steps):
+        t_base = one_step(*base, batch, engine=False)
+        t_engine = one_step(*engine, batch, engine=True)
+        if step >= args.warmup:
+            times[baseline].append(t_base)
+            times["engine"].append(t_engine)
+    return times
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(args.threads_per_rank)
+    dist.init_process_group("gloo")
+    results = alternate(args, "ddp", rank, world)
+    if rank == 0:
+        Path(args.worker_out).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def launch_world2(args) -> dict:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp, "w2.json"))
+        argv = [sys.executable, __file__, "--worker", "--worker-out", out] + args.passthrough
+        procs = [subprocess.Popen(argv, env=dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
+                                                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                                                 OMP_NUM_THREADS=str(args.threads_per_rank),
+                                                 PYTHONWARNINGS="ignore"))
+                 for r in range(2)]
+        for proc in procs:
+            if proc.wait(timeout=1800):
+                raise SystemExit(f"world-2 worker failed with exit status {proc.returncode}")
+        return json.loads(Path(out).read_text())
+
+
+def summarise(times: dict[str, list[float]], baseline: str) -> dict:
+    median = {mode: statistics.median(t) for mode, t in times.items()}
+    best = {mode: min(t) for mode, t in times.items()}
+    return {"median_step_time_s": median, "min_step_time_s": best, "all_step_times_s": times,
+            f"ratio_engine_vs_{baseline}_median": median["engine"] / median[baseline],
+            f"ratio_engine_vs_{baseline}_min": best["engine"] / best[baseline]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=16384)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=4, help="samples per rank per step")
+    parser.add_argument("--chunk-size", type=int, default=1 << 20, help="elements per chunk")
+    parser.add_argument("--prefetch", type=int, default=0, help="plan's memory.prefetch")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads, world 1")
+    parser.add_argument("--threads-per-rank", type=int, default=1)
+    parser.add_argument("--skip-world2", action="store_true")
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "engine-cpu.json"))
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.passthrough = [f"--{k}={getattr(args, k.replace('-', '_'))}" for k in
+                        ("hidden", "layers", "heads", "vocab", "seq", "batch", "chunk-size", "prefetch", "steps",
+                         "warmup", "threads-per-rank")]
+    if args.worker:
+        worker(args)
+        return
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    result = {"device": "cpu", "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+              "torch": torch.__version__, "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+              "model": {k: getattr(args, k) for k in ("hidden", "layers", "heads", "vocab", "seq", "batch")},
+              "num_params": sum(p.numel() for p in build_model(args).parameters()),
+              "steps": args.steps, "warmup": args.warmup}
+    result["world1"] = dict(summarise(alternate(args, "torch", 0, 1), "torch"), threads=args.threads)
+    w1 = result["world1"]
+    print(f"world 1: torch {w1['median_step_time_s']['torch'] * 1e3:.1f} ms/step, engine "
+          f"{w1['median_step_time_s']['engine'] * 1e3:.1f} ms/step (medians); engine/torch "
+          f"{w1['ratio_engine_vs_torch_median']:.3f} (median), {w1['ratio_engine_vs_torch_min']:.3f} (min)")
+    if not args.skip_world2:
+        result["world2"] = dict(summarise(launch_world2(args), "ddp"), threads_per_rank=args.threads_per_rank)
+        w2 = result["world2"]
+        print(f"world 2 (gloo): ddp {w2['median_step_time_s']['ddp'] * 1e3:.1f} ms/step, engine "
+              f"{w2['median_step_time_s']['engine'] * 1e3:.1f} ms/step (medians); engine/ddp "
+              f"{w2['ratio_engine_vs_ddp_median']:.3f} (median), {w2['ratio_engine_vs_ddp_min']:.3f} (min)")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"saved {args.out}")
+
+
+if __name__ == "__main__":
+    main()

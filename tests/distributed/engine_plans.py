@@ -1,0 +1,176 @@
+"""Hand-made plans and small models for the engine tests (no search involved).
+
+``make_plan`` packs a model's trainable parameters in registration order (first-use order for the
+test models) into chunks and builds a valid Plan for the given shape.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from elixir_tune.plan import (
+    Checkpointing, ChunkPlan, ClusterInfo, MemoryPlan, ModelInfo, Plan, TrainingInfo, fingerprint, validate,
+)
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    return fingerprint([(name, list(p.shape), str(p.dtype).removeprefix("torch."))
+                        for name, p in model.named_parameters()])
+
+
+def pack(model: nn.Module, chunk_size: int) -> list[list[tuple[str, int]]]:
+    """Greedy first-fit in order: (name, numel) lists, one per chunk."""
+    chunks: list[list[tuple[str, int]]] = [[]]
+    used = 0
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if used + param.numel() > chunk_size and chunks[-1]:
+            chunks.append([])
+            used = 0
+        chunks[-1].append((name, param.numel()))
+        used += param.numel()
+    return chunks
+
+
+def min_cache_blocks(model: nn.Module, chunks: list[list[tuple[str, int]]], resident: set[int]) -> int:
+    """Most non-resident chunks a module needs at once: its own and its ancestors' (they are running)."""
+    owner = {id(p): name for name, p in model.named_parameters()}
+    chunk_of = {name: i for i, chunk in enumerate(chunks) for name, _ in chunk}
+
+    def own(module: nn.Module) -> set[int]:
+        return {chunk_of[owner[id(p)]] for p in module.parameters(recurse=False)
+                if p.requires_grad and owner[id(p)] in chunk_of} - resident
+
+    def walk(module: nn.Module, above: set[int]) -> int:
+        mine = own(module)
+        here = len(above | mine) if mine else 1
+        return max([here] + [walk(child, above | mine) for child in module.children()])
+
+    return walk(model, set())
+
+
+def make_plan(model: nn.Module, world_size: int, chunk_size: int, cache: str | int = "all",
+              offload: float = 0.0, prefetch: int = 0, checkpoint_every: int = 0, dtype: str = "fp32",
+              resident: tuple[int, ...] = (), block_list: str = "", micro_batch_size: int = 2,
+              grad_accum_steps: int = 1, seq_len: int = 8, device: str = "cpu") -> Plan:
+    """A valid plan for ``model``.
+
+    Args:
+        cache: "all" (every non-resident chunk), "min" (the fewest that work, plus room for
+            prefetch), or a number.
+        offload: fraction of chunks whose shard lives on the host, spread evenly.
+        resident: chunk ids kept gathered.
+    """
+    chunk_size = math.ceil(chunk_size / world_size) * world_size
+    packed = pack(model, chunk_size)
+    offloaded = {i for i in range(len(packed)) if math.floor((i + 1) * offload) > math.floor(i * offload)}
+    chunks = [ChunkPlan(id=i, params=[n for n, _ in c], numel=sum(k for _, k in c), resident=i in resident,
+                        offload=i in offloaded) for i, c in enumerate(packed)]
+    cacheable = sum(1 for c in chunks if not c.resident)
+    if cache == "all":
+        blocks = cacheable
+    elif cache == "min":
+        blocks = min_cache_blocks(model, packed, set(resident))
+    else:
+        blocks = int(cache)
+    blocks = min(max(blocks, prefetch + 1 if prefetch else blocks), cacheable)
+    prefetch = min(prefetch, max(blocks - 1, 0))
+    num_blocks = len(model.get_submodule(block_list)) if block_list else 0
+    plan = Plan(
+        model=ModelInfo(source="tests", fingerprint=model_fingerprint(model),
+                        num_params=sum(p.numel() for p in model.parameters()), name=type(model).__name__,
+                        block_list=block_list, num_blocks=num_blocks),
+        cluster=ClusterInfo(hardware="test", nodes=1, gpus_per_node=world_size, device=device,
+                            backend="nccl" if device == "cuda" else "gloo"),
+        training=TrainingInfo(dtype=dtype, global_batch_size=micro_batch_size * grad_accum_steps * world_size,
+                              micro_batch_size=micro_batch_size, grad_accum_steps=grad_accum_steps, seq_len=seq_len,
+                              activation_checkpointing=Checkpointing(every=checkpoint_every)),
+        memory=MemoryPlan(chunk_size=chunk_size, cache_blocks=blocks, prefetch=prefetch, chunks=chunks),
+    )
+    problems = validate(plan)
+    assert not problems, problems
+    return plan
+
+
+# --- models -------------------------------------------------------------------------------------
+
+VOCAB = 64
+
+
+def tiny_gpt2(seed: int = 0) -> nn.Module:
+    """GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=32), no dropout."""
+    import transformers
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    config = GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=VOCAB, n_positions=32, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config)
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, 2 * dim)
+        self.out = nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        return x + self.out(F.gelu(self.fc(self.norm(x))))
+
+
+class TiedNet(nn.Module):
+    """Tied embedding/head, a frozen parameter, a module never called, a parameter on the root."""
+
+    def __init__(self, dim: int = 16, blocks: int = 3):
+        super().__init__()
+        # Owned by the root module (an ancestor of every other module); its backward needs its data.
+        self.gain = nn.Parameter(torch.ones(dim))
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.body = nn.ModuleList([Block(dim) for _ in range(blocks)])
+        self.frozen_scale = nn.Parameter(torch.full((dim,), 0.75), requires_grad=False)
+        self.unused = nn.Linear(dim, dim)  # never called: its parameters get no gradient
+        self.extra = nn.Linear(dim, dim)  # called only while ``use_extra`` is set (some steps)
+        self.use_extra = False
+        self.head = nn.Linear(dim, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, input_ids, labels):
+        h = self.emb(input_ids) * self.gain
+        for block in self.body:
+            h = block(h)
+        if self.use_extra:
+            h = h + self.extra(h)
+        logits = self.head(h * self.frozen_scale)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        return SimpleNamespace(loss=loss, logits=logits)
+
+
+def tied_net(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return TiedNet()
+
+
+def batches(steps: int, global_batch: int, seq_len: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:
+    """Deterministic token batches (input_ids and labels), the same in every process."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, VOCAB, (global_batch, seq_len), generator=generator)
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+def param_groups(model: nn.Module, weight_decay: float = 0.1) -> list[dict]:
+    """Decay on matrices, none on biases, norms and vectors (two groups, as GPT training does)."""
+    decay, no_decay = [], []
+    for _, param in model.named_parameters():
+        (decay if param.ndim >= 2 else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

@@ -1,0 +1,196 @@
+"""Worker for the engine's multi-process tests: trains cases with the engine, compares with torch.
+
+Run by ``engine_launch.py`` as N processes with the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT); also importable, for world size 1 in-process. Each case is a dict:
+
+    model: gpt2 | tied          optimizer: adamw | adam | sgd
+    chunk_size, cache ("all" | "min" | int), offload (fraction), prefetch, checkpoint (every),
+    accum (micro-batches per step), micro (samples per micro-batch per rank), steps, dtype,
+    clip (max norm or 0), scheduler (bool), resident (chunk ids), plant_inf_step (fp16 test),
+    alternate_extra (TiedNet's ``extra`` module runs in every third step only)
+
+Rank 0 also trains plain PyTorch on the whole global batch (fp32; autocast for bf16 cases) and
+returns both loss curves and the largest weight difference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_plans import batches, make_plan, param_groups, tied_net, tiny_gpt2  # noqa: E402
+
+import elixir_tune  # noqa: E402
+from elixir_tune.plan import SHARD_BYTES_PER_ELEMENT  # noqa: E402
+
+SEQ = 8
+
+
+def build(case: dict):
+    model = tiny_gpt2() if case["model"] == "gpt2" else tied_net()
+    groups = param_groups(model)
+    name = case.get("optimizer", "adamw")
+    if name == "adamw":
+        opt = torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95), eps=1e-6, foreach=False)
+    elif name == "adam":
+        opt = torch.optim.Adam(groups, lr=3e-3, foreach=False)
+    else:
+        opt = torch.optim.SGD(groups, lr=0.05, momentum=0.9, foreach=False)
+    scheduler = None
+    if case.get("scheduler"):
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + 0.1 * step))
+    return model, opt, scheduler
+
+
+def block_list(case: dict) -> str:
+    return "transformer.h" if case["model"] == "gpt2" else "body"
+
+
+def global_batches(case: dict, world: int):
+    return batches(case.get("steps", 20), case.get("micro", 2) * case.get("accum", 1) * world, SEQ)
+
+
+def local_micro(batch: dict, rank: int, world: int, accum: int, k: int) -> dict:
+    """Micro-batch k of this rank: ranks take contiguous slices, micro-batches split those."""
+    per_rank = batch["input_ids"].shape[0] // world
+    per_micro = per_rank // accum
+    start = rank * per_rank + k * per_micro
+    return {key: value[start:start + per_micro] for key, value in batch.items()}
+
+
+def run_engine(case: dict, rank: int, world: int) -> dict:
+    model, opt, _ = build(case)
+    plan = make_plan(model, world, case["chunk_size"], cache=case.get("cache", "all"),
+                     offload=case.get("offload", 0.0), prefetch=case.get("prefetch", 0),
+                     checkpoint_every=case.get("checkpoint", 0), dtype=case.get("dtype", "fp32"),
+                     resident=tuple(case.get("resident", ())), block_list=block_list(case),
+                     micro_batch_size=case.get("micro", 2), grad_accum_steps=case.get("accum", 1), seq_len=SEQ)
+    model, opt = elixir_tune.setup(model, opt, plan=plan)
+    scheduler = None
+    if case.get("scheduler"):
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + 0.1 * step))
+    accum = case.get("accum", 1)
+    losses, norms, skipped = [], [], []
+    for step, batch in enumerate(global_batches(case, world)):
+        total = 0.0
+        if case.get("alternate_extra"):
+            model.module.use_extra = step % 3 == 1  # a module used in some steps only
+        for k in range(accum):
+            loss = model(**local_micro(batch, rank, world, accum, k)).loss / accum
+            opt.backward(loss)
+            total += float(loss.detach())
+        if case.get("plant_inf_step") == step and rank == world - 1:
+            model.engine.chunks[0].grad[0] = float("inf")  # only this rank's shard sees it
+        if case.get("clip"):
+            norms.append(float(opt.clip_grad_norm(case["clip"])))
+        before = opt.skipped_steps
+        opt.step()
+        skipped.append(opt.skipped_steps - before)
+        opt.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(total)
+    full = model.state_dict()  # a collective: every rank calls it
+    state = {k: v.tolist() for k, v in full.items()} if rank == 0 else None
+    report = model.memory_report()
+    expected = expected_report(plan, case, rank, world)
+    return {"losses": losses, "norms": norms, "skipped": skipped, "state": state, "report": report,
+            "expected_report": expected, "loss_scale": opt.loss_scale,
+            "peak_cache_bytes": model.engine.memory_stats()["peak_cache_bytes"]}
+
+
+def expected_report(plan, case: dict, rank: int, world: int) -> dict:
+    """The schema.py formulas for model-state bytes."""
+    item = {"fp32": 4, "bf16": 2, "fp16": 2}[plan.training.dtype]
+    per_element = SHARD_BYTES_PER_ELEMENT["adam" if case.get("optimizer", "adamw") != "sgd" else "sgd_momentum"]
+    shard = plan.memory.chunk_size // world
+    chunks = plan.memory.chunks
+    return {
+        "cache_bytes": plan.memory.cache_blocks * plan.memory.chunk_size * item,
+        "resident_bytes": sum(plan.memory.chunk_size * item for c in chunks if c.resident),
+        "device_shard_bytes": sum(shard * per_element for c in chunks if not c.offload),
+        "host_shard_bytes": sum(shard * per_element for c in chunks if c.offload),
+    }
+
+
+def run_reference(case: dict, world: int) -> dict:
+    model, opt, scheduler = build(case)
+    autocast = case.get("dtype", "fp32") == "bf16"
+    losses, norms = [], []
+    for step, batch in enumerate(global_batches(case, world)):
+        if case.get("alternate_extra"):
+            model.use_extra = step % 3 == 1
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(**batch).loss
+        loss.backward()
+        if case.get("clip"):
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"])))
+        opt.step()
+        opt.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "norms": norms, "state": {k: v.tolist() for k, v in model.state_dict().items()}}
+
+
+def compare(engine: dict, reference: dict, world_losses: list[float]) -> dict:
+    """Largest relative loss difference and absolute weight difference."""
+    loss_rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(world_losses, reference["losses"]))
+    weight = 0.0
+    assert set(engine["state"]) == set(reference["state"]), (set(engine["state"]) ^ set(reference["state"]))
+    for key, ref in reference["state"].items():
+        a = torch.tensor(engine["state"][key])
+        b = torch.tensor(ref)
+        assert a.shape == b.shape, key
+        weight = max(weight, float((a.float() - b.float()).abs().max()) if a.numel() else 0.0)
+    norm_rel = max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(engine["norms"], reference["norms"])),
+                   default=0.0)
+    return {"loss_rel": loss_rel, "weight_abs": weight, "norm_rel": norm_rel}
+
+
+def main() -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cases = json.loads(open(sys.argv[1]).read())
+    out_path = sys.argv[2]
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    results = []
+    for case in cases:
+        try:
+            start = time.perf_counter()
+            engine = run_engine(case, rank, world)
+            engine_s = time.perf_counter() - start
+            losses = torch.tensor(engine["losses"], dtype=torch.float64)
+            if world > 1:
+                dist.all_reduce(losses)
+            engine["world_losses"] = (losses / world).tolist()
+            result = {"case": case, "ok": True, "report": engine["report"],
+                      "expected_report": engine["expected_report"], "skipped": engine["skipped"],
+                      "world_losses": engine["world_losses"], "loss_scale": engine["loss_scale"],
+                      "peak_cache_bytes": engine["peak_cache_bytes"], "engine_s": engine_s}
+            if rank == 0:
+                reference = run_reference(case, world)
+                result.update(compare(engine, reference, engine["world_losses"]))
+                result["ref_losses"] = reference["losses"]
+        except Exception as exc:  # report, keep the ranks in step for the next case
+            import traceback
+
+            result = {"case": case, "ok": False, "error": f"{type(exc).__name__}: {exc}",
+                      "trace": traceback.format_exc()[-3000:]}
+        results.append(result)
+    with open(f"{out_path}.rank{rank}.json", "w") as f:
+        json.dump(results, f)
+    if world > 1 and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

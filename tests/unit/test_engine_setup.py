@@ -1,0 +1,196 @@
+"""Engine setup, errors, memory report and buffers, in one process (a world of one needs no group)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "distributed"))
+from engine_plans import batches, make_plan, param_groups, tied_net, tiny_gpt2  # noqa: E402
+
+import elixir_tune  # noqa: E402
+from elixir_tune.plan import MODEL_STATE_KEYS, SHARD_BYTES_PER_ELEMENT  # noqa: E402
+
+
+def setup_tied(**plan_kwargs):
+    model = tied_net()
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.AdamW(param_groups(model), lr=1e-2, eps=1e-6)
+    plan = make_plan(model, 1, plan_kwargs.pop("chunk_size", 1024), block_list="body", **plan_kwargs)
+    model, opt = elixir_tune.setup(model, opt, plan=plan)
+    return model, opt, plan, reference
+
+
+def train_step(model, opt, batch, clip=0.0):
+    loss = model(**batch).loss
+    opt.backward(loss)
+    norm = opt.clip_grad_norm(clip) if clip else None
+    opt.step()
+    opt.zero_grad()
+    return loss, norm
+
+
+def test_fingerprint_mismatch_is_a_clear_error():
+    model = tied_net()
+    plan = make_plan(model, 1, 1024)
+    other = tiny_gpt2()
+    with pytest.raises(ValueError, match="another model.*elixir-tune profile"):
+        elixir_tune.setup(other, torch.optim.AdamW(other.parameters()), plan=plan)
+
+
+def test_world_size_mismatch_is_a_clear_error():
+    model = tied_net()
+    plan = make_plan(model, 2, 1024)
+    with pytest.raises(RuntimeError, match="plan needs 2 processes"):
+        elixir_tune.setup(model, torch.optim.AdamW(model.parameters()), plan=plan)
+
+
+def test_too_few_cache_blocks_names_module_and_minimum():
+    from engine_plans import min_cache_blocks, pack
+
+    model = tied_net()
+    # A chunk size that puts some module's weight and bias into different chunks.
+    size = next(c for c in range(1040, 2048, 16) if min_cache_blocks(model, pack(model, c), set()) == 2)
+    plan = make_plan(model, 1, size, cache=1)
+    with pytest.raises(ValueError, match=r"module '.*' uses 2 non-resident chunks.*minimum for this chunking is 2"):
+        elixir_tune.setup(model, torch.optim.AdamW(model.parameters()), plan=plan)
+
+
+def test_state_dict_has_original_names_and_weights():
+    model, _, _, reference = setup_tied(cache="min")
+    state = model.state_dict()
+    assert list(state) == list(reference)
+    for key, value in reference.items():
+        assert torch.equal(state[key], value), key
+
+
+def test_memory_report_equals_the_plan_formulas():
+    model, opt, plan, _ = setup_tied(cache=2, offload=0.5, resident=(0,))
+    report = model.memory_report()
+    assert tuple(report) == MODEL_STATE_KEYS
+    shard = plan.memory.chunk_size
+    adam = SHARD_BYTES_PER_ELEMENT["adam"]
+    n_off = sum(c.offload for c in plan.memory.chunks)
+    assert report == {
+        "cache_bytes": 2 * plan.memory.chunk_size * 4,
+        "resident_bytes": plan.memory.chunk_size * 4,
+        "device_shard_bytes": (len(plan.memory.chunks) - n_off) * shard * adam,
+        "host_shard_bytes": n_off * shard * adam,
+    }
+    train_step(model, opt, batches(1, 2, 8)[0])
+    assert model.memory_report() == report  # optimizer state is preallocated: no growth at the first step
+    assert model.engine.memory_stats()["peak_cache_bytes"] <= report["cache_bytes"]
+
+
+def test_parameters_hold_no_data_outside_training_except_resident():
+    model, opt, plan, _ = setup_tied(cache="min", resident=(0,))
+    train_step(model, opt, batches(1, 2, 8)[0])
+    resident = set(plan.memory.chunks[0].params)
+    for name, param in model.module.named_parameters():
+        if not param.requires_grad:
+            continue
+        if name in resident:
+            assert param.untyped_storage().nbytes() > 0
+        else:
+            assert param.untyped_storage().nbytes() <= 4, name  # the shared 1-element placeholder
+            assert param.shape == param.data.shape  # shapes stay what the model expects
+
+
+def test_minimum_cache_evicts_and_regathers():
+    model, opt, plan, _ = setup_tied(cache="min", chunk_size=1024)
+    assert plan.memory.cache_blocks < len(plan.memory.chunks)
+    train_step(model, opt, batches(1, 2, 8)[0])
+    stats = model.engine.memory_stats()
+    assert stats["gathers"] > len(plan.memory.chunks)  # backward gathered evicted chunks again
+    assert stats["peak_cache_bytes"] == plan.memory.cache_blocks * plan.memory.chunk_size * 4
+
+
+def test_lr_written_into_param_groups_takes_effect():
+    model, opt, _, _ = setup_tied()
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    for group in opt.param_groups:
+        group["lr"] = 0.0  # what an LR scheduler does
+    before = model.state_dict()
+    train_step(model, opt, batches(1, 2, 8)[0])
+    after = model.state_dict()
+    for key in before:
+        assert torch.equal(before[key], after[key]), key
+
+
+def test_clip_grad_norm_matches_torch():
+    batch = batches(1, 2, 8)[0]
+    reference = tied_net()
+    reference(**batch).loss.backward()
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
+    model, opt, _, _ = setup_tied(cache="min", offload=0.5)
+    _, norm = train_step(model, opt, batch, clip=0.1)
+    assert abs(float(norm) - float(expected)) <= 1e-5 * float(expected)
+
+
+def test_fp16_overflow_skips_the_step_and_backs_off():
+    model, opt, _, _ = setup_tied(dtype="fp16")
+    batch = batches(1, 2, 8)[0]
+    before = model.state_dict()
+    opt.backward(model(**batch).loss)
+    model.engine.chunks[1].grad[3] = float("inf")
+    opt.step()
+    opt.zero_grad()
+    assert opt.skipped_steps == 1 and opt.loss_scale == 2.0 ** 15
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    train_step(model, opt, batch)
+    assert opt.skipped_steps == 1
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_plan_from_environment(tmp_path, monkeypatch):
+    from elixir_tune.plan import save_plan
+
+    model = tied_net()
+    plan = make_plan(model, 1, 1024)
+    path = tmp_path / "plan.yaml"
+    save_plan(plan, path)
+    monkeypatch.setenv("ELIXIR_TUNE_PLAN", str(path))
+    wrapped, opt = elixir_tune.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    loss, _ = train_step(wrapped, opt, batches(1, 2, 8)[0])
+    assert torch.isfinite(loss)
+    assert type(opt.optimizer_class) is type and opt.optimizer_class is torch.optim.SGD
+
+
+def test_eval_forward_without_grad_matches_the_model():
+    batch = batches(1, 2, 8)[0]
+    reference = tied_net().eval()
+    with torch.no_grad():
+        expected = reference(**batch).loss
+    model, _, _, _ = setup_tied(cache="min", offload=0.5)
+    model.eval()
+    with torch.no_grad():
+        assert torch.allclose(model(**batch).loss, expected, rtol=1e-6)
+
+
+def test_load_state_dict_round_trip():
+    model, opt, _, reference = setup_tied(cache="min", resident=(0,))
+    train_step(model, opt, batches(1, 2, 8)[0])
+    assert any(not torch.equal(v, reference[k]) for k, v in model.state_dict().items())
+    model.load_state_dict(reference)
+    state = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in reference.items())
+
+
+def test_optimizer_state_dict_round_trip_keeps_training_identical():
+    data = batches(3, 2, 8)
+    model, opt, _, _ = setup_tied(cache="min")
+    train_step(model, opt, data[0])
+    weights, saved = model.state_dict(), copy.deepcopy(opt.state_dict())  # torch returns references
+    train_step(model, opt, data[1])
+    expected = model.state_dict()
+    bytes_before = model.memory_report()
+    model.load_state_dict(weights)
+    opt.load_state_dict(saved)
+    train_step(model, opt, data[1])
+    assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+    assert model.memory_report() == bytes_before
