@@ -6,10 +6,11 @@ import time
 from pathlib import Path
 
 import click
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
-from elixir_tune.cli.console import EXIT_FAILED, console, err_console, fail, gib, print_json
+from elixir_tune.cli.console import (
+    EXIT_FAILED, Progress, SpinnerColumn, Table, TextColumn, TimeElapsedColumn, console, err_console, fail, gib,
+    print_json,
+)
 from elixir_tune.hardware import (HardwareSpec, closest_preset, load_hardware, probe,
                                   save_hardware)
 

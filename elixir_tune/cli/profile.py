@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import click
-from rich.table import Table
 
-from elixir_tune.cli.console import console, err_console, fail, print_json
+from elixir_tune.cli.console import Table, console, err_console, fail, print_json
 
 MODEL_HINT = (
     "MODEL is a .py file defining build_model() and example_batch(batch_size, seq_len) (file.py:builder names "

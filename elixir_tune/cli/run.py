@@ -6,9 +6,10 @@ import os
 import sys
 
 import click
-from rich.markup import escape
 
-from elixir_tune.cli.console import EXIT_FAILED, EXIT_OK, EXIT_USAGE, console, err_console, fail, print_json
+from elixir_tune.cli.console import (
+    EXIT_FAILED, EXIT_OK, EXIT_USAGE, console, err_console, escape, fail, print_json,
+)
 from elixir_tune.launcher import (
     ArgvError, LaunchSpec, check_launch, compose_torchrun_argv, failed, format_command, observe_machine,
     run_torchrun, script_is_a_file, split_command_line, torchrun_option_arity, worker_env,
@@ -55,18 +56,18 @@ def run_command(nnodes: int | None, node_rank: int, rdzv_endpoint: str | None, r
     try:
         torchrun_options, plan_path, script, script_args = split_command_line(command_line, torchrun_option_arity())
     except ArgvError as error:
-        fail(escape(str(error)), hint="usage: elixir-run [OPTIONS] [TORCHRUN_OPTIONS] PLAN SCRIPT [SCRIPT_ARGS]...; "
+        fail(str(error), hint="usage: elixir-run [OPTIONS] [TORCHRUN_OPTIONS] PLAN SCRIPT [SCRIPT_ARGS]...; "
                               "see elixir-run --help", code=EXIT_USAGE)
 
     try:
         plan = load_plan(plan_path)
     except PlanError as error:
-        fail(escape(f"{plan_path} is not a usable plan ({len(error.problems)} problem(s)):\n"
-                    + "\n".join(f"  - {problem}" for problem in error.problems)),
+        fail(f"{plan_path} is not a usable plan ({len(error.problems)} problem(s)):\n"
+             + "\n".join(f"  - {problem}" for problem in error.problems),
              hint=f"`elixir-tune validate {plan_path}` lists the problems; `elixir-tune search ... --out "
                   f"{plan_path}` writes a fresh plan")
     if script_is_a_file(torchrun_options) and not os.path.isfile(script):
-        fail(escape(f"training script not found: {script}"),
+        fail(f"training script not found: {script}",
              hint="give the path of a Python file, e.g. scripts/train_gpt2.py")
 
     nnodes = plan.cluster.nodes if nnodes is None else nnodes
@@ -90,9 +91,8 @@ def run_command(nnodes: int | None, node_rank: int, rdzv_endpoint: str | None, r
         console.print("[bold]command[/] (what elixir-run runs in-process):")
         console.print(command, markup=False, soft_wrap=True)
     if problems:
-        fail(escape(f"{plan_path} cannot run here: "
-                    + "; ".join(f"{check.name}: {check.detail}" for check in problems)),
-             hint=escape(" | ".join(check.hint for check in problems if check.hint)))
+        fail(f"{plan_path} cannot run here: " + "; ".join(f"{check.name}: {check.detail}" for check in problems),
+             hint=" | ".join(check.hint for check in problems if check.hint))
     if dry_run:
         raise SystemExit(EXIT_OK)
 
@@ -100,7 +100,7 @@ def run_command(nnodes: int | None, node_rank: int, rdzv_endpoint: str | None, r
     sys.stdout.flush()
     outcome = run_torchrun(spec)
     if outcome.exit_code:
-        fail(escape(outcome.message), hint=escape(outcome.hint), code=outcome.exit_code)
+        fail(outcome.message, hint=outcome.hint, code=outcome.exit_code)
     console.print(f"[green]elixir-run: job finished[/] ({plan.world_size} worker(s))")
 
 

@@ -9,22 +9,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import click
-from rich.console import Console
-from rich.table import Table
 
-from elixir_tune.cli.console import console, err_console, fail, gib, print_json
+from elixir_tune.cli.console import Table, console, err_console, fail, gib, print_json, print_wide
 from elixir_tune.plan import save_plan, validate
-
-# Into a pipe or a file (no terminal width to respect) tables are printed this wide, uncrushed.
-WIDE_COLUMNS = 140
-
-
-def print_wide(renderable) -> None:
-    """Prints a table at the terminal's width, or WIDE_COLUMNS wide when stdout is not a terminal."""
-    if console.is_terminal:
-        console.print(renderable)
-    else:
-        Console(width=WIDE_COLUMNS, highlight=False).print(renderable)
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

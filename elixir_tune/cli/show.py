@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import click
-from rich.table import Table
 
-from elixir_tune.cli.console import console, fail, print_json
-from elixir_tune.cli.search import print_wide
+from elixir_tune.cli.console import Table, console, fail, print_json, print_wide
 from elixir_tune.costmodel.memory import model_state_bytes
 from elixir_tune.plan import Plan, PlanError, load_plan
 

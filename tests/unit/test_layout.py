@@ -39,3 +39,15 @@ def test_package_imports_only_what_the_design_allows(module: str):
     bad = sorted(name for name in loaded for prefix in FORBIDDEN[module]
                  if name == prefix or name.startswith(prefix + "."))
     assert not bad, f"{module} pulls in {bad}"
+
+
+def test_only_the_console_module_imports_rich():
+    import re
+    from pathlib import Path
+
+    import elixir_tune
+
+    package = Path(elixir_tune.__file__).parent
+    importers = sorted(str(path.relative_to(package)) for path in package.rglob("*.py")
+                       if re.search(r"^\s*(from|import)\s+rich\b", path.read_text(), re.MULTILINE))
+    assert importers == ["cli/console.py"]
