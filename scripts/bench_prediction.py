@@ -1,0 +1,574 @@
+#!/usr/bin/env python
+"""How good are the cost model's predictions on this CPU machine? Predicted against measured.
+
+    .venv/bin/python scripts/bench_prediction.py                       # ~4-5 min on 2 cores
+    .venv/bin/python scripts/bench_prediction.py --steps 15 --warmup 3 --preset    # cpu preset, no probe
+
+What it does:
+  1. measures this machine with ``probe(quick=True)`` (or takes the ``cpu`` preset with --preset);
+  2. profiles a small GPT-2 (transformers, n_embd 256, 4 layers, 4 heads, vocab 256, seq 64 by
+     default; a model YAML written under a temporary directory);
+  3. searches plans for 2 CPU workers at global batch 16: the search's own best, then shapes that
+     pin everything to the best's choices but one (cache all / minimum, offload 0.5 / 1,
+     checkpointing all, micro-batch 2 x accumulation 4);
+  4. runs each plan with ``elixir-run plan.yaml scripts/train_gpt2.py --synthetic --steps N``
+     through a thin wrapper that runs train_gpt2.py unchanged (runpy) and, per rank, records
+     ``model.memory_report()`` right after ``elixir_tune.setup`` and the process's peak RSS at exit;
+  5. compares the predicted step time with the median measured step time (rank 0's log, the first
+     ``--warmup`` steps dropped), the predicted model-state bytes with the engine's report, and the
+     predicted per-worker memory with the measured RSS growth from just before setup to the peak;
+  6. times plain PyTorch forward+backward and AdamW in this process (1 thread, as one worker gets)
+     as a reference for the compute part of the prediction.
+
+Prints a table and saves JSON and a markdown table (default benchmarks/results/prediction-cpu.*).
+Measures only; it does not change the cost model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+BIN = Path(sys.executable).parent
+WORLD = 2
+GLOBAL_BATCH = 16
+
+MODEL_YAML = """\
+name: gpt2-bench-{hidden}x{layers}
+architecture: gpt2
+seq_len: {seq}
+config:
+  n_embd: {hidden}
+  n_layer: {layers}
+  n_head: {heads}
+  n_positions: {seq}
+  vocab_size: {vocab}
+  bos_token_id: 0
+  eos_token_id: 0
+  resid_pdrop: 0.0
+  embd_pdrop: 0.0
+  attn_pdrop: 0.0
+"""
+
+# Runs scripts/train_gpt2.py unchanged; adds, per rank, the engine's memory report and the RSS figures.
+WRAPPER = """\
+import atexit, json, os, resource, runpy, sys
+import elixir_tune
+
+_out = os.environ["BENCH_MEM_DIR"]
+_rank = os.environ.get("RANK", "0")
+_record = {}
+
+def _rss_bytes():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+def _peak_rss_bytes():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+_setup = elixir_tune.setup
+
+def setup(*args, **kwargs):
+    _record["rss_before_setup_bytes"] = _rss_bytes()
+    _record["peak_rss_before_setup_bytes"] = _peak_rss_bytes()
+    model, optimizer = _setup(*args, **kwargs)
+    _record["rss_after_setup_bytes"] = _rss_bytes()
+    _record["memory_report"] = model.memory_report()
+    return model, optimizer
+
+elixir_tune.setup = setup
+
+@atexit.register
+def _write():
+    _record["rss_at_exit_bytes"] = _rss_bytes()
+    _record["peak_rss_bytes"] = _peak_rss_bytes()
+    with open(os.path.join(_out, f"rank{_rank}.json"), "w") as f:
+        json.dump(_record, f)
+
+sys.argv = [SCRIPT] + sys.argv[1:]
+runpy.run_path(SCRIPT, run_name="__main__")
+"""
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=15, help="training steps per shape")
+    parser.add_argument("--warmup", type=int, default=3, help="first steps dropped from the median")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="runs per shape, in alternating order (the machine is shared; this spreads drift)")
+    parser.add_argument("--preset", action="store_true", help="use the cpu preset instead of probe(quick=True)")
+    parser.add_argument("--run-timeout", type=float, default=180.0, help="seconds per elixir-run")
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "prediction-cpu.json"))
+    parser.add_argument("--md", default=str(REPO / "benchmarks" / "results" / "prediction-cpu.md"))
+    return parser.parse_args()
+
+
+def say(message: str) -> None:
+    print(f"[bench_prediction {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def shape_of(plan) -> dict:
+    """The choices of a plan, flat."""
+    chunks = plan.memory.chunks
+    return {
+        "chunk_size": plan.memory.chunk_size,
+        "num_chunks": len(chunks),
+        "cacheable_chunks": sum(not c.resident for c in chunks),
+        "cache_blocks": plan.memory.cache_blocks,
+        "prefetch": plan.memory.prefetch,
+        "offloaded_chunks": sum(c.offload for c in chunks),
+        "offload": round(sum(c.offload for c in chunks) / len(chunks), 3),
+        "checkpointing": plan.training.activation_checkpointing.every,
+        "micro_batch_size": plan.training.micro_batch_size,
+        "grad_accum_steps": plan.training.grad_accum_steps,
+    }
+
+
+def make_shapes(profile, hardware):
+    """(name, pins, SearchResult) for every shape; shapes identical to an earlier one are dropped."""
+    from elixir_tune.search import search
+
+    best = search(profile, hardware, WORLD, global_batch_size=GLOBAL_BATCH)
+    b = shape_of(best.plan)
+    base = {"chunk_size": b["chunk_size"], "micro_batch_size": b["micro_batch_size"],
+            "checkpointing": b["checkpointing"], "cache_blocks": b["cache_blocks"], "prefetch": b["prefetch"],
+            "offload": b["offload"]}
+    min_cache = best.model.min_cache_blocks(b["chunk_size"], b["checkpointing"])
+    variants = [
+        ("cache-all", {"cache_blocks": "all"}),
+        ("cache-min", {"cache_blocks": min_cache, "prefetch": 0}),
+        ("offload-0.5", {"offload": 0.5}),
+        ("offload-1", {"offload": 1.0}),
+        ("ckpt-all", {"checkpointing": "all"}),
+        ("mb2x4", {"micro_batch_size": 2}),
+    ]
+    shapes = [("search-best", {}, best)]
+    seen = [shape_of(best.plan)]
+    for name, change in variants:
+        pins = {**base, **change}
+        try:
+            result = search(profile, hardware, WORLD, global_batch_size=GLOBAL_BATCH, fixed=pins)
+        except ValueError:
+            # The best's cache or prefetch may not suit the changed choice: pin only chunk size and the change.
+            pins = {"chunk_size": base["chunk_size"], **change}
+            result = search(profile, hardware, WORLD, global_batch_size=GLOBAL_BATCH, fixed=pins)
+        if shape_of(result.plan) in seen:
+            say(f"{name}: same plan shape as an earlier one, skipped")
+            continue
+        seen.append(shape_of(result.plan))
+        shapes.append((name, pins, result))
+    return shapes
+
+
+def run_shape(name: str, plan, workdir: Path, args, extra_env: dict | None = None) -> dict:
+    """Trains one plan with elixir-run; returns measured step times and per-rank memory."""
+    from elixir_tune.plan import save_plan
+
+    shape_dir = workdir / name
+    while shape_dir.exists():  # a later round of the same shape
+        shape_dir = shape_dir.with_name(shape_dir.name + "+")
+    mem_dir = shape_dir / "mem"
+    mem_dir.mkdir(parents=True)
+    plan_path = shape_dir / "plan.yaml"
+    save_plan(plan, plan_path)
+    log_path = shape_dir / "train.json"
+    command = [str(BIN / "elixir-run"), str(plan_path), str(workdir / "wrapper.py"), "--synthetic",
+               "--steps", str(args.steps), "--log", str(log_path)]
+    env = {**os.environ, "BENCH_MEM_DIR": str(mem_dir), **(extra_env or {})}
+    load_before = os.getloadavg()[0]
+    started = time.perf_counter()
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.run_timeout)
+    wall_s = time.perf_counter() - started
+    if proc.returncode != 0 or not log_path.exists():
+        tail = (proc.stdout + proc.stderr)[-3000:]
+        raise RuntimeError(f"{name}: elixir-run exited {proc.returncode}:\n{tail}")
+    log = json.loads(log_path.read_text())
+    times = [s["step_time_s"] for s in log["steps"]]
+    timed = times[args.warmup:]
+    ranks = [json.loads((mem_dir / f"rank{r}.json").read_text()) for r in range(plan.world_size)
+             if (mem_dir / f"rank{r}.json").exists()]
+    return {
+        "wall_s": round(wall_s, 1), "load_avg_1min_before": round(load_before, 2),
+        "load_avg_1min_after": round(os.getloadavg()[0], 2),
+        "step_times_s": [round(t, 5) for t in times],
+        "median_step_time_s": statistics.median(timed), "min_step_time_s": min(timed),
+        "max_step_time_s": max(timed),
+        "first_loss": log["summary"]["first_loss"], "last_loss": log["summary"]["last_loss"],
+        "train_log_peak_rss_rank0_bytes": log["summary"]["peak_memory_bytes"],
+        "ranks": ranks,
+    }
+
+
+def pool(runs: list[dict], warmup: int) -> dict:
+    """One shape's runs merged: the median over the timed steps of all rounds, and each round's median."""
+    timed = [t for run in runs for t in run["step_times_s"][warmup:]]
+    return {
+        "median_step_time_s": statistics.median(timed), "min_step_time_s": min(timed),
+        "max_step_time_s": max(timed),
+        "round_medians_s": [round(run["median_step_time_s"], 5) for run in runs],
+        "ranks": runs[0]["ranks"], "runs": runs,
+    }
+
+
+def no_overlap_sum_s(breakdown: dict) -> float:
+    """The predicted parts added up as if nothing overlapped (a diagnostic, not the cost model's answer):
+    compute (recompute included), all-gathers, reduce-scatters, host copies and the optimizer step."""
+    return sum(breakdown.get(key, 0.0) for key in ("compute_s", "allgather_s", "reduce_scatter_s", "h2d_s",
+                                                   "d2h_s", "optimizer_gpu_s", "optimizer_cpu_s"))
+
+
+def world1_reference(profile, hardware, best_plan, workdir: Path, args) -> dict:
+    """The engine alone, no gloo peer: a world-1 plan (every chunk cached, nothing offloaded, the best's
+    chunk size and micro-batch) trained with 1 thread, as one world-2 worker gets. Against the plain
+    PyTorch reference this isolates the engine's own overhead (hooks, chunk copies, Python)."""
+    from elixir_tune.search import search
+
+    training = best_plan.training
+    pins = {"chunk_size": best_plan.memory.chunk_size, "cache_blocks": "all", "offload": 0.0,
+            "micro_batch_size": training.micro_batch_size, "checkpointing": 0}
+    result = search(profile, hardware, 1, global_batch_size=GLOBAL_BATCH // WORLD, fixed=pins)
+    say(f"world-1 engine reference: {describe(shape_of(result.plan))}: predicted "
+        f"{ms(result.plan.prediction.step_time_s)} ms; running")
+    measured = run_shape("world1", result.plan, workdir, args, extra_env={"OMP_NUM_THREADS": "1"})
+    say(f"world-1 engine reference: measured median {ms(measured['median_step_time_s'])} ms")
+    pred = result.plan.prediction
+    rank0 = measured["ranks"][0] if measured["ranks"] else {}
+    return {"pins": pins, "shape": shape_of(result.plan), "predicted_step_time_s": result.plan.prediction.step_time_s,
+            "predicted_worker_bytes": pred.peak_gpu_bytes + pred.peak_host_bytes,
+            "measured_rss_growth_bytes": rank0.get("peak_rss_bytes", 0) - rank0.get("rss_before_setup_bytes", 0),
+            "model_state_bytes_match": rank0.get("memory_report") == pred.model_state_bytes,
+            "predicted_breakdown": result.plan.prediction.breakdown,
+            "measured_median_step_time_s": measured["median_step_time_s"], "measured": measured}
+
+
+PLAIN_RSS = """\
+import json, os, resource, sys
+import torch
+from elixir_tune.profiler import load_model_source
+torch.set_num_threads(1)
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+micro, seq, vocab = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+torch.manual_seed(0)
+model = load_model_source(sys.argv[1]).build_model()
+before = rss()
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+ids = torch.randint(0, vocab, (micro, seq))
+for _ in range(3):
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+print(json.dumps({"rss_before_bytes": before, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def plain_rss_reference(model_path: Path, profile, args) -> dict:
+    """Peak RSS growth of plain PyTorch training (fresh process, 1 thread, micro-batch 8, AdamW) next to
+    what the profile predicts for it: activations at micro-batch 8 + fp32 weights, gradients, Adam m, v."""
+    micro = GLOBAL_BATCH // WORLD
+    proc = subprocess.run([sys.executable, "-c", PLAIN_RSS, str(model_path), str(micro), str(args.seq), str(args.vocab)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"})
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-1000:]}
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    activations = int(profile.activation.at(micro))
+    states = profile.num_params * 16
+    out.update({"growth_bytes": out["peak_rss_bytes"] - out["rss_before_bytes"], "micro_batch_size": micro,
+                "profile_activation_bytes": activations, "param_grad_adam_bytes": states,
+                "predicted_bytes": activations + states})
+    return out
+
+
+def plain_reference(source, profile, args) -> dict:
+    """Plain PyTorch (no engine), 1 thread, in this process: forward+backward and an AdamW step."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = source.build_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        out = {}
+        for micro, accum in ((8, 1), (2, 4)):
+            ids = torch.randint(0, args.vocab, (micro, args.seq))
+            samples = []
+            for step in range(5):
+                started = time.perf_counter()
+                for _ in range(accum):
+                    model(input_ids=ids, labels=ids).loss.backward()
+                if step:  # the first includes one-off work
+                    samples.append(time.perf_counter() - started)
+            out[f"fwd_bwd_{micro}x{accum}_s"] = statistics.median(samples)
+        samples = []
+        for _ in range(5):
+            started = time.perf_counter()
+            optimizer.step()
+            samples.append(time.perf_counter() - started)
+        out["adamw_step_s"] = statistics.median(samples[1:])
+        # Hook count: what the engine pays per-module Python overhead on (forward and backward).
+        out["num_modules"] = sum(1 for _ in model.modules())
+        out["num_param_tensors"] = sum(1 for _ in model.parameters())
+        return out
+    finally:
+        torch.set_num_threads(threads)
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f}"
+
+
+def mib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**20:.1f}"
+
+
+def rank_order(values: list[float]) -> list[int]:
+    """1-based rank of each value (ties share the lower rank)."""
+    return [1 + sum(v < x for v in values) for x in values]
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    ra, rb = rank_order(a), rank_order(b)
+    ma, mb = statistics.mean(ra), statistics.mean(rb)
+    num = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    den = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return num / den if den else float("nan")
+
+
+def describe(shape: dict) -> str:
+    return (f"mb {shape['micro_batch_size']}x{shape['grad_accum_steps']}, ckpt {shape['checkpointing']}, "
+            f"cache {shape['cache_blocks']}/{shape['cacheable_chunks']}, pf {shape['prefetch']}, "
+            f"offload {shape['offloaded_chunks']}/{shape['num_chunks']}")
+
+
+def main() -> int:
+    args = parse_args()
+    started = time.perf_counter()
+    import torch
+
+    from elixir_tune.hardware import load_hardware, probe
+    from elixir_tune.profiler import load_model_source, profile_model
+
+    command = "scripts/bench_prediction.py " + " ".join(sys.argv[1:])
+    if args.preset:
+        hardware, hw_how = load_hardware("cpu"), "preset cpu"
+    else:
+        say("probing this machine (quick)")
+        hardware, hw_how = probe(quick=True, procs=WORLD, device="cpu"), "probe(quick=True, procs=2)"
+    hw_fields = {k: getattr(hardware, k) for k in (
+        "name", "device_name", "matmul_tflops", "hbm_gbps", "h2d_gbps", "h2d_gbps_all", "allgather_gbps",
+        "reduce_scatter_gbps", "collective_latency_s", "copy_latency_s", "gpu_adam_elems_per_s",
+        "cpu_adam_elems_per_s", "usable_memory_bytes", "host_cores")}
+    say(f"hardware ({hw_how}): fp32 {hardware.matmul_tflops.get('fp32')} TFLOP/s, all-gather "
+        f"{hardware.allgather_gbps} GB/s, reduce-scatter {hardware.reduce_scatter_gbps} GB/s, collective latency "
+        f"{hardware.collective_latency_s * 1e6:.0f} us, Adam {hardware.cpu_adam_elems_per_s:.2e} elem/s")
+
+    workdir = Path(tempfile.mkdtemp(prefix="bench_prediction_"))
+    model_path = workdir / "gpt2-bench.yaml"
+    model_path.write_text(MODEL_YAML.format(hidden=args.hidden, layers=args.layers, heads=args.heads,
+                                            vocab=args.vocab, seq=args.seq))
+    (workdir / "wrapper.py").write_text(WRAPPER.replace("SCRIPT", repr(str(REPO / "scripts" / "train_gpt2.py"))))
+    source = load_model_source(str(model_path))
+    profile = profile_model(source, batch_size=GLOBAL_BATCH // WORLD, seq_len=args.seq)
+    say(f"profiled {profile.name}: {profile.num_params:,} parameters, "
+        f"{profile.flops_per_sample / args.seq / 1e9:.4f} GFLOP per token")
+
+    shapes = make_shapes(profile, hardware)
+    say(f"{len(shapes)} shapes: " + ", ".join(name for name, _, _ in shapes))
+    plain = plain_reference(source, profile, args)
+    say(f"plain PyTorch, 1 thread: fwd+bwd 8x1 {ms(plain['fwd_bwd_8x1_s'])} ms, 2x4 {ms(plain['fwd_bwd_2x4_s'])} ms, "
+        f"AdamW {ms(plain['adamw_step_s'])} ms")
+    plain_rss = plain_rss_reference(model_path, profile, args)
+    if "growth_bytes" in plain_rss:
+        say(f"plain PyTorch peak RSS growth at micro-batch 8: {mib(plain_rss['growth_bytes'])} MiB "
+            f"(profile activations + 16 B/param: {mib(plain_rss['predicted_bytes'])} MiB)")
+    load_start = os.getloadavg()[0]
+
+    runs: dict[str, list[dict]] = {name: [] for name, _, _ in shapes}
+    for round_index in range(args.rounds):
+        order = shapes if round_index % 2 == 0 else shapes[::-1]
+        for name, pins, result in order:
+            plan = result.plan
+            say(f"round {round_index + 1}, {name}: {describe(shape_of(plan))}: predicted "
+                f"{ms(plan.prediction.step_time_s)} ms; running")
+            measured = run_shape(name, plan, workdir, args)
+            runs[name].append(measured)
+            say(f"round {round_index + 1}, {name}: measured median {ms(measured['median_step_time_s'])} ms "
+                f"(wall {measured['wall_s']} s, load {measured['load_avg_1min_before']})")
+    world1 = world1_reference(profile, hardware, shapes[0][2].plan, workdir, args)
+
+    rows = []
+    for name, pins, result in shapes:
+        plan = result.plan
+        measured = pool(runs[name], args.warmup)
+        pred = plan.prediction
+        engine_reports = [r.get("memory_report") for r in measured["ranks"]]
+        states_match = bool(engine_reports) and all(rep == pred.model_state_bytes for rep in engine_reports)
+        # On the CPU the "device" and the "host" are the same RAM: a worker holds its device part and its
+        # share of the node's host part.
+        pred_worker_bytes = pred.peak_gpu_bytes + pred.peak_host_bytes // WORLD
+        growth = [r["peak_rss_bytes"] - r["rss_before_setup_bytes"] for r in measured["ranks"]]
+        rows.append({
+            "name": name, "pins": pins, "shape": shape_of(plan),
+            "predicted_step_time_s": pred.step_time_s, "predicted_breakdown": pred.breakdown,
+            "measured_median_step_time_s": measured["median_step_time_s"],
+            "ratio_measured_over_predicted": measured["median_step_time_s"] / pred.step_time_s,
+            "predicted_model_state_bytes": pred.model_state_bytes,
+            "engine_memory_report_per_rank": engine_reports,
+            "model_state_bytes_match": states_match,
+            "predicted_peak_device_bytes": pred.peak_gpu_bytes,
+            "predicted_peak_host_bytes_node": pred.peak_host_bytes,
+            "predicted_worker_bytes": pred_worker_bytes,
+            "measured_peak_rss_bytes_per_rank": [r["peak_rss_bytes"] for r in measured["ranks"]],
+            "measured_rss_before_setup_bytes_per_rank": [r["rss_before_setup_bytes"] for r in measured["ranks"]],
+            "measured_rss_growth_bytes_per_rank": growth,
+            "no_overlap_sum_s": no_overlap_sum_s(pred.breakdown),
+            "measured": measured,
+        })
+
+    plain_after = plain_reference(source, profile, args)
+    say(f"plain PyTorch again after the runs: fwd+bwd 8x1 {ms(plain_after['fwd_bwd_8x1_s'])} ms")
+    predicted = [r["predicted_step_time_s"] for r in rows]
+    measured_t = [r["measured_median_step_time_s"] for r in rows]
+    pred_rank, meas_rank = rank_order(predicted), rank_order(measured_t)
+    for row, p, m in zip(rows, pred_rank, meas_rank):
+        row["predicted_rank"], row["measured_rank"] = p, m
+    fastest_pred = [r["name"] for r in rows if r["predicted_rank"] == 1]
+    fastest_meas = min(rows, key=lambda r: r["measured_median_step_time_s"])["name"]
+    ranking = {
+        "predicted_fastest": fastest_pred, "measured_fastest": fastest_meas,
+        "agree": fastest_meas in fastest_pred, "spearman": round(spearman(predicted, measured_t), 3),
+        "measured_fastest_by_min": min(rows, key=lambda r: r["measured"]["min_step_time_s"])["name"],
+        "spearman_by_min": round(spearman(predicted, [r["measured"]["min_step_time_s"] for r in rows]), 3),
+    }
+    elapsed = time.perf_counter() - started
+    record = {
+        "device": "cpu", "cpu": hardware.device_name or platform.processor(), "cores": os.cpu_count(),
+        "torch": torch.__version__, "python": platform.python_version(), "command": command,
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "vocab": args.vocab,
+                  "seq": args.seq, "num_params": profile.num_params},
+        "world_size": WORLD, "global_batch_size": GLOBAL_BATCH, "steps": args.steps, "warmup": args.warmup,
+        "hardware_source": hw_how, "hardware": hw_fields, "plain_pytorch_1thread": plain,
+        "plain_pytorch_1thread_after": plain_after, "load_avg_1min_at_start": round(load_start, 2),
+        "rounds": args.rounds, "world1_engine_reference": world1, "plain_pytorch_rss": plain_rss,
+        "shapes": rows, "ranking": ranking, "elapsed_s": round(elapsed, 1),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(record, indent=1))
+    md = markdown(record)
+    Path(args.md).write_text(md)
+    print()
+    print(md)
+    say(f"done in {elapsed:.0f} s; saved {args.out} and {args.md}")
+    return 0
+
+
+def markdown(record: dict) -> str:
+    hw = record["hardware"]
+    lines = [
+        "# Cost-model prediction vs measurement, CPU",
+        "",
+        f"- device: cpu ({record['cpu']}, {record['cores']} cores), torch {record['torch']}, "
+        f"python {record['python']}, {record['date_utc']} UTC",
+        f"- command: `.venv/bin/python {record['command'].strip()}` ({record['elapsed_s']} s)",
+        f"- model: GPT-2 n_embd {record['model']['hidden']}, {record['model']['layers']} layers, "
+        f"{record['model']['heads']} heads, vocab {record['model']['vocab']}, seq {record['model']['seq']} "
+        f"({record['model']['num_params']:,} parameters), fp32, AdamW; world {record['world_size']} (gloo), "
+        f"global batch {record['global_batch_size']}",
+        f"- hardware ({record['hardware_source']}): fp32 matmul {hw['matmul_tflops'].get('fp32'):.3g} TFLOP/s, "
+        f"all-gather {hw['allgather_gbps']:.3g} GB/s, reduce-scatter {hw['reduce_scatter_gbps']:.3g} GB/s, "
+        f"collective latency {hw['collective_latency_s'] * 1e6:.0f} us, Adam {hw['cpu_adam_elems_per_s']:.2e} elem/s",
+        f"- measured: `elixir-run plan.yaml train_gpt2.py --synthetic --steps {record['steps']}` (rank 0 "
+        f"`step_time_s`), {record['rounds']} runs per shape in alternating order; median over the timed steps "
+        f"of all runs after dropping {record['warmup']} warm-up steps of each (each run's median in the JSON)",
+        "",
+        "| shape | choices | predicted ms | measured ms (min-max) | per-run medians ms | measured / predicted "
+        "| rank pred / meas | model states = engine | predicted worker MiB | measured RSS growth MiB (peak RSS) |",
+        "|---|---|---:|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for r in record["shapes"]:
+        m = r["measured"]
+        growth = "/".join(mib(g) for g in r["measured_rss_growth_bytes_per_rank"])
+        peak = "/".join(mib(g) for g in r["measured_peak_rss_bytes_per_rank"])
+        lines.append(
+            f"| {r['name']} | {describe(r['shape'])} | {ms(r['predicted_step_time_s'])} | "
+            f"{ms(r['measured_median_step_time_s'])} ({ms(m['min_step_time_s'])}-{ms(m['max_step_time_s'])}) | "
+            f"{', '.join(ms(t) for t in m['round_medians_s'])} | {r['ratio_measured_over_predicted']:.2f} | {r['predicted_rank']} / {r['measured_rank']} | "
+            f"{'yes' if r['model_state_bytes_match'] else 'NO'} | {mib(r['predicted_worker_bytes'])} | "
+            f"{growth} ({peak}) |")
+    rk = record["ranking"]
+    plain = record["plain_pytorch_1thread"]
+    lines += [
+        "",
+        f"Ranking: predicted fastest {', '.join(rk['predicted_fastest'])}; measured fastest {rk['measured_fastest']}; "
+        f"agree: {'yes' if rk['agree'] else 'no'}; Spearman rank correlation {rk['spearman']} (by the minimum "
+        f"step time: fastest {rk['measured_fastest_by_min']}, Spearman {rk['spearman_by_min']}).",
+        "",
+        "Predicted breakdown (ms):",
+        "",
+        "| shape | compute | recompute | all-gather | reduce-scatter | exposed fetch | grad drain | optimizer exposed "
+        "| no-overlap sum | measured / no-overlap sum |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in record["shapes"]:
+        b = r["predicted_breakdown"]
+        lines.append(f"| {r['name']} | {ms(b.get('compute_s', 0))} | {ms(b.get('recompute_s', 0))} | "
+                     f"{ms(b.get('allgather_s', 0))} | {ms(b.get('reduce_scatter_s', 0))} | "
+                     f"{ms(b.get('exposed_fetch_s', 0))} | {ms(b.get('grad_drain_s', 0))} | "
+                     f"{ms(b.get('optimizer_exposed_s', 0))} | {ms(r['no_overlap_sum_s'])} | "
+                     f"{r['measured_median_step_time_s'] / r['no_overlap_sum_s']:.2f} |")
+    w1 = record["world1_engine_reference"]
+    lines += [
+        "",
+        "(compute includes recompute; 'no-overlap sum' adds compute, all-gather, reduce-scatter, host copies and "
+        "the optimizer step as if none of them overlapped: a diagnostic, not a cost-model output.)",
+        "",
+        f"World-1 engine reference (no gloo peer, OMP_NUM_THREADS=1, {describe(w1['shape'])}): predicted "
+        f"{ms(w1['predicted_step_time_s'])} ms, measured median {ms(w1['measured_median_step_time_s'])} ms "
+        f"(min {ms(w1['measured']['min_step_time_s'])}); predicted worker memory {mib(w1['predicted_worker_bytes'])} MiB, "
+        f"measured RSS growth {mib(w1['measured_rss_growth_bytes'])} MiB; model states = engine: "
+        f"{'yes' if w1['model_state_bytes_match'] else 'NO'}.",
+        "",
+        f"Plain PyTorch reference (no engine, 1 thread, this process alone): forward+backward micro-batch 8 "
+        f"{ms(plain['fwd_bwd_8x1_s'])} ms, 4 x micro-batch 2 {ms(plain['fwd_bwd_2x4_s'])} ms, AdamW step "
+        f"{ms(plain['adamw_step_s'])} ms ({plain['num_modules']} modules, {plain['num_param_tensors']} "
+        f"parameter tensors); after the runs: {ms(record['plain_pytorch_1thread_after']['fwd_bwd_8x1_s'])} ms / "
+        f"{ms(record['plain_pytorch_1thread_after']['fwd_bwd_2x4_s'])} ms. The machine is shared: 1-minute load "
+        f"average {record['load_avg_1min_at_start']} at the start; per shape in the JSON.",
+        "",
+        (f"Plain PyTorch memory (fresh process, 1 thread, micro-batch {record['plain_pytorch_rss']['micro_batch_size']}, "
+         f"3 AdamW steps): peak RSS growth {mib(record['plain_pytorch_rss']['growth_bytes'])} MiB against "
+         f"{mib(record['plain_pytorch_rss']['predicted_bytes'])} MiB from the profile (activations "
+         f"{mib(record['plain_pytorch_rss']['profile_activation_bytes'])} + 16 B per parameter "
+         f"{mib(record['plain_pytorch_rss']['param_grad_adam_bytes'])}).") if "growth_bytes" in record["plain_pytorch_rss"]
+        else "Plain PyTorch memory: failed (see JSON).",
+        "",
+        "Memory columns: 'model states = engine' compares `prediction.model_state_bytes` with "
+        "`model.memory_report()` of both ranks (world 2, the same plan); 'predicted worker' is "
+        "`peak_gpu_bytes + peak_host_bytes / 2` (on the CPU device and host are the same RAM); 'RSS growth' is "
+        "each rank's peak RSS (`ru_maxrss`) minus its RSS just before `elixir_tune.setup` (torch, transformers "
+        "and the freshly built model already loaded), rank 0 / rank 1.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
