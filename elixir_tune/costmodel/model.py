@@ -197,12 +197,13 @@ class CostModel:
         costs = self.costs(shape.chunk_size)
         mb_compute, mb_recompute = self.compute_s(shape.micro_batch_size, shape.every)
         step_compute = [share * mb_compute for share in trace.flops_share]
+        on_cpu = self.hardware.device == "cpu"
         first = simulate_micro_batch(step_compute, cold, issue_steps(cold, shape.prefetch), reduce_after,
-                                     offloaded, costs)
+                                     offloaded, costs, shared_compute=on_cpu)
         steady = None
         if shape.grad_accum_steps > 1:
             steady = simulate_micro_batch(step_compute, sim.steady, issue_steps(sim.steady, shape.prefetch),
-                                          reduce_after, offloaded, costs)
+                                          reduce_after, offloaded, costs, shared_compute=on_cpu)
         shard_numel = shape.chunk_size // self.world_size
         host_shards = shape.num_offloaded
         device_shards = len(offloaded) - host_shards
@@ -211,5 +212,5 @@ class CostModel:
         accum = shape.grad_accum_steps
         step_time, breakdown = combine_step(first, steady, accum, costs, gpu_adam, cpu_adam,
                                             mb_compute * accum, mb_recompute * accum,
-                                            serial_optimizers=self.hardware.device == "cpu")
+                                            serial_optimizers=on_cpu)
         return StepEstimate(step_time_s=step_time, breakdown=breakdown)

@@ -10,6 +10,11 @@ order), the host->device and device->host copy engines, and the CPU optimizer. P
 * after a chunk's last use its gradients are complete: reduce-scatter into the shard, then a
   device->host copy when the shard is offloaded.
 
+On a CPU device the collectives run on the same cores as the compute (gloo copies, reduces and
+talks TCP on them), so they do not overlap: ``shared_compute`` puts them on the compute stream.
+Measured on 2 cores (benchmarks/results/prediction-cpu.md), the overlapped model predicted steps
+1.25-1.91x too fast; the serial sum came within 1.00-1.30x.
+
 The first micro-batch starts from a cold cache, the later ones from the steady state, so the step
 is simulated as one cold and one steady micro-batch, the steady one repeated. After the last
 micro-batch: the gradient-norm all-reduce, then Adam on the device shards (GPU) and on the host
@@ -119,7 +124,7 @@ class MicroBatchTime:
 
 def simulate_micro_batch(step_compute_s: list[float], fetches: list[tuple[int, int, int]], issue: list[int],
                          reduce_after: list[tuple[int, ...]], offloaded: list[bool],
-                         costs: TransferCosts) -> MicroBatchTime:
+                         costs: TransferCosts, shared_compute: bool = False) -> MicroBatchTime:
     """Runs one micro-batch's timeline.
 
     Args:
@@ -129,6 +134,7 @@ def simulate_micro_batch(step_compute_s: list[float], fetches: list[tuple[int, i
         reduce_after: per step, the chunks whose gradients are complete after it.
         offloaded: per chunk, whether its shard lives on the host.
         costs: per-chunk operation times.
+        shared_compute: collectives run on the compute resource (the device is the CPU).
 
     Returns:
         The micro-batch's times.
@@ -150,7 +156,12 @@ def simulate_micro_batch(step_compute_s: list[float], fetches: list[tuple[int, i
                 h2d_free = (h2d_free if h2d_free > ready else ready) + h2d_s
                 ready = h2d_free
                 h2d_count += 1
-            coll_free = (coll_free if coll_free > ready else ready) + gather_s
+            if shared_compute:  # the gather stalls the compute stream while it runs
+                start = end if end > ready else ready
+                exposed += start + gather_s - end
+                end = coll_free = start + gather_s
+            else:
+                coll_free = (coll_free if coll_free > ready else ready) + gather_s
             gathers += 1
             if coll_free > needed[fetch_step]:
                 needed[fetch_step] = coll_free
@@ -160,6 +171,8 @@ def simulate_micro_batch(step_compute_s: list[float], fetches: list[tuple[int, i
         end += step_compute_s[step]
         for chunk in reduce_after[step]:
             coll_free = (coll_free if coll_free > end else end) + rs_s
+            if shared_compute:
+                end = coll_free
             reduces += 1
             if offloaded[chunk]:
                 d2h_free = (d2h_free if d2h_free > coll_free else coll_free) + d2h_s

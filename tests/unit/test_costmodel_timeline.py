@@ -62,3 +62,15 @@ def test_transfer_costs_from_bandwidths():
     assert across.allgather_s > costs.allgather_s  # inter-node bandwidth is lower
     alone = transfer_costs(spec, chunk, world_size=1, gpus_per_node=1, nodes=1, dtype="bf16")
     assert alone.grad_norm_s == 0 and alone.allgather_s == pytest.approx(chunk * 6 / (spec.hbm_gbps * 1e9))
+
+
+def test_on_a_cpu_device_collectives_do_not_overlap_compute():
+    issue = issue_steps(FETCHES, 1)  # prefetch cannot hide a gather that runs on the compute cores
+    run = simulate_micro_batch([1.0, 1.0], FETCHES, issue, REDUCE_AFTER, [False, True], COSTS, shared_compute=True)
+    # gather 0: 0-0.5; h2d 1: 0.5-0.6 (own copy resource); gather 1: 0.6-1.1; step 0: 1.1-2.1;
+    # step 1: 2.1-3.1; reduce 0: 3.1-3.35; reduce 1: 3.35-3.6; d2h 1: 3.6-3.8
+    assert run.exposed_fetch_s == pytest.approx(1.1)
+    assert run.compute_end_s == pytest.approx(3.6)
+    assert run.drained_s == pytest.approx(3.8)
+    overlapped = simulate_micro_batch([1.0, 1.0], FETCHES, issue, REDUCE_AFTER, [False, True], COSTS)
+    assert overlapped.drained_s < run.drained_s
