@@ -97,24 +97,26 @@ def _infeasible(required_gpu: int | None, required_host: int | None, usable: int
                            suggestions=suggestions)
 
 
-def explain_winner(candidates: list[Candidate], pinned: dict | None = None) -> str:
+def explain_winner(candidates: list[Candidate], pinned: dict | None = None, device: str = "cuda") -> str:
     """One line on why the best candidate wins.
 
     Args:
         candidates: the best candidates, fastest first.
         pinned: the pinned choices (``parse_fixed``), which are not the search's doing.
+        device: the hardware's device, ``cuda`` or ``cpu`` (named in the line).
 
     Returns:
         The line.
     """
+    where = "the GPU" if device == "cuda" else "the device (CPU)"
     pinned = pinned or {}
     best = candidates[0]
     b = best.estimate.breakdown
     s = best.shape
     if s.num_offloaded == 0 and s.cache_blocks >= best.num_cacheable:
-        what = "everything fits on the GPU with every chunk cached (ZeRO-2-like), so nothing is offloaded"
+        what = f"everything fits on {where} with every chunk cached (ZeRO-2-like), so nothing is offloaded"
     elif s.num_offloaded == 0:
-        what = (f"every shard stays on the GPU, with {s.cache_blocks} of {best.num_cacheable} chunks cached "
+        what = (f"every shard stays on {where}, with {s.cache_blocks} of {best.num_cacheable} chunks cached "
                 "at once (ZeRO-3-like)")
     elif "offload" in pinned:
         what = f"offloads {best.offload_share:.0%} of the shards as pinned, with {s.cache_blocks} cache blocks"
@@ -190,7 +192,7 @@ def search(profile: ModelProfile, hardware: HardwareSpec, gpus_per_node: int, no
             raise _infeasible(memory.peak_gpu_bytes, memory.peak_host_bytes, budget.usable_gpu_bytes, host_bytes,
                               pinned)
         candidates, num_scored = [score(model, shape, memory, global_batch)], 1
-    why = explain_winner(candidates, pinned)
+    why = explain_winner(candidates, pinned, device=hardware.device)
     elapsed = time.perf_counter() - started
     plan = build_plan(model, candidates[0], hardware_id=hardware_id or hardware.name, global_batch_size=global_batch,
                       strategy=strategy, elapsed_s=elapsed, num_scored=num_scored, alternatives=candidates[1:])
