@@ -7,7 +7,6 @@ import time
 import pytest
 import torch
 
-from elixir_tune.hardware import load_hardware, probe, save_hardware, spec_problems
 from elixir_tune.hardware.timing import MiB, asymptotic_gbps, median_time_s, size_ladder
 from elixir_tune.hardware.workers import run_workers
 
@@ -30,32 +29,6 @@ def test_median_time_grows_with_work():
 
 
 @pytest.mark.slow
-def test_quick_probe_describes_this_cpu_machine(tmp_path):
-    if torch.cuda.is_available():
-        pytest.skip("covered by tests/gpu/test_probe_gpu.py on a GPU machine")
-    messages = []
-    begin = time.perf_counter()
-    spec = probe(quick=True, progress=messages.append)
-    elapsed_s = time.perf_counter() - begin
-    assert elapsed_s < 60, "--quick is meant to finish in about 30 s on 2 cores"
-    assert spec_problems(spec) == []
-    assert spec.device == "cpu" and spec.gpus_per_node == 2
-    assert spec.device_name and spec.host_cores >= 1
-    assert spec.gpu_memory_bytes * 2 <= spec.host_memory_bytes
-    assert {"fp32", "bf16"} <= set(spec.matmul_tflops)
-    assert all(rate > 0 for rate in spec.matmul_tflops.values())
-    assert spec.h2d_gbps == spec.d2h_gbps and spec.hbm_gbps > 0
-    assert spec.sources["allgather_gbps"].startswith("measured: gloo, 2 local processes")
-    assert set(spec.bandwidth_curves) >= {"h2d_gbps", "h2d_gbps_all", "allgather_gbps",
-                                          "reduce_scatter_gbps"}
-    assert min(spec.bandwidth_curves["allgather_gbps"]) == MiB
-    assert spec.cpu_adam_elems_per_s == spec.gpu_adam_elems_per_s > 1e6
-    assert any("gloo" in message for message in messages)
-    path = tmp_path / "hardware.yaml"
-    save_hardware(spec, path, header="probe test")
-    assert load_hardware(str(path)) == spec
-
-
 def test_failed_worker_is_reported_not_hung():
     # Asking the workers for NCCL on a machine without GPUs makes them fail at once.
     if torch.cuda.is_available():
