@@ -5,6 +5,7 @@ The public API is small and imports torch only when used:
     import elixir_tune
     plan = elixir_tune.load_plan("plan.yaml")
     model, optimizer = elixir_tune.setup(model, optimizer, plan=plan)
+    elixir_tune.save_checkpoint("ckpt", model, optimizer, step)   # resume: elixir_tune.load_checkpoint
 """
 
 __version__ = "0.1.0"
@@ -19,4 +20,18 @@ def setup(model, optimizer, plan=None):
     return engine_setup(model, optimizer, plan=plan)
 
 
-__all__ = ["__version__", "load_plan", "save_plan", "setup", "validate"]
+def save_checkpoint(path, model, optimizer, step: int, extra: dict | None = None):
+    """Saves a sharded checkpoint (every rank calls it); see elixir_tune.engine.checkpoint."""
+    from elixir_tune.engine import save_checkpoint as engine_save
+
+    return engine_save(path, model, optimizer, step, extra=extra)
+
+
+def load_checkpoint(path, model, optimizer) -> dict:
+    """Restores a checkpoint and returns its meta (``step``, ``extra``); see elixir_tune.engine.checkpoint."""
+    from elixir_tune.engine import load_checkpoint as engine_load
+
+    return engine_load(path, model, optimizer)
+
+
+__all__ = ["__version__", "load_checkpoint", "load_plan", "save_checkpoint", "save_plan", "setup", "validate"]

@@ -5,11 +5,16 @@ tells each one where the plan is ($ELIXIR_TUNE_PLAN):
 
     elixir-run plan.yaml scripts/train_gpt2.py --steps 200 --log runs/train.json
     elixir-run plan.yaml scripts/train_gpt2.py --synthetic --steps 20      # random tokens, for speed
+    elixir-run plan.yaml scripts/train_gpt2.py --steps 200 --save ckpt --save-every 50
+    elixir-run plan.yaml scripts/train_gpt2.py --steps 200 --resume ckpt --save ckpt   # continues exactly
 
 Data: the bytes of a text file are the tokens (vocabulary 256, nothing to download); every step
 draws a global batch of random windows, the same on every rank, and each rank trains on its own
 slice of it. Batching comes from the plan: global batch = micro-batch x accumulation x world size.
 Rank 0 shows a progress bar (loss, tokens/s, TFLOPS, memory) and writes a JSON log of every step.
+Checkpoints (--save) are sharded (elixir_tune.save_checkpoint); with --save, Ctrl-C or SIGTERM
+finishes the current step on every rank, saves, and exits 130. --resume continues at the saved step:
+the data and the LR schedule (a function of the step and --steps) go on exactly as if never stopped.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -50,6 +56,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seeds the weights (same on every rank) and the data")
     parser.add_argument("--model", default=None, help="model spec (default: the plan's model.source)")
     parser.add_argument("--print-every", type=int, default=None, help="print a line every N steps (default: ~20 lines)")
+    parser.add_argument("--save", default=None, metavar="DIR",
+                        help="checkpoint directory: saved at the end, every --save-every steps and on SIGINT/SIGTERM")
+    parser.add_argument("--save-every", type=int, default=0, metavar="N", help="also save every N steps (0: never)")
+    parser.add_argument("--resume", default=None, metavar="DIR", help="continue from this checkpoint's step")
+    parser.add_argument("--stop-at", type=int, default=None, metavar="N",
+                        help="stop after N steps, keeping the --steps schedule (as an interrupted run would)")
     return parser.parse_args()
 
 
@@ -212,6 +224,20 @@ def main() -> int:
         sampler = WindowSampler(tokens, training.seq_len, args.seed)
         data_name = str(data)
 
+    start_step = 0
+    if args.resume:
+        meta = elixir_tune.load_checkpoint(args.resume, model, optimizer)
+        start_step = int(meta["step"])
+        saved = meta.get("extra", {})
+        if rank == 0:
+            print(f"resumed from {args.resume} at step {start_step}"
+                  + ("" if meta.get("exact") else " (weights only: optimizer state restarts)"), flush=True)
+            for key, value in (("steps", args.steps), ("seed", args.seed), ("lr", args.lr)):
+                if key in saved and saved[key] != value:
+                    print(f"note: the checkpoint was saved with --{key} {saved[key]}, this run uses {value}: "
+                          "the data or LR schedule differs from the original run", flush=True)
+    stop_step = min(args.steps, args.stop_at) if args.stop_at is not None else args.steps
+
     micro, accum = training.micro_batch_size, training.grad_accum_steps
     per_rank = micro * accum
     tokens_per_step = training.global_batch_size * training.seq_len
@@ -223,17 +249,42 @@ def main() -> int:
         "seq_len": training.seq_len, "data": data_name, "lr": args.lr, "seed": args.seed,
         "predicted_step_time_s": plan.prediction.step_time_s if plan.prediction else None,
     }
+    if args.resume:
+        header["resumed_from"] = {"checkpoint": args.resume, "step": start_step}
     reporter = Reporter(args, header) if rank == 0 else None
+    if reporter and start_step:
+        reporter.progress.update(reporter.task, completed=start_step)
     if reporter:
         reporter.console.print(
             f"training {source.name} ({num_params:,} params) on {world} {plan.cluster.device} worker(s): "
             f"{args.steps} steps of {training.global_batch_size} x {training.seq_len} tokens "
             f"(micro-batch {micro} x accumulation {accum} x world {world}), data: {data_name}", soft_wrap=True)
 
-    step = 0
+    checkpoint_extra = {"steps": args.steps, "seed": args.seed, "lr": args.lr, "warmup_steps": warmup,
+                        "data": data_name}
+
+    def save(steps_done: int) -> None:
+        elixir_tune.save_checkpoint(args.save, model, optimizer, step=steps_done, extra=checkpoint_extra)
+        if reporter:
+            reporter.progress.console.print(f"saved checkpoint {args.save} at step {steps_done}")
+
+    # With --save, a signal only raises a flag: every rank finishes the step, they agree on the flag
+    # (one all-reduce with the loss) and save together; a collective save cannot start mid-step.
+    stop_requested = []
+    if args.save:
+        def request_stop(signum, frame):
+            if stop_requested:  # a second signal: stop now, without saving
+                raise KeyboardInterrupt
+            stop_requested.append(signum)
+
+        signal.signal(signal.SIGINT, request_stop)
+        signal.signal(signal.SIGTERM, request_stop)
+
+    step = start_step
+    steps_done = start_step
     try:
         with reporter or contextlib.nullcontext():
-            for step in range(args.steps):
+            for step in range(start_step, stop_step):
                 lr = lr_at(step, args.steps, args.lr, warmup)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
@@ -250,8 +301,15 @@ def main() -> int:
                 optimizer.step()
                 optimizer.zero_grad()
                 # The mean loss over all ranks' micro-batches, for the log only.
-                if world > 1:
-                    dist.all_reduce(loss_sum)
+                if args.save:
+                    flagged = torch.stack([loss_sum, torch.tensor(float(bool(stop_requested)), device=device)])
+                    if world > 1:
+                        dist.all_reduce(flagged)
+                    loss_sum, stop_now = flagged[0], bool(flagged[1] > 0)
+                else:
+                    stop_now = False
+                    if world > 1:
+                        dist.all_reduce(loss_sum)
                 mean_loss = float(loss_sum) / (accum * world)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
@@ -265,10 +323,20 @@ def main() -> int:
                         "tflops_per_gpu": 6 * num_params * tokens_per_step / step_time_s / world / 1e12,
                         "memory_bytes": memory_bytes(device),
                     })
+                steps_done = step + 1
+                if stop_now:
+                    save(steps_done)
+                    raise KeyboardInterrupt
+                if args.save and args.save_every and steps_done % args.save_every == 0 and steps_done < stop_step:
+                    save(steps_done)
+            if args.save and steps_done > start_step:
+                save(steps_done)
     except KeyboardInterrupt:
         if reporter:
             reporter.write(status="interrupted")
             reporter.console.print(f"interrupted at step {step}; log so far: {reporter.log_path}")
+            if args.save and (Path(args.save) / "meta.json").exists():
+                reporter.console.print(f"continue with --resume {args.save} (same --steps, --seed and --lr)")
         return 130
     if reporter:
         reporter.write(status="finished")

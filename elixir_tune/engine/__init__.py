@@ -12,6 +12,8 @@ Public names:
         .param_groups (the user's groups: LR schedulers work), .loss_scale, .skipped_steps,
         .state_dict() / .load_state_dict() (this rank's shard state).
     model_fingerprint(model) -> the fingerprint a plan for this model carries.
+    save_checkpoint(path, model, optimizer, step, extra=None) / load_checkpoint(path, model, optimizer)
+        -> meta: sharded checkpoints (elixir_tune.engine.checkpoint); exact resume on the same plan layout.
 
 Rules a plan must follow beyond validate():
     * cache_blocks >= the most non-resident chunks one module needs at once, counting the chunks
@@ -26,6 +28,7 @@ descending in backward).
 """
 
 from elixir_tune.engine.cache import CacheTooSmall
+from elixir_tune.engine.checkpoint import load_checkpoint, save_checkpoint
 from elixir_tune.engine.engine import Engine
 from elixir_tune.engine.model import ElixirModel
 from elixir_tune.engine.optimizer import ShardedOptimizer
@@ -33,4 +36,4 @@ from elixir_tune.engine.setup import check_plan_matches, model_fingerprint, setu
 from elixir_tune.engine.states import TensorState
 
 __all__ = ["CacheTooSmall", "ElixirModel", "Engine", "ShardedOptimizer", "TensorState", "check_plan_matches",
-           "model_fingerprint", "setup"]
+           "load_checkpoint", "model_fingerprint", "save_checkpoint", "setup"]
