@@ -41,7 +41,9 @@ def main() -> None:
         iteration += 1
         if rank == args.fail_rank:
             print(f"worker rank {rank} exits with code {args.exit_code} on purpose", flush=True)
-            sys.exit(args.exit_code)
+            # os._exit, not sys.exit: interpreter teardown with gloo's threads still in a collective
+            # can abort (SIGABRT) instead of exiting with the code, which is not what this tests.
+            os._exit(args.exit_code)
         if args.iterations == 0:
             time.sleep(0.05)
     with open(os.path.join(args.out, f"done{rank}.json"), "w") as file:
