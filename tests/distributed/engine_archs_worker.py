@@ -14,7 +14,6 @@ Rank 0 also trains the plain-PyTorch reference (fp32) and reports the largest di
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
@@ -145,46 +144,31 @@ def run_reference(case: dict, global_batch: int) -> dict:
             "state": {k: v.tolist() for k, v in model.state_dict().items()}}
 
 
-def main() -> None:
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    cases = json.loads(open(sys.argv[1]).read())
-    out_path = sys.argv[2]
-    torch.set_num_threads(1)
+def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> dict:
+    """One architecture case on this rank; rank 0 also runs the plain-PyTorch reference."""
     import torch.distributed as dist
 
     from elixir_tune.profiler.source import quiet_transformers
 
-    results = []
-    for case in cases:
-        try:
-            start = time.perf_counter()
-            with quiet_transformers():
-                engine = run_engine(case, rank, world)
-            losses = torch.tensor(engine["losses"], dtype=torch.float64)
-            if world > 1:
-                dist.all_reduce(losses)
-            world_losses = (losses / world).tolist()
-            result = {"case": case, "ok": True, "world_losses": world_losses, "plan": engine["plan"],
-                      "engine_s": time.perf_counter() - start}
-            if rank == 0:
-                with quiet_transformers():
-                    reference = run_reference(case, engine["global_batch"])
-                result.update(compare(engine, reference, world_losses))
-                result["ref_losses"] = reference["losses"]
-                result["moved"] = reference["moved"]
-        except Exception as exc:  # report, keep the ranks in step for the next case
-            import traceback
-
-            result = {"case": case, "ok": False, "error": f"{type(exc).__name__}: {exc}",
-                      "trace": traceback.format_exc()[-3000:]}
-        results.append(result)
-    with open(f"{out_path}.rank{rank}.json", "w") as f:
-        json.dump(results, f)
-    if world > 1 and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    start = time.perf_counter()
+    with quiet_transformers():
+        engine = run_engine(case, rank, world)
+    losses = torch.tensor(engine["losses"], dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(losses)
+    world_losses = (losses / world).tolist()
+    result = {"case": case, "world_losses": world_losses, "plan": engine["plan"],
+              "engine_s": time.perf_counter() - start}
+    if rank == 0:
+        with quiet_transformers():
+            reference = run_reference(case, engine["global_batch"])
+        result.update(compare(engine, reference, world_losses))
+        result["ref_losses"] = reference["losses"]
+        result["moved"] = reference["moved"]
+    return result
 
 
 if __name__ == "__main__":
-    main()
+    from engine_launch import worker_main
+
+    worker_main(run_case)

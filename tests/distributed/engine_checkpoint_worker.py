@@ -9,7 +9,6 @@ fallback to model.pt on another chunk size, the error for another model, and the
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import warnings
@@ -126,30 +125,8 @@ def run_case(case: dict, rank: int, world: int, directory: Path, extras: bool) -
     return result
 
 
-def main() -> None:
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    cases = json.loads(open(sys.argv[1]).read())
-    out_path = sys.argv[2]
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    results = []
-    for index, case in enumerate(cases):
-        try:
-            results.append(dict(run_case(case, rank, world, Path(f"{out_path}.ckpt{index}"), extras=index == 0),
-                                ok=True))
-        except Exception as exc:  # report, keep the ranks in step for the next case
-            import traceback
-
-            results.append({"case": case, "ok": False, "error": f"{type(exc).__name__}: {exc}",
-                            "trace": traceback.format_exc()[-3000:]})
-    with open(f"{out_path}.rank{rank}.json", "w") as f:
-        json.dump(results, f)
-    if world > 1 and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    from engine_launch import worker_main
+
+    worker_main(lambda case, index, rank, world, out_path: run_case(
+        case, rank, world, Path(f"{out_path}.ckpt{index}"), extras=index == 0))

@@ -1,4 +1,5 @@
-"""Starts N worker processes (gloo, CPU) the way torchrun would, with a free port and a timeout."""
+"""Starts N worker processes (gloo, CPU) the way torchrun would, with a free port and a timeout,
+and runs the cases inside each worker (``worker_main``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -51,3 +53,35 @@ def launch(script: str, cases: list[dict], world_size: int, timeout_s: float = 2
         if failed:
             raise RuntimeError(f"{script} failed: {failed}")
         return [json.loads(Path(f"{out}.rank{rank}.json").read_text()) for rank in range(world_size)]
+
+
+def worker_main(run_case: Callable[[dict, int, int, int, str], dict]) -> None:
+    """A worker's main: runs ``run_case(case, index, rank, world, out_path)`` for each case of
+    ``argv[1]`` and writes the results where ``launch`` reads them.
+
+    A case that raises is reported as ``{"ok": False, "error", "trace"}`` and the next case runs,
+    so that one failure does not leave the other ranks waiting in a collective.
+    """
+    import traceback
+
+    import torch
+
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cases = json.loads(open(sys.argv[1]).read())
+    out_path = sys.argv[2]
+    torch.set_num_threads(1)
+    results = []
+    for index, case in enumerate(cases):
+        try:
+            results.append(dict(run_case(case, index, rank, world, out_path), ok=True))
+        except Exception as exc:  # report, keep the ranks in step for the next case
+            results.append({"case": case, "ok": False, "error": f"{type(exc).__name__}: {exc}",
+                            "trace": traceback.format_exc()[-3000:]})
+    with open(f"{out_path}.rank{rank}.json", "w") as f:
+        json.dump(results, f)
+    import torch.distributed as dist
+
+    if world > 1 and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

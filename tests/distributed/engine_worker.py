@@ -15,7 +15,6 @@ returns both loss curves and the largest weight difference.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -153,44 +152,29 @@ def compare(engine: dict, reference: dict, world_losses: list[float]) -> dict:
     return {"loss_rel": loss_rel, "weight_abs": weight, "norm_rel": norm_rel}
 
 
-def main() -> None:
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    cases = json.loads(open(sys.argv[1]).read())
-    out_path = sys.argv[2]
-    torch.set_num_threads(1)
+def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> dict:
+    """One case on this rank; rank 0 also runs the plain-PyTorch reference and compares."""
     import torch.distributed as dist
 
-    results = []
-    for case in cases:
-        try:
-            start = time.perf_counter()
-            engine = run_engine(case, rank, world)
-            engine_s = time.perf_counter() - start
-            losses = torch.tensor(engine["losses"], dtype=torch.float64)
-            if world > 1:
-                dist.all_reduce(losses)
-            engine["world_losses"] = (losses / world).tolist()
-            result = {"case": case, "ok": True, "report": engine["report"],
-                      "expected_report": engine["expected_report"], "skipped": engine["skipped"],
-                      "world_losses": engine["world_losses"], "loss_scale": engine["loss_scale"],
-                      "peak_cache_bytes": engine["peak_cache_bytes"], "engine_s": engine_s}
-            if rank == 0:
-                reference = run_reference(case, world)
-                result.update(compare(engine, reference, engine["world_losses"]))
-                result["ref_losses"] = reference["losses"]
-        except Exception as exc:  # report, keep the ranks in step for the next case
-            import traceback
-
-            result = {"case": case, "ok": False, "error": f"{type(exc).__name__}: {exc}",
-                      "trace": traceback.format_exc()[-3000:]}
-        results.append(result)
-    with open(f"{out_path}.rank{rank}.json", "w") as f:
-        json.dump(results, f)
-    if world > 1 and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    start = time.perf_counter()
+    engine = run_engine(case, rank, world)
+    engine_s = time.perf_counter() - start
+    losses = torch.tensor(engine["losses"], dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(losses)
+    engine["world_losses"] = (losses / world).tolist()
+    result = {"case": case, "report": engine["report"], "expected_report": engine["expected_report"],
+              "skipped": engine["skipped"], "world_losses": engine["world_losses"],
+              "loss_scale": engine["loss_scale"], "peak_cache_bytes": engine["peak_cache_bytes"],
+              "engine_s": engine_s}
+    if rank == 0:
+        reference = run_reference(case, world)
+        result.update(compare(engine, reference, engine["world_losses"]))
+        result["ref_losses"] = reference["losses"]
+    return result
 
 
 if __name__ == "__main__":
-    main()
+    from engine_launch import worker_main
+
+    worker_main(run_case)
