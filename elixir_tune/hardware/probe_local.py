@@ -98,6 +98,23 @@ def _asymptotic_note(curve: dict[int, float]) -> str:
             f"{_curve_summary(curve)} (bandwidth_curves)")
 
 
+def _run_collectives(device: str, procs: int, threads: int, coll_sizes: list[int], copy_sizes: list[int],
+                     adam_elements: int, budget_s: float, timeout_s: float) -> tuple[dict, float, float, str]:
+    """Runs the multi-process benchmarks (collectives, concurrent copies, CPU Adam).
+
+    Returns:
+        (the workers' raw results, all-gather bus GB/s, reduce-scatter bus GB/s, a source note).
+    """
+    try:
+        workers = run_workers(device, procs, threads, coll_sizes, copy_sizes, adam_elements,
+                              budget_s=budget_s, timeout_s=timeout_s)
+    except RuntimeError as error:
+        raise ProbeError(str(error)) from None
+    what = f"gloo, {procs} local processes" if device == "cpu" else f"NCCL, {procs} GPUs"
+    note = f"measured: {what}, bus bandwidth (nccl-tests: algbw x (n-1)/n), {_asymptotic_note(workers['allgather'])}"
+    return workers, asymptotic_gbps(workers["allgather"]), asymptotic_gbps(workers["reduce_scatter"]), note
+
+
 def _probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
     if procs < 1:
         raise ProbeError(f"procs must be at least 1, got {procs}")
@@ -150,20 +167,14 @@ def _probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
     if procs > 1:
         _say(progress, f"gloo collectives, concurrent copies and CPU Adam in {procs} processes")
         coll_sizes = size_ladder(MiB, 32 * MiB if quick else GiB)
-        try:
-            workers = run_workers("cpu", procs, threads, coll_sizes, copy_sizes, adam_elements,
-                                  budget_s=2 * budget, timeout_s=60 if quick else 300)
-        except RuntimeError as error:
-            raise ProbeError(str(error)) from None
+        workers, allgather_gbps, reduce_scatter_gbps, coll_note = _run_collectives(
+            "cpu", procs, threads, coll_sizes, copy_sizes, adam_elements, budget_s=2 * budget,
+            timeout_s=60 if quick else 300)
         allgather, reduce_scatter = workers["allgather"], workers["reduce_scatter"]
-        allgather_gbps = asymptotic_gbps(allgather)
-        reduce_scatter_gbps = asymptotic_gbps(reduce_scatter)
         coll_latency = workers["latency_s"]
         copy_all = workers["host_copy_all"]
         h2d_all = asymptotic_gbps(copy_all)
         adam, adam_impl = workers["cpu_adam_elems_per_s"], workers["cpu_adam_impl"]
-        coll_note = (f"measured: gloo, {procs} local processes, bus bandwidth (nccl-tests: algbw "
-                     f"x (n-1)/n), {_asymptotic_note(allgather)}")
         sources["allgather_gbps"] = coll_note
         sources["reduce_scatter_gbps"] = coll_note + f", op {workers['reduce_scatter_impl']}"
         sources["collective_latency_s"] = "measured: gloo all-gather of 1 KiB per process"
@@ -296,18 +307,12 @@ def _probe_cuda(quick: bool, progress: Progress) -> HardwareSpec:
     if num_gpus > 1:
         _say(progress, f"NCCL collectives and CPU Adam in {num_gpus} processes")
         coll_sizes = size_ladder(MiB, 256 * MiB if quick else GiB)
-        try:
-            workers = run_workers("cuda", num_gpus, threads, coll_sizes, [], cpu_adam_elements,
-                                  budget_s=4 * budget, timeout_s=120 if quick else 600)
-        except RuntimeError as error:
-            raise ProbeError(str(error)) from None
+        workers, allgather_gbps, reduce_scatter_gbps, coll_note = _run_collectives(
+            "cuda", num_gpus, threads, coll_sizes, [], cpu_adam_elements, budget_s=4 * budget,
+            timeout_s=120 if quick else 600)
         allgather, reduce_scatter = workers["allgather"], workers["reduce_scatter"]
-        allgather_gbps = asymptotic_gbps(allgather)
-        reduce_scatter_gbps = asymptotic_gbps(reduce_scatter)
         coll_latency = workers["latency_s"]
         cpu_adam, cpu_impl = workers["cpu_adam_elems_per_s"], workers["cpu_adam_impl"]
-        coll_note = (f"measured: NCCL, {num_gpus} GPUs, bus bandwidth (nccl-tests: algbw x (n-1)/n),"
-                     f" {_asymptotic_note(allgather)}")
         sources.update({"allgather_gbps": coll_note, "reduce_scatter_gbps": coll_note,
                         "collective_latency_s": "measured: NCCL all-gather of 1 KiB per GPU",
                         "cpu_adam_elems_per_s": (f"measured: torch.optim.AdamW ({cpu_impl}) on the "
