@@ -37,9 +37,18 @@ def build_model(args):
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
-    config = GPT2Config(n_embd=args.hidden, n_layer=args.layers, n_head=args.heads, vocab_size=args.vocab,
-                        n_positions=args.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(
+        n_embd=args.hidden,
+        n_layer=args.layers,
+        n_head=args.heads,
+        vocab_size=args.vocab,
+        n_positions=args.seq,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -58,14 +67,21 @@ def make_plan(model, world: int, chunk_size: int, prefetch: int = 0):
         chunks[-1].append((name, param.numel()))
         used += param.numel()
     return Plan(
-        model=ModelInfo(source="bench", fingerprint=model_fingerprint(model),
-                        num_params=sum(p.numel() for p in model.parameters())),
+        model=ModelInfo(
+            source="bench", fingerprint=model_fingerprint(model), num_params=sum(p.numel() for p in model.parameters())
+        ),
         cluster=ClusterInfo(hardware="cpu", nodes=1, gpus_per_node=world, device="cpu", backend="gloo"),
-        training=TrainingInfo(dtype="fp32", global_batch_size=world, micro_batch_size=1, grad_accum_steps=1,
-                              seq_len=128),
-        memory=MemoryPlan(chunk_size=chunk_size, cache_blocks=len(chunks), prefetch=min(prefetch, len(chunks) - 1),
-                          chunks=[ChunkPlan(id=i, params=[n for n, _ in c], numel=sum(k for _, k in c))
-                                  for i, c in enumerate(chunks)]),
+        training=TrainingInfo(
+            dtype="fp32", global_batch_size=world, micro_batch_size=1, grad_accum_steps=1, seq_len=128
+        ),
+        memory=MemoryPlan(
+            chunk_size=chunk_size,
+            cache_blocks=len(chunks),
+            prefetch=min(prefetch, len(chunks) - 1),
+            chunks=[
+                ChunkPlan(id=i, params=[n for n, _ in c], numel=sum(k for _, k in c)) for i, c in enumerate(chunks)
+            ],
+        ),
     )
 
 
@@ -134,11 +150,22 @@ def launch_world2(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp, "w2.json"))
         argv = [sys.executable, __file__, "--worker", "--worker-out", out] + args.passthrough
-        procs = [subprocess.Popen(argv, env=dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
-                                                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                                                 OMP_NUM_THREADS=str(args.threads_per_rank),
-                                                 PYTHONWARNINGS="ignore"))
-                 for r in range(2)]
+        procs = [
+            subprocess.Popen(
+                argv,
+                env=dict(
+                    os.environ,
+                    RANK=str(r),
+                    LOCAL_RANK=str(r),
+                    WORLD_SIZE="2",
+                    MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(port),
+                    OMP_NUM_THREADS=str(args.threads_per_rank),
+                    PYTHONWARNINGS="ignore",
+                ),
+            )
+            for r in range(2)
+        ]
         for proc in procs:
             if proc.wait(timeout=1800):
                 raise SystemExit(f"world-2 worker failed with exit status {proc.returncode}")
@@ -148,9 +175,13 @@ def launch_world2(args) -> dict:
 def summarise(times: dict[str, list[float]], baseline: str) -> dict:
     median = {mode: statistics.median(t) for mode, t in times.items()}
     best = {mode: min(t) for mode, t in times.items()}
-    return {"median_step_time_s": median, "min_step_time_s": best, "all_step_times_s": times,
-            f"ratio_engine_vs_{baseline}_median": median["engine"] / median[baseline],
-            f"ratio_engine_vs_{baseline}_min": best["engine"] / best[baseline]}
+    return {
+        "median_step_time_s": median,
+        "min_step_time_s": best,
+        "all_step_times_s": times,
+        f"ratio_engine_vs_{baseline}_median": median["engine"] / median[baseline],
+        f"ratio_engine_vs_{baseline}_min": best["engine"] / best[baseline],
+    }
 
 
 def main() -> None:
@@ -172,9 +203,22 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    args.passthrough = [f"--{k}={getattr(args, k.replace('-', '_'))}" for k in
-                        ("hidden", "layers", "heads", "vocab", "seq", "batch", "chunk-size", "prefetch", "steps",
-                         "warmup", "threads-per-rank")]
+    args.passthrough = [
+        f"--{k}={getattr(args, k.replace('-', '_'))}"
+        for k in (
+            "hidden",
+            "layers",
+            "heads",
+            "vocab",
+            "seq",
+            "batch",
+            "chunk-size",
+            "prefetch",
+            "steps",
+            "warmup",
+            "threads-per-rank",
+        )
+    ]
     if args.worker:
         worker(args)
         return
@@ -182,22 +226,32 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    result = {"device": "cpu", "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-              "torch": torch.__version__, "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
-              "model": {k: getattr(args, k) for k in ("hidden", "layers", "heads", "vocab", "seq", "batch")},
-              "num_params": sum(p.numel() for p in build_model(args).parameters()),
-              "steps": args.steps, "warmup": args.warmup}
+    result = {
+        "device": "cpu",
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+        "model": {k: getattr(args, k) for k in ("hidden", "layers", "heads", "vocab", "seq", "batch")},
+        "num_params": sum(p.numel() for p in build_model(args).parameters()),
+        "steps": args.steps,
+        "warmup": args.warmup,
+    }
     result["world1"] = dict(summarise(alternate(args, "torch", 0, 1), "torch"), threads=args.threads)
     w1 = result["world1"]
-    print(f"world 1: torch {w1['median_step_time_s']['torch'] * 1e3:.1f} ms/step, engine "
-          f"{w1['median_step_time_s']['engine'] * 1e3:.1f} ms/step (medians); engine/torch "
-          f"{w1['ratio_engine_vs_torch_median']:.3f} (median), {w1['ratio_engine_vs_torch_min']:.3f} (min)")
+    print(
+        f"world 1: torch {w1['median_step_time_s']['torch'] * 1e3:.1f} ms/step, engine "
+        f"{w1['median_step_time_s']['engine'] * 1e3:.1f} ms/step (medians); engine/torch "
+        f"{w1['ratio_engine_vs_torch_median']:.3f} (median), {w1['ratio_engine_vs_torch_min']:.3f} (min)"
+    )
     if not args.skip_world2:
         result["world2"] = dict(summarise(launch_world2(args), "ddp"), threads_per_rank=args.threads_per_rank)
         w2 = result["world2"]
-        print(f"world 2 (gloo): ddp {w2['median_step_time_s']['ddp'] * 1e3:.1f} ms/step, engine "
-              f"{w2['median_step_time_s']['engine'] * 1e3:.1f} ms/step (medians); engine/ddp "
-              f"{w2['ratio_engine_vs_ddp_median']:.3f} (median), {w2['ratio_engine_vs_ddp_min']:.3f} (min)")
+        print(
+            f"world 2 (gloo): ddp {w2['median_step_time_s']['ddp'] * 1e3:.1f} ms/step, engine "
+            f"{w2['median_step_time_s']['engine'] * 1e3:.1f} ms/step (medians); engine/ddp "
+            f"{w2['ratio_engine_vs_ddp_median']:.3f} (median), {w2['ratio_engine_vs_ddp_min']:.3f} (min)"
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"saved {args.out}")

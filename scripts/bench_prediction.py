@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -109,8 +108,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="runs per shape, in alternating order (the machine is shared; this spreads drift)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="runs per shape, in alternating order (the machine is shared; this spreads drift)",
+    )
     parser.add_argument("--preset", action="store_true", help="use the cpu preset instead of probe(quick=True)")
     parser.add_argument("--run-timeout", type=float, default=180.0, help="seconds per elixir-run")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "prediction-cpu.json"))
@@ -145,9 +148,14 @@ def make_shapes(profile, hardware):
 
     best = search(profile, hardware, WORLD, global_batch_size=GLOBAL_BATCH)
     b = shape_of(best.plan)
-    base = {"chunk_size": b["chunk_size"], "micro_batch_size": b["micro_batch_size"],
-            "checkpointing": b["checkpointing"], "cache_blocks": b["cache_blocks"], "prefetch": b["prefetch"],
-            "offload": b["offload"]}
+    base = {
+        "chunk_size": b["chunk_size"],
+        "micro_batch_size": b["micro_batch_size"],
+        "checkpointing": b["checkpointing"],
+        "cache_blocks": b["cache_blocks"],
+        "prefetch": b["prefetch"],
+        "offload": b["offload"],
+    }
     min_cache = best.model.min_cache_blocks(b["chunk_size"], b["checkpointing"])
     variants = [
         ("cache-all", {"cache_blocks": "all"}),
@@ -187,8 +195,16 @@ def run_shape(name: str, plan, workdir: Path, args, extra_env: dict | None = Non
     plan_path = shape_dir / "plan.yaml"
     save_plan(plan, plan_path)
     log_path = shape_dir / "train.json"
-    command = [str(BIN / "elixir-run"), str(plan_path), str(workdir / "wrapper.py"), "--synthetic",
-               "--steps", str(args.steps), "--log", str(log_path)]
+    command = [
+        str(BIN / "elixir-run"),
+        str(plan_path),
+        str(workdir / "wrapper.py"),
+        "--synthetic",
+        "--steps",
+        str(args.steps),
+        "--log",
+        str(log_path),
+    ]
     env = {**os.environ, "BENCH_MEM_DIR": str(mem_dir), **(extra_env or {})}
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
@@ -199,16 +215,22 @@ def run_shape(name: str, plan, workdir: Path, args, extra_env: dict | None = Non
         raise RuntimeError(f"{name}: elixir-run exited {proc.returncode}:\n{tail}")
     log = json.loads(log_path.read_text())
     times = [s["step_time_s"] for s in log["steps"]]
-    timed = times[args.warmup:]
-    ranks = [json.loads((mem_dir / f"rank{r}.json").read_text()) for r in range(plan.world_size)
-             if (mem_dir / f"rank{r}.json").exists()]
+    timed = times[args.warmup :]
+    ranks = [
+        json.loads((mem_dir / f"rank{r}.json").read_text())
+        for r in range(plan.world_size)
+        if (mem_dir / f"rank{r}.json").exists()
+    ]
     return {
-        "wall_s": round(wall_s, 1), "load_avg_1min_before": round(load_before, 2),
+        "wall_s": round(wall_s, 1),
+        "load_avg_1min_before": round(load_before, 2),
         "load_avg_1min_after": round(os.getloadavg()[0], 2),
         "step_times_s": [round(t, 5) for t in times],
-        "median_step_time_s": statistics.median(timed), "min_step_time_s": min(timed),
+        "median_step_time_s": statistics.median(timed),
+        "min_step_time_s": min(timed),
         "max_step_time_s": max(timed),
-        "first_loss": log["summary"]["first_loss"], "last_loss": log["summary"]["last_loss"],
+        "first_loss": log["summary"]["first_loss"],
+        "last_loss": log["summary"]["last_loss"],
         "train_log_peak_rss_rank0_bytes": log["summary"]["peak_memory_bytes"],
         "ranks": ranks,
     }
@@ -218,18 +240,30 @@ def pool(runs: list[dict], warmup: int) -> dict:
     """One shape's runs merged: the median over the timed steps of all rounds, and each round's median."""
     timed = [t for run in runs for t in run["step_times_s"][warmup:]]
     return {
-        "median_step_time_s": statistics.median(timed), "min_step_time_s": min(timed),
+        "median_step_time_s": statistics.median(timed),
+        "min_step_time_s": min(timed),
         "max_step_time_s": max(timed),
         "round_medians_s": [round(run["median_step_time_s"], 5) for run in runs],
-        "ranks": runs[0]["ranks"], "runs": runs,
+        "ranks": runs[0]["ranks"],
+        "runs": runs,
     }
 
 
 def no_overlap_sum_s(breakdown: dict) -> float:
     """The predicted parts added up as if nothing overlapped (a diagnostic, not the cost model's answer):
     compute (recompute included), all-gathers, reduce-scatters, host copies and the optimizer step."""
-    return sum(breakdown.get(key, 0.0) for key in ("compute_s", "allgather_s", "reduce_scatter_s", "h2d_s",
-                                                   "d2h_s", "optimizer_gpu_s", "optimizer_cpu_s"))
+    return sum(
+        breakdown.get(key, 0.0)
+        for key in (
+            "compute_s",
+            "allgather_s",
+            "reduce_scatter_s",
+            "h2d_s",
+            "d2h_s",
+            "optimizer_gpu_s",
+            "optimizer_cpu_s",
+        )
+    )
 
 
 def world1_reference(profile, hardware, best_plan, workdir: Path, args) -> dict:
@@ -239,21 +273,33 @@ def world1_reference(profile, hardware, best_plan, workdir: Path, args) -> dict:
     from elixir_tune.search import search
 
     training = best_plan.training
-    pins = {"chunk_size": best_plan.memory.chunk_size, "cache_blocks": "all", "offload": 0.0,
-            "micro_batch_size": training.micro_batch_size, "checkpointing": 0}
+    pins = {
+        "chunk_size": best_plan.memory.chunk_size,
+        "cache_blocks": "all",
+        "offload": 0.0,
+        "micro_batch_size": training.micro_batch_size,
+        "checkpointing": 0,
+    }
     result = search(profile, hardware, 1, global_batch_size=GLOBAL_BATCH // WORLD, fixed=pins)
-    say(f"world-1 engine reference: {describe(shape_of(result.plan))}: predicted "
-        f"{ms(result.plan.prediction.step_time_s)} ms; running")
+    say(
+        f"world-1 engine reference: {describe(shape_of(result.plan))}: predicted "
+        f"{ms(result.plan.prediction.step_time_s)} ms; running"
+    )
     measured = run_shape("world1", result.plan, workdir, args, extra_env={"OMP_NUM_THREADS": "1"})
     say(f"world-1 engine reference: measured median {ms(measured['median_step_time_s'])} ms")
     pred = result.plan.prediction
     rank0 = measured["ranks"][0] if measured["ranks"] else {}
-    return {"pins": pins, "shape": shape_of(result.plan), "predicted_step_time_s": result.plan.prediction.step_time_s,
-            "predicted_worker_bytes": pred.peak_gpu_bytes + pred.peak_host_bytes,
-            "measured_rss_growth_bytes": rank0.get("peak_rss_bytes", 0) - rank0.get("rss_before_setup_bytes", 0),
-            "model_state_bytes_match": rank0.get("memory_report") == pred.model_state_bytes,
-            "predicted_breakdown": result.plan.prediction.breakdown,
-            "measured_median_step_time_s": measured["median_step_time_s"], "measured": measured}
+    return {
+        "pins": pins,
+        "shape": shape_of(result.plan),
+        "predicted_step_time_s": result.plan.prediction.step_time_s,
+        "predicted_worker_bytes": pred.peak_gpu_bytes + pred.peak_host_bytes,
+        "measured_rss_growth_bytes": rank0.get("peak_rss_bytes", 0) - rank0.get("rss_before_setup_bytes", 0),
+        "model_state_bytes_match": rank0.get("memory_report") == pred.model_state_bytes,
+        "predicted_breakdown": result.plan.prediction.breakdown,
+        "measured_median_step_time_s": measured["median_step_time_s"],
+        "measured": measured,
+    }
 
 
 PLAIN_RSS = """\
@@ -281,17 +327,28 @@ def plain_rss_reference(model_path: Path, profile, args) -> dict:
     """Peak RSS growth of plain PyTorch training (fresh process, 1 thread, micro-batch 8, AdamW) next to
     what the profile predicts for it: activations at micro-batch 8 + fp32 weights, gradients, Adam m, v."""
     micro = GLOBAL_BATCH // WORLD
-    proc = subprocess.run([sys.executable, "-c", PLAIN_RSS, str(model_path), str(micro), str(args.seq), str(args.vocab)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"})
+    proc = subprocess.run(
+        [sys.executable, "-c", PLAIN_RSS, str(model_path), str(micro), str(args.seq), str(args.vocab)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"},
+    )
     if proc.returncode != 0:
         return {"error": proc.stderr[-1000:]}
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     activations = int(profile.activation.at(micro))
     states = profile.num_params * 16
-    out.update({"growth_bytes": out["peak_rss_bytes"] - out["rss_before_bytes"], "micro_batch_size": micro,
-                "profile_activation_bytes": activations, "param_grad_adam_bytes": states,
-                "predicted_bytes": activations + states})
+    out.update(
+        {
+            "growth_bytes": out["peak_rss_bytes"] - out["rss_before_bytes"],
+            "micro_batch_size": micro,
+            "profile_activation_bytes": activations,
+            "param_grad_adam_bytes": states,
+            "predicted_bytes": activations + states,
+        }
+    )
     return out
 
 
@@ -352,9 +409,11 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 
 def describe(shape: dict) -> str:
-    return (f"mb {shape['micro_batch_size']}x{shape['grad_accum_steps']}, ckpt {shape['checkpointing']}, "
-            f"cache {shape['cache_blocks']}/{shape['cacheable_chunks']}, pf {shape['prefetch']}, "
-            f"offload {shape['offloaded_chunks']}/{shape['num_chunks']}")
+    return (
+        f"mb {shape['micro_batch_size']}x{shape['grad_accum_steps']}, ckpt {shape['checkpointing']}, "
+        f"cache {shape['cache_blocks']}/{shape['cacheable_chunks']}, pf {shape['prefetch']}, "
+        f"offload {shape['offloaded_chunks']}/{shape['num_chunks']}"
+    )
 
 
 def main() -> int:
@@ -371,33 +430,57 @@ def main() -> int:
     else:
         say("probing this machine (quick)")
         hardware, hw_how = probe(quick=True, procs=WORLD, device="cpu"), "probe(quick=True, procs=2)"
-    hw_fields = {k: getattr(hardware, k) for k in (
-        "name", "device_name", "matmul_tflops", "hbm_gbps", "h2d_gbps", "h2d_gbps_all", "allgather_gbps",
-        "reduce_scatter_gbps", "collective_latency_s", "copy_latency_s", "gpu_adam_elems_per_s",
-        "cpu_adam_elems_per_s", "usable_memory_bytes", "host_cores")}
-    say(f"hardware ({hw_how}): fp32 {hardware.matmul_tflops.get('fp32')} TFLOP/s, all-gather "
+    hw_fields = {
+        k: getattr(hardware, k)
+        for k in (
+            "name",
+            "device_name",
+            "matmul_tflops",
+            "hbm_gbps",
+            "h2d_gbps",
+            "h2d_gbps_all",
+            "allgather_gbps",
+            "reduce_scatter_gbps",
+            "collective_latency_s",
+            "copy_latency_s",
+            "gpu_adam_elems_per_s",
+            "cpu_adam_elems_per_s",
+            "usable_memory_bytes",
+            "host_cores",
+        )
+    }
+    say(
+        f"hardware ({hw_how}): fp32 {hardware.matmul_tflops.get('fp32')} TFLOP/s, all-gather "
         f"{hardware.allgather_gbps} GB/s, reduce-scatter {hardware.reduce_scatter_gbps} GB/s, collective latency "
-        f"{hardware.collective_latency_s * 1e6:.0f} us, Adam {hardware.cpu_adam_elems_per_s:.2e} elem/s")
+        f"{hardware.collective_latency_s * 1e6:.0f} us, Adam {hardware.cpu_adam_elems_per_s:.2e} elem/s"
+    )
 
     workdir = Path(tempfile.mkdtemp(prefix="bench_prediction_"))
     model_path = workdir / "gpt2-bench.yaml"
-    model_path.write_text(MODEL_YAML.format(hidden=args.hidden, layers=args.layers, heads=args.heads,
-                                            vocab=args.vocab, seq=args.seq))
+    model_path.write_text(
+        MODEL_YAML.format(hidden=args.hidden, layers=args.layers, heads=args.heads, vocab=args.vocab, seq=args.seq)
+    )
     (workdir / "wrapper.py").write_text(WRAPPER.replace("SCRIPT", repr(str(REPO / "scripts" / "train_gpt2.py"))))
     source = load_model_source(str(model_path))
     profile = profile_model(source, batch_size=GLOBAL_BATCH // WORLD, seq_len=args.seq)
-    say(f"profiled {profile.name}: {profile.num_params:,} parameters, "
-        f"{profile.flops_per_sample / args.seq / 1e9:.4f} GFLOP per token")
+    say(
+        f"profiled {profile.name}: {profile.num_params:,} parameters, "
+        f"{profile.flops_per_sample / args.seq / 1e9:.4f} GFLOP per token"
+    )
 
     shapes = make_shapes(profile, hardware)
     say(f"{len(shapes)} shapes: " + ", ".join(name for name, _, _ in shapes))
     plain = plain_reference(source, profile, args)
-    say(f"plain PyTorch, 1 thread: fwd+bwd 8x1 {ms(plain['fwd_bwd_8x1_s'])} ms, 2x4 {ms(plain['fwd_bwd_2x4_s'])} ms, "
-        f"AdamW {ms(plain['adamw_step_s'])} ms")
+    say(
+        f"plain PyTorch, 1 thread: fwd+bwd 8x1 {ms(plain['fwd_bwd_8x1_s'])} ms, 2x4 {ms(plain['fwd_bwd_2x4_s'])} ms, "
+        f"AdamW {ms(plain['adamw_step_s'])} ms"
+    )
     plain_rss = plain_rss_reference(model_path, profile, args)
     if "growth_bytes" in plain_rss:
-        say(f"plain PyTorch peak RSS growth at micro-batch 8: {mib(plain_rss['growth_bytes'])} MiB "
-            f"(profile activations + 16 B/param: {mib(plain_rss['predicted_bytes'])} MiB)")
+        say(
+            f"plain PyTorch peak RSS growth at micro-batch 8: {mib(plain_rss['growth_bytes'])} MiB "
+            f"(profile activations + 16 B/param: {mib(plain_rss['predicted_bytes'])} MiB)"
+        )
     load_start = os.getloadavg()[0]
 
     runs: dict[str, list[dict]] = {name: [] for name, _, _ in shapes}
@@ -405,12 +488,16 @@ def main() -> int:
         order = shapes if round_index % 2 == 0 else shapes[::-1]
         for name, pins, result in order:
             plan = result.plan
-            say(f"round {round_index + 1}, {name}: {describe(shape_of(plan))}: predicted "
-                f"{ms(plan.prediction.step_time_s)} ms; running")
+            say(
+                f"round {round_index + 1}, {name}: {describe(shape_of(plan))}: predicted "
+                f"{ms(plan.prediction.step_time_s)} ms; running"
+            )
             measured = run_shape(name, plan, workdir, args)
             runs[name].append(measured)
-            say(f"round {round_index + 1}, {name}: measured median {ms(measured['median_step_time_s'])} ms "
-                f"(wall {measured['wall_s']} s, load {measured['load_avg_1min_before']})")
+            say(
+                f"round {round_index + 1}, {name}: measured median {ms(measured['median_step_time_s'])} ms "
+                f"(wall {measured['wall_s']} s, load {measured['load_avg_1min_before']})"
+            )
     world1 = world1_reference(profile, hardware, shapes[0][2].plan, workdir, args)
 
     rows = []
@@ -424,23 +511,28 @@ def main() -> int:
         # share of the node's host part.
         pred_worker_bytes = pred.peak_gpu_bytes + pred.peak_host_bytes // WORLD
         growth = [r["peak_rss_bytes"] - r["rss_before_setup_bytes"] for r in measured["ranks"]]
-        rows.append({
-            "name": name, "pins": pins, "shape": shape_of(plan),
-            "predicted_step_time_s": pred.step_time_s, "predicted_breakdown": pred.breakdown,
-            "measured_median_step_time_s": measured["median_step_time_s"],
-            "ratio_measured_over_predicted": measured["median_step_time_s"] / pred.step_time_s,
-            "predicted_model_state_bytes": pred.model_state_bytes,
-            "engine_memory_report_per_rank": engine_reports,
-            "model_state_bytes_match": states_match,
-            "predicted_peak_device_bytes": pred.peak_gpu_bytes,
-            "predicted_peak_host_bytes_node": pred.peak_host_bytes,
-            "predicted_worker_bytes": pred_worker_bytes,
-            "measured_peak_rss_bytes_per_rank": [r["peak_rss_bytes"] for r in measured["ranks"]],
-            "measured_rss_before_setup_bytes_per_rank": [r["rss_before_setup_bytes"] for r in measured["ranks"]],
-            "measured_rss_growth_bytes_per_rank": growth,
-            "no_overlap_sum_s": no_overlap_sum_s(pred.breakdown),
-            "measured": measured,
-        })
+        rows.append(
+            {
+                "name": name,
+                "pins": pins,
+                "shape": shape_of(plan),
+                "predicted_step_time_s": pred.step_time_s,
+                "predicted_breakdown": pred.breakdown,
+                "measured_median_step_time_s": measured["median_step_time_s"],
+                "ratio_measured_over_predicted": measured["median_step_time_s"] / pred.step_time_s,
+                "predicted_model_state_bytes": pred.model_state_bytes,
+                "engine_memory_report_per_rank": engine_reports,
+                "model_state_bytes_match": states_match,
+                "predicted_peak_device_bytes": pred.peak_gpu_bytes,
+                "predicted_peak_host_bytes_node": pred.peak_host_bytes,
+                "predicted_worker_bytes": pred_worker_bytes,
+                "measured_peak_rss_bytes_per_rank": [r["peak_rss_bytes"] for r in measured["ranks"]],
+                "measured_rss_before_setup_bytes_per_rank": [r["rss_before_setup_bytes"] for r in measured["ranks"]],
+                "measured_rss_growth_bytes_per_rank": growth,
+                "no_overlap_sum_s": no_overlap_sum_s(pred.breakdown),
+                "measured": measured,
+            }
+        )
 
     plain_after = plain_reference(source, profile, args)
     say(f"plain PyTorch again after the runs: fwd+bwd 8x1 {ms(plain_after['fwd_bwd_8x1_s'])} ms")
@@ -452,23 +544,45 @@ def main() -> int:
     fastest_pred = [r["name"] for r in rows if r["predicted_rank"] == 1]
     fastest_meas = min(rows, key=lambda r: r["measured_median_step_time_s"])["name"]
     ranking = {
-        "predicted_fastest": fastest_pred, "measured_fastest": fastest_meas,
-        "agree": fastest_meas in fastest_pred, "spearman": round(spearman(predicted, measured_t), 3),
+        "predicted_fastest": fastest_pred,
+        "measured_fastest": fastest_meas,
+        "agree": fastest_meas in fastest_pred,
+        "spearman": round(spearman(predicted, measured_t), 3),
         "measured_fastest_by_min": min(rows, key=lambda r: r["measured"]["min_step_time_s"])["name"],
         "spearman_by_min": round(spearman(predicted, [r["measured"]["min_step_time_s"] for r in rows]), 3),
     }
     elapsed = time.perf_counter() - started
     record = {
-        "device": "cpu", "cpu": hardware.device_name or platform.processor(), "cores": os.cpu_count(),
-        "torch": torch.__version__, "python": platform.python_version(), "command": command,
+        "device": "cpu",
+        "cpu": hardware.device_name or platform.processor(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "command": command,
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-        "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "vocab": args.vocab,
-                  "seq": args.seq, "num_params": profile.num_params},
-        "world_size": WORLD, "global_batch_size": GLOBAL_BATCH, "steps": args.steps, "warmup": args.warmup,
-        "hardware_source": hw_how, "hardware": hw_fields, "plain_pytorch_1thread": plain,
-        "plain_pytorch_1thread_after": plain_after, "load_avg_1min_at_start": round(load_start, 2),
-        "rounds": args.rounds, "world1_engine_reference": world1, "plain_pytorch_rss": plain_rss,
-        "shapes": rows, "ranking": ranking, "elapsed_s": round(elapsed, 1),
+        "model": {
+            "hidden": args.hidden,
+            "layers": args.layers,
+            "heads": args.heads,
+            "vocab": args.vocab,
+            "seq": args.seq,
+            "num_params": profile.num_params,
+        },
+        "world_size": WORLD,
+        "global_batch_size": GLOBAL_BATCH,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "hardware_source": hw_how,
+        "hardware": hw_fields,
+        "plain_pytorch_1thread": plain,
+        "plain_pytorch_1thread_after": plain_after,
+        "load_avg_1min_at_start": round(load_start, 2),
+        "rounds": args.rounds,
+        "world1_engine_reference": world1,
+        "plain_pytorch_rss": plain_rss,
+        "shapes": rows,
+        "ranking": ranking,
+        "elapsed_s": round(elapsed, 1),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=1))
@@ -512,7 +626,8 @@ def markdown(record: dict) -> str:
             f"{ms(r['measured_median_step_time_s'])} ({ms(m['min_step_time_s'])}-{ms(m['max_step_time_s'])}) | "
             f"{', '.join(ms(t) for t in m['round_medians_s'])} | {r['ratio_measured_over_predicted']:.2f} | {r['predicted_rank']} / {r['measured_rank']} | "
             f"{'yes' if r['model_state_bytes_match'] else 'NO'} | {mib(r['predicted_worker_bytes'])} | "
-            f"{growth} ({peak}) |")
+            f"{growth} ({peak}) |"
+        )
     rk = record["ranking"]
     plain = record["plain_pytorch_1thread"]
     lines += [
@@ -529,11 +644,13 @@ def markdown(record: dict) -> str:
     ]
     for r in record["shapes"]:
         b = r["predicted_breakdown"]
-        lines.append(f"| {r['name']} | {ms(b.get('compute_s', 0))} | {ms(b.get('recompute_s', 0))} | "
-                     f"{ms(b.get('allgather_s', 0))} | {ms(b.get('reduce_scatter_s', 0))} | "
-                     f"{ms(b.get('exposed_fetch_s', 0))} | {ms(b.get('grad_drain_s', 0))} | "
-                     f"{ms(b.get('optimizer_exposed_s', 0))} | {ms(r['no_overlap_sum_s'])} | "
-                     f"{r['measured_median_step_time_s'] / r['no_overlap_sum_s']:.2f} |")
+        lines.append(
+            f"| {r['name']} | {ms(b.get('compute_s', 0))} | {ms(b.get('recompute_s', 0))} | "
+            f"{ms(b.get('allgather_s', 0))} | {ms(b.get('reduce_scatter_s', 0))} | "
+            f"{ms(b.get('exposed_fetch_s', 0))} | {ms(b.get('grad_drain_s', 0))} | "
+            f"{ms(b.get('optimizer_exposed_s', 0))} | {ms(r['no_overlap_sum_s'])} | "
+            f"{r['measured_median_step_time_s'] / r['no_overlap_sum_s']:.2f} |"
+        )
     w1 = record["world1_engine_reference"]
     lines += [
         "",
@@ -553,11 +670,14 @@ def markdown(record: dict) -> str:
         f"{ms(record['plain_pytorch_1thread_after']['fwd_bwd_2x4_s'])} ms. The machine is shared: 1-minute load "
         f"average {record['load_avg_1min_at_start']} at the start; per shape in the JSON.",
         "",
-        (f"Plain PyTorch memory (fresh process, 1 thread, micro-batch {record['plain_pytorch_rss']['micro_batch_size']}, "
-         f"3 AdamW steps): peak RSS growth {mib(record['plain_pytorch_rss']['growth_bytes'])} MiB against "
-         f"{mib(record['plain_pytorch_rss']['predicted_bytes'])} MiB from the profile (activations "
-         f"{mib(record['plain_pytorch_rss']['profile_activation_bytes'])} + 16 B per parameter "
-         f"{mib(record['plain_pytorch_rss']['param_grad_adam_bytes'])}).") if "growth_bytes" in record["plain_pytorch_rss"]
+        (
+            f"Plain PyTorch memory (fresh process, 1 thread, micro-batch {record['plain_pytorch_rss']['micro_batch_size']}, "
+            f"3 AdamW steps): peak RSS growth {mib(record['plain_pytorch_rss']['growth_bytes'])} MiB against "
+            f"{mib(record['plain_pytorch_rss']['predicted_bytes'])} MiB from the profile (activations "
+            f"{mib(record['plain_pytorch_rss']['profile_activation_bytes'])} + 16 B per parameter "
+            f"{mib(record['plain_pytorch_rss']['param_grad_adam_bytes'])})."
+        )
+        if "growth_bytes" in record["plain_pytorch_rss"]
         else "Plain PyTorch memory: failed (see JSON).",
         "",
         "Memory columns: 'model states = engine' compares `prediction.model_state_bytes` with "

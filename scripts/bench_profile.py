@@ -62,10 +62,21 @@ def main() -> int:
         return 0
 
     rows = []
-    print(f"{'model':<10} {'params':>16} {'import s':>9} {'profile s':>10} {'save s':>7} {'total s':>8} {'peak GiB':>9}  target")
+    print(
+        f"{'model':<10} {'params':>16} {'import s':>9} {'profile s':>10} {'save s':>7} {'total s':>8} {'peak GiB':>9}  target"
+    )
     for model in args.models:
         child = subprocess.run(
-            [sys.executable, __file__, "--one", model, "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)],
+            [
+                sys.executable,
+                __file__,
+                "--one",
+                model,
+                "--batch-size",
+                str(args.batch_size),
+                "--seq-len",
+                str(args.seq_len),
+            ],
             capture_output=True,
             text=True,
         )

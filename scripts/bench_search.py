@@ -42,8 +42,7 @@ def get_profile(name: str, synthetic: bool):
     else:
         from elixir_tune.profiler import profile_model
 
-        profile = profile_model(str(paths.MODEL_CONFIGS_DIR / f"{name}.yaml"), batch_size=8, seq_len=1024,
-                                dtype="bf16")
+        profile = profile_model(str(paths.MODEL_CONFIGS_DIR / f"{name}.yaml"), batch_size=8, seq_len=1024, dtype="bf16")
     return profile, time.perf_counter() - started
 
 
@@ -54,11 +53,18 @@ def time_search(profile, hardware, gpus: int, nodes: int, repeats: int) -> dict:
         runs.append(result)
     elapsed = [r.elapsed_s for r in runs]
     best = runs[-1].candidates[0]
-    return {"model": profile.name, "hardware": hardware.name, "nodes": nodes, "gpus_per_node": gpus,
-            "search_s_median": round(statistics.median(elapsed), 3), "search_s_runs": [round(e, 3) for e in elapsed],
-            "candidates_scored": runs[-1].num_scored,
-            "candidates_per_s": round(runs[-1].num_scored / statistics.median(elapsed), 1),
-            "best": best.row(), "why": runs[-1].why}
+    return {
+        "model": profile.name,
+        "hardware": hardware.name,
+        "nodes": nodes,
+        "gpus_per_node": gpus,
+        "search_s_median": round(statistics.median(elapsed), 3),
+        "search_s_runs": [round(e, 3) for e in elapsed],
+        "candidates_scored": runs[-1].num_scored,
+        "candidates_per_s": round(runs[-1].num_scored / statistics.median(elapsed), 1),
+        "best": best.row(),
+        "why": runs[-1].why,
+    }
 
 
 def compare(profile, hardware, gpus: int) -> dict:
@@ -80,31 +86,46 @@ def _shape(row: dict) -> str:
         return "does not fit"
     every = row["checkpointing"]
     ckpt = "none" if every == 0 else "all" if every == 1 else f"1/{every}"
-    return (f"{row['chunk_mib']:.0f} MiB, cache {row['cache_blocks']}/{row['cacheable_chunks']}, "
-            f"offload {row['offload']:.0%}, ckpt {ckpt}, {row['micro_batch_size']}x{row['grad_accum_steps']}")
+    return (
+        f"{row['chunk_mib']:.0f} MiB, cache {row['cache_blocks']}/{row['cacheable_chunks']}, "
+        f"offload {row['offload']:.0%}, ckpt {ckpt}, {row['micro_batch_size']}x{row['grad_accum_steps']}"
+    )
 
 
 def markdown(report: dict) -> str:
-    lines = ["# Search benchmark", "",
-             f"Machine: {report['machine']}. Profiles: {report['profiles']}. "
-             f"Reproduce: `{report['command']}`.", "",
-             "## Search time", "",
-             "| model | cluster | search s (median) | candidates scored | candidates/s | best TFLOPS/GPU | target |",
-             "|---|---|---:|---:|---:|---:|---|"]
+    lines = [
+        "# Search benchmark",
+        "",
+        f"Machine: {report['machine']}. Profiles: {report['profiles']}. Reproduce: `{report['command']}`.",
+        "",
+        "## Search time",
+        "",
+        "| model | cluster | search s (median) | candidates scored | candidates/s | best TFLOPS/GPU | target |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
     for timing, target in zip(report["timings"], ("< 10 s", "< 60 s")):
-        lines.append(f"| {timing['model']} | {timing['nodes']} x {timing['gpus_per_node']} x {timing['hardware']} | "
-                     f"{timing['search_s_median']} | {timing['candidates_scored']} | {timing['candidates_per_s']} | "
-                     f"{timing['best']['tflops_per_gpu']:.1f} | {target} |")
-    lines += ["", f"## Predicted TFLOPS per GPU, joint search vs Elixir's rule (same cost model), "
-                  f"a100-40gb-pcie, batch {BATCH_PER_GPU} per GPU", "",
-              "TFLOPS = model FLOPs (6 x params x tokens, recomputation not counted) / predicted step time / GPUs.", "",
-              "| model | GPUs | joint | Elixir rule | joint / Elixir | joint plan | Elixir-rule plan |",
-              "|---|---:|---:|---:|---:|---|---|"]
+        lines.append(
+            f"| {timing['model']} | {timing['nodes']} x {timing['gpus_per_node']} x {timing['hardware']} | "
+            f"{timing['search_s_median']} | {timing['candidates_scored']} | {timing['candidates_per_s']} | "
+            f"{timing['best']['tflops_per_gpu']:.1f} | {target} |"
+        )
+    lines += [
+        "",
+        f"## Predicted TFLOPS per GPU, joint search vs Elixir's rule (same cost model), "
+        f"a100-40gb-pcie, batch {BATCH_PER_GPU} per GPU",
+        "",
+        "TFLOPS = model FLOPs (6 x params x tokens, recomputation not counted) / predicted step time / GPUs.",
+        "",
+        "| model | GPUs | joint | Elixir rule | joint / Elixir | joint plan | Elixir-rule plan |",
+        "|---|---:|---:|---:|---:|---|---|",
+    ]
     for row in report["comparison"]:
         joint, elixir = row["joint"], row["elixir"]
         cell = lambda r: f"{r['tflops_per_gpu']:.1f}" if "tflops_per_gpu" in r else "OOM"  # noqa: E731
-        lines.append(f"| {row['model']} | {row['gpus']} | {cell(joint)} | {cell(elixir)} | "
-                     f"{row.get('speedup', '-')} | {_shape(joint)} | {_shape(elixir)} |")
+        lines.append(
+            f"| {row['model']} | {row['gpus']} | {cell(joint)} | {cell(elixir)} | "
+            f"{row.get('speedup', '-')} | {_shape(joint)} | {_shape(elixir)} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -112,8 +133,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--synthetic", action="store_true", help="analytic GPT-2 profiles instead of traced ones")
     parser.add_argument("--repeats", type=int, default=3, help="search runs per timing (median reported)")
-    parser.add_argument("--out-prefix", default=str(paths.REPO_DIR / "benchmarks" / "results" / "search-bench"),
-                        help="writes PREFIX.json and PREFIX.md")
+    parser.add_argument(
+        "--out-prefix",
+        default=str(paths.REPO_DIR / "benchmarks" / "results" / "search-bench"),
+        help="writes PREFIX.json and PREFIX.md",
+    )
     args = parser.parse_args()
 
     a100 = load_hardware("a100-40gb-pcie")
@@ -128,24 +152,33 @@ def main() -> None:
     if "opt-175b" in profiles:
         timings.append(time_search(profiles["opt-175b"], dgx, gpus=8, nodes=2, repeats=args.repeats))
     for timing in timings:
-        print(f"search {timing['model']} on {timing['nodes']}x{timing['gpus_per_node']} {timing['hardware']}: "
-              f"{timing['search_s_median']} s, {timing['candidates_scored']} scored, "
-              f"{timing['candidates_per_s']} /s", flush=True)
+        print(
+            f"search {timing['model']} on {timing['nodes']}x{timing['gpus_per_node']} {timing['hardware']}: "
+            f"{timing['search_s_median']} s, {timing['candidates_scored']} scored, "
+            f"{timing['candidates_per_s']} /s",
+            flush=True,
+        )
 
     comparison = []
     for name in TABLE_MODELS:
         for gpus in TABLE_GPUS:
             row = compare(profiles[name], a100, gpus)
             comparison.append(row)
-            print(f"{name} x{gpus}: joint {row['joint'].get('tflops_per_gpu', 'OOM')} "
-                  f"elixir {row['elixir'].get('tflops_per_gpu', 'OOM')} TFLOPS/GPU", flush=True)
+            print(
+                f"{name} x{gpus}: joint {row['joint'].get('tflops_per_gpu', 'OOM')} "
+                f"elixir {row['elixir'].get('tflops_per_gpu', 'OOM')} TFLOPS/GPU",
+                flush=True,
+            )
 
     report = {
         "machine": f"{platform.node() or 'host'}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
-        "profiles": "analytic (costmodel.synthetic)" if args.synthetic else "traced by elixir_tune.profiler (bf16, seq 1024)",
+        "profiles": "analytic (costmodel.synthetic)"
+        if args.synthetic
+        else "traced by elixir_tune.profiler (bf16, seq 1024)",
         "command": "python scripts/bench_search.py" + (" --synthetic" if args.synthetic else ""),
         "profile_s": {k: round(v, 2) for k, v in profile_s.items()},
-        "timings": timings, "comparison": comparison,
+        "timings": timings,
+        "comparison": comparison,
     }
     prefix = Path(args.out_prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)

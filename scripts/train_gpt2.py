@@ -34,7 +34,6 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record  # noqa: E402
 
 import elixir_tune  # noqa: E402
@@ -56,12 +55,21 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seeds the weights (same on every rank) and the data")
     parser.add_argument("--model", default=None, help="model spec (default: the plan's model.source)")
     parser.add_argument("--print-every", type=int, default=None, help="print a line every N steps (default: ~20 lines)")
-    parser.add_argument("--save", default=None, metavar="DIR",
-                        help="checkpoint directory: saved at the end, every --save-every steps and on SIGINT/SIGTERM")
+    parser.add_argument(
+        "--save",
+        default=None,
+        metavar="DIR",
+        help="checkpoint directory: saved at the end, every --save-every steps and on SIGINT/SIGTERM",
+    )
     parser.add_argument("--save-every", type=int, default=0, metavar="N", help="also save every N steps (0: never)")
     parser.add_argument("--resume", default=None, metavar="DIR", help="continue from this checkpoint's step")
-    parser.add_argument("--stop-at", type=int, default=None, metavar="N",
-                        help="stop after N steps, keeping the --steps schedule (as an interrupted run would)")
+    parser.add_argument(
+        "--stop-at",
+        type=int,
+        default=None,
+        metavar="N",
+        help="stop after N steps, keeping the --steps schedule (as an interrupted run would)",
+    )
     return parser.parse_args()
 
 
@@ -77,7 +85,7 @@ class WindowSampler:
     def global_batch(self, step: int, size: int) -> torch.Tensor:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         starts = torch.randint(0, self.tokens.numel() - self.seq_len, (size,), generator=generator)
-        return torch.stack([self.tokens[start:start + self.seq_len] for start in starts.tolist()])
+        return torch.stack([self.tokens[start : start + self.seq_len] for start in starts.tolist()])
 
 
 class SyntheticSampler:
@@ -118,7 +126,7 @@ def resolve_model_spec(spec: str, plan_path: str) -> str:
     if Path(path_part).suffix and not Path(path_part).exists():
         beside_plan = Path(plan_path).resolve().parent / path_part
         if beside_plan.exists():
-            return str(beside_plan) + spec[len(path_part):]
+            return str(beside_plan) + spec[len(path_part) :]
     return spec
 
 
@@ -135,13 +143,20 @@ class Reporter:
         self.log_path = Path(args.log) if args.log else None
         self.record = {**header, "steps": []}
         self.progress = Progress(
-            TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-            TextColumn("{task.fields[tflops]} TFLOPS"), TextColumn("mem {task.fields[mem]}"), TimeRemainingColumn(),
-            console=self.console, disable=not self.console.is_terminal)
+            TextColumn("[bold]train[/]"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("{task.fields[tps]} tok/s"),
+            TextColumn("{task.fields[tflops]} TFLOPS"),
+            TextColumn("mem {task.fields[mem]}"),
+            TimeRemainingColumn(),
+            console=self.console,
+            disable=not self.console.is_terminal,
+        )
         self.task = self.progress.add_task("train", total=args.steps, loss="-", tps="-", tflops="-", mem="-")
 
-    def __enter__(self) -> "Reporter":
+    def __enter__(self) -> Reporter:
         self.progress.start()
         return self
 
@@ -150,14 +165,22 @@ class Reporter:
 
     def step(self, entry: dict) -> None:
         self.record["steps"].append(entry)
-        self.progress.update(self.task, advance=1, loss=f"{entry['loss']:.3f}", tps=f"{entry['tokens_per_s']:,.0f}",
-                             tflops=f"{entry['tflops_per_gpu']:.4f}", mem=f"{entry['memory_bytes'] / 2**20:,.0f} MiB")
+        self.progress.update(
+            self.task,
+            advance=1,
+            loss=f"{entry['loss']:.3f}",
+            tps=f"{entry['tokens_per_s']:,.0f}",
+            tflops=f"{entry['tflops_per_gpu']:.4f}",
+            mem=f"{entry['memory_bytes'] / 2**20:,.0f} MiB",
+        )
         number = entry["step"] + 1
         if number == 1 or number % self.print_every == 0 or number == self.steps:
             self.progress.console.print(
                 f"step {number:>5}/{self.steps}  loss {entry['loss']:.4f}  {entry['tokens_per_s']:>9,.0f} tok/s  "
                 f"{entry['tflops_per_gpu']:.4f} TFLOPS/worker  {entry['step_time_s'] * 1000:7.1f} ms  "
-                f"mem {entry['memory_bytes'] / 2**20:,.0f} MiB  lr {entry['lr']:.2e}", soft_wrap=True)
+                f"mem {entry['memory_bytes'] / 2**20:,.0f} MiB  lr {entry['lr']:.2e}",
+                soft_wrap=True,
+            )
         self.write()
 
     def write(self, status: str = "running") -> None:
@@ -167,7 +190,9 @@ class Reporter:
         if steps:
             timed = steps[1:] or steps  # the first step includes warm-up work
             self.record["summary"] = {
-                "status": status, "steps_done": len(steps), "first_loss": steps[0]["loss"],
+                "status": status,
+                "steps_done": len(steps),
+                "first_loss": steps[0]["loss"],
                 "last_loss": steps[-1]["loss"],
                 "mean_tokens_per_s": sum(s["tokens_per_s"] for s in timed) / len(timed),
                 "mean_step_time_s": sum(s["step_time_s"] for s in timed) / len(timed),
@@ -185,8 +210,11 @@ def main() -> int:
     plan_path = os.environ.get(elixir_tune.plan.PLAN_ENV_VAR, "")
     plan = elixir_tune.load_plan()  # $ELIXIR_TUNE_PLAN, set by elixir-run
     training = plan.training
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if plan.cluster.device == "cuda" else \
-        torch.device("cpu")
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        if plan.cluster.device == "cuda"
+        else torch.device("cpu")
+    )
     if device.type == "cuda":
         torch.cuda.set_device(device)
 
@@ -207,8 +235,9 @@ def main() -> int:
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world != plan.world_size:
-        raise SystemExit(f"the plan is for {plan.world_size} processes but this job has {world}; "
-                         "start it with elixir-run")
+        raise SystemExit(
+            f"the plan is for {plan.world_size} processes but this job has {world}; start it with elixir-run"
+        )
 
     if args.synthetic:
         if not vocab_size:
@@ -217,8 +246,9 @@ def main() -> int:
         data_name = "synthetic"
     else:
         if vocab_size is not None and vocab_size < 256:
-            raise SystemExit(f"byte-level text needs a vocabulary of at least 256, the model has {vocab_size}; "
-                             "use --synthetic")
+            raise SystemExit(
+                f"byte-level text needs a vocabulary of at least 256, the model has {vocab_size}; use --synthetic"
+            )
         data = Path(args.data)
         tokens = torch.frombuffer(bytearray(data.read_bytes()), dtype=torch.uint8).long()
         sampler = WindowSampler(tokens, training.seq_len, args.seed)
@@ -230,12 +260,18 @@ def main() -> int:
         start_step = int(meta["step"])
         saved = meta.get("extra", {})
         if rank == 0:
-            print(f"resumed from {args.resume} at step {start_step}"
-                  + ("" if meta.get("exact") else " (weights only: optimizer state restarts)"), flush=True)
+            print(
+                f"resumed from {args.resume} at step {start_step}"
+                + ("" if meta.get("exact") else " (weights only: optimizer state restarts)"),
+                flush=True,
+            )
             for key, value in (("steps", args.steps), ("seed", args.seed), ("lr", args.lr)):
                 if key in saved and saved[key] != value:
-                    print(f"note: the checkpoint was saved with --{key} {saved[key]}, this run uses {value}: "
-                          "the data or LR schedule differs from the original run", flush=True)
+                    print(
+                        f"note: the checkpoint was saved with --{key} {saved[key]}, this run uses {value}: "
+                        "the data or LR schedule differs from the original run",
+                        flush=True,
+                    )
     stop_step = min(args.steps, args.stop_at) if args.stop_at is not None else args.steps
 
     micro, accum = training.micro_batch_size, training.grad_accum_steps
@@ -243,10 +279,20 @@ def main() -> int:
     tokens_per_step = training.global_batch_size * training.seq_len
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 10)
     header = {
-        "script": "train_gpt2.py", "plan": plan_path, "model": source.name, "num_params": num_params,
-        "world_size": world, "device": plan.cluster.device, "dtype": training.dtype,
-        "global_batch_size": training.global_batch_size, "micro_batch_size": micro, "grad_accum_steps": accum,
-        "seq_len": training.seq_len, "data": data_name, "lr": args.lr, "seed": args.seed,
+        "script": "train_gpt2.py",
+        "plan": plan_path,
+        "model": source.name,
+        "num_params": num_params,
+        "world_size": world,
+        "device": plan.cluster.device,
+        "dtype": training.dtype,
+        "global_batch_size": training.global_batch_size,
+        "micro_batch_size": micro,
+        "grad_accum_steps": accum,
+        "seq_len": training.seq_len,
+        "data": data_name,
+        "lr": args.lr,
+        "seed": args.seed,
         "predicted_step_time_s": plan.prediction.step_time_s if plan.prediction else None,
     }
     if args.resume:
@@ -258,10 +304,17 @@ def main() -> int:
         reporter.console.print(
             f"training {source.name} ({num_params:,} params) on {world} {plan.cluster.device} worker(s): "
             f"{args.steps} steps of {training.global_batch_size} x {training.seq_len} tokens "
-            f"(micro-batch {micro} x accumulation {accum} x world {world}), data: {data_name}", soft_wrap=True)
+            f"(micro-batch {micro} x accumulation {accum} x world {world}), data: {data_name}",
+            soft_wrap=True,
+        )
 
-    checkpoint_extra = {"steps": args.steps, "seed": args.seed, "lr": args.lr, "warmup_steps": warmup,
-                        "data": data_name}
+    checkpoint_extra = {
+        "steps": args.steps,
+        "seed": args.seed,
+        "lr": args.lr,
+        "warmup_steps": warmup,
+        "data": data_name,
+    }
 
     def save(steps_done: int) -> None:
         elixir_tune.save_checkpoint(args.save, model, optimizer, step=steps_done, extra=checkpoint_extra)
@@ -272,6 +325,7 @@ def main() -> int:
     # (one all-reduce with the loss) and save together; a collective save cannot start mid-step.
     stop_requested = []
     if args.save:
+
         def request_stop(signum, frame):
             if stop_requested:  # a second signal: stop now, without saving
                 raise KeyboardInterrupt
@@ -289,10 +343,10 @@ def main() -> int:
                 for group in optimizer.param_groups:
                     group["lr"] = lr
                 started = time.perf_counter()
-                batch = sampler.global_batch(step, training.global_batch_size)[rank * per_rank:(rank + 1) * per_rank]
+                batch = sampler.global_batch(step, training.global_batch_size)[rank * per_rank : (rank + 1) * per_rank]
                 loss_sum = torch.zeros((), device=device)
                 for index in range(accum):
-                    input_ids = batch[index * micro:(index + 1) * micro].to(device, non_blocking=True)
+                    input_ids = batch[index * micro : (index + 1) * micro].to(device, non_blocking=True)
                     output = model(input_ids=input_ids, labels=input_ids)
                     loss = output.loss if hasattr(output, "loss") else output
                     optimizer.backward(loss / accum)
@@ -315,14 +369,20 @@ def main() -> int:
                     torch.cuda.synchronize(device)
                 step_time_s = time.perf_counter() - started
                 if reporter:
-                    reporter.step({
-                        "step": step, "loss": mean_loss, "lr": lr, "step_time_s": step_time_s,
-                        "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                        "tokens": tokens_per_step, "tokens_per_s": tokens_per_step / step_time_s,
-                        # model FLOPs: 6 per parameter per token (forward + backward), per worker
-                        "tflops_per_gpu": 6 * num_params * tokens_per_step / step_time_s / world / 1e12,
-                        "memory_bytes": memory_bytes(device),
-                    })
+                    reporter.step(
+                        {
+                            "step": step,
+                            "loss": mean_loss,
+                            "lr": lr,
+                            "step_time_s": step_time_s,
+                            "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                            "tokens": tokens_per_step,
+                            "tokens_per_s": tokens_per_step / step_time_s,
+                            # model FLOPs: 6 per parameter per token (forward + backward), per worker
+                            "tflops_per_gpu": 6 * num_params * tokens_per_step / step_time_s / world / 1e12,
+                            "memory_bytes": memory_bytes(device),
+                        }
+                    )
                 steps_done = step + 1
                 if stop_now:
                     save(steps_done)
@@ -345,8 +405,10 @@ def main() -> int:
             reporter.console.print(
                 f"[bold green]done[/]: loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over "
                 f"{summary['steps_done']} steps, {summary['mean_tokens_per_s']:,.0f} tokens/s, "
-                f"{summary['mean_step_time_s'] * 1000:.1f} ms/step" + (f"; log: {reporter.log_path}" if
-                                                                       reporter.log_path else ""), soft_wrap=True)
+                f"{summary['mean_step_time_s'] * 1000:.1f} ms/step"
+                + (f"; log: {reporter.log_path}" if reporter.log_path else ""),
+                soft_wrap=True,
+            )
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

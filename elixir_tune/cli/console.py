@@ -56,8 +56,23 @@ def print_json(data: Any) -> None:
     sys.stdout.flush()
 
 
-__all__ = ["Progress", "SpinnerColumn", "Table", "TextColumn", "TimeElapsedColumn", "console", "err_console",
-           "escape", "fail", "gib", "print_json", "print_wide", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE"]
+__all__ = [
+    "Progress",
+    "SpinnerColumn",
+    "Table",
+    "TextColumn",
+    "TimeElapsedColumn",
+    "console",
+    "err_console",
+    "escape",
+    "fail",
+    "gib",
+    "print_json",
+    "print_wide",
+    "EXIT_OK",
+    "EXIT_FAILED",
+    "EXIT_USAGE",
+]
 
 
 def gib(num_bytes: float) -> str:

@@ -8,11 +8,19 @@ from pathlib import Path
 import click
 
 from elixir_tune.cli.console import (
-    EXIT_FAILED, Progress, SpinnerColumn, Table, TextColumn, TimeElapsedColumn, console, err_console, fail, gib,
+    EXIT_FAILED,
+    Progress,
+    SpinnerColumn,
+    Table,
+    TextColumn,
+    TimeElapsedColumn,
+    console,
+    err_console,
+    fail,
+    gib,
     print_json,
 )
-from elixir_tune.hardware import (HardwareSpec, closest_preset, load_hardware, probe,
-                                  save_hardware)
+from elixir_tune.hardware import HardwareSpec, closest_preset, load_hardware, probe, save_hardware
 
 
 def _rate(value: float, unit: str) -> str:
@@ -21,22 +29,26 @@ def _rate(value: float, unit: str) -> str:
 
 def _rows(spec: HardwareSpec) -> list[tuple[str, str]]:
     """(label, value) pairs for the table, in reading order."""
-    rows = [("device", f"{spec.device}: {spec.device_name}"),
-            ("devices per node", str(spec.gpus_per_node)),
-            ("memory total / usable", f"{gib(spec.gpu_memory_bytes)} / {gib(spec.usable_memory_bytes)}"),
-            ("allocator overhead", gib(spec.allocator_overhead_bytes))]
+    rows = [
+        ("device", f"{spec.device}: {spec.device_name}"),
+        ("devices per node", str(spec.gpus_per_node)),
+        ("memory total / usable", f"{gib(spec.gpu_memory_bytes)} / {gib(spec.usable_memory_bytes)}"),
+        ("allocator overhead", gib(spec.allocator_overhead_bytes)),
+    ]
     rows += [(f"matmul {dtype}", _rate(tflops, "TFLOP/s")) for dtype, tflops in spec.matmul_tflops.items()]
-    rows += [("memory copy", _rate(spec.hbm_gbps, "GB/s")),
-             ("h2d / d2h alone", f"{spec.h2d_gbps:.3g} / {spec.d2h_gbps:.3g} GB/s"),
-             ("h2d / d2h all at once", f"{spec.h2d_gbps_all:.3g} / {spec.d2h_gbps_all:.3g} GB/s per device"),
-             ("copy latency", f"{spec.copy_latency_s * 1e6:.3g} us"),
-             ("all-gather busbw", _rate(spec.allgather_gbps, "GB/s")),
-             ("reduce-scatter busbw", _rate(spec.reduce_scatter_gbps, "GB/s")),
-             ("collective latency", f"{spec.collective_latency_s * 1e6:.3g} us"),
-             ("inter-node busbw", _rate(spec.inter_node_gbps, "GB/s")),
-             ("device Adam", _rate(spec.gpu_adam_elems_per_s, "elem/s")),
-             ("CPU Adam per rank", _rate(spec.cpu_adam_elems_per_s, "elem/s")),
-             ("host RAM / cores", f"{gib(spec.host_memory_bytes)} / {spec.host_cores}")]
+    rows += [
+        ("memory copy", _rate(spec.hbm_gbps, "GB/s")),
+        ("h2d / d2h alone", f"{spec.h2d_gbps:.3g} / {spec.d2h_gbps:.3g} GB/s"),
+        ("h2d / d2h all at once", f"{spec.h2d_gbps_all:.3g} / {spec.d2h_gbps_all:.3g} GB/s per device"),
+        ("copy latency", f"{spec.copy_latency_s * 1e6:.3g} us"),
+        ("all-gather busbw", _rate(spec.allgather_gbps, "GB/s")),
+        ("reduce-scatter busbw", _rate(spec.reduce_scatter_gbps, "GB/s")),
+        ("collective latency", f"{spec.collective_latency_s * 1e6:.3g} us"),
+        ("inter-node busbw", _rate(spec.inter_node_gbps, "GB/s")),
+        ("device Adam", _rate(spec.gpu_adam_elems_per_s, "elem/s")),
+        ("CPU Adam per rank", _rate(spec.cpu_adam_elems_per_s, "elem/s")),
+        ("host RAM / cores", f"{gib(spec.host_memory_bytes)} / {spec.host_cores}"),
+    ]
     return rows
 
 
@@ -56,11 +68,20 @@ def _table(spec: HardwareSpec, preset_id: str | None) -> Table:
 
 @click.command("probe")
 @click.option("--quick", is_flag=True, help="Fewer sizes and repeats (~17 s on an idle 2-core machine).")
-@click.option("--out", "out_path", default="hardware.yaml", show_default=True,
-              type=click.Path(dir_okay=False), help="Where to write the spec.")
-@click.option("--procs", type=click.IntRange(min=1), default=None,
-              help="CPU-only machine: worker processes the CPU is split into (default 2). "
-                   "Ignored when there are GPUs.")
+@click.option(
+    "--out",
+    "out_path",
+    default="hardware.yaml",
+    show_default=True,
+    type=click.Path(dir_okay=False),
+    help="Where to write the spec.",
+)
+@click.option(
+    "--procs",
+    type=click.IntRange(min=1),
+    default=None,
+    help="CPU-only machine: worker processes the CPU is split into (default 2). Ignored when there are GPUs.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the spec as JSON (progress on stderr).")
 def probe_command(quick: bool, out_path: str, procs: int | None, as_json: bool) -> None:
     """Measure this machine (GPUs, or the CPU as the device) and write hardware.yaml.
@@ -80,11 +101,15 @@ def probe_command(quick: bool, out_path: str, procs: int | None, as_json: bool) 
     import torch  # after click parsed the arguments: --help stays fast
 
     if procs is not None and torch.cuda.is_available():
-        err_console.print("[yellow]note:[/] --procs applies to CPU-only machines; "
-                          "measuring the GPUs instead.")
+        err_console.print("[yellow]note:[/] --procs applies to CPU-only machines; measuring the GPUs instead.")
     begin = time.perf_counter()
-    with Progress(SpinnerColumn(), TextColumn("[bold]probe[/] {task.description}"),
-                  TimeElapsedColumn(), console=err_console, transient=True) as progress:
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("[bold]probe[/] {task.description}"),
+        TimeElapsedColumn(),
+        console=err_console,
+        transient=True,
+    ) as progress:
         task = progress.add_task("starting", total=None)
         done: list[str] = []
 
@@ -97,17 +122,21 @@ def probe_command(quick: bool, out_path: str, procs: int | None, as_json: bool) 
         try:
             spec = probe(quick=quick, progress=report, procs=procs)
         except (RuntimeError, OSError, ValueError) as error:
-            fail(f"the probe failed: {error}",
-                 hint="run again with --quick to narrow it down; on a GPU machine check that "
-                      "torch sees the GPUs (python -c 'import torch; print(torch.cuda.device_count())')",
-                 code=EXIT_FAILED)
+            fail(
+                f"the probe failed: {error}",
+                hint="run again with --quick to narrow it down; on a GPU machine check that "
+                "torch sees the GPUs (python -c 'import torch; print(torch.cuda.device_count())')",
+                code=EXIT_FAILED,
+            )
         if done:
             progress.console.print(f"[green]done[/] {done[-1]}", highlight=False)
     elapsed_s = time.perf_counter() - begin
 
-    header = (f"Measured by `elixir-tune probe{' --quick' if quick else ''}` in {elapsed_s:.1f} s.\n"
-              f"Use it: elixir-tune search --gpus {spec.gpus_per_node} --hardware {out_path}\n"
-              f"How each number was measured: see `sources`; curves over sizes: `bandwidth_curves`.")
+    header = (
+        f"Measured by `elixir-tune probe{' --quick' if quick else ''}` in {elapsed_s:.1f} s.\n"
+        f"Use it: elixir-tune search --gpus {spec.gpus_per_node} --hardware {out_path}\n"
+        f"How each number was measured: see `sources`; curves over sizes: `bandwidth_curves`."
+    )
     try:
         Path(out_path).parent.mkdir(parents=True, exist_ok=True)
         save_hardware(spec, out_path, header=header)
@@ -116,10 +145,18 @@ def probe_command(quick: bool, out_path: str, procs: int | None, as_json: bool) 
     preset_id = closest_preset(spec)
 
     if as_json:
-        print_json({"path": out_path, "elapsed_s": round(elapsed_s, 2), "closest_preset": preset_id,
-                    "hardware": spec.to_dict()})
+        print_json(
+            {
+                "path": out_path,
+                "elapsed_s": round(elapsed_s, 2),
+                "closest_preset": preset_id,
+                "hardware": spec.to_dict(),
+            }
+        )
         return
     console.print(_table(spec, preset_id))
-    console.print(f"[green]wrote {out_path}[/] in {elapsed_s:.1f} s; use it with "
-                  f"[bold]elixir-tune search --gpus {spec.gpus_per_node} --hardware {out_path}[/]",
-                  soft_wrap=True)
+    console.print(
+        f"[green]wrote {out_path}[/] in {elapsed_s:.1f} s; use it with "
+        f"[bold]elixir-tune search --gpus {spec.gpus_per_node} --hardware {out_path}[/]",
+        soft_wrap=True,
+    )

@@ -14,19 +14,42 @@ MODEL_HINT = (
 
 @click.command("profile")
 @click.argument("model")
-@click.option("--batch-size", "-b", type=click.IntRange(min=1), default=8, show_default=True,
-              help="Micro-batch size traced.")
-@click.option("--seq-len", "-s", type=click.IntRange(min=1), default=None,
-              help="Tokens per sample [default: the model YAML's seq_len, else 1024].")
-@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"], case_sensitive=False), default="fp32",
-              show_default=True, help="Compute dtype.")
-@click.option("--checkpointing", type=click.Choice(["none", "all"], case_sensitive=False), default="none",
-              show_default=True, help="'all' also records the access trace with every block checkpointed.")
-@click.option("--out", "-o", type=click.Path(dir_okay=False), default="profile.yaml", show_default=True,
-              help="Profile file to write.")
+@click.option(
+    "--batch-size", "-b", type=click.IntRange(min=1), default=8, show_default=True, help="Micro-batch size traced."
+)
+@click.option(
+    "--seq-len",
+    "-s",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Tokens per sample [default: the model YAML's seq_len, else 1024].",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["fp32", "bf16", "fp16"], case_sensitive=False),
+    default="fp32",
+    show_default=True,
+    help="Compute dtype.",
+)
+@click.option(
+    "--checkpointing",
+    type=click.Choice(["none", "all"], case_sensitive=False),
+    default="none",
+    show_default=True,
+    help="'all' also records the access trace with every block checkpointed.",
+)
+@click.option(
+    "--out",
+    "-o",
+    type=click.Path(dir_okay=False),
+    default="profile.yaml",
+    show_default=True,
+    help="Profile file to write.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
-def profile_command(model: str, batch_size: int, seq_len: int | None, dtype: str, checkpointing: str, out: str,
-                    as_json: bool) -> None:
+def profile_command(
+    model: str, batch_size: int, seq_len: int | None, dtype: str, checkpointing: str, out: str, as_json: bool
+) -> None:
     """Profile MODEL on the meta device (no weights, any size) and write profile.yaml.
 
     Records every parameter in first-use order, the forward+backward parameter access trace, the
@@ -43,8 +66,14 @@ def profile_command(model: str, batch_size: int, seq_len: int | None, dtype: str
 
     try:
         with err_console.status(f"profiling {model}") as status:
-            profile = profile_model(model, batch_size=batch_size, seq_len=seq_len, dtype=dtype.lower(),
-                                    checkpointing=checkpointing.lower(), progress=status.update)
+            profile = profile_model(
+                model,
+                batch_size=batch_size,
+                seq_len=seq_len,
+                dtype=dtype.lower(),
+                checkpointing=checkpointing.lower(),
+                progress=status.update,
+            )
     except ModelSourceError as exc:
         fail(str(exc), MODEL_HINT)
     try:
@@ -56,21 +85,32 @@ def profile_command(model: str, batch_size: int, seq_len: int | None, dtype: str
     ckpt = profile.activation_checkpointed
     shared = [p.name for p in profile.params if p.shared]
     if as_json:
-        print_json({
-            "name": profile.name, "source": profile.source, "out": out, "fingerprint": profile.fingerprint,
-            "num_params": profile.num_params, "shared_params": shared, "dtype": profile.dtype,
-            "batch_size": batch, "seq_len": profile.seq_len,
-            "block_list": profile.block_list, "num_blocks": len(profile.blocks),
-            "flops_per_token": profile.flops_per_token, "flops_per_step": profile.flops_per_sample * batch,
-            "recompute_flops_per_sample": profile.recompute_flops_per_sample,
-            "activation_fixed_bytes": profile.activation.fixed_bytes,
-            "activation_bytes_per_sample": profile.activation.per_sample_bytes,
-            "activation_bytes_at_batch": profile.activation.at(batch),
-            "activation_checkpointed_bytes_per_sample": ckpt.per_sample_bytes if ckpt else None,
-            "activation_checkpointed_bytes_at_batch": ckpt.at(batch) if ckpt else None,
-            "buffers_bytes": profile.buffers_bytes,
-            "trace_steps": len(profile.trace), "trace_checkpointed_steps": len(profile.trace_checkpointed),
-        })
+        print_json(
+            {
+                "name": profile.name,
+                "source": profile.source,
+                "out": out,
+                "fingerprint": profile.fingerprint,
+                "num_params": profile.num_params,
+                "shared_params": shared,
+                "dtype": profile.dtype,
+                "batch_size": batch,
+                "seq_len": profile.seq_len,
+                "block_list": profile.block_list,
+                "num_blocks": len(profile.blocks),
+                "flops_per_token": profile.flops_per_token,
+                "flops_per_step": profile.flops_per_sample * batch,
+                "recompute_flops_per_sample": profile.recompute_flops_per_sample,
+                "activation_fixed_bytes": profile.activation.fixed_bytes,
+                "activation_bytes_per_sample": profile.activation.per_sample_bytes,
+                "activation_bytes_at_batch": profile.activation.at(batch),
+                "activation_checkpointed_bytes_per_sample": ckpt.per_sample_bytes if ckpt else None,
+                "activation_checkpointed_bytes_at_batch": ckpt.at(batch) if ckpt else None,
+                "buffers_bytes": profile.buffers_bytes,
+                "trace_steps": len(profile.trace),
+                "trace_checkpointed_steps": len(profile.trace_checkpointed),
+            }
+        )
         return
 
     def activations(line) -> str:

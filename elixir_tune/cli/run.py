@@ -8,35 +8,82 @@ import sys
 import click
 
 from elixir_tune.cli.console import (
-    EXIT_FAILED, EXIT_OK, EXIT_USAGE, console, err_console, escape, fail, print_json,
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    console,
+    err_console,
+    escape,
+    fail,
+    print_json,
 )
 from elixir_tune.launcher import (
-    ArgvError, LaunchSpec, check_launch, compose_torchrun_argv, failed, format_command, observe_machine,
-    run_torchrun, script_is_a_file, split_command_line, torchrun_option_arity, worker_env,
+    ArgvError,
+    LaunchSpec,
+    check_launch,
+    compose_torchrun_argv,
+    failed,
+    format_command,
+    observe_machine,
+    run_torchrun,
+    script_is_a_file,
+    split_command_line,
+    torchrun_option_arity,
+    worker_env,
 )
 from elixir_tune.plan import PlanError, load_plan
 
 _MARK = {True: "[green]ok[/]", False: "[red]FAIL[/]"}
 
 
-@click.command("elixir-run", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False,
-                                               "help_option_names": ["-h", "--help"]})
-@click.option("--nnodes", type=click.IntRange(min=1), default=None,
-              help="Nodes taking part (default: the plan's cluster.nodes).")
-@click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True,
-              help="This node's rank, different on each node (checked against --nnodes; the c10d "
-                   "rendezvous assigns the global ranks).")
-@click.option("--rdzv-endpoint", metavar="HOST:PORT", default=None,
-              help="c10d rendezvous on node 0, the same on every node (needed for several nodes).")
+@click.command(
+    "elixir-run",
+    context_settings={
+        "ignore_unknown_options": True,
+        "allow_interspersed_args": False,
+        "help_option_names": ["-h", "--help"],
+    },
+)
+@click.option(
+    "--nnodes", type=click.IntRange(min=1), default=None, help="Nodes taking part (default: the plan's cluster.nodes)."
+)
+@click.option(
+    "--node-rank",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="This node's rank, different on each node (checked against --nnodes; the c10d "
+    "rendezvous assigns the global ranks).",
+)
+@click.option(
+    "--rdzv-endpoint",
+    metavar="HOST:PORT",
+    default=None,
+    help="c10d rendezvous on node 0, the same on every node (needed for several nodes).",
+)
 @click.option("--rdzv-id", default=None, help="Job id shared by all nodes (default: from the plan's fingerprint).")
-@click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Restarts of the worker group after a failure.")
+@click.option(
+    "--max-restarts",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Restarts of the worker group after a failure.",
+)
 @click.option("--dry-run", is_flag=True, help="Print the checks and the exact torchrun command; start nothing.")
 @click.option("--json", "as_json", is_flag=True, help="With --dry-run: print the checks and command as JSON.")
-@click.argument("command_line", nargs=-1, type=click.UNPROCESSED,
-                metavar="[TORCHRUN_OPTIONS] PLAN SCRIPT [SCRIPT_ARGS]...")
-def run_command(nnodes: int | None, node_rank: int, rdzv_endpoint: str | None, rdzv_id: str | None,
-                max_restarts: int, dry_run: bool, as_json: bool, command_line: tuple[str, ...]) -> None:
+@click.argument(
+    "command_line", nargs=-1, type=click.UNPROCESSED, metavar="[TORCHRUN_OPTIONS] PLAN SCRIPT [SCRIPT_ARGS]..."
+)
+def run_command(
+    nnodes: int | None,
+    node_rank: int,
+    rdzv_endpoint: str | None,
+    rdzv_id: str | None,
+    max_restarts: int,
+    dry_run: bool,
+    as_json: bool,
+    command_line: tuple[str, ...],
+) -> None:
     """Check a plan against this machine and run SCRIPT under torchrun as the plan says.
 
     The plan decides the processes per node (cluster.gpus_per_node); SCRIPT reads the plan from
@@ -56,43 +103,64 @@ def run_command(nnodes: int | None, node_rank: int, rdzv_endpoint: str | None, r
     try:
         torchrun_options, plan_path, script, script_args = split_command_line(command_line, torchrun_option_arity())
     except ArgvError as error:
-        fail(str(error), hint="usage: elixir-run [OPTIONS] [TORCHRUN_OPTIONS] PLAN SCRIPT [SCRIPT_ARGS]...; "
-                              "see elixir-run --help", code=EXIT_USAGE)
+        fail(
+            str(error),
+            hint="usage: elixir-run [OPTIONS] [TORCHRUN_OPTIONS] PLAN SCRIPT [SCRIPT_ARGS]...; see elixir-run --help",
+            code=EXIT_USAGE,
+        )
 
     try:
         plan = load_plan(plan_path)
     except PlanError as error:
-        fail(f"{plan_path} is not a usable plan ({len(error.problems)} problem(s)):\n"
-             + "\n".join(f"  - {problem}" for problem in error.problems),
-             hint=f"`elixir-tune validate {plan_path}` lists the problems; `elixir-tune search ... --out "
-                  f"{plan_path}` writes a fresh plan")
+        fail(
+            f"{plan_path} is not a usable plan ({len(error.problems)} problem(s)):\n"
+            + "\n".join(f"  - {problem}" for problem in error.problems),
+            hint=f"`elixir-tune validate {plan_path}` lists the problems; `elixir-tune search ... --out "
+            f"{plan_path}` writes a fresh plan",
+        )
     if script_is_a_file(torchrun_options) and not os.path.isfile(script):
-        fail(f"training script not found: {script}",
-             hint="give the path of a Python file, e.g. scripts/train_gpt2.py")
+        fail(f"training script not found: {script}", hint="give the path of a Python file, e.g. scripts/train_gpt2.py")
 
     nnodes = plan.cluster.nodes if nnodes is None else nnodes
     facts = observe_machine()
     checks = check_launch(plan, facts, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
     spec = LaunchSpec(
-        nproc_per_node=plan.cluster.gpus_per_node, script=script, script_args=script_args, nnodes=nnodes,
-        node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts,
-        rdzv_id=rdzv_id or f"elixir-{plan.model.fingerprint[:12]}", torchrun_options=torchrun_options)
+        nproc_per_node=plan.cluster.gpus_per_node,
+        script=script,
+        script_args=script_args,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        rdzv_endpoint=rdzv_endpoint,
+        max_restarts=max_restarts,
+        rdzv_id=rdzv_id or f"elixir-{plan.model.fingerprint[:12]}",
+        torchrun_options=torchrun_options,
+    )
     argv = compose_torchrun_argv(spec)
     env = worker_env(plan, plan_path, facts.cpu_cores, os.environ)
     command = format_command(argv, env)
     problems = failed(checks)
 
     if dry_run and as_json:
-        print_json({"plan": plan_path, "ok": not problems, "command": command, "torchrun_argv": argv, "env": env,
-                    "checks": [vars(check) for check in checks]})
+        print_json(
+            {
+                "plan": plan_path,
+                "ok": not problems,
+                "command": command,
+                "torchrun_argv": argv,
+                "env": env,
+                "checks": [vars(check) for check in checks],
+            }
+        )
         raise SystemExit(EXIT_FAILED if problems else EXIT_OK)
     _print_summary(plan, plan_path, checks, nnodes, node_rank)
     if dry_run:
         console.print("[bold]command[/] (what elixir-run runs in-process):")
         console.print(command, markup=False, soft_wrap=True)
     if problems:
-        fail(f"{plan_path} cannot run here: " + "; ".join(f"{check.name}: {check.detail}" for check in problems),
-             hint=" | ".join(check.hint for check in problems if check.hint))
+        fail(
+            f"{plan_path} cannot run here: " + "; ".join(f"{check.name}: {check.detail}" for check in problems),
+            hint=" | ".join(check.hint for check in problems if check.hint),
+        )
     if dry_run:
         raise SystemExit(EXIT_OK)
 
@@ -107,15 +175,19 @@ def run_command(nnodes: int | None, node_rank: int, rdzv_endpoint: str | None, r
 def _print_summary(plan, plan_path: str, checks, nnodes: int, node_rank: int) -> None:
     cluster, training = plan.cluster, plan.training
     model = plan.model.name or plan.model.source
-    console.print(f"[bold]elixir-run[/] {escape(plan_path)}: {escape(model)} ({plan.model.num_params:,} params), "
-                  f"{cluster.nodes} node(s) x {cluster.gpus_per_node} {cluster.device} worker(s) ({cluster.backend}), "
-                  f"micro-batch {training.micro_batch_size} x accumulation {training.grad_accum_steps} x "
-                  f"world {plan.world_size} = global batch {training.global_batch_size}, {training.dtype}"
-                  + (f"; node {node_rank} of {nnodes}" if nnodes > 1 else ""), soft_wrap=True)
+    console.print(
+        f"[bold]elixir-run[/] {escape(plan_path)}: {escape(model)} ({plan.model.num_params:,} params), "
+        f"{cluster.nodes} node(s) x {cluster.gpus_per_node} {cluster.device} worker(s) ({cluster.backend}), "
+        f"micro-batch {training.micro_batch_size} x accumulation {training.grad_accum_steps} x "
+        f"world {plan.world_size} = global batch {training.global_batch_size}, {training.dtype}"
+        + (f"; node {node_rank} of {nnodes}" if nnodes > 1 else ""),
+        soft_wrap=True,
+    )
     for check in checks:
         mark = _MARK[check.ok] if check.ok or check.fatal else "[yellow]warn[/]"
         (console if check.ok or not check.fatal else err_console).print(
-            f"  {mark} {check.name}: {escape(check.detail)}", soft_wrap=True)
+            f"  {mark} {check.name}: {escape(check.detail)}", soft_wrap=True
+        )
 
 
 def main() -> None:

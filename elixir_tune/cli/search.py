@@ -13,8 +13,22 @@ import click
 from elixir_tune.cli.console import Table, console, err_console, fail, gib, print_json, print_wide
 from elixir_tune.plan import save_plan, validate
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
-          "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_bytes(text: str) -> int:
@@ -43,9 +57,11 @@ def _load_inputs(profile_path: str, hardware_ref: str | None):
         fail(str(error), hint="write one with `elixir-tune profile MODEL --out profile.yaml` or pass --profile FILE")
     if hardware_ref is None:
         if not Path("hardware.yaml").is_file():
-            fail("no hardware given and no hardware.yaml here",
-                 hint="run `elixir-tune probe` to measure this machine, or pass a preset, e.g. "
-                      "--hardware a100-40gb-pcie")
+            fail(
+                "no hardware given and no hardware.yaml here",
+                hint="run `elixir-tune probe` to measure this machine, or pass a preset, e.g. "
+                "--hardware a100-40gb-pcie",
+            )
         hardware_ref = "hardware.yaml"
     try:
         hardware = load_hardware(hardware_ref)
@@ -57,45 +73,115 @@ def _load_inputs(profile_path: str, hardware_ref: str | None):
 def candidates_table(rows: list[dict], title: str) -> Table:
     """The best candidates as a rich table (rows from ``Candidate.row``)."""
     table = Table(title=title)
-    for name in ("#", "chunk MiB", "cache", "offloaded", "ckpt", "micro x accum", "step s", "tokens/s",
-                 "TFLOPS/GPU", "MFU", "GPU GiB", "host GiB"):
+    for name in (
+        "#",
+        "chunk MiB",
+        "cache",
+        "offloaded",
+        "ckpt",
+        "micro x accum",
+        "step s",
+        "tokens/s",
+        "TFLOPS/GPU",
+        "MFU",
+        "GPU GiB",
+        "host GiB",
+    ):
         table.add_column(name, justify="right", no_wrap=True)
     for rank, row in enumerate(rows, 1):
         every = row["checkpointing"]
         table.add_row(
-            str(rank), f"{row['chunk_mib']:.3g}", f"{row['cache_blocks']}/{row['cacheable_chunks']}",
-            f"{row['offload']:.0%}", "none" if every == 0 else "all" if every == 1 else f"1/{every}",
-            f"{row['micro_batch_size']} x {row['grad_accum_steps']}", f"{row['step_time_s']:.3g}",
-            f"{row['tokens_per_s']:,.0f}", f"{row['tflops_per_gpu']:.3g}", f"{row['mfu']:.0%}",
-            f"{row['peak_gpu_bytes'] / 2**30:.3g}", f"{row['peak_host_bytes'] / 2**30:.3g}",
-            style="bold green" if rank == 1 else None)
+            str(rank),
+            f"{row['chunk_mib']:.3g}",
+            f"{row['cache_blocks']}/{row['cacheable_chunks']}",
+            f"{row['offload']:.0%}",
+            "none" if every == 0 else "all" if every == 1 else f"1/{every}",
+            f"{row['micro_batch_size']} x {row['grad_accum_steps']}",
+            f"{row['step_time_s']:.3g}",
+            f"{row['tokens_per_s']:,.0f}",
+            f"{row['tflops_per_gpu']:.3g}",
+            f"{row['mfu']:.0%}",
+            f"{row['peak_gpu_bytes'] / 2**30:.3g}",
+            f"{row['peak_host_bytes'] / 2**30:.3g}",
+            style="bold green" if rank == 1 else None,
+        )
     return table
 
 
 @click.command("search")
 @click.option("--gpus", type=click.IntRange(min=1), required=True, help="GPUs (ranks) per node.")
 @click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True, help="Nodes.")
-@click.option("--profile", "profile_path", default="profile.yaml", show_default=True,
-              type=click.Path(dir_okay=False), help="Model profile from `elixir-tune profile`.")
-@click.option("--hardware", "hardware_ref", default=None,
-              help="Preset id (e.g. a100-40gb-pcie) or a file from `elixir-tune probe` [default: hardware.yaml].")
-@click.option("--global-batch-size", type=click.IntRange(min=1), default=None,
-              help="Samples per optimizer step over all GPUs [default: 8 per GPU].")
-@click.option("--host-memory", "host_memory", default=None,
-              help="Host memory per node to plan with, bytes or with a unit (512GiB) [default: the hardware's].")
-@click.option("--fix", "fixes", multiple=True, metavar="KEY=VALUE",
-              help="Pin a choice (repeatable): chunk_size=<elements>, cache_blocks=<n>|all, offload=<0..1>, "
-                   "prefetch=<n>, micro_batch_size=<n>, checkpointing=none|all|every:<k>, dtype=fp32|bf16|fp16.")
-@click.option("--top", "top_k", type=click.IntRange(min=1), default=5, show_default=True,
-              help="How many of the best candidates to show.")
-@click.option("--strategy", type=click.Choice(["joint", "elixir"]), default="joint", show_default=True,
-              help="joint: our search; elixir: Elixir's rule, scored by our cost model (a baseline).")
-@click.option("--out", "out_path", default="plan.yaml", show_default=True, type=click.Path(dir_okay=False),
-              help="Where to write the plan.")
+@click.option(
+    "--profile",
+    "profile_path",
+    default="profile.yaml",
+    show_default=True,
+    type=click.Path(dir_okay=False),
+    help="Model profile from `elixir-tune profile`.",
+)
+@click.option(
+    "--hardware",
+    "hardware_ref",
+    default=None,
+    help="Preset id (e.g. a100-40gb-pcie) or a file from `elixir-tune probe` [default: hardware.yaml].",
+)
+@click.option(
+    "--global-batch-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Samples per optimizer step over all GPUs [default: 8 per GPU].",
+)
+@click.option(
+    "--host-memory",
+    "host_memory",
+    default=None,
+    help="Host memory per node to plan with, bytes or with a unit (512GiB) [default: the hardware's].",
+)
+@click.option(
+    "--fix",
+    "fixes",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Pin a choice (repeatable): chunk_size=<elements>, cache_blocks=<n>|all, offload=<0..1>, "
+    "prefetch=<n>, micro_batch_size=<n>, checkpointing=none|all|every:<k>, dtype=fp32|bf16|fp16.",
+)
+@click.option(
+    "--top",
+    "top_k",
+    type=click.IntRange(min=1),
+    default=5,
+    show_default=True,
+    help="How many of the best candidates to show.",
+)
+@click.option(
+    "--strategy",
+    type=click.Choice(["joint", "elixir"]),
+    default="joint",
+    show_default=True,
+    help="joint: our search; elixir: Elixir's rule, scored by our cost model (a baseline).",
+)
+@click.option(
+    "--out",
+    "out_path",
+    default="plan.yaml",
+    show_default=True,
+    type=click.Path(dir_okay=False),
+    help="Where to write the plan.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def search_command(gpus: int, nodes: int, profile_path: str, hardware_ref: str | None, global_batch_size: int | None,
-                   host_memory: str | None, fixes: tuple[str, ...], top_k: int, strategy: str, out_path: str,
-                   as_json: bool) -> None:
+def search_command(
+    gpus: int,
+    nodes: int,
+    profile_path: str,
+    hardware_ref: str | None,
+    global_batch_size: int | None,
+    host_memory: str | None,
+    fixes: tuple[str, ...],
+    top_k: int,
+    strategy: str,
+    out_path: str,
+    as_json: bool,
+) -> None:
     """Search chunking, caching, offload, checkpointing and batching; write plan.yaml.
 
     Every candidate is scored by the step time a timeline simulation predicts
@@ -119,9 +205,18 @@ def search_command(gpus: int, nodes: int, profile_path: str, hardware_ref: str |
     profile, hardware, hardware_ref = _load_inputs(profile_path, hardware_ref)
     try:
         with err_console.status(f"searching plans for {profile.name} on {nodes} x {gpus} x {hardware.name} ..."):
-            result = search(profile, hardware, gpus_per_node=gpus, nodes=nodes, global_batch_size=global_batch_size,
-                            host_memory_bytes=host_bytes, fixed=list(fixes), top_k=top_k, strategy=strategy,
-                            hardware_id=hardware_ref)
+            result = search(
+                profile,
+                hardware,
+                gpus_per_node=gpus,
+                nodes=nodes,
+                global_batch_size=global_batch_size,
+                host_memory_bytes=host_bytes,
+                fixed=list(fixes),
+                top_k=top_k,
+                strategy=strategy,
+                hardware_id=hardware_ref,
+            )
     except InfeasibleError as error:
         message, _, hint = str(error).partition("; try: ")
         fail(message, hint="try " + hint if hint else "")
@@ -131,27 +226,45 @@ def search_command(gpus: int, nodes: int, profile_path: str, hardware_ref: str |
     problems = validate(plan)
     if problems:  # a bug, not a user error: say so plainly
         fail("the search produced an invalid plan: " + "; ".join(problems))
-    command = "elixir-tune search " + " ".join(shlex.quote(arg) for arg in sys.argv[2:]) \
-        if len(sys.argv) > 1 and sys.argv[1] == "search" else f"elixir-tune search --gpus {gpus}"
+    command = (
+        "elixir-tune search " + " ".join(shlex.quote(arg) for arg in sys.argv[2:])
+        if len(sys.argv) > 1 and sys.argv[1] == "search"
+        else f"elixir-tune search --gpus {gpus}"
+    )
     prediction = plan.prediction
-    header = (f"Written by `{command}`\n"
-              f"on {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} from profile {profile_path} ({profile.name}) "
-              f"and hardware {hardware_ref}.\n"
-              f"Predicted: {prediction.step_time_s:.3g} s/step, {prediction.tokens_per_s:,.0f} tokens/s, "
-              f"{prediction.tflops_per_gpu:.1f} TFLOPS/GPU, peak {gib(prediction.peak_gpu_bytes)} per GPU.\n"
-              f"Why: {result.why}\n"
-              f"Explain: elixir-tune show {out_path}\n"
-              f"Run:     elixir-run {out_path} scripts/train_gpt2.py")
+    header = (
+        f"Written by `{command}`\n"
+        f"on {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} from profile {profile_path} ({profile.name}) "
+        f"and hardware {hardware_ref}.\n"
+        f"Predicted: {prediction.step_time_s:.3g} s/step, {prediction.tokens_per_s:,.0f} tokens/s, "
+        f"{prediction.tflops_per_gpu:.1f} TFLOPS/GPU, peak {gib(prediction.peak_gpu_bytes)} per GPU.\n"
+        f"Why: {result.why}\n"
+        f"Explain: elixir-tune show {out_path}\n"
+        f"Run:     elixir-run {out_path} scripts/train_gpt2.py"
+    )
     save_plan(plan, out_path, header=header)
     rows = [c.row() for c in result.candidates]
     if as_json:
-        print_json({"plan": out_path, "strategy": strategy, "elapsed_s": round(result.elapsed_s, 3),
-                    "candidates_scored": result.num_scored, "why": result.why,
-                    "prediction": vars(prediction), "candidates": rows})
+        print_json(
+            {
+                "plan": out_path,
+                "strategy": strategy,
+                "elapsed_s": round(result.elapsed_s, 3),
+                "candidates_scored": result.num_scored,
+                "why": result.why,
+                "prediction": vars(prediction),
+                "candidates": rows,
+            }
+        )
         return
-    title = (f"{profile.name} on {nodes} x {gpus} x {hardware.name}, global batch {plan.training.global_batch_size}: "
-             f"best {len(rows)} of {result.num_scored} scored in {result.elapsed_s:.2f} s")
+    title = (
+        f"{profile.name} on {nodes} x {gpus} x {hardware.name}, global batch {plan.training.global_batch_size}: "
+        f"best {len(rows)} of {result.num_scored} scored in {result.elapsed_s:.2f} s"
+    )
     print_wide(candidates_table(rows, title))
     console.print(f"[bold]why #1:[/] {result.why}", soft_wrap=True)
-    console.print(f"wrote [bold]{out_path}[/]; explain it with `elixir-tune show {out_path}`, run it with "
-                  f"`elixir-run {out_path} scripts/train_gpt2.py`", soft_wrap=True)
+    console.print(
+        f"wrote [bold]{out_path}[/]; explain it with `elixir-tune show {out_path}`, run it with "
+        f"`elixir-run {out_path} scripts/train_gpt2.py`",
+        soft_wrap=True,
+    )

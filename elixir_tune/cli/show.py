@@ -8,13 +8,23 @@ from elixir_tune.cli.console import Table, console, fail, print_json, print_wide
 from elixir_tune.costmodel.memory import model_state_bytes
 from elixir_tune.plan import Plan, PlanError, load_plan
 
-_STATE_LABELS = {"cache_bytes": "cache blocks (gathered chunks)", "resident_bytes": "resident chunks",
-                 "device_shard_bytes": "optimizer shards on the GPU", "host_shard_bytes": "optimizer shards on the host"}
+_STATE_LABELS = {
+    "cache_bytes": "cache blocks (gathered chunks)",
+    "resident_bytes": "resident chunks",
+    "device_shard_bytes": "optimizer shards on the GPU",
+    "host_shard_bytes": "optimizer shards on the host",
+}
 _TIMELINE_LABELS = {
-    "compute_s": "compute (recompute included)", "recompute_s": "  of which recompute",
-    "exposed_fetch_s": "compute waiting for fetches", "grad_drain_s": "gradient reduce after the last compute",
-    "allgather_s": "all-gather busy", "reduce_scatter_s": "reduce-scatter busy", "h2d_s": "host->GPU copies busy",
-    "d2h_s": "GPU->host copies busy", "optimizer_gpu_s": "Adam on the GPU", "optimizer_cpu_s": "Adam on the CPU",
+    "compute_s": "compute (recompute included)",
+    "recompute_s": "  of which recompute",
+    "exposed_fetch_s": "compute waiting for fetches",
+    "grad_drain_s": "gradient reduce after the last compute",
+    "allgather_s": "all-gather busy",
+    "reduce_scatter_s": "reduce-scatter busy",
+    "h2d_s": "host->GPU copies busy",
+    "d2h_s": "GPU->host copies busy",
+    "optimizer_gpu_s": "Adam on the GPU",
+    "optimizer_cpu_s": "Adam on the CPU",
     "optimizer_exposed_s": "optimizer after backward (norm + Adam)",
 }
 
@@ -32,14 +42,26 @@ def placement_runs(plan: Plan) -> list[dict]:
     runs: list[dict] = []
     device = "GPU" if plan.cluster.device == "cuda" else "device (CPU)"
     for chunk in plan.memory.chunks:
-        where = ("resident" if chunk.resident else "cached") + (", shard on host" if chunk.offload else f", shard on {device}")
+        where = ("resident" if chunk.resident else "cached") + (
+            ", shard on host" if chunk.offload else f", shard on {device}"
+        )
         if runs and runs[-1]["placement"] == where and runs[-1]["last"] == chunk.id - 1:
             run = runs[-1]
-            run.update(last=chunk.id, count=run["count"] + 1, numel=run["numel"] + chunk.numel,
-                       last_param=chunk.params[-1])
+            run.update(
+                last=chunk.id, count=run["count"] + 1, numel=run["numel"] + chunk.numel, last_param=chunk.params[-1]
+            )
         else:
-            runs.append({"first": chunk.id, "last": chunk.id, "count": 1, "placement": where, "numel": chunk.numel,
-                         "first_param": chunk.params[0], "last_param": chunk.params[-1]})
+            runs.append(
+                {
+                    "first": chunk.id,
+                    "last": chunk.id,
+                    "count": 1,
+                    "placement": where,
+                    "numel": chunk.numel,
+                    "first_param": chunk.params[0],
+                    "last_param": chunk.params[-1],
+                }
+            )
     return runs
 
 
@@ -49,21 +71,36 @@ def plan_states(plan: Plan) -> dict[str, int]:
         return dict(plan.prediction.model_state_bytes)
     chunks = plan.memory.chunks
     offloaded = sum(1 for c in chunks if c.offload)
-    return model_state_bytes(plan.memory.chunk_size, plan.world_size, plan.training.dtype, plan.memory.cache_blocks,
-                             sum(1 for c in chunks if c.resident), len(chunks) - offloaded, offloaded)
+    return model_state_bytes(
+        plan.memory.chunk_size,
+        plan.world_size,
+        plan.training.dtype,
+        plan.memory.cache_blocks,
+        sum(1 for c in chunks if c.resident),
+        len(chunks) - offloaded,
+        offloaded,
+    )
 
 
 def _summary(plan: Plan) -> dict:
     chunks = plan.memory.chunks
     states = plan_states(plan)
     return {
-        "model": vars(plan.model), "cluster": vars(plan.cluster),
-        "training": {**{k: v for k, v in vars(plan.training).items() if k != "activation_checkpointing"},
-                     "checkpointing_every": plan.training.activation_checkpointing.every},
-        "memory": {"chunk_size": plan.memory.chunk_size, "cache_blocks": plan.memory.cache_blocks,
-                   "prefetch": plan.memory.prefetch, "num_chunks": len(chunks),
-                   "resident_chunks": sum(1 for c in chunks if c.resident),
-                   "offloaded_chunks": sum(1 for c in chunks if c.offload), "model_state_bytes": states},
+        "model": vars(plan.model),
+        "cluster": vars(plan.cluster),
+        "training": {
+            **{k: v for k, v in vars(plan.training).items() if k != "activation_checkpointing"},
+            "checkpointing_every": plan.training.activation_checkpointing.every,
+        },
+        "memory": {
+            "chunk_size": plan.memory.chunk_size,
+            "cache_blocks": plan.memory.cache_blocks,
+            "prefetch": plan.memory.prefetch,
+            "num_chunks": len(chunks),
+            "resident_chunks": sum(1 for c in chunks if c.resident),
+            "offloaded_chunks": sum(1 for c in chunks if c.offload),
+            "model_state_bytes": states,
+        },
         "placement": placement_runs(plan),
         "prediction": vars(plan.prediction) if plan.prediction else None,
         "search": ({k: v for k, v in vars(plan.search).items() if k != "alternatives"} if plan.search else None),
@@ -84,17 +121,26 @@ def _memory_table(plan: Plan, states: dict[str, int]) -> Table:
         rest = prediction.peak_gpu_bytes - device_states
         table.add_row("activations, frozen params, buffers, allocator", f"{rest:,}", human_bytes(rest))
         table.add_row("[bold]peak per GPU[/]", f"{prediction.peak_gpu_bytes:,}", human_bytes(prediction.peak_gpu_bytes))
-    table.add_row(_STATE_LABELS["host_shard_bytes"] + " (per rank)", f"{states['host_shard_bytes']:,}",
-                  human_bytes(states['host_shard_bytes']))
+    table.add_row(
+        _STATE_LABELS["host_shard_bytes"] + " (per rank)",
+        f"{states['host_shard_bytes']:,}",
+        human_bytes(states["host_shard_bytes"]),
+    )
     if prediction is not None:
-        table.add_row("[bold]peak host per node[/]", f"{prediction.peak_host_bytes:,}", human_bytes(prediction.peak_host_bytes))
+        table.add_row(
+            "[bold]peak host per node[/]", f"{prediction.peak_host_bytes:,}", human_bytes(prediction.peak_host_bytes)
+        )
     return table
 
 
 def _timeline_table(plan: Plan) -> Table:
     prediction = plan.prediction
-    table = Table(title=(f"predicted step: {prediction.step_time_s:.4g} s, {prediction.tokens_per_s:,.0f} tokens/s, "
-                         f"{prediction.tflops_per_gpu:.1f} TFLOPS/GPU, MFU {prediction.mfu:.0%}"))
+    table = Table(
+        title=(
+            f"predicted step: {prediction.step_time_s:.4g} s, {prediction.tokens_per_s:,.0f} tokens/s, "
+            f"{prediction.tflops_per_gpu:.1f} TFLOPS/GPU, MFU {prediction.mfu:.0%}"
+        )
+    )
     table.add_column("part of the step")
     table.add_column("seconds", justify="right")
     table.add_column("share of step", justify="right")
@@ -108,15 +154,22 @@ def _placement_table(plan: Plan) -> Table:
     memory = plan.memory
     chunks = memory.chunks
     cacheable = sum(1 for c in chunks if not c.resident)
-    table = Table(title=(f"chunk placement: {len(chunks)} chunks of {memory.chunk_size:,} elements, "
-                         f"{memory.cache_blocks} of {cacheable} cacheable held at once, prefetch {memory.prefetch}, "
-                         f"{sum(1 for c in chunks if c.offload)} shards on the host"))
+    table = Table(
+        title=(
+            f"chunk placement: {len(chunks)} chunks of {memory.chunk_size:,} elements, "
+            f"{memory.cache_blocks} of {cacheable} cacheable held at once, prefetch {memory.prefetch}, "
+            f"{sum(1 for c in chunks if c.offload)} shards on the host"
+        )
+    )
     for name in ("chunks", "count", "placement", "elements", "parameters"):
         table.add_column(name, justify="right" if name in ("count", "elements") else "left")
     for run in placement_runs(plan):
         ids = str(run["first"]) if run["first"] == run["last"] else f"{run['first']}-{run['last']}"
-        params = run["first_param"] if run["first_param"] == run["last_param"] else \
-            f"{run['first_param']} .. {run['last_param']}"
+        params = (
+            run["first_param"]
+            if run["first_param"] == run["last_param"]
+            else f"{run['first_param']} .. {run['last_param']}"
+        )
         table.add_row(ids, str(run["count"]), run["placement"], f"{run['numel']:,}", params)
     return table
 
@@ -135,27 +188,36 @@ def show_command(plan_path: str, as_json: bool) -> None:
     try:
         plan = load_plan(plan_path)
     except PlanError as error:
-        fail(f"{plan_path}: cannot be shown:\n" + "\n".join(f"  - {p}" for p in error.problems),
-             hint=f"check it with `elixir-tune validate {plan_path}`")
+        fail(
+            f"{plan_path}: cannot be shown:\n" + "\n".join(f"  - {p}" for p in error.problems),
+            hint=f"check it with `elixir-tune validate {plan_path}`",
+        )
     summary = _summary(plan)
     if as_json:
         print_json({"plan": plan_path, **summary})
         return
     t, c = plan.training, plan.cluster
     every = t.activation_checkpointing.every
-    console.print(f"[bold]{plan_path}[/]: {plan.model.name or plan.model.source} ({plan.model.num_params:,} parameters) "
-                  f"on {c.nodes} x {c.gpus_per_node} x {c.hardware} ({c.device}, {c.backend}); {t.dtype}, "
-                  f"global batch {t.global_batch_size} = micro-batch {t.micro_batch_size} x accumulation "
-                  f"{t.grad_accum_steps} x {plan.world_size} ranks, seq {t.seq_len}, checkpointing "
-                  f"{'none' if every == 0 else 'all blocks' if every == 1 else f'every {every} blocks'}",
-                  soft_wrap=True)
+    console.print(
+        f"[bold]{plan_path}[/]: {plan.model.name or plan.model.source} ({plan.model.num_params:,} parameters) "
+        f"on {c.nodes} x {c.gpus_per_node} x {c.hardware} ({c.device}, {c.backend}); {t.dtype}, "
+        f"global batch {t.global_batch_size} = micro-batch {t.micro_batch_size} x accumulation "
+        f"{t.grad_accum_steps} x {plan.world_size} ranks, seq {t.seq_len}, checkpointing "
+        f"{'none' if every == 0 else 'all blocks' if every == 1 else f'every {every} blocks'}",
+        soft_wrap=True,
+    )
     print_wide(_memory_table(plan, summary["memory"]["model_state_bytes"]))
     if plan.prediction is None:
-        console.print("[yellow]no prediction in this plan[/] (written by hand?): model-state bytes above follow "
-                          "the plan's formula; run `elixir-tune search` for a predicted timeline", soft_wrap=True)
+        console.print(
+            "[yellow]no prediction in this plan[/] (written by hand?): model-state bytes above follow "
+            "the plan's formula; run `elixir-tune search` for a predicted timeline",
+            soft_wrap=True,
+        )
     else:
         print_wide(_timeline_table(plan))
     print_wide(_placement_table(plan))
     if plan.search is not None:
-        console.print(f"found by the {plan.search.strategy} search: {plan.search.candidates} candidates in "
-                      f"{plan.search.elapsed_s:.2f} s, {len(plan.search.alternatives)} alternatives recorded")
+        console.print(
+            f"found by the {plan.search.strategy} search: {plan.search.candidates} candidates in "
+            f"{plan.search.elapsed_s:.2f} s, {len(plan.search.alternatives)} alternatives recorded"
+        )

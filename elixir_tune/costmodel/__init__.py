@@ -7,5 +7,15 @@ from elixir_tune.costmodel.layout import ChunkLayout, pack_chunks
 from elixir_tune.costmodel.memory import MemoryEstimate, estimate_memory, model_state_bytes
 from elixir_tune.costmodel.model import CostModel, Shape, StepEstimate
 
-__all__ = ["ChunkLayout", "CostModel", "MemoryEstimate", "Shape", "StepEstimate", "belady", "estimate_memory",
-           "model_state_bytes", "pack_chunks", "simulate_cache"]
+__all__ = [
+    "ChunkLayout",
+    "CostModel",
+    "MemoryEstimate",
+    "Shape",
+    "StepEstimate",
+    "belady",
+    "estimate_memory",
+    "model_state_bytes",
+    "pack_chunks",
+    "simulate_cache",
+]

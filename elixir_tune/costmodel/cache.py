@@ -17,8 +17,9 @@ from dataclasses import dataclass
 _NEVER = 1 << 60
 
 
-def belady(steps: list[tuple[int, ...]], cache_blocks: int, cached: dict[int, int] | None = None
-           ) -> tuple[list[tuple[int, int, int]], dict[int, int]]:
+def belady(
+    steps: list[tuple[int, ...]], cache_blocks: int, cached: dict[int, int] | None = None
+) -> tuple[list[tuple[int, int, int]], dict[int, int]]:
     """Replays steps through a furthest-next-use cache.
 
     Args:
@@ -100,6 +101,7 @@ def simulate_cache(steps: list[tuple[int, ...]], cache_blocks: int, num_cacheabl
     # the middle one is the steady state.
     fetches, _ = belady(steps * 3, cache_blocks)
     cold = [f for f in fetches if f[0] < length]
-    second = [(p - length, c, free - length if free >= length else -1) for p, c, free in fetches
-              if length <= p < 2 * length]
+    second = [
+        (p - length, c, free - length if free >= length else -1) for p, c, free in fetches if length <= p < 2 * length
+    ]
     return CacheSim(cold=cold, steady=second)

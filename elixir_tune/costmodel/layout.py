@@ -92,5 +92,4 @@ def pack_chunks(profile: ModelProfile, chunk_size: int) -> ChunkLayout:
         chunks[current].params.append(index)
         chunks[current].numel += param.numel
         chunk_of_param[index] = current
-    return ChunkLayout(chunk_size=chunk_size, chunks=chunks, chunk_of_param=chunk_of_param,
-                       frozen_numel=frozen_numel)
+    return ChunkLayout(chunk_size=chunk_size, chunks=chunks, chunk_of_param=chunk_of_param, frozen_numel=frozen_numel)

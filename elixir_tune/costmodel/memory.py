@@ -28,8 +28,15 @@ GRAD_BUFFER_CHUNKS = 1
 HOST_STAGING_SHARDS = 2
 
 
-def model_state_bytes(chunk_size: int, world_size: int, dtype: str, cache_blocks: int, num_resident: int,
-                      num_device_shards: int, num_host_shards: int) -> dict[str, int]:
+def model_state_bytes(
+    chunk_size: int,
+    world_size: int,
+    dtype: str,
+    cache_blocks: int,
+    num_resident: int,
+    num_device_shards: int,
+    num_host_shards: int,
+) -> dict[str, int]:
     """The four model-state parts of one rank (keys of MODEL_STATE_KEYS).
 
     Args:
@@ -104,15 +111,33 @@ class MemoryEstimate:
     def device_parts(self) -> dict[str, int]:
         """Device memory by part, for display."""
         states = self.model_state_bytes
-        return {"cache": states["cache_bytes"], "resident chunks": states["resident_bytes"],
-                "optimizer shards": states["device_shard_bytes"], "frozen params": self.frozen_bytes,
-                "activations": self.activation_bytes, "buffers": self.buffer_bytes,
-                "allocator overhead": self.overhead_bytes}
+        return {
+            "cache": states["cache_bytes"],
+            "resident chunks": states["resident_bytes"],
+            "optimizer shards": states["device_shard_bytes"],
+            "frozen params": self.frozen_bytes,
+            "activations": self.activation_bytes,
+            "buffers": self.buffer_bytes,
+            "allocator overhead": self.overhead_bytes,
+        }
 
 
-def estimate_memory(profile: ModelProfile, *, chunk_size: int, world_size: int, gpus_per_node: int, dtype: str,
-                    cache_blocks: int, num_resident: int, num_chunks: int, num_offloaded: int, frozen_numel: int,
-                    micro_batch_size: int, every: int, allocator_overhead_bytes: int) -> MemoryEstimate:
+def estimate_memory(
+    profile: ModelProfile,
+    *,
+    chunk_size: int,
+    world_size: int,
+    gpus_per_node: int,
+    dtype: str,
+    cache_blocks: int,
+    num_resident: int,
+    num_chunks: int,
+    num_offloaded: int,
+    frozen_numel: int,
+    micro_batch_size: int,
+    every: int,
+    allocator_overhead_bytes: int,
+) -> MemoryEstimate:
     """Device and host peaks of one candidate.
 
     Args:
@@ -133,19 +158,36 @@ def estimate_memory(profile: ModelProfile, *, chunk_size: int, world_size: int, 
     Returns:
         The estimate.
     """
-    states = model_state_bytes(chunk_size, world_size, dtype, cache_blocks, num_resident,
-                               num_chunks - num_offloaded, num_offloaded)
+    states = model_state_bytes(
+        chunk_size, world_size, dtype, cache_blocks, num_resident, num_chunks - num_offloaded, num_offloaded
+    )
     dtype_bytes = DTYPE_BYTES[dtype]
     frozen = frozen_numel * dtype_bytes
     activations = activation_bytes(profile, micro_batch_size, every, dtype)
     buffers = profile.buffers_bytes + GRAD_BUFFER_CHUNKS * chunk_size * dtype_bytes
-    peak_gpu = (states["cache_bytes"] + states["resident_bytes"] + states["device_shard_bytes"] + frozen
-                + activations + buffers + allocator_overhead_bytes)
+    peak_gpu = (
+        states["cache_bytes"]
+        + states["resident_bytes"]
+        + states["device_shard_bytes"]
+        + frozen
+        + activations
+        + buffers
+        + allocator_overhead_bytes
+    )
     shard_numel = chunk_size // world_size
     host_per_rank = 0
     if num_offloaded:
-        host_per_rank = (states["host_shard_bytes"] + num_offloaded * shard_numel * dtype_bytes
-                         + HOST_STAGING_SHARDS * shard_numel * 4)
-    return MemoryEstimate(model_state_bytes=states, frozen_bytes=frozen, activation_bytes=activations,
-                          buffer_bytes=buffers, overhead_bytes=allocator_overhead_bytes, peak_gpu_bytes=peak_gpu,
-                          peak_host_bytes=host_per_rank * gpus_per_node)
+        host_per_rank = (
+            states["host_shard_bytes"]
+            + num_offloaded * shard_numel * dtype_bytes
+            + HOST_STAGING_SHARDS * shard_numel * 4
+        )
+    return MemoryEstimate(
+        model_state_bytes=states,
+        frozen_bytes=frozen,
+        activation_bytes=activations,
+        buffer_bytes=buffers,
+        overhead_bytes=allocator_overhead_bytes,
+        peak_gpu_bytes=peak_gpu,
+        peak_host_bytes=host_per_rank * gpus_per_node,
+    )

@@ -13,7 +13,11 @@ from elixir_tune.costmodel.cache import CacheSim, simulate_cache
 from elixir_tune.costmodel.layout import ChunkLayout, pack_chunks
 from elixir_tune.costmodel.memory import MemoryEstimate, checkpointed_blocks, estimate_memory
 from elixir_tune.costmodel.timeline import (
-    TransferCosts, combine_step, issue_steps, simulate_micro_batch, transfer_costs,
+    TransferCosts,
+    combine_step,
+    issue_steps,
+    simulate_micro_batch,
+    transfer_costs,
 )
 from elixir_tune.costmodel.trace import ChunkTrace, chunk_trace
 from elixir_tune.hardware.spec import HardwareSpec
@@ -62,8 +66,14 @@ class StepEstimate:
 class CostModel:
     """Memory and time of candidates for one (profile, cluster, dtype)."""
 
-    def __init__(self, profile: ModelProfile, hardware: HardwareSpec, gpus_per_node: int, nodes: int = 1,
-                 dtype: str | None = None):
+    def __init__(
+        self,
+        profile: ModelProfile,
+        hardware: HardwareSpec,
+        gpus_per_node: int,
+        nodes: int = 1,
+        dtype: str | None = None,
+    ):
         """Prepares the model.
 
         Args:
@@ -124,8 +134,11 @@ class CostModel:
             layout = self.layout(chunk_size)
             trace = self.trace(chunk_size, every)
             sim = simulate_cache(trace.steps, cache_blocks, layout.num_cacheable)
-            resident = [(trace.first_use[c], c, -1) for c, chunk in enumerate(layout.chunks)
-                        if chunk.resident and trace.first_use[c] >= 0]
+            resident = [
+                (trace.first_use[c], c, -1)
+                for c, chunk in enumerate(layout.chunks)
+                if chunk.resident and trace.first_use[c] >= 0
+            ]
             cold = sorted(sim.cold + resident, key=lambda fetch: fetch[0])
             self._sims[key] = (sim, cold)
         return self._sims[key]
@@ -133,8 +146,9 @@ class CostModel:
     def costs(self, chunk_size: int) -> TransferCosts:
         """Per-chunk operation times (cached)."""
         if chunk_size not in self._costs:
-            self._costs[chunk_size] = transfer_costs(self.hardware, chunk_size, self.world_size,
-                                                     self.gpus_per_node, self.nodes, self.dtype)
+            self._costs[chunk_size] = transfer_costs(
+                self.hardware, chunk_size, self.world_size, self.gpus_per_node, self.nodes, self.dtype
+            )
         return self._costs[chunk_size]
 
     def offload_order(self, chunk_size: int, every: int, cache_blocks: int) -> list[int]:
@@ -155,7 +169,7 @@ class CostModel:
         mask = [False] * self.layout(shape.chunk_size).num_chunks
         chosen = shape.offloaded
         if chosen is None:
-            chosen = self.offload_order(shape.chunk_size, shape.every, shape.cache_blocks)[:shape.num_offloaded]
+            chosen = self.offload_order(shape.chunk_size, shape.every, shape.cache_blocks)[: shape.num_offloaded]
         for chunk in chosen:
             mask[chunk] = True
         return mask
@@ -183,11 +197,20 @@ class CostModel:
         """Peak device and host memory of a candidate."""
         layout = self.layout(shape.chunk_size)
         return estimate_memory(
-            self.profile, chunk_size=shape.chunk_size, world_size=self.world_size,
-            gpus_per_node=self.gpus_per_node, dtype=self.dtype, cache_blocks=shape.cache_blocks,
-            num_resident=layout.num_resident, num_chunks=layout.num_chunks, num_offloaded=shape.num_offloaded,
-            frozen_numel=layout.frozen_numel, micro_batch_size=shape.micro_batch_size, every=shape.every,
-            allocator_overhead_bytes=self.hardware.allocator_overhead_bytes)
+            self.profile,
+            chunk_size=shape.chunk_size,
+            world_size=self.world_size,
+            gpus_per_node=self.gpus_per_node,
+            dtype=self.dtype,
+            cache_blocks=shape.cache_blocks,
+            num_resident=layout.num_resident,
+            num_chunks=layout.num_chunks,
+            num_offloaded=shape.num_offloaded,
+            frozen_numel=layout.frozen_numel,
+            micro_batch_size=shape.micro_batch_size,
+            every=shape.every,
+            allocator_overhead_bytes=self.hardware.allocator_overhead_bytes,
+        )
 
     def step_time(self, shape: Shape) -> StepEstimate:
         """Simulated step time of a candidate."""
@@ -198,19 +221,35 @@ class CostModel:
         mb_compute, mb_recompute = self.compute_s(shape.micro_batch_size, shape.every)
         step_compute = [share * mb_compute for share in trace.flops_share]
         on_cpu = self.hardware.device == "cpu"
-        first = simulate_micro_batch(step_compute, cold, issue_steps(cold, shape.prefetch), reduce_after,
-                                     offloaded, costs, shared_compute=on_cpu)
+        first = simulate_micro_batch(
+            step_compute, cold, issue_steps(cold, shape.prefetch), reduce_after, offloaded, costs, shared_compute=on_cpu
+        )
         steady = None
         if shape.grad_accum_steps > 1:
-            steady = simulate_micro_batch(step_compute, sim.steady, issue_steps(sim.steady, shape.prefetch),
-                                          reduce_after, offloaded, costs, shared_compute=on_cpu)
+            steady = simulate_micro_batch(
+                step_compute,
+                sim.steady,
+                issue_steps(sim.steady, shape.prefetch),
+                reduce_after,
+                offloaded,
+                costs,
+                shared_compute=on_cpu,
+            )
         shard_numel = shape.chunk_size // self.world_size
         host_shards = shape.num_offloaded
         device_shards = len(offloaded) - host_shards
         gpu_adam = device_shards * shard_numel / self.hardware.gpu_adam_elems_per_s
         cpu_adam = host_shards * shard_numel / self.hardware.cpu_adam_elems_per_s
         accum = shape.grad_accum_steps
-        step_time, breakdown = combine_step(first, steady, accum, costs, gpu_adam, cpu_adam,
-                                            mb_compute * accum, mb_recompute * accum,
-                                            serial_optimizers=on_cpu)
+        step_time, breakdown = combine_step(
+            first,
+            steady,
+            accum,
+            costs,
+            gpu_adam,
+            cpu_adam,
+            mb_compute * accum,
+            mb_recompute * accum,
+            serial_optimizers=on_cpu,
+        )
         return StepEstimate(step_time_s=step_time, breakdown=breakdown)

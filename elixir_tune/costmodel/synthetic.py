@@ -13,14 +13,26 @@ from elixir_tune.profiler.schema import ActivationLine, BlockInfo, ModelProfile,
 
 # hidden, layers, heads of the Elixir paper's benchmark models (REFERENCE.md), and GPT-2 sizes.
 GPT2_SIZES = {
-    "gpt2-tiny": (64, 2, 2), "gpt2": (768, 12, 12), "gpt2-4b": (3072, 32, 24), "gpt2-10b": (4096, 48, 32),
-    "gpt2-15b": (8192, 18, 64), "gpt2-20b": (8192, 24, 64),
+    "gpt2-tiny": (64, 2, 2),
+    "gpt2": (768, 12, 12),
+    "gpt2-4b": (3072, 32, 24),
+    "gpt2-10b": (4096, 48, 32),
+    "gpt2-15b": (8192, 18, 64),
+    "gpt2-20b": (8192, 24, 64),
 }
 
 
-def gpt2_profile(name: str = "gpt2", *, hidden: int | None = None, layers: int | None = None,
-                 heads: int | None = None, vocab: int = 50257, positions: int = 1024, seq_len: int = 1024,
-                 dtype: str = "bf16") -> ModelProfile:
+def gpt2_profile(
+    name: str = "gpt2",
+    *,
+    hidden: int | None = None,
+    layers: int | None = None,
+    heads: int | None = None,
+    vocab: int = 50257,
+    positions: int = 1024,
+    seq_len: int = 1024,
+    dtype: str = "bf16",
+) -> ModelProfile:
     """An analytic profile of a GPT-2 language model.
 
     Args:
@@ -68,29 +80,51 @@ def gpt2_profile(name: str = "gpt2", *, hidden: int | None = None, layers: int |
         module(f"{p}.mlp.c_fc", [[hidden, 4 * hidden], [4 * hidden]])
         module(f"{p}.mlp.c_proj", [[4 * hidden, hidden], [hidden]])
         matmul_numel = 12 * hidden * hidden
-        blocks.append(BlockInfo(index=layer, first_param=first, num_params=len(params) - first,
-                                fwd_flops_per_sample=token_flops * matmul_numel + attention_flops,
-                                activation_bytes_per_sample=int(per_layer_act),
-                                boundary_bytes_per_sample=seq_len * hidden * 2))
+        blocks.append(
+            BlockInfo(
+                index=layer,
+                first_param=first,
+                num_params=len(params) - first,
+                fwd_flops_per_sample=token_flops * matmul_numel + attention_flops,
+                activation_bytes_per_sample=int(per_layer_act),
+                boundary_bytes_per_sample=seq_len * hidden * 2,
+            )
+        )
     module("transformer.ln_f", [[hidden], [hidden]])
     trace.append([wte])  # lm_head, tied to wte
     trace = trace + trace[::-1]
     fwd_flops = sum(b.fwd_flops_per_sample for b in blocks) + token_flops * vocab * hidden
     logits_bytes = seq_len * vocab * 6  # bf16 logits and their fp32 loss copy
     plain = ActivationLine(fixed_bytes=0, per_sample_bytes=int(layers * per_layer_act + logits_bytes))
-    checkpointed = ActivationLine(fixed_bytes=0, per_sample_bytes=int(layers * seq_len * hidden * 2 + per_layer_act
-                                                                      + logits_bytes))
+    checkpointed = ActivationLine(
+        fixed_bytes=0, per_sample_bytes=int(layers * seq_len * hidden * 2 + per_layer_act + logits_bytes)
+    )
     num_params = sum(p.numel for p in params)
     return ModelProfile(
-        name=name, source=f"configs/models/{name}.yaml", fingerprint="synthetic0000000", num_params=num_params,
-        dtype=dtype, batch_size=1, seq_len=seq_len, params=params, trace=trace, flops_per_sample=3 * fwd_flops,
-        activation=plain, trace_checkpointed=[], block_list="transformer.h", blocks=blocks,
-        recompute_flops_per_sample=sum(b.fwd_flops_per_sample for b in blocks), activation_checkpointed=checkpointed,
-        buffers_bytes=0, summary=f"{name}: {num_params / 1e9:.2f}B parameters (analytic)")
+        name=name,
+        source=f"configs/models/{name}.yaml",
+        fingerprint="synthetic0000000",
+        num_params=num_params,
+        dtype=dtype,
+        batch_size=1,
+        seq_len=seq_len,
+        params=params,
+        trace=trace,
+        flops_per_sample=3 * fwd_flops,
+        activation=plain,
+        trace_checkpointed=[],
+        block_list="transformer.h",
+        blocks=blocks,
+        recompute_flops_per_sample=sum(b.fwd_flops_per_sample for b in blocks),
+        activation_checkpointed=checkpointed,
+        buffers_bytes=0,
+        summary=f"{name}: {num_params / 1e9:.2f}B parameters (analytic)",
+    )
 
 
-def example_hardware(gpu_memory_gib: float = 40.0, host_memory_gib: float = 512.0, gpus_per_node: int = 8
-                     ) -> HardwareSpec:
+def example_hardware(
+    gpu_memory_gib: float = 40.0, host_memory_gib: float = 512.0, gpus_per_node: int = 8
+) -> HardwareSpec:
     """An A100-40GB PCIe-like node (round datasheet-style numbers, not a measurement).
 
     Args:
@@ -103,9 +137,24 @@ def example_hardware(gpu_memory_gib: float = 40.0, host_memory_gib: float = 512.
     """
     total = int(gpu_memory_gib * 2**30)
     return HardwareSpec(
-        name="example-a100", device="cuda", device_name="A100-like", gpus_per_node=gpus_per_node,
-        gpu_memory_bytes=total, usable_memory_bytes=total - 2**30, allocator_overhead_bytes=2**30,
-        matmul_tflops={"fp32": 19.5, "tf32": 120.0, "bf16": 200.0, "fp16": 200.0}, hbm_gbps=1300.0,
-        h2d_gbps=24.0, d2h_gbps=24.0, h2d_gbps_all=12.0, d2h_gbps_all=12.0, allgather_gbps=20.0,
-        reduce_scatter_gbps=20.0, inter_node_gbps=10.0, gpu_adam_elems_per_s=2.5e10, cpu_adam_elems_per_s=1.0e9,
-        host_memory_bytes=int(host_memory_gib * 2**30), host_cores=64)
+        name="example-a100",
+        device="cuda",
+        device_name="A100-like",
+        gpus_per_node=gpus_per_node,
+        gpu_memory_bytes=total,
+        usable_memory_bytes=total - 2**30,
+        allocator_overhead_bytes=2**30,
+        matmul_tflops={"fp32": 19.5, "tf32": 120.0, "bf16": 200.0, "fp16": 200.0},
+        hbm_gbps=1300.0,
+        h2d_gbps=24.0,
+        d2h_gbps=24.0,
+        h2d_gbps_all=12.0,
+        d2h_gbps_all=12.0,
+        allgather_gbps=20.0,
+        reduce_scatter_gbps=20.0,
+        inter_node_gbps=10.0,
+        gpu_adam_elems_per_s=2.5e10,
+        cpu_adam_elems_per_s=1.0e9,
+        host_memory_bytes=int(host_memory_gib * 2**30),
+        host_cores=64,
+    )

@@ -48,8 +48,9 @@ class TransferCosts:
     grad_norm_s: float
 
 
-def transfer_costs(hardware: HardwareSpec, chunk_size: int, world_size: int, gpus_per_node: int, nodes: int,
-                   dtype: str) -> TransferCosts:
+def transfer_costs(
+    hardware: HardwareSpec, chunk_size: int, world_size: int, gpus_per_node: int, nodes: int, dtype: str
+) -> TransferCosts:
     """Per-chunk operation times from the hardware's measured bandwidths and latencies.
 
     Args:
@@ -81,8 +82,11 @@ def transfer_costs(hardware: HardwareSpec, chunk_size: int, world_size: int, gpu
         norm_s = hardware.collective_latency_s
     return TransferCosts(
         h2d_s=hardware.copy_latency_s + shard_numel * dtype_bytes / h2d_bps,
-        allgather_s=gather_s, reduce_scatter_s=reduce_s,
-        d2h_s=hardware.copy_latency_s + shard_numel * dtype_bytes / d2h_bps, grad_norm_s=norm_s)
+        allgather_s=gather_s,
+        reduce_scatter_s=reduce_s,
+        d2h_s=hardware.copy_latency_s + shard_numel * dtype_bytes / d2h_bps,
+        grad_norm_s=norm_s,
+    )
 
 
 def issue_steps(fetches: list[tuple[int, int, int]], prefetch: int) -> list[int]:
@@ -122,9 +126,15 @@ class MicroBatchTime:
     d2h_s: float
 
 
-def simulate_micro_batch(step_compute_s: list[float], fetches: list[tuple[int, int, int]], issue: list[int],
-                         reduce_after: list[tuple[int, ...]], offloaded: list[bool],
-                         costs: TransferCosts, shared_compute: bool = False) -> MicroBatchTime:
+def simulate_micro_batch(
+    step_compute_s: list[float],
+    fetches: list[tuple[int, int, int]],
+    issue: list[int],
+    reduce_after: list[tuple[int, ...]],
+    offloaded: list[bool],
+    costs: TransferCosts,
+    shared_compute: bool = False,
+) -> MicroBatchTime:
     """Runs one micro-batch's timeline.
 
     Args:
@@ -177,14 +187,28 @@ def simulate_micro_batch(step_compute_s: list[float], fetches: list[tuple[int, i
             if offloaded[chunk]:
                 d2h_free = (d2h_free if d2h_free > coll_free else coll_free) + d2h_s
                 d2h_count += 1
-    return MicroBatchTime(compute_end_s=end, drained_s=max(end, coll_free, d2h_free), exposed_fetch_s=exposed,
-                          allgather_s=gathers * gather_s, reduce_scatter_s=reduces * rs_s,
-                          h2d_s=h2d_count * h2d_s, d2h_s=d2h_count * d2h_s)
+    return MicroBatchTime(
+        compute_end_s=end,
+        drained_s=max(end, coll_free, d2h_free),
+        exposed_fetch_s=exposed,
+        allgather_s=gathers * gather_s,
+        reduce_scatter_s=reduces * rs_s,
+        h2d_s=h2d_count * h2d_s,
+        d2h_s=d2h_count * d2h_s,
+    )
 
 
-def combine_step(cold: MicroBatchTime, steady: MicroBatchTime | None, grad_accum_steps: int, costs: TransferCosts,
-                 gpu_adam_s: float, cpu_adam_s: float, compute_s: float, recompute_s: float,
-                 serial_optimizers: bool = False) -> tuple[float, dict[str, float]]:
+def combine_step(
+    cold: MicroBatchTime,
+    steady: MicroBatchTime | None,
+    grad_accum_steps: int,
+    costs: TransferCosts,
+    gpu_adam_s: float,
+    cpu_adam_s: float,
+    compute_s: float,
+    recompute_s: float,
+    serial_optimizers: bool = False,
+) -> tuple[float, dict[str, float]]:
     """Step time from the cold and steady micro-batches, plus the optimizer.
 
     Args:

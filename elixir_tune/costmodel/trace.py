@@ -124,5 +124,10 @@ def chunk_trace(profile: ModelProfile, layout: ChunkLayout, every: int) -> Chunk
                 first_use[chunk] = position
             last_use[chunk] = position
     total = sum(weights) or 1.0
-    return ChunkTrace(steps=steps, flops_share=[w / total for w in weights], first_use=first_use,
-                      last_use=last_use, max_step_chunks=max((len(s) for s in steps), default=0))
+    return ChunkTrace(
+        steps=steps,
+        flops_share=[w / total for w in weights],
+        first_use=first_use,
+        last_use=last_use,
+        max_step_chunks=max((len(s) for s in steps), default=0),
+    )

@@ -35,5 +35,15 @@ from elixir_tune.engine.optimizer import ShardedOptimizer
 from elixir_tune.engine.setup import check_plan_matches, model_fingerprint, setup
 from elixir_tune.engine.states import TensorState
 
-__all__ = ["CacheTooSmall", "ElixirModel", "Engine", "ShardedOptimizer", "TensorState", "check_plan_matches",
-           "load_checkpoint", "model_fingerprint", "save_checkpoint", "setup"]
+__all__ = [
+    "CacheTooSmall",
+    "ElixirModel",
+    "Engine",
+    "ShardedOptimizer",
+    "TensorState",
+    "check_plan_matches",
+    "load_checkpoint",
+    "model_fingerprint",
+    "save_checkpoint",
+    "setup",
+]

@@ -128,7 +128,8 @@ class ChunkCache:
                 raise CacheTooSmall(
                     f"module {module_name!r} needs {needed} non-resident chunk(s) at once while chunks {busy} are "
                     f"in use, but the plan has memory.cache_blocks={self.cache_blocks}; use at least "
-                    f"{len(busy) + 1} cache blocks (or bigger chunks) for this model")
+                    f"{len(busy) + 1} cache blocks (or bigger chunks) for this model"
+                )
             self.evict(victim)
 
     def _start_gather(self, chunk: Chunk, async_op: bool) -> Handle:

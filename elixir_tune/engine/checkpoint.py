@@ -40,8 +40,11 @@ def plan_layout(plan: Plan) -> str:
     Offload matters too: device and host shards get separate inner optimizers, whose state_dict
     order depends on the split.
     """
-    layout = {"world_size": plan.world_size, "chunk_size": plan.memory.chunk_size,
-              "chunks": [[chunk.id, list(chunk.params), bool(chunk.offload)] for chunk in plan.memory.chunks]}
+    layout = {
+        "world_size": plan.world_size,
+        "chunk_size": plan.memory.chunk_size,
+        "chunks": [[chunk.id, list(chunk.params), bool(chunk.offload)] for chunk in plan.memory.chunks],
+    }
     return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -80,8 +83,11 @@ def _set_rng_state(state: dict, device: torch.device) -> None:
 
 def _replicated(engine) -> dict[str, torch.Tensor]:
     """State-dict entries that are not in chunks (frozen parameters, buffers): the same on every rank."""
-    return {name: value.detach().cpu().clone() for name, value in engine.model.state_dict(keep_vars=True).items()
-            if id(value) not in engine.slot_of}
+    return {
+        name: value.detach().cpu().clone()
+        for name, value in engine.model.state_dict(keep_vars=True).items()
+        if id(value) not in engine.slot_of
+    }
 
 
 @torch.no_grad()
@@ -190,18 +196,25 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer) -> dict:
     if meta.get("fingerprint") != plan.model.fingerprint:
         raise ValueError(
             f"checkpoint {directory} was saved for another model: its fingerprint is {meta.get('fingerprint')}, "
-            f"this model's plan has {plan.model.fingerprint} (parameter names, shapes or dtypes differ)")
+            f"this model's plan has {plan.model.fingerprint} (parameter names, shapes or dtypes differ)"
+        )
     same_layout = meta.get("layout") == plan_layout(plan) and meta.get("world_size") == engine.comm.world_size
     same_optimizer = meta.get("optimizer") == optimizer.optimizer_class.__name__
     if same_layout and same_optimizer:
         _load_shards(directory, engine, optimizer)
         meta["exact"] = True
         return meta
-    why = (f"it was saved with world size {meta.get('world_size')} and chunk size {meta.get('chunk_size')}, "
-           f"this run has {engine.comm.world_size} and {plan.memory.chunk_size}" if not same_layout else
-           f"it was saved with {meta.get('optimizer')}, this run uses {optimizer.optimizer_class.__name__}")
-    warnings.warn(f"checkpoint {directory}: {why}; loading the weights only (model.pt): the optimizer state "
-                  "(moments, step counts, loss scale) could NOT be restored and starts afresh", stacklevel=2)
+    why = (
+        f"it was saved with world size {meta.get('world_size')} and chunk size {meta.get('chunk_size')}, "
+        f"this run has {engine.comm.world_size} and {plan.memory.chunk_size}"
+        if not same_layout
+        else f"it was saved with {meta.get('optimizer')}, this run uses {optimizer.optimizer_class.__name__}"
+    )
+    warnings.warn(
+        f"checkpoint {directory}: {why}; loading the weights only (model.pt): the optimizer state "
+        "(moments, step counts, loss scale) could NOT be restored and starts afresh",
+        stacklevel=2,
+    )
     model.load_state_dict(_load(directory / MODEL_NAME))
     meta["exact"] = False
     return meta
@@ -216,8 +229,9 @@ def _complete_directory(directory: Path) -> Path:
     for suffix in ("tmp", "old"):
         sibling = directory.parent / f".{directory.name}.{suffix}"
         if (sibling / META_NAME).is_file():
-            warnings.warn(f"{directory} is missing (a save was interrupted while renaming): using {sibling}",
-                          stacklevel=3)
+            warnings.warn(
+                f"{directory} is missing (a save was interrupted while renaming): using {sibling}", stacklevel=3
+            )
             return sibling
     return directory
 

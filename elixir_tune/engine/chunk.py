@@ -28,7 +28,7 @@ class ParamSlot:
 
     name: str
     param: torch.nn.Parameter
-    chunk: "Chunk"
+    chunk: Chunk
     index: int  # position inside the chunk
     offset: int  # first element inside the chunk
     numel: int
@@ -51,8 +51,17 @@ class Chunk:
         offload: the shard lives in host memory.
     """
 
-    def __init__(self, chunk_id: int, named_params: list[tuple[str, torch.nn.Parameter]], chunk_size: int,
-                 comm: Comm, compute_dtype: torch.dtype, device: torch.device, resident: bool, offload: bool):
+    def __init__(
+        self,
+        chunk_id: int,
+        named_params: list[tuple[str, torch.nn.Parameter]],
+        chunk_size: int,
+        comm: Comm,
+        compute_dtype: torch.dtype,
+        device: torch.device,
+        resident: bool,
+        offload: bool,
+    ):
         self.id = chunk_id
         self.chunk_size = chunk_size
         self.comm = comm
@@ -69,8 +78,9 @@ class Chunk:
             offset += param.numel()
         self.numel = offset
         if offset > chunk_size:
-            raise ValueError(f"chunk {chunk_id}: its parameters hold {offset} elements, "
-                             f"more than chunk_size {chunk_size}")
+            raise ValueError(
+                f"chunk {chunk_id}: its parameters hold {offset} elements, more than chunk_size {chunk_size}"
+            )
 
         shard_device = torch.device("cpu") if offload else device
         pin = offload and device.type == "cuda"
@@ -96,13 +106,13 @@ class Chunk:
 
     def init_master(self, full_fp32: torch.Tensor) -> None:
         """Sets this rank's master shard from the full fp32 chunk (padding zero)."""
-        self.master.copy_(full_fp32[self.shard_begin:self.shard_begin + self.shard_numel])
+        self.master.copy_(full_fp32[self.shard_begin : self.shard_begin + self.shard_numel])
 
     def flat_from_params(self) -> torch.Tensor:
         """The full chunk built from the parameters' current data, fp32, on the device."""
         flat = torch.zeros(self.chunk_size, dtype=torch.float32, device=self.device)
         for slot in self.slots:
-            flat[slot.offset:slot.offset + slot.numel].copy_(slot.param.data.reshape(-1))
+            flat[slot.offset : slot.offset + slot.numel].copy_(slot.param.data.reshape(-1))
         return flat
 
     # --- gather / release ----------------------------------------------------------------------
@@ -147,7 +157,7 @@ class Chunk:
         """Points the parameters at their views of the gathered payload."""
         raw = self.payload.data
         for slot in self.slots:
-            slot.param.data = raw[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            slot.param.data = raw[slot.offset : slot.offset + slot.numel].view(slot.shape)
             slot.state = transition(slot.state, "gather")
         self.fresh = True
 
@@ -206,10 +216,9 @@ class Chunk:
         self.pending = None
         handle.wait()
         if out is staging:
-            out = staging[self.shard_begin:self.shard_begin + self.shard_numel]
+            out = staging[self.shard_begin : self.shard_begin + self.shard_numel]
         if self.offload:
-            host = torch.empty(self.shard_numel, dtype=out.dtype, device="cpu",
-                               pin_memory=self.device.type == "cuda")
+            host = torch.empty(self.shard_numel, dtype=out.dtype, device="cpu", pin_memory=self.device.type == "cuda")
             host.copy_(out)
             out = host
         self.grad.add_(out)

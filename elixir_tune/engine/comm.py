@@ -13,7 +13,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -165,8 +165,9 @@ def init_comm(world_size: int, device_type: str, backend: str, timeout_s: float 
         torch.cuda.set_device(device)
     if not dist.is_available():
         if world_size != 1:
-            raise RuntimeError("torch.distributed is not available in this torch build; "
-                               f"the plan needs {world_size} processes")
+            raise RuntimeError(
+                f"torch.distributed is not available in this torch build; the plan needs {world_size} processes"
+            )
         return Comm(0, 1, "local", device)
     if not dist.is_initialized() and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
@@ -179,10 +180,12 @@ def init_comm(world_size: int, device_type: str, backend: str, timeout_s: float 
             raise RuntimeError(
                 f"the process group has {group_size} processes but the plan was made for {world_size}; "
                 f"launch with `elixir-run plan.yaml train.py` (or torchrun --nproc-per-node {world_size}), "
-                "or search a plan for this many processes")
+                "or search a plan for this many processes"
+            )
         return Comm(dist.get_rank(), group_size, dist.get_backend(), device)
     if world_size != 1:
         raise RuntimeError(
             f"the plan needs {world_size} processes but this one was started alone (no WORLD_SIZE in the "
-            f"environment); launch with `elixir-run plan.yaml train.py` or torchrun --nproc-per-node {world_size}")
+            f"environment); launch with `elixir-run plan.yaml train.py` or torchrun --nproc-per-node {world_size}"
+        )
     return Comm(0, 1, "local", device)

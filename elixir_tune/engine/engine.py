@@ -48,8 +48,16 @@ class Engine:
         self.chunks: list[Chunk] = []
         self.slot_of: dict[int, ParamSlot] = {}  # id(param) -> slot
         for chunk_plan in plan.memory.chunks:
-            chunk = Chunk(chunk_plan.id, [(name, named[name]) for name in chunk_plan.params], plan.memory.chunk_size,
-                          comm, self.compute_dtype, self.device, chunk_plan.resident, chunk_plan.offload)
+            chunk = Chunk(
+                chunk_plan.id,
+                [(name, named[name]) for name in chunk_plan.params],
+                plan.memory.chunk_size,
+                comm,
+                self.compute_dtype,
+                self.device,
+                chunk_plan.resident,
+                chunk_plan.offload,
+            )
             self.chunks.append(chunk)
             for slot in chunk.slots:
                 self.slot_of[id(slot.param)] = slot
@@ -58,8 +66,9 @@ class Engine:
         self._place_replicated()
 
         side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" and plan.memory.prefetch else None
-        self.cache = ChunkCache(self.chunks, plan.memory.cache_blocks, plan.memory.prefetch, self.placeholder,
-                                side_stream)
+        self.cache = ChunkCache(
+            self.chunks, plan.memory.cache_blocks, plan.memory.prefetch, self.placeholder, side_stream
+        )
         self.module_names: dict[torch.nn.Module, str] = {}
         self.module_chunks: dict[torch.nn.Module, list[Chunk]] = {}
         self.module_slots: dict[torch.nn.Module, list[ParamSlot]] = {}
@@ -72,8 +81,9 @@ class Engine:
                 self.module_slots[module] = slots
         self.module_ancestors = self._hooked_ancestors()
         self._check_cache_fits()
-        self._handles = install_module_hooks(self.module_names, self._pre_forward, self._post_forward,
-                                             self._pre_backward)
+        self._handles = install_module_hooks(
+            self.module_names, self._pre_forward, self._post_forward, self._pre_backward
+        )
         self._handles += install_grad_hooks([slot.param for slot in self.slots], self._on_grad)
         self._apply_checkpointing()
 
@@ -150,7 +160,8 @@ class Engine:
             raise ValueError(
                 f"module {self.module_names[worst]!r} uses {need[worst]} non-resident chunks at once (its own and "
                 f"those of the enclosing modules that own parameters) but the plan has memory.cache_blocks="
-                f"{self.plan.memory.cache_blocks}; the minimum for this chunking is {need[worst]}")
+                f"{self.plan.memory.cache_blocks}; the minimum for this chunking is {need[worst]}"
+            )
 
     def _apply_checkpointing(self) -> None:
         checkpointing = self.plan.training.activation_checkpointing
@@ -244,7 +255,7 @@ class Engine:
         if chunk.staging is None:
             chunk.staging = self._acquire_staging(chunk)
         grad = param.grad
-        chunk.staging[slot.offset:slot.offset + slot.numel].copy_(grad.reshape(-1))
+        chunk.staging[slot.offset : slot.offset + slot.numel].copy_(grad.reshape(-1))
         param.grad = None
         slot.state = transition(slot.state, "grad")
         slot.awaiting_grad = False
@@ -307,7 +318,7 @@ class Engine:
             self.comm.all_gather_into_tensor(flat, shard, async_op=False)
             flat = flat.cpu()
             for slot in chunk.slots:
-                full[id(slot.param)] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+                full[id(slot.param)] = flat[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
         state = {}
         for name, value in self.model.state_dict(keep_vars=True).items():
             if id(value) in full:
@@ -331,7 +342,7 @@ class Engine:
             flat = torch.zeros(chunk.chunk_size, dtype=torch.float32, device=self.device)
             for slot in chunk.slots:
                 value = state[names.get(id(slot.param), slot.name)]
-                flat[slot.offset:slot.offset + slot.numel].copy_(value.reshape(-1))
+                flat[slot.offset : slot.offset + slot.numel].copy_(value.reshape(-1))
             chunk.init_master(flat)
         for name, value in self.model.state_dict(keep_vars=True).items():
             if id(value) not in self.slot_of and name in state:
@@ -357,5 +368,8 @@ class Engine:
 
     def memory_stats(self) -> dict[str, int]:
         """Measured figures beside the report: peak bytes of cache payloads actually held."""
-        return {"peak_cache_bytes": self.cache.peak_bytes, "gathers": self.cache.gathers,
-                "held_cache_bytes": sum(c.payload_bytes() for c in self.cache.held.values())}
+        return {
+            "peak_cache_bytes": self.cache.peak_bytes,
+            "gathers": self.cache.gathers,
+            "held_cache_bytes": sum(c.payload_bytes() for c in self.cache.held.values()),
+        }

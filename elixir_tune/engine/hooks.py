@@ -1,12 +1,12 @@
 """Hooks that drive the engine from the model's own forward and backward.
 
-    * forward pre-hook on every module that owns chunked parameters directly: gather its chunks;
-    * forward hook: mark them idle, and hook the outputs so that the module's backward gathers them
-      again first (a pre-backward hook: it fires when the gradient of the output is ready, before
-      the module's own backward ops run);
-    * post-accumulate-grad hook on every chunked parameter: stage its gradient in the chunk;
-    * activation checkpointing: the plan's blocks run under torch.utils.checkpoint (non-reentrant),
-      and their recomputation in backward goes through the same forward hooks.
+* forward pre-hook on every module that owns chunked parameters directly: gather its chunks;
+* forward hook: mark them idle, and hook the outputs so that the module's backward gathers them
+  again first (a pre-backward hook: it fires when the gradient of the output is ready, before
+  the module's own backward ops run);
+* post-accumulate-grad hook on every chunked parameter: stage its gradient in the chunk;
+* activation checkpointing: the plan's blocks run under torch.utils.checkpoint (non-reentrant),
+  and their recomputation in backward goes through the same forward hooks.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils import checkpoint as torch_checkpoint
@@ -40,8 +41,9 @@ def output_tensors(output: Any) -> list[torch.Tensor]:
     return found
 
 
-def install_module_hooks(modules: dict[torch.nn.Module, str], pre_forward: Callable, post_forward: Callable,
-                         pre_backward: Callable) -> list:
+def install_module_hooks(
+    modules: dict[torch.nn.Module, str], pre_forward: Callable, post_forward: Callable, pre_backward: Callable
+) -> list:
     """Registers the forward and pre-backward hooks.
 
     Args:
@@ -55,6 +57,7 @@ def install_module_hooks(modules: dict[torch.nn.Module, str], pre_forward: Calla
     """
     handles = []
     for module in modules:
+
         def pre_hook(mod, args):
             pre_forward(mod)
 

@@ -126,12 +126,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
                             continue
                         if name == "momentum_buffer" and group.get("momentum", 0) == 0:
                             continue
-                        state[name] = chunk.optimizer_flats[name][begin:begin + tensor.numel()]
+                        state[name] = chunk.optimizer_flats[name][begin : begin + tensor.numel()]
                     if is_adam:
                         fused = group.get("fused") or group.get("capturable")
                         dtype = torch.float32 if fused or torch.get_default_dtype() != torch.float64 else torch.float64
-                        state["step"] = (torch.zeros((), dtype=dtype, device=tensor.device) if fused
-                                         else torch.tensor(0.0, dtype=dtype))
+                        state["step"] = (
+                            torch.zeros((), dtype=dtype, device=tensor.device)
+                            if fused
+                            else torch.tensor(0.0, dtype=dtype)
+                        )
 
     # --- the training-loop API -----------------------------------------------------------------
 
@@ -167,8 +170,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             engine.comm.all_reduce_max(local)
             norm = local[0]
         else:
-            local = torch.stack([torch.linalg.vector_norm(g.float(), norm_type).to(device) ** norm_type
-                                 for g in grads]).sum().reshape(1)
+            local = (
+                torch.stack([torch.linalg.vector_norm(g.float(), norm_type).to(device) ** norm_type for g in grads])
+                .sum()
+                .reshape(1)
+            )
             engine.comm.all_reduce_sum(local)
             norm = local[0] ** (1.0 / norm_type)
         overflow = self.scaler is not None and not bool(torch.isfinite(norm))
@@ -240,15 +246,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """This rank's optimizer state (shard-local) and the loss scaler."""
-        return {"inner": [inner.state_dict() for inner, _ in self._inner],
-                "scaler": self.scaler.state_dict() if self.scaler else None,
-                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]}
+        return {
+            "inner": [inner.state_dict() for inner, _ in self._inner],
+            "scaler": self.scaler.state_dict() if self.scaler else None,
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restores what ``state_dict`` saved on this rank (same plan and world size)."""
         for (inner, _), state in zip(self._inner, state_dict["inner"]):
-            flats = {id(p): {k: v for k, v in inner.state[p].items() if k != "step"} for g in inner.param_groups
-                     for p in g["params"]}
+            flats = {
+                id(p): {k: v for k, v in inner.state[p].items() if k != "step"}
+                for g in inner.param_groups
+                for p in g["params"]
+            }
             inner.load_state_dict(state)
             for group in inner.param_groups:
                 for param in group["params"]:

@@ -14,8 +14,14 @@ class DynamicLossScaler:
         min_scale: the scale never goes below this.
     """
 
-    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000, min_scale: float = 1.0):
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        min_scale: float = 1.0,
+    ):
         self.scale = float(init_scale)
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor

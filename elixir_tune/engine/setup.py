@@ -15,16 +15,19 @@ from elixir_tune.plan import PLAN_ENV_VAR, Plan, PlanError, fingerprint, load_pl
 
 def model_fingerprint(model: torch.nn.Module) -> str:
     """The fingerprint a plan for ``model`` must carry (names, shapes, dtypes in order)."""
-    return fingerprint([(name, list(p.shape), str(p.dtype).removeprefix("torch."))
-                        for name, p in model.named_parameters()])
+    return fingerprint(
+        [(name, list(p.shape), str(p.dtype).removeprefix("torch.")) for name, p in model.named_parameters()]
+    )
 
 
 def _resolve_plan(plan: Plan | str | os.PathLike | None) -> Plan:
     if plan is None:
         path = os.environ.get(PLAN_ENV_VAR)
         if not path:
-            raise ValueError(f"no plan: pass plan= to setup or set ${PLAN_ENV_VAR} "
-                             "(elixir-run sets it); make one with `elixir-tune search`")
+            raise ValueError(
+                f"no plan: pass plan= to setup or set ${PLAN_ENV_VAR} "
+                "(elixir-run sets it); make one with `elixir-tune search`"
+            )
         return load_plan(path)
     if isinstance(plan, Plan):
         problems = validate(plan)
@@ -41,7 +44,8 @@ def check_plan_matches(model: torch.nn.Module, plan: Plan) -> None:
         raise ValueError(
             f"the plan was made for another model: its model fingerprint is {plan.model.fingerprint}, this model's "
             f"is {found} (parameter names, shapes or dtypes differ); run `elixir-tune profile` and "
-            "`elixir-tune search` again for this model")
+            "`elixir-tune search` again for this model"
+        )
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     planned = [name for chunk in plan.memory.chunks for name in chunk.params]
@@ -54,8 +58,9 @@ def check_plan_matches(model: torch.nn.Module, plan: Plan) -> None:
         problems.append(f"chunks name unknown parameters: {', '.join(unknown[:5])}")
     in_chunks_frozen = sorted(set(planned) & frozen)
     if in_chunks_frozen:
-        problems.append("frozen parameters (requires_grad False) must not be in chunks: "
-                        + ", ".join(in_chunks_frozen[:5]))
+        problems.append(
+            "frozen parameters (requires_grad False) must not be in chunks: " + ", ".join(in_chunks_frozen[:5])
+        )
     if problems:
         raise ValueError("the plan does not match the model's parameters: " + "; ".join(problems))
 

@@ -9,15 +9,18 @@ Importing this package does not import torch; `probe` imports it when called.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
-from elixir_tune.hardware.presets import (closest_preset, list_presets, load_hardware,
-                                          preset_path, spec_problems)
+from elixir_tune.hardware.presets import closest_preset, list_presets, load_hardware, preset_path, spec_problems
 from elixir_tune.hardware.spec import HardwareSpec, load_hardware_file, save_hardware
 
 
-def probe(quick: bool = False, progress: Callable[[str], None] | None = None,
-          procs: int | None = None, device: str | None = None) -> HardwareSpec:
+def probe(
+    quick: bool = False,
+    progress: Callable[[str], None] | None = None,
+    procs: int | None = None,
+    device: str | None = None,
+) -> HardwareSpec:
     """Measures this machine; see elixir_tune.hardware.probe_local.probe.
 
     Args:
@@ -34,5 +37,14 @@ def probe(quick: bool = False, progress: Callable[[str], None] | None = None,
     return run_probe(quick=quick, progress=progress, procs=procs, device=device)
 
 
-__all__ = ["HardwareSpec", "closest_preset", "list_presets", "load_hardware",
-           "load_hardware_file", "preset_path", "probe", "save_hardware", "spec_problems"]
+__all__ = [
+    "HardwareSpec",
+    "closest_preset",
+    "list_presets",
+    "load_hardware",
+    "load_hardware_file",
+    "preset_path",
+    "probe",
+    "save_hardware",
+    "spec_problems",
+]

@@ -11,8 +11,7 @@ import torch.nn.functional as F
 
 from elixir_tune.hardware.timing import median_time_s
 
-DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
-          "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def transformer_gemms(tokens: int, hidden: int) -> list[tuple[int, int, int]]:
@@ -20,12 +19,15 @@ def transformer_gemms(tokens: int, hidden: int) -> list[tuple[int, int, int]]:
 
     QKV projection, attention output, MLP up (4x) and MLP down, as F.linear computes them.
     """
-    return [(tokens, hidden, 3 * hidden), (tokens, hidden, hidden),
-            (tokens, hidden, 4 * hidden), (tokens, 4 * hidden, hidden)]
+    return [
+        (tokens, hidden, 3 * hidden),
+        (tokens, hidden, hidden),
+        (tokens, hidden, 4 * hidden),
+        (tokens, 4 * hidden, hidden),
+    ]
 
 
-def matmul_tflops(device: torch.device, dtype_name: str, tokens: int, hidden: int,
-                  budget_s: float) -> float:
+def matmul_tflops(device: torch.device, dtype_name: str, tokens: int, hidden: int, budget_s: float) -> float:
     """Dense matmul rate reached on one transformer block's linear layers.
 
     Args:
@@ -47,8 +49,9 @@ def matmul_tflops(device: torch.device, dtype_name: str, tokens: int, hidden: in
         for rows, fan_in, fan_out in shapes:
             x = torch.randn(rows, fan_in, device=device, dtype=dtype)
             weight = torch.randn(fan_out, fan_in, device=device, dtype=dtype)
-            seconds += median_time_s(lambda: F.linear(x, weight), device, budget_s / len(shapes),
-                                     warmup=2 if device.type == "cuda" else 1)
+            seconds += median_time_s(
+                lambda: F.linear(x, weight), device, budget_s / len(shapes), warmup=2 if device.type == "cuda" else 1
+            )
             flops += 2.0 * rows * fan_in * fan_out
             del x, weight
         return flops / seconds / 1e12

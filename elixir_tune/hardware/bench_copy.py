@@ -26,15 +26,15 @@ def host_copy_curve(sizes_bytes: list[int], budget_s: float) -> dict[int, float]
     for size in sizes_bytes:
         src = torch.ones(size, dtype=torch.uint8)
         dst = torch.empty_like(src)
-        seconds = median_time_s(lambda: dst.copy_(src), torch.device("cpu"),
-                                budget_s / len(sizes_bytes), warmup=1)
+        seconds = median_time_s(lambda: dst.copy_(src), torch.device("cpu"), budget_s / len(sizes_bytes), warmup=1)
         curve[size] = size / seconds / 1e9
         del src, dst
     return curve
 
 
-def pinned_copy_curves(device_index: int, sizes_bytes: list[int],
-                       budget_s: float) -> tuple[dict[int, float], dict[int, float]]:
+def pinned_copy_curves(
+    device_index: int, sizes_bytes: list[int], budget_s: float
+) -> tuple[dict[int, float], dict[int, float]]:
     """Pinned host->GPU and GPU->host GB/s per size, one GPU copying alone.
 
     Returns:
@@ -48,18 +48,17 @@ def pinned_copy_curves(device_index: int, sizes_bytes: list[int],
     with torch.cuda.device(device):
         for size in sizes_bytes:
             src_host, dst_gpu = host[:size], gpu[:size]
-            seconds = median_time_s(lambda: dst_gpu.copy_(src_host, non_blocking=True), device,
-                                    per_size_s, warmup=2)
+            seconds = median_time_s(lambda: dst_gpu.copy_(src_host, non_blocking=True), device, per_size_s, warmup=2)
             h2d[size] = size / seconds / 1e9
-            seconds = median_time_s(lambda: src_host.copy_(dst_gpu, non_blocking=True), device,
-                                    per_size_s, warmup=2)
+            seconds = median_time_s(lambda: src_host.copy_(dst_gpu, non_blocking=True), device, per_size_s, warmup=2)
             d2h[size] = size / seconds / 1e9
     del host, gpu
     return h2d, d2h
 
 
-def pinned_copy_curves_all(num_devices: int, sizes_bytes: list[int],
-                           budget_s: float) -> tuple[dict[int, float], dict[int, float]]:
+def pinned_copy_curves_all(
+    num_devices: int, sizes_bytes: list[int], budget_s: float
+) -> tuple[dict[int, float], dict[int, float]]:
     """Per-GPU pinned copy GB/s per size when every GPU of the node copies at the same time.
 
     Each GPU gets its own pinned buffer and stream; the copies are queued on all of them and
@@ -112,5 +111,4 @@ def pinned_copy_latency_s(device_index: int, budget_s: float) -> float:
     host = _pinned(4096)
     gpu = torch.empty(4096, dtype=torch.uint8, device=device)
     with torch.cuda.device(device):
-        return median_time_s(lambda: gpu.copy_(host, non_blocking=True), device, budget_s,
-                             max_repeats=1000)
+        return median_time_s(lambda: gpu.copy_(host, non_blocking=True), device, budget_s, max_repeats=1000)

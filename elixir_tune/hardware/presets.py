@@ -14,9 +14,18 @@ from elixir_tune import paths
 from elixir_tune.hardware.spec import HardwareSpec, load_hardware_file
 
 DEVICES = ("cuda", "cpu")
-_POSITIVE_RATES = ("hbm_gbps", "h2d_gbps", "d2h_gbps", "h2d_gbps_all", "d2h_gbps_all",
-                   "allgather_gbps", "reduce_scatter_gbps", "inter_node_gbps",
-                   "gpu_adam_elems_per_s", "cpu_adam_elems_per_s")
+_POSITIVE_RATES = (
+    "hbm_gbps",
+    "h2d_gbps",
+    "d2h_gbps",
+    "h2d_gbps_all",
+    "d2h_gbps_all",
+    "allgather_gbps",
+    "reduce_scatter_gbps",
+    "inter_node_gbps",
+    "gpu_adam_elems_per_s",
+    "cpu_adam_elems_per_s",
+)
 
 
 def list_presets() -> list[str]:
@@ -58,8 +67,9 @@ def load_hardware(name_or_path: str) -> HardwareSpec:
     elif Path(name).is_file():
         path = Path(name)
     elif _looks_like_path(name):
-        raise FileNotFoundError(f"{name}: no such hardware file; {known}, or write one with "
-                                f"`elixir-tune probe --out {name}`")
+        raise FileNotFoundError(
+            f"{name}: no such hardware file; {known}, or write one with `elixir-tune probe --out {name}`"
+        )
     else:
         raise ValueError(f"unknown hardware {name!r}: not a preset id nor a file; {known}")
     spec = load_hardware_file(path)
@@ -82,15 +92,24 @@ def spec_problems(spec: HardwareSpec) -> list[str]:
     problems = []
     if spec.device not in DEVICES:
         problems.append(f"device: {spec.device!r} is not one of {', '.join(DEVICES)}")
-    for name in ("gpus_per_node", "gpu_memory_bytes", "usable_memory_bytes", "host_memory_bytes",
-                 "host_cores", "allocator_overhead_bytes"):
+    for name in (
+        "gpus_per_node",
+        "gpu_memory_bytes",
+        "usable_memory_bytes",
+        "host_memory_bytes",
+        "host_cores",
+        "allocator_overhead_bytes",
+    ):
         value = getattr(spec, name)
         if not isinstance(value, int) or isinstance(value, bool):
             problems.append(f"{name}: expected an integer, got {value!r}")
         elif value < (0 if name == "allocator_overhead_bytes" else 1):
             problems.append(f"{name}: must be positive, got {value}")
-    if isinstance(spec.usable_memory_bytes, int) and isinstance(spec.gpu_memory_bytes, int) \
-            and spec.usable_memory_bytes > spec.gpu_memory_bytes:
+    if (
+        isinstance(spec.usable_memory_bytes, int)
+        and isinstance(spec.gpu_memory_bytes, int)
+        and spec.usable_memory_bytes > spec.gpu_memory_bytes
+    ):
         problems.append("usable_memory_bytes: larger than gpu_memory_bytes")
     if not isinstance(spec.matmul_tflops, dict) or "fp32" not in spec.matmul_tflops:
         problems.append("matmul_tflops: expected a mapping with at least fp32")
@@ -118,7 +137,8 @@ def spec_problems(spec: HardwareSpec) -> list[str]:
         if curve_name not in fields:
             problems.append(f"bandwidth_curves.{curve_name}: not a hardware field")
         elif not isinstance(curve, dict) or not all(
-                isinstance(size, int) and _is_number(gbps) and gbps > 0 for size, gbps in curve.items()):
+            isinstance(size, int) and _is_number(gbps) and gbps > 0 for size, gbps in curve.items()
+        ):
             problems.append(f"bandwidth_curves.{curve_name}: expected {{bytes: positive GB/s}}")
     return problems
 
@@ -128,9 +148,14 @@ def closest_preset(spec: HardwareSpec) -> str | None:
 
     Distance: sum of |log ratio| over memory, the best matmul rate, HBM and host-link bandwidth.
     """
+
     def key_numbers(candidate: HardwareSpec) -> list[float]:
-        return [candidate.gpu_memory_bytes, max(candidate.matmul_tflops.values()),
-                candidate.hbm_gbps, candidate.h2d_gbps]
+        return [
+            candidate.gpu_memory_bytes,
+            max(candidate.matmul_tflops.values()),
+            candidate.hbm_gbps,
+            candidate.h2d_gbps,
+        ]
 
     mine = key_numbers(spec)
     best, best_distance = None, math.inf

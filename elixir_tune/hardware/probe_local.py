@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import socket
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from elixir_tune.hardware import host
 from elixir_tune.hardware.bench_compute import adam_elems_per_s, copy_gbps, matmul_tflops
-from elixir_tune.hardware.bench_copy import (host_copy_curve, host_copy_latency_s,
-                                             pinned_copy_curves, pinned_copy_curves_all,
-                                             pinned_copy_latency_s)
+from elixir_tune.hardware.bench_copy import (
+    host_copy_curve,
+    host_copy_latency_s,
+    pinned_copy_curves,
+    pinned_copy_curves_all,
+    pinned_copy_latency_s,
+)
 from elixir_tune.hardware.spec import HardwareSpec
 from elixir_tune.hardware.timing import GiB, MiB, asymptotic_gbps, size_ladder
 from elixir_tune.hardware.workers import run_workers
@@ -41,8 +45,9 @@ def _say(progress: Progress, message: str) -> None:
         progress(message)
 
 
-def probe(quick: bool = False, progress: Progress = None, procs: int | None = None,
-          device: str | None = None) -> HardwareSpec:
+def probe(
+    quick: bool = False, progress: Progress = None, procs: int | None = None, device: str | None = None
+) -> HardwareSpec:
     """Measures the local machine.
 
     Args:
@@ -94,20 +99,28 @@ def _curve_summary(curve: dict[int, float]) -> str:
 def _asymptotic_note(curve: dict[int, float]) -> str:
     largest = max(curve)
     top = [size for size in sorted(curve) if size * 16 >= largest]
-    return (f"median over {top[0] // MiB}..{largest // MiB} MiB of sizes "
-            f"{_curve_summary(curve)} (bandwidth_curves)")
+    return f"median over {top[0] // MiB}..{largest // MiB} MiB of sizes {_curve_summary(curve)} (bandwidth_curves)"
 
 
-def _run_collectives(device: str, procs: int, threads: int, coll_sizes: list[int], copy_sizes: list[int],
-                     adam_elements: int, budget_s: float, timeout_s: float) -> tuple[dict, float, float, str]:
+def _run_collectives(
+    device: str,
+    procs: int,
+    threads: int,
+    coll_sizes: list[int],
+    copy_sizes: list[int],
+    adam_elements: int,
+    budget_s: float,
+    timeout_s: float,
+) -> tuple[dict, float, float, str]:
     """Runs the multi-process benchmarks (collectives, concurrent copies, CPU Adam).
 
     Returns:
         (the workers' raw results, all-gather bus GB/s, reduce-scatter bus GB/s, a source note).
     """
     try:
-        workers = run_workers(device, procs, threads, coll_sizes, copy_sizes, adam_elements,
-                              budget_s=budget_s, timeout_s=timeout_s)
+        workers = run_workers(
+            device, procs, threads, coll_sizes, copy_sizes, adam_elements, budget_s=budget_s, timeout_s=timeout_s
+        )
     except RuntimeError as error:
         raise ProbeError(str(error)) from None
     what = f"gloo, {procs} local processes" if device == "cpu" else f"NCCL, {procs} GPUs"
@@ -142,14 +155,15 @@ def _probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
             matmul[dtype_name] = matmul_tflops(cpu, dtype_name, tokens, hidden, budget)
         except RuntimeError:  # fp16 GEMM is missing on some CPU builds
             continue
-    sources["matmul_tflops"] = (f"measured: F.linear on a transformer block's GEMMs (tokens "
-                                f"{tokens}, hidden {hidden}), median of repeats, {how}")
+    sources["matmul_tflops"] = (
+        f"measured: F.linear on a transformer block's GEMMs (tokens "
+        f"{tokens}, hidden {hidden}), median of repeats, {how}"
+    )
 
     _say(progress, "memory copy bandwidth")
     copy_bytes = 64 * MiB if quick else 256 * MiB
     hbm = copy_gbps(cpu, copy_bytes, budget)
-    sources["hbm_gbps"] = (f"measured: torch copy_ of {copy_bytes // MiB} MiB, (read + write) "
-                           f"bytes / s, {how}")
+    sources["hbm_gbps"] = f"measured: torch copy_ of {copy_bytes // MiB} MiB, (read + write) bytes / s, {how}"
 
     _say(progress, "host copy bandwidth over sizes")
     copy_sizes = size_ladder(MiB, 64 * MiB if quick else GiB)
@@ -158,7 +172,8 @@ def _probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
     latency = host_copy_latency_s(budget / 4)
     sources["h2d_gbps"] = sources["d2h_gbps"] = (
         f"measured: copy between two host buffers (the CPU is the device), one process alone, "
-        f"{_asymptotic_note(h2d_curve)}, {how}")
+        f"{_asymptotic_note(h2d_curve)}, {how}"
+    )
     sources["copy_latency_s"] = "measured: median time of one 4 KiB host copy (torch copy_)"
     curves = {"h2d_gbps": h2d_curve, "d2h_gbps": h2d_curve}
 
@@ -168,8 +183,15 @@ def _probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
         _say(progress, f"gloo collectives, concurrent copies and CPU Adam in {procs} processes")
         coll_sizes = size_ladder(MiB, 32 * MiB if quick else GiB)
         workers, allgather_gbps, reduce_scatter_gbps, coll_note = _run_collectives(
-            "cpu", procs, threads, coll_sizes, copy_sizes, adam_elements, budget_s=2 * budget,
-            timeout_s=60 if quick else 300)
+            "cpu",
+            procs,
+            threads,
+            coll_sizes,
+            copy_sizes,
+            adam_elements,
+            budget_s=2 * budget,
+            timeout_s=60 if quick else 300,
+        )
         allgather, reduce_scatter = workers["allgather"], workers["reduce_scatter"]
         coll_latency = workers["latency_s"]
         copy_all = workers["host_copy_all"]
@@ -179,13 +201,20 @@ def _probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
         sources["reduce_scatter_gbps"] = coll_note + f", op {workers['reduce_scatter_impl']}"
         sources["collective_latency_s"] = "measured: gloo all-gather of 1 KiB per process"
         sources["h2d_gbps_all"] = sources["d2h_gbps_all"] = (
-            f"measured: host copy in all {procs} processes at once, mean per process, "
-            f"{_asymptotic_note(copy_all)}")
+            f"measured: host copy in all {procs} processes at once, mean per process, {_asymptotic_note(copy_all)}"
+        )
         sources["cpu_adam_elems_per_s"] = sources["gpu_adam_elems_per_s"] = (
             f"measured: torch.optim.AdamW ({adam_impl}) over {adam_elements} fp32 elements, all "
-            f"{procs} processes stepping at once, {how}")
-        curves.update({"h2d_gbps_all": copy_all, "d2h_gbps_all": copy_all,
-                       "allgather_gbps": allgather, "reduce_scatter_gbps": reduce_scatter})
+            f"{procs} processes stepping at once, {how}"
+        )
+        curves.update(
+            {
+                "h2d_gbps_all": copy_all,
+                "d2h_gbps_all": copy_all,
+                "allgather_gbps": allgather,
+                "reduce_scatter_gbps": reduce_scatter,
+            }
+        )
     else:
         _say(progress, "CPU Adam")
         adam, adam_impl = adam_elems_per_s(cpu, adam_elements, budget)
@@ -193,12 +222,17 @@ def _probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
         allgather_gbps = reduce_scatter_gbps = hbm / 2
         coll_latency = latency
         single = "one process: no peers, a collective is a local copy (not measured)"
-        sources.update({"allgather_gbps": single, "reduce_scatter_gbps": single,
-                        "collective_latency_s": single,
-                        "h2d_gbps_all": "one process: same as h2d_gbps",
-                        "d2h_gbps_all": "one process: same as d2h_gbps",
-                        "cpu_adam_elems_per_s": f"measured: torch.optim.AdamW ({adam_impl}), {how}",
-                        "gpu_adam_elems_per_s": "same as cpu_adam_elems_per_s (the CPU is the device)"})
+        sources.update(
+            {
+                "allgather_gbps": single,
+                "reduce_scatter_gbps": single,
+                "collective_latency_s": single,
+                "h2d_gbps_all": "one process: same as h2d_gbps",
+                "d2h_gbps_all": "one process: same as d2h_gbps",
+                "cpu_adam_elems_per_s": f"measured: torch.optim.AdamW ({adam_impl}), {how}",
+                "gpu_adam_elems_per_s": "same as cpu_adam_elems_per_s (the CPU is the device)",
+            }
+        )
 
     inter_node, sources["inter_node_gbps"] = _inter_node_gbps(allgather_gbps)
     sources["allocator_overhead_bytes"] = "0: host allocations have no caching-allocator overhead"
@@ -261,8 +295,10 @@ def _probe_cuda(quick: bool, progress: Progress) -> HardwareSpec:
             matmul[dtype_name] = matmul_tflops(gpu, dtype_name, tokens, hidden, budget)
         except RuntimeError:  # e.g. bf16 on a pre-Ampere GPU
             continue
-    sources["matmul_tflops"] = (f"measured: F.linear on a transformer block's GEMMs (tokens "
-                                f"{tokens}, hidden {hidden}), CUDA events, median, {how}")
+    sources["matmul_tflops"] = (
+        f"measured: F.linear on a transformer block's GEMMs (tokens "
+        f"{tokens}, hidden {hidden}), CUDA events, median, {how}"
+    )
 
     _say(progress, "HBM copy bandwidth")
     copy_bytes = 256 * MiB if quick else GiB
@@ -274,14 +310,17 @@ def _probe_cuda(quick: bool, progress: Progress) -> HardwareSpec:
     h2d_curve, d2h_curve = pinned_copy_curves(0, sizes, 4 * budget)
     latency = pinned_copy_latency_s(0, budget / 4)
     note = f"measured: pinned copy, GPU 0 alone, CUDA events, {_asymptotic_note(h2d_curve)}"
-    sources.update({"h2d_gbps": note, "d2h_gbps": note,
-                    "copy_latency_s": "measured: pinned 4 KiB host->GPU copy, CUDA events"})
+    sources.update(
+        {"h2d_gbps": note, "d2h_gbps": note, "copy_latency_s": "measured: pinned 4 KiB host->GPU copy, CUDA events"}
+    )
     curves = {"h2d_gbps": h2d_curve, "d2h_gbps": d2h_curve}
     if num_gpus > 1:
         _say(progress, f"pinned host<->GPU copies, all {num_gpus} GPUs at once")
         h2d_all_curve, d2h_all_curve = pinned_copy_curves_all(num_gpus, sizes, 4 * budget)
-        note = (f"measured: pinned copy on all {num_gpus} GPUs at once, per-GPU rate from the "
-                f"wall time, {_asymptotic_note(h2d_all_curve)}")
+        note = (
+            f"measured: pinned copy on all {num_gpus} GPUs at once, per-GPU rate from the "
+            f"wall time, {_asymptotic_note(h2d_all_curve)}"
+        )
         curves.update({"h2d_gbps_all": h2d_all_curve, "d2h_gbps_all": d2h_all_curve})
     else:
         h2d_all_curve, d2h_all_curve = h2d_curve, d2h_curve
@@ -291,16 +330,19 @@ def _probe_cuda(quick: bool, progress: Progress) -> HardwareSpec:
     _say(progress, "GPU Adam")
     adam_elements = 2**24 if quick else 2**26
     gpu_adam, gpu_impl = adam_elems_per_s(gpu, adam_elements, budget)
-    sources["gpu_adam_elems_per_s"] = (f"measured: torch.optim.AdamW ({gpu_impl}) over "
-                                       f"{adam_elements} fp32 elements on GPU 0")
+    sources["gpu_adam_elems_per_s"] = (
+        f"measured: torch.optim.AdamW ({gpu_impl}) over {adam_elements} fp32 elements on GPU 0"
+    )
 
     torch.cuda.empty_cache()
     torch.cuda.synchronize(gpu)
     free_now, _ = torch.cuda.mem_get_info(gpu)
     overhead = max(0, free_after_context - free_now)
-    sources["allocator_overhead_bytes"] = ("measured: device memory the libraries keep after the "
-                                           "benchmarks with no tensor alive (cuBLAS workspaces, "
-                                           "lazily loaded kernels); fragmentation not included")
+    sources["allocator_overhead_bytes"] = (
+        "measured: device memory the libraries keep after the "
+        "benchmarks with no tensor alive (cuBLAS workspaces, "
+        "lazily loaded kernels); fragmentation not included"
+    )
 
     threads = max(1, cores // num_gpus)
     cpu_adam_elements = 2**24 if quick else 2**25  # larger than the last-level cache
@@ -308,16 +350,30 @@ def _probe_cuda(quick: bool, progress: Progress) -> HardwareSpec:
         _say(progress, f"NCCL collectives and CPU Adam in {num_gpus} processes")
         coll_sizes = size_ladder(MiB, 256 * MiB if quick else GiB)
         workers, allgather_gbps, reduce_scatter_gbps, coll_note = _run_collectives(
-            "cuda", num_gpus, threads, coll_sizes, [], cpu_adam_elements, budget_s=4 * budget,
-            timeout_s=120 if quick else 600)
+            "cuda",
+            num_gpus,
+            threads,
+            coll_sizes,
+            [],
+            cpu_adam_elements,
+            budget_s=4 * budget,
+            timeout_s=120 if quick else 600,
+        )
         allgather, reduce_scatter = workers["allgather"], workers["reduce_scatter"]
         coll_latency = workers["latency_s"]
         cpu_adam, cpu_impl = workers["cpu_adam_elems_per_s"], workers["cpu_adam_impl"]
-        sources.update({"allgather_gbps": coll_note, "reduce_scatter_gbps": coll_note,
-                        "collective_latency_s": "measured: NCCL all-gather of 1 KiB per GPU",
-                        "cpu_adam_elems_per_s": (f"measured: torch.optim.AdamW ({cpu_impl}) on the "
-                                                 f"host, {threads} thread(s) per rank, all "
-                                                 f"{num_gpus} ranks stepping at once")})
+        sources.update(
+            {
+                "allgather_gbps": coll_note,
+                "reduce_scatter_gbps": coll_note,
+                "collective_latency_s": "measured: NCCL all-gather of 1 KiB per GPU",
+                "cpu_adam_elems_per_s": (
+                    f"measured: torch.optim.AdamW ({cpu_impl}) on the "
+                    f"host, {threads} thread(s) per rank, all "
+                    f"{num_gpus} ranks stepping at once"
+                ),
+            }
+        )
         curves.update({"allgather_gbps": allgather, "reduce_scatter_gbps": reduce_scatter})
     else:
         _say(progress, "CPU Adam")
@@ -326,10 +382,14 @@ def _probe_cuda(quick: bool, progress: Progress) -> HardwareSpec:
         allgather_gbps = reduce_scatter_gbps = hbm / 2
         coll_latency = 30e-6
         single = "one GPU: no peers, a collective is a local copy (not measured)"
-        sources.update({"allgather_gbps": single, "reduce_scatter_gbps": single,
-                        "collective_latency_s": "one GPU: default, not measured",
-                        "cpu_adam_elems_per_s": (f"measured: torch.optim.AdamW ({cpu_impl}) on the "
-                                                 f"host, {threads} thread(s)")})
+        sources.update(
+            {
+                "allgather_gbps": single,
+                "reduce_scatter_gbps": single,
+                "collective_latency_s": "one GPU: default, not measured",
+                "cpu_adam_elems_per_s": (f"measured: torch.optim.AdamW ({cpu_impl}) on the host, {threads} thread(s)"),
+            }
+        )
 
     inter_node, sources["inter_node_gbps"] = _inter_node_gbps(allgather_gbps)
     return HardwareSpec(

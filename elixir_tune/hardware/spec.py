@@ -82,7 +82,7 @@ class HardwareSpec:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, raw: dict) -> "HardwareSpec":
+    def from_dict(cls, raw: dict) -> HardwareSpec:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:

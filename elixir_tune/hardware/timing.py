@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -36,8 +36,14 @@ def _time_once(fn: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - begin
 
 
-def median_time_s(fn: Callable[[], object], device: torch.device, budget_s: float,
-                  min_repeats: int = 3, max_repeats: int = 50, warmup: int = 1) -> float:
+def median_time_s(
+    fn: Callable[[], object],
+    device: torch.device,
+    budget_s: float,
+    min_repeats: int = 3,
+    max_repeats: int = 50,
+    warmup: int = 1,
+) -> float:
     """Median wall time of ``fn`` on ``device``, repeated as often as ``budget_s`` allows.
 
     Args:

@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-
 # torch >= 2.13 renamed the tensor collectives; the old names still work there but warn.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -60,8 +59,7 @@ def _collective_time_s(op, device: torch.device, budget_s: float, max_iters: int
         op()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    elapsed = torch.tensor([(time.perf_counter() - begin) / iters], dtype=torch.float64,
-                           device=device)
+    elapsed = torch.tensor([(time.perf_counter() - begin) / iters], dtype=torch.float64, device=device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return elapsed.item()
 
@@ -74,8 +72,7 @@ def _collective_curves(device: torch.device, sizes_bytes: list[int], budget_s: f
     # Latency: an all-gather of 256 fp32 elements per rank, where bandwidth plays no part.
     tiny_shard = torch.ones(256, dtype=torch.float32, device=device)
     tiny_full = torch.ones(256 * world, dtype=torch.float32, device=device)
-    latency_s = _collective_time_s(lambda: _all_gather_tensor(tiny_full, tiny_shard), device,
-                                   per_op_s, max_iters=200)
+    latency_s = _collective_time_s(lambda: _all_gather_tensor(tiny_full, tiny_shard), device, per_op_s, max_iters=200)
     for size in sizes_bytes:
         count = max(world, size // 4 // world * world)  # fp32 elements, divisible by world
         full = torch.ones(count, dtype=torch.float32, device=device)
@@ -84,8 +81,7 @@ def _collective_curves(device: torch.device, sizes_bytes: list[int], budget_s: f
         seconds = _collective_time_s(lambda: _all_gather_tensor(full, shard), device, per_op_s)
         allgather[total_bytes] = total_bytes / seconds / 1e9 * (world - 1) / world
         try:
-            seconds = _collective_time_s(lambda: _reduce_scatter_tensor(shard, full), device,
-                                         per_op_s)
+            seconds = _collective_time_s(lambda: _reduce_scatter_tensor(shard, full), device, per_op_s)
         except (RuntimeError, NotImplementedError):
             # Old gloo builds lack reduce-scatter; an all-reduce is what a gloo engine falls
             # back to, so that is the time a reduce-scatter costs there.
@@ -93,8 +89,12 @@ def _collective_curves(device: torch.device, sizes_bytes: list[int], budget_s: f
             seconds = _collective_time_s(lambda: dist.all_reduce(full), device, per_op_s)
         reduce_scatter[total_bytes] = total_bytes / seconds / 1e9 * (world - 1) / world
         del full, shard
-    return {"allgather": allgather, "reduce_scatter": reduce_scatter, "latency_s": latency_s,
-            "reduce_scatter_impl": rs_impl}
+    return {
+        "allgather": allgather,
+        "reduce_scatter": reduce_scatter,
+        "latency_s": latency_s,
+        "reduce_scatter_impl": rs_impl,
+    }
 
 
 def worker_main(config: dict) -> None:
@@ -118,9 +118,13 @@ def worker_main(config: dict) -> None:
         device, backend = torch.device("cuda", rank), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{config['port']}", rank=rank,
-                            world_size=world,
-                            timeout=datetime.timedelta(seconds=config["timeout_s"]))
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{config['port']}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=config["timeout_s"]),
+    )
     phase("init")
     try:
         result = {"rank": rank, "backend": backend, "threads": config["threads"]}
@@ -128,12 +132,10 @@ def worker_main(config: dict) -> None:
         phase("collectives")
         if config["device"] == "cpu":
             dist.barrier()
-            result["host_copy_all"] = host_copy_curve(config["copy_sizes_bytes"],
-                                                      config["budget_s"] / 2)
+            result["host_copy_all"] = host_copy_curve(config["copy_sizes_bytes"], config["budget_s"] / 2)
             phase("host_copies")
         dist.barrier()
-        rate, impl = adam_elems_per_s(torch.device("cpu"), config["adam_elements"],
-                                      config["budget_s"] / 2)
+        rate, impl = adam_elems_per_s(torch.device("cpu"), config["adam_elements"], config["budget_s"] / 2)
         result["cpu_adam_elems_per_s"], result["cpu_adam_impl"] = rate, impl
         dist.barrier()
         phase("cpu_adam")
@@ -153,9 +155,16 @@ def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> None:
         time.sleep(0.05)
 
 
-def run_workers(device: str, world_size: int, threads: int, sizes_bytes: list[int],
-                copy_sizes_bytes: list[int], adam_elements: int, budget_s: float,
-                timeout_s: float) -> dict:
+def run_workers(
+    device: str,
+    world_size: int,
+    threads: int,
+    sizes_bytes: list[int],
+    copy_sizes_bytes: list[int],
+    adam_elements: int,
+    budget_s: float,
+    timeout_s: float,
+) -> dict:
     """Runs ``world_size`` probe workers and merges what they measured.
 
     Args:
@@ -184,15 +193,29 @@ def run_workers(device: str, world_size: int, threads: int, sizes_bytes: list[in
     with tempfile.TemporaryDirectory(prefix="elixir-probe-") as out_dir:
         procs, log_paths = [], []
         for rank in range(world_size):
-            config = {"rank": rank, "world_size": world_size, "port": port, "device": device,
-                      "threads": threads, "sizes_bytes": sizes_bytes,
-                      "copy_sizes_bytes": copy_sizes_bytes, "adam_elements": adam_elements,
-                      "budget_s": budget_s, "timeout_s": timeout_s, "out_dir": out_dir}
+            config = {
+                "rank": rank,
+                "world_size": world_size,
+                "port": port,
+                "device": device,
+                "threads": threads,
+                "sizes_bytes": sizes_bytes,
+                "copy_sizes_bytes": copy_sizes_bytes,
+                "adam_elements": adam_elements,
+                "budget_s": budget_s,
+                "timeout_s": timeout_s,
+                "out_dir": out_dir,
+            }
             log_paths.append(Path(out_dir, f"rank{rank}.log"))
             with open(log_paths[-1], "w") as log:
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "elixir_tune.hardware.workers", json.dumps(config)],
-                    env=env, stdout=log, stderr=subprocess.STDOUT))
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "elixir_tune.hardware.workers", json.dumps(config)],
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
         killed = set()
         try:
             _wait_all(procs, timeout_s)
@@ -206,8 +229,7 @@ def run_workers(device: str, world_size: int, threads: int, sizes_bytes: list[in
         failed = [r for r, proc in enumerate(procs) if proc.returncode != 0 and r not in killed]
         if failed or killed:
             rank = failed[0] if failed else min(killed)
-            reason = (f"exited with status {procs[rank].returncode}" if failed
-                      else f"timed out after {timeout_s:.0f} s")
+            reason = f"exited with status {procs[rank].returncode}" if failed else f"timed out after {timeout_s:.0f} s"
             tail = log_paths[rank].read_text(errors="replace")[-2000:]
             raise RuntimeError(f"probe worker {rank} of {world_size} ({device}) {reason}:\n{tail}")
         results = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world_size)]
@@ -227,8 +249,8 @@ def _merge(results: list[dict]) -> dict:
     if "host_copy_all" in first:
         sizes = int_keys(first["host_copy_all"])
         merged["host_copy_all"] = {
-            size: statistics.fmean(int_keys(r["host_copy_all"])[size] for r in results)
-            for size in sizes}
+            size: statistics.fmean(int_keys(r["host_copy_all"])[size] for r in results) for size in sizes
+        }
     merged["cpu_adam_elems_per_s"] = statistics.fmean(r["cpu_adam_elems_per_s"] for r in results)
     merged["cpu_adam_impl"] = first["cpu_adam_impl"]
     return merged

@@ -8,16 +8,33 @@ restarts); every other torchrun option the user gives is passed through unchange
 from __future__ import annotations
 
 import shlex
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 # torchrun options that elixir-run sets from the plan or from its own flags. Passing them
 # through as well would give torchrun two conflicting values.
-MANAGED_OPTIONS = frozenset({
-    "--nproc-per-node", "--nproc_per_node", "--nnodes", "--node-rank", "--node_rank", "--rdzv-backend",
-    "--rdzv_backend", "--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-id", "--rdzv_id", "--standalone",
-    "--max-restarts", "--max_restarts", "--master-addr", "--master_addr", "--master-port", "--master_port",
-})
+MANAGED_OPTIONS = frozenset(
+    {
+        "--nproc-per-node",
+        "--nproc_per_node",
+        "--nnodes",
+        "--node-rank",
+        "--node_rank",
+        "--rdzv-backend",
+        "--rdzv_backend",
+        "--rdzv-endpoint",
+        "--rdzv_endpoint",
+        "--rdzv-id",
+        "--rdzv_id",
+        "--standalone",
+        "--max-restarts",
+        "--max_restarts",
+        "--master-addr",
+        "--master_addr",
+        "--master-port",
+        "--master_port",
+    }
+)
 
 # torchrun options after which SCRIPT is not a file path (a module name or an executable).
 NOT_A_FILE_OPTIONS = frozenset({"-m", "--module", "--no-python", "--no_python"})
@@ -73,8 +90,12 @@ def compose_torchrun_argv(spec: LaunchSpec) -> list[str]:
     else:
         # No --node-rank: with c10d torchrun assigns ranks at the rendezvous and warns that it
         # ignores one; elixir-run still checks the user's node rank against --nnodes.
-        argv += [f"--nnodes={spec.nnodes}", "--rdzv-backend=c10d",
-                 f"--rdzv-endpoint={spec.rdzv_endpoint}", f"--rdzv-id={spec.rdzv_id}"]
+        argv += [
+            f"--nnodes={spec.nnodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={spec.rdzv_endpoint}",
+            f"--rdzv-id={spec.rdzv_id}",
+        ]
     argv.append(f"--max-restarts={spec.max_restarts}")
     argv += list(spec.torchrun_options)
     argv.append(spec.script)
@@ -115,10 +136,14 @@ def split_command_line(tokens: Sequence[str], takes_value: Mapping[str, bool]) -
         name = option_name(token)
         if name in MANAGED_OPTIONS:
             own = name.replace("_", "-")
-            raise ArgvError(f"{name} is set by elixir-run from the plan or its own options"
-                            + (f" (use elixir-run's {own} before other torchrun options)"
-                               if own in ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id",
-                                          "--max-restarts") else ""))
+            raise ArgvError(
+                f"{name} is set by elixir-run from the plan or its own options"
+                + (
+                    f" (use elixir-run's {own} before other torchrun options)"
+                    if own in ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--max-restarts")
+                    else ""
+                )
+            )
         options.append(token)
         index += 1
         if "=" not in token and takes_value.get(name, False):

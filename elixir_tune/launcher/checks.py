@@ -84,8 +84,14 @@ def observe_machine() -> MachineFacts:
         host_memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         host_memory_bytes = 0
-    return MachineFacts(torch_version=torch.__version__, cuda_available=cuda_available, gpu_memory_bytes=memory,
-                        gpu_names=names, cpu_cores=cpu_cores(), host_memory_bytes=host_memory_bytes)
+    return MachineFacts(
+        torch_version=torch.__version__,
+        cuda_available=cuda_available,
+        gpu_memory_bytes=memory,
+        gpu_names=names,
+        cpu_cores=cpu_cores(),
+        host_memory_bytes=host_memory_bytes,
+    )
 
 
 def _version_tuple(version: str) -> tuple[int, int]:
@@ -105,8 +111,9 @@ def parse_endpoint(endpoint: str) -> tuple[str, int] | None:
     return host.strip("[]"), int(port)
 
 
-def check_launch(plan: Plan, facts: MachineFacts, nnodes: int, node_rank: int = 0,
-                 rdzv_endpoint: str | None = None) -> list[Check]:
+def check_launch(
+    plan: Plan, facts: MachineFacts, nnodes: int, node_rank: int = 0, rdzv_endpoint: str | None = None
+) -> list[Check]:
     """Checks a plan against the launch settings and this machine.
 
     Args:
@@ -124,31 +131,58 @@ def check_launch(plan: Plan, facts: MachineFacts, nnodes: int, node_rank: int = 
     checks = []
 
     ok = _version_tuple(facts.torch_version) >= MIN_TORCH
-    checks.append(Check("torch", ok, f"torch {facts.torch_version}" + ("" if ok else f", older than "
-                                                                       f"{MIN_TORCH[0]}.{MIN_TORCH[1]}"),
-                        hint="install torch>=2.4"))
+    checks.append(
+        Check(
+            "torch",
+            ok,
+            f"torch {facts.torch_version}" + ("" if ok else f", older than {MIN_TORCH[0]}.{MIN_TORCH[1]}"),
+            hint="install torch>=2.4",
+        )
+    )
 
     launch_world = nnodes * procs
     ok = nnodes == cluster.nodes
-    checks.append(Check(
-        "world size", ok,
-        f"plan: {cluster.nodes} node(s) x {procs} process(es) = {plan.world_size}; "
-        f"launch: {nnodes} node(s) x {procs} = {launch_world}",
-        hint=f"pass --nnodes {cluster.nodes}, or search a plan for {nnodes} node(s) "
-             f"(elixir-tune search --nodes {nnodes} --gpus {procs})"))
+    checks.append(
+        Check(
+            "world size",
+            ok,
+            f"plan: {cluster.nodes} node(s) x {procs} process(es) = {plan.world_size}; "
+            f"launch: {nnodes} node(s) x {procs} = {launch_world}",
+            hint=f"pass --nnodes {cluster.nodes}, or search a plan for {nnodes} node(s) "
+            f"(elixir-tune search --nodes {nnodes} --gpus {procs})",
+        )
+    )
 
     ok = 0 <= node_rank < nnodes
-    checks.append(Check("node rank", ok, f"node rank {node_rank} of {nnodes}",
-                        hint=f"--node-rank must be in 0..{nnodes - 1}, a different one on each node"))
+    checks.append(
+        Check(
+            "node rank",
+            ok,
+            f"node rank {node_rank} of {nnodes}",
+            hint=f"--node-rank must be in 0..{nnodes - 1}, a different one on each node",
+        )
+    )
 
     if nnodes > 1 or rdzv_endpoint:
         if not rdzv_endpoint:
-            checks.append(Check("rendezvous", False, f"{nnodes} nodes need a rendezvous endpoint",
-                                hint="pass --rdzv-endpoint HOST:PORT naming node 0, the same on every node"))
+            checks.append(
+                Check(
+                    "rendezvous",
+                    False,
+                    f"{nnodes} nodes need a rendezvous endpoint",
+                    hint="pass --rdzv-endpoint HOST:PORT naming node 0, the same on every node",
+                )
+            )
         else:
             ok = parse_endpoint(rdzv_endpoint) is not None
-            checks.append(Check("rendezvous", ok, f"c10d at {rdzv_endpoint}" if ok else
-                                f"{rdzv_endpoint!r} is not HOST:PORT", hint="e.g. --rdzv-endpoint 10.0.0.1:29400"))
+            checks.append(
+                Check(
+                    "rendezvous",
+                    ok,
+                    f"c10d at {rdzv_endpoint}" if ok else f"{rdzv_endpoint!r} is not HOST:PORT",
+                    hint="e.g. --rdzv-endpoint 10.0.0.1:29400",
+                )
+            )
     else:
         checks.append(Check("rendezvous", True, "this node only (torchrun --standalone)"))
 
@@ -156,39 +190,67 @@ def check_launch(plan: Plan, facts: MachineFacts, nnodes: int, node_rank: int = 
         checks += _cuda_checks(plan, facts)
     else:
         ok = procs <= facts.cpu_cores
-        checks.append(Check("cpu workers", ok,
-                            f"{procs} worker process(es) on {facts.cpu_cores} core(s)"
-                            + ("" if ok else "; they will share cores and run slower"),
-                            hint="fine for testing; search a plan with fewer --gpus for speed", fatal=False))
+        checks.append(
+            Check(
+                "cpu workers",
+                ok,
+                f"{procs} worker process(es) on {facts.cpu_cores} core(s)"
+                + ("" if ok else "; they will share cores and run slower"),
+                hint="fine for testing; search a plan with fewer --gpus for speed",
+                fatal=False,
+            )
+        )
 
     prediction = plan.prediction
     if prediction and facts.host_memory_bytes and prediction.peak_host_bytes:
         ok = prediction.peak_host_bytes <= facts.host_memory_bytes
-        checks.append(Check("host memory", ok, f"plan needs {_gib(prediction.peak_host_bytes)} per node, "
-                            f"node has {_gib(facts.host_memory_bytes)}",
-                            hint="the job may be killed when host memory runs out; search with this "
-                                 "machine's hardware (elixir-tune probe)", fatal=False))
+        checks.append(
+            Check(
+                "host memory",
+                ok,
+                f"plan needs {_gib(prediction.peak_host_bytes)} per node, node has {_gib(facts.host_memory_bytes)}",
+                hint="the job may be killed when host memory runs out; search with this "
+                "machine's hardware (elixir-tune probe)",
+                fatal=False,
+            )
+        )
     return checks
 
 
 def _cuda_checks(plan: Plan, facts: MachineFacts) -> list[Check]:
     procs = plan.cluster.gpus_per_node
     if not facts.cuda_available:
-        return [Check("gpus", False, "the plan is for cuda but torch sees no GPU on this machine",
-                      hint="run on a machine with GPUs, check CUDA_VISIBLE_DEVICES and the torch build, "
-                           "or search a cpu plan (elixir-tune search --hardware cpu)")]
-    checks = [Check("gpus", facts.gpu_count >= procs,
-                    f"plan needs {procs} GPU(s) per node, this node has {facts.gpu_count}",
-                    hint=f"search a plan for {facts.gpu_count} GPU(s) (elixir-tune search --gpus "
-                         f"{facts.gpu_count}) or run on a node with {procs}")]
+        return [
+            Check(
+                "gpus",
+                False,
+                "the plan is for cuda but torch sees no GPU on this machine",
+                hint="run on a machine with GPUs, check CUDA_VISIBLE_DEVICES and the torch build, "
+                "or search a cpu plan (elixir-tune search --hardware cpu)",
+            )
+        ]
+    checks = [
+        Check(
+            "gpus",
+            facts.gpu_count >= procs,
+            f"plan needs {procs} GPU(s) per node, this node has {facts.gpu_count}",
+            hint=f"search a plan for {facts.gpu_count} GPU(s) (elixir-tune search --gpus "
+            f"{facts.gpu_count}) or run on a node with {procs}",
+        )
+    ]
     if plan.prediction and plan.prediction.peak_gpu_bytes and facts.gpu_count:
         used = facts.gpu_memory_bytes[:procs]
         smallest = min(used)
         need = plan.prediction.peak_gpu_bytes
-        checks.append(Check("gpu memory", need <= smallest,
-                            f"plan needs {_gib(need)} per GPU, the smallest of this node's GPUs has {_gib(smallest)}",
-                            hint="search with this machine's hardware: elixir-tune probe, then "
-                                 "elixir-tune search --hardware hardware.yaml"))
+        checks.append(
+            Check(
+                "gpu memory",
+                need <= smallest,
+                f"plan needs {_gib(need)} per GPU, the smallest of this node's GPUs has {_gib(smallest)}",
+                hint="search with this machine's hardware: elixir-tune probe, then "
+                "elixir-tune search --hardware hardware.yaml",
+            )
+        )
     return checks
 
 

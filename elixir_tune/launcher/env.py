@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 from elixir_tune.plan import PLAN_ENV_VAR, Plan
 

@@ -9,14 +9,15 @@ elixir-run, which then stops them through the agent.
 
 from __future__ import annotations
 
-import signal
 import dataclasses
+import signal
 from dataclasses import dataclass, field
 
 from elixir_tune.launcher.argv import LaunchSpec, compose_torchrun_argv
 
-_HANDLED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
-                         if hasattr(signal, name))
+_HANDLED_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name)
+)
 # Signals the agent itself sends to stop the surviving workers after the first failure.
 _AGENT_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
@@ -79,6 +80,7 @@ def order_failures(failures: list[WorkerFailure]) -> list[WorkerFailure]:
     """Root cause first: a worker killed by a signal the agent does not send (SIGKILL, SIGSEGV,
     ...), then workers that exited with an error, then those the agent stopped (SIGTERM, SIGINT);
     torchrun's order (first observed) within each group."""
+
     def group(failure: WorkerFailure) -> int:
         if failure.exit_code >= 0:
             return 1
@@ -105,9 +107,15 @@ def _failures_from(error) -> list[WorkerFailure]:
         message = failure.message if isinstance(failure.message, str) else str(failure.message.get("message", ""))
         if message.startswith("To enable traceback") or message.startswith("Signal "):
             message = ""  # torchrun's placeholders, not the worker's words
-        failures.append(WorkerFailure(rank=int(rank), local_rank=int(failure.local_rank), pid=int(failure.pid),
-                                      exit_code=int(failure.exitcode), message=message.strip().splitlines()[-1]
-                                      if message.strip() else ""))
+        failures.append(
+            WorkerFailure(
+                rank=int(rank),
+                local_rank=int(failure.local_rank),
+                pid=int(failure.pid),
+                exit_code=int(failure.exitcode),
+                message=message.strip().splitlines()[-1] if message.strip() else "",
+            )
+        )
     return order_failures(failures)
 
 
@@ -144,8 +152,9 @@ def run_torchrun(spec: LaunchSpec) -> LaunchOutcome:
         hint = "the worker's output above shows why"
         if root.exit_code == -signal.SIGKILL:
             hint += "; a worker killed by SIGKILL that nobody killed is often the out-of-memory killer (see dmesg)"
-        return LaunchOutcome(exit_code_of(root), f"the job failed: {describe_failures(failures)}", hint=hint,
-                             failures=failures)
+        return LaunchOutcome(
+            exit_code_of(root), f"the job failed: {describe_failures(failures)}", hint=hint, failures=failures
+        )
     except SignalException as error:
         name = signal.Signals(error.sigval).name
         return LaunchOutcome(128 + int(error.sigval), f"interrupted by {name}; the workers were stopped")
@@ -155,16 +164,19 @@ def run_torchrun(spec: LaunchSpec) -> LaunchOutcome:
         endpoint = getattr(args, "rdzv_endpoint", "") or "this node"
         detail = str(error).strip() or (
             f"not all {args.nnodes} nodes joined within the join timeout (600 s unless "
-            "--rdzv-conf join_timeout=SECONDS)" if type(error).__name__ == "RendezvousTimeoutError" else "")
-        return LaunchOutcome(1, f"rendezvous at {endpoint} failed: {type(error).__name__}"
-                             + (f": {detail}" if detail else ""),
-                             hint="start elixir-run on every node with the same --rdzv-endpoint, --rdzv-id "
-                                  "and --nnodes, each with its own --node-rank; check that the endpoint's "
-                                  "host is reachable from every node")
+            "--rdzv-conf join_timeout=SECONDS)"
+            if type(error).__name__ == "RendezvousTimeoutError"
+            else ""
+        )
+        return LaunchOutcome(
+            1,
+            f"rendezvous at {endpoint} failed: {type(error).__name__}" + (f": {detail}" if detail else ""),
+            hint="start elixir-run on every node with the same --rdzv-endpoint, --rdzv-id "
+            "and --nnodes, each with its own --node-rank; check that the endpoint's "
+            "host is reachable from every node",
+        )
     finally:
         # torchrun leaves its raising handlers installed; later signals must behave normally.
         for sig, handler in saved_handlers.items():
             if handler is not None:
                 signal.signal(sig, handler)
-
-

@@ -8,7 +8,7 @@ engine at setup. Torch-free: callers pass plain names, shapes and dtype strings.
 from __future__ import annotations
 
 import hashlib
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 
 def fingerprint(params: Iterable[tuple[str, Sequence[int], str]]) -> str:

@@ -15,7 +15,14 @@ from typing import Any
 import yaml
 
 from elixir_tune.plan.schema import (
-    Checkpointing, ChunkPlan, ClusterInfo, MemoryPlan, ModelInfo, Plan, Prediction, SearchInfo,
+    Checkpointing,
+    ChunkPlan,
+    ClusterInfo,
+    MemoryPlan,
+    ModelInfo,
+    Plan,
+    Prediction,
+    SearchInfo,
     TrainingInfo,
 )
 from elixir_tune.plan.validate import validate_dict
@@ -101,8 +108,13 @@ def load_plan(path: str | os.PathLike | None = None) -> Plan:
     if path is None:
         path = os.environ.get(PLAN_ENV_VAR)
         if not path:
-            raise PlanError("<no plan>", [f"no plan given and ${PLAN_ENV_VAR} is not set; pass plan= or "
-                                          "start the script with `elixir-run plan.yaml script.py`"])
+            raise PlanError(
+                "<no plan>",
+                [
+                    f"no plan given and ${PLAN_ENV_VAR} is not set; pass plan= or "
+                    "start the script with `elixir-run plan.yaml script.py`"
+                ],
+            )
     raw = read_plan_dict(path)
     problems = validate_dict(raw)
     if problems:
@@ -115,8 +127,9 @@ class _PlanDumper(yaml.SafeDumper):
 
 
 def _represent_dict(dumper: yaml.SafeDumper, data: dict) -> yaml.Node:
-    flat = all(not isinstance(v, dict) and not (isinstance(v, list) and v and isinstance(v[0], dict))
-               for v in data.values())
+    flat = all(
+        not isinstance(v, dict) and not (isinstance(v, list) and v and isinstance(v[0], dict)) for v in data.values()
+    )
     return dumper.represent_mapping("tag:yaml.org,2002:map", data.items(), flow_style=flat and "id" in data)
 
 

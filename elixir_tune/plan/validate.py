@@ -69,19 +69,39 @@ _CHUNK_FIELDS = {
     "offload": (_BOOL, False),
 }
 _POSITIVE = {
-    "model.num_params", "cluster.nodes", "cluster.gpus_per_node", "training.global_batch_size",
-    "training.micro_batch_size", "training.grad_accum_steps", "training.seq_len", "memory.chunk_size",
+    "model.num_params",
+    "cluster.nodes",
+    "cluster.gpus_per_node",
+    "training.global_batch_size",
+    "training.micro_batch_size",
+    "training.grad_accum_steps",
+    "training.seq_len",
+    "memory.chunk_size",
 }
 _NON_NEGATIVE = {
-    "model.num_blocks", "memory.cache_blocks", "memory.prefetch", "prediction.step_time_s",
-    "prediction.tokens_per_s", "prediction.tflops_per_gpu", "prediction.mfu",
-    "prediction.peak_gpu_bytes", "prediction.peak_host_bytes", "search.candidates", "search.elapsed_s",
+    "model.num_blocks",
+    "memory.cache_blocks",
+    "memory.prefetch",
+    "prediction.step_time_s",
+    "prediction.tokens_per_s",
+    "prediction.tflops_per_gpu",
+    "prediction.mfu",
+    "prediction.peak_gpu_bytes",
+    "prediction.peak_host_bytes",
+    "search.candidates",
+    "search.elapsed_s",
 }
 
 
 def _type_name(types: tuple[type, ...]) -> str:
-    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
-             list: "a list", dict: "a mapping"}
+    names = {
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        bool: "true or false",
+        list: "a list",
+        dict: "a mapping",
+    }
     return " or ".join(names[t] for t in types if not (t is int and float in types))
 
 
@@ -168,8 +188,10 @@ def validate_dict(raw: Any) -> list[str]:
     if version is None:
         errors.append(f"schema_version: missing (this elixir-tune writes {SCHEMA_VERSION})")
     elif version != SCHEMA_VERSION:
-        errors.append(f"schema_version: unknown version {version!r} (this elixir-tune reads {SCHEMA_VERSION}); "
-                      "upgrade elixir-tune or search the plan again")
+        errors.append(
+            f"schema_version: unknown version {version!r} (this elixir-tune reads {SCHEMA_VERSION}); "
+            "upgrade elixir-tune or search the plan again"
+        )
     sections: dict[str, dict] = {}
     for name, table in _SECTIONS.items():
         value = raw.get(name)
@@ -206,15 +228,20 @@ def validate_dict(raw: Any) -> list[str]:
             errors.append(
                 f"training.global_batch_size: {training['global_batch_size']} is not micro_batch_size "
                 f"{training['micro_batch_size']} x grad_accum_steps {training['grad_accum_steps']} x "
-                f"data-parallel size {world_size} = {product}")
+                f"data-parallel size {world_size} = {product}"
+            )
     checkpointing = training.get("activation_checkpointing")
     if checkpointing is not None:
         every = checkpointing.get("every", 0)
         if not _is_instance(every, _INT) or every < 0:
-            errors.append(f"training.activation_checkpointing.every: expected 0 (none), 1 (all) or k > 1, got {every!r}")
+            errors.append(
+                f"training.activation_checkpointing.every: expected 0 (none), 1 (all) or k > 1, got {every!r}"
+            )
         elif every > 0 and model.get("num_blocks", 0) == 0:
-            errors.append("training.activation_checkpointing.every: the model has no repeated blocks "
-                          "(model.num_blocks is 0) to checkpoint")
+            errors.append(
+                "training.activation_checkpointing.every: the model has no repeated blocks "
+                "(model.num_blocks is 0) to checkpoint"
+            )
         for name in checkpointing:
             if name != "every":
                 errors.append(f"training.activation_checkpointing.{name}: unknown field (known: every)")
@@ -229,14 +256,17 @@ def validate_dict(raw: Any) -> list[str]:
     cacheable = sum(1 for chunk in chunks if not chunk.get("resident", False))
     if "cache_blocks" in memory and "chunks" in memory:
         if memory["cache_blocks"] > cacheable:
-            errors.append(f"memory.cache_blocks: {memory['cache_blocks']} is more than the {cacheable} "
-                          "non-resident chunks")
+            errors.append(
+                f"memory.cache_blocks: {memory['cache_blocks']} is more than the {cacheable} non-resident chunks"
+            )
         elif memory["cache_blocks"] == 0 and cacheable > 0:
             errors.append("memory.cache_blocks: 0, but non-resident chunks need at least one cache block")
     if "prefetch" in memory and "cache_blocks" in memory and memory["prefetch"] >= max(memory["cache_blocks"], 1):
         if memory["prefetch"] > 0:
-            errors.append(f"memory.prefetch: {memory['prefetch']} must be smaller than memory.cache_blocks "
-                          f"{memory['cache_blocks']} (prefetched chunks need room beside the one in use)")
+            errors.append(
+                f"memory.prefetch: {memory['prefetch']} must be smaller than memory.cache_blocks "
+                f"{memory['cache_blocks']} (prefetched chunks need room beside the one in use)"
+            )
     if model.get("num_params") and chunks and all("numel" in chunk for chunk in chunks):
         total = sum(chunk["numel"] for chunk in chunks)
         if total > model["num_params"]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Callable, ContextManager, Iterator
+from collections.abc import Callable, Iterator
+from typing import ContextManager
 
 from torch import nn
 from torch.utils import checkpoint as torch_checkpoint

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import weakref
 from collections import defaultdict
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch.utils import flop_counter
@@ -111,4 +111,3 @@ class LiveMemoryMeter(TorchDispatchMode):
         if tensor.dtype == torch.bool:
             return self._bool_of.get(tensor.untyped_storage()._cdata, False)
         return 1.0 if tensor.is_floating_point() else 1
-

@@ -62,9 +62,12 @@ class MetaOpCache:
                 self._outputs[key] = self._UNCACHEABLE
                 return
             storage = tensor.untyped_storage()
-            compact = 0 if tensor.numel() == 0 else (
-                1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
-            ) * tensor.element_size()
+            compact = (
+                0
+                if tensor.numel() == 0
+                else (1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride())))
+                * tensor.element_size()
+            )
             if storage._cdata in inputs or storage._cdata in seen or storage.nbytes() != compact:
                 self._outputs[key] = self._UNCACHEABLE
                 return

@@ -9,8 +9,8 @@ parameters, FLOPs and the per-block statistics.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -207,7 +207,9 @@ class _Tracer:
         # The engine moves each gradient into its chunk as soon as it is complete, so a finished
         # gradient is not activation memory: drop it as the engine would.
         handles = [p.register_post_accumulate_grad_hook(_drop_grad) for p in self.model.parameters() if p.requires_grad]
-        blocks = checkpointed(self.block_modules, FusedAttentionOnMeta) if checkpoint_blocks else contextlib.nullcontext()
+        blocks = (
+            checkpointed(self.block_modules, FusedAttentionOnMeta) if checkpoint_blocks else contextlib.nullcontext()
+        )
         try:
             # The attention mode is left before backward (a torch-function mode would swallow the
             # whole backward call); checkpointed blocks enter it again when they recompute.

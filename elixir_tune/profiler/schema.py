@@ -131,7 +131,7 @@ class ModelProfile:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, raw: dict) -> "ModelProfile":
+    def from_dict(cls, raw: dict) -> ModelProfile:
         raw = dict(raw)
         raw["params"] = [ParamInfo(**p) for p in raw["params"]]
         raw["blocks"] = [BlockInfo(**b) for b in raw.get("blocks", [])]

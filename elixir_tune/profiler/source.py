@@ -13,9 +13,10 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import yaml
@@ -60,9 +61,7 @@ class ModelSource:
         except ModelSourceError:
             raise
         except Exception as exc:
-            raise ModelSourceError(
-                f"{self.source}: {self._builder_name}() raised {type(exc).__name__}: {exc}"
-            ) from exc
+            raise ModelSourceError(f"{self.source}: {self._builder_name}() raised {type(exc).__name__}: {exc}") from exc
         if not isinstance(model, nn.Module):
             raise ModelSourceError(
                 f"{self.source}: {self._builder_name}() returned {type(model).__name__}, not a torch.nn.Module"

@@ -10,5 +10,13 @@ from elixir_tune.search.candidate import Candidate
 from elixir_tune.search.driver import STRATEGIES, InfeasibleError, SearchResult, explain_winner, search
 from elixir_tune.search.space import FIX_KEYS, parse_fixed
 
-__all__ = ["Candidate", "FIX_KEYS", "InfeasibleError", "STRATEGIES", "SearchResult", "explain_winner",
-           "parse_fixed", "search"]
+__all__ = [
+    "Candidate",
+    "FIX_KEYS",
+    "InfeasibleError",
+    "STRATEGIES",
+    "SearchResult",
+    "explain_winner",
+    "parse_fixed",
+    "search",
+]

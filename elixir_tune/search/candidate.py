@@ -87,7 +87,14 @@ def score(model: CostModel, shape: Shape, memory: MemoryEstimate, global_batch_s
     tflops = profile.flops_per_sample * global_batch_size / model.world_size / step_s / 1e12
     # MFU against the datasheet peak when the spec has it, else against the achieved matmul rate.
     peak_tflops = model.hardware.matmul_peak_tflops.get(model.dtype) or model.flops_per_s / 1e12
-    return Candidate(shape=shape, num_chunks=layout.num_chunks, num_cacheable=layout.num_cacheable,
-                     dtype=model.dtype, memory=memory, estimate=estimate,
-                     tokens_per_s=global_batch_size * profile.seq_len / step_s, tflops_per_gpu=tflops,
-                     mfu=tflops / peak_tflops)
+    return Candidate(
+        shape=shape,
+        num_chunks=layout.num_chunks,
+        num_cacheable=layout.num_cacheable,
+        dtype=model.dtype,
+        memory=memory,
+        estimate=estimate,
+        tokens_per_s=global_batch_size * profile.seq_len / step_s,
+        tflops_per_gpu=tflops,
+        mfu=tflops / peak_tflops,
+    )

@@ -31,8 +31,16 @@ class InfeasibleError(ValueError):
         suggestions: what the user can change.
     """
 
-    def __init__(self, message: str, *, required_gpu_bytes: int | None, usable_gpu_bytes: int,
-                 required_host_bytes: int | None, host_memory_bytes: int, suggestions: list[str]):
+    def __init__(
+        self,
+        message: str,
+        *,
+        required_gpu_bytes: int | None,
+        usable_gpu_bytes: int,
+        required_host_bytes: int | None,
+        host_memory_bytes: int,
+        suggestions: list[str],
+    ):
         self.required_gpu_bytes = required_gpu_bytes
         self.usable_gpu_bytes = usable_gpu_bytes
         self.required_host_bytes = required_host_bytes
@@ -70,16 +78,19 @@ def _gib(num_bytes: float) -> str:
     return f"{num_bytes / 2**30:.2f} GiB"
 
 
-def _infeasible(required_gpu: int | None, required_host: int | None, usable: int, host: int,
-                fixed: dict) -> InfeasibleError:
+def _infeasible(
+    required_gpu: int | None, required_host: int | None, usable: int, host: int, fixed: dict
+) -> InfeasibleError:
     suggestions: list[str] = []
     if required_gpu is None:
         message = "the pinned choices (--fix) leave no possible configuration"
         suggestions.append("pin fewer choices with --fix, or pick values the model allows")
     elif required_gpu > usable:
-        message = (f"nothing fits: the smallest configuration needs {_gib(required_gpu)} of device memory per GPU "
-                   f"(every shard on the host, the smallest cache, chunk and micro-batch, activation checkpointing "
-                   f"unless pinned off), but only {_gib(usable)} is usable")
+        message = (
+            f"nothing fits: the smallest configuration needs {_gib(required_gpu)} of device memory per GPU "
+            f"(every shard on the host, the smallest cache, chunk and micro-batch, activation checkpointing "
+            f"unless pinned off), but only {_gib(usable)} is usable"
+        )
         suggestions.append("more GPUs (--gpus / --nodes): shards shrink with the world size")
         suggestions.append("a smaller batch (--global-batch-size, or --fix micro_batch_size=1)")
         if fixed.get("checkpointing", 1) != 1:  # unpinned, the search already tried it
@@ -87,14 +98,21 @@ def _infeasible(required_gpu: int | None, required_host: int | None, usable: int
         if fixed:
             suggestions.append("fewer --fix pins (let the search choose chunk size and cache)")
     else:
-        message = (f"nothing fits: the configurations that fit the device need {_gib(required_host or 0)} "
-                   f"of host memory per node for offloaded shards, but only {_gib(host)} is available")
+        message = (
+            f"nothing fits: the configurations that fit the device need {_gib(required_host or 0)} "
+            f"of host memory per node for offloaded shards, but only {_gib(host)} is available"
+        )
         suggestions.append("more host memory (--host-memory BYTES if the machine has it)")
         suggestions.append("more GPUs (--gpus / --nodes): fewer shards offloaded per node")
         suggestions.append("a smaller batch or activation checkpointing, so that more shards stay on the GPU")
-    return InfeasibleError(message + "; try: " + "; ".join(suggestions), required_gpu_bytes=required_gpu,
-                           usable_gpu_bytes=usable, required_host_bytes=required_host, host_memory_bytes=host,
-                           suggestions=suggestions)
+    return InfeasibleError(
+        message + "; try: " + "; ".join(suggestions),
+        required_gpu_bytes=required_gpu,
+        usable_gpu_bytes=usable,
+        required_host_bytes=required_host,
+        host_memory_bytes=host,
+        suggestions=suggestions,
+    )
 
 
 def explain_winner(candidates: list[Candidate], pinned: dict | None = None, device: str = "cuda") -> str:
@@ -116,22 +134,35 @@ def explain_winner(candidates: list[Candidate], pinned: dict | None = None, devi
     if s.num_offloaded == 0 and s.cache_blocks >= best.num_cacheable:
         what = f"everything fits on {where} with every chunk cached (ZeRO-2-like), so nothing is offloaded"
     elif s.num_offloaded == 0:
-        what = (f"every shard stays on {where}, with {s.cache_blocks} of {best.num_cacheable} chunks cached "
-                "at once (ZeRO-3-like)")
+        what = (
+            f"every shard stays on {where}, with {s.cache_blocks} of {best.num_cacheable} chunks cached "
+            "at once (ZeRO-3-like)"
+        )
     elif "offload" in pinned:
         what = f"offloads {best.offload_share:.0%} of the shards as pinned, with {s.cache_blocks} cache blocks"
     else:
-        what = (f"offloads {best.offload_share:.0%} of the shards, which frees room for {s.cache_blocks} cache "
-                f"blocks and micro-batch {s.micro_batch_size}")
+        what = (
+            f"offloads {best.offload_share:.0%} of the shards, which frees room for {s.cache_blocks} cache "
+            f"blocks and micro-batch {s.micro_batch_size}"
+        )
     compute_share = b.get("compute_s", 0.0) / best.step_time_s
-    line = f"{what}; compute is {compute_share:.0%} of the step, {b.get('exposed_fetch_s', 0.0):.3g} s of fetches exposed"
+    line = (
+        f"{what}; compute is {compute_share:.0%} of the step, {b.get('exposed_fetch_s', 0.0):.3g} s of fetches exposed"
+    )
     if len(candidates) > 1:
         other = candidates[1]
-        diffs = [name for name, a, c in (
-            ("chunk size", s.chunk_size, other.shape.chunk_size), ("cache", s.cache_blocks, other.shape.cache_blocks),
-            ("offload", s.num_offloaded, other.shape.num_offloaded), ("checkpointing", s.every, other.shape.every),
-            ("micro-batch", s.micro_batch_size, other.shape.micro_batch_size),
-            ("prefetch", s.prefetch, other.shape.prefetch)) if a != c]
+        diffs = [
+            name
+            for name, a, c in (
+                ("chunk size", s.chunk_size, other.shape.chunk_size),
+                ("cache", s.cache_blocks, other.shape.cache_blocks),
+                ("offload", s.num_offloaded, other.shape.num_offloaded),
+                ("checkpointing", s.every, other.shape.every),
+                ("micro-batch", s.micro_batch_size, other.shape.micro_batch_size),
+                ("prefetch", s.prefetch, other.shape.prefetch),
+            )
+            if a != c
+        ]
         slower = other.step_time_s / best.step_time_s - 1
         differs = ", ".join(diffs) or "nothing visible"
         if slower < 5e-4:
@@ -141,10 +172,18 @@ def explain_winner(candidates: list[Candidate], pinned: dict | None = None, devi
     return line
 
 
-def search(profile: ModelProfile, hardware: HardwareSpec, gpus_per_node: int, nodes: int = 1,
-           global_batch_size: int | None = None, host_memory_bytes: int | None = None,
-           fixed: dict[str, Any] | list[str] | None = None, top_k: int = 5, strategy: str = "joint",
-           hardware_id: str | None = None) -> SearchResult:
+def search(
+    profile: ModelProfile,
+    hardware: HardwareSpec,
+    gpus_per_node: int,
+    nodes: int = 1,
+    global_batch_size: int | None = None,
+    host_memory_bytes: int | None = None,
+    fixed: dict[str, Any] | list[str] | None = None,
+    top_k: int = 5,
+    strategy: str = "joint",
+    hardware_id: str | None = None,
+) -> SearchResult:
     """Finds the fastest plan that fits.
 
     Args:
@@ -178,8 +217,9 @@ def search(profile: ModelProfile, hardware: HardwareSpec, gpus_per_node: int, no
         raise ValueError(f"global batch size {global_batch} is not a multiple of the {world} GPUs")
     model = CostModel(profile, hardware, gpus_per_node, nodes, dtype=pinned.get("dtype"))
     host_bytes = host_memory_bytes if host_memory_bytes is not None else hardware.host_memory_bytes
-    budget = Budget(usable_gpu_bytes=hardware.usable_memory_bytes, host_bytes=host_bytes,
-                    global_batch_size=global_batch)
+    budget = Budget(
+        usable_gpu_bytes=hardware.usable_memory_bytes, host_bytes=host_bytes, global_batch_size=global_batch
+    )
     if strategy == "joint":
         found = explore(model, budget, pinned, top_k)
         if not found.best:
@@ -189,12 +229,22 @@ def search(profile: ModelProfile, hardware: HardwareSpec, gpus_per_node: int, no
         shape = elixir_shape(model, global_batch // world, pinned)
         memory = model.memory(shape)
         if memory.peak_gpu_bytes > budget.usable_gpu_bytes or memory.peak_host_bytes > host_bytes:
-            raise _infeasible(memory.peak_gpu_bytes, memory.peak_host_bytes, budget.usable_gpu_bytes, host_bytes,
-                              pinned)
+            raise _infeasible(
+                memory.peak_gpu_bytes, memory.peak_host_bytes, budget.usable_gpu_bytes, host_bytes, pinned
+            )
         candidates, num_scored = [score(model, shape, memory, global_batch)], 1
     why = explain_winner(candidates, pinned, device=hardware.device)
     elapsed = time.perf_counter() - started
-    plan = build_plan(model, candidates[0], hardware_id=hardware_id or hardware.name, global_batch_size=global_batch,
-                      strategy=strategy, elapsed_s=elapsed, num_scored=num_scored, alternatives=candidates[1:])
-    return SearchResult(plan=plan, candidates=candidates, elapsed_s=elapsed, num_scored=num_scored, why=why,
-                        model=model)
+    plan = build_plan(
+        model,
+        candidates[0],
+        hardware_id=hardware_id or hardware.name,
+        global_batch_size=global_batch,
+        strategy=strategy,
+        elapsed_s=elapsed,
+        num_scored=num_scored,
+        alternatives=candidates[1:],
+    )
+    return SearchResult(
+        plan=plan, candidates=candidates, elapsed_s=elapsed, num_scored=num_scored, why=why, model=model
+    )

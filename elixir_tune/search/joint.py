@@ -24,7 +24,13 @@ from elixir_tune.costmodel.memory import SHARD_BYTES
 from elixir_tune.costmodel.model import CostModel, Shape
 from elixir_tune.search.candidate import Candidate, score
 from elixir_tune.search.space import (
-    ALL, CHECKPOINTING_CHOICES, OFFLOAD_GRID, PREFETCH_CHOICES, cache_grid, chunk_size_grid, divisors,
+    ALL,
+    CHECKPOINTING_CHOICES,
+    OFFLOAD_GRID,
+    PREFETCH_CHOICES,
+    cache_grid,
+    chunk_size_grid,
+    divisors,
 )
 
 
@@ -136,8 +142,10 @@ def micro_batch_choices(per_rank_batch: int, fixed: dict) -> list[int]:
     if "micro_batch_size" in fixed:
         size = fixed["micro_batch_size"]
         if per_rank_batch % size:
-            raise ValueError(f"--fix micro_batch_size={size}: does not divide the {per_rank_batch} samples per rank "
-                             "(global batch / world size)")
+            raise ValueError(
+                f"--fix micro_batch_size={size}: does not divide the {per_rank_batch} samples per rank "
+                "(global batch / world size)"
+            )
         return [size]
     return divisors(per_rank_batch)[::-1]
 
@@ -213,15 +221,18 @@ def explore(model: CostModel, budget: Budget, fixed: dict, top_k: int) -> Explor
                         smallest = max(0, -(-over // shard_state_bytes))
                         if smallest > num_chunks:
                             continue
-                        host_need = model.memory(Shape(chunk_size, cache_blocks, smallest, prefetch, every,
-                                                       micro_batch, accum)).peak_host_bytes
+                        host_need = model.memory(
+                            Shape(chunk_size, cache_blocks, smallest, prefetch, every, micro_batch, accum)
+                        ).peak_host_bytes
                         min_host = host_need if min_host is None else min(min_host, host_need)
                         if compute_s >= top.threshold_s:
                             continue
                         previous, worse = math.inf, 0
                         for offloaded in offload_choices(num_chunks, smallest, fixed):
-                            optimizer_s = max((num_chunks - offloaded) * shard_numel / hardware.gpu_adam_elems_per_s,
-                                              offloaded * shard_numel / hardware.cpu_adam_elems_per_s)
+                            optimizer_s = max(
+                                (num_chunks - offloaded) * shard_numel / hardware.gpu_adam_elems_per_s,
+                                offloaded * shard_numel / hardware.cpu_adam_elems_per_s,
+                            )
                             if compute_s + costs.grad_norm_s + optimizer_s >= top.threshold_s:
                                 continue  # the optimizer bound is V-shaped in the offload share
                             shape = Shape(chunk_size, cache_blocks, offloaded, prefetch, every, micro_batch, accum)

@@ -4,15 +4,32 @@ from __future__ import annotations
 
 from elixir_tune.costmodel.model import CostModel
 from elixir_tune.plan.schema import (
-    Checkpointing, ChunkPlan, ClusterInfo, MemoryPlan, ModelInfo, Plan, Prediction, SearchInfo, TrainingInfo,
+    Checkpointing,
+    ChunkPlan,
+    ClusterInfo,
+    MemoryPlan,
+    ModelInfo,
+    Plan,
+    Prediction,
+    SearchInfo,
+    TrainingInfo,
 )
 from elixir_tune.search.candidate import Candidate
 
 BACKEND_OF_DEVICE = {"cuda": "nccl", "cpu": "gloo"}
 
 
-def build_plan(model: CostModel, candidate: Candidate, *, hardware_id: str, global_batch_size: int,
-               strategy: str, elapsed_s: float, num_scored: int, alternatives: list[Candidate]) -> Plan:
+def build_plan(
+    model: CostModel,
+    candidate: Candidate,
+    *,
+    hardware_id: str,
+    global_batch_size: int,
+    strategy: str,
+    elapsed_s: float,
+    num_scored: int,
+    alternatives: list[Candidate],
+) -> Plan:
     """The plan of one candidate, with its prediction and how it was found.
 
     Args:
@@ -32,28 +49,59 @@ def build_plan(model: CostModel, candidate: Candidate, *, hardware_id: str, glob
     shape = candidate.shape
     layout = model.layout(shape.chunk_size)
     offloaded = model.offload_mask(shape)
-    chunks = [ChunkPlan(id=index, params=[profile.params[i].name for i in chunk.params], numel=chunk.numel,
-                        resident=chunk.resident, offload=offloaded[index])
-              for index, chunk in enumerate(layout.chunks)]
+    chunks = [
+        ChunkPlan(
+            id=index,
+            params=[profile.params[i].name for i in chunk.params],
+            numel=chunk.numel,
+            resident=chunk.resident,
+            offload=offloaded[index],
+        )
+        for index, chunk in enumerate(layout.chunks)
+    ]
     prediction = Prediction(
-        step_time_s=round(candidate.step_time_s, 6), tokens_per_s=round(candidate.tokens_per_s, 3),
-        tflops_per_gpu=round(candidate.tflops_per_gpu, 4), mfu=round(candidate.mfu, 4),
-        peak_gpu_bytes=int(candidate.memory.peak_gpu_bytes), peak_host_bytes=int(candidate.memory.peak_host_bytes),
+        step_time_s=round(candidate.step_time_s, 6),
+        tokens_per_s=round(candidate.tokens_per_s, 3),
+        tflops_per_gpu=round(candidate.tflops_per_gpu, 4),
+        mfu=round(candidate.mfu, 4),
+        peak_gpu_bytes=int(candidate.memory.peak_gpu_bytes),
+        peak_host_bytes=int(candidate.memory.peak_host_bytes),
         model_state_bytes=dict(candidate.memory.model_state_bytes),
-        breakdown={key: round(value, 6) for key, value in candidate.estimate.breakdown.items()})
+        breakdown={key: round(value, 6) for key, value in candidate.estimate.breakdown.items()},
+    )
     device = model.hardware.device
     return Plan(
-        model=ModelInfo(source=profile.source, fingerprint=profile.fingerprint, num_params=profile.num_params,
-                        name=profile.name, block_list=profile.block_list if profile.blocks else "",
-                        num_blocks=len(profile.blocks)),
-        cluster=ClusterInfo(hardware=hardware_id, nodes=model.nodes, gpus_per_node=model.gpus_per_node,
-                            device=device, backend=BACKEND_OF_DEVICE.get(device, "gloo")),
-        training=TrainingInfo(dtype=model.dtype, global_batch_size=global_batch_size,
-                              micro_batch_size=shape.micro_batch_size, grad_accum_steps=shape.grad_accum_steps,
-                              seq_len=profile.seq_len, activation_checkpointing=Checkpointing(every=shape.every)),
-        memory=MemoryPlan(chunk_size=shape.chunk_size, cache_blocks=shape.cache_blocks, prefetch=shape.prefetch,
-                          chunks=chunks),
+        model=ModelInfo(
+            source=profile.source,
+            fingerprint=profile.fingerprint,
+            num_params=profile.num_params,
+            name=profile.name,
+            block_list=profile.block_list if profile.blocks else "",
+            num_blocks=len(profile.blocks),
+        ),
+        cluster=ClusterInfo(
+            hardware=hardware_id,
+            nodes=model.nodes,
+            gpus_per_node=model.gpus_per_node,
+            device=device,
+            backend=BACKEND_OF_DEVICE.get(device, "gloo"),
+        ),
+        training=TrainingInfo(
+            dtype=model.dtype,
+            global_batch_size=global_batch_size,
+            micro_batch_size=shape.micro_batch_size,
+            grad_accum_steps=shape.grad_accum_steps,
+            seq_len=profile.seq_len,
+            activation_checkpointing=Checkpointing(every=shape.every),
+        ),
+        memory=MemoryPlan(
+            chunk_size=shape.chunk_size, cache_blocks=shape.cache_blocks, prefetch=shape.prefetch, chunks=chunks
+        ),
         prediction=prediction,
-        search=SearchInfo(strategy=strategy, candidates=num_scored, elapsed_s=round(elapsed_s, 3),
-                          alternatives=[alt.row() for alt in alternatives]),
+        search=SearchInfo(
+            strategy=strategy,
+            candidates=num_scored,
+            elapsed_s=round(elapsed_s, 3),
+            alternatives=[alt.row() for alt in alternatives],
+        ),
     )

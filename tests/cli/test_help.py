@@ -39,8 +39,9 @@ def _script(name: str) -> str:
     return str(found) if found.exists() else (shutil.which(name) or pytest.fail(f"{name} is not installed"))
 
 
-@pytest.mark.parametrize("argv", [["elixir-tune", "--help"], ["elixir-run", "--help"]]
-                         + [["elixir-tune", c, "--help"] for c in COMMANDS])
+@pytest.mark.parametrize(
+    "argv", [["elixir-tune", "--help"], ["elixir-run", "--help"]] + [["elixir-tune", c, "--help"] for c in COMMANDS]
+)
 def test_help_through_console_scripts(argv: list[str]):
     out = subprocess.run([_script(argv[0]), *argv[1:]], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -31,7 +31,9 @@ def test_writes_profile_and_prints_table(tmp_path):
 
 def test_json_and_checkpointing_all(tmp_path):
     out = tmp_path / "p.yaml"
-    result = run("gpt2-tiny", "-b", "2", "-s", "32", "--dtype", "bf16", "--checkpointing", "all", "--out", str(out), "--json")
+    result = run(
+        "gpt2-tiny", "-b", "2", "-s", "32", "--dtype", "bf16", "--checkpointing", "all", "--out", str(out), "--json"
+    )
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     assert summary["num_params"] == 124_672 and summary["shared_params"] == ["transformer.wte.weight"]
@@ -63,7 +65,18 @@ def test_console_script_runs(tmp_path):
     script = Path(sys.executable).parent / "elixir-tune"
     command = [str(script)] if script.exists() else [sys.executable, "-m", "elixir_tune.cli.main"]
     proc = subprocess.run(
-        [*command, "profile", str(MODELS / "tiny_mlp.py:build_deep"), "-b", "2", "-s", "8", "--out", str(tmp_path / "p.yaml"), "--json"],
+        [
+            *command,
+            "profile",
+            str(MODELS / "tiny_mlp.py:build_deep"),
+            "-b",
+            "2",
+            "-s",
+            "8",
+            "--out",
+            str(tmp_path / "p.yaml"),
+            "--json",
+        ],
         capture_output=True,
         text=True,
         timeout=120,

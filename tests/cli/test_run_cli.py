@@ -69,28 +69,57 @@ def test_help_through_the_console_script():
 
 
 def test_dry_run_prints_checks_and_the_exact_command(out_dir):
-    code, output = _invoke(["--max-restarts", "1", "--dry-run", "--monitor-interval=0.5", EXAMPLE_PLAN, WORKER,
-                            "--out", out_dir])
+    code, output = _invoke(
+        ["--max-restarts", "1", "--dry-run", "--monitor-interval=0.5", EXAMPLE_PLAN, WORKER, "--out", out_dir]
+    )
     assert code == 0, output
     assert "ok world size" in output and "ok torch" in output
     command = next(line for line in output.splitlines() if "torchrun" in line and PLAN_ENV_VAR in line)
     words = shlex.split(command)
     assert words[0] == f"{PLAN_ENV_VAR}={EXAMPLE_PLAN}"
     at = words.index("torchrun")
-    assert words[at + 1:] == ["--nproc-per-node=2", "--standalone", "--max-restarts=1", "--monitor-interval=0.5",
-                              str(WORKER), "--out", str(out_dir)]
+    assert words[at + 1 :] == [
+        "--nproc-per-node=2",
+        "--standalone",
+        "--max-restarts=1",
+        "--monitor-interval=0.5",
+        str(WORKER),
+        "--out",
+        str(out_dir),
+    ]
     assert not list(out_dir.iterdir()), "--dry-run started workers"
 
 
 def test_dry_run_json_for_two_nodes(tmp_path, out_dir):
     plan = _plan(tmp_path, {"cluster.nodes": 2, "training.global_batch_size": 32})
-    code, output = _invoke(["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "127.0.0.1:29555",
-                            "--rdzv-id", "job9", "--dry-run", "--json", plan, WORKER, "--out", out_dir])
+    code, output = _invoke(
+        [
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--rdzv-endpoint",
+            "127.0.0.1:29555",
+            "--rdzv-id",
+            "job9",
+            "--dry-run",
+            "--json",
+            plan,
+            WORKER,
+            "--out",
+            out_dir,
+        ]
+    )
     assert code == 0, output
     report = json.loads(output)
     assert report["ok"] is True
-    assert report["torchrun_argv"][:5] == ["--nproc-per-node=2", "--nnodes=2", "--rdzv-backend=c10d",
-                                           "--rdzv-endpoint=127.0.0.1:29555", "--rdzv-id=job9"]
+    assert report["torchrun_argv"][:5] == [
+        "--nproc-per-node=2",
+        "--nnodes=2",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=127.0.0.1:29555",
+        "--rdzv-id=job9",
+    ]
     assert report["env"][PLAN_ENV_VAR] == str(plan)
     assert {check["name"] for check in report["checks"]} >= {"world size", "rendezvous", "node rank"}
 
@@ -124,9 +153,16 @@ def test_cuda_plan_without_enough_gpus(tmp_path, out_dir):
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    plan = _plan(tmp_path, {"cluster.device": "cuda", "cluster.backend": "nccl", "cluster.gpus_per_node": gpus + 1,
-                            "training.global_batch_size": 4 * 2 * (gpus + 1),
-                            "memory.chunk_size": 65536 * (gpus + 1)})
+    plan = _plan(
+        tmp_path,
+        {
+            "cluster.device": "cuda",
+            "cluster.backend": "nccl",
+            "cluster.gpus_per_node": gpus + 1,
+            "training.global_batch_size": 4 * 2 * (gpus + 1),
+            "memory.chunk_size": 65536 * (gpus + 1),
+        },
+    )
     code, output = _invoke([plan, WORKER, "--out", out_dir])
     assert code == 1, output
     assert "cannot run here" in output and "gpus:" in output
@@ -134,18 +170,22 @@ def test_cuda_plan_without_enough_gpus(tmp_path, out_dir):
 
 
 def test_world_size_mismatch(out_dir):
-    code, output = _invoke(["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29555", EXAMPLE_PLAN, WORKER,
-                            "--out", out_dir])
+    code, output = _invoke(
+        ["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29555", EXAMPLE_PLAN, WORKER, "--out", out_dir]
+    )
     assert code == 1
     assert "world size" in output and "pass --nnodes 1" in output
     assert not list(out_dir.iterdir())
 
 
-@pytest.mark.parametrize("args, words", [
-    ([], "missing PLAN"),
-    ([EXAMPLE_PLAN], "missing SCRIPT"),
-    (["--nproc-per-node=8", EXAMPLE_PLAN, WORKER], "--nproc-per-node is set by elixir-run"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        ([], "missing PLAN"),
+        ([EXAMPLE_PLAN], "missing SCRIPT"),
+        (["--nproc-per-node=8", EXAMPLE_PLAN, WORKER], "--nproc-per-node is set by elixir-run"),
+    ],
+)
 def test_usage_errors(args, words):
     code, output = _invoke(args)
     assert code == 2 and words in output
@@ -153,8 +193,12 @@ def test_usage_errors(args, words):
 
 def test_preflight_error_through_the_console_script(tmp_path, out_dir):
     plan = _plan(tmp_path, {"cluster.gpus_per_node": 3})  # 4 x 2 x 3 != 16
-    out = subprocess.run([_script("elixir-run"), str(plan), str(WORKER), "--out", str(out_dir)], capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [_script("elixir-run"), str(plan), str(WORKER), "--out", str(out_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 1
     assert "error:" in out.stderr and "training.global_batch_size" in out.stderr
     assert "Traceback" not in out.stderr

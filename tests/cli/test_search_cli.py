@@ -39,8 +39,23 @@ def test_search_writes_a_valid_plan_and_shows_the_best_candidates(workdir):
 
 
 def test_search_json_and_pins(workdir):
-    result = invoke("--gpus", "2", "--hardware", "a100-40gb-pcie", "--fix", "offload=0.5", "--fix", "cache_blocks=all",
-                    "--fix", "checkpointing=all", "--global-batch-size", "32", "--out", "p.yaml", "--json")
+    result = invoke(
+        "--gpus",
+        "2",
+        "--hardware",
+        "a100-40gb-pcie",
+        "--fix",
+        "offload=0.5",
+        "--fix",
+        "cache_blocks=all",
+        "--fix",
+        "checkpointing=all",
+        "--global-batch-size",
+        "32",
+        "--out",
+        "p.yaml",
+        "--json",
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert data["plan"] == "p.yaml" and data["candidates_scored"] >= 1

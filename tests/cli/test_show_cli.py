@@ -21,8 +21,15 @@ def test_show_a_searched_plan(tmp_path):
     save_plan(plan, tmp_path / "plan.yaml")
     result = CliRunner().invoke(cli, ["show", str(tmp_path / "plan.yaml")])
     assert result.exit_code == 0, result.output
-    for text in ("memory per device", "peak per GPU", "predicted step", "compute waiting for fetches",
-                 "chunk placement", "shard on host", "resident"):
+    for text in (
+        "memory per device",
+        "peak per GPU",
+        "predicted step",
+        "compute waiting for fetches",
+        "chunk placement",
+        "shard on host",
+        "resident",
+    ):
         assert text in result.output
 
 

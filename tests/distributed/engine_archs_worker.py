@@ -35,25 +35,53 @@ BLOCK_LIST = {"llama": "model.layers", "opt": "model.decoder.layers"}
 def arch_config(case: dict) -> dict:
     """Tiny transformers config fields (no dropout: the engine and the reference must agree)."""
     if case["arch"] == "llama":
-        return dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
-                    tie_word_embeddings=case["tied"], use_cache=False)
+        return dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=VOCAB,
+            max_position_embeddings=64,
+            tie_word_embeddings=case["tied"],
+            use_cache=False,
+        )
     # ``proj`` is the OPT-350m shape: embeddings narrower than the hidden size (project_in/out
     # Linear layers around the decoder) and post-layer-norm blocks.
     proj = case.get("proj", False)
-    return dict(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB,
-                max_position_embeddings=64, word_embed_proj_dim=16 if proj else 32, do_layer_norm_before=not proj,
-                dropout=0.0, attention_dropout=0.0, layerdrop=0.0, tie_word_embeddings=case["tied"],
-                use_cache=False)
+    return dict(
+        hidden_size=32,
+        ffn_dim=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        word_embed_proj_dim=16 if proj else 32,
+        do_layer_norm_before=not proj,
+        dropout=0.0,
+        attention_dropout=0.0,
+        layerdrop=0.0,
+        tie_word_embeddings=case["tied"],
+        use_cache=False,
+    )
 
 
 def model_yaml(case: dict, directory: str) -> str:
     """A model YAML as users write them (configs/models/), for the profiler's loader."""
-    path = os.path.join(directory, f"tiny-{case['arch']}-{'tied' if case['tied'] else 'untied'}"
-                                   f"{'-proj' if case.get('proj') else ''}.yaml")
+    path = os.path.join(
+        directory,
+        f"tiny-{case['arch']}-{'tied' if case['tied'] else 'untied'}{'-proj' if case.get('proj') else ''}.yaml",
+    )
     with open(path, "w") as f:
-        yaml.safe_dump({"name": os.path.basename(path)[:-5], "architecture": case["arch"], "seq_len": SEQ,
-                        "config": arch_config(case)}, f)
+        yaml.safe_dump(
+            {
+                "name": os.path.basename(path)[:-5],
+                "architecture": case["arch"],
+                "seq_len": SEQ,
+                "config": arch_config(case),
+            },
+            f,
+        )
     return path
 
 
@@ -84,19 +112,29 @@ def search_plan(case: dict, world: int):
     with tempfile.TemporaryDirectory() as tmp:
         source = load_model_source(model_yaml(case, tmp))
         profile = profile_model(source, batch_size=2, seq_len=SEQ, dtype="fp32", checkpointing="all")
-    result = search(profile, load_hardware("cpu"), gpus_per_node=world, global_batch_size=case["global_batch"],
-                    fixed=case["fixed"])
+    result = search(
+        profile, load_hardware("cpu"), gpus_per_node=world, global_batch_size=case["global_batch"], fixed=case["fixed"]
+    )
     return result.plan
 
 
 def make_case_plan(case: dict, model: torch.nn.Module, world: int):
     if case["plan"] == "search":
         return search_plan(case, world)
-    return make_plan(model, world, case["chunk_size"], cache=case.get("cache", "all"),
-                     offload=case.get("offload", 0.0), prefetch=case.get("prefetch", 0),
-                     checkpoint_every=case.get("checkpoint", 0), dtype=case.get("dtype", "fp32"),
-                     block_list=BLOCK_LIST[case["arch"]],
-                     micro_batch_size=case.get("micro", 2), grad_accum_steps=case.get("accum", 1), seq_len=SEQ)
+    return make_plan(
+        model,
+        world,
+        case["chunk_size"],
+        cache=case.get("cache", "all"),
+        offload=case.get("offload", 0.0),
+        prefetch=case.get("prefetch", 0),
+        checkpoint_every=case.get("checkpoint", 0),
+        dtype=case.get("dtype", "fp32"),
+        block_list=BLOCK_LIST[case["arch"]],
+        micro_batch_size=case.get("micro", 2),
+        grad_accum_steps=case.get("accum", 1),
+        seq_len=SEQ,
+    )
 
 
 def run_engine(case: dict, rank: int, world: int) -> dict:
@@ -117,13 +155,23 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
         losses.append(total)
     full = model.state_dict()  # a collective: every rank calls it
     memory = plan.memory
-    return {"losses": losses, "norms": [], "state": {k: v.tolist() for k, v in full.items()} if rank == 0 else None,
-            "global_batch": global_batch,
-            "plan": {"chunk_size": memory.chunk_size, "chunks": len(memory.chunks), "cache_blocks": memory.cache_blocks,
-                     "prefetch": memory.prefetch, "offloaded": sum(c.offload for c in memory.chunks),
-                     "resident": sum(c.resident for c in memory.chunks),
-                     "checkpoint_every": plan.training.activation_checkpointing.every,
-                     "micro": plan.training.micro_batch_size, "accum": accum}}
+    return {
+        "losses": losses,
+        "norms": [],
+        "state": {k: v.tolist() for k, v in full.items()} if rank == 0 else None,
+        "global_batch": global_batch,
+        "plan": {
+            "chunk_size": memory.chunk_size,
+            "chunks": len(memory.chunks),
+            "cache_blocks": memory.cache_blocks,
+            "prefetch": memory.prefetch,
+            "offloaded": sum(c.offload for c in memory.chunks),
+            "resident": sum(c.resident for c in memory.chunks),
+            "checkpoint_every": plan.training.activation_checkpointing.every,
+            "micro": plan.training.micro_batch_size,
+            "accum": accum,
+        },
+    }
 
 
 def run_reference(case: dict, global_batch: int) -> dict:
@@ -140,8 +188,12 @@ def run_reference(case: dict, global_batch: int) -> dict:
         losses.append(float(loss.detach()))
     # How far training moved the weights: the weight tolerance is only meaningful well below it.
     moved = max(float((v - initial[k]).abs().max()) for k, v in model.state_dict().items() if v.is_floating_point())
-    return {"losses": losses, "norms": [], "moved": moved,
-            "state": {k: v.tolist() for k, v in model.state_dict().items()}}
+    return {
+        "losses": losses,
+        "norms": [],
+        "moved": moved,
+        "state": {k: v.tolist() for k, v in model.state_dict().items()},
+    }
 
 
 def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> dict:
@@ -157,8 +209,12 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
     if world > 1:
         dist.all_reduce(losses)
     world_losses = (losses / world).tolist()
-    result = {"case": case, "world_losses": world_losses, "plan": engine["plan"],
-              "engine_s": time.perf_counter() - start}
+    result = {
+        "case": case,
+        "world_losses": world_losses,
+        "plan": engine["plan"],
+        "engine_s": time.perf_counter() - start,
+    }
     if rank == 0:
         with quiet_transformers():
             reference = run_reference(case, engine["global_batch"])

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_worker import block_list, build, global_batches, local_micro  # noqa: E402
 from engine_plans import make_plan  # noqa: E402
+from engine_worker import block_list, build, global_batches, local_micro  # noqa: E402
 
 import elixir_tune  # noqa: E402
 
@@ -26,11 +26,20 @@ import elixir_tune  # noqa: E402
 def setup(case: dict, world: int, chunk_size: int | None = None, model_name: str | None = None):
     case = dict(case, model=model_name or case["model"])
     model, opt, _ = build(case)
-    plan = make_plan(model, world, chunk_size or case["chunk_size"], cache=case.get("cache", "all"),
-                     offload=case.get("offload", 0.0), prefetch=case.get("prefetch", 0),
-                     checkpoint_every=case.get("checkpoint", 0), dtype=case.get("dtype", "fp32"),
-                     block_list=block_list(case), micro_batch_size=case.get("micro", 2),
-                     grad_accum_steps=case.get("accum", 1), seq_len=8)
+    plan = make_plan(
+        model,
+        world,
+        chunk_size or case["chunk_size"],
+        cache=case.get("cache", "all"),
+        offload=case.get("offload", 0.0),
+        prefetch=case.get("prefetch", 0),
+        checkpoint_every=case.get("checkpoint", 0),
+        dtype=case.get("dtype", "fp32"),
+        block_list=block_list(case),
+        micro_batch_size=case.get("micro", 2),
+        grad_accum_steps=case.get("accum", 1),
+        seq_len=8,
+    )
     return elixir_tune.setup(model, opt, plan=plan)
 
 
@@ -79,9 +88,14 @@ def run_case(case: dict, rank: int, world: int, directory: Path, extras: bool) -
     meta = elixir_tune.load_checkpoint(directory, model, opt)
     second, second_skipped = train(model, opt, case, rank, world, meta["step"], steps)
     result = {
-        "straight": straight, "resumed": first + second, "exact": meta["exact"], "step": meta["step"],
-        "extra": meta["extra"], "skipped": [straight_skipped, first_skipped + second_skipped],
-        "scales": [straight_scale, opt.loss_scale], "same_weights": same_state(straight_state, model.state_dict()),
+        "straight": straight,
+        "resumed": first + second,
+        "exact": meta["exact"],
+        "step": meta["step"],
+        "extra": meta["extra"],
+        "skipped": [straight_skipped, first_skipped + second_skipped],
+        "scales": [straight_scale, opt.loss_scale],
+        "same_weights": same_state(straight_state, model.state_dict()),
         "files": sorted(p.name for p in directory.iterdir()),
         "leftovers": sorted(p.name for p in directory.parent.iterdir() if p.name.startswith(f".{directory.name}")),
     }
@@ -128,5 +142,8 @@ def run_case(case: dict, rank: int, world: int, directory: Path, extras: bool) -
 if __name__ == "__main__":
     from engine_launch import worker_main
 
-    worker_main(lambda case, index, rank, world, out_path: run_case(
-        case, rank, world, Path(f"{out_path}.ckpt{index}"), extras=index == 0))
+    worker_main(
+        lambda case, index, rank, world, out_path: run_case(
+            case, rank, world, Path(f"{out_path}.ckpt{index}"), extras=index == 0
+        )
+    )

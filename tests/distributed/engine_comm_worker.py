@@ -27,7 +27,7 @@ def main() -> None:
         handle.wait()
         handle.wait()  # idempotent
         total = sum(r + 1 for r in range(world))
-        checks[f"scatter_{native}"] = torch.equal(out, torch.arange(2.0 * world)[2 * rank:2 * rank + 2] * total)
+        checks[f"scatter_{native}"] = torch.equal(out, torch.arange(2.0 * world)[2 * rank : 2 * rank + 2] * total)
     value = torch.tensor([float(rank)])
     comm.all_reduce_sum(value)
     checks["sum"] = float(value) == sum(range(world))

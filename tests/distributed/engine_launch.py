@@ -9,8 +9,8 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -35,12 +35,28 @@ def launch(script: str, cases: list[dict], world_size: int, timeout_s: float = 2
         out = str(Path(tmp, "out"))
         procs = []
         for rank in range(world_size):
-            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
+            env = dict(
+                os.environ,
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(world_size),
+                LOCAL_WORLD_SIZE=str(world_size),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                OMP_NUM_THREADS="1",
+                PYTHONPATH=str(REPO),
+                PYTHONWARNINGS="ignore",
+            )
             env.pop("ELIXIR_TUNE_PLAN", None)
-            procs.append(subprocess.Popen([sys.executable, str(HERE / script), str(cases_path), out], env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(HERE / script), str(cases_path), out],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            )
         logs = []
         try:
             for proc in procs:
@@ -76,8 +92,14 @@ def worker_main(run_case: Callable[[dict, int, int, int, str], dict]) -> None:
         try:
             results.append(dict(run_case(case, index, rank, world, out_path), ok=True))
         except Exception as exc:  # report, keep the ranks in step for the next case
-            results.append({"case": case, "ok": False, "error": f"{type(exc).__name__}: {exc}",
-                            "trace": traceback.format_exc()[-3000:]})
+            results.append(
+                {
+                    "case": case,
+                    "ok": False,
+                    "error": f"{type(exc).__name__}: {exc}",
+                    "trace": traceback.format_exc()[-3000:],
+                }
+            )
     with open(f"{out_path}.rank{rank}.json", "w") as f:
         json.dump(results, f)
     import torch.distributed as dist

@@ -14,13 +14,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from elixir_tune.plan import (
-    Checkpointing, ChunkPlan, ClusterInfo, MemoryPlan, ModelInfo, Plan, TrainingInfo, fingerprint, validate,
+    Checkpointing,
+    ChunkPlan,
+    ClusterInfo,
+    MemoryPlan,
+    ModelInfo,
+    Plan,
+    TrainingInfo,
+    fingerprint,
+    validate,
 )
 
 
 def model_fingerprint(model: nn.Module) -> str:
-    return fingerprint([(name, list(p.shape), str(p.dtype).removeprefix("torch."))
-                        for name, p in model.named_parameters()])
+    return fingerprint(
+        [(name, list(p.shape), str(p.dtype).removeprefix("torch.")) for name, p in model.named_parameters()]
+    )
 
 
 def pack(model: nn.Module, chunk_size: int) -> list[list[tuple[str, int]]]:
@@ -44,8 +53,11 @@ def min_cache_blocks(model: nn.Module, chunks: list[list[tuple[str, int]]], resi
     chunk_of = {name: i for i, chunk in enumerate(chunks) for name, _ in chunk}
 
     def own(module: nn.Module) -> set[int]:
-        return {chunk_of[owner[id(p)]] for p in module.parameters(recurse=False)
-                if p.requires_grad and owner[id(p)] in chunk_of} - resident
+        return {
+            chunk_of[owner[id(p)]]
+            for p in module.parameters(recurse=False)
+            if p.requires_grad and owner[id(p)] in chunk_of
+        } - resident
 
     def walk(module: nn.Module, above: set[int]) -> int:
         mine = own(module)
@@ -55,10 +67,22 @@ def min_cache_blocks(model: nn.Module, chunks: list[list[tuple[str, int]]], resi
     return walk(model, set())
 
 
-def make_plan(model: nn.Module, world_size: int, chunk_size: int, cache: str | int = "all",
-              offload: float = 0.0, prefetch: int = 0, checkpoint_every: int = 0, dtype: str = "fp32",
-              resident: tuple[int, ...] = (), block_list: str = "", micro_batch_size: int = 2,
-              grad_accum_steps: int = 1, seq_len: int = 8, device: str = "cpu") -> Plan:
+def make_plan(
+    model: nn.Module,
+    world_size: int,
+    chunk_size: int,
+    cache: str | int = "all",
+    offload: float = 0.0,
+    prefetch: int = 0,
+    checkpoint_every: int = 0,
+    dtype: str = "fp32",
+    resident: tuple[int, ...] = (),
+    block_list: str = "",
+    micro_batch_size: int = 2,
+    grad_accum_steps: int = 1,
+    seq_len: int = 8,
+    device: str = "cpu",
+) -> Plan:
     """A valid plan for ``model``.
 
     Args:
@@ -70,8 +94,12 @@ def make_plan(model: nn.Module, world_size: int, chunk_size: int, cache: str | i
     chunk_size = math.ceil(chunk_size / world_size) * world_size
     packed = pack(model, chunk_size)
     offloaded = {i for i in range(len(packed)) if math.floor((i + 1) * offload) > math.floor(i * offload)}
-    chunks = [ChunkPlan(id=i, params=[n for n, _ in c], numel=sum(k for _, k in c), resident=i in resident,
-                        offload=i in offloaded) for i, c in enumerate(packed)]
+    chunks = [
+        ChunkPlan(
+            id=i, params=[n for n, _ in c], numel=sum(k for _, k in c), resident=i in resident, offload=i in offloaded
+        )
+        for i, c in enumerate(packed)
+    ]
     cacheable = sum(1 for c in chunks if not c.resident)
     if cache == "all":
         blocks = cacheable
@@ -83,14 +111,29 @@ def make_plan(model: nn.Module, world_size: int, chunk_size: int, cache: str | i
     prefetch = min(prefetch, max(blocks - 1, 0))
     num_blocks = len(model.get_submodule(block_list)) if block_list else 0
     plan = Plan(
-        model=ModelInfo(source="tests", fingerprint=model_fingerprint(model),
-                        num_params=sum(p.numel() for p in model.parameters()), name=type(model).__name__,
-                        block_list=block_list, num_blocks=num_blocks),
-        cluster=ClusterInfo(hardware="test", nodes=1, gpus_per_node=world_size, device=device,
-                            backend="nccl" if device == "cuda" else "gloo"),
-        training=TrainingInfo(dtype=dtype, global_batch_size=micro_batch_size * grad_accum_steps * world_size,
-                              micro_batch_size=micro_batch_size, grad_accum_steps=grad_accum_steps, seq_len=seq_len,
-                              activation_checkpointing=Checkpointing(every=checkpoint_every)),
+        model=ModelInfo(
+            source="tests",
+            fingerprint=model_fingerprint(model),
+            num_params=sum(p.numel() for p in model.parameters()),
+            name=type(model).__name__,
+            block_list=block_list,
+            num_blocks=num_blocks,
+        ),
+        cluster=ClusterInfo(
+            hardware="test",
+            nodes=1,
+            gpus_per_node=world_size,
+            device=device,
+            backend="nccl" if device == "cuda" else "gloo",
+        ),
+        training=TrainingInfo(
+            dtype=dtype,
+            global_batch_size=micro_batch_size * grad_accum_steps * world_size,
+            micro_batch_size=micro_batch_size,
+            grad_accum_steps=grad_accum_steps,
+            seq_len=seq_len,
+            activation_checkpointing=Checkpointing(every=checkpoint_every),
+        ),
         memory=MemoryPlan(chunk_size=chunk_size, cache_blocks=blocks, prefetch=prefetch, chunks=chunks),
     )
     problems = validate(plan)
@@ -110,8 +153,18 @@ def tiny_gpt2(seed: int = 0) -> nn.Module:
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(seed)
-    config = GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=VOCAB, n_positions=32, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        vocab_size=VOCAB,
+        n_positions=32,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return GPT2LMHeadModel(config)
 
 

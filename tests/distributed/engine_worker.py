@@ -59,16 +59,26 @@ def local_micro(batch: dict, rank: int, world: int, accum: int, k: int) -> dict:
     per_rank = batch["input_ids"].shape[0] // world
     per_micro = per_rank // accum
     start = rank * per_rank + k * per_micro
-    return {key: value[start:start + per_micro] for key, value in batch.items()}
+    return {key: value[start : start + per_micro] for key, value in batch.items()}
 
 
 def run_engine(case: dict, rank: int, world: int) -> dict:
     model, opt, _ = build(case)
-    plan = make_plan(model, world, case["chunk_size"], cache=case.get("cache", "all"),
-                     offload=case.get("offload", 0.0), prefetch=case.get("prefetch", 0),
-                     checkpoint_every=case.get("checkpoint", 0), dtype=case.get("dtype", "fp32"),
-                     resident=tuple(case.get("resident", ())), block_list=block_list(case),
-                     micro_batch_size=case.get("micro", 2), grad_accum_steps=case.get("accum", 1), seq_len=SEQ)
+    plan = make_plan(
+        model,
+        world,
+        case["chunk_size"],
+        cache=case.get("cache", "all"),
+        offload=case.get("offload", 0.0),
+        prefetch=case.get("prefetch", 0),
+        checkpoint_every=case.get("checkpoint", 0),
+        dtype=case.get("dtype", "fp32"),
+        resident=tuple(case.get("resident", ())),
+        block_list=block_list(case),
+        micro_batch_size=case.get("micro", 2),
+        grad_accum_steps=case.get("accum", 1),
+        seq_len=SEQ,
+    )
     model, opt = elixir_tune.setup(model, opt, plan=plan)
     scheduler = None
     if case.get("scheduler"):
@@ -98,9 +108,16 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
     state = {k: v.tolist() for k, v in full.items()} if rank == 0 else None
     report = model.memory_report()
     expected = expected_report(plan, case, rank, world)
-    return {"losses": losses, "norms": norms, "skipped": skipped, "state": state, "report": report,
-            "expected_report": expected, "loss_scale": opt.loss_scale,
-            "peak_cache_bytes": model.engine.memory_stats()["peak_cache_bytes"]}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "skipped": skipped,
+        "state": state,
+        "report": report,
+        "expected_report": expected,
+        "loss_scale": opt.loss_scale,
+        "peak_cache_bytes": model.engine.memory_stats()["peak_cache_bytes"],
+    }
 
 
 def expected_report(plan, case: dict, rank: int, world: int) -> dict:
@@ -141,14 +158,13 @@ def compare(engine: dict, reference: dict, world_losses: list[float]) -> dict:
     """Largest relative loss difference and absolute weight difference."""
     loss_rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(world_losses, reference["losses"]))
     weight = 0.0
-    assert set(engine["state"]) == set(reference["state"]), (set(engine["state"]) ^ set(reference["state"]))
+    assert set(engine["state"]) == set(reference["state"]), set(engine["state"]) ^ set(reference["state"])
     for key, ref in reference["state"].items():
         a = torch.tensor(engine["state"][key])
         b = torch.tensor(ref)
         assert a.shape == b.shape, key
         weight = max(weight, float((a.float() - b.float()).abs().max()) if a.numel() else 0.0)
-    norm_rel = max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(engine["norms"], reference["norms"])),
-                   default=0.0)
+    norm_rel = max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(engine["norms"], reference["norms"])), default=0.0)
     return {"loss_rel": loss_rel, "weight_abs": weight, "norm_rel": norm_rel}
 
 
@@ -163,10 +179,16 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
     if world > 1:
         dist.all_reduce(losses)
     engine["world_losses"] = (losses / world).tolist()
-    result = {"case": case, "report": engine["report"], "expected_report": engine["expected_report"],
-              "skipped": engine["skipped"], "world_losses": engine["world_losses"],
-              "loss_scale": engine["loss_scale"], "peak_cache_bytes": engine["peak_cache_bytes"],
-              "engine_s": engine_s}
+    result = {
+        "case": case,
+        "report": engine["report"],
+        "expected_report": engine["expected_report"],
+        "skipped": engine["skipped"],
+        "world_losses": engine["world_losses"],
+        "loss_scale": engine["loss_scale"],
+        "peak_cache_bytes": engine["peak_cache_bytes"],
+        "engine_s": engine_s,
+    }
     if rank == 0:
         reference = run_reference(case, world)
         result.update(compare(engine, reference, engine["world_losses"]))

@@ -42,12 +42,20 @@ MIN_HELPER = dict(plan="helper", chunk_size=4096, cache="min", offload=0.5, pref
 ALL_HELPER = dict(plan="helper", chunk_size=4096, cache="all", offload=0.0, prefetch=0, checkpoint=0, accum=1)
 # Search pins (values as space.parse_fixed takes them); chunk_size is pinned so that the model
 # spreads over several chunks and a cache of one or two blocks is really the minimum.
-MIN_SEARCH = dict(plan="search", global_batch=8,
-                  fixed={"chunk_size": 4096, "offload": 0.5, "checkpointing": "all", "cache_blocks": 1,
-                         "prefetch": 0, "micro_batch_size": 2})
+MIN_SEARCH = dict(
+    plan="search",
+    global_batch=8,
+    fixed={
+        "chunk_size": 4096,
+        "offload": 0.5,
+        "checkpointing": "all",
+        "cache_blocks": 1,
+        "prefetch": 0,
+        "micro_batch_size": 2,
+    },
+)
 MIN_SEARCH_PREFETCH = dict(MIN_SEARCH, fixed=dict(MIN_SEARCH["fixed"], cache_blocks=2, prefetch=1))
-ALL_SEARCH = dict(plan="search", global_batch=8,
-                  fixed={"offload": 0.0, "checkpointing": "none", "cache_blocks": "all"})
+ALL_SEARCH = dict(plan="search", global_batch=8, fixed={"offload": 0.0, "checkpointing": "none", "cache_blocks": "all"})
 
 LLAMA = dict(arch="llama", tied=False)
 LLAMA_TIED = dict(arch="llama", tied=True)

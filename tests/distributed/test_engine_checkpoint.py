@@ -16,11 +16,18 @@ from engine_launch import launch  # noqa: E402
 
 CASES = [
     # AdamW over device and host shards, recomputation, accumulation, clipping.
-    dict(model="gpt2", chunk_size=4096, cache="min", offload=0.5, prefetch=2, checkpoint=1, accum=2, clip=0.5,
-         steps=6),
+    dict(model="gpt2", chunk_size=4096, cache="min", offload=0.5, prefetch=2, checkpoint=1, accum=2, clip=0.5, steps=6),
     # fp16 (loss scaler, a skipped step before the save), SGD momentum, a frozen parameter, tied weights.
-    dict(model="tied", chunk_size=1024, cache="all", offload=1.0, optimizer="sgd", dtype="fp16",
-         plant_inf_step=1, steps=6),
+    dict(
+        model="tied",
+        chunk_size=1024,
+        cache="all",
+        offload=1.0,
+        optimizer="sgd",
+        dtype="fp16",
+        plant_inf_step=1,
+        steps=6,
+    ),
 ]
 
 

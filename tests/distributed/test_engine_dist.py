@@ -102,7 +102,7 @@ def test_world2_fp16_overflow_skipped_on_every_rank(world2):
     assert all(r["ok"] for r in results), results[0].get("trace")
     for result in results:  # the inf was planted on the last rank only
         assert result["skipped"] == [0, 0, 0, 1, 0, 0, 0, 0]
-        assert result["loss_scale"] == 2.0 ** 15
+        assert result["loss_scale"] == 2.0**15
     # Before the skip the fp16 run tracks the fp32 reference.
     first = results[0]
     early = [abs(a - b) / b for a, b in zip(first["world_losses"][:4], first["ref_losses"][:4])]

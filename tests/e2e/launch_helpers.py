@@ -90,5 +90,11 @@ def kill_leftovers(pids: list[int]) -> list[int]:
 
 
 def run_elixir(args: list[str], timeout_s: float = 120, cwd: Path = REPO_DIR) -> subprocess.CompletedProcess:
-    return subprocess.run([console_script("elixir-run"), *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout_s, env=job_env(), cwd=cwd)
+    return subprocess.run(
+        [console_script("elixir-run"), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=job_env(),
+        cwd=cwd,
+    )

@@ -10,20 +10,32 @@ import subprocess
 import time
 
 import pytest
+from launch_helpers import (
+    ALLREDUCE_WORKER,
+    EXAMPLE_PLAN,
+    console_script,
+    free_port,
+    job_env,
+    kill_leftovers,
+    run_elixir,
+    wait_for_ranks,
+    write_plan,
+)
 
 from elixir_tune.launcher.checks import cpu_cores
-
-from launch_helpers import (
-    ALLREDUCE_WORKER, EXAMPLE_PLAN, console_script, free_port, job_env, kill_leftovers, run_elixir,
-    wait_for_ranks, write_plan,
-)
 
 pytestmark = pytest.mark.slow
 
 
 def _start(args: list) -> subprocess.Popen:
-    return subprocess.Popen([console_script("elixir-run"), *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=job_env(), start_new_session=True)
+    return subprocess.Popen(
+        [console_script("elixir-run"), *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=job_env(),
+        start_new_session=True,
+    )
 
 
 def _finish(process: subprocess.Popen, timeout_s: float) -> str:
@@ -101,8 +113,25 @@ def test_two_nodes_on_loopback(tmp_path):
     port = free_port()
     out = tmp_path / "out"
     out.mkdir()
-    nodes = [_start(["--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", f"127.0.0.1:{port}",
-                     plan, ALLREDUCE_WORKER, "--out", out, "--iterations", "5"]) for rank in (0, 1)]
+    nodes = [
+        _start(
+            [
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(rank),
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                plan,
+                ALLREDUCE_WORKER,
+                "--out",
+                out,
+                "--iterations",
+                "5",
+            ]
+        )
+        for rank in (0, 1)
+    ]
     try:
         outputs = [_finish(node, timeout_s=120) for node in nodes]
     finally:
@@ -124,8 +153,20 @@ def test_a_node_alone_times_out_at_the_rendezvous(tmp_path):
     out.mkdir()
     started = time.monotonic()
     # torchrun's --rdzv-conf passes through; the second node never comes.
-    result = run_elixir(["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-conf=join_timeout=3",
-                         plan, ALLREDUCE_WORKER, "--out", out], timeout_s=90)
+    result = run_elixir(
+        [
+            "--nnodes",
+            "2",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{free_port()}",
+            "--rdzv-conf=join_timeout=3",
+            plan,
+            ALLREDUCE_WORKER,
+            "--out",
+            out,
+        ],
+        timeout_s=90,
+    )
     assert result.returncode == 1, result.stdout + result.stderr
     assert "rendezvous at 127.0.0.1:" in result.stderr and "RendezvousTimeoutError" in result.stderr
     assert "not all 2 nodes joined" in result.stderr

@@ -6,16 +6,26 @@ from __future__ import annotations
 import shlex
 
 import pytest
+from launch_helpers import EXAMPLE_PLAN, write_plan
 
 from elixir_tune.launcher import (
-    ArgvError, LaunchSpec, MachineFacts, WorkerFailure, check_launch, compose_torchrun_argv, describe_failures,
-    failed, format_command, parse_endpoint, script_is_a_file, split_command_line, torchrun_option_arity,
+    ArgvError,
+    LaunchSpec,
+    MachineFacts,
+    WorkerFailure,
+    check_launch,
+    compose_torchrun_argv,
+    describe_failures,
+    failed,
+    format_command,
+    parse_endpoint,
+    script_is_a_file,
+    split_command_line,
+    torchrun_option_arity,
     worker_env,
 )
 from elixir_tune.launcher.launch import exit_code_of, order_failures
 from elixir_tune.plan import PLAN_ENV_VAR, load_plan
-
-from launch_helpers import EXAMPLE_PLAN, write_plan
 
 GIB = 2**30
 
@@ -27,14 +37,22 @@ def cpu_plan():
 
 @pytest.fixture
 def cuda_plan(tmp_path):
-    return load_plan(write_plan(tmp_path / "cuda.yaml", {"cluster.device": "cuda", "cluster.backend": "nccl",
-                                                          "cluster.gpus_per_node": 2}))
+    return load_plan(
+        write_plan(
+            tmp_path / "cuda.yaml", {"cluster.device": "cuda", "cluster.backend": "nccl", "cluster.gpus_per_node": 2}
+        )
+    )
 
 
 def _machine(gpus: int = 0, gpu_gib: float = 80, cores: int = 16, torch_version: str = "2.13.0") -> MachineFacts:
-    return MachineFacts(torch_version=torch_version, cuda_available=gpus > 0,
-                        gpu_memory_bytes=[int(gpu_gib * GIB)] * gpus, gpu_names=["GPU"] * gpus, cpu_cores=cores,
-                        host_memory_bytes=64 * GIB)
+    return MachineFacts(
+        torch_version=torch_version,
+        cuda_available=gpus > 0,
+        gpu_memory_bytes=[int(gpu_gib * GIB)] * gpus,
+        gpu_names=["GPU"] * gpus,
+        cpu_cores=cores,
+        host_memory_bytes=64 * GIB,
+    )
 
 
 def test_single_node_uses_standalone():
@@ -43,17 +61,38 @@ def test_single_node_uses_standalone():
 
 
 def test_multi_node_uses_c10d_rendezvous():
-    spec = LaunchSpec(nproc_per_node=4, script="train.py", nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.1:29400",
-                      rdzv_id="job7", max_restarts=2, torchrun_options=["--monitor-interval=1"])
+    spec = LaunchSpec(
+        nproc_per_node=4,
+        script="train.py",
+        nnodes=2,
+        node_rank=1,
+        rdzv_endpoint="10.0.0.1:29400",
+        rdzv_id="job7",
+        max_restarts=2,
+        torchrun_options=["--monitor-interval=1"],
+    )
     argv = compose_torchrun_argv(spec)
-    assert argv == ["--nproc-per-node=4", "--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.1:29400",
-                    "--rdzv-id=job7", "--max-restarts=2", "--monitor-interval=1", "train.py"]
+    assert argv == [
+        "--nproc-per-node=4",
+        "--nnodes=2",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=10.0.0.1:29400",
+        "--rdzv-id=job7",
+        "--max-restarts=2",
+        "--monitor-interval=1",
+        "train.py",
+    ]
     # torchrun's own parser accepts what we compose and reads the same values back.
     from torch.distributed.run import parse_args
 
     args = parse_args(argv)
-    assert (args.nproc_per_node, args.nnodes, args.rdzv_backend, args.rdzv_endpoint, args.max_restarts) == \
-           ("4", "2", "c10d", "10.0.0.1:29400", 2)
+    assert (args.nproc_per_node, args.nnodes, args.rdzv_backend, args.rdzv_endpoint, args.max_restarts) == (
+        "4",
+        "2",
+        "c10d",
+        "10.0.0.1:29400",
+        2,
+    )
     assert args.training_script == "train.py"
 
 
@@ -74,8 +113,19 @@ def test_split_command_line():
     arity = torchrun_option_arity()
     assert arity["--redirects"] is True and arity["--no-python"] is False
     options, plan, script, args = split_command_line(
-        ["--redirects", "3", "--monitor-interval=1", "--no-python", "plan.yaml", "train.py", "--steps", "3",
-         "--dry-run"], arity)
+        [
+            "--redirects",
+            "3",
+            "--monitor-interval=1",
+            "--no-python",
+            "plan.yaml",
+            "train.py",
+            "--steps",
+            "3",
+            "--dry-run",
+        ],
+        arity,
+    )
     assert options == ["--redirects", "3", "--monitor-interval=1", "--no-python"]
     assert (plan, script, args) == ("plan.yaml", "train.py", ["--steps", "3", "--dry-run"])
     assert not script_is_a_file(options) and script_is_a_file(["--redirects", "3"])
@@ -83,13 +133,16 @@ def test_split_command_line():
     assert split_command_line(["p.yaml", "t.py", "--", "--steps", "2"], arity)[3] == ["--steps", "2"]
 
 
-@pytest.mark.parametrize("tokens, words", [
-    ([], "missing PLAN"),
-    (["plan.yaml"], "missing SCRIPT"),
-    (["--nproc-per-node=4", "plan.yaml", "t.py"], "--nproc-per-node"),
-    (["--nnodes", "2", "plan.yaml", "t.py"], "elixir-run's --nnodes"),
-    (["--redirects"], "needs a value"),
-])
+@pytest.mark.parametrize(
+    "tokens, words",
+    [
+        ([], "missing PLAN"),
+        (["plan.yaml"], "missing SCRIPT"),
+        (["--nproc-per-node=4", "plan.yaml", "t.py"], "--nproc-per-node"),
+        (["--nnodes", "2", "plan.yaml", "t.py"], "elixir-run's --nnodes"),
+        (["--redirects"], "needs a value"),
+    ],
+)
 def test_split_command_line_errors(tokens, words):
     with pytest.raises(ArgvError, match=words):
         split_command_line(tokens, torchrun_option_arity())
@@ -118,10 +171,23 @@ def test_cuda_plan_needs_gpus(cuda_plan):
 
 
 def test_cuda_plan_needs_gpu_memory(tmp_path):
-    plan = load_plan(write_plan(tmp_path / "p.yaml", {
-        "cluster.device": "cuda", "cluster.backend": "nccl",
-        "prediction": {"step_time_s": 1.0, "tokens_per_s": 1.0, "tflops_per_gpu": 1.0, "mfu": 0.1,
-                       "peak_gpu_bytes": 30 * GIB, "peak_host_bytes": GIB}}))
+    plan = load_plan(
+        write_plan(
+            tmp_path / "p.yaml",
+            {
+                "cluster.device": "cuda",
+                "cluster.backend": "nccl",
+                "prediction": {
+                    "step_time_s": 1.0,
+                    "tokens_per_s": 1.0,
+                    "tflops_per_gpu": 1.0,
+                    "mfu": 0.1,
+                    "peak_gpu_bytes": 30 * GIB,
+                    "peak_host_bytes": GIB,
+                },
+            },
+        )
+    )
     assert not failed(check_launch(plan, _machine(gpus=2, gpu_gib=40), nnodes=1))
     problems = failed(check_launch(plan, _machine(gpus=2, gpu_gib=24), nnodes=1))
     assert [p.name for p in problems] == ["gpu memory"] and "30.00 GiB" in problems[0].detail
@@ -139,10 +205,12 @@ def test_world_size_and_rendezvous_checks(cpu_plan):
     two_nodes = cpu_plan
     two_nodes.cluster.nodes = 2
     assert [p.name for p in failed(check_launch(two_nodes, _machine(), nnodes=2))] == ["rendezvous"]
-    assert [p.name for p in failed(check_launch(two_nodes, _machine(), nnodes=2, node_rank=2,
-                                                rdzv_endpoint="h:29400"))] == ["node rank"]
-    assert [p.name for p in failed(check_launch(two_nodes, _machine(), nnodes=2,
-                                                rdzv_endpoint="no-port"))] == ["rendezvous"]
+    assert [
+        p.name for p in failed(check_launch(two_nodes, _machine(), nnodes=2, node_rank=2, rdzv_endpoint="h:29400"))
+    ] == ["node rank"]
+    assert [p.name for p in failed(check_launch(two_nodes, _machine(), nnodes=2, rdzv_endpoint="no-port"))] == [
+        "rendezvous"
+    ]
     assert parse_endpoint("[::1]:29400") == ("::1", 29400) and parse_endpoint("h:0") is None
 
 
@@ -170,7 +238,9 @@ def test_launcher_imports_no_cli_click_rich_or_torch():
     import subprocess
     import sys
 
-    code = ("import sys, elixir_tune.launcher; print(sorted(m for m in ('click', 'rich', 'torch', 'elixir_tune.cli', "
-            "'elixir_tune.search', 'elixir_tune.profiler') if m in sys.modules))")
+    code = (
+        "import sys, elixir_tune.launcher; print(sorted(m for m in ('click', 'rich', 'torch', 'elixir_tune.cli', "
+        "'elixir_tune.search', 'elixir_tune.profiler') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]"

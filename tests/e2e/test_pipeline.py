@@ -10,10 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
+from launch_helpers import console_script, free_port, job_env, run_elixir
 
 from elixir_tune.paths import REPO_DIR
-
-from launch_helpers import console_script, free_port, job_env, run_elixir
 
 pytestmark = pytest.mark.slow
 
@@ -21,8 +20,14 @@ TRAIN = REPO_DIR / "scripts" / "train_gpt2.py"
 
 
 def _tune(args: list, timeout_s: float = 180) -> subprocess.CompletedProcess:
-    result = subprocess.run([console_script("elixir-tune"), *map(str, args)], capture_output=True, text=True,
-                            timeout=timeout_s, env=job_env(), cwd=REPO_DIR)
+    result = subprocess.run(
+        [console_script("elixir-tune"), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=job_env(),
+        cwd=REPO_DIR,
+    )
     assert result.returncode == 0, f"elixir-tune {args[0]} failed:\n{result.stdout}\n{result.stderr}"
     return result
 
@@ -30,24 +35,83 @@ def _tune(args: list, timeout_s: float = 180) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def cpu_plan(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("pipeline")
-    _tune(["profile", "configs/models/gpt2-tiny.yaml", "--batch-size", "8", "--seq-len", "128",
-           "--out", work / "profile.yaml"])
-    _tune(["search", "--gpus", "2", "--profile", work / "profile.yaml", "--hardware", "cpu",
-           "--global-batch-size", "16", "--out", work / "plan.yaml"])
+    _tune(
+        [
+            "profile",
+            "configs/models/gpt2-tiny.yaml",
+            "--batch-size",
+            "8",
+            "--seq-len",
+            "128",
+            "--out",
+            work / "profile.yaml",
+        ]
+    )
+    _tune(
+        [
+            "search",
+            "--gpus",
+            "2",
+            "--profile",
+            work / "profile.yaml",
+            "--hardware",
+            "cpu",
+            "--global-batch-size",
+            "16",
+            "--out",
+            work / "plan.yaml",
+        ]
+    )
     return work / "plan.yaml"
 
 
 def test_two_nodes_on_loopback_train_one_plan(cpu_plan, tmp_path):
     plan = tmp_path / "plan-2nodes.yaml"
-    _tune(["search", "--nodes", "2", "--gpus", "1", "--profile", cpu_plan.parent / "profile.yaml", "--hardware",
-           "cpu", "--global-batch-size", "16", "--out", plan])
+    _tune(
+        [
+            "search",
+            "--nodes",
+            "2",
+            "--gpus",
+            "1",
+            "--profile",
+            cpu_plan.parent / "profile.yaml",
+            "--hardware",
+            "cpu",
+            "--global-batch-size",
+            "16",
+            "--out",
+            plan,
+        ]
+    )
     endpoint = f"127.0.0.1:{free_port()}"
     log = tmp_path / "train.json"  # written by global rank 0, on whichever node the rendezvous put it
     env = {**job_env(), "OMP_NUM_THREADS": "1"}  # both "nodes" share this machine's cores
-    nodes = [subprocess.Popen([console_script("elixir-run"), "--nnodes", "2", "--node-rank", str(rank),
-                               "--rdzv-endpoint", endpoint, str(plan), str(TRAIN), "--steps", "12", "--log", str(log)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO_DIR)
-             for rank in (0, 1)]
+    nodes = [
+        subprocess.Popen(
+            [
+                console_script("elixir-run"),
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(rank),
+                "--rdzv-endpoint",
+                endpoint,
+                str(plan),
+                str(TRAIN),
+                "--steps",
+                "12",
+                "--log",
+                str(log),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=REPO_DIR,
+        )
+        for rank in (0, 1)
+    ]
     outputs = []
     try:
         for node in nodes:
@@ -80,11 +144,13 @@ def test_profile_search_run_trains_and_the_loss_falls(cpu_plan, tmp_path):
 
 def test_a_plan_for_another_model_is_refused_by_the_workers(cpu_plan, tmp_path):
     other = tmp_path / "gpt2-other.yaml"
-    other.write_text((REPO_DIR / "configs" / "models" / "gpt2-tiny.yaml").read_text()
-                     .replace("n_layer: 2", "n_layer: 1"))
+    other.write_text(
+        (REPO_DIR / "configs" / "models" / "gpt2-tiny.yaml").read_text().replace("n_layer: 2", "n_layer: 1")
+    )
     started = time.monotonic()
-    result = run_elixir([cpu_plan, TRAIN, "--model", other, "--steps", "2", "--log", tmp_path / "t.json"],
-                        timeout_s=120)
+    result = run_elixir(
+        [cpu_plan, TRAIN, "--model", other, "--steps", "2", "--log", tmp_path / "t.json"], timeout_s=120
+    )
     assert result.returncode != 0
     output = result.stdout + result.stderr
     assert "another model" in output and "fingerprint" in output

@@ -16,10 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
+from launch_helpers import console_script, job_env, run_elixir, write_plan
 
 from elixir_tune.paths import REPO_DIR
-
-from launch_helpers import console_script, job_env, run_elixir, write_plan
 
 pytestmark = pytest.mark.slow
 
@@ -57,10 +56,15 @@ def test_sigint_saves_and_resume_continues_exactly(tmp_path):
     assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
 
     checkpoint, log_b = tmp_path / "ckpt", tmp_path / "b.json"
-    process = subprocess.Popen([console_script("elixir-run"), *map(str, [*common, "--save", checkpoint,
-                                                                        "--log", log_b])],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=job_env(),
-                               cwd=REPO_DIR, start_new_session=True)
+    process = subprocess.Popen(
+        [console_script("elixir-run"), *map(str, [*common, "--save", checkpoint, "--log", log_b])],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=job_env(),
+        cwd=REPO_DIR,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 90
         while _logged_steps(log_b) < 1 and process.poll() is None and time.monotonic() < deadline:

@@ -30,14 +30,23 @@ def train(build, plan_kwargs, dtype="fp32", accum=2, clip=0.5):
     model = build()
     opt = torch.optim.AdamW(param_groups(model), lr=3e-3, eps=1e-6)
     block_list = "transformer.h" if hasattr(model, "transformer") else "body"
-    plan = make_plan(model, 1, plan_kwargs.pop("chunk_size"), dtype=dtype, block_list=block_list,
-                     micro_batch_size=4 // accum, grad_accum_steps=accum, device="cuda", **plan_kwargs)
+    plan = make_plan(
+        model,
+        1,
+        plan_kwargs.pop("chunk_size"),
+        dtype=dtype,
+        block_list=block_list,
+        micro_batch_size=4 // accum,
+        grad_accum_steps=accum,
+        device="cuda",
+        **plan_kwargs,
+    )
     model, opt = elixir_tune.setup(model, opt, plan=plan)
     losses = []
     for batch in data:
         total = 0.0
         for k in range(accum):
-            micro = {key: value[k * 4 // accum:(k + 1) * 4 // accum] for key, value in batch.items()}
+            micro = {key: value[k * 4 // accum : (k + 1) * 4 // accum] for key, value in batch.items()}
             loss = model(**micro).loss / accum
             opt.backward(loss)
             total += float(loss.detach())
@@ -63,11 +72,14 @@ def train(build, plan_kwargs, dtype="fp32", accum=2, clip=0.5):
     return loss_rel, weight, model, plan
 
 
-@pytest.mark.parametrize("build,kwargs", [
-    (tiny_gpt2, dict(chunk_size=4096, cache="all")),
-    (tiny_gpt2, dict(chunk_size=4096, cache="min", offload=0.5, prefetch=2, checkpoint_every=1)),
-    (tied_net, dict(chunk_size=1024, cache="min", offload=1.0, checkpoint_every=1)),
-])
+@pytest.mark.parametrize(
+    "build,kwargs",
+    [
+        (tiny_gpt2, dict(chunk_size=4096, cache="all")),
+        (tiny_gpt2, dict(chunk_size=4096, cache="min", offload=0.5, prefetch=2, checkpoint_every=1)),
+        (tied_net, dict(chunk_size=1024, cache="min", offload=1.0, checkpoint_every=1)),
+    ],
+)
 def test_fp32_matches_torch_on_gpu(build, kwargs):
     loss_rel, weight, model, plan = train(build, dict(kwargs))
     assert loss_rel <= 1e-5 and weight <= 1e-5, (loss_rel, weight)

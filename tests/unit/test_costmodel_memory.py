@@ -13,27 +13,59 @@ from elixir_tune.profiler.schema import ActivationLine, BlockInfo, ModelProfile,
 
 def small_profile(frozen: bool = False) -> ModelProfile:
     """emb (shared, 100) -> a (60) -> b (50) -> c (40, frozen or not) -> head (shares emb)."""
-    params = [ParamInfo("emb", [10, 10], "float32", 100, shared=True), ParamInfo("a", [60], "float32", 60),
-              ParamInfo("b", [50], "float32", 50), ParamInfo("c", [40], "float32", 40, requires_grad=not frozen)]
+    params = [
+        ParamInfo("emb", [10, 10], "float32", 100, shared=True),
+        ParamInfo("a", [60], "float32", 60),
+        ParamInfo("b", [50], "float32", 50),
+        ParamInfo("c", [40], "float32", 40, requires_grad=not frozen),
+    ]
     forward = [[0], [1], [2], [3], [0]]
     blocks = [BlockInfo(0, 1, 1, 10.0, 1000, 100), BlockInfo(1, 2, 1, 10.0, 1000, 100)]
-    return ModelProfile(name="small", source="small.py", fingerprint="f", num_params=250, dtype="bf16",
-                        batch_size=1, seq_len=4, params=params, trace=forward + forward[::-1], flops_per_sample=1e3,
-                        activation=ActivationLine(1000, 400), activation_checkpointed=ActivationLine(1000, 100),
-                        blocks=blocks, block_list="layers", recompute_flops_per_sample=20.0, buffers_bytes=64)
+    return ModelProfile(
+        name="small",
+        source="small.py",
+        fingerprint="f",
+        num_params=250,
+        dtype="bf16",
+        batch_size=1,
+        seq_len=4,
+        params=params,
+        trace=forward + forward[::-1],
+        flops_per_sample=1e3,
+        activation=ActivationLine(1000, 400),
+        activation_checkpointed=ActivationLine(1000, 100),
+        blocks=blocks,
+        block_list="layers",
+        recompute_flops_per_sample=20.0,
+        buffers_bytes=64,
+    )
 
 
 def test_model_state_bytes_follow_the_plan_formula():
-    states = model_state_bytes(chunk_size=1024, world_size=4, dtype="bf16", cache_blocks=3, num_resident=1,
-                               num_device_shards=5, num_host_shards=2)
-    assert states == {"cache_bytes": 3 * 1024 * 2, "resident_bytes": 1 * 1024 * 2,
-                      "device_shard_bytes": 5 * 256 * 16, "host_shard_bytes": 2 * 256 * 16}
+    states = model_state_bytes(
+        chunk_size=1024,
+        world_size=4,
+        dtype="bf16",
+        cache_blocks=3,
+        num_resident=1,
+        num_device_shards=5,
+        num_host_shards=2,
+    )
+    assert states == {
+        "cache_bytes": 3 * 1024 * 2,
+        "resident_bytes": 1 * 1024 * 2,
+        "device_shard_bytes": 5 * 256 * 16,
+        "host_shard_bytes": 2 * 256 * 16,
+    }
 
 
 def test_packing_is_greedy_in_first_use_order_and_shared_params_are_resident():
     layout = pack_chunks(small_profile(), chunk_size=120)
     assert [(c.params, c.numel, c.resident) for c in layout.chunks] == [
-        ([0], 100, True), ([1, 2], 110, False), ([3], 40, False)]
+        ([0], 100, True),
+        ([1, 2], 110, False),
+        ([3], 40, False),
+    ]
     assert layout.chunk_of_param == [0, 1, 1, 2]
     with pytest.raises(ValueError):
         pack_chunks(small_profile(), chunk_size=99)
@@ -43,9 +75,21 @@ def test_frozen_parameters_are_not_chunked_but_counted_on_the_device():
     profile = small_profile(frozen=True)
     layout = pack_chunks(profile, chunk_size=120)
     assert layout.frozen_numel == 40 and layout.chunk_of_param[3] == -1
-    memory = estimate_memory(profile, chunk_size=120, world_size=2, gpus_per_node=2, dtype="bf16", cache_blocks=1,
-                             num_resident=1, num_chunks=2, num_offloaded=1, frozen_numel=40, micro_batch_size=2,
-                             every=0, allocator_overhead_bytes=1000)
+    memory = estimate_memory(
+        profile,
+        chunk_size=120,
+        world_size=2,
+        gpus_per_node=2,
+        dtype="bf16",
+        cache_blocks=1,
+        num_resident=1,
+        num_chunks=2,
+        num_offloaded=1,
+        frozen_numel=40,
+        micro_batch_size=2,
+        every=0,
+        allocator_overhead_bytes=1000,
+    )
     # cache 1*120*2 + resident 120*2 + one device shard 60*16 + frozen 40*2 + activations 1000+2*400
     # + buffers 64 + one grad chunk 120*2 + overhead 1000
     assert memory.peak_gpu_bytes == 240 + 240 + 960 + 80 + 1800 + 64 + GRAD_BUFFER_CHUNKS * 240 + 1000
@@ -77,7 +121,7 @@ def test_checkpointed_trace_recomputes_each_chosen_block_before_its_backward():
     every_other = checkpointed_trace(profile, 2)
     assert [k for _, k in every_other].count(RECOMPUTE) == per_block  # block 0 only of 2
     first_recompute = kinds.index(RECOMPUTE)
-    assert set(kinds[:forward_length(profile.trace)]) == {FORWARD} and kinds[first_recompute - 1] == BACKWARD
+    assert set(kinds[: forward_length(profile.trace)]) == {FORWARD} and kinds[first_recompute - 1] == BACKWARD
 
 
 def test_chunk_trace_merges_steps_that_cannot_miss():

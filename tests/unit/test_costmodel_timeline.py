@@ -6,7 +6,11 @@ import pytest
 
 from elixir_tune.costmodel.synthetic import example_hardware
 from elixir_tune.costmodel.timeline import (
-    TransferCosts, combine_step, issue_steps, simulate_micro_batch, transfer_costs,
+    TransferCosts,
+    combine_step,
+    issue_steps,
+    simulate_micro_batch,
+    transfer_costs,
 )
 
 COSTS = TransferCosts(h2d_s=0.1, allgather_s=0.5, reduce_scatter_s=0.25, d2h_s=0.2, grad_norm_s=0.01)
@@ -41,8 +45,7 @@ def test_prefetch_waits_for_the_evicted_block():
 def test_step_adds_accumulation_and_optimizer():
     cold = simulate_micro_batch([1.0, 1.0], FETCHES, [0, 1], REDUCE_AFTER, [False, True], COSTS)
     steady = simulate_micro_batch([1.0, 1.0], [], [], REDUCE_AFTER, [False, True], COSTS)
-    step, parts = combine_step(cold, steady, 3, COSTS, gpu_adam_s=0.3, cpu_adam_s=0.7, compute_s=6.0,
-                               recompute_s=0.0)
+    step, parts = combine_step(cold, steady, 3, COSTS, gpu_adam_s=0.3, cpu_adam_s=0.7, compute_s=6.0, recompute_s=0.0)
     # cold compute 3.1, one steady compute 2.0, last steady drained 2.0+0.5+0.2, norm 0.01, slower Adam 0.7
     assert step == pytest.approx(3.1 + 2.0 + 2.7 + 0.01 + 0.7)
     assert parts["grad_drain_s"] == pytest.approx(0.7)

@@ -139,7 +139,7 @@ def test_fp16_overflow_skips_the_step_and_backs_off():
     model.engine.chunks[1].grad[3] = float("inf")
     opt.step()
     opt.zero_grad()
-    assert opt.skipped_steps == 1 and opt.loss_scale == 2.0 ** 15
+    assert opt.skipped_steps == 1 and opt.loss_scale == 2.0**15
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     train_step(model, opt, batch)

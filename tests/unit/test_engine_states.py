@@ -22,8 +22,9 @@ def test_forward_backward_cycle():
     assert transition(S.READY_FOR_REDUCE, "reduced") is S.FREE
 
 
-@pytest.mark.parametrize("state,event", [(S.COMPUTE, "release"), (S.FREE, "use"), (S.HOLD_AFTER_BWD, "grad"),
-                                         (S.READY_FOR_REDUCE, "use")])
+@pytest.mark.parametrize(
+    "state,event", [(S.COMPUTE, "release"), (S.FREE, "use"), (S.HOLD_AFTER_BWD, "grad"), (S.READY_FOR_REDUCE, "use")]
+)
 def test_illegal_transitions_raise(state, event):
     with pytest.raises(RuntimeError, match="illegal"):
         transition(state, event)

@@ -10,12 +10,19 @@ import pytest
 import yaml
 
 from elixir_tune import paths
-from elixir_tune.hardware import (HardwareSpec, closest_preset, list_presets, load_hardware,
-                                  load_hardware_file, preset_path, save_hardware, spec_problems)
+from elixir_tune.hardware import (
+    HardwareSpec,
+    closest_preset,
+    list_presets,
+    load_hardware,
+    load_hardware_file,
+    preset_path,
+    save_hardware,
+    spec_problems,
+)
 
 GiB = 2**30
-REQUIRED = {"a100-40gb-pcie", "a100-80gb-sxm", "h100-80gb-sxm", "h200-141gb", "rtx4090-24gb",
-            "l4-24gb", "cpu"}
+REQUIRED = {"a100-40gb-pcie", "a100-80gb-sxm", "h100-80gb-sxm", "h200-141gb", "rtx4090-24gb", "l4-24gb", "cpu"}
 NUMBER_LINE = re.compile(r"^\s*[a-z0-9_]+:\s*-?[0-9][0-9.e+\-_]*\s*(#.*)?$")
 
 
@@ -60,14 +67,16 @@ def test_preset_is_valid_with_sane_magnitudes(preset_id):
 def test_every_preset_number_has_a_source(preset_id):
     path = preset_path(preset_id)
     text = path.read_text()
-    assert f"elixir-tune search" in text and f"--hardware {preset_id}" in text, "header shows usage"
+    assert "elixir-tune search" in text and f"--hardware {preset_id}" in text, "header shows usage"
     body = text.split("\nsources:")[0]
-    unsourced = [line for line in body.splitlines()
-                 if NUMBER_LINE.match(line) and "# source:" not in line]
+    unsourced = [line for line in body.splitlines() if NUMBER_LINE.match(line) and "# source:" not in line]
     assert unsourced == []
     raw = yaml.safe_load(text)
-    numeric = {key for key, value in raw.items()
-               if isinstance(value, (int, float, dict)) and key not in ("sources", "bandwidth_curves")}
+    numeric = {
+        key
+        for key, value in raw.items()
+        if isinstance(value, (int, float, dict)) and key not in ("sources", "bandwidth_curves")
+    }
     assert numeric <= set(raw["sources"]), numeric - set(raw["sources"])
 
 
@@ -115,8 +124,14 @@ def test_closest_preset_of_a_preset_is_itself():
 
 def test_spec_defaults_keep_old_files_loading(tmp_path):
     raw = yaml.safe_load(preset_path("h100-80gb-sxm").read_text())
-    for optional in ("matmul_peak_tflops", "bandwidth_curves", "allocator_overhead_bytes",
-                     "copy_latency_s", "collective_latency_s", "sources"):
+    for optional in (
+        "matmul_peak_tflops",
+        "bandwidth_curves",
+        "allocator_overhead_bytes",
+        "copy_latency_s",
+        "collective_latency_s",
+        "sources",
+    ):
         raw.pop(optional, None)
     old = tmp_path / "old.yaml"
     old.write_text(yaml.safe_dump(raw))
@@ -125,8 +140,10 @@ def test_spec_defaults_keep_old_files_loading(tmp_path):
 
 
 def test_hardware_package_imports_no_torch():
-    code = ("import sys, elixir_tune.hardware as h; h.load_hardware('cpu'); "
-            "assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys, elixir_tune.hardware as h; h.load_hardware('cpu'); "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 

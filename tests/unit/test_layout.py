@@ -18,10 +18,22 @@ FORBIDDEN = {
     "elixir_tune.search": ["elixir_tune.engine", "elixir_tune.launcher", "elixir_tune.cli", "click", "rich"],
     "elixir_tune.profiler": ["elixir_tune.engine", "elixir_tune.launcher", "elixir_tune.cli", "click", "rich"],
     "elixir_tune.hardware": ["elixir_tune.engine", "elixir_tune.launcher", "elixir_tune.cli", "click", "rich"],
-    "elixir_tune.engine": ["elixir_tune.search", "elixir_tune.costmodel", "elixir_tune.profiler",
-                           "elixir_tune.cli", "click", "rich"],
-    "elixir_tune.launcher": ["elixir_tune.search", "elixir_tune.costmodel", "elixir_tune.profiler",
-                             "elixir_tune.cli", "click", "rich"],
+    "elixir_tune.engine": [
+        "elixir_tune.search",
+        "elixir_tune.costmodel",
+        "elixir_tune.profiler",
+        "elixir_tune.cli",
+        "click",
+        "rich",
+    ],
+    "elixir_tune.launcher": [
+        "elixir_tune.search",
+        "elixir_tune.costmodel",
+        "elixir_tune.profiler",
+        "elixir_tune.cli",
+        "click",
+        "rich",
+    ],
     "elixir_tune": ["torch", "click", "rich"],
 }
 
@@ -36,8 +48,9 @@ def _imported_by(module: str) -> set[str]:
 @pytest.mark.parametrize("module", sorted(FORBIDDEN))
 def test_package_imports_only_what_the_design_allows(module: str):
     loaded = _imported_by(module)
-    bad = sorted(name for name in loaded for prefix in FORBIDDEN[module]
-                 if name == prefix or name.startswith(prefix + "."))
+    bad = sorted(
+        name for name in loaded for prefix in FORBIDDEN[module] if name == prefix or name.startswith(prefix + ".")
+    )
     assert not bad, f"{module} pulls in {bad}"
 
 
@@ -48,6 +61,9 @@ def test_only_the_console_module_imports_rich():
     import elixir_tune
 
     package = Path(elixir_tune.__file__).parent
-    importers = sorted(str(path.relative_to(package)) for path in package.rglob("*.py")
-                       if re.search(r"^\s*(from|import)\s+rich\b", path.read_text(), re.MULTILINE))
+    importers = sorted(
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if re.search(r"^\s*(from|import)\s+rich\b", path.read_text(), re.MULTILINE)
+    )
     assert importers == ["cli/console.py"]

@@ -10,10 +10,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from elixir_tune.plan import (
-    PlanError, dump_plan, load_plan, plan_to_dict, read_plan_dict, save_plan, validate, validate_dict,
-)
 from elixir_tune.paths import CONFIGS_DIR
+from elixir_tune.plan import (
+    PlanError,
+    dump_plan,
+    load_plan,
+    plan_to_dict,
+    read_plan_dict,
+    save_plan,
+    validate,
+    validate_dict,
+)
 
 EXAMPLE = CONFIGS_DIR / "plans" / "example.yaml"
 
@@ -42,11 +49,22 @@ def test_round_trip_is_stable(tmp_path: Path):
 
 
 def test_round_trip_keeps_prediction_and_search(tmp_path: Path, raw: dict):
-    raw["prediction"] = {"step_time_s": 1.5, "tokens_per_s": 1000.0, "tflops_per_gpu": 0.1, "mfu": 0.2,
-                         "peak_gpu_bytes": 10, "peak_host_bytes": 20,
-                         "model_state_bytes": {"cache_bytes": 1}, "breakdown": {"compute_s": 1.0}}
-    raw["search"] = {"strategy": "joint", "candidates": 3, "elapsed_s": 0.5,
-                     "alternatives": [{"cache_blocks": 2, "step_time_s": 1.7}]}
+    raw["prediction"] = {
+        "step_time_s": 1.5,
+        "tokens_per_s": 1000.0,
+        "tflops_per_gpu": 0.1,
+        "mfu": 0.2,
+        "peak_gpu_bytes": 10,
+        "peak_host_bytes": 20,
+        "model_state_bytes": {"cache_bytes": 1},
+        "breakdown": {"compute_s": 1.0},
+    }
+    raw["search"] = {
+        "strategy": "joint",
+        "candidates": 3,
+        "elapsed_s": 0.5,
+        "alternatives": [{"cache_blocks": 2, "step_time_s": 1.7}],
+    }
     path = tmp_path / "plan.yaml"
     path.write_text(yaml.safe_dump(raw))
     plan = load_plan(path)
@@ -79,22 +97,40 @@ MALFORMED = [
     ("cluster.nodes", -1, "cluster.nodes: must be positive, got -1"),
     ("cluster.device", "tpu", "cluster.device: unknown value 'tpu' (expected one of cuda, cpu)"),
     ("training.dtype", "fp8", "training.dtype: unknown value 'fp8' (expected one of fp32, bf16, fp16)"),
-    ("training.micro_batch_size", 3,
-     "training.global_batch_size: 16 is not micro_batch_size 3 x grad_accum_steps 2 x data-parallel size 2 = 12"),
+    (
+        "training.micro_batch_size",
+        3,
+        "training.global_batch_size: 16 is not micro_batch_size 3 x grad_accum_steps 2 x data-parallel size 2 = 12",
+    ),
     ("memory.chunk_size", -65536, "memory.chunk_size: must be positive, got -65536"),
     ("memory.chunk_size", 65535, "memory.chunk_size: 65535 is not a multiple of the world size 2"),
     ("memory.cache_blocks", 3, "memory.cache_blocks: 3 is more than the 2 non-resident chunks"),
     ("memory.prefetch", True, "memory.prefetch: expected an integer, got True"),
-    ("memory.chunks.2.params.0", "transformer.wpe.weight",
-     "memory.chunks[2].params: parameter 'transformer.wpe.weight' is already in chunk 1"),
+    (
+        "memory.chunks.2.params.0",
+        "transformer.wpe.weight",
+        "memory.chunks[2].params: parameter 'transformer.wpe.weight' is already in chunk 1",
+    ),
     ("memory.chunks.1.id", 7, "memory.chunks[1].id: expected 1 (chunks are numbered in order), got 7"),
-    ("memory.chunks.1.numel", 70000, ["memory.chunks[1].numel: 70000 elements do not fit in memory.chunk_size 65536",
-                                      "memory.chunks: hold 136496 elements, more than model.num_params 124672"]),
+    (
+        "memory.chunks.1.numel",
+        70000,
+        [
+            "memory.chunks[1].numel: 70000 elements do not fit in memory.chunk_size 65536",
+            "memory.chunks: hold 136496 elements, more than model.num_params 124672",
+        ],
+    ),
     ("memory.chunks.0.resident", "yes", "memory.chunks[0].resident: expected true or false, got 'yes'"),
-    ("schema_version", 9, "schema_version: unknown version 9 (this elixir-tune reads 1); "
-                          "upgrade elixir-tune or search the plan again"),
-    ("training.activation_checkpointing.every", -2,
-     "training.activation_checkpointing.every: expected 0 (none), 1 (all) or k > 1, got -2"),
+    (
+        "schema_version",
+        9,
+        "schema_version: unknown version 9 (this elixir-tune reads 1); upgrade elixir-tune or search the plan again",
+    ),
+    (
+        "training.activation_checkpointing.every",
+        -2,
+        "training.activation_checkpointing.every: expected 0 (none), 1 (all) or k > 1, got -2",
+    ),
     ("cluster.backend", "nccl", "cluster.backend: nccl needs GPUs; a cpu plan uses gloo"),
     ("memory.colour", "red", "memory.colour: unknown field (known: chunk_size, cache_blocks, prefetch, chunks)"),
 ]
@@ -162,8 +198,11 @@ def test_validate_command_exit_status(tmp_path: Path, raw: dict):
     assert bad.exit_code == 1
     report = yaml.safe_load(bad.output)
     assert report["valid"] is False
-    assert [p.split(":")[0] for p in report["problems"]] == ["training.dtype", "memory.chunk_size",
-                                                              "memory.chunks[1].params"]
+    assert [p.split(":")[0] for p in report["problems"]] == [
+        "training.dtype",
+        "memory.chunk_size",
+        "memory.chunks[1].params",
+    ]
 
 
 def test_plan_package_imports_no_torch():

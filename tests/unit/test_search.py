@@ -32,12 +32,23 @@ def profiles():
 def cpu_hardware():
     """A CPU node described as the device, as the probe writes it on a machine without GPUs."""
     spec = example_hardware(gpu_memory_gib=8, host_memory_gib=16, gpus_per_node=2)
-    return dataclasses.replace(spec, name="cpu-test", device="cpu", device_name="cpu", matmul_tflops={"fp32": 0.05},
-                               matmul_peak_tflops={}, hbm_gbps=10.0, allgather_gbps=2.0, reduce_scatter_gbps=2.0)
+    return dataclasses.replace(
+        spec,
+        name="cpu-test",
+        device="cpu",
+        device_name="cpu",
+        matmul_tflops={"fp32": 0.05},
+        matmul_peak_tflops={},
+        hbm_gbps=10.0,
+        allgather_gbps=2.0,
+        reduce_scatter_gbps=2.0,
+    )
 
 
 def with_memory(spec, usable_gib: float):
-    return dataclasses.replace(spec, gpu_memory_bytes=int(usable_gib * GIB) + GIB, usable_memory_bytes=int(usable_gib * GIB))
+    return dataclasses.replace(
+        spec, gpu_memory_bytes=int(usable_gib * GIB) + GIB, usable_memory_bytes=int(usable_gib * GIB)
+    )
 
 
 def assert_covers_every_trainable_param_once(plan, profile):
@@ -69,9 +80,15 @@ def test_prediction_model_states_follow_the_plan_formula(profiles, a100):
     plan = search(profiles["gpt2-10b"], a100, gpus_per_node=2).plan
     chunks = plan.memory.chunks
     offloaded = sum(c.offload for c in chunks)
-    expected = model_state_bytes(plan.memory.chunk_size, plan.world_size, plan.training.dtype,
-                                 plan.memory.cache_blocks, sum(c.resident for c in chunks),
-                                 len(chunks) - offloaded, offloaded)
+    expected = model_state_bytes(
+        plan.memory.chunk_size,
+        plan.world_size,
+        plan.training.dtype,
+        plan.memory.cache_blocks,
+        sum(c.resident for c in chunks),
+        len(chunks) - offloaded,
+        offloaded,
+    )
     assert plan.prediction.model_state_bytes == expected
 
 
@@ -101,15 +118,28 @@ def test_pinned_shape_for_engine_tests_on_cpu():
 def test_pinned_values_are_honoured_as_strings_too(profiles, a100):
     profile = profiles["gpt2-4b"]
     chunk_size = 160 * 2**20
-    result = search(profile, a100, gpus_per_node=2, fixed=[f"chunk_size={chunk_size}", "cache_blocks=4",
-                                                           "prefetch=1", "checkpointing=every:2", "dtype=fp16"])
+    result = search(
+        profile,
+        a100,
+        gpus_per_node=2,
+        fixed=[f"chunk_size={chunk_size}", "cache_blocks=4", "prefetch=1", "checkpointing=every:2", "dtype=fp16"],
+    )
     plan = result.plan
     assert (plan.memory.chunk_size, plan.memory.cache_blocks, plan.memory.prefetch) == (chunk_size, 4, 1)
     assert plan.training.activation_checkpointing.every == 2 and plan.training.dtype == "fp16"
 
 
-@pytest.mark.parametrize("bad", [{"chunk_size": 1000}, {"nope": 1}, {"offload": 1.5}, {"checkpointing": "some"},
-                                 {"micro_batch_size": 3}, {"dtype": "int8"}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"chunk_size": 1000},
+        {"nope": 1},
+        {"offload": 1.5},
+        {"checkpointing": "some"},
+        {"micro_batch_size": 3},
+        {"dtype": "int8"},
+    ],
+)
 def test_bad_pins_are_refused_with_the_key_named(profiles, a100, bad):
     with pytest.raises(ValueError) as error:
         search(profiles["gpt2"], a100, gpus_per_node=4, fixed=bad)
@@ -118,7 +148,11 @@ def test_bad_pins_are_refused_with_the_key_named(profiles, a100, bad):
 
 def test_parse_fixed_types():
     assert parse_fixed(["cache_blocks=all", "offload=0.25", "checkpointing=none", "prefetch=0"]) == {
-        "cache_blocks": "all", "offload": 0.25, "checkpointing": 0, "prefetch": 0}
+        "cache_blocks": "all",
+        "offload": 0.25,
+        "checkpointing": 0,
+        "prefetch": 0,
+    }
 
 
 @pytest.mark.parametrize("name,gpus", [("gpt2-10b", 1), ("gpt2-4b", 2)])
@@ -126,7 +160,9 @@ def test_more_gpu_memory_is_never_predicted_slower(profiles, a100, name, gpus):
     times = []
     for usable_gib in (24, 30, 36, 40, 48, 64, 80):
         try:
-            times.append(search(profiles[name], with_memory(a100, usable_gib), gpus_per_node=gpus).candidates[0].step_time_s)
+            times.append(
+                search(profiles[name], with_memory(a100, usable_gib), gpus_per_node=gpus).candidates[0].step_time_s
+            )
         except InfeasibleError:
             times.append(float("inf"))
     assert any(t < float("inf") for t in times)
@@ -150,7 +186,9 @@ def test_pinning_more_offload_never_lowers_host_memory(profiles, a100):
     hosts = []
     for share in (0.0, 0.25, 0.5, 0.75, 1.0):
         fixed = {"offload": share, "chunk_size": 256 * 2**20}
-        hosts.append(search(profile, with_memory(a100, 200), gpus_per_node=2, fixed=fixed).plan.prediction.peak_host_bytes)
+        hosts.append(
+            search(profile, with_memory(a100, 200), gpus_per_node=2, fixed=fixed).plan.prediction.peak_host_bytes
+        )
     assert hosts[0] == 0
     assert all(later >= earlier for earlier, later in zip(hosts, hosts[1:])), hosts
     assert hosts[-1] > hosts[0]
@@ -186,6 +224,7 @@ def test_elixir_rule_gives_a_valid_plan_scored_by_the_same_model(profiles, a100)
 
 
 # Sanity on presets (analytic profiles; traced ones in test_search_presets.py).
+
 
 def test_gpt2_124m_on_4_a100_does_not_offload(profiles, a100):
     plan = search(profiles["gpt2"], a100, gpus_per_node=4).plan

@@ -16,9 +16,13 @@ pytestmark = pytest.mark.slow
 
 
 def traced(name: str, **kwargs):
-    return profiler.profile_model(str(paths.MODEL_CONFIGS_DIR / f"{name}.yaml"), batch_size=8,
-                                  seq_len=kwargs.get("seq_len", 1024), dtype=kwargs.get("dtype", "bf16"),
-                                  checkpointing=kwargs.get("checkpointing", "none"))
+    return profiler.profile_model(
+        str(paths.MODEL_CONFIGS_DIR / f"{name}.yaml"),
+        batch_size=8,
+        seq_len=kwargs.get("seq_len", 1024),
+        dtype=kwargs.get("dtype", "bf16"),
+        checkpointing=kwargs.get("checkpointing", "none"),
+    )
 
 
 @pytest.fixture(scope="module")

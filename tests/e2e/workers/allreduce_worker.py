@@ -26,9 +26,15 @@ def main() -> None:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    info = {"pid": os.getpid(), "rank": rank, "world_size": world, "local_rank": int(os.environ["LOCAL_RANK"]),
-            "plan": os.environ.get("ELIXIR_TUNE_PLAN"), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-            "argv": sys.argv[1:]}
+    info = {
+        "pid": os.getpid(),
+        "rank": rank,
+        "world_size": world,
+        "local_rank": int(os.environ["LOCAL_RANK"]),
+        "plan": os.environ.get("ELIXIR_TUNE_PLAN"),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "argv": sys.argv[1:],
+    }
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as file:
         json.dump(info, file)
     print(f"worker rank {rank}/{world} pid {os.getpid()} ready", flush=True)
