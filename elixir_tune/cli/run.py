@@ -20,11 +20,13 @@ from elixir_tune.cli.console import (
 from elixir_tune.launcher import (
     ArgvError,
     LaunchSpec,
+    SlurmError,
     check_launch,
     compose_torchrun_argv,
     failed,
     format_command,
     observe_machine,
+    read_allocation,
     run_torchrun,
     script_is_a_file,
     split_command_line,
@@ -45,23 +47,28 @@ _MARK = {True: "[green]ok[/]", False: "[red]FAIL[/]"}
     },
 )
 @click.option(
-    "--nnodes", type=click.IntRange(min=1), default=None, help="Nodes taking part (default: the plan's cluster.nodes)."
+    "--nnodes",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Nodes taking part (default: the SLURM allocation's, else the plan's cluster.nodes).",
 )
 @click.option(
     "--node-rank",
     type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    help="This node's rank, different on each node (checked against --nnodes; the c10d "
-    "rendezvous assigns the global ranks).",
+    default=None,
+    help="This node's rank, different on each node (default 0, or SLURM_NODEID; checked against "
+    "--nnodes; the c10d rendezvous assigns the global ranks).",
 )
 @click.option(
     "--rdzv-endpoint",
     metavar="HOST:PORT",
     default=None,
-    help="c10d rendezvous on node 0, the same on every node (needed for several nodes).",
+    help="c10d rendezvous on node 0, the same on every node (needed for several nodes; under SLURM "
+    "the allocation's first host, port 29400 or $ELIXIR_TUNE_RDZV_PORT).",
 )
-@click.option("--rdzv-id", default=None, help="Job id shared by all nodes (default: from the plan's fingerprint).")
+@click.option(
+    "--rdzv-id", default=None, help="Job id shared by all nodes (default: SLURM's job id, else from the plan)."
+)
 @click.option(
     "--max-restarts",
     type=click.IntRange(min=0),
@@ -76,7 +83,7 @@ _MARK = {True: "[green]ok[/]", False: "[red]FAIL[/]"}
 )
 def run_command(
     nnodes: int | None,
-    node_rank: int,
+    node_rank: int | None,
     rdzv_endpoint: str | None,
     rdzv_id: str | None,
     max_restarts: int,
@@ -97,6 +104,8 @@ def run_command(
         elixir-run --dry-run plan.yaml scripts/train_gpt2.py
         # two nodes: the same command on each, --node-rank 0 and 1
         elixir-run --nnodes 2 --node-rank 0 --rdzv-endpoint 10.0.0.1:29400 plan.yaml train.py
+        # inside a SLURM allocation, once per node: nodes, rank and endpoint come from SLURM
+        srun --ntasks-per-node=1 elixir-run plan.yaml train.py
     """
     if as_json and not dry_run:
         fail("--json goes with --dry-run (a running job's output is the workers' own)", code=EXIT_USAGE)
@@ -121,7 +130,19 @@ def run_command(
     if script_is_a_file(torchrun_options) and not os.path.isfile(script):
         fail(f"training script not found: {script}", hint="give the path of a Python file, e.g. scripts/train_gpt2.py")
 
+    try:
+        allocation = read_allocation(os.environ)
+    except SlurmError as error:
+        fail(str(error), hint="or pass --nnodes, --node-rank and --rdzv-endpoint yourself")
+    if allocation is not None:
+        # Explicit flags win over the allocation, which wins over the plan.
+        nnodes = allocation.nnodes if nnodes is None else nnodes
+        node_rank = allocation.node_rank if node_rank is None else node_rank
+        if nnodes > 1:
+            rdzv_endpoint = rdzv_endpoint or allocation.rdzv_endpoint
+            rdzv_id = rdzv_id or allocation.rdzv_id
     nnodes = plan.cluster.nodes if nnodes is None else nnodes
+    node_rank = 0 if node_rank is None else node_rank
     facts = observe_machine()
     checks = check_launch(plan, facts, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
     spec = LaunchSpec(
@@ -149,10 +170,16 @@ def run_command(
                 "torchrun_argv": argv,
                 "env": env,
                 "checks": [vars(check) for check in checks],
+                "slurm": None if allocation is None else vars(allocation),
             }
         )
         raise SystemExit(EXIT_FAILED if problems else EXIT_OK)
     _print_summary(plan, plan_path, checks, nnodes, node_rank)
+    if allocation is not None:
+        console.print(
+            f"  SLURM {allocation.rdzv_id}: node {node_rank} of {nnodes}, rendezvous {rdzv_endpoint or 'local'}",
+            markup=False,
+        )
     if dry_run:
         console.print("[bold]command[/] (what elixir-run runs in-process):")
         console.print(command, markup=False, soft_wrap=True)

@@ -17,6 +17,7 @@ from elixir_tune.launcher.argv import (
 from elixir_tune.launcher.checks import Check, MachineFacts, check_launch, failed, observe_machine, parse_endpoint
 from elixir_tune.launcher.env import worker_env
 from elixir_tune.launcher.launch import LaunchOutcome, WorkerFailure, describe_failures, run_torchrun
+from elixir_tune.launcher.slurm import SlurmAllocation, SlurmError, first_host, read_allocation
 
 __all__ = [
     "MANAGED_OPTIONS",
@@ -38,4 +39,8 @@ __all__ = [
     "WorkerFailure",
     "describe_failures",
     "run_torchrun",
+    "SlurmAllocation",
+    "SlurmError",
+    "first_host",
+    "read_allocation",
 ]
