@@ -19,7 +19,7 @@ import torch
 from elixir_tune.engine.cache import ChunkCache
 from elixir_tune.engine.chunk import Chunk, ParamSlot
 from elixir_tune.engine.comm import Comm
-from elixir_tune.engine.hooks import install_grad_hooks, install_module_hooks, wrap_checkpointed
+from elixir_tune.engine.hooks import disable_kv_cache, install_grad_hooks, install_module_hooks, wrap_checkpointed
 from elixir_tune.engine.states import GRAD_STAGED, TensorState, transition
 from elixir_tune.plan import DTYPE_BYTES, MODEL_STATE_KEYS, Plan
 
@@ -169,6 +169,7 @@ class Engine:
             return
         if not self.plan.model.block_list:
             raise ValueError("training.activation_checkpointing is set but model.block_list names no blocks")
+        disable_kv_cache(self.model)
         blocks = self.model.get_submodule(self.plan.model.block_list)
         for index, block in enumerate(blocks):
             if checkpointing.applies_to(index):

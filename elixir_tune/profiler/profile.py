@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from elixir_tune.plan.fingerprint import fingerprint
-from elixir_tune.profiler.attention import FusedAttentionOnMeta
 from elixir_tune.profiler.blocks import checkpointed, find_block_list
+from elixir_tune.profiler.meta_kernels import FusedKernelsOnMeta
 from elixir_tune.profiler.meter import LiveMemoryMeter, MetaOpCache
 from elixir_tune.profiler.schema import ActivationLine, BlockInfo, ModelProfile, ParamInfo
 from elixir_tune.profiler.source import ModelSource, ModelSourceError, load_model_source, quiet_transformers
@@ -86,6 +86,7 @@ def profile_model(
 
     report(f"building {source.name} on the meta device")
     model = _build_on_meta(source)
+    disable_kv_cache(model)
     model_fingerprint = fingerprint(
         [(n, list(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters()]
     )
@@ -176,6 +177,56 @@ def summarize(profile: ModelProfile) -> str:
     return "\n".join(lines)
 
 
+def disable_kv_cache(model: nn.Module) -> None:
+    """Turns off transformers' key/value cache, as its gradient checkpointing does.
+
+    A training step never reads the cache, and a cache filled during the forward makes a
+    checkpointed block's recomputation take another path than its forward (T5's decoder).
+    """
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False):
+            config.use_cache = False
+
+
+class _WhereRunning:
+    """Follows which module of ``model`` is running, to say where a traced pass failed."""
+
+    def __init__(self, model: nn.Module):
+        self._names = {module: name or "<model>" for name, module in model.named_modules()}
+        self.stack: list[nn.Module] = []
+        self.last_started: nn.Module | None = None
+        self._handles: list = []
+
+    def __enter__(self) -> _WhereRunning:
+        self._handles = [
+            nn.modules.module.register_module_forward_pre_hook(self._enter_module),
+            nn.modules.module.register_module_forward_hook(self._leave_module),
+        ]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def _enter_module(self, module: nn.Module, args) -> None:
+        if module in self._names:
+            self.stack.append(module)
+            self.last_started = module
+
+    def _leave_module(self, module: nn.Module, args, output) -> None:
+        if self.stack and self.stack[-1] is module:
+            self.stack.pop()
+
+    def describe(self, in_backward: bool) -> str:
+        """Where the pass stopped: the innermost running module, or the last one started."""
+        module = self.stack[-1] if self.stack else self.last_started
+        where = f"{self._names[module]} ({type(module).__name__})" if module is not None else "the model"
+        if in_backward:
+            return f"the backward pass (the last module run, possibly recomputed, was {where})"
+        return f"the forward of {where}"
+
+
 def _build_on_meta(source: ModelSource) -> nn.Module:
     with torch.device("meta"):
         model = source.build_model()
@@ -207,18 +258,29 @@ class _Tracer:
         # The engine moves each gradient into its chunk as soon as it is complete, so a finished
         # gradient is not activation memory: drop it as the engine would.
         handles = [p.register_post_accumulate_grad_hook(_drop_grad) for p in self.model.parameters() if p.requires_grad]
-        blocks = (
-            checkpointed(self.block_modules, FusedAttentionOnMeta) if checkpoint_blocks else contextlib.nullcontext()
-        )
+        blocks = checkpointed(self.block_modules, FusedKernelsOnMeta) if checkpoint_blocks else contextlib.nullcontext()
+        where = _WhereRunning(self.model)
         try:
             # The attention mode is left before backward (a torch-function mode would swallow the
             # whole backward call); checkpointed blocks enter it again when they recompute.
-            with quiet_transformers(), meter, blocks:
-                with FusedAttentionOnMeta():
+            with quiet_transformers(), meter, blocks, where:
+                with FusedKernelsOnMeta():
                     loss = _loss_of(self.source, self.model, batch)
                 meter.in_backward = True
                 loss.backward()
                 del loss
+        except ModelSourceError:
+            raise
+        except Exception as exc:  # the model ran its own code: anything may come out of it
+            first_line = str(exc).strip().splitlines()[0].rstrip(".") if str(exc).strip() else ""
+            raise ModelSourceError(
+                f"{self.source.source}: profiling stopped in {where.describe(meter.in_backward)}"
+                + (" with every block checkpointed" if checkpoint_blocks else "")
+                + f": {type(exc).__name__}: {first_line}. The profiler runs the model on the meta device (shapes, "
+                "no values): an operation that reads tensor values (.item(), nonzero, data-dependent shapes) or "
+                "has no meta kernel cannot be traced there; make that module's forward shape-only, or report "
+                "this message if the model trains in plain PyTorch"
+            ) from exc
         finally:
             recorder.remove()
             for handle in handles:
@@ -227,10 +289,7 @@ class _Tracer:
 
 
 def _loss_of(source: ModelSource, model: nn.Module, batch: dict) -> torch.Tensor:
-    try:
-        out = model(**batch)
-    except Exception as exc:
-        raise ModelSourceError(f"{source.source}: model(**batch) raised {type(exc).__name__}: {exc}") from exc
+    out = model(**batch)  # what it raises is located and explained by the caller
     loss = out if isinstance(out, torch.Tensor) else getattr(out, "loss", None)
     if loss is None and isinstance(out, dict):
         loss = out.get("loss")

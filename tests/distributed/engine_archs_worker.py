@@ -24,7 +24,7 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_plans import VOCAB, batches, make_plan, param_groups  # noqa: E402
-from engine_worker import compare, local_micro  # noqa: E402
+from engine_worker import compare, mean_over_ranks, train_steps  # noqa: E402
 
 import elixir_tune  # noqa: E402
 
@@ -143,16 +143,7 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
     accum = plan.training.grad_accum_steps
     global_batch = plan.training.global_batch_size
     model, opt = elixir_tune.setup(model, opt, plan=plan)
-    losses = []
-    for batch in batches(case.get("steps", 12), global_batch, SEQ):
-        total = 0.0
-        for k in range(accum):
-            loss = model(**local_micro(batch, rank, world, accum, k)).loss / accum
-            opt.backward(loss)
-            total += float(loss.detach())
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
+    losses = train_steps(model, opt, batches(case.get("steps", 12), global_batch, SEQ), rank, world, accum)
     full = model.state_dict()  # a collective: every rank calls it
     memory = plan.memory
     return {
@@ -198,17 +189,12 @@ def run_reference(case: dict, global_batch: int) -> dict:
 
 def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> dict:
     """One architecture case on this rank; rank 0 also runs the plain-PyTorch reference."""
-    import torch.distributed as dist
-
     from elixir_tune.profiler.source import quiet_transformers
 
     start = time.perf_counter()
     with quiet_transformers():
         engine = run_engine(case, rank, world)
-    losses = torch.tensor(engine["losses"], dtype=torch.float64)
-    if world > 1:
-        dist.all_reduce(losses)
-    world_losses = (losses / world).tolist()
+    world_losses = mean_over_ranks(engine["losses"], world)
     result = {
         "case": case,
         "world_losses": world_losses,

@@ -56,10 +56,35 @@ def global_batches(case: dict, world: int):
 
 def local_micro(batch: dict, rank: int, world: int, accum: int, k: int) -> dict:
     """Micro-batch k of this rank: ranks take contiguous slices, micro-batches split those."""
-    per_rank = batch["input_ids"].shape[0] // world
+    per_rank = len(next(iter(batch.values()))) // world
     per_micro = per_rank // accum
     start = rank * per_rank + k * per_micro
     return {key: value[start : start + per_micro] for key, value in batch.items()}
+
+
+def mean_over_ranks(losses: list[float], world: int) -> list[float]:
+    """Each step's loss averaged over the ranks (a collective): the global batch's loss."""
+    import torch.distributed as dist
+
+    total = torch.tensor(losses, dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(total)
+    return (total / world).tolist()
+
+
+def train_steps(model, opt, global_batches: list[dict], rank: int, world: int, accum: int) -> list[float]:
+    """Plain training steps through the engine's API; this rank's loss of each step."""
+    losses = []
+    for batch in global_batches:
+        total = 0.0
+        for k in range(accum):
+            loss = model(**local_micro(batch, rank, world, accum, k)).loss / accum
+            opt.backward(loss)
+            total += float(loss.detach())
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses
 
 
 def run_engine(case: dict, rank: int, world: int) -> dict:

@@ -1,11 +1,18 @@
-"""Scaled-dot-product attention on the meta device, the way real devices run it.
+"""Fused kernels on the meta device, the way real devices run them.
 
-On meta tensors ``F.scaled_dot_product_attention`` falls back to the math path, which keeps the
+Attention. On meta tensors ``F.scaled_dot_product_attention`` falls back to the math path, which keeps the
 seq x seq attention matrix for backward. GPUs (flash / memory-efficient kernels) and CPUs (flash
 for CPU) keep only the output and a log-sum-exp per row, so the math path would overstate
 activation memory by far at seq 1024 and beyond. While profiling, calls on meta tensors go to
 the memory-efficient kernel's meta implementation instead: same outputs kept, same FLOPs counted
 by torch's flop formulas.
+
+Grouped matmuls (mixture-of-experts layers: each token's rows times its expert's matrix). torch's
+meta kernel for ``grouped_mm`` accepts bf16 only, while the model may be profiled in fp32 or fp16;
+and the routing (which token goes to which expert) is data that meta tensors do not hold. Each
+call is replaced by one dense matmul of the tokens with one expert's matrix: the same output
+shape, the same FLOPs (every row meets exactly one expert matrix) forward and backward, and the
+same tensors saved (the tokens, and a view of the weight).
 """
 
 from __future__ import annotations
@@ -14,9 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+GROUPED_MM_FUNCTIONS = tuple(f for f in (getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None)) if f)
 
-class FusedAttentionOnMeta(TorchFunctionMode):
-    """Routes ``F.scaled_dot_product_attention`` on meta tensors to a fused kernel's meta shape."""
+
+class FusedKernelsOnMeta(TorchFunctionMode):
+    """Routes attention and grouped matmuls on meta tensors to what a fused kernel keeps and counts."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -24,6 +33,8 @@ class FusedAttentionOnMeta(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in GROUPED_MM_FUNCTIONS and args and args[0].is_meta and len(args) > 1 and args[1].dim() == 3:
+            return _grouped_mm_on_meta(args[0], args[1])
         if func is F.scaled_dot_product_attention and self._fused_works and args and args[0].is_meta:
             try:
                 return _efficient_attention(*args, **kwargs)
@@ -51,3 +62,8 @@ def _efficient_attention(
         query, key, value, bias, query.requires_grad or key.requires_grad, dropout_p, is_causal, scale=scale
     )
     return out[0]
+
+
+def _grouped_mm_on_meta(tokens: torch.Tensor, expert_weights: torch.Tensor) -> torch.Tensor:
+    """(S, K) x (E, K, N) grouped by expert -> (S, N), as one expert's dense matmul."""
+    return torch.matmul(tokens.to(expert_weights.dtype), expert_weights.select(0, 0))
