@@ -1,4 +1,4 @@
-"""Elixir's own rule (REFERENCE.md, "How Elixir decides"), as a baseline scored by our cost model.
+"""Elixir's own rule (the Elixir paper's search and its released code), as a baseline scored by our cost model.
 
 1. GPU budget = 0.95 x (GPU memory - 2 GiB driver - buffers - 1.25 x peak activations), with
    activation checkpointing on and no gradient accumulation (Elixir has none).

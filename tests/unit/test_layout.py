@@ -1,4 +1,4 @@
-"""The dependency direction of DESIGN section 3, checked by importing each package in a fresh
+"""The dependency rules of docs/DESIGN.md section 3, checked by importing each package in a fresh
 interpreter and looking at what came along."""
 
 from __future__ import annotations
