@@ -232,6 +232,7 @@ def search_command(
         else f"elixir-tune search --gpus {gpus}"
     )
     prediction = plan.prediction
+    assert prediction is not None, "search always writes a prediction"
     header = (
         f"Written by `{command}`\n"
         f"on {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} from profile {profile_path} ({profile.name}) "

@@ -68,7 +68,7 @@ def placement_runs(plan: Plan) -> list[dict]:
 def plan_states(plan: Plan) -> dict[str, int]:
     """Model-state bytes per rank by the plan's formula (the prediction's, or computed here)."""
     if plan.prediction is not None and plan.prediction.model_state_bytes:
-        return dict(plan.prediction.model_state_bytes)
+        return {str(key): value for key, value in plan.prediction.model_state_bytes.items()}
     chunks = plan.memory.chunks
     offloaded = sum(1 for c in chunks if c.offload)
     return model_state_bytes(
@@ -135,6 +135,7 @@ def _memory_table(plan: Plan, states: dict[str, int]) -> Table:
 
 def _timeline_table(plan: Plan) -> Table:
     prediction = plan.prediction
+    assert prediction is not None, "only plans with a prediction have a timeline"
     table = Table(
         title=(
             f"predicted step: {prediction.step_time_s:.4g} s, {prediction.tokens_per_s:,.0f} tokens/s, "

@@ -48,7 +48,7 @@ def gpt2_profile(
     Returns:
         The profile.
     """
-    if hidden is None:
+    if hidden is None or layers is None or heads is None:
         hidden, layers, heads = GPT2_SIZES[name]
     params: list[ParamInfo] = []
     trace: list[list[int]] = []
@@ -61,7 +61,7 @@ def gpt2_profile(
         return len(params) - 1
 
     def module(prefix: str, shapes: list[list[int]]) -> None:
-        trace.append([add(f"{prefix}.{kind}", shape) for kind, shape in zip(("weight", "bias"), shapes)])
+        trace.append([add(f"{prefix}.{kind}", shape) for kind, shape in zip(("weight", "bias"), shapes, strict=False)])
 
     wte = add("transformer.wte.weight", [vocab, hidden], shared=True)
     trace.append([wte])

@@ -6,6 +6,8 @@ rank gets) before calling.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -50,7 +52,10 @@ def matmul_tflops(device: torch.device, dtype_name: str, tokens: int, hidden: in
             x = torch.randn(rows, fan_in, device=device, dtype=dtype)
             weight = torch.randn(fan_out, fan_in, device=device, dtype=dtype)
             seconds += median_time_s(
-                lambda: F.linear(x, weight), device, budget_s / len(shapes), warmup=2 if device.type == "cuda" else 1
+                functools.partial(F.linear, x, weight),
+                device,
+                budget_s / len(shapes),
+                warmup=2 if device.type == "cuda" else 1,
             )
             flops += 2.0 * rows * fan_in * fan_out
             del x, weight

@@ -77,6 +77,7 @@ def elixir_shape(model: CostModel, per_rank_batch: int, fixed: dict | None = Non
         moved = _moved_elements(model, chunk_size, every, blocks) if layout.num_cacheable else 0
         if best is None or moved < best[0]:
             best = (moved, chunk_size, minimum)
+    assert best is not None, "Elixir's rule always has chunk sizes to try"
     _moved, chunk_size, minimum = best
     layout = model.layout(chunk_size)
     chunk_bytes = chunk_size * dtype_bytes

@@ -156,7 +156,7 @@ def run_reference(case: dict, world: int) -> dict:
 
 def compare(engine: dict, reference: dict, world_losses: list[float]) -> dict:
     """Largest relative loss difference and absolute weight difference."""
-    loss_rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(world_losses, reference["losses"]))
+    loss_rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(world_losses, reference["losses"], strict=True))
     weight = 0.0
     assert set(engine["state"]) == set(reference["state"]), set(engine["state"]) ^ set(reference["state"])
     for key, ref in reference["state"].items():
@@ -164,7 +164,9 @@ def compare(engine: dict, reference: dict, world_losses: list[float]) -> dict:
         b = torch.tensor(ref)
         assert a.shape == b.shape, key
         weight = max(weight, float((a.float() - b.float()).abs().max()) if a.numel() else 0.0)
-    norm_rel = max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(engine["norms"], reference["norms"])), default=0.0)
+    norm_rel = max(
+        (abs(a - b) / max(abs(b), 1e-12) for a, b in zip(engine["norms"], reference["norms"], strict=True)), default=0.0
+    )
     return {"loss_rel": loss_rel, "weight_abs": weight, "norm_rel": norm_rel}
 
 

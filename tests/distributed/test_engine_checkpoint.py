@@ -34,7 +34,7 @@ CASES = [
 def test_resume_is_exact_and_fallbacks_are_clear():
     per_rank = launch("engine_checkpoint_worker.py", CASES, world_size=2, timeout_s=120)
     for rank, results in enumerate(per_rank):
-        for case, result in zip(CASES, results):
+        for case, result in zip(CASES, results, strict=True):
             assert result["ok"], (rank, result.get("error"), result.get("trace"))
             assert result["exact"] and result["step"] == case["steps"] // 2
             assert result["extra"] == {"note": "half"}

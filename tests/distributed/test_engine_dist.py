@@ -105,7 +105,7 @@ def test_world2_fp16_overflow_skipped_on_every_rank(world2):
         assert result["loss_scale"] == 2.0**15
     # Before the skip the fp16 run tracks the fp32 reference.
     first = results[0]
-    early = [abs(a - b) / b for a, b in zip(first["world_losses"][:4], first["ref_losses"][:4])]
+    early = [abs(a - b) / b for a, b in zip(first["world_losses"][:4], first["ref_losses"][:4], strict=True)]
     assert max(early) < 1e-2
 
 

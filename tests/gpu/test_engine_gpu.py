@@ -68,7 +68,7 @@ def train(build, plan_kwargs, dtype="fp32", accum=2, clip=0.5):
         ref_losses.append(float(loss.detach()))
     state, ref_state = model.state_dict(), ref.state_dict()
     weight = max(float((state[k].float() - v.float().cpu()).abs().max()) for k, v in ref_state.items())
-    loss_rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    loss_rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
     return loss_rel, weight, model, plan
 
 
