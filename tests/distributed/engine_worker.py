@@ -15,17 +15,13 @@ returns both loss curves and the largest weight difference.
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_plans import batches, make_plan, param_groups, tied_net, tiny_gpt2  # noqa: E402
-
-import elixir_tune  # noqa: E402
-from elixir_tune.plan import SHARD_BYTES_PER_ELEMENT  # noqa: E402
+import elixir_tune
+from elixir_tune.plan import SHARD_BYTES_PER_ELEMENT
+from tests.distributed.engine_plans import batches, make_plan, param_groups, tied_net, tiny_gpt2
 
 SEQ = 8
 
@@ -199,6 +195,6 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
 
 
 if __name__ == "__main__":
-    from engine_launch import worker_main
+    from tests.distributed.engine_launch import worker_main
 
     worker_main(run_case)

@@ -8,11 +8,11 @@ save that died between its renames leaves a complete copy that load finds.
 
 from __future__ import annotations
 
-import os
-import sys
+import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_launch import launch  # noqa: E402
+from tests.distributed.engine_launch import launch
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 CASES = [
     # AdamW over device and host shards, recomputation, accumulation, clipping.

@@ -6,7 +6,6 @@ from __future__ import annotations
 import shlex
 
 import pytest
-from launch_helpers import EXAMPLE_PLAN, write_plan
 
 from elixir_tune.launcher import (
     ArgvError,
@@ -26,6 +25,7 @@ from elixir_tune.launcher import (
 )
 from elixir_tune.launcher.launch import exit_code_of, order_failures
 from elixir_tune.plan import PLAN_ENV_VAR, load_plan
+from tests.e2e.launch_helpers import EXAMPLE_PLAN, write_plan
 
 GIB = 2**30
 
