@@ -10,8 +10,9 @@ from pathlib import Path
 
 import click
 
-from elixir_tune.cli.console import Table, console, err_console, fail, gib, print_json, print_wide
+from elixir_tune.cli.console import Table, console, err_console, fail, print_json, print_wide
 from elixir_tune.plan import save_plan, validate
+from elixir_tune.units import gib
 
 _UNITS = {
     "": 1,

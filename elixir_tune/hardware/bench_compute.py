@@ -11,9 +11,11 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from elixir_tune.dtypes import TORCH_DTYPES
 from elixir_tune.hardware.timing import median_time_s
 
-DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# tf32 is fp32 storage with TF32 matmuls (switched on around the benchmark).
+DTYPES = {**TORCH_DTYPES, "tf32": torch.float32}
 
 
 def transformer_gemms(tokens: int, hidden: int) -> list[tuple[int, int, int]]:
