@@ -173,7 +173,7 @@ def check_fields(mapping: dict, cls: type, path: str, errors: list[str]) -> dict
     Args:
         mapping: the parsed YAML mapping.
         cls: the dataclass it should build.
-        path: the mapping's field path.
+        path: the mapping's field path ("" for a top-level document).
         errors: where problems go, in field order, unknown names last.
 
     Returns:
@@ -182,8 +182,9 @@ def check_fields(mapping: dict, cls: type, path: str, errors: list[str]) -> dict
     hints = type_hints(cls)
     good: dict[str, Any] = {}
     known = [field.name for field in dataclasses.fields(cls)]
+    prefix = f"{path}." if path else ""
     for field in dataclasses.fields(cls):
-        field_path = f"{path}.{field.name}"
+        field_path = prefix + field.name
         value = mapping.get(field.name)
         if value is None:
             if is_required(field):
@@ -194,7 +195,7 @@ def check_fields(mapping: dict, cls: type, path: str, errors: list[str]) -> dict
             good[field.name] = checked
     for name in mapping:
         if name not in known:
-            errors.append(f"{path}.{name}: unknown field (known: {', '.join(known)})")
+            errors.append(f"{prefix}{name}: unknown field (known: {', '.join(known)})")
     return good
 
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
 
 from elixir_tune.dtypes import DTYPE_ALIASES, TORCH_DTYPES, dtype_name
 from elixir_tune.plan.fingerprint import model_fingerprint
+from elixir_tune.plan.schema import Dtype
 from elixir_tune.profiler.attention import FusedAttentionOnMeta
 from elixir_tune.profiler.blocks import checkpointed, find_block_list
 from elixir_tune.profiler.meter import LiveMemoryMeter, MetaOpCache
@@ -135,7 +137,7 @@ def profile_model(
         source=source.source,
         fingerprint=fingerprint,
         num_params=num_params,
-        dtype=dtype,
+        dtype=cast(Dtype, dtype),  # checked against TORCH_DTYPES above
         batch_size=batch_size,
         seq_len=seq_len,
         params=param_infos,
