@@ -53,3 +53,41 @@ def test_every_place_the_decision_map_names_exists():
 def test_the_design_names_no_file_outside_the_repository():
     text = DESIGN.read_text()
     assert "../" not in text and "/work/" not in text
+
+
+def test_the_plan_format_table_lists_every_field_of_the_schema():
+    import dataclasses
+
+    from elixir_tune.plan.fields import section_type
+    from elixir_tune.plan.schema import Plan
+
+    text = DESIGN.read_text()
+    section = text[text.index("## 8. Plan format") : text.index("### 8.1")]
+
+    def paths(cls: type, prefix: str) -> list[str]:
+        out = []
+        for field in dataclasses.fields(cls):
+            bare = section_type(cls, field.name)
+            if dataclasses.is_dataclass(bare):
+                out += paths(bare, f"{prefix}{field.name}.")
+            elif getattr(bare, "__origin__", None) is list and dataclasses.is_dataclass(bare.__args__[0]):
+                out += paths(bare.__args__[0], f"{prefix}{field.name}[].")
+            else:
+                out.append(prefix + field.name)
+        return out
+
+    missing = []
+    for field in dataclasses.fields(Plan):
+        if field.name in ("prediction", "search"):  # listed by name inside their row
+            missing += [
+                f"{field.name}.{name}"
+                for name in paths(section_type(Plan, field.name), "")
+                if f"`{name}`" not in section
+            ]
+        elif field.name == "schema_version":
+            missing += [] if "`schema_version`" in section else ["schema_version"]
+        else:
+            missing += [
+                path for path in paths(section_type(Plan, field.name), f"{field.name}.") if f"`{path}`" not in section
+            ]
+    assert not missing, f"docs/DESIGN.md section 8 lacks {missing}"
