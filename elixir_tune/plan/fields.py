@@ -10,7 +10,7 @@ mapping back into dataclasses.
 Why stdlib dataclasses and typing rather than pydantic: the plan package must import without torch
 and with as few dependencies as possible (it is read by the launcher before any worker starts),
 the messages must stay exactly as users and tests know them (pydantic's are its own and stop
-listing per field once a model fails to build), and the whole mechanism is about 150 lines.
+listing per field once a model fails to build), and the whole mechanism is this one module.
 
 Messages (``path`` is the dotted field path, list items as ``[i]``):
     ``path: missing (expected <what>)``, ``path: expected <what>, got <value>``,
