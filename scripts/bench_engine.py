@@ -58,7 +58,7 @@ def make_plan(model, world: int, chunk_size: int, prefetch: int = 0):
 
     chunk_size = -(-chunk_size // world) * world
     chunks, used = [[]], 0
-    for name, param in model.named_parameters():
+    for param in model.parameters():
         chunk_size = max(chunk_size, -(-param.numel() // world) * world)
     for name, param in model.named_parameters():
         if used + param.numel() > chunk_size and chunks[-1]:

@@ -403,7 +403,7 @@ def rank_order(values: list[float]) -> list[int]:
 def spearman(a: list[float], b: list[float]) -> float:
     ra, rb = rank_order(a), rank_order(b)
     ma, mb = statistics.mean(ra), statistics.mean(rb)
-    num = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    num = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
     den = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
     return num / den if den else float("nan")
 
@@ -486,7 +486,7 @@ def main() -> int:
     runs: dict[str, list[dict]] = {name: [] for name, _, _ in shapes}
     for round_index in range(args.rounds):
         order = shapes if round_index % 2 == 0 else shapes[::-1]
-        for name, pins, result in order:
+        for name, _pins, result in order:
             plan = result.plan
             say(
                 f"round {round_index + 1}, {name}: {describe(shape_of(plan))}: predicted "
@@ -539,7 +539,7 @@ def main() -> int:
     predicted = [r["predicted_step_time_s"] for r in rows]
     measured_t = [r["measured_median_step_time_s"] for r in rows]
     pred_rank, meas_rank = rank_order(predicted), rank_order(measured_t)
-    for row, p, m in zip(rows, pred_rank, meas_rank):
+    for row, p, m in zip(rows, pred_rank, meas_rank, strict=True):
         row["predicted_rank"], row["measured_rank"] = p, m
     fastest_pred = [r["name"] for r in rows if r["predicted_rank"] == 1]
     fastest_meas = min(rows, key=lambda r: r["measured_median_step_time_s"])["name"]

@@ -103,7 +103,7 @@ def markdown(report: dict) -> str:
         "| model | cluster | search s (median) | candidates scored | candidates/s | best TFLOPS/GPU | target |",
         "|---|---|---:|---:|---:|---:|---|",
     ]
-    for timing, target in zip(report["timings"], ("< 10 s", "< 60 s")):
+    for timing, target in zip(report["timings"], ("< 10 s", "< 60 s"), strict=False):
         lines.append(
             f"| {timing['model']} | {timing['nodes']} x {timing['gpus_per_node']} x {timing['hardware']} | "
             f"{timing['search_s_median']} | {timing['candidates_scored']} | {timing['candidates_per_s']} | "

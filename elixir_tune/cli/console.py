@@ -66,14 +66,9 @@ __all__ = [
     "err_console",
     "escape",
     "fail",
-    "gib",
     "print_json",
     "print_wide",
     "EXIT_OK",
     "EXIT_FAILED",
     "EXIT_USAGE",
 ]
-
-
-def gib(num_bytes: float) -> str:
-    return f"{num_bytes / 2**30:.2f} GiB"

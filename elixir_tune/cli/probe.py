@@ -17,10 +17,10 @@ from elixir_tune.cli.console import (
     console,
     err_console,
     fail,
-    gib,
     print_json,
 )
 from elixir_tune.hardware import HardwareSpec, closest_preset, load_hardware, probe, save_hardware
+from elixir_tune.units import gib
 
 
 def _rate(value: float, unit: str) -> str:

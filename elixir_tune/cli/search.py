@@ -10,8 +10,9 @@ from pathlib import Path
 
 import click
 
-from elixir_tune.cli.console import Table, console, err_console, fail, gib, print_json, print_wide
+from elixir_tune.cli.console import Table, console, err_console, fail, print_json, print_wide
 from elixir_tune.plan import save_plan, validate
+from elixir_tune.units import gib
 
 _UNITS = {
     "": 1,
@@ -232,6 +233,7 @@ def search_command(
         else f"elixir-tune search --gpus {gpus}"
     )
     prediction = plan.prediction
+    assert prediction is not None, "search always writes a prediction"
     header = (
         f"Written by `{command}`\n"
         f"on {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} from profile {profile_path} ({profile.name}) "

@@ -7,6 +7,7 @@ import click
 from elixir_tune.cli.console import Table, console, fail, print_json, print_wide
 from elixir_tune.costmodel.memory import model_state_bytes
 from elixir_tune.plan import Plan, PlanError, load_plan
+from elixir_tune.units import human_bytes
 
 _STATE_LABELS = {
     "cache_bytes": "cache blocks (gathered chunks)",
@@ -27,14 +28,6 @@ _TIMELINE_LABELS = {
     "optimizer_cpu_s": "Adam on the CPU",
     "optimizer_exposed_s": "optimizer after backward (norm + Adam)",
 }
-
-
-def human_bytes(num_bytes: float) -> str:
-    """Bytes with a binary unit that keeps 3 significant digits readable (12.3 MiB, 1.50 GiB)."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(num_bytes) >= scale:
-            return f"{num_bytes / scale:.3g} {unit}"
-    return f"{num_bytes:.0f} B"
 
 
 def placement_runs(plan: Plan) -> list[dict]:
@@ -68,7 +61,7 @@ def placement_runs(plan: Plan) -> list[dict]:
 def plan_states(plan: Plan) -> dict[str, int]:
     """Model-state bytes per rank by the plan's formula (the prediction's, or computed here)."""
     if plan.prediction is not None and plan.prediction.model_state_bytes:
-        return dict(plan.prediction.model_state_bytes)
+        return {str(key): value for key, value in plan.prediction.model_state_bytes.items()}
     chunks = plan.memory.chunks
     offloaded = sum(1 for c in chunks if c.offload)
     return model_state_bytes(
@@ -135,6 +128,7 @@ def _memory_table(plan: Plan, states: dict[str, int]) -> Table:
 
 def _timeline_table(plan: Plan) -> Table:
     prediction = plan.prediction
+    assert prediction is not None, "only plans with a prediction have a timeline"
     table = Table(
         title=(
             f"predicted step: {prediction.step_time_s:.4g} s, {prediction.tokens_per_s:,.0f} tokens/s, "

@@ -59,7 +59,7 @@ def belady(
                 free_after = max(last_used.pop(victim), -1)
             fetches.append((position, chunk, free_after))
             upcoming[chunk] = position
-        for chunk, use in zip(step, next_use[position]):
+        for chunk, use in zip(step, next_use[position], strict=True):
             upcoming[chunk] = use
             last_used[chunk] = position
             heapq.heappush(heap, (-use, chunk))
@@ -91,7 +91,7 @@ def simulate_cache(steps: list[tuple[int, ...]], cache_blocks: int, num_cacheabl
         The fetch lists.
     """
     if cache_blocks >= num_cacheable:
-        first = {}
+        first: dict[int, int] = {}
         for position, step in enumerate(steps):
             for chunk in step:
                 first.setdefault(chunk, position)

@@ -76,7 +76,7 @@ def pack_chunks(profile: ModelProfile, chunk_size: int) -> ChunkLayout:
     """
     chunks: list[Chunk] = []
     chunk_of_param = [-1] * len(profile.params)
-    open_chunk = {False: None, True: None}  # resident flag -> chunk still being filled
+    open_chunk: dict[bool, int | None] = {False: None, True: None}  # resident flag -> chunk still being filled
     frozen_numel = 0
     for index, param in enumerate(profile.params):
         if not param.requires_grad:

@@ -78,7 +78,7 @@ def activation_bytes(profile: ModelProfile, micro_batch_size: int, every: int, d
     Returns:
         Bytes.
     """
-    plain = profile.activation.at(micro_batch_size)
+    plain: float = profile.activation.at(micro_batch_size)
     full = profile.activation_checkpointed
     if every > 0 and full is not None and profile.blocks:
         share = checkpointed_blocks(len(profile.blocks), every) / len(profile.blocks)

@@ -7,6 +7,7 @@ checkpointing, cache blocks) and the transfer costs per chunk size.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from elixir_tune.costmodel.cache import CacheSim, simulate_cache
@@ -167,7 +168,7 @@ class CostModel:
     def offload_mask(self, shape: Shape) -> list[bool]:
         """Per chunk, whether its shard is offloaded."""
         mask = [False] * self.layout(shape.chunk_size).num_chunks
-        chosen = shape.offloaded
+        chosen: Sequence[int] | None = shape.offloaded
         if chosen is None:
             chosen = self.offload_order(shape.chunk_size, shape.every, shape.cache_blocks)[: shape.num_offloaded]
         for chunk in chosen:

@@ -8,7 +8,10 @@ FLOPs (matmuls and attention) and activation lines (Korthikanti et al. for 16-bi
 
 from __future__ import annotations
 
+from typing import cast
+
 from elixir_tune.hardware.spec import HardwareSpec
+from elixir_tune.plan.schema import Dtype
 from elixir_tune.profiler.schema import ActivationLine, BlockInfo, ModelProfile, ParamInfo
 
 # hidden, layers, heads of the Elixir paper's benchmark models (REFERENCE.md), and GPT-2 sizes.
@@ -48,7 +51,7 @@ def gpt2_profile(
     Returns:
         The profile.
     """
-    if hidden is None:
+    if hidden is None or layers is None or heads is None:
         hidden, layers, heads = GPT2_SIZES[name]
     params: list[ParamInfo] = []
     trace: list[list[int]] = []
@@ -61,7 +64,7 @@ def gpt2_profile(
         return len(params) - 1
 
     def module(prefix: str, shapes: list[list[int]]) -> None:
-        trace.append([add(f"{prefix}.{kind}", shape) for kind, shape in zip(("weight", "bias"), shapes)])
+        trace.append([add(f"{prefix}.{kind}", shape) for kind, shape in zip(("weight", "bias"), shapes, strict=False)])
 
     wte = add("transformer.wte.weight", [vocab, hidden], shared=True)
     trace.append([wte])
@@ -105,7 +108,7 @@ def gpt2_profile(
         source=f"configs/models/{name}.yaml",
         fingerprint="synthetic0000000",
         num_params=num_params,
-        dtype=dtype,
+        dtype=cast(Dtype, dtype),
         batch_size=1,
         seq_len=seq_len,
         params=params,

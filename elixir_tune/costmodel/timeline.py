@@ -226,7 +226,7 @@ def combine_step(
         (step_time_s, breakdown).
     """
     parts = [cold] + [steady] * (grad_accum_steps - 1) if steady is not None else [cold]
-    if len(parts) == 1:
+    if steady is None or len(parts) == 1:
         backward_done = cold.drained_s
     else:
         backward_done = cold.compute_end_s + steady.compute_end_s * (len(parts) - 2) + steady.drained_s

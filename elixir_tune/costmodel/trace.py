@@ -62,10 +62,10 @@ def checkpointed_trace(profile: ModelProfile, every: int) -> list[tuple[list[int
         forward_of_block.setdefault(block_of(step), []).append(step)
     recomputed = set()
     for step in steps[num_forward:]:
-        block = block_of(step)
-        if block >= 0 and block % every == 0 and block not in recomputed:
-            recomputed.add(block)
-            out.extend((fwd, RECOMPUTE) for fwd in forward_of_block.get(block, []))
+        block_index = block_of(step)
+        if block_index >= 0 and block_index % every == 0 and block_index not in recomputed:
+            recomputed.add(block_index)
+            out.extend((fwd, RECOMPUTE) for fwd in forward_of_block.get(block_index, []))
         out.append((step, BACKWARD))
     return out
 

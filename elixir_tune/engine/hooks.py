@@ -105,5 +105,5 @@ def disable_kv_cache(model: torch.nn.Module) -> None:
     """
     for module in model.modules():
         config = getattr(module, "config", None)
-        if getattr(config, "use_cache", False):
+        if config is not None and getattr(config, "use_cache", False):
             config.use_cache = False

@@ -6,12 +6,16 @@ rank gets) before calling.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
+from elixir_tune.dtypes import TORCH_DTYPES
 from elixir_tune.hardware.timing import median_time_s
 
-DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# tf32 is fp32 storage with TF32 matmuls (switched on around the benchmark).
+DTYPES = {**TORCH_DTYPES, "tf32": torch.float32}
 
 
 def transformer_gemms(tokens: int, hidden: int) -> list[tuple[int, int, int]]:
@@ -50,7 +54,10 @@ def matmul_tflops(device: torch.device, dtype_name: str, tokens: int, hidden: in
             x = torch.randn(rows, fan_in, device=device, dtype=dtype)
             weight = torch.randn(fan_out, fan_in, device=device, dtype=dtype)
             seconds += median_time_s(
-                lambda: F.linear(x, weight), device, budget_s / len(shapes), warmup=2 if device.type == "cuda" else 1
+                functools.partial(F.linear, x, weight),
+                device,
+                budget_s / len(shapes),
+                warmup=2 if device.type == "cuda" else 1,
             )
             flops += 2.0 * rows * fan_in * fan_out
             del x, weight

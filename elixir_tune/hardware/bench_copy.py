@@ -7,6 +7,7 @@ Bandwidth here counts the bytes transferred once (the bandwidthTest host<->devic
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
@@ -26,7 +27,9 @@ def host_copy_curve(sizes_bytes: list[int], budget_s: float) -> dict[int, float]
     for size in sizes_bytes:
         src = torch.ones(size, dtype=torch.uint8)
         dst = torch.empty_like(src)
-        seconds = median_time_s(lambda: dst.copy_(src), torch.device("cpu"), budget_s / len(sizes_bytes), warmup=1)
+        seconds = median_time_s(
+            functools.partial(dst.copy_, src), torch.device("cpu"), budget_s / len(sizes_bytes), warmup=1
+        )
         curve[size] = size / seconds / 1e9
         del src, dst
     return curve
@@ -48,9 +51,13 @@ def pinned_copy_curves(
     with torch.cuda.device(device):
         for size in sizes_bytes:
             src_host, dst_gpu = host[:size], gpu[:size]
-            seconds = median_time_s(lambda: dst_gpu.copy_(src_host, non_blocking=True), device, per_size_s, warmup=2)
+            seconds = median_time_s(
+                functools.partial(dst_gpu.copy_, src_host, non_blocking=True), device, per_size_s, warmup=2
+            )
             h2d[size] = size / seconds / 1e9
-            seconds = median_time_s(lambda: src_host.copy_(dst_gpu, non_blocking=True), device, per_size_s, warmup=2)
+            seconds = median_time_s(
+                functools.partial(src_host.copy_, dst_gpu, non_blocking=True), device, per_size_s, warmup=2
+            )
             d2h[size] = size / seconds / 1e9
     del host, gpu
     return h2d, d2h
@@ -76,7 +83,7 @@ def pinned_copy_curves_all(
         for device in devices:
             torch.cuda.synchronize(device)
         begin = time.perf_counter()
-        for host, gpu, stream in zip(hosts, gpus, streams):
+        for host, gpu, stream in zip(hosts, gpus, streams, strict=True):
             with torch.cuda.stream(stream):
                 if to_gpu:
                     gpu[:size].copy_(host[:size], non_blocking=True)
@@ -86,7 +93,8 @@ def pinned_copy_curves_all(
             stream.synchronize()
         return time.perf_counter() - begin
 
-    h2d, d2h = {}, {}
+    h2d: dict[int, float] = {}
+    d2h: dict[int, float] = {}
     for size in sizes_bytes:
         for to_gpu, curve in ((True, h2d), (False, d2h)):
             run_all(size, to_gpu)  # warm-up
@@ -94,15 +102,14 @@ def pinned_copy_curves_all(
             repeats = int(min(20, max(3, budget_s / (2 * len(sizes_bytes)) / first_s)))
             samples = [first_s] + [run_all(size, to_gpu) for _ in range(repeats - 1)]
             curve[size] = size / statistics.median(samples) / 1e9
-    del hosts, gpus
-    return h2d, d2h
+    return h2d, d2h  # the buffers go with run_all's closure
 
 
 def host_copy_latency_s(budget_s: float) -> float:
     """Time of one 4 KiB copy between host buffers: the fixed cost of a transfer on the CPU."""
     src = torch.ones(4096, dtype=torch.uint8)
     dst = torch.empty_like(src)
-    return median_time_s(lambda: dst.copy_(src), torch.device("cpu"), budget_s, max_repeats=1000)
+    return median_time_s(functools.partial(dst.copy_, src), torch.device("cpu"), budget_s, max_repeats=1000)
 
 
 def pinned_copy_latency_s(device_index: int, budget_s: float) -> float:

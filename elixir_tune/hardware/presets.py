@@ -166,7 +166,7 @@ def closest_preset(spec: HardwareSpec) -> str | None:
             continue
         if preset.device != spec.device:
             continue
-        distance = sum(abs(math.log(a / b)) for a, b in zip(mine, key_numbers(preset)))
+        distance = sum(abs(math.log(a / b)) for a, b in zip(mine, key_numbers(preset), strict=True))
         if distance < best_distance:
             best, best_distance = preset_id, distance
     return best

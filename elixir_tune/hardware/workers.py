@@ -14,6 +14,7 @@ Every rank writes its results as JSON; the launcher merges them.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import socket
@@ -23,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -78,15 +80,15 @@ def _collective_curves(device: torch.device, sizes_bytes: list[int], budget_s: f
         full = torch.ones(count, dtype=torch.float32, device=device)
         shard = torch.ones(count // world, dtype=torch.float32, device=device)
         total_bytes = count * 4
-        seconds = _collective_time_s(lambda: _all_gather_tensor(full, shard), device, per_op_s)
+        seconds = _collective_time_s(functools.partial(_all_gather_tensor, full, shard), device, per_op_s)
         allgather[total_bytes] = total_bytes / seconds / 1e9 * (world - 1) / world
         try:
-            seconds = _collective_time_s(lambda: _reduce_scatter_tensor(shard, full), device, per_op_s)
+            seconds = _collective_time_s(functools.partial(_reduce_scatter_tensor, shard, full), device, per_op_s)
         except (RuntimeError, NotImplementedError):
             # Old gloo builds lack reduce-scatter; an all-reduce is what a gloo engine falls
             # back to, so that is the time a reduce-scatter costs there.
             rs_impl = "all_reduce (no gloo reduce_scatter in this torch)"
-            seconds = _collective_time_s(lambda: dist.all_reduce(full), device, per_op_s)
+            seconds = _collective_time_s(functools.partial(dist.all_reduce, full), device, per_op_s)
         reduce_scatter[total_bytes] = total_bytes / seconds / 1e9 * (world - 1) / world
         del full, shard
     return {
@@ -241,7 +243,7 @@ def _merge(results: list[dict]) -> dict:
         return {int(size): value for size, value in curve.items()}
 
     first = results[0]  # collective times are already the slowest rank's on every rank
-    merged = {key: int_keys(first[key]) for key in ("allgather", "reduce_scatter")}
+    merged: dict[str, Any] = {key: int_keys(first[key]) for key in ("allgather", "reduce_scatter")}
     merged["latency_s"] = first["latency_s"]
     merged["reduce_scatter_impl"] = first["reduce_scatter_impl"]
     merged["backend"] = first["backend"]

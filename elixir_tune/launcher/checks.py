@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 
 from elixir_tune.plan import Plan
+from elixir_tune.units import gib
 
 MIN_TORCH = (2, 4)
 
@@ -97,10 +98,6 @@ def observe_machine() -> MachineFacts:
 def _version_tuple(version: str) -> tuple[int, int]:
     match = re.match(r"(\d+)\.(\d+)", version)
     return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
-
-
-def _gib(num_bytes: float) -> str:
-    return f"{num_bytes / 2**30:.2f} GiB"
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int] | None:
@@ -208,7 +205,7 @@ def check_launch(
             Check(
                 "host memory",
                 ok,
-                f"plan needs {_gib(prediction.peak_host_bytes)} per node, node has {_gib(facts.host_memory_bytes)}",
+                f"plan needs {gib(prediction.peak_host_bytes)} per node, node has {gib(facts.host_memory_bytes)}",
                 hint="the job may be killed when host memory runs out; search with this "
                 "machine's hardware (elixir-tune probe)",
                 fatal=False,
@@ -246,7 +243,7 @@ def _cuda_checks(plan: Plan, facts: MachineFacts) -> list[Check]:
             Check(
                 "gpu memory",
                 need <= smallest,
-                f"plan needs {_gib(need)} per GPU, the smallest of this node's GPUs has {_gib(smallest)}",
+                f"plan needs {gib(need)} per GPU, the smallest of this node's GPUs has {gib(smallest)}",
                 hint="search with this machine's hardware: elixir-tune probe, then "
                 "elixir-tune search --hardware hardware.yaml",
             )

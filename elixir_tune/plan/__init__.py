@@ -1,6 +1,6 @@
 """The plan: what to run, read by the engine and the launcher. Imports no torch."""
 
-from elixir_tune.plan.fingerprint import fingerprint
+from elixir_tune.plan.fingerprint import fingerprint, model_fingerprint
 from elixir_tune.plan.io import (
     PLAN_ENV_VAR,
     PlanError,
@@ -53,6 +53,7 @@ __all__ = [
     "SearchInfo",
     "TrainingInfo",
     "fingerprint",
+    "model_fingerprint",
     "validate",
     "validate_dict",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 
 def fingerprint(params: Iterable[tuple[str, Sequence[int], str]]) -> str:
@@ -25,3 +26,14 @@ def fingerprint(params: Iterable[tuple[str, Sequence[int], str]]) -> str:
     for name, shape, dtype in params:
         digest.update(f"{name}:{','.join(str(int(s)) for s in shape)}:{dtype};".encode())
     return digest.hexdigest()[:16]
+
+
+def model_fingerprint(model: Any) -> str:
+    """The fingerprint of a module (anything with ``named_parameters()``), live or on the meta device.
+
+    The one recipe the profiler and the engine share: parameter names, shapes and dtypes in
+    ``named_parameters()`` order, dtypes as torch prints them without "torch.".
+    """
+    return fingerprint(
+        (name, list(param.shape), str(param.dtype).removeprefix("torch.")) for name, param in model.named_parameters()
+    )

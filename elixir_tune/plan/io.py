@@ -7,24 +7,14 @@ plan gives the same text again.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from elixir_tune.plan.schema import (
-    Checkpointing,
-    ChunkPlan,
-    ClusterInfo,
-    MemoryPlan,
-    ModelInfo,
-    Plan,
-    Prediction,
-    SearchInfo,
-    TrainingInfo,
-)
+from elixir_tune.plan.fields import build
+from elixir_tune.plan.schema import Plan
 from elixir_tune.plan.validate import validate_dict
 
 PLAN_ENV_VAR = "ELIXIR_TUNE_PLAN"
@@ -67,30 +57,13 @@ def read_plan_dict(path: str | os.PathLike) -> Any:
 
 
 def plan_from_dict(raw: dict) -> Plan:
-    """Builds a Plan from a mapping that `validate_dict` accepted."""
-    training = dict(raw["training"])
-    training["activation_checkpointing"] = Checkpointing(**training.get("activation_checkpointing") or {})
-    memory = dict(raw["memory"])
-    memory["chunks"] = [ChunkPlan(**chunk) for chunk in memory["chunks"]]
-    return Plan(
-        schema_version=raw["schema_version"],
-        model=ModelInfo(**raw["model"]),
-        cluster=ClusterInfo(**raw["cluster"]),
-        training=TrainingInfo(**training),
-        memory=MemoryPlan(**memory),
-        prediction=Prediction(**raw["prediction"]) if raw.get("prediction") else None,
-        search=SearchInfo(**raw["search"]) if raw.get("search") else None,
-    )
+    """Builds a Plan from a mapping that `validate_dict` accepted (missing optional fields take their defaults)."""
+    return build(Plan, raw)
 
 
 def plan_to_dict(plan: Plan) -> dict:
     """The plan as plain Python objects, sections in reading order, empty optional sections left out."""
-    raw = {"schema_version": plan.schema_version}
-    for name in ("model", "cluster", "training", "memory", "prediction", "search"):
-        value = getattr(plan, name)
-        if value is not None:
-            raw[name] = dataclasses.asdict(value)
-    return raw
+    return plan.to_dict()
 
 
 def load_plan(path: str | os.PathLike | None = None) -> Plan:

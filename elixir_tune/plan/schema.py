@@ -3,6 +3,11 @@
 A plan is written by `elixir-tune search` (or by hand), checked by `validate`, and read by the
 engine and the launcher. This module imports no torch, so a plan can be loaded anywhere.
 
+These dataclasses are the single source of truth of the plan format (docs/DESIGN.md section 8):
+types, ``Literal`` choices, bounds (``PositiveInt``, ``NonNegativeInt``, ...) and defaults here
+are what ``validate`` checks and what its messages say (see ``plan/fields.py``). Cross-field
+rules (batch product, chunk size a multiple of the world size, ...) live in ``plan/validate.py``.
+
 Conventions:
     * sizes of tensors are in elements (``chunk_size``, ``numel``), sizes of memory in bytes
       (names ending in ``_bytes``), times in seconds (``_s``);
@@ -12,26 +17,35 @@ Conventions:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal, get_args
+
+from elixir_tune.plan.fields import Min, NonNegativeFloat, NonNegativeInt, PositiveInt
 
 SCHEMA_VERSION = 1
 
-DTYPES = ("fp32", "bf16", "fp16")
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-DEVICES = ("cuda", "cpu")
-BACKENDS = ("nccl", "gloo")
-
-# Bytes per element of this rank's shard of model states, for a chunk, by optimizer: fp32 master
-# weight (4) + fp32 gradient (4) + optimizer state (Adam: m and v, 8; SGD with momentum: 4).
-SHARD_BYTES_PER_ELEMENT = {"adam": 16, "sgd_momentum": 12, "sgd": 8}
-
+Dtype = Literal["fp32", "bf16", "fp16"]
+Device = Literal["cuda", "cpu"]
+Backend = Literal["nccl", "gloo"]
 # Keys of Prediction.model_state_bytes; the engine reports the same keys (Engine.memory_report).
 #   cache_bytes:        cache_blocks gathered chunks, chunk_size elements each, compute dtype (device)
 #   resident_bytes:     resident chunks, always gathered, chunk_size elements each, compute dtype (device)
 #   device_shard_bytes: this rank's shards of chunks with offload false (master + grad + optim), device
 #   host_shard_bytes:   this rank's shards of chunks with offload true, host memory
-MODEL_STATE_KEYS = ("cache_bytes", "resident_bytes", "device_shard_bytes", "host_shard_bytes")
+ModelStateKey = Literal["cache_bytes", "resident_bytes", "device_shard_bytes", "host_shard_bytes"]
+
+DTYPES: tuple[str, ...] = get_args(Dtype)
+DEVICES: tuple[str, ...] = get_args(Device)
+BACKENDS: tuple[str, ...] = get_args(Backend)
+MODEL_STATE_KEYS: tuple[str, ...] = get_args(ModelStateKey)
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+# Bytes per element of this rank's shard of model states, for a chunk, by optimizer: fp32 master
+# weight (4) + fp32 gradient (4) + optimizer state (Adam: m and v, 8; SGD with momentum: 4).
+SHARD_BYTES_PER_ELEMENT = {"adam": 16, "sgd_momentum": 12, "sgd": 8}
+# Default of MemoryPlan.staging_buffers: one chunk's gradients reduce while the next one fills.
+DEFAULT_STAGING_BUFFERS = 2
 
 
 @dataclass
@@ -51,10 +65,10 @@ class ModelInfo:
 
     source: str
     fingerprint: str
-    num_params: int
+    num_params: PositiveInt
     name: str = ""
     block_list: str = ""
-    num_blocks: int = 0
+    num_blocks: NonNegativeInt = 0
 
 
 @dataclass
@@ -70,10 +84,10 @@ class ClusterInfo:
     """
 
     hardware: str
-    nodes: int
-    gpus_per_node: int
-    device: str
-    backend: str
+    nodes: PositiveInt
+    gpus_per_node: PositiveInt
+    device: Device
+    backend: Backend
 
     @property
     def world_size(self) -> int:
@@ -88,7 +102,7 @@ class Checkpointing:
         every: 0 for none, 1 for every block, k for blocks 0, k, 2k, ...
     """
 
-    every: int = 0
+    every: Annotated[int, Min(0, "0 (none), 1 (all) or k > 1")] = 0
 
     def applies_to(self, block_index: int) -> bool:
         return self.every > 0 and block_index % self.every == 0
@@ -107,11 +121,11 @@ class TrainingInfo:
         activation_checkpointing: which blocks recompute their activations in backward.
     """
 
-    dtype: str
-    global_batch_size: int
-    micro_batch_size: int
-    grad_accum_steps: int
-    seq_len: int
+    dtype: Dtype
+    global_batch_size: PositiveInt
+    micro_batch_size: PositiveInt
+    grad_accum_steps: PositiveInt
+    seq_len: PositiveInt
     activation_checkpointing: Checkpointing = field(default_factory=Checkpointing)
 
 
@@ -130,7 +144,7 @@ class ChunkPlan:
 
     id: int
     params: list[str]
-    numel: int
+    numel: PositiveInt
     resident: bool = False
     offload: bool = False
 
@@ -143,12 +157,16 @@ class MemoryPlan:
         chunk_size: elements per chunk, a multiple of the world size.
         cache_blocks: gathered non-resident chunks the device holds at once.
         prefetch: chunks fetched ahead of their first use.
+        staging_buffers: compute-dtype gradient staging buffers (one chunk each) the engine may
+            hold at once during backward.
         chunks: every trainable parameter exactly once, in first-use order.
     """
 
-    chunk_size: int
-    cache_blocks: int
-    prefetch: int
+    chunk_size: PositiveInt
+    cache_blocks: NonNegativeInt
+    prefetch: NonNegativeInt
+    # Keyword-only so that it can have a default and still be written before the long chunk list.
+    staging_buffers: PositiveInt = field(default=DEFAULT_STAGING_BUFFERS, kw_only=True)
     chunks: list[ChunkPlan]
 
 
@@ -167,13 +185,13 @@ class Prediction:
         breakdown: named parts of the step time in seconds (compute_s, exposed_fetch_s, ...).
     """
 
-    step_time_s: float
-    tokens_per_s: float
-    tflops_per_gpu: float
-    mfu: float
-    peak_gpu_bytes: int
-    peak_host_bytes: int
-    model_state_bytes: dict[str, int] = field(default_factory=dict)
+    step_time_s: NonNegativeFloat
+    tokens_per_s: NonNegativeFloat
+    tflops_per_gpu: NonNegativeFloat
+    mfu: NonNegativeFloat
+    peak_gpu_bytes: NonNegativeInt
+    peak_host_bytes: NonNegativeInt
+    model_state_bytes: dict[ModelStateKey, int] = field(default_factory=dict)
     breakdown: dict[str, float] = field(default_factory=dict)
 
 
@@ -189,8 +207,8 @@ class SearchInfo:
     """
 
     strategy: str
-    candidates: int
-    elapsed_s: float
+    candidates: NonNegativeInt
+    elapsed_s: NonNegativeFloat
     alternatives: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -213,3 +231,12 @@ class Plan:
     def chunk_of(self) -> dict[str, int]:
         """Maps each parameter name to the id of the chunk holding it."""
         return {name: chunk.id for chunk in self.memory.chunks for name in chunk.params}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as plain Python objects, sections in reading order, empty optional sections left out."""
+        raw: dict[str, Any] = {"schema_version": self.schema_version}
+        for name in ("model", "cluster", "training", "memory", "prediction", "search"):
+            value = getattr(self, name)
+            if value is not None:
+                raw[name] = dataclasses.asdict(value)
+        return raw

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from typing import ContextManager
 
 from torch import nn
 from torch.utils import checkpoint as torch_checkpoint
@@ -36,7 +35,7 @@ def find_block_list(model: nn.Module) -> tuple[str, list[nn.Module]]:
 
 @contextlib.contextmanager
 def checkpointed(
-    blocks: list[nn.Module], around: Callable[[], ContextManager] = contextlib.nullcontext
+    blocks: list[nn.Module], around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 ) -> Iterator[None]:
     """Wraps each block's forward in non-reentrant activation checkpointing while inside.
 
@@ -55,7 +54,7 @@ def checkpointed(
     try:
         yield
     finally:
-        for block, original in zip(blocks, originals):
+        for block, original in zip(blocks, originals, strict=True):
             if original is None:
                 del block.forward
             else:

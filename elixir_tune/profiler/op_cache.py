@@ -65,7 +65,7 @@ class MetaOpCache:
             compact = (
                 0
                 if tensor.numel() == 0
-                else (1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride())))
+                else (1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)))
                 * tensor.element_size()
             )
             if storage._cdata in inputs or storage._cdata in seen or storage.nbytes() != compact:

@@ -11,20 +11,22 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
 
-from elixir_tune.plan.fingerprint import fingerprint
+from elixir_tune.dtypes import DTYPE_ALIASES, TORCH_DTYPES, dtype_name
+from elixir_tune.plan.fingerprint import model_fingerprint
+from elixir_tune.plan.schema import Dtype
 from elixir_tune.profiler.blocks import checkpointed, find_block_list
 from elixir_tune.profiler.meta_kernels import FusedKernelsOnMeta
 from elixir_tune.profiler.meter import LiveMemoryMeter, MetaOpCache
 from elixir_tune.profiler.schema import ActivationLine, BlockInfo, ModelProfile, ParamInfo
 from elixir_tune.profiler.source import ModelSource, ModelSourceError, load_model_source, quiet_transformers
 from elixir_tune.profiler.trace import FORWARD, AccessRecorder, BlockStats, Step, ordered_trace
+from elixir_tune.units import gib
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float": "fp32"}
 CHECKPOINTING = ("none", "all")
 DEFAULT_SEQ_LEN = 1024
 
@@ -68,8 +70,8 @@ def profile_model(
         ModelSourceError: bad spec, builder failure, forward without a loss, unsupported dtype.
     """
     dtype = DTYPE_ALIASES.get(dtype, dtype)
-    if dtype not in DTYPES:
-        raise ModelSourceError(f"unsupported dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    if dtype not in TORCH_DTYPES:
+        raise ModelSourceError(f"unsupported dtype {dtype!r}: use one of {', '.join(TORCH_DTYPES)}")
     if checkpointing not in CHECKPOINTING:
         raise ModelSourceError(f"unsupported checkpointing {checkpointing!r}: use one of {', '.join(CHECKPOINTING)}")
     if batch_size < 1:
@@ -87,11 +89,9 @@ def profile_model(
     report(f"building {source.name} on the meta device")
     model = _build_on_meta(source)
     disable_kv_cache(model)
-    model_fingerprint = fingerprint(
-        [(n, list(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters()]
-    )
+    fingerprint = model_fingerprint(model)
     built_dtypes = [p.dtype for p in model.parameters()]
-    model.to(DTYPES[dtype])
+    model.to(TORCH_DTYPES[dtype])
     model.train()
     named = list(model.named_parameters())
     params = [p for _, p in named]
@@ -102,7 +102,7 @@ def profile_model(
     block_list, block_modules = find_block_list(model)
 
     sizes = (batch_size, 2 * batch_size)
-    tracer = _Tracer(model, source, seq_len, DTYPES[dtype], param_pos, block_modules, MetaOpCache())
+    tracer = _Tracer(model, source, seq_len, TORCH_DTYPES[dtype], param_pos, block_modules, MetaOpCache())
     plain, ckpt = [], []
     for b in sizes:
         report(f"tracing forward+backward at batch {b}")
@@ -121,7 +121,7 @@ def profile_model(
         ParamInfo(
             name=named[pos][0],
             shape=list(params[pos].shape),
-            dtype=_short_dtype(built_dtypes[pos]),
+            dtype=dtype_name(built_dtypes[pos]),
             numel=params[pos].numel(),
             shared=owners[id(params[pos])] > 1,
             requires_grad=params[pos].requires_grad,
@@ -136,9 +136,9 @@ def profile_model(
     profile = ModelProfile(
         name=source.name,
         source=source.source,
-        fingerprint=model_fingerprint,
+        fingerprint=fingerprint,
         num_params=num_params,
-        dtype=dtype,
+        dtype=cast(Dtype, dtype),  # checked against TORCH_DTYPES above
         batch_size=batch_size,
         seq_len=seq_len,
         params=param_infos,
@@ -165,7 +165,7 @@ def summarize(profile: ModelProfile) -> str:
         + (f", {len(profile.blocks)} blocks in {profile.block_list}" if profile.blocks else ", no repeated blocks"),
         f"{profile.dtype}, seq_len {profile.seq_len}: "
         f"{profile.flops_per_token / 1e9:.3f} GFLOP per token (forward+backward)",
-        f"activations per sample: {profile.activation.per_sample_bytes:,} bytes ({_gib(profile.activation.per_sample_bytes)})"
+        f"activations per sample: {profile.activation.per_sample_bytes:,} bytes ({gib(profile.activation.per_sample_bytes, decimals=3)})"
         + (
             f", {profile.activation_checkpointed.per_sample_bytes:,} bytes with every block checkpointed"
             if profile.activation_checkpointed
@@ -185,7 +185,7 @@ def disable_kv_cache(model: nn.Module) -> None:
     """
     for module in model.modules():
         config = getattr(module, "config", None)
-        if getattr(config, "use_cache", False):
+        if config is not None and getattr(config, "use_cache", False):
             config.use_cache = False
 
 
@@ -354,12 +354,3 @@ def _line(results: list[_Pass], sizes: tuple[int, int]) -> ActivationLine:
     per_sample = max(0, (results[1].peak_bytes - results[0].peak_bytes) // (sizes[1] - sizes[0]))
     fixed = max(0, results[0].peak_bytes - per_sample * sizes[0])
     return ActivationLine(fixed_bytes=fixed, per_sample_bytes=per_sample)
-
-
-def _short_dtype(dtype: torch.dtype) -> str:
-    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-    return names.get(dtype, str(dtype).removeprefix("torch."))
-
-
-def _gib(num_bytes: float) -> str:
-    return f"{num_bytes / 2**30:.3f} GiB"

@@ -15,6 +15,9 @@ from pathlib import Path
 
 import yaml
 
+from elixir_tune.plan.fields import NonNegativeFloat, NonNegativeInt, PositiveInt, build, check_fields
+from elixir_tune.plan.schema import Dtype
+
 PROFILE_VERSION = 1
 
 
@@ -32,9 +35,9 @@ class ParamInfo:
     """
 
     name: str
-    shape: list[int]
+    shape: list[NonNegativeInt]
     dtype: str
-    numel: int
+    numel: NonNegativeInt
     shared: bool = False
     requires_grad: bool = True
 
@@ -52,12 +55,12 @@ class BlockInfo:
         boundary_bytes_per_sample: the block's input, what checkpointing keeps, one sample.
     """
 
-    index: int
-    first_param: int
-    num_params: int
-    fwd_flops_per_sample: float
-    activation_bytes_per_sample: int
-    boundary_bytes_per_sample: int
+    index: NonNegativeInt
+    first_param: NonNegativeInt
+    num_params: NonNegativeInt
+    fwd_flops_per_sample: NonNegativeFloat
+    activation_bytes_per_sample: NonNegativeInt
+    boundary_bytes_per_sample: NonNegativeInt
 
 
 @dataclass
@@ -69,8 +72,8 @@ class ActivationLine:
         per_sample_bytes: the part per sample at the profiled seq_len.
     """
 
-    fixed_bytes: int
-    per_sample_bytes: int
+    fixed_bytes: NonNegativeInt
+    per_sample_bytes: NonNegativeInt
 
     def at(self, micro_batch_size: int) -> int:
         return self.fixed_bytes + self.per_sample_bytes * micro_batch_size
@@ -106,20 +109,20 @@ class ModelProfile:
     name: str
     source: str
     fingerprint: str
-    num_params: int
-    dtype: str
-    batch_size: int
-    seq_len: int
+    num_params: NonNegativeInt
+    dtype: Dtype
+    batch_size: PositiveInt
+    seq_len: PositiveInt
     params: list[ParamInfo]
-    trace: list[list[int]]
-    flops_per_sample: float
+    trace: list[list[NonNegativeInt]]
+    flops_per_sample: NonNegativeFloat
     activation: ActivationLine
-    trace_checkpointed: list[list[int]] = field(default_factory=list)
+    trace_checkpointed: list[list[NonNegativeInt]] = field(default_factory=list)
     block_list: str = ""
     blocks: list[BlockInfo] = field(default_factory=list)
-    recompute_flops_per_sample: float = 0.0
+    recompute_flops_per_sample: NonNegativeFloat = 0.0
     activation_checkpointed: ActivationLine | None = None
-    buffers_bytes: int = 0
+    buffers_bytes: NonNegativeInt = 0
     summary: str = ""
     version: int = PROFILE_VERSION
 
@@ -132,13 +135,25 @@ class ModelProfile:
 
     @classmethod
     def from_dict(cls, raw: dict) -> ModelProfile:
-        raw = dict(raw)
-        raw["params"] = [ParamInfo(**p) for p in raw["params"]]
-        raw["blocks"] = [BlockInfo(**b) for b in raw.get("blocks", [])]
-        raw["activation"] = ActivationLine(**raw["activation"])
-        if raw.get("activation_checkpointed"):
-            raw["activation_checkpointed"] = ActivationLine(**raw["activation_checkpointed"])
-        return cls(**raw)
+        """Builds a profile from its mapping.
+
+        Raises:
+            ValueError: the mapping is not a valid profile; the message lists every problem with
+                its field path (types, bounds and choices come from the dataclasses above).
+        """
+        problems = profile_problems(raw)
+        if problems:
+            raise ValueError(f"{len(problems)} problem(s): " + "; ".join(problems))
+        return build(cls, raw)
+
+
+def profile_problems(raw: object) -> list[str]:
+    """Every problem of a profile mapping, each with its field path; empty when it is valid."""
+    if not isinstance(raw, dict):
+        return [f"profile: expected a mapping, got {type(raw).__name__}"]
+    errors: list[str] = []
+    check_fields(raw, ModelProfile, "", errors)
+    return errors
 
 
 def save_profile(profile: ModelProfile, path: str | Path) -> None:
@@ -160,4 +175,8 @@ def load_profile(path: str | Path) -> ModelProfile:
     raw = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     if not isinstance(raw, dict) or raw.get("version") != PROFILE_VERSION:
         raise ValueError(f"{path}: not a version-{PROFILE_VERSION} profile; run `elixir-tune profile` again")
-    return ModelProfile.from_dict(raw)
+    problems = profile_problems(raw)
+    if problems:
+        listed = "".join(f"\n  - {problem}" for problem in problems)
+        raise ValueError(f"{path}: {len(problems)} problem(s){listed}\nrun `elixir-tune profile` again to rewrite it")
+    return build(ModelProfile, raw)

@@ -77,9 +77,9 @@ class AccessRecorder:
         for module in self.model.modules():
             owned = tuple(self.param_pos[id(p)] for p in module.parameters(recurse=False))
             if owned:
-                block = block_of.get(id(module), -1)
-                self._handles.append(module.register_forward_pre_hook(self._on_forward(block, owned)))
-                self._handles.append(module.register_forward_hook(self._on_output(block, owned)))
+                block_index = block_of.get(id(module), -1)
+                self._handles.append(module.register_forward_pre_hook(self._on_forward(block_index, owned)))
+                self._handles.append(module.register_forward_hook(self._on_output(block_index, owned)))
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -15,6 +15,7 @@ from elixir_tune.search.elixir_rule import elixir_shape
 from elixir_tune.search.joint import Budget, explore
 from elixir_tune.search.plan_builder import build_plan
 from elixir_tune.search.space import parse_fixed
+from elixir_tune.units import gib
 
 STRATEGIES = ("joint", "elixir")
 DEFAULT_BATCH_PER_GPU = 8
@@ -74,10 +75,6 @@ class SearchResult:
         return self.num_scored / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
 
-def _gib(num_bytes: float) -> str:
-    return f"{num_bytes / 2**30:.2f} GiB"
-
-
 def _infeasible(
     required_gpu: int | None, required_host: int | None, usable: int, host: int, fixed: dict
 ) -> InfeasibleError:
@@ -87,9 +84,9 @@ def _infeasible(
         suggestions.append("pin fewer choices with --fix, or pick values the model allows")
     elif required_gpu > usable:
         message = (
-            f"nothing fits: the smallest configuration needs {_gib(required_gpu)} of device memory per GPU "
+            f"nothing fits: the smallest configuration needs {gib(required_gpu)} of device memory per GPU "
             f"(every shard on the host, the smallest cache, chunk and micro-batch, activation checkpointing "
-            f"unless pinned off), but only {_gib(usable)} is usable"
+            f"unless pinned off), but only {gib(usable)} is usable"
         )
         suggestions.append("more GPUs (--gpus / --nodes): shards shrink with the world size")
         suggestions.append("a smaller batch (--global-batch-size, or --fix micro_batch_size=1)")
@@ -99,8 +96,8 @@ def _infeasible(
             suggestions.append("fewer --fix pins (let the search choose chunk size and cache)")
     else:
         message = (
-            f"nothing fits: the configurations that fit the device need {_gib(required_host or 0)} "
-            f"of host memory per node for offloaded shards, but only {_gib(host)} is available"
+            f"nothing fits: the configurations that fit the device need {gib(required_host or 0)} "
+            f"of host memory per node for offloaded shards, but only {gib(host)} is available"
         )
         suggestions.append("more host memory (--host-memory BYTES if the machine has it)")
         suggestions.append("more GPUs (--gpus / --nodes): fewer shards offloaded per node")

@@ -1,4 +1,4 @@
-"""Elixir's own rule (REFERENCE.md, "How Elixir decides"), as a baseline scored by our cost model.
+"""Elixir's own rule (the Elixir paper's search and its released code), as a baseline scored by our cost model.
 
 1. GPU budget = 0.95 x (GPU memory - 2 GiB driver - buffers - 1.25 x peak activations), with
    activation checkpointing on and no gradient accumulation (Elixir has none).
@@ -77,6 +77,7 @@ def elixir_shape(model: CostModel, per_rank_batch: int, fixed: dict | None = Non
         moved = _moved_elements(model, chunk_size, every, blocks) if layout.num_cacheable else 0
         if best is None or moved < best[0]:
             best = (moved, chunk_size, minimum)
+    assert best is not None, "Elixir's rule always has chunk sizes to try"
     _moved, chunk_size, minimum = best
     layout = model.layout(chunk_size)
     chunk_bytes = chunk_size * dtype_bytes

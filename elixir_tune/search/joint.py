@@ -68,6 +68,11 @@ class Exploration:
     min_host_bytes: int | None
 
 
+def _covers(a: tuple[float, int, int], b: tuple[float, int, int]) -> bool:
+    """Negated (step time, device bytes, host bytes): ``a`` is as good as ``b`` or better in all three."""
+    return a[0] >= b[0] and a[1] >= b[1] and a[2] >= b[2]
+
+
 class _TopK:
     """The K fastest candidates seen so far, leaving out any that another kept one dominates (as
     fast or faster with no more device and host memory), so that the table shows real choices.
@@ -92,12 +97,13 @@ class _TopK:
         gpu_bytes, host_bytes = candidate.memory.peak_gpu_bytes, candidate.memory.peak_host_bytes
         if self.one_memory:
             gpu_bytes = host_bytes = gpu_bytes * self.gpus_per_node + host_bytes
-        item = (-candidate.step_time_s, -gpu_bytes, -host_bytes, -self._count, candidate)
-        if any(all(kept[i] >= item[i] for i in range(3)) for kept in self._heap):
+        key = (-candidate.step_time_s, -gpu_bytes, -host_bytes)
+        item = (*key, -self._count, candidate)
+        if any(_covers(kept[:3], key) for kept in self._heap):
             return
         if len(self._heap) >= self.k and item[:4] <= self._heap[0][:4]:
             return
-        survivors = [kept for kept in self._heap if not all(item[i] >= kept[i] for i in range(3))]
+        survivors = [kept for kept in self._heap if not _covers(key, kept[:3])]
         if len(survivors) != len(self._heap):
             self._heap = survivors
             heapq.heapify(self._heap)

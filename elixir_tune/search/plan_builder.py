@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 from elixir_tune.costmodel.model import CostModel
 from elixir_tune.plan.schema import (
+    Backend,
     Checkpointing,
     ChunkPlan,
     ClusterInfo,
+    Device,
+    Dtype,
     MemoryPlan,
     ModelInfo,
+    ModelStateKey,
     Plan,
     Prediction,
     SearchInfo,
@@ -16,7 +22,7 @@ from elixir_tune.plan.schema import (
 )
 from elixir_tune.search.candidate import Candidate
 
-BACKEND_OF_DEVICE = {"cuda": "nccl", "cpu": "gloo"}
+BACKEND_OF_DEVICE: dict[str, Backend] = {"cuda": "nccl", "cpu": "gloo"}
 
 
 def build_plan(
@@ -66,7 +72,8 @@ def build_plan(
         mfu=round(candidate.mfu, 4),
         peak_gpu_bytes=int(candidate.memory.peak_gpu_bytes),
         peak_host_bytes=int(candidate.memory.peak_host_bytes),
-        model_state_bytes=dict(candidate.memory.model_state_bytes),
+        # The cost model's keys are MODEL_STATE_KEYS by construction (costmodel.memory.model_state_bytes).
+        model_state_bytes=cast("dict[ModelStateKey, int]", dict(candidate.memory.model_state_bytes)),
         breakdown={key: round(value, 6) for key, value in candidate.estimate.breakdown.items()},
     )
     device = model.hardware.device
@@ -83,11 +90,11 @@ def build_plan(
             hardware=hardware_id,
             nodes=model.nodes,
             gpus_per_node=model.gpus_per_node,
-            device=device,
+            device=cast(Device, device),  # a HardwareSpec's device is checked against DEVICES when loaded
             backend=BACKEND_OF_DEVICE.get(device, "gloo"),
         ),
         training=TrainingInfo(
-            dtype=model.dtype,
+            dtype=cast(Dtype, model.dtype),  # the profile's dtype or a --fix dtype checked by parse_fixed
             global_batch_size=global_batch_size,
             micro_batch_size=shape.micro_batch_size,
             grad_accum_steps=shape.grad_accum_steps,

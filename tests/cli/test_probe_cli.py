@@ -47,6 +47,7 @@ def test_table_puts_measured_next_to_preset():
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 def test_quick_probe_subprocess_writes_a_loadable_spec(tmp_path):
     out = tmp_path / "sub" / "hardware.yaml"
     proc = subprocess.run(

@@ -61,6 +61,7 @@ def test_errors_are_messages_with_exit_status(args, code, message, tmp_path):
     assert not (tmp_path / "p.yaml").exists()
 
 
+@pytest.mark.slow  # a fresh interpreter imports torch and transformers: seconds
 def test_console_script_runs(tmp_path):
     script = Path(sys.executable).parent / "elixir-tune"
     command = [str(script)] if script.exists() else [sys.executable, "-m", "elixir_tune.cli.main"]

@@ -191,6 +191,7 @@ def test_usage_errors(args, words):
     assert code == 2 and words in output
 
 
+@pytest.mark.slow  # a fresh interpreter imports torch: seconds
 def test_preflight_error_through_the_console_script(tmp_path, out_dir):
     plan = _plan(tmp_path, {"cluster.gpus_per_node": 3})  # 4 x 2 x 3 != 16
     out = subprocess.run(

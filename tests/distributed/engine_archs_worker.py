@@ -15,18 +15,15 @@ Rank 0 also trains the plain-PyTorch reference (fp32) and reports the largest di
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import time
 
 import torch
 import yaml
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_plans import VOCAB, batches, make_plan, param_groups  # noqa: E402
-from engine_worker import compare, mean_over_ranks, train_steps  # noqa: E402
-
-import elixir_tune  # noqa: E402
+import elixir_tune
+from tests.distributed.engine_plans import VOCAB, batches, make_plan, param_groups
+from tests.distributed.engine_worker import compare, mean_over_ranks, train_steps
 
 SEQ = 8
 BLOCK_LIST = {"llama": "model.layers", "opt": "model.decoder.layers"}
@@ -211,6 +208,6 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
 
 
 if __name__ == "__main__":
-    from engine_launch import worker_main
+    from tests.distributed.engine_launch import worker_main
 
     worker_main(run_case)

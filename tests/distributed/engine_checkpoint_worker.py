@@ -9,18 +9,14 @@ fallback to model.pt on another chunk size, the error for another model, and the
 
 from __future__ import annotations
 
-import os
-import sys
 import warnings
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_plans import make_plan  # noqa: E402
-from engine_worker import block_list, build, global_batches, local_micro  # noqa: E402
-
-import elixir_tune  # noqa: E402
+import elixir_tune
+from tests.distributed.engine_plans import make_plan
+from tests.distributed.engine_worker import block_list, build, global_batches, local_micro
 
 
 def setup(case: dict, world: int, chunk_size: int | None = None, model_name: str | None = None):
@@ -140,7 +136,7 @@ def run_case(case: dict, rank: int, world: int, directory: Path, extras: bool) -
 
 
 if __name__ == "__main__":
-    from engine_launch import worker_main
+    from tests.distributed.engine_launch import worker_main
 
     worker_main(
         lambda case, index, rank, world, out_path: run_case(

@@ -15,15 +15,12 @@ chunking allows, every block checkpointed.
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_worker import compare, mean_over_ranks, train_steps  # noqa: E402
-
-import elixir_tune  # noqa: E402
+import elixir_tune
+from tests.distributed.engine_worker import compare, mean_over_ranks, train_steps
 
 MODELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "unit", "models")
 SPECS = {
@@ -153,6 +150,6 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
 
 
 if __name__ == "__main__":
-    from engine_launch import worker_main
+    from tests.distributed.engine_launch import worker_main
 
     worker_main(run_case)

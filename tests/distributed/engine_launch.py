@@ -64,7 +64,7 @@ def launch(script: str, cases: list[dict], world_size: int, timeout_s: float = 2
         except subprocess.TimeoutExpired:
             for proc in procs:
                 proc.kill()
-            raise RuntimeError(f"{script} timed out after {timeout_s}s on {world_size} ranks")
+            raise RuntimeError(f"{script} timed out after {timeout_s}s on {world_size} ranks") from None
         failed = [(rank, proc.returncode, logs[rank][-3000:]) for rank, proc in enumerate(procs) if proc.returncode]
         if failed:
             raise RuntimeError(f"{script} failed: {failed}")

@@ -15,17 +15,13 @@ returns both loss curves and the largest weight difference.
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_plans import batches, make_plan, param_groups, tied_net, tiny_gpt2  # noqa: E402
-
-import elixir_tune  # noqa: E402
-from elixir_tune.plan import SHARD_BYTES_PER_ELEMENT  # noqa: E402
+import elixir_tune
+from elixir_tune.plan import SHARD_BYTES_PER_ELEMENT
+from tests.distributed.engine_plans import batches, make_plan, param_groups, tied_net, tiny_gpt2
 
 SEQ = 8
 
@@ -181,7 +177,7 @@ def run_reference(case: dict, world: int) -> dict:
 
 def compare(engine: dict, reference: dict, world_losses: list[float]) -> dict:
     """Largest relative loss difference and absolute weight difference."""
-    loss_rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(world_losses, reference["losses"]))
+    loss_rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(world_losses, reference["losses"], strict=True))
     weight = 0.0
     assert set(engine["state"]) == set(reference["state"]), set(engine["state"]) ^ set(reference["state"])
     for key, ref in reference["state"].items():
@@ -189,7 +185,9 @@ def compare(engine: dict, reference: dict, world_losses: list[float]) -> dict:
         b = torch.tensor(ref)
         assert a.shape == b.shape, key
         weight = max(weight, float((a.float() - b.float()).abs().max()) if a.numel() else 0.0)
-    norm_rel = max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(engine["norms"], reference["norms"])), default=0.0)
+    norm_rel = max(
+        (abs(a - b) / max(abs(b), 1e-12) for a, b in zip(engine["norms"], reference["norms"], strict=True)), default=0.0
+    )
     return {"loss_rel": loss_rel, "weight_abs": weight, "norm_rel": norm_rel}
 
 
@@ -222,6 +220,6 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
 
 
 if __name__ == "__main__":
-    from engine_launch import worker_main
+    from tests.distributed.engine_launch import worker_main
 
     worker_main(run_case)

@@ -23,13 +23,11 @@ losses within 2e-2 relative, weights within 5e-2, as for GPT-2.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_launch import launch  # noqa: E402
+from tests.distributed.engine_launch import launch
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 FP32_LOSS_REL = 1e-5
 FP32_WEIGHT_ABS = 1e-5

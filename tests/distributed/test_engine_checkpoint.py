@@ -8,11 +8,11 @@ save that died between its renames leaves a complete copy that load finds.
 
 from __future__ import annotations
 
-import os
-import sys
+import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_launch import launch  # noqa: E402
+from tests.distributed.engine_launch import launch
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 CASES = [
     # AdamW over device and host shards, recomputation, accumulation, clipping.
@@ -34,7 +34,7 @@ CASES = [
 def test_resume_is_exact_and_fallbacks_are_clear():
     per_rank = launch("engine_checkpoint_worker.py", CASES, world_size=2, timeout_s=120)
     for rank, results in enumerate(per_rank):
-        for case, result in zip(CASES, results):
+        for case, result in zip(CASES, results, strict=True):
             assert result["ok"], (rank, result.get("error"), result.get("trace"))
             assert result["exact"] and result["step"] == case["steps"] // 2
             assert result["extra"] == {"note": "half"}

@@ -1,12 +1,10 @@
 """engine/comm.py on real gloo processes: native collectives and the fallbacks old gloo needs."""
 
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_launch import launch  # noqa: E402
+from tests.distributed.engine_launch import launch
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -13,13 +13,11 @@ over fp32 weights: losses within 2e-2 relative, weights within 5e-2. fp16: overf
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_launch import launch  # noqa: E402
+from tests.distributed.engine_launch import launch
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 FP32_LOSS_REL = 1e-5
 FP32_WEIGHT_ABS = 1e-5
@@ -53,7 +51,7 @@ WORLD1 = [
 
 def run_world(cases: list[dict], world: int) -> list[list[dict]]:
     if world == 1:  # in-process: a plan for one rank needs no process group
-        import engine_worker as worker
+        from tests.distributed import engine_worker as worker
 
         results = []
         for case in cases:
@@ -105,7 +103,7 @@ def test_world2_fp16_overflow_skipped_on_every_rank(world2):
         assert result["loss_scale"] == 2.0**15
     # Before the skip the fp16 run tracks the fp32 reference.
     first = results[0]
-    early = [abs(a - b) / b for a, b in zip(first["world_losses"][:4], first["ref_losses"][:4])]
+    early = [abs(a - b) / b for a, b in zip(first["world_losses"][:4], first["ref_losses"][:4], strict=True)]
     assert max(early) < 1e-2
 
 

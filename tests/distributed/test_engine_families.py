@@ -13,13 +13,9 @@ Tolerances as in test_engine_archs.py: losses 1e-5 relative, final weights 1e-5 
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_launch import launch  # noqa: E402
+from tests.distributed.engine_launch import launch
 
 LOSS_REL = 1e-5
 WEIGHT_ABS = 1e-5
@@ -32,7 +28,7 @@ CASES = [
     dict(family="vit", steps=STEPS, global_batch=8),
 ]
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,9 @@ import subprocess
 import time
 
 import pytest
-from launch_helpers import (
+
+from elixir_tune.launcher.checks import cpu_cores
+from tests.e2e.launch_helpers import (
     ALLREDUCE_WORKER,
     EXAMPLE_PLAN,
     console_script,
@@ -22,9 +24,7 @@ from launch_helpers import (
     write_plan,
 )
 
-from elixir_tune.launcher.checks import cpu_cores
-
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]  # torchrun with several worker processes
 
 
 def _start(args: list) -> subprocess.Popen:

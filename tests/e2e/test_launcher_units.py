@@ -6,7 +6,6 @@ from __future__ import annotations
 import shlex
 
 import pytest
-from launch_helpers import EXAMPLE_PLAN, write_plan
 
 from elixir_tune.launcher import (
     ArgvError,
@@ -26,6 +25,7 @@ from elixir_tune.launcher import (
 )
 from elixir_tune.launcher.launch import exit_code_of, order_failures
 from elixir_tune.plan import PLAN_ENV_VAR, load_plan
+from tests.e2e.launch_helpers import EXAMPLE_PLAN, write_plan
 
 GIB = 2**30
 
@@ -129,7 +129,7 @@ def test_split_command_line():
     assert options == ["--redirects", "3", "--monitor-interval=1", "--no-python"]
     assert (plan, script, args) == ("plan.yaml", "train.py", ["--steps", "3", "--dry-run"])
     assert not script_is_a_file(options) and script_is_a_file(["--redirects", "3"])
-    # DESIGN's form `PLAN SCRIPT -- ARGS` means the same as without `--`.
+    # The form of docs/DESIGN.md section 2, `PLAN SCRIPT -- ARGS`, means the same as without `--`.
     assert split_command_line(["p.yaml", "t.py", "--", "--steps", "2"], arity)[3] == ["--steps", "2"]
 
 

@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
-from launch_helpers import console_script, free_port, job_env, run_elixir
 
 from elixir_tune.paths import REPO_DIR
+from tests.e2e.launch_helpers import console_script, free_port, job_env, run_elixir
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]  # torchrun with several worker processes
 
 TRAIN = REPO_DIR / "scripts" / "train_gpt2.py"
 

@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 
 import pytest
-from launch_helpers import console_script, job_env, run_elixir, write_plan
 
 from elixir_tune.paths import REPO_DIR
+from tests.e2e.launch_helpers import console_script, job_env, run_elixir, write_plan
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]  # torchrun with several worker processes
 
 TRAIN = REPO_DIR / "scripts" / "train_gpt2.py"
 MODEL = REPO_DIR / "configs" / "models" / "gpt2-tiny.yaml"

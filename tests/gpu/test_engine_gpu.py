@@ -7,18 +7,13 @@ memory report.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+import elixir_tune
+from tests.distributed.engine_plans import batches, make_plan, param_groups, tied_net, tiny_gpt2
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "distributed"))
-from engine_plans import batches, make_plan, param_groups, tied_net, tiny_gpt2  # noqa: E402
-
-import elixir_tune  # noqa: E402
+pytestmark = pytest.mark.gpu  # tests/conftest.py skips it without CUDA
 
 STEPS = 10
 
@@ -68,7 +63,7 @@ def train(build, plan_kwargs, dtype="fp32", accum=2, clip=0.5):
         ref_losses.append(float(loss.detach()))
     state, ref_state = model.state_dict(), ref.state_dict()
     weight = max(float((state[k].float() - v.float().cpu()).abs().max()) for k, v in ref_state.items())
-    loss_rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    loss_rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
     return loss_rel, weight, model, plan
 
 

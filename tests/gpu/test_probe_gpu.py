@@ -7,7 +7,7 @@ import torch
 
 from elixir_tune.hardware import load_hardware, probe, save_hardware, spec_problems
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.gpu  # tests/conftest.py skips it without CUDA
 
 
 def test_quick_probe_on_the_gpus(tmp_path):

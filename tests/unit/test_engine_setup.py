@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import copy
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "distributed"))
-from engine_plans import batches, make_plan, param_groups, tied_net, tiny_gpt2  # noqa: E402
-
-import elixir_tune  # noqa: E402
-from elixir_tune.plan import MODEL_STATE_KEYS, SHARD_BYTES_PER_ELEMENT  # noqa: E402
+import elixir_tune
+from elixir_tune.plan import MODEL_STATE_KEYS, SHARD_BYTES_PER_ELEMENT
+from tests.distributed.engine_plans import batches, make_plan, param_groups, tied_net, tiny_gpt2
 
 
 def setup_tied(**plan_kwargs):
@@ -50,7 +46,7 @@ def test_world_size_mismatch_is_a_clear_error():
 
 
 def test_too_few_cache_blocks_names_module_and_minimum():
-    from engine_plans import min_cache_blocks, pack
+    from tests.distributed.engine_plans import min_cache_blocks, pack
 
     model = tied_net()
     # A chunk size that puts some module's weight and bias into different chunks.
@@ -158,7 +154,8 @@ def test_plan_from_environment(tmp_path, monkeypatch):
     wrapped, opt = elixir_tune.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     loss, _ = train_step(wrapped, opt, batches(1, 2, 8)[0])
     assert torch.isfinite(loss)
-    assert type(opt.optimizer_class) is type and opt.optimizer_class is torch.optim.SGD
+    assert opt.optimizer_class is torch.optim.SGD
+    assert (opt.param_groups[0]["lr"], opt.param_groups[0]["momentum"]) == (0.1, 0.9)
 
 
 def test_eval_forward_without_grad_matches_the_model():

@@ -1,4 +1,4 @@
-"""The dependency direction of DESIGN section 3, checked by importing each package in a fresh
+"""The dependency rules of docs/DESIGN.md section 3, checked by importing each package in a fresh
 interpreter and looking at what came along."""
 
 from __future__ import annotations
@@ -67,3 +67,18 @@ def test_only_the_console_module_imports_rich():
         if re.search(r"^\s*(from|import)\s+rich\b", path.read_text(), re.MULTILINE)
     )
     assert importers == ["cli/console.py"]
+
+
+def test_only_comm_calls_torch_distributed_in_the_engine():
+    import re
+    from pathlib import Path
+
+    import elixir_tune
+
+    engine = Path(elixir_tune.__file__).parent / "engine"
+    users = sorted(
+        path.name
+        for path in engine.glob("*.py")
+        if re.search(r"torch\.distributed|from torch import distributed", path.read_text())
+    )
+    assert users == ["comm.py"]

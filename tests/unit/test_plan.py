@@ -132,7 +132,22 @@ MALFORMED = [
         "training.activation_checkpointing.every: expected 0 (none), 1 (all) or k > 1, got -2",
     ),
     ("cluster.backend", "nccl", "cluster.backend: nccl needs GPUs; a cpu plan uses gloo"),
-    ("memory.colour", "red", "memory.colour: unknown field (known: chunk_size, cache_blocks, prefetch, chunks)"),
+    (
+        "memory.colour",
+        "red",
+        "memory.colour: unknown field (known: chunk_size, cache_blocks, prefetch, staging_buffers, chunks)",
+    ),
+    ("memory.staging_buffers", 0, "memory.staging_buffers: must be positive, got 0"),
+    ("memory.staging_buffers", 1.5, "memory.staging_buffers: expected an integer, got 1.5"),
+    ("cluster.device", _DELETE, "cluster.device: missing (expected one of cuda, cpu)"),
+    ("memory.chunks.1.params.2", 7, "memory.chunks[1].params[2]: expected a string, got 7"),
+    ("memory.chunks.0", "wte", "memory.chunks[0]: expected a mapping, got 'wte'"),
+    ("training.activation_checkpointing", 2, "training.activation_checkpointing: expected a mapping, got 2"),
+    (
+        "training.activation_checkpointing.each",
+        1,
+        "training.activation_checkpointing.each: unknown field (known: every)",
+    ),
 ]
 
 
@@ -141,6 +156,36 @@ def test_malformed_plan_gives_exact_problem(raw: dict, field: str, value, expect
     broken = copy.deepcopy(raw)
     _set(broken, field, value)
     assert validate_dict(broken) == (expected if isinstance(expected, list) else [expected])
+
+
+def test_prediction_maps_are_checked_by_key_and_value(raw: dict):
+    raw["prediction"] = {
+        "step_time_s": 1.0,
+        "tokens_per_s": 1.0,
+        "tflops_per_gpu": 0.1,
+        "mfu": 0.1,
+        "peak_gpu_bytes": 1,
+        "peak_host_bytes": 0,
+        "model_state_bytes": {"cache_bytes": 1, "kv_bytes": 2},
+        "breakdown": {"compute_s": "fast"},
+    }
+    assert validate_dict(raw) == [
+        "prediction.model_state_bytes.kv_bytes: unknown key (known: cache_bytes, resident_bytes, "
+        "device_shard_bytes, host_shard_bytes)",
+        "prediction.breakdown.compute_s: expected a number, got 'fast'",
+    ]
+
+
+def test_staging_buffers_default_and_round_trip(tmp_path: Path, raw: dict):
+    assert "staging_buffers" not in raw["memory"]
+    assert load_plan(EXAMPLE).memory.staging_buffers == 2
+    raw["memory"]["staging_buffers"] = 3
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    plan = load_plan(path)
+    assert plan.memory.staging_buffers == 3
+    save_plan(plan, path)
+    assert read_plan_dict(path)["memory"]["staging_buffers"] == 3
 
 
 def test_missing_section_and_top_level_type():

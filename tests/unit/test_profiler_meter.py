@@ -45,7 +45,7 @@ def test_op_cache_rebuilds_same_outputs_and_keeps_scalar_types_apart():
     with LiveMemoryMeter(op_cache=cache):
         first = [x * 2, x * 2.0, x.t().contiguous(), torch.nn.functional.layer_norm(x.float(), (6,))]
         again = [x * 2, x * 2.0, x.t().contiguous(), torch.nn.functional.layer_norm(x.float(), (6,))]
-    for a, b in zip(first, again):
+    for a, b in zip(first, again, strict=True):
         assert (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype)
         assert a.untyped_storage()._cdata != b.untyped_storage()._cdata
     assert first[0].dtype == torch.int64 and first[1].dtype == torch.float32

@@ -7,6 +7,7 @@ tests/unit/test_search_presets.py repeats the preset sanity checks on traced pro
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 
@@ -166,7 +167,7 @@ def test_more_gpu_memory_is_never_predicted_slower(profiles, a100, name, gpus):
         except InfeasibleError:
             times.append(float("inf"))
     assert any(t < float("inf") for t in times)
-    assert all(later <= earlier + 1e-12 for earlier, later in zip(times, times[1:])), times
+    assert all(later <= earlier + 1e-12 for earlier, later in itertools.pairwise(times)), times
 
 
 def test_more_gpus_never_give_more_model_state_memory_per_gpu(profiles, a100):
@@ -177,7 +178,7 @@ def test_more_gpus_never_give_more_model_state_memory_per_gpu(profiles, a100):
     for gpus in (1, 2, 4, 8):
         plan = search(profile, with_memory(a100, 200), gpus_per_node=gpus, fixed=fixed, host_memory_bytes=host).plan
         per_gpu.append(sum(plan.prediction.model_state_bytes.values()))
-    assert all(later <= earlier for earlier, later in zip(per_gpu, per_gpu[1:])), per_gpu
+    assert all(later <= earlier for earlier, later in itertools.pairwise(per_gpu)), per_gpu
     assert per_gpu[-1] < per_gpu[0]
 
 
@@ -190,7 +191,7 @@ def test_pinning_more_offload_never_lowers_host_memory(profiles, a100):
             search(profile, with_memory(a100, 200), gpus_per_node=2, fixed=fixed).plan.prediction.peak_host_bytes
         )
     assert hosts[0] == 0
-    assert all(later >= earlier for earlier, later in zip(hosts, hosts[1:])), hosts
+    assert all(later >= earlier for earlier, later in itertools.pairwise(hosts)), hosts
     assert hosts[-1] > hosts[0]
 
 

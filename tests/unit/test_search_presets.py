@@ -8,15 +8,14 @@ from elixir_tune import paths
 from elixir_tune.costmodel.trace import checkpointed_trace
 from elixir_tune.hardware import load_hardware
 from elixir_tune.plan import validate
+from elixir_tune.profiler.profile import profile_model
 from elixir_tune.search import search
 
-profiler = pytest.importorskip("elixir_tune.profiler.profile")
-
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # traces real model configs on the meta device, seconds each
 
 
 def traced(name: str, **kwargs):
-    return profiler.profile_model(
+    return profile_model(
         str(paths.MODEL_CONFIGS_DIR / f"{name}.yaml"),
         batch_size=8,
         seq_len=kwargs.get("seq_len", 1024),

@@ -1,0 +1,194 @@
+"""Oracles for two choices of the search (docs/DESIGN.md section 7.1):
+
+* which chunks are offloaded: for every count, the chosen chunks must be the ones whose shards
+  cross host->device least often in a step (measured through the timeline simulation, one chunk
+  at a time), ties going to the later chunk (its gradients are reduced earliest in backward);
+* the pruned joint search: on spaces small enough to score every candidate, it must return the
+  same best candidate as scoring them all.
+
+The profiles are analytic (costmodel.synthetic) and small, so this runs in a few seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from elixir_tune.costmodel.model import CostModel, Shape
+from elixir_tune.costmodel.synthetic import example_hardware, gpt2_profile
+from elixir_tune.search import InfeasibleError, parse_fixed, search
+from elixir_tune.search.candidate import score
+from elixir_tune.search.joint import (
+    cache_choices,
+    checkpointing_choices,
+    chunk_sizes,
+    micro_batch_choices,
+    prefetch_choices,
+)
+
+MIB = 2**20
+
+
+@pytest.fixture(scope="module")
+def small_profile():
+    # 4 blocks, tied embeddings (one resident chunk); 3 to 22 chunks over the chunk-size grid.
+    return gpt2_profile("small", hidden=128, layers=4, heads=4, vocab=512, positions=64, seq_len=64, dtype="fp32")
+
+
+# ---------------------------------------------------------------------------------------------
+# Which chunks are offloaded
+# ---------------------------------------------------------------------------------------------
+
+
+def host_to_device_copies(model: CostModel, shape: Shape, chunk: int) -> int:
+    """Times chunk's shard is copied host->device in one step, had it alone been offloaded: read off
+    the simulated timeline's host->device busy time."""
+    alone = dataclasses.replace(shape, num_offloaded=1, offloaded=(chunk,))
+    busy_s = model.step_time(alone).breakdown["h2d_s"]
+    copies = busy_s / model.costs(shape.chunk_size).h2d_s
+    assert copies == pytest.approx(round(copies), abs=1e-6)
+    return round(copies)
+
+
+def offload_cases(profile):
+    """(cost model, shape without offload) for every cache size of two chunk sizes, two world
+    sizes and checkpointing off/all; two micro-batches so that the steady state counts too."""
+    for gpus in (1, 2):
+        model = CostModel(profile, example_hardware(gpu_memory_gib=4, gpus_per_node=gpus), gpus)
+        for chunk_size in chunk_sizes(model, {})[1:3]:
+            cacheable = model.layout(chunk_size).num_cacheable
+            for every in (0, 1):
+                for cache_blocks in range(model.min_cache_blocks(chunk_size, every), cacheable + 1):
+                    yield model, Shape(chunk_size, cache_blocks, 0, 0, every, 2, 2)
+
+
+def test_offloaded_chunks_are_the_least_fetched_latest_first(small_profile):
+    checked = varied = 0
+    for model, shape in offload_cases(small_profile):
+        num_chunks = model.layout(shape.chunk_size).num_chunks
+        copies = [host_to_device_copies(model, shape, chunk) for chunk in range(num_chunks)]
+        varied += len(set(copies)) > 1
+        for count in range(1, num_chunks):
+            mask = model.offload_mask(dataclasses.replace(shape, num_offloaded=count))
+            chosen = [chunk for chunk in range(num_chunks) if mask[chunk]]
+            kept = [chunk for chunk in range(num_chunks) if not mask[chunk]]
+            assert len(chosen) == count
+            where = f"{shape}, copies per chunk {copies}, offloaded {chosen}"
+            # The least host->device traffic any `count` chunks can have...
+            assert sum(copies[c] for c in chosen) == sum(sorted(copies)[:count]), where
+            # ...and among chunks copied equally often, the later ones go first.
+            for a in chosen:
+                for b in kept:
+                    assert copies[a] < copies[b] or (copies[a] == copies[b] and a > b), where
+            # The whole step's host->device traffic is what the chosen chunks add up to.
+            step_copies = model.step_time(dataclasses.replace(shape, num_offloaded=count)).breakdown["h2d_s"]
+            assert step_copies == pytest.approx(sum(copies[c] for c in chosen) * model.costs(shape.chunk_size).h2d_s)
+            checked += 1
+    assert checked > 100 and varied > 10  # the cases do tell chunks apart
+
+
+def test_offload_choice_by_hand(small_profile):
+    """One case read off by hand: 13 chunks (chunk 0 the resident tied embedding), one cache slot,
+    no checkpointing, two micro-batches. With one slot, Belady keeps the chunk at the turn of
+    forward and backward, so chunk 12 is fetched once per micro-batch (2 copies), chunk 1 (first in
+    forward, last in backward) 3 times, the middle ones 4 times; the resident chunk 0 once."""
+    model = CostModel(small_profile, example_hardware(gpu_memory_gib=4, gpus_per_node=1), 1)
+    chunk_size = chunk_sizes(model, {})[1]
+    shape = Shape(chunk_size, 1, 0, 0, 0, 2, 2)
+    assert model.layout(chunk_size).num_chunks == 13
+    assert [host_to_device_copies(model, shape, c) for c in range(13)] == [1, 3] + [4] * 10 + [2]
+
+    def offloaded(count: int) -> list[int]:
+        mask = model.offload_mask(dataclasses.replace(shape, num_offloaded=count))
+        return [chunk for chunk in range(13) if mask[chunk]]
+
+    assert offloaded(1) == [0]
+    assert offloaded(2) == [0, 12]
+    assert offloaded(3) == [0, 1, 12]
+    assert offloaded(5) == [0, 1, 10, 11, 12]  # then the latest of the chunks fetched 4 times
+    # Every chunk cached: each is fetched once, so the latest go first.
+    all_cached = dataclasses.replace(shape, cache_blocks=12)
+    mask = model.offload_mask(dataclasses.replace(all_cached, num_offloaded=3))
+    assert [chunk for chunk in range(13) if mask[chunk]] == [10, 11, 12]
+
+
+# ---------------------------------------------------------------------------------------------
+# The pruned joint search against scoring every candidate
+# ---------------------------------------------------------------------------------------------
+
+
+def every_shape(model: CostModel, per_rank: int, fixed: dict):
+    """Every candidate shape of the search space: the search's own grids, and every offload count."""
+    for chunk_size in chunk_sizes(model, fixed):
+        layout = model.layout(chunk_size)
+        for every in checkpointing_choices(model, fixed):
+            minimum = model.min_cache_blocks(chunk_size, every)
+            for micro_batch in micro_batch_choices(per_rank, fixed):
+                for cache_blocks in cache_choices(minimum, layout.num_cacheable, fixed):
+                    for prefetch in prefetch_choices(cache_blocks, minimum, layout.num_cacheable, fixed):
+                        for offloaded in range(layout.num_chunks + 1):
+                            accum = per_rank // micro_batch
+                            yield Shape(chunk_size, cache_blocks, offloaded, prefetch, every, micro_batch, accum)
+
+
+def exhaustive_best(profile, hardware, gpus: int, global_batch: int, fixed: dict):
+    """Scores every candidate that fits device and host memory (no bound, no early stop).
+
+    Returns:
+        ((step time, device bytes, host bytes), candidate) of the best, and how many were scored.
+    """
+    model = CostModel(profile, hardware, gpus, dtype=fixed.get("dtype"))
+    best, scored = None, 0
+    for shape in every_shape(model, global_batch // gpus, fixed):
+        memory = model.memory(shape)
+        if memory.peak_gpu_bytes > hardware.usable_memory_bytes or memory.peak_host_bytes > hardware.host_memory_bytes:
+            continue
+        candidate = score(model, shape, memory, global_batch)
+        scored += 1
+        key = (candidate.step_time_s, memory.peak_gpu_bytes, memory.peak_host_bytes)
+        if best is None or key < best[0]:
+            best = (key, candidate)
+    return best, scored
+
+
+def key_of(candidate):
+    return (candidate.step_time_s, candidate.memory.peak_gpu_bytes, candidate.memory.peak_host_bytes)
+
+
+# Device memory a rank may use, in MiB: the example node reserves 1 GiB of allocator overhead, so
+# 1030-1038 leave 6-14 MiB for a model whose states take about 14 MiB (offload is forced), 1200
+# leaves room for everything.
+SPACES = [
+    (gpus, usable_mib, fixed)
+    for gpus in (1, 2)
+    for usable_mib in (1030, 1034, 1038, 1200)
+    for fixed in ({}, {"checkpointing": "none"})
+]
+
+
+@pytest.mark.parametrize("gpus,usable_mib,fixed", SPACES, ids=[f"{g}gpu-{u}MiB-{f}" for g, u, f in SPACES])
+def test_pruned_search_finds_the_exhaustive_best(small_profile, gpus, usable_mib, fixed):
+    node = dataclasses.replace(
+        example_hardware(gpu_memory_gib=4, gpus_per_node=gpus), usable_memory_bytes=usable_mib * MIB
+    )
+    global_batch = 4 * gpus
+    pinned = parse_fixed(fixed)
+    # top_k=1: the bounds are checked against the best so far, the most pruning they can do.
+    result = search(small_profile, node, gpus_per_node=gpus, global_batch_size=global_batch, fixed=fixed, top_k=1)
+    (best_key, best), scored = exhaustive_best(small_profile, node, gpus, global_batch, pinned)
+    assert key_of(result.candidates[0]) == best_key, (result.candidates[0].shape, best.shape)
+    assert result.num_scored < scored  # the pruning did skip candidates
+
+    # The same space with host memory just below what the winner needs: the host bound decides.
+    if best.memory.peak_host_bytes > 0:
+        tight = dataclasses.replace(node, host_memory_bytes=best.memory.peak_host_bytes - 1)
+        expected, _ = exhaustive_best(small_profile, tight, gpus, global_batch, pinned)
+        if expected is None:
+            with pytest.raises(InfeasibleError):
+                search(small_profile, tight, gpus_per_node=gpus, global_batch_size=global_batch, fixed=fixed)
+        else:
+            found = search(
+                small_profile, tight, gpus_per_node=gpus, global_batch_size=global_batch, fixed=fixed, top_k=1
+            )
+            assert key_of(found.candidates[0]) == expected[0], (found.candidates[0].shape, expected[1].shape)
