@@ -614,10 +614,10 @@ def markdown(record: dict) -> str:
         f"collective latency {hw['collective_latency_s'] * 1e6:.0f} us, Adam {hw['cpu_adam_elems_per_s']:.2e} elem/s",
         "- compute rate the cost model uses: the probe's transformer-block forward+backward curve, fp32 "
         + ", ".join(
-            f"{tflops:.3g} TFLOP/s at {flops / 1e9:.3g} GFLOP"
-            for flops, tflops in sorted((hw.get("block_tflops_curves") or {}).get("fp32", {}).items())
+            f"{tflops:.3g} TFLOP/s at {numel / 1e6:.3g}M block parameters"
+            for numel, tflops in sorted((hw.get("block_tflops_curves") or {}).get("fp32", {}).items())
         )
-        + " (block forward FLOPs per call; read at the model's block size and micro-batch)",
+        + " (read at the model's block parameter count)",
         f"- load: 1-minute load average {record['load_avg_1min_at_start']} at the start, "
         f"{record['load_avg_1min_at_end']} at the end (2 cores, shared with other jobs)",
         f"- measured: `elixir-run plan.yaml train_gpt2.py --synthetic --steps {record['steps']}` (rank 0 "

@@ -143,7 +143,7 @@ def block_tflops(
         budget_s: time to spend.
 
     Returns:
-        (forward FLOPs of one call, forward+backward TFLOP/s).
+        (the block's parameter count, forward+backward TFLOP/s).
     """
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -160,4 +160,4 @@ def block_tflops(
         out.sum().backward()
     flops = forward.get_total_flops() + backward.get_total_flops()
     seconds = median_time_s(step, device, budget_s, warmup=2)
-    return float(forward.get_total_flops()), flops / seconds / 1e12
+    return sum(p.numel() for p in block.parameters()), flops / seconds / 1e12

@@ -39,7 +39,7 @@ _ASSUMED_ETHERNET_GBPS = 1.25  # 10 GbE when no link speed can be read
 # Block shapes (batch, seq, hidden, heads) of the block-rate curve, small to large: a small model's
 # blocks run far below the matmul rate (per-op overhead), a large one's near its model-level rate.
 # On the CPU they span the demo's GPT-2 tiny (hidden 64) to GPT-2 small widths.
-_CPU_BLOCKS = [(8, 128, 64, 4), (8, 64, 256, 4), (4, 128, 512, 8), (2, 512, 768, 12)]
+_CPU_BLOCKS = [(8, 128, 64, 4), (4, 128, 256, 4), (4, 128, 512, 8), (2, 256, 768, 12)]
 _CUDA_BLOCKS = [(1, 1024, 1024, 16), (2, 1024, 2048, 16), (4, 1024, 4096, 32), (4, 2048, 6144, 48)]
 
 
@@ -119,7 +119,7 @@ def _block_curves(
     """Block forward+backward rate over ``shapes`` for each dtype.
 
     Returns:
-        (dtype -> {block forward FLOPs: TFLOP/s}, dtype -> the rate of the largest block).
+        (dtype -> {block parameters: TFLOP/s}, dtype -> the rate of the largest block).
     """
     curves: dict[str, dict[int, float]] = {}
     for dtype_name in dtypes:
@@ -127,10 +127,10 @@ def _block_curves(
         curve = {}
         for batch, seq, hidden, heads in shapes:
             try:
-                flops, tflops = block_tflops(device, dtype_name, batch, seq, hidden, heads, budget_s / len(shapes))
+                numel, tflops = block_tflops(device, dtype_name, batch, seq, hidden, heads, budget_s / len(shapes))
             except RuntimeError:  # a dtype this device cannot run a block in
                 break
-            curve[int(flops)] = tflops
+            curve[numel] = tflops
         if curve:
             curves[dtype_name] = curve
         if device.type == "cuda":
@@ -142,7 +142,7 @@ def _block_note(shapes: list[tuple[int, int, int, int]], how: str) -> str:
     sizes = ", ".join(f"{b}x{s}x{h}" for b, s, h, _ in shapes)
     return (
         f"measured: a GPT-2 block's forward+backward (batch x seq x hidden {sizes}), FLOPs from "
-        f"torch.utils.flop_counter / median time, {how}"
+        f"torch.utils.flop_counter / median time, keyed by the block's parameter count, {how}"
     )
 
 

@@ -59,8 +59,8 @@ class HardwareSpec:
             (attention, norms, activations and launch gaps included), below ``matmul_tflops``;
             empty: the matmul rate is used.
         block_tflops_curves: measured rate of one transformer block's forward+backward over sizes,
-            dtype -> {block forward FLOPs per call: TFLOP/s}; small blocks run far below the
-            matmul rate (per-op overhead). Takes precedence over ``model_tflops``.
+            dtype -> {block parameter count: TFLOP/s}; narrow blocks run far below the matmul rate
+            (small GEMMs, per-op overhead). Takes precedence over ``model_tflops``.
         shared_host_link: the GPUs have no NVLink, so collectives cross the same PCIe link as the
             host<->device copies: one inbound and one outbound link per GPU in the timeline.
     """
@@ -106,11 +106,11 @@ class HardwareSpec:
         node = self.cpu_adam_node_elems_per_s or self.cpu_adam_elems_per_s * self.gpus_per_node
         return min(self.cpu_adam_elems_per_s, node / max(1, ranks_on_node))
 
-    def compute_tflops(self, dtype: str, block_fwd_flops: float = 0.0) -> float:
+    def compute_tflops(self, dtype: str, block_numel: float = 0.0) -> float:
         """The rate a model's forward+backward runs at, in TFLOP/s.
 
-        Measured block curve (interpolated at ``block_fwd_flops``, the forward FLOPs of one block
-        call, log-log between points, clamped at the ends), else the model-level rate, else the
+        Measured block curve (interpolated at ``block_numel``, the parameters of one block, log-log
+        between points, clamped at the ends), else the model-level rate, else the
         matmul rate (the bare GEMM rate, optimistic for whole models). ``fp32`` stands in for a
         dtype a field lacks.
 
@@ -119,7 +119,7 @@ class HardwareSpec:
         """
         for name in (dtype, "fp32"):
             if self.block_tflops_curves.get(name):
-                return interpolate_log(self.block_tflops_curves[name], block_fwd_flops)
+                return interpolate_log(self.block_tflops_curves[name], block_numel)
             rate = self.model_tflops.get(name) or self.matmul_tflops.get(name)
             if rate:
                 return rate

@@ -9,6 +9,7 @@ dtype, host accumulation of arrived gradients overlapped with backward.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -98,12 +99,18 @@ def test_compute_runs_at_the_model_rate_then_the_block_curve():
     spec.model_tflops = {"bf16": 170.0}  # A100: a large GPT's forward+backward (llm-foundry)
     model = CostModel(profile, spec, gpus_per_node=1, dtype="bf16")
     assert model.compute_s(4, 0)[0] == pytest.approx(4 * profile.flops_per_sample / 170e12)
-    # A measured block curve wins; it is read at the mean block's forward FLOPs of one micro-batch.
-    block_flops = sum(b.fwd_flops_per_sample for b in profile.blocks) / len(profile.blocks)
-    spec.block_tflops_curves = {"bf16": {int(block_flops): 10.0, int(block_flops * 100): 100.0}}
+    # A measured block curve wins; it is read at the mean block's parameter count.
+    params = profile.params
+    block = profile.blocks[0]
+    numel = sum(p.numel for p in params[block.first_param : block.first_param + block.num_params])
+    assert model.block_numel() == numel
+    spec.block_tflops_curves = {"bf16": {numel // 10: 10.0, numel * 10: 100.0}}
     model = CostModel(profile, spec, gpus_per_node=1, dtype="bf16")
-    assert model.compute_s(1, 0)[0] == pytest.approx(profile.flops_per_sample / 10e12, rel=1e-6)
-    assert model.compute_s(10, 0)[0] == pytest.approx(10 * profile.flops_per_sample / 31.6227766e12, rel=1e-6)
+    expected_tflops = 10 ** (
+        1 + (math.log10(numel) - math.log10(numel // 10)) / (math.log10(numel * 10) - math.log10(numel // 10))
+    )
+    assert model.compute_s(1, 0)[0] == pytest.approx(profile.flops_per_sample / (expected_tflops * 1e12), rel=1e-6)
+    assert model.compute_s(4, 0)[0] == pytest.approx(4 * model.compute_s(1, 0)[0])  # no micro-batch effect
     # the fp32 curve stands in for a dtype it lacks only when nothing else names that dtype
     assert spec.compute_tflops("fp16") == 200.0
 
