@@ -155,6 +155,7 @@ def _run_collectives(
     adam_elements: int,
     budget_s: float,
     timeout_s: float,
+    block_shapes: list[tuple[int, int, int, int]] | None = None,
 ) -> tuple[dict, float, float, str]:
     """Runs the multi-process benchmarks (collectives, concurrent copies, CPU Adam).
 
@@ -163,7 +164,15 @@ def _run_collectives(
     """
     try:
         workers = run_workers(
-            device, procs, threads, coll_sizes, copy_sizes, adam_elements, budget_s=budget_s, timeout_s=timeout_s
+            device,
+            procs,
+            threads,
+            coll_sizes,
+            copy_sizes,
+            adam_elements,
+            budget_s=budget_s,
+            timeout_s=timeout_s,
+            block_shapes=block_shapes,
         )
     except RuntimeError as error:
         raise ProbeError(str(error)) from None
@@ -204,20 +213,6 @@ def _probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
         f"{tokens}, hidden {hidden}), median of repeats, {how}"
     )
 
-    shapes = _CPU_BLOCKS[:3] if quick else _CPU_BLOCKS
-    # fp32 only: a CPU's fp16 (and often bf16) blocks run at a few GFLOP/s and would take minutes;
-    # the other dtypes' curves are fp32's scaled by their matmul rate.
-    block_curves, model_rates = _block_curves(cpu, ["fp32"], shapes, 2 * budget, progress)
-    for dtype_name, tflops in matmul.items():
-        if dtype_name != "fp32" and "fp32" in block_curves:
-            ratio = tflops / matmul["fp32"]
-            block_curves[dtype_name] = {flops: rate * ratio for flops, rate in block_curves["fp32"].items()}
-            model_rates[dtype_name] = model_rates["fp32"] * ratio
-    sources["block_tflops_curves"] = (
-        _block_note(shapes, how) + "; fp32 measured, other dtypes x their matmul rate / fp32's"
-    )
-    sources["model_tflops"] = "measured: the block rate at the largest shape (block_tflops_curves)"
-
     _say(progress, "memory copy bandwidth")
     copy_bytes = 64 * MiB if quick else 256 * MiB
     hbm = copy_gbps(cpu, copy_bytes, budget)
@@ -237,6 +232,7 @@ def _probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
 
     # Larger than the last-level cache, as real shards are.
     adam_elements = 2**24 if quick else 2**25
+    block_shapes = _CPU_BLOCKS[:3] if quick else _CPU_BLOCKS
     if procs > 1:
         _say(progress, f"gloo collectives, concurrent copies and CPU Adam in {procs} processes")
         coll_sizes = size_ladder(MiB, 32 * MiB if quick else GiB)
@@ -248,7 +244,8 @@ def _probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
             copy_sizes,
             adam_elements,
             budget_s=2 * budget,
-            timeout_s=60 if quick else 300,
+            timeout_s=90 if quick else 300,
+            block_shapes=block_shapes,
         )
         allgather, reduce_scatter = workers["allgather"], workers["reduce_scatter"]
         coll_latency = workers["latency_s"]
@@ -292,6 +289,24 @@ def _probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
             }
         )
 
+    # fp32 only: a CPU's fp16 (and often bf16) blocks run at a few GFLOP/s and would take minutes;
+    # the other dtypes' curves are fp32's scaled by their matmul rate. With several processes the
+    # workers measured it all at once (they share caches and memory bandwidth, as in training).
+    if procs > 1:
+        block_curves = {"fp32": workers["block_curve"]}
+        block_how = f"all {procs} processes at once, {how}"
+    else:
+        block_curves = _block_curves(cpu, ["fp32"], block_shapes, 2 * budget, progress)[0]
+        block_how = how
+    for dtype_name, tflops in matmul.items():
+        if dtype_name != "fp32":
+            ratio = tflops / matmul["fp32"]
+            block_curves[dtype_name] = {numel: rate * ratio for numel, rate in block_curves["fp32"].items()}
+    model_rates = {dtype: curve[max(curve)] for dtype, curve in block_curves.items()}
+    sources["block_tflops_curves"] = (
+        _block_note(block_shapes, block_how) + "; fp32 measured, other dtypes x their matmul rate / fp32's"
+    )
+    sources["model_tflops"] = "measured: the block rate at the largest shape (block_tflops_curves)"
     node_adam = adam * procs
     sources["cpu_adam_node_elems_per_s"] = "cpu_adam_elems_per_s x processes (measured all at once)"
     shared_link = False
