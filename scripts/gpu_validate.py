@@ -435,16 +435,23 @@ def shape_pins(best: dict, model_path: str, hardware: str, world: int) -> list[t
     ]
 
 
-def run_world(v: Validation, world: int, hardware: str, model: dict, wanted: set[str] | None, limit: int) -> dict:
-    """Plans and trains the shapes at one world size; returns the best row."""
+def run_world(
+    v: Validation, world: int, hardware: str, model: dict, wanted: set[str] | None, limit: int, peers: bool
+) -> None:
+    """Plans and trains the shapes at one world size: the search's best first, then (``peers``) the
+    peers on the best's batch, then the other shapes while the time budget lasts."""
     best = v.plan("search-best", world, hardware, model, [], "joint")
     v.record["rows"].append(best)
     if best["status"] != "planned":
         v.write()
-        return best
+        return
     v.train(best, model, 0)
     v.write()
+    if best.get("status") != "measured":
+        return
     estimate = best.get("wall_s", 60) * 1.2
+    if peers:
+        run_peers(v, best, model, estimate)
     shapes = shape_pins(best, model["profile"], hardware, world)[: limit - 1]
     for name, pins, strategy in shapes:
         if wanted is not None and name not in wanted:
@@ -467,7 +474,22 @@ def run_world(v: Validation, world: int, hardware: str, model: dict, wanted: set
         elif row["status"] == "planned":
             v.train(row, model, estimate)
         v.write()
-    return best
+
+
+def run_peers(v: Validation, best: dict, model: dict, estimate_s: float) -> None:
+    """FSDP2 and DeepSpeed on the best plan's model, batch, sequence and checkpointing."""
+    if v.dry:
+        missing = "dry run on the CPU: DeepSpeed ZeRO-3 offload needs CUDA"
+        if importlib.util.find_spec("deepspeed") is None:
+            missing += " (and deepspeed is not installed here)"
+    elif importlib.util.find_spec("deepspeed") is None:
+        missing = "deepspeed is not installed (no wheels/, or their install failed: see the steps)"
+    else:
+        missing = None
+    for name, script, reason in (("fsdp2", "fsdp2_step.py", None), ("deepspeed", "deepspeed_step.py", missing)):
+        if reason is None and v.left_s() < estimate_s:
+            reason = f"not run: {v.left_s():.0f} s of the budget left, a run takes ~{estimate_s:.0f} s"
+        v.peer(name, str(REPO / "scripts" / "peers" / script), best, model, reason)
 
 
 def main() -> int:
@@ -479,22 +501,10 @@ def main() -> int:
     v.pytest_gpu()
     model = v.size_model(hardware)
     wanted = set(args.shapes.split(",")) if args.shapes else None
-    limit = 4 if args.quick else 8
-    best = run_world(v, 1, hardware, model, wanted, limit)
-    if best.get("status") == "measured":
-        v.peer("fsdp2", str(REPO / "scripts/peers/fsdp2_step.py"), best, model, None)
-        if v.dry:
-            missing = "dry run on the CPU: DeepSpeed ZeRO-3 offload needs CUDA"
-            if importlib.util.find_spec("deepspeed") is None:
-                missing += " (and deepspeed is not installed here)"
-        elif importlib.util.find_spec("deepspeed") is None:
-            missing = "deepspeed is not installed (no wheels/, or their install failed: see the steps)"
-        else:
-            missing = None
-        v.peer("deepspeed", str(REPO / "scripts/peers/deepspeed_step.py"), best, model, missing)
+    run_world(v, 1, hardware, model, wanted, 4 if args.quick else 8, peers=True)
     gpus = v.record["machine"].get("gpus", 0)
     if v.dry or gpus >= 2:
-        run_world(v, 2, hardware, model, set(args.world2_shapes.split(",")), 3)
+        run_world(v, 2, hardware, model, set(args.world2_shapes.split(",")), 3, peers=False)
     else:
         v.record["world2"] = f"not run: {gpus} GPU(s)"
     v.write()
