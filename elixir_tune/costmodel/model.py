@@ -213,10 +213,18 @@ class CostModel:
         return self._rates[micro_batch_size]
 
     def compute_s(self, micro_batch_size: int, every: int) -> tuple[float, float]:
-        """(compute, recompute part) seconds of one micro-batch."""
+        """(compute, recompute part) seconds of one micro-batch.
+
+        FLOPs at the model-level rate, plus the hardware's per-call overhead for each block's
+        forward+backward, and half of it for each recomputed block's forward (a forward runs about
+        half of a forward+backward's ops): it is what makes small micro-batches of small models slow.
+        """
         rate = self.flops_per_s_at(micro_batch_size)
-        recompute = micro_batch_size * self.recompute_flops_per_sample(every) / rate
-        return micro_batch_size * self.profile.flops_per_sample / rate + recompute, recompute
+        overhead_s = self.hardware.block_call_overhead_s
+        blocks = len(self.profile.blocks)
+        recomputed = checkpointed_blocks(blocks, every) if every > 0 else 0
+        recompute = micro_batch_size * self.recompute_flops_per_sample(every) / rate + recomputed * overhead_s / 2
+        return micro_batch_size * self.profile.flops_per_sample / rate + blocks * overhead_s + recompute, recompute
 
     def memory(self, shape: Shape) -> MemoryEstimate:
         """Peak device and host memory of a candidate."""

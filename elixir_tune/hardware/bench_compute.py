@@ -126,15 +126,15 @@ class _Block(torch.nn.Module):
         return x + self.down(F.gelu(self.up(self.ln_2(x)), approximate="tanh"))
 
 
-def block_tflops(
+def block_time(
     device: torch.device, dtype_name: str, batch: int, seq: int, hidden: int, heads: int, budget_s: float
-) -> tuple[float, float]:
-    """Rate of one transformer block's forward+backward: the model-level compute rate.
+) -> tuple[int, float, float]:
+    """One transformer block's forward+backward: the measure of the model-level compute rate.
 
     A whole model runs below its GEMMs' rate: attention, norms, activations and per-op launch or
     dispatch overhead add time that the matmul rate ignores (on a small CPU model most of it). The
-    FLOPs are counted by torch.utils.flop_counter, as the profiler counts a model's, so rate x
-    profiled FLOPs is a time.
+    FLOPs are counted by torch.utils.flop_counter, as the profiler counts a model's, so a rate from
+    them times profiled FLOPs is a time.
 
     Args:
         device: where to run.
@@ -143,7 +143,7 @@ def block_tflops(
         budget_s: time to spend.
 
     Returns:
-        (the block's parameter count, forward+backward TFLOP/s).
+        (the block's parameter count, forward+backward FLOPs of one call, median seconds of one call).
     """
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -154,10 +154,32 @@ def block_tflops(
     def step() -> None:
         block(x).sum().backward()
 
-    with FlopCounterMode(display=False) as forward:
-        out = block(x)
-    with FlopCounterMode(display=False) as backward:
-        out.sum().backward()
-    flops = forward.get_total_flops() + backward.get_total_flops()
+    with FlopCounterMode(display=False) as counter:
+        step()
     seconds = median_time_s(step, device, budget_s, warmup=2)
-    return sum(p.numel() for p in block.parameters()), flops / seconds / 1e12
+    return sum(p.numel() for p in block.parameters()), float(counter.get_total_flops()), seconds
+
+
+# The smallest block: its time is nearly all per-call overhead (op dispatch, kernel launches).
+OVERHEAD_BLOCK = (1, 8, 64, 4)
+
+
+def block_rates(
+    device: torch.device, dtype_name: str, shapes: list[tuple[int, int, int, int]], budget_s: float
+) -> tuple[dict[int, float], float]:
+    """A block's per-call overhead and its rate over sizes, net of that overhead.
+
+    Time of a block call = overhead + FLOPs / rate(width): the overhead is what a tiny block
+    takes, the rate of each shape is its FLOPs over its time less the overhead (at least a tenth
+    of the time, so noise cannot make it negative).
+
+    Returns:
+        ({block parameter count: TFLOP/s}, overhead seconds per block forward+backward call).
+    """
+    per_shape_s = budget_s / (len(shapes) + 1)
+    _numel, _flops, overhead_s = block_time(device, dtype_name, *OVERHEAD_BLOCK, per_shape_s)
+    curve = {}
+    for shape in shapes:
+        numel, flops, seconds = block_time(device, dtype_name, *shape, per_shape_s)
+        curve[numel] = flops / max(seconds - overhead_s, 0.1 * seconds) / 1e12
+    return curve, overhead_s

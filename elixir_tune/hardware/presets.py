@@ -121,7 +121,7 @@ def spec_problems(spec: HardwareSpec) -> list[str]:
         value = getattr(spec, name)
         if not _is_number(value) or value <= 0:
             problems.append(f"{name}: expected a positive number, got {value!r}")
-    for name in ("copy_latency_s", "collective_latency_s"):
+    for name in ("copy_latency_s", "collective_latency_s", "block_call_overhead_s"):
         value = getattr(spec, name)
         if not _is_number(value) or not 0 <= value < 1:
             problems.append(f"{name}: expected seconds in [0, 1), got {value!r}")
@@ -149,7 +149,7 @@ def spec_problems(spec: HardwareSpec) -> list[str]:
                 _is_number(flops) and flops > 0 and _is_number(tflops) and tflops > 0 for flops, tflops in curve.items()
             )
         ):
-            problems.append(f"block_tflops_curves.{dtype}: expected {{block forward FLOPs: positive TFLOP/s}}")
+            problems.append(f"block_tflops_curves.{dtype}: expected {{block parameters: positive TFLOP/s}}")
     for curve_name, curve in (spec.bandwidth_curves or {}).items():
         if curve_name not in fields:
             problems.append(f"bandwidth_curves.{curve_name}: not a hardware field")

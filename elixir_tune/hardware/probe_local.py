@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from elixir_tune.hardware import host
-from elixir_tune.hardware.bench_compute import adam_elems_per_s, block_tflops, copy_gbps, matmul_tflops
+from elixir_tune.hardware.bench_compute import adam_elems_per_s, block_rates, copy_gbps, matmul_tflops
 from elixir_tune.hardware.bench_copy import (
     host_copy_curve,
     host_copy_latency_s,
@@ -41,6 +41,9 @@ _ASSUMED_ETHERNET_GBPS = 1.25  # 10 GbE when no link speed can be read
 # On the CPU they span the demo's GPT-2 tiny (hidden 64) to GPT-2 small widths.
 _CPU_BLOCKS = [(8, 128, 64, 4), (4, 128, 256, 4), (4, 128, 512, 8), (2, 256, 768, 12)]
 _CUDA_BLOCKS = [(1, 1024, 1024, 16), (2, 1024, 2048, 16), (4, 1024, 4096, 32), (4, 2048, 6144, 48)]
+
+
+_OVERHEAD_NOTE = "measured: forward+backward of a tiny block (batch 1, seq 8, hidden 64): per-call overhead"
 
 
 class ProbeError(RuntimeError):
@@ -115,34 +118,31 @@ def _block_curves(
     shapes: list[tuple[int, int, int, int]],
     budget_s: float,
     progress: Progress,
-) -> tuple[dict[str, dict[int, float]], dict[str, float]]:
-    """Block forward+backward rate over ``shapes`` for each dtype.
+) -> tuple[dict[str, dict[int, float]], float]:
+    """Block forward+backward rate over ``shapes`` for each dtype (``bench_compute.block_rates``).
 
     Returns:
-        (dtype -> {block parameters: TFLOP/s}, dtype -> the rate of the largest block).
+        (dtype -> {block parameters: TFLOP/s}, per-call overhead seconds of the first dtype).
     """
     curves: dict[str, dict[int, float]] = {}
+    overheads: list[float] = []
     for dtype_name in dtypes:
         _say(progress, f"transformer block forward+backward {dtype_name}")
-        curve = {}
-        for batch, seq, hidden, heads in shapes:
-            try:
-                numel, tflops = block_tflops(device, dtype_name, batch, seq, hidden, heads, budget_s / len(shapes))
-            except RuntimeError:  # a dtype this device cannot run a block in
-                break
-            curve[numel] = tflops
-        if curve:
-            curves[dtype_name] = curve
+        try:
+            curves[dtype_name], overhead_s = block_rates(device, dtype_name, shapes, budget_s)
+        except RuntimeError:  # a dtype this device cannot run a block in
+            continue
+        overheads.append(overhead_s)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return curves, {dtype: curve[max(curve)] for dtype, curve in curves.items()}
+    return curves, overheads[0] if overheads else 0.0
 
 
 def _block_note(shapes: list[tuple[int, int, int, int]], how: str) -> str:
     sizes = ", ".join(f"{b}x{s}x{h}" for b, s, h, _ in shapes)
     return (
         f"measured: a GPT-2 block's forward+backward (batch x seq x hidden {sizes}), FLOPs from "
-        f"torch.utils.flop_counter / median time, keyed by the block's parameter count, {how}"
+        f"torch.utils.flop_counter / (median time - block_call_overhead_s), keyed by the block's parameter count, {how}"
     )
 
 
@@ -293,10 +293,10 @@ def _probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
     # the other dtypes' curves are fp32's scaled by their matmul rate. With several processes the
     # workers measured it all at once (they share caches and memory bandwidth, as in training).
     if procs > 1:
-        block_curves = {"fp32": workers["block_curve"]}
+        block_curves, overhead_s = {"fp32": workers["block_curve"]}, workers["block_overhead_s"]
         block_how = f"all {procs} processes at once, {how}"
     else:
-        block_curves = _block_curves(cpu, ["fp32"], block_shapes, 2 * budget, progress)[0]
+        block_curves, overhead_s = _block_curves(cpu, ["fp32"], block_shapes, 6 * budget, progress)
         block_how = how
     for dtype_name, tflops in matmul.items():
         if dtype_name != "fp32":
@@ -307,6 +307,7 @@ def _probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
         _block_note(block_shapes, block_how) + "; fp32 measured, other dtypes x their matmul rate / fp32's"
     )
     sources["model_tflops"] = "measured: the block rate at the largest shape (block_tflops_curves)"
+    sources["block_call_overhead_s"] = _OVERHEAD_NOTE
     node_adam = adam * procs
     sources["cpu_adam_node_elems_per_s"] = "cpu_adam_elems_per_s x processes (measured all at once)"
     shared_link = False
@@ -340,6 +341,7 @@ def _probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
         bandwidth_curves=curves,
         model_tflops=model_rates,
         block_tflops_curves=block_curves,
+        block_call_overhead_s=overhead_s,
         cpu_adam_node_elems_per_s=node_adam,
         shared_host_link=shared_link,
     )
@@ -382,9 +384,11 @@ def _probe_cuda(quick: bool, progress: Progress) -> HardwareSpec:
     )
 
     shapes = _CUDA_BLOCKS[:3] if quick else _CUDA_BLOCKS
-    block_curves, model_rates = _block_curves(gpu, ["fp32", "bf16", "fp16"], shapes, 2 * budget, progress)
+    block_curves, overhead_s = _block_curves(gpu, ["bf16", "fp16", "fp32"], shapes, 2 * budget, progress)
+    model_rates = {dtype: curve[max(curve)] for dtype, curve in block_curves.items()}
     sources["block_tflops_curves"] = _block_note(shapes, how)
     sources["model_tflops"] = "measured: the block rate at the largest shape (block_tflops_curves)"
+    sources["block_call_overhead_s"] = _OVERHEAD_NOTE
 
     _say(progress, "HBM copy bandwidth")
     copy_bytes = 256 * MiB if quick else GiB
@@ -518,6 +522,7 @@ def _probe_cuda(quick: bool, progress: Progress) -> HardwareSpec:
         bandwidth_curves=curves,
         model_tflops=model_rates,
         block_tflops_curves=block_curves,
+        block_call_overhead_s=overhead_s,
         cpu_adam_node_elems_per_s=node_adam,
         shared_host_link=shared_link,
     )

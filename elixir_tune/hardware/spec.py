@@ -61,6 +61,8 @@ class HardwareSpec:
         block_tflops_curves: measured rate of one transformer block's forward+backward over sizes,
             dtype -> {block parameter count: TFLOP/s}; narrow blocks run far below the matmul rate
             (small GEMMs, per-op overhead). Takes precedence over ``model_tflops``.
+        block_call_overhead_s: fixed time of one block's forward+backward call whatever its size
+            (op dispatch, kernel launches): what a tiny block takes. The curve's rates are net of it.
         shared_host_link: the GPUs have no NVLink, so collectives cross the same PCIe link as the
             host<->device copies: one inbound and one outbound link per GPU in the timeline.
     """
@@ -94,6 +96,7 @@ class HardwareSpec:
     model_tflops: dict[str, float] = field(default_factory=dict)
     block_tflops_curves: dict[str, dict[int, float]] = field(default_factory=dict)
     shared_host_link: bool = False
+    block_call_overhead_s: float = 0.0
 
     def cpu_adam_rate_per_rank(self, ranks_on_node: int) -> float:
         """Host Adam elements/s one rank gets when ``ranks_on_node`` ranks step at once.

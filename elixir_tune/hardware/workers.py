@@ -101,7 +101,7 @@ def _collective_curves(device: torch.device, sizes_bytes: list[int], budget_s: f
 
 def worker_main(config: dict) -> None:
     """One probe worker: join the group, measure, write rank<r>.json into config["out_dir"]."""
-    from elixir_tune.hardware.bench_compute import adam_elems_per_s, block_tflops
+    from elixir_tune.hardware.bench_compute import adam_elems_per_s, block_rates
     from elixir_tune.hardware.bench_copy import host_copy_curve
 
     rank, world = config["rank"], config["world_size"]
@@ -142,12 +142,11 @@ def worker_main(config: dict) -> None:
         dist.barrier()
         phase("cpu_adam")
         if config.get("block_shapes"):
-            curve = {}
-            for shape in config["block_shapes"]:
-                dist.barrier()
-                numel, tflops = block_tflops(device, "fp32", *shape, config["budget_s"] / len(config["block_shapes"]))
-                curve[numel] = tflops
-            result["block_curve"] = curve
+            dist.barrier()
+            shapes = [tuple(shape) for shape in config["block_shapes"]]
+            result["block_curve"], result["block_overhead_s"] = block_rates(
+                device, "fp32", shapes, 3 * config["budget_s"]
+            )
             dist.barrier()
             phase("blocks")
     finally:
@@ -271,6 +270,7 @@ def _merge(results: list[dict]) -> dict:
             numel: statistics.fmean(int_keys(r["block_curve"])[numel] for r in results)
             for numel in int_keys(first["block_curve"])
         }
+        merged["block_overhead_s"] = statistics.fmean(r["block_overhead_s"] for r in results)
     merged["cpu_adam_impl"] = first["cpu_adam_impl"]
     return merged
 

@@ -140,3 +140,21 @@ def test_host_accumulation_overlaps_backward_and_ends_the_drain():
     # reduced last: reduce 1: 3.1-3.35 ... d2h 1 3.6-3.8, then the host add 3.8-4.1 is exposed
     last = simulate_micro_batch([1.0, 1.0], fetches, [0, 1], [(), (0, 1)], [False, True], costs)
     assert last.drained_s == pytest.approx(4.1)
+
+
+def test_block_call_overhead_is_added_per_block_call():
+    profile = gpt2_profile(hidden=256, layers=4, heads=4, vocab=1024, seq_len=128)
+    spec = example_hardware()
+    spec.model_tflops = {"bf16": 100.0}
+    spec.block_call_overhead_s = 0.002  # 2 ms per block forward+backward, 1 ms per recomputed forward
+    model = CostModel(profile, spec, gpus_per_node=1, dtype="bf16")
+    flops_s = profile.flops_per_sample / 100e12
+    compute, recompute = model.compute_s(2, 0)
+    assert compute == pytest.approx(2 * flops_s + 4 * 0.002) and recompute == 0
+    # checkpointing every 2nd block: blocks 0 and 2 recompute their forward
+    compute, recompute = model.compute_s(2, 2)
+    recompute_flops_s = 2 * model.recompute_flops_per_sample(2) / 100e12
+    assert recompute == pytest.approx(recompute_flops_s + 2 * 0.001)
+    assert compute == pytest.approx(2 * flops_s + 4 * 0.002 + recompute)
+    # four micro-batches of 1 pay the overhead four times where one of 4 pays it once
+    assert 4 * model.compute_s(1, 0)[0] - model.compute_s(4, 0)[0] == pytest.approx(3 * 4 * 0.002)
