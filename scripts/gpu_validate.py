@@ -99,6 +99,8 @@ class Validation:
         self.env["TRANSFORMERS_VERBOSITY"] = "error"
         if self.dry:
             self.env["OMP_NUM_THREADS"] = "1"
+        else:  # a 5B model's random init would take a minute of each run (scripts/peers/common.py)
+            self.env["VALIDATE_FAST_INIT"] = "1"
         self.record: dict = {"argv": sys.argv[1:], "dry_run_cpu": self.dry, "quick": args.quick, "steps": []}
         self.record["rows"], self.record["peers"] = [], []
         self.paths: tuple[Path, Path] | None = None

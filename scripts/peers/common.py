@@ -10,6 +10,7 @@ Started under torchrun (one process per GPU, or gloo CPU workers in a dry run).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -52,12 +53,45 @@ def init_distributed() -> tuple[torch.device, int, int]:
     return device, dist.get_rank(), dist.get_world_size()
 
 
+@contextlib.contextmanager
+def fast_init():
+    """Weights filled with a constant instead of drawn at random, while building a model.
+
+    A 5B-parameter model's random init takes about a minute on the CPU (torch's normal_ is serial),
+    longer than a few timed steps; step time and memory do not depend on the values. Used when
+    $VALIDATE_FAST_INIT is 1 (gpu_validate sets it on GPUs); the loss is then not a real loss.
+    """
+    if os.environ.get("VALIDATE_FAST_INIT") != "1":
+        yield
+        return
+
+    def fill(tensor, *args, **kwargs):
+        with torch.no_grad():
+            return tensor.fill_(0.02)
+
+    names = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "trunc_normal_", "xavier_uniform_")
+    saved_init = {name: getattr(torch.nn.init, name) for name in names}
+    saved_tensor = {name: getattr(torch.Tensor, name) for name in ("normal_", "uniform_")}
+    try:
+        for name in names:
+            setattr(torch.nn.init, name, fill)
+        for name in saved_tensor:
+            setattr(torch.Tensor, name, fill)
+        yield
+    finally:
+        for name, function in saved_init.items():
+            setattr(torch.nn.init, name, function)
+        for name, function in saved_tensor.items():
+            setattr(torch.Tensor, name, function)
+
+
 def build_model(model_yaml: str, checkpointing: str) -> torch.nn.Module:
     """The model in fp32 on the CPU, seeded as train_gpt2.py seeds it."""
     from elixir_tune.profiler import load_model_source
 
     torch.manual_seed(0)
-    model = load_model_source(model_yaml).build_model()
+    with fast_init():
+        model = load_model_source(model_yaml).build_model()
     if checkpointing == "all":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False

@@ -20,6 +20,12 @@ from pathlib import Path
 import torch
 
 import elixir_tune
+import elixir_tune.profiler
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import fast_init  # noqa: E402
+
+_load_model_source = elixir_tune.profiler.load_model_source
 
 SCRIPT = Path(__file__).resolve().parents[1] / "train_gpt2.py"
 _record: dict = {}
@@ -48,6 +54,25 @@ def _write() -> None:
     out.write_text(json.dumps(_record))
 
 
+class _FastInitSource:
+    """A model source whose build_model runs under common.fast_init ($VALIDATE_FAST_INIT)."""
+
+    def __init__(self, source):
+        self._source = source
+
+    def __getattr__(self, name):
+        return getattr(self._source, name)
+
+    def build_model(self, *args, **kwargs):
+        with fast_init():
+            return self._source.build_model(*args, **kwargs)
+
+
+def load_model_source(*args, **kwargs):
+    return _FastInitSource(_load_model_source(*args, **kwargs))
+
+
 elixir_tune.setup = setup
+elixir_tune.profiler.load_model_source = load_model_source
 sys.argv = [str(SCRIPT)] + sys.argv[1:]
 runpy.run_path(str(SCRIPT), run_name="__main__")
