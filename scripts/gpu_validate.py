@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import platform
 import re
@@ -287,7 +288,7 @@ class Validation:
         step = self.run(f"search {name} (world {world})", command, 120)
         row = {"name": name, "world": world, "pins": pins, "strategy": strategy, "search_command": step["command"]}
         if step["rc"] != 0:
-            row["status"] = "no plan: " + step.get("output_tail", "").strip().splitlines()[-1][:300]
+            row["status"] = "no plan: " + error_line(step)
             return row
         from elixir_tune.plan import load_plan
 
@@ -410,7 +411,9 @@ def peak_tflops(spec, dtype: str) -> float:
     return spec.matmul_tflops.get(dtype) or spec.matmul_tflops["fp32"]
 
 
-def shape_pins(best: dict, model_path: str, hardware: str, world: int) -> list[tuple[str, list[str], str]]:
+def shape_pins(
+    best: dict, model_path: str, hardware: str, world: int, per_rank: int
+) -> list[tuple[str, list[str], str]]:
     """(name, --fix pins, strategy) of every shape after the search's best, in priority order."""
     from elixir_tune.costmodel.model import CostModel
     from elixir_tune.hardware import load_hardware
@@ -432,9 +435,15 @@ def shape_pins(best: dict, model_path: str, hardware: str, world: int) -> list[t
         ),
         ("ckpt-none", ["checkpointing=none"], "joint"),
         ("ckpt-all", ["checkpointing=all"], "joint"),
-        ("micro-batch-half", [f"micro_batch_size={max(1, micro // 2)}"], "joint"),
-        ("micro-batch-double", [f"micro_batch_size={micro * 2}"], "joint"),
+    ] + [
+        (f"micro-batch-{size}", [f"micro_batch_size={size}"], "joint") for size in other_micro_batches(micro, per_rank)
     ]
+
+
+def other_micro_batches(micro: int, per_rank: int) -> list[int]:
+    """The two micro-batch sizes nearest ``micro`` (by ratio) that divide the per-rank batch."""
+    sizes = [size for size in range(1, per_rank + 1) if per_rank % size == 0 and size != micro]
+    return sorted(sorted(sizes, key=lambda size: abs(math.log(size / micro)))[:2])
 
 
 def run_world(
@@ -454,9 +463,9 @@ def run_world(
     estimate = best.get("wall_s", 60) * 1.2
     if peers:
         run_peers(v, best, model, estimate)
-    shapes = shape_pins(best, model["profile"], hardware, world)[: limit - 1]
+    shapes = shape_pins(best, model["profile"], hardware, world, model["per_rank_batch"])[: limit - 1]
     for name, pins, strategy in shapes:
-        if wanted is not None and name not in wanted:
+        if wanted is not None and name not in wanted and name.rsplit("-", 1)[0] not in wanted:
             continue
         row = v.plan(name, world, hardware, model, pins, strategy)
         v.record["rows"].append(row)

@@ -19,7 +19,7 @@ def _shape(row: dict) -> str:
     if not s:
         return "-"
     return (
-        f"chunk {s['chunk_size'] * 2 / 2**20:.0f} MiB(bf16), cache {s['cache_blocks']}/{s['cacheable_chunks']}, "
+        f"chunk {s['chunk_size']:,} el., cache {s['cache_blocks']}/{s['cacheable_chunks']}, "
         f"pf {s['prefetch']}, offload {s['offloaded_chunks']}/{s['num_chunks']}, ckpt {s['checkpointing']}, "
         f"mb {s['micro_batch_size']}x{s['grad_accum_steps']}"
     )
@@ -43,12 +43,12 @@ def write_markdown(record: dict) -> str:
         lines.append(
             f"- model: GPT-2 n_embd {model['hidden']}, {model['layers']} layers, {model['heads']} heads, vocab "
             f"{model['vocab']}, seq {model['seq']}: {model['num_params']:,} parameters, model states "
-            f"{_gib(model['model_state_bytes'])} GiB = {model['model_state_bytes'] / model['device_memory_bytes']:.2f}x "
+            f"{model['model_state_bytes'] / GiB:.3g} GiB = {model['model_state_bytes'] / model['device_memory_bytes']:.3g}x "
             f"device memory ({model['why']}); {model['dtype']}, {model['per_rank_batch']} samples per GPU per step"
         )
         lines.append(
             f"- TFLOPS/GPU = profiled model FLOPs per sample (forward+backward, recomputation not counted) x "
-            f"samples per GPU / measured step time; MFU against {model['peak_tflops']} TFLOP/s"
+            f"samples per GPU / measured step time; MFU against {model['peak_tflops']:.3g} TFLOP/s"
         )
     lines += ["", "## Plans: predicted vs measured", ""]
     lines.append(
@@ -62,7 +62,7 @@ def write_markdown(record: dict) -> str:
             f"{_num(row.get('measured_step_time_s'), '.3f')} | {_num(row.get('time_ratio'), '.2f')} | "
             f"{_gib(row.get('predicted_peak_gpu_bytes'))} | {_gib(row.get('max_memory_allocated_bytes'))} | "
             f"{_gib(row.get('max_memory_reserved_bytes'))} | {_gib(row.get('predicted_peak_host_bytes'))} | "
-            f"{_gib(row.get('peak_rss_bytes'))} | {_num(row.get('tflops_per_gpu'), '.1f')} | "
+            f"{_gib(row.get('peak_rss_bytes'))} | {_num(row.get('tflops_per_gpu'), '.3g')} | "
             f"{_num(row.get('mfu'), '.1%')} | {row.get('status', '')} |"
         )
     lines += ["", "## Peers: the same model, batch, sequence and checkpointing", ""]
@@ -74,7 +74,7 @@ def write_markdown(record: dict) -> str:
         lines.append(
             f"| {peer['name']} | {_num(peer.get('median_step_time_s'), '.3f')} | {_num(peer.get('vs_our_best'), '.2f')} | "
             f"{_gib(peer.get('max_memory_allocated_bytes'))} | {_gib(peer.get('max_memory_reserved_bytes'))} | "
-            f"{_gib(peer.get('peak_rss_bytes'))} | {_num(peer.get('tflops_per_gpu'), '.1f')} | "
+            f"{_gib(peer.get('peak_rss_bytes'))} | {_num(peer.get('tflops_per_gpu'), '.3g')} | "
             f"{_num(peer.get('mfu'), '.1%')} | {peer.get('status', '')} {peer.get('note', '')} |"
         )
     if record.get("world2"):
