@@ -20,6 +20,7 @@ Steps, each recorded with its exact command, exit status, time and output tail:
   5. the same model, batch, sequence and checkpointing under PyTorch FSDP2 (CPUOffloadPolicy, bf16)
      and DeepSpeed ZeRO-3 with optimizer and parameter offload (scripts/peers/); a peer that cannot
      run says why.
+On a lent machine whose files come back from $OUT: `python scripts/gpu_validate.py --out-dir $OUT`.
 Results: benchmarks/results/gpu-<device>-<date>.md and .json, rewritten after every step so that a
 run cut off at its time limit still returns what it measured; a short summary on stdout. Steps
 that would not finish inside the time budget are recorded as not run, with the reason.
@@ -36,6 +37,7 @@ import platform
 import re
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -105,6 +107,18 @@ class Validation:
         self.record: dict = {"argv": sys.argv[1:], "dry_run_cpu": self.dry, "quick": args.quick, "steps": []}
         self.record["rows"], self.record["peers"] = [], []
         self.paths: tuple[Path, Path] | None = None
+        self.current: subprocess.Popen | None = None
+        signal.signal(signal.SIGTERM, self._stop)
+        signal.signal(signal.SIGINT, self._stop)
+
+    def _stop(self, signum, _frame) -> None:
+        """Killed from outside: end the running step's whole process group (its own session would
+        outlive us), keep what was measured, exit."""
+        if self.current is not None and self.current.poll() is None:
+            os.killpg(self.current.pid, signal.SIGKILL)
+        self.record["stopped"] = f"signal {signum} after {time.monotonic() - self.started:.0f} s"
+        self.write()
+        raise SystemExit(128 + signum)
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
@@ -129,18 +143,26 @@ class Validation:
         step = {"name": name, "command": shlex.join(command), "timeout_s": round(timeout_s)}
         self.say(f"{name}: {step['command']}")
         started = time.monotonic()
+        # Own session: on a timeout the whole tree (torchrun and its workers, which hold GPU memory)
+        # is killed, not only the launcher.
+        proc = subprocess.Popen(
+            command,
+            cwd=REPO,
+            env=env or self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self.current = proc
         try:
-            proc = subprocess.run(
-                command, cwd=REPO, env=env or self.env, capture_output=True, text=True, timeout=timeout_s
-            )
-            step["rc"], output = proc.returncode, proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired as error:
-            step["rc"], output = (
-                "timeout",
-                (error.stdout or b"").decode(errors="replace")
-                if isinstance(error.stdout, bytes)
-                else (error.stdout or ""),
-            )
+            output, _ = proc.communicate(timeout=timeout_s)
+            step["rc"] = proc.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+            step["rc"] = "timeout"
+        self.current = None
         step["elapsed_s"] = round(time.monotonic() - started, 1)
         step["output_tail"] = output[-2500:]
         self.record["steps"].append(step)
