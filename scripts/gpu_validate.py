@@ -108,6 +108,7 @@ class Validation:
         self.record["rows"], self.record["peers"] = [], []
         self.paths: tuple[Path, Path] | None = None
         self.current: subprocess.Popen | None = None
+        self.estimate_s = 0.0  # seconds a training run takes, once one has run
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
 
@@ -478,11 +479,11 @@ def run_world(
     if best["status"] != "planned":
         v.write()
         return
-    v.train(best, model, 0)
+    v.train(best, model, v.estimate_s)  # the first run always goes (0 s), a later world's best only if it fits
     v.write()
     if best.get("status") != "measured":
         return
-    estimate = best.get("wall_s", 60) * 1.2
+    estimate = v.estimate_s = best.get("wall_s", 60) * 1.2
     if peers:
         run_peers(v, best, model, estimate)
     shapes = shape_pins(best, model["profile"], hardware, world, model["per_rank_batch"])[: limit - 1]
