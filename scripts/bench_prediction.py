@@ -436,6 +436,8 @@ def main() -> int:
             "name",
             "device_name",
             "matmul_tflops",
+            "model_tflops",
+            "block_tflops_curves",
             "hbm_gbps",
             "h2d_gbps",
             "h2d_gbps_all",
@@ -577,6 +579,7 @@ def main() -> int:
         "plain_pytorch_1thread": plain,
         "plain_pytorch_1thread_after": plain_after,
         "load_avg_1min_at_start": round(load_start, 2),
+        "load_avg_1min_at_end": round(os.getloadavg()[0], 2),
         "rounds": args.rounds,
         "world1_engine_reference": world1,
         "plain_pytorch_rss": plain_rss,
@@ -609,6 +612,14 @@ def markdown(record: dict) -> str:
         f"- hardware ({record['hardware_source']}): fp32 matmul {hw['matmul_tflops'].get('fp32'):.3g} TFLOP/s, "
         f"all-gather {hw['allgather_gbps']:.3g} GB/s, reduce-scatter {hw['reduce_scatter_gbps']:.3g} GB/s, "
         f"collective latency {hw['collective_latency_s'] * 1e6:.0f} us, Adam {hw['cpu_adam_elems_per_s']:.2e} elem/s",
+        "- compute rate the cost model uses: the probe's transformer-block forward+backward curve, fp32 "
+        + ", ".join(
+            f"{tflops:.3g} TFLOP/s at {numel / 1e6:.3g}M block parameters"
+            for numel, tflops in sorted((hw.get("block_tflops_curves") or {}).get("fp32", {}).items())
+        )
+        + " (read at the model's block parameter count)",
+        f"- load: 1-minute load average {record['load_avg_1min_at_start']} at the start, "
+        f"{record['load_avg_1min_at_end']} at the end (2 cores, shared with other jobs)",
         f"- measured: `elixir-run plan.yaml train_gpt2.py --synthetic --steps {record['steps']}` (rank 0 "
         f"`step_time_s`), {record['rounds']} runs per shape in alternating order; median over the timed steps "
         f"of all runs after dropping {record['warmup']} warm-up steps of each (each run's median in the JSON)",

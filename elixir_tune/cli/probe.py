@@ -36,6 +36,9 @@ def _rows(spec: HardwareSpec) -> list[tuple[str, str]]:
         ("allocator overhead", gib(spec.allocator_overhead_bytes)),
     ]
     rows += [(f"matmul {dtype}", _rate(tflops, "TFLOP/s")) for dtype, tflops in spec.matmul_tflops.items()]
+    rows += [(f"model rate {dtype}", _rate(tflops, "TFLOP/s")) for dtype, tflops in spec.model_tflops.items()]
+    if spec.block_call_overhead_s:
+        rows.append(("block call overhead", f"{spec.block_call_overhead_s * 1e3:.3g} ms"))
     rows += [
         ("memory copy", _rate(spec.hbm_gbps, "GB/s")),
         ("h2d / d2h alone", f"{spec.h2d_gbps:.3g} / {spec.d2h_gbps:.3g} GB/s"),
@@ -47,6 +50,11 @@ def _rows(spec: HardwareSpec) -> list[tuple[str, str]]:
         ("inter-node busbw", _rate(spec.inter_node_gbps, "GB/s")),
         ("device Adam", _rate(spec.gpu_adam_elems_per_s, "elem/s")),
         ("CPU Adam per rank", _rate(spec.cpu_adam_elems_per_s, "elem/s")),
+        (
+            "CPU Adam, node",
+            _rate(spec.cpu_adam_node_elems_per_s or spec.cpu_adam_elems_per_s * spec.gpus_per_node, "elem/s"),
+        ),
+        ("collectives share PCIe", "yes" if spec.shared_host_link else "no"),
         ("host RAM / cores", f"{gib(spec.host_memory_bytes)} / {spec.host_cores}"),
     ]
     return rows

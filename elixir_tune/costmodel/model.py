@@ -90,10 +90,15 @@ class CostModel:
         self.nodes = nodes
         self.world_size = gpus_per_node * nodes
         self.dtype = dtype or profile.dtype
-        rate = hardware.matmul_tflops.get(self.dtype) or hardware.matmul_tflops.get("fp32")
-        if not rate:
-            raise ValueError(f"hardware {hardware.name} has no matmul rate for {self.dtype}")
-        self.flops_per_s = rate * 1e12
+        # The model-level rate (block curve or model_tflops), not the bare matmul rate: a whole
+        # model's forward+backward runs well below its GEMMs (llm-foundry: A100 MFU 44-56%, H100
+        # ~565 TFLOP/s HFU against ~800 TFLOP/s GEMMs; REFERENCE.md 'Published figures').
+        hardware.compute_tflops(self.dtype)  # fails early when the spec has no rate for the dtype
+        self._rates: dict[int, float] = {}
+        # Host Adam with every rank of the node stepping at once (min of process and node rates).
+        self.cpu_adam_elems_per_s = hardware.cpu_adam_rate_per_rank(gpus_per_node)
+        # PCIe-only GPUs: collectives and host copies share each GPU's link (world 1 has no collectives).
+        self.shared_link = hardware.shared_host_link and self.world_size > 1 and hardware.device != "cpu"
         self._layouts: dict[int, ChunkLayout] = {}
         self._traces: dict[tuple[int, int], tuple[ChunkTrace, list[tuple[int, ...]]]] = {}
         self._sims: dict[tuple[int, int, int], tuple[CacheSim, list[tuple[int, int, int]]]] = {}
@@ -189,10 +194,38 @@ class CostModel:
         full = self.profile.recompute_flops_per_sample or total
         return full * share
 
+    def block_numel(self) -> float:
+        """Parameters of the mean block (of the whole model when the profile found no blocks):
+        where the block-rate curve is read."""
+        blocks = self.profile.blocks
+        params = self.profile.params
+        if not blocks:
+            return float(sum(p.numel for p in params))
+        total = sum(p.numel for b in blocks for p in params[b.first_param : b.first_param + b.num_params])
+        return total / len(blocks)
+
+    def flops_per_s_at(self, micro_batch_size: int) -> float:
+        """Compute rate (cached). On a block curve narrow models run slower; the micro-batch does not
+        change the rate (measured on the CPU: a 256-wide block at 128 and 512 tokens per call ran
+        within 1.3x, and plain PyTorch at micro-batch 2x4 as fast as 8x1)."""
+        if micro_batch_size not in self._rates:
+            tflops = self.hardware.compute_tflops(self.dtype, self.block_numel())
+            self._rates[micro_batch_size] = tflops * 1e12
+        return self._rates[micro_batch_size]
+
     def compute_s(self, micro_batch_size: int, every: int) -> tuple[float, float]:
-        """(compute, recompute part) seconds of one micro-batch."""
-        recompute = micro_batch_size * self.recompute_flops_per_sample(every) / self.flops_per_s
-        return micro_batch_size * self.profile.flops_per_sample / self.flops_per_s + recompute, recompute
+        """(compute, recompute part) seconds of one micro-batch.
+
+        FLOPs at the model-level rate, plus the hardware's per-call overhead for each block's
+        forward+backward, and half of it for each recomputed block's forward (a forward runs about
+        half of a forward+backward's ops): it is what makes small micro-batches of small models slow.
+        """
+        rate = self.flops_per_s_at(micro_batch_size)
+        overhead_s = self.hardware.block_call_overhead_s
+        blocks = len(self.profile.blocks)
+        recomputed = checkpointed_blocks(blocks, every) if every > 0 else 0
+        recompute = micro_batch_size * self.recompute_flops_per_sample(every) / rate + recomputed * overhead_s / 2
+        return micro_batch_size * self.profile.flops_per_sample / rate + blocks * overhead_s + recompute, recompute
 
     def memory(self, shape: Shape) -> MemoryEstimate:
         """Peak device and host memory of a candidate."""
@@ -223,7 +256,14 @@ class CostModel:
         step_compute = [share * mb_compute for share in trace.flops_share]
         on_cpu = self.hardware.device == "cpu"
         first = simulate_micro_batch(
-            step_compute, cold, issue_steps(cold, shape.prefetch), reduce_after, offloaded, costs, shared_compute=on_cpu
+            step_compute,
+            cold,
+            issue_steps(cold, shape.prefetch),
+            reduce_after,
+            offloaded,
+            costs,
+            shared_compute=on_cpu,
+            shared_link=self.shared_link,
         )
         steady = None
         if shape.grad_accum_steps > 1:
@@ -235,12 +275,13 @@ class CostModel:
                 offloaded,
                 costs,
                 shared_compute=on_cpu,
+                shared_link=self.shared_link,
             )
         shard_numel = shape.chunk_size // self.world_size
         host_shards = shape.num_offloaded
         device_shards = len(offloaded) - host_shards
         gpu_adam = device_shards * shard_numel / self.hardware.gpu_adam_elems_per_s
-        cpu_adam = host_shards * shard_numel / self.hardware.cpu_adam_elems_per_s
+        cpu_adam = host_shards * shard_numel / self.cpu_adam_elems_per_s
         accum = shape.grad_accum_steps
         step_time, breakdown = combine_step(
             first,

@@ -7,8 +7,17 @@ order), the host->device and device->host copy engines, and the CPU optimizer. P
   host->device, then the chunk is all-gathered (compute dtype) into a cache block;
 * a fetch is issued at the hook of its own step, or up to ``prefetch`` fetches earlier, but never
   before the block it evicts is free (the evicted chunk's last use has run);
-* after a chunk's last use its gradients are complete: reduce-scatter into the shard, then a
-  device->host copy when the shard is offloaded.
+* after a chunk's last use its gradients are complete: reduce-scatter into the shard, then, when
+  the shard is offloaded, a device->host copy of the reduced shard in the compute dtype on its own
+  copy engine, and its accumulation into the fp32 host gradient on the CPU as it arrives. Both
+  overlap the rest of backward (the engine after issue 10: own stream, pinned buffers, one event
+  per chunk); only what is left when the compute ends is exposed.
+* uploads of offloaded shards move the compute dtype (a compute-dtype host copy kept next to the
+  fp32 master), not fp32.
+
+On PCIe-only machines (``shared_host_link``: no NVLink) the collectives cross the same PCIe link
+as the host<->device copies: each GPU has one inbound and one outbound link, an upload holds the
+inbound one, a copy-down the outbound one, and a collective (a ring sends and receives) both.
 
 On a CPU device the collectives run on the same cores as the compute (gloo copies, reduces and
 talks TCP on them), so they do not overlap: ``shared_compute`` puts them on the compute stream.
@@ -28,6 +37,9 @@ from dataclasses import dataclass
 from elixir_tune.hardware.spec import HardwareSpec
 from elixir_tune.plan.schema import DTYPE_BYTES
 
+# Fused AdamW reads param, grad, m, v and writes param, m, v: 28 bytes per fp32 element.
+ADAM_BYTES_PER_ELEMENT = 28
+
 
 @dataclass
 class TransferCosts:
@@ -37,8 +49,9 @@ class TransferCosts:
         h2d_s: host->device copy of one shard (compute dtype).
         allgather_s: gathering one chunk (cast included; a cast only with one rank).
         reduce_scatter_s: reducing one chunk's gradients into the fp32 shard.
-        d2h_s: device->host copy of one shard's gradients.
+        d2h_s: device->host copy of one shard's gradients (compute dtype).
         grad_norm_s: the all-reduce of the global gradient norm.
+        host_add_s: adding one arrived gradient shard into its fp32 host gradient (CPU).
     """
 
     h2d_s: float
@@ -46,6 +59,7 @@ class TransferCosts:
     reduce_scatter_s: float
     d2h_s: float
     grad_norm_s: float
+    host_add_s: float = 0.0
 
 
 def transfer_costs(
@@ -80,12 +94,21 @@ def transfer_costs(
         gather_s += hardware.collective_latency_s + wire_bytes / ag_bps
         reduce_s += hardware.collective_latency_s + wire_bytes / rs_bps
         norm_s = hardware.collective_latency_s
+    # Host accumulation reads the fp32 gradient and the arrived compute-dtype shard and writes fp32
+    # (8 + dtype bytes per element) where Adam moves 28: memory-bound like Adam, so its rate is
+    # Adam's scaled by the bytes. On a CPU device host and device are one memory and the
+    # reduce-scatter above already accumulated.
+    host_add_s = 0.0
+    if hardware.device != "cpu":
+        host_add_bps = hardware.cpu_adam_rate_per_rank(gpus_per_node) * ADAM_BYTES_PER_ELEMENT
+        host_add_s = shard_numel * (8 + dtype_bytes) / host_add_bps
     return TransferCosts(
         h2d_s=hardware.copy_latency_s + shard_numel * dtype_bytes / h2d_bps,
         allgather_s=gather_s,
         reduce_scatter_s=reduce_s,
         d2h_s=hardware.copy_latency_s + shard_numel * dtype_bytes / d2h_bps,
         grad_norm_s=norm_s,
+        host_add_s=host_add_s,
     )
 
 
@@ -134,6 +157,7 @@ def simulate_micro_batch(
     offloaded: list[bool],
     costs: TransferCosts,
     shared_compute: bool = False,
+    shared_link: bool = False,
 ) -> MicroBatchTime:
     """Runs one micro-batch's timeline.
 
@@ -145,6 +169,7 @@ def simulate_micro_batch(
         offloaded: per chunk, whether its shard lives on the host.
         costs: per-chunk operation times.
         shared_compute: collectives run on the compute resource (the device is the CPU).
+        shared_link: collectives hold the inbound and outbound host links too (no NVLink).
 
     Returns:
         The micro-batch's times.
@@ -155,7 +180,8 @@ def simulate_micro_batch(
         issued_at[step].append(index)
     needed = [0.0] * num_steps
     h2d_s, gather_s, rs_s, d2h_s = costs.h2d_s, costs.allgather_s, costs.reduce_scatter_s, costs.d2h_s
-    coll_free = h2d_free = d2h_free = 0.0
+    # h2d_free / d2h_free: the inbound / outbound host link of this GPU.
+    coll_free = h2d_free = d2h_free = host_free = 0.0
     end = exposed = 0.0
     h2d_count = d2h_count = gathers = reduces = 0
     for step in range(num_steps):
@@ -171,7 +197,10 @@ def simulate_micro_batch(
                 exposed += start + gather_s - end
                 end = coll_free = start + gather_s
             else:
-                coll_free = (coll_free if coll_free > ready else ready) + gather_s
+                coll_free = max(coll_free, ready, h2d_free, d2h_free) if shared_link else max(coll_free, ready)
+                coll_free += gather_s
+            if shared_link:
+                h2d_free = d2h_free = coll_free
             gathers += 1
             if coll_free > needed[fetch_step]:
                 needed[fetch_step] = coll_free
@@ -180,16 +209,20 @@ def simulate_micro_batch(
             end = needed[step]
         end += step_compute_s[step]
         for chunk in reduce_after[step]:
-            coll_free = (coll_free if coll_free > end else end) + rs_s
+            coll_free = max(coll_free, end, h2d_free, d2h_free) if shared_link else max(coll_free, end)
+            coll_free += rs_s
+            if shared_link:
+                h2d_free = d2h_free = coll_free
             if shared_compute:
                 end = coll_free
             reduces += 1
             if offloaded[chunk]:
                 d2h_free = (d2h_free if d2h_free > coll_free else coll_free) + d2h_s
+                host_free = (host_free if host_free > d2h_free else d2h_free) + costs.host_add_s
                 d2h_count += 1
     return MicroBatchTime(
         compute_end_s=end,
-        drained_s=max(end, coll_free, d2h_free),
+        drained_s=max(end, coll_free, d2h_free, host_free),
         exposed_fetch_s=exposed,
         allgather_s=gathers * gather_s,
         reduce_scatter_s=reduces * rs_s,

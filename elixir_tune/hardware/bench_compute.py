@@ -108,3 +108,85 @@ def adam_elems_per_s(device: torch.device, num_elements: int, budget_s: float) -
     optimizer, impl = _adamw(params, device)
     seconds = median_time_s(optimizer.step, device, budget_s, warmup=1)
     return num_elements / seconds, impl
+
+
+class _Block(torch.nn.Module):
+    """A GPT-2 block (pre-norm attention and GELU MLP) from plain torch modules: what the block
+    rate measures, without depending on transformers."""
+
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln_1 = torch.nn.LayerNorm(hidden)
+        self.qkv = torch.nn.Linear(hidden, 3 * hidden)
+        self.proj = torch.nn.Linear(hidden, hidden)
+        self.ln_2 = torch.nn.LayerNorm(hidden)
+        self.up = torch.nn.Linear(hidden, 4 * hidden)
+        self.down = torch.nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, hidden = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).split(hidden, dim=-1)
+        q, k, v = (t.view(batch, seq, self.heads, hidden // self.heads).transpose(1, 2) for t in (q, k, v))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attn.transpose(1, 2).reshape(batch, seq, hidden))
+        return x + self.down(F.gelu(self.up(self.ln_2(x)), approximate="tanh"))
+
+
+def block_time(
+    device: torch.device, dtype_name: str, batch: int, seq: int, hidden: int, heads: int, budget_s: float
+) -> tuple[int, float, float]:
+    """One transformer block's forward+backward: the measure of the model-level compute rate.
+
+    A whole model runs below its GEMMs' rate: attention, norms, activations and per-op launch or
+    dispatch overhead add time that the matmul rate ignores (on a small CPU model most of it). The
+    FLOPs are counted by torch.utils.flop_counter, as the profiler counts a model's, so a rate from
+    them times profiled FLOPs is a time.
+
+    Args:
+        device: where to run.
+        dtype_name: fp32, bf16 or fp16 (parameters and activations in that dtype).
+        batch, seq, hidden, heads: the block's input shape and attention heads.
+        budget_s: time to spend.
+
+    Returns:
+        (the block's parameter count, forward+backward FLOPs of one call, median seconds of one call).
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    dtype = DTYPES[dtype_name]
+    block = _Block(hidden, heads).to(device=device, dtype=dtype)
+    x = torch.randn(batch, seq, hidden, device=device, dtype=dtype, requires_grad=True)
+
+    def step() -> None:
+        block(x).sum().backward()
+
+    with FlopCounterMode(display=False) as counter:
+        step()
+    seconds = median_time_s(step, device, budget_s, warmup=2)
+    return sum(p.numel() for p in block.parameters()), float(counter.get_total_flops()), seconds
+
+
+# The smallest block: its time is nearly all per-call overhead (op dispatch, kernel launches).
+OVERHEAD_BLOCK = (1, 8, 64, 4)
+
+
+def block_rates(
+    device: torch.device, dtype_name: str, shapes: list[tuple[int, int, int, int]], budget_s: float
+) -> tuple[dict[int, float], float]:
+    """A block's per-call overhead and its rate over sizes, net of that overhead.
+
+    Time of a block call = overhead + FLOPs / rate(width): the overhead is what a tiny block
+    takes, the rate of each shape is its FLOPs over its time less the overhead (at least a tenth
+    of the time, so noise cannot make it negative).
+
+    Returns:
+        ({block parameter count: TFLOP/s}, overhead seconds per block forward+backward call).
+    """
+    per_shape_s = budget_s / (len(shapes) + 1)
+    _numel, _flops, overhead_s = block_time(device, dtype_name, *OVERHEAD_BLOCK, per_shape_s)
+    curve = {}
+    for shape in shapes:
+        numel, flops, seconds = block_time(device, dtype_name, *shape, per_shape_s)
+        curve[numel] = flops / max(seconds - overhead_s, 0.1 * seconds) / 1e12
+    return curve, overhead_s

@@ -121,7 +121,7 @@ def spec_problems(spec: HardwareSpec) -> list[str]:
         value = getattr(spec, name)
         if not _is_number(value) or value <= 0:
             problems.append(f"{name}: expected a positive number, got {value!r}")
-    for name in ("copy_latency_s", "collective_latency_s"):
+    for name in ("copy_latency_s", "collective_latency_s", "block_call_overhead_s"):
         value = getattr(spec, name)
         if not _is_number(value) or not 0 <= value < 1:
             problems.append(f"{name}: expected seconds in [0, 1), got {value!r}")
@@ -133,6 +133,23 @@ def spec_problems(spec: HardwareSpec) -> list[str]:
     for dtype, value in (spec.matmul_peak_tflops or {}).items():
         if not _is_number(value) or value <= 0:
             problems.append(f"matmul_peak_tflops.{dtype}: expected a positive number, got {value!r}")
+    node_adam = spec.cpu_adam_node_elems_per_s
+    if not _is_number(node_adam) or node_adam < 0:
+        problems.append(f"cpu_adam_node_elems_per_s: expected a number >= 0 (0: derived), got {node_adam!r}")
+    if not isinstance(spec.shared_host_link, bool):
+        problems.append(f"shared_host_link: expected true or false, got {spec.shared_host_link!r}")
+    for dtype, value in (spec.model_tflops or {}).items():
+        if not _is_number(value) or value <= 0:
+            problems.append(f"model_tflops.{dtype}: expected a positive number, got {value!r}")
+    for dtype, curve in (spec.block_tflops_curves or {}).items():
+        if (
+            not isinstance(curve, dict)
+            or not curve
+            or not all(
+                _is_number(flops) and flops > 0 and _is_number(tflops) and tflops > 0 for flops, tflops in curve.items()
+            )
+        ):
+            problems.append(f"block_tflops_curves.{dtype}: expected {{block parameters: positive TFLOP/s}}")
     for curve_name, curve in (spec.bandwidth_curves or {}).items():
         if curve_name not in fields:
             problems.append(f"bandwidth_curves.{curve_name}: not a hardware field")

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from elixir_tune.hardware import host
-from elixir_tune.hardware.bench_compute import adam_elems_per_s, copy_gbps, matmul_tflops
+from elixir_tune.hardware.bench_compute import adam_elems_per_s, block_rates, copy_gbps, matmul_tflops
 from elixir_tune.hardware.bench_copy import (
     host_copy_curve,
     host_copy_latency_s,
@@ -34,6 +34,16 @@ DEFAULT_CPU_PROCS = 2
 # NCCL over InfiniBand/RoCE reaches ~90% of the link; gloo/NCCL sockets over TCP much less.
 _IB_EFFICIENCY, _ETHERNET_EFFICIENCY = 0.9, 0.6
 _ASSUMED_ETHERNET_GBPS = 1.25  # 10 GbE when no link speed can be read
+
+
+# Block shapes (batch, seq, hidden, heads) of the block-rate curve, small to large: a small model's
+# blocks run far below the matmul rate (per-op overhead), a large one's near its model-level rate.
+# On the CPU they span the demo's GPT-2 tiny (hidden 64) to GPT-2 small widths.
+_CPU_BLOCKS = [(8, 128, 64, 4), (4, 128, 256, 4), (4, 128, 512, 8), (2, 256, 768, 12)]
+_CUDA_BLOCKS = [(1, 1024, 1024, 16), (2, 1024, 2048, 16), (4, 1024, 4096, 32), (4, 2048, 6144, 48)]
+
+
+_OVERHEAD_NOTE = "measured: forward+backward of a tiny block (batch 1, seq 8, hidden 64): per-call overhead"
 
 
 class ProbeError(RuntimeError):
@@ -102,6 +112,40 @@ def _asymptotic_note(curve: dict[int, float]) -> str:
     return f"median over {top[0] // MiB}..{largest // MiB} MiB of sizes {_curve_summary(curve)} (bandwidth_curves)"
 
 
+def _block_curves(
+    device: torch.device,
+    dtypes: list[str],
+    shapes: list[tuple[int, int, int, int]],
+    budget_s: float,
+    progress: Progress,
+) -> tuple[dict[str, dict[int, float]], float]:
+    """Block forward+backward rate over ``shapes`` for each dtype (``bench_compute.block_rates``).
+
+    Returns:
+        (dtype -> {block parameters: TFLOP/s}, per-call overhead seconds of the first dtype).
+    """
+    curves: dict[str, dict[int, float]] = {}
+    overheads: list[float] = []
+    for dtype_name in dtypes:
+        _say(progress, f"transformer block forward+backward {dtype_name}")
+        try:
+            curves[dtype_name], overhead_s = block_rates(device, dtype_name, shapes, budget_s)
+        except RuntimeError:  # a dtype this device cannot run a block in
+            continue
+        overheads.append(overhead_s)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return curves, overheads[0] if overheads else 0.0
+
+
+def _block_note(shapes: list[tuple[int, int, int, int]], how: str) -> str:
+    sizes = ", ".join(f"{b}x{s}x{h}" for b, s, h, _ in shapes)
+    return (
+        f"measured: a GPT-2 block's forward+backward (batch x seq x hidden {sizes}), FLOPs from "
+        f"torch.utils.flop_counter / (median time - block_call_overhead_s), keyed by the block's parameter count, {how}"
+    )
+
+
 def _run_collectives(
     device: str,
     procs: int,
@@ -111,6 +155,7 @@ def _run_collectives(
     adam_elements: int,
     budget_s: float,
     timeout_s: float,
+    block_shapes: list[tuple[int, int, int, int]] | None = None,
 ) -> tuple[dict, float, float, str]:
     """Runs the multi-process benchmarks (collectives, concurrent copies, CPU Adam).
 
@@ -119,7 +164,15 @@ def _run_collectives(
     """
     try:
         workers = run_workers(
-            device, procs, threads, coll_sizes, copy_sizes, adam_elements, budget_s=budget_s, timeout_s=timeout_s
+            device,
+            procs,
+            threads,
+            coll_sizes,
+            copy_sizes,
+            adam_elements,
+            budget_s=budget_s,
+            timeout_s=timeout_s,
+            block_shapes=block_shapes,
         )
     except RuntimeError as error:
         raise ProbeError(str(error)) from None
@@ -179,6 +232,7 @@ def _probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
 
     # Larger than the last-level cache, as real shards are.
     adam_elements = 2**24 if quick else 2**25
+    block_shapes = _CPU_BLOCKS[:3] if quick else _CPU_BLOCKS
     if procs > 1:
         _say(progress, f"gloo collectives, concurrent copies and CPU Adam in {procs} processes")
         coll_sizes = size_ladder(MiB, 32 * MiB if quick else GiB)
@@ -190,7 +244,8 @@ def _probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
             copy_sizes,
             adam_elements,
             budget_s=2 * budget,
-            timeout_s=60 if quick else 300,
+            timeout_s=90 if quick else 300,
+            block_shapes=block_shapes,
         )
         allgather, reduce_scatter = workers["allgather"], workers["reduce_scatter"]
         coll_latency = workers["latency_s"]
@@ -234,6 +289,29 @@ def _probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
             }
         )
 
+    # fp32 only: a CPU's fp16 (and often bf16) blocks run at a few GFLOP/s and would take minutes;
+    # the other dtypes' curves are fp32's scaled by their matmul rate. With several processes the
+    # workers measured it all at once (they share caches and memory bandwidth, as in training).
+    if procs > 1:
+        block_curves, overhead_s = {"fp32": workers["block_curve"]}, workers["block_overhead_s"]
+        block_how = f"all {procs} processes at once, {how}"
+    else:
+        block_curves, overhead_s = _block_curves(cpu, ["fp32"], block_shapes, 6 * budget, progress)
+        block_how = how
+    for dtype_name, tflops in matmul.items():
+        if dtype_name != "fp32":
+            ratio = tflops / matmul["fp32"]
+            block_curves[dtype_name] = {numel: rate * ratio for numel, rate in block_curves["fp32"].items()}
+    model_rates = {dtype: curve[max(curve)] for dtype, curve in block_curves.items()}
+    sources["block_tflops_curves"] = (
+        _block_note(block_shapes, block_how) + "; fp32 measured, other dtypes x their matmul rate / fp32's"
+    )
+    sources["model_tflops"] = "measured: the block rate at the largest shape (block_tflops_curves)"
+    sources["block_call_overhead_s"] = _OVERHEAD_NOTE
+    node_adam = adam * procs
+    sources["cpu_adam_node_elems_per_s"] = "cpu_adam_elems_per_s x processes (measured all at once)"
+    shared_link = False
+    sources["shared_host_link"] = "the CPU is the device: no host link"
     inter_node, sources["inter_node_gbps"] = _inter_node_gbps(allgather_gbps)
     sources["allocator_overhead_bytes"] = "0: host allocations have no caching-allocator overhead"
     return HardwareSpec(
@@ -261,6 +339,11 @@ def _probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
         collective_latency_s=coll_latency,
         sources=sources,
         bandwidth_curves=curves,
+        model_tflops=model_rates,
+        block_tflops_curves=block_curves,
+        block_call_overhead_s=overhead_s,
+        cpu_adam_node_elems_per_s=node_adam,
+        shared_host_link=shared_link,
     )
 
 
@@ -299,6 +382,13 @@ def _probe_cuda(quick: bool, progress: Progress) -> HardwareSpec:
         f"measured: F.linear on a transformer block's GEMMs (tokens "
         f"{tokens}, hidden {hidden}), CUDA events, median, {how}"
     )
+
+    shapes = _CUDA_BLOCKS[:3] if quick else _CUDA_BLOCKS
+    block_curves, overhead_s = _block_curves(gpu, ["bf16", "fp16", "fp32"], shapes, 2 * budget, progress)
+    model_rates = {dtype: curve[max(curve)] for dtype, curve in block_curves.items()}
+    sources["block_tflops_curves"] = _block_note(shapes, how)
+    sources["model_tflops"] = "measured: the block rate at the largest shape (block_tflops_curves)"
+    sources["block_call_overhead_s"] = _OVERHEAD_NOTE
 
     _say(progress, "HBM copy bandwidth")
     copy_bytes = 256 * MiB if quick else GiB
@@ -391,6 +481,19 @@ def _probe_cuda(quick: bool, progress: Progress) -> HardwareSpec:
             }
         )
 
+    # Per rank with every rank stepping at once (multi-GPU) or one process alone: x ranks is the node.
+    node_adam = cpu_adam * num_gpus
+    sources["cpu_adam_node_elems_per_s"] = (
+        "cpu_adam_elems_per_s x GPUs (the per-rank rate was measured with all ranks at once)"
+    )
+    # No NVLink shows as collectives no faster than a host copy: NCCL then rides the same PCIe links.
+    shared_link = num_gpus > 1 and allgather_gbps < 1.5 * asymptotic_gbps(h2d_curve)
+    sources["shared_host_link"] = (
+        f"derived: all-gather bus bandwidth {allgather_gbps:.1f} GB/s "
+        f"{'<' if shared_link else '>='} 1.5 x host->GPU (PCIe) bandwidth"
+        if num_gpus > 1
+        else "one GPU: no collectives"
+    )
     inter_node, sources["inter_node_gbps"] = _inter_node_gbps(allgather_gbps)
     return HardwareSpec(
         name=f"probe of {socket.gethostname()} (cuda{', quick' if quick else ''})",
@@ -417,4 +520,9 @@ def _probe_cuda(quick: bool, progress: Progress) -> HardwareSpec:
         collective_latency_s=coll_latency,
         sources=sources,
         bandwidth_curves=curves,
+        model_tflops=model_rates,
+        block_tflops_curves=block_curves,
+        block_call_overhead_s=overhead_s,
+        cpu_adam_node_elems_per_s=node_adam,
+        shared_host_link=shared_link,
     )

@@ -10,6 +10,7 @@ elements per second.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,7 +41,8 @@ class HardwareSpec:
         inter_node_gbps: bus bandwidth of collectives spanning nodes (per device).
         collective_latency_s: fixed cost of one collective.
         gpu_adam_elems_per_s: fused Adam update rate on the device.
-        cpu_adam_elems_per_s: Adam update rate on the host with the cores one rank gets.
+        cpu_adam_elems_per_s: Adam update rate of one process on the host, with the cores one rank
+            gets (DeepSpeed's CPU Adam: ~1.4e9 elements/s per process, DeepSpeed issue #735).
         host_memory_bytes: host RAM of the node.
         host_cores: host CPU cores of the node.
         sources: where each number comes from (field name -> datasheet, measurement, benchmark).
@@ -50,6 +52,19 @@ class HardwareSpec:
             d2h_gbps, h2d_gbps_all, d2h_gbps_all, allgather_gbps, reduce_scatter_gbps) ->
             {bytes: GB/s}; the scalar field is the median over the sizes of at least 1/16 of the
             largest (the asymptotic rate, robust to one noisy point). Empty in presets.
+        cpu_adam_node_elems_per_s: Adam update rate of the whole host with every rank stepping at
+            once (memory-bandwidth bound: a node does not scale with its ranks, DeepSpeed issue
+            #6834). 0: unknown, taken as ``cpu_adam_elems_per_s x gpus_per_node`` (older files).
+        model_tflops: effective rate of a large transformer model's forward+backward per dtype
+            (attention, norms, activations and launch gaps included), below ``matmul_tflops``;
+            empty: the matmul rate is used.
+        block_tflops_curves: measured rate of one transformer block's forward+backward over sizes,
+            dtype -> {block parameter count: TFLOP/s}; narrow blocks run far below the matmul rate
+            (small GEMMs, per-op overhead). Takes precedence over ``model_tflops``.
+        block_call_overhead_s: fixed time of one block's forward+backward call whatever its size
+            (op dispatch, kernel launches): what a tiny block takes. The curve's rates are net of it.
+        shared_host_link: the GPUs have no NVLink, so collectives cross the same PCIe link as the
+            host<->device copies: one inbound and one outbound link per GPU in the timeline.
     """
 
     name: str
@@ -77,6 +92,41 @@ class HardwareSpec:
     sources: dict[str, str] = field(default_factory=dict)
     matmul_peak_tflops: dict[str, float] = field(default_factory=dict)
     bandwidth_curves: dict[str, dict[int, float]] = field(default_factory=dict)
+    cpu_adam_node_elems_per_s: float = 0.0
+    model_tflops: dict[str, float] = field(default_factory=dict)
+    block_tflops_curves: dict[str, dict[int, float]] = field(default_factory=dict)
+    shared_host_link: bool = False
+    block_call_overhead_s: float = 0.0
+
+    def cpu_adam_rate_per_rank(self, ranks_on_node: int) -> float:
+        """Host Adam elements/s one rank gets when ``ranks_on_node`` ranks step at once.
+
+        The smaller of one process's rate and the node's rate shared out: one process is limited
+        by its cores (DeepSpeed CPU Adam ~1.4e9 elements/s per process, DeepSpeed issue #735), a
+        node by its memory bandwidth, which does not grow with the ranks (ZeRO-3 offload of
+        Qwen-72B on 4x8 A100: ~1.8e9 elements/s per node, DeepSpeed issue #6834).
+        """
+        node = self.cpu_adam_node_elems_per_s or self.cpu_adam_elems_per_s * self.gpus_per_node
+        return min(self.cpu_adam_elems_per_s, node / max(1, ranks_on_node))
+
+    def compute_tflops(self, dtype: str, block_numel: float = 0.0) -> float:
+        """The rate a model's forward+backward runs at, in TFLOP/s.
+
+        Measured block curve (interpolated at ``block_numel``, the parameters of one block, log-log
+        between points, clamped at the ends), else the model-level rate, else the
+        matmul rate (the bare GEMM rate, optimistic for whole models). ``fp32`` stands in for a
+        dtype a field lacks.
+
+        Raises:
+            ValueError: no rate at all for the dtype.
+        """
+        for name in (dtype, "fp32"):
+            if self.block_tflops_curves.get(name):
+                return interpolate_log(self.block_tflops_curves[name], block_numel)
+            rate = self.model_tflops.get(name) or self.matmul_tflops.get(name)
+            if rate:
+                return rate
+        raise ValueError(f"hardware {self.name} has no compute rate for {dtype}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -88,6 +138,20 @@ class HardwareSpec:
         if unknown:
             raise ValueError(f"unknown hardware field(s): {', '.join(unknown)}")
         return cls(**raw)
+
+
+def interpolate_log(curve: dict[int, float], x: float) -> float:
+    """Log-log linear interpolation of ``curve`` ({x: y}) at ``x``, clamped to the end points."""
+    points = sorted(curve.items())
+    if x <= points[0][0]:
+        return points[0][1]
+    if x >= points[-1][0]:
+        return points[-1][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
+        if x0 <= x <= x1:
+            t = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return math.exp(math.log(y0) + t * (math.log(y1) - math.log(y0)))
+    return points[-1][1]  # not reached
 
 
 def save_hardware(spec: HardwareSpec, path: str | Path, header: str = "") -> None:

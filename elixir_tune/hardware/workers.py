@@ -7,7 +7,9 @@ timeout. Each worker measures:
   nccl-tests conventions: algbw = total bytes / time, busbw = algbw * (n - 1) / n, the time being
   the slowest rank's;
 - on CPU, the host copy curve with every process copying at once (the CPU's "h2d_gbps_all");
-- the CPU Adam rate with the threads one rank gets, all ranks stepping at once as in training.
+- the CPU Adam rate with the threads one rank gets, all ranks stepping at once as in training;
+- on CPU, a transformer block's forward+backward rate over sizes, all ranks computing at once as
+  in training (they share the cores' caches and the memory bandwidth).
 Every rank writes its results as JSON; the launcher merges them.
 """
 
@@ -101,7 +103,7 @@ def _collective_curves(device: torch.device, sizes_bytes: list[int], budget_s: f
 
 def worker_main(config: dict) -> None:
     """One probe worker: join the group, measure, write rank<r>.json into config["out_dir"]."""
-    from elixir_tune.hardware.bench_compute import adam_elems_per_s
+    from elixir_tune.hardware.bench_compute import adam_elems_per_s, block_rates
     from elixir_tune.hardware.bench_copy import host_copy_curve
 
     rank, world = config["rank"], config["world_size"]
@@ -141,6 +143,14 @@ def worker_main(config: dict) -> None:
         result["cpu_adam_elems_per_s"], result["cpu_adam_impl"] = rate, impl
         dist.barrier()
         phase("cpu_adam")
+        if config.get("block_shapes"):
+            dist.barrier()
+            shapes = [tuple(shape) for shape in config["block_shapes"]]
+            result["block_curve"], result["block_overhead_s"] = block_rates(
+                device, "fp32", shapes, 3 * config["budget_s"]
+            )
+            dist.barrier()
+            phase("blocks")
     finally:
         dist.destroy_process_group()
     result["phases_s"] = phases_s
@@ -166,6 +176,7 @@ def run_workers(
     adam_elements: int,
     budget_s: float,
     timeout_s: float,
+    block_shapes: list[tuple[int, int, int, int]] | None = None,
 ) -> dict:
     """Runs ``world_size`` probe workers and merges what they measured.
 
@@ -178,6 +189,7 @@ def run_workers(
         adam_elements: elements per CPU Adam step.
         budget_s: time each worker spends measuring, roughly.
         timeout_s: hard limit; workers still running then are killed.
+        block_shapes: (batch, seq, hidden, heads) of the fp32 block-rate curve (cpu), or None.
 
     Returns:
         {"allgather": {bytes: busbw GB/s}, "reduce_scatter": {...}, "latency_s": float (a tiny
@@ -207,6 +219,7 @@ def run_workers(
                 "budget_s": budget_s,
                 "timeout_s": timeout_s,
                 "out_dir": out_dir,
+                "block_shapes": block_shapes,
             }
             log_paths.append(Path(out_dir, f"rank{rank}.log"))
             with open(log_paths[-1], "w") as log:
@@ -254,6 +267,12 @@ def _merge(results: list[dict]) -> dict:
             size: statistics.fmean(int_keys(r["host_copy_all"])[size] for r in results) for size in sizes
         }
     merged["cpu_adam_elems_per_s"] = statistics.fmean(r["cpu_adam_elems_per_s"] for r in results)
+    if "block_curve" in first:
+        merged["block_curve"] = {
+            numel: statistics.fmean(int_keys(r["block_curve"])[numel] for r in results)
+            for numel in int_keys(first["block_curve"])
+        }
+        merged["block_overhead_s"] = statistics.fmean(r["block_overhead_s"] for r in results)
     merged["cpu_adam_impl"] = first["cpu_adam_impl"]
     return merged
 

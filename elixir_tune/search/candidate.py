@@ -85,8 +85,13 @@ def score(model: CostModel, shape: Shape, memory: MemoryEstimate, global_batch_s
     profile = model.profile
     step_s = estimate.step_time_s
     tflops = profile.flops_per_sample * global_batch_size / model.world_size / step_s / 1e12
-    # MFU against the datasheet peak when the spec has it, else against the achieved matmul rate.
-    peak_tflops = model.hardware.matmul_peak_tflops.get(model.dtype) or model.flops_per_s / 1e12
+    # MFU against the datasheet peak when the spec has it, else against the measured matmul rate.
+    hardware = model.hardware
+    peak_tflops = (
+        hardware.matmul_peak_tflops.get(model.dtype)
+        or hardware.matmul_tflops.get(model.dtype)
+        or hardware.compute_tflops(model.dtype)
+    )
     return Candidate(
         shape=shape,
         num_chunks=layout.num_chunks,

@@ -237,7 +237,7 @@ def explore(model: CostModel, budget: Budget, fixed: dict, top_k: int) -> Explor
                         for offloaded in offload_choices(num_chunks, smallest, fixed):
                             optimizer_s = max(
                                 (num_chunks - offloaded) * shard_numel / hardware.gpu_adam_elems_per_s,
-                                offloaded * shard_numel / hardware.cpu_adam_elems_per_s,
+                                offloaded * shard_numel / model.cpu_adam_elems_per_s,
                             )
                             if compute_s + costs.grad_norm_s + optimizer_s >= top.threshold_s:
                                 continue  # the optimizer bound is V-shaped in the offload share

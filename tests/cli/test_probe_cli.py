@@ -57,13 +57,19 @@ def test_quick_probe_subprocess_writes_a_loadable_spec(tmp_path):
     report = json.loads(proc.stdout)
     assert report["path"] == str(out)
     spec = load_hardware(str(out))
-    scalars = {key: value for key, value in spec.to_dict().items() if key != "bandwidth_curves"}
+    scalars = {
+        key: value
+        for key, value in spec.to_dict().items()
+        if key not in ("bandwidth_curves", "block_tflops_curves")  # JSON makes their keys strings
+    }
     assert scalars == {key: report["hardware"][key] for key in scalars}  # the file holds what the run measured
     assert spec_problems(spec) == []
     if spec.device == "cpu":  # on a GPU machine tests/gpu/test_probe_gpu.py checks the CUDA fields
         assert spec.gpus_per_node == 2 and spec.gpu_memory_bytes * 2 <= spec.host_memory_bytes
         assert {"fp32", "bf16"} <= set(spec.matmul_tflops) and all(r > 0 for r in spec.matmul_tflops.values())
         assert spec.h2d_gbps == spec.d2h_gbps and spec.hbm_gbps > 0
+        assert len(spec.block_tflops_curves["fp32"]) == 3 and spec.block_call_overhead_s > 0
+        assert "all 2 processes at once" in spec.sources["block_tflops_curves"]
         assert spec.sources["allgather_gbps"].startswith("measured: gloo, 2 local processes")
         assert min(spec.bandwidth_curves["allgather_gbps"]) == 2**20
         assert spec.cpu_adam_elems_per_s == spec.gpu_adam_elems_per_s > 1e6

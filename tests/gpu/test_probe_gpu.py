@@ -21,6 +21,11 @@ def test_quick_probe_on_the_gpus(tmp_path):
     assert spec.matmul_tflops["fp32"] > 0.5
     if torch.cuda.is_bf16_supported():
         assert spec.matmul_tflops["bf16"] > spec.matmul_tflops["fp32"]
+        # a whole block runs below its GEMMs, and a wider block faster than a narrow one
+        curve = spec.block_tflops_curves["bf16"]
+        assert 0 < spec.model_tflops["bf16"] <= 1.1 * spec.matmul_tflops["bf16"]
+        assert curve[max(curve)] > curve[min(curve)]
+    assert 0 < spec.block_call_overhead_s < 0.05
     assert spec.hbm_gbps > spec.h2d_gbps > 1
     assert spec.gpu_adam_elems_per_s > spec.cpu_adam_elems_per_s
     for name in ("h2d_gbps", "d2h_gbps"):
@@ -39,3 +44,4 @@ def test_cpu_probe_still_works_on_a_gpu_machine():
     spec = probe(quick=True, device="cpu", procs=1)
     assert spec.device == "cpu" and spec.gpus_per_node == 1
     assert spec_problems(spec) == []
+    assert spec.block_tflops_curves["fp32"] and spec.block_call_overhead_s > 0  # measured in this process

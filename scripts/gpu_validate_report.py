@@ -1,0 +1,98 @@
+"""The markdown report of scripts/gpu_validate.py, from its JSON record (any part of it: a run cut
+off early still has a readable report)."""
+
+from __future__ import annotations
+
+GiB = 2**30
+
+
+def _gib(value) -> str:
+    return f"{value / GiB:.2f}" if isinstance(value, (int, float)) and value else "-"
+
+
+def _num(value, fmt: str) -> str:
+    return format(value, fmt) if isinstance(value, (int, float)) else "-"
+
+
+def _shape(row: dict) -> str:
+    s = row.get("shape")
+    if not s:
+        return "-"
+    return (
+        f"chunk {s['chunk_size']:,} el., cache {s['cache_blocks']}/{s['cacheable_chunks']}, "
+        f"pf {s['prefetch']}, offload {s['offloaded_chunks']}/{s['num_chunks']}, ckpt {s['checkpointing']}, "
+        f"mb {s['micro_batch_size']}x{s['grad_accum_steps']}"
+    )
+
+
+def write_markdown(record: dict) -> str:
+    """The whole report as markdown."""
+    machine = record.get("machine", {})
+    title = "GPU validation (CPU dry run)" if record.get("dry_run_cpu") else "GPU validation"
+    lines = [f"# {title}: {machine.get('device_name', '?')}", ""]
+    lines.append(
+        f"- machine: {machine.get('device_name')} x {machine.get('gpus')}, driver {machine.get('driver', '-')}, "
+        f"torch {machine.get('torch')} (CUDA {machine.get('cuda')}), Python {machine.get('python')}, "
+        f"{machine.get('cpu_cores')} CPU cores, load {machine.get('load_avg_1min')}, {machine.get('date_utc')} UTC"
+    )
+    lines.append(
+        f"- command: `python scripts/gpu_validate.py {' '.join(record.get('argv', []))}` ({record.get('elapsed_s')} s)"
+    )
+    model = record.get("model")
+    if model:
+        lines.append(
+            f"- model: GPT-2 n_embd {model['hidden']}, {model['layers']} layers, {model['heads']} heads, vocab "
+            f"{model['vocab']}, seq {model['seq']}: {model['num_params']:,} parameters, model states "
+            f"{model['model_state_bytes'] / GiB:.3g} GiB = {model['model_state_bytes'] / model['device_memory_bytes']:.3g}x "
+            f"device memory ({model['why']}); {model['dtype']}, {model['per_rank_batch']} samples per GPU per step"
+        )
+        lines.append(
+            f"- TFLOPS/GPU = profiled model FLOPs per sample (forward+backward, recomputation not counted) x "
+            f"samples per GPU / measured step time; MFU against {model['peak_tflops']:.3g} TFLOP/s"
+        )
+    lines += ["", "## Plans: predicted vs measured", ""]
+    lines.append(
+        "| world | shape | plan | predicted s | measured s | measured / predicted | predicted GPU GiB | "
+        "max allocated GiB | max reserved GiB | predicted host GiB | peak RSS GiB (max rank) | TFLOPS/GPU | MFU | status |"
+    )
+    lines.append("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for row in record.get("rows", []):
+        lines.append(
+            f"| {row['world']} | {row['name']} | {_shape(row)} | {_num(row.get('predicted_step_time_s'), '.3f')} | "
+            f"{_num(row.get('measured_step_time_s'), '.3f')} | {_num(row.get('time_ratio'), '.2f')} | "
+            f"{_gib(row.get('predicted_peak_gpu_bytes'))} | {_gib(row.get('max_memory_allocated_bytes'))} | "
+            f"{_gib(row.get('max_memory_reserved_bytes'))} | {_gib(row.get('predicted_peak_host_bytes'))} | "
+            f"{_gib(row.get('peak_rss_bytes'))} | {_num(row.get('tflops_per_gpu'), '.3g')} | "
+            f"{_num(row.get('mfu'), '.1%')} | {row.get('status', '')} |"
+        )
+    lines += ["", "## Peers: the same model, batch, sequence and checkpointing", ""]
+    lines.append(
+        "| system | step s | vs our best (measured) | max allocated GiB | max reserved GiB | peak RSS GiB | TFLOPS/GPU | MFU | status |"
+    )
+    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    for peer in record.get("peers", []):
+        lines.append(
+            f"| {peer['name']} | {_num(peer.get('median_step_time_s'), '.3f')} | {_num(peer.get('vs_our_best'), '.2f')} | "
+            f"{_gib(peer.get('max_memory_allocated_bytes'))} | {_gib(peer.get('max_memory_reserved_bytes'))} | "
+            f"{_gib(peer.get('peak_rss_bytes'))} | {_num(peer.get('tflops_per_gpu'), '.3g')} | "
+            f"{_num(peer.get('mfu'), '.1%')} | {peer.get('status', '')} {peer.get('note', '')} |"
+        )
+    if record.get("world2"):
+        lines += ["", f"World 2: {record['world2']}."]
+    lines += ["", "## Steps (every command, in order)", ""]
+    lines.append("| step | exit | s | command |")
+    lines.append("|---|---|---:|---|")
+    for step in record.get("steps", []):
+        command = step.get("command") or step.get("reason", "")
+        lines.append(f"| {step['name']} | {step['rc']} | {step.get('elapsed_s', '-')} | `{command}` |")
+    failed = [s for s in record.get("steps", []) if s.get("rc") not in (0, "skipped")]
+    for step in failed:
+        lines += [
+            "",
+            f"### {step['name']}: exit {step['rc']}, output tail",
+            "",
+            "```",
+            step.get("output_tail", "")[-1500:],
+            "```",
+        ]
+    return "\n".join(lines) + "\n"

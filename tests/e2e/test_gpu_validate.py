@@ -1,0 +1,43 @@
+"""scripts/gpu_validate.py --dry-run-cpu: the GPU validation's steps at toy size on the CPU, so the
+script that runs first time on a lent GPU cannot rot between GPU runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_dry_run_plans_trains_and_compares_with_peers(tmp_path):
+    # Two shapes at world 1, one at world 2, and the peers (the full dry run: the probe, 8 + 3 shapes).
+    command = [sys.executable, "scripts/gpu_validate.py", "--dry-run-cpu", "--hardware", "cpu", "--skip-pytest"]
+    command += ["--shapes", "search-best,full-offload", "--world2-shapes", "search-best", "--out-dir", str(tmp_path)]
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [json_path] = tmp_path.glob("gpu-cpu-dry-run-*.json")
+    record = json.loads(json_path.read_text())
+    rows = {(row["world"], row["name"]): row for row in record["rows"]}
+    assert set(rows) == {(1, "search-best"), (1, "full-offload"), (2, "search-best")}
+    for row in rows.values():
+        assert row["status"] == "measured" or row["status"].startswith("same plan as"), row["status"]
+        assert row["predicted_step_time_s"] > 0 and row["measured_step_time_s"] > 0
+    best = rows[(1, "search-best")]
+    assert best["shape"]["offloaded_chunks"] == 0 and rows[(1, "full-offload")]["shape"]["offloaded_chunks"] > 0
+    assert best["peak_rss_bytes"] > 0 and best["memory_report"], "host memory and the engine's report recorded"
+    assert best["tflops_per_gpu"] > 0 and 0 < best["mfu"] < 1
+    peers = {peer["name"]: peer for peer in record["peers"]}
+    assert peers["deepspeed"]["status"].startswith("skipped: dry run on the CPU")
+    assert peers["fsdp2"]["status"] == "measured", peers["fsdp2"]["status"]
+    assert peers["fsdp2"]["micro_batch_size"] == best["shape"]["micro_batch_size"]
+    assert len(peers["fsdp2"]["step_times_s"]) == 3 and all(t > 0 for t in peers["fsdp2"]["step_times_s"])
+    commands = [step.get("command", "") for step in record["steps"]]
+    assert any("elixir_tune.cli.run" in c for c in commands) and any("fsdp2_step.py" in c for c in commands)
+    markdown = json_path.with_suffix(".md").read_text()
+    assert "| fsdp2 |" in markdown and "skipped: dry run on the CPU" in markdown
+    assert "gpu_validate:" in proc.stdout  # the summary
