@@ -169,6 +169,13 @@ def candidates_table(rows: list[dict], title: str) -> Table:
     type=click.Path(dir_okay=False),
     help="Where to write the plan.",
 )
+@click.option(
+    "--timeline",
+    "timeline_path",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="Also draw the predicted step of the best plan and the runner-up to this SVG file.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def search_command(
     gpus: int,
@@ -181,6 +188,7 @@ def search_command(
     top_k: int,
     strategy: str,
     out_path: str,
+    timeline_path: str | None,
     as_json: bool,
 ) -> None:
     """Search chunking, caching, offload, checkpointing and batching; write plan.yaml.
@@ -194,6 +202,7 @@ def search_command(
     Example:
         elixir-tune search --gpus 4 --profile profile.yaml --hardware a100-40gb-pcie
         elixir-tune search --gpus 2 --hardware cpu --fix offload=0.5 --fix cache_blocks=all
+        elixir-tune search --gpus 4 --hardware a100-40gb-pcie --timeline step.svg
     """
     from elixir_tune.search import InfeasibleError, search
 
@@ -245,6 +254,8 @@ def search_command(
         f"Run:     elixir-run {out_path} scripts/train_gpt2.py"
     )
     save_plan(plan, out_path, header=header)
+    if timeline_path:
+        _draw(timeline_path, result, hardware.usable_memory_bytes)
     rows = [c.row() for c in result.candidates]
     if as_json:
         print_json(
@@ -270,3 +281,17 @@ def search_command(
         f"`elixir-run {out_path} scripts/train_gpt2.py`",
         soft_wrap=True,
     )
+
+
+def _draw(path: str, result, limit_bytes: int) -> None:
+    """The best candidate and the runner-up on one SVG page."""
+    from elixir_tune.costmodel.picture import picture_of, shape_title, write_svg
+
+    pictures = []
+    for rank, candidate in zip(("#1 best", "#2 runner-up"), result.candidates, strict=False):
+        title = shape_title(rank, candidate.shape, candidate.step_time_s, candidate.memory.peak_gpu_bytes)
+        pictures.append(picture_of(result.model, candidate.shape, title, limit_bytes))
+    try:
+        write_svg(path, pictures)
+    except OSError as error:
+        fail(f"cannot write {path}: {error}", hint="pass another path with --timeline")

@@ -168,16 +168,80 @@ def _placement_table(plan: Plan) -> Table:
     return table
 
 
+def _draw(plan: Plan, path: str, profile_path: str, hardware_ref: str | None) -> None:
+    """The plan's predicted step, simulated again from its profile and hardware, as SVG."""
+    from elixir_tune.cli.search import _load_inputs
+    from elixir_tune.costmodel.model import CostModel, Shape
+    from elixir_tune.costmodel.picture import picture_of, shape_title, write_svg
+
+    profile, hardware, _ = _load_inputs(profile_path, hardware_ref or plan.cluster.hardware)
+    if profile.fingerprint != plan.model.fingerprint:
+        fail(
+            f"{profile_path} profiles another model than the plan's (fingerprint {profile.fingerprint}, the plan's "
+            f"{plan.model.fingerprint})",
+            hint="pass the profile the plan was searched from with --profile",
+        )
+    model = CostModel(profile, hardware, plan.cluster.gpus_per_node, plan.cluster.nodes, plan.training.dtype)
+    memory, training = plan.memory, plan.training
+    if model.layout(memory.chunk_size).num_chunks != len(memory.chunks):
+        fail(
+            f"the plan's {len(memory.chunks)} chunks are not the search's packing of this profile at chunk size "
+            f"{memory.chunk_size:,} (edited by hand?), so its timeline cannot be simulated",
+            hint="search the plan again, e.g. elixir-tune search --fix chunk_size=...",
+        )
+    offloaded = tuple(chunk.id for chunk in memory.chunks if chunk.offload)
+    shape = Shape(
+        memory.chunk_size,
+        memory.cache_blocks,
+        len(offloaded),
+        memory.prefetch,
+        training.activation_checkpointing.every,
+        training.micro_batch_size,
+        training.grad_accum_steps,
+        offloaded=offloaded,
+    )
+    estimate = model.step_time(shape)
+    title = shape_title("this plan", shape, estimate.step_time_s, model.memory(shape).peak_gpu_bytes)
+    try:
+        write_svg(path, [picture_of(model, shape, title, hardware.usable_memory_bytes)])
+    except OSError as error:
+        fail(f"cannot write {path}: {error}", hint="pass another path with --timeline")
+
+
 @click.command("show")
 @click.argument("plan_path", metavar="PLAN", type=click.Path(dir_okay=False))
+@click.option(
+    "--timeline",
+    "timeline_path",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="Draw the predicted step (one lane per resource, device memory over the step) to this SVG file.",
+)
+@click.option(
+    "--profile",
+    "profile_path",
+    default="profile.yaml",
+    show_default=True,
+    type=click.Path(dir_okay=False),
+    help="With --timeline: the profile the plan was searched from.",
+)
+@click.option(
+    "--hardware",
+    "hardware_ref",
+    default=None,
+    help="With --timeline: preset id or hardware file (default: the plan's cluster.hardware).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def show_command(plan_path: str, as_json: bool) -> None:
+def show_command(
+    plan_path: str, timeline_path: str | None, profile_path: str, hardware_ref: str | None, as_json: bool
+) -> None:
     """Explain a plan: memory breakdown, predicted timeline, chunk placement.
 
     \b
     Example:
         elixir-tune show plan.yaml
         elixir-tune show configs/plans/example.yaml --json
+        elixir-tune show plan.yaml --timeline step.svg --profile profile.yaml
     """
     try:
         plan = load_plan(plan_path)
@@ -186,6 +250,8 @@ def show_command(plan_path: str, as_json: bool) -> None:
             f"{plan_path}: cannot be shown:\n" + "\n".join(f"  - {p}" for p in error.problems),
             hint=f"check it with `elixir-tune validate {plan_path}`",
         )
+    if timeline_path:
+        _draw(plan, timeline_path, profile_path, hardware_ref)
     summary = _summary(plan)
     if as_json:
         print_json({"plan": plan_path, **summary})

@@ -18,6 +18,7 @@ from elixir_tune.costmodel.timeline import (
     combine_step,
     issue_steps,
     simulate_micro_batch,
+    step_blocks,
     transfer_costs,
 )
 from elixir_tune.costmodel.trace import ChunkTrace, chunk_trace
@@ -246,8 +247,19 @@ class CostModel:
             allocator_overhead_bytes=self.hardware.allocator_overhead_bytes,
         )
 
-    def step_time(self, shape: Shape) -> StepEstimate:
-        """Simulated step time of a candidate."""
+    def step_time(self, shape: Shape, record: list[tuple[str, float, float, str, int]] | None = None) -> StepEstimate:
+        """Simulated step time of a candidate.
+
+        Args:
+            shape: the candidate.
+            record: when given, every block of work of the step is appended to it
+                (``timeline.step_blocks``), for a picture of the step.
+
+        Returns:
+            The step time and its breakdown.
+        """
+        cold_blocks: list[tuple[str, float, float, int]] | None = [] if record is not None else None
+        steady_blocks: list[tuple[str, float, float, int]] | None = [] if record is not None else None
         trace, reduce_after = self._trace(shape.chunk_size, shape.every)
         sim, cold = self.cache_sim(shape.chunk_size, shape.every, shape.cache_blocks)
         offloaded = self.offload_mask(shape)
@@ -264,6 +276,7 @@ class CostModel:
             costs,
             shared_compute=on_cpu,
             shared_link=self.shared_link,
+            record=cold_blocks,
         )
         steady = None
         if shape.grad_accum_steps > 1:
@@ -276,6 +289,7 @@ class CostModel:
                 costs,
                 shared_compute=on_cpu,
                 shared_link=self.shared_link,
+                record=steady_blocks,
             )
         shard_numel = shape.chunk_size // self.world_size
         host_shards = shape.num_offloaded
@@ -294,4 +308,8 @@ class CostModel:
             mb_recompute * accum,
             serial_optimizers=on_cpu,
         )
+        if record is not None and cold_blocks is not None:
+            record += step_blocks(
+                first, cold_blocks, steady, steady_blocks or [], accum, costs, gpu_adam, cpu_adam, on_cpu
+            )
         return StepEstimate(step_time_s=step_time, breakdown=breakdown)

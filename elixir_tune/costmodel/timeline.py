@@ -158,6 +158,7 @@ def simulate_micro_batch(
     costs: TransferCosts,
     shared_compute: bool = False,
     shared_link: bool = False,
+    record: list[tuple[str, float, float, int]] | None = None,
 ) -> MicroBatchTime:
     """Runs one micro-batch's timeline.
 
@@ -170,6 +171,9 @@ def simulate_micro_batch(
         costs: per-chunk operation times.
         shared_compute: collectives run on the compute resource (the device is the CPU).
         shared_link: collectives hold the inbound and outbound host links too (no NVLink).
+        record: when given, every block of work is appended to it as (lane, start_s, end_s, what):
+            ``what`` is the step index on the compute lane, the chunk id on the others (lanes of
+            ``costmodel.picture.LANES``).
 
     Returns:
         The micro-batch's times.
@@ -192,6 +196,8 @@ def simulate_micro_batch(
                 h2d_free = (h2d_free if h2d_free > ready else ready) + h2d_s
                 ready = h2d_free
                 h2d_count += 1
+                if record is not None:
+                    record.append(("host-to-device", h2d_free - h2d_s, h2d_free, chunk))
             if shared_compute:  # the gather stalls the compute stream while it runs
                 start = end if end > ready else ready
                 exposed += start + gather_s - end
@@ -199,6 +205,8 @@ def simulate_micro_batch(
             else:
                 coll_free = max(coll_free, ready, h2d_free, d2h_free) if shared_link else max(coll_free, ready)
                 coll_free += gather_s
+            if record is not None:
+                record.append(("all-gather", coll_free - gather_s, coll_free, chunk))
             if shared_link:
                 h2d_free = d2h_free = coll_free
             gathers += 1
@@ -208,9 +216,13 @@ def simulate_micro_batch(
             exposed += needed[step] - end
             end = needed[step]
         end += step_compute_s[step]
+        if record is not None:
+            record.append(("compute", end - step_compute_s[step], end, step))
         for chunk in reduce_after[step]:
             coll_free = max(coll_free, end, h2d_free, d2h_free) if shared_link else max(coll_free, end)
             coll_free += rs_s
+            if record is not None:
+                record.append(("reduce-scatter", coll_free - rs_s, coll_free, chunk))
             if shared_link:
                 h2d_free = d2h_free = coll_free
             if shared_compute:
@@ -220,6 +232,10 @@ def simulate_micro_batch(
                 d2h_free = (d2h_free if d2h_free > coll_free else coll_free) + d2h_s
                 host_free = (host_free if host_free > d2h_free else d2h_free) + costs.host_add_s
                 d2h_count += 1
+                if record is not None:
+                    record.append(("device-to-host", d2h_free - d2h_s, d2h_free, chunk))
+                    if costs.host_add_s > 0:
+                        record.append(("cpu optimizer", host_free - costs.host_add_s, host_free, chunk))
     return MicroBatchTime(
         compute_end_s=end,
         drained_s=max(end, coll_free, d2h_free, host_free),
@@ -279,3 +295,49 @@ def combine_step(
         "optimizer_exposed_s": costs.grad_norm_s + optimizer_s,
     }
     return step_time, breakdown
+
+
+def step_blocks(
+    cold: MicroBatchTime,
+    cold_blocks: list[tuple[str, float, float, int]],
+    steady: MicroBatchTime | None,
+    steady_blocks: list[tuple[str, float, float, int]],
+    grad_accum_steps: int,
+    costs: TransferCosts,
+    gpu_adam_s: float,
+    cpu_adam_s: float,
+    serial_optimizers: bool = False,
+) -> list[tuple[str, float, float, str, int]]:
+    """Every block of work of the step, placed as ``combine_step`` places the micro-batches.
+
+    Micro-batch k starts when the compute of micro-batch k-1 ends; after the last one drains come
+    the gradient-norm all-reduce and the two optimizers.
+
+    Args:
+        cold, cold_blocks: the first micro-batch and what ``simulate_micro_batch`` recorded of it.
+        steady, steady_blocks: a later micro-batch and its record (None / empty with one micro-batch).
+        grad_accum_steps, costs, gpu_adam_s, cpu_adam_s, serial_optimizers: as for ``combine_step``.
+
+    Returns:
+        (lane, start_s, end_s, what, index) per block: what is "step" (index: the step), "chunk"
+        (index: the chunk id), "norm" or "adam" (index: the micro-batch count).
+    """
+    out: list[tuple[str, float, float, str, int]] = []
+    offset_s = 0.0
+    for micro in range(grad_accum_steps if steady is not None else 1):
+        part, blocks = (cold, cold_blocks) if micro == 0 else (steady, steady_blocks)
+        assert part is not None
+        for lane, start_s, end_s, index in blocks:
+            out.append((lane, offset_s + start_s, offset_s + end_s, "step" if lane == "compute" else "chunk", index))
+        backward_done_s = offset_s + part.drained_s
+        offset_s += part.compute_end_s
+    norm_start_s = backward_done_s
+    optimizer_start_s = norm_start_s + costs.grad_norm_s
+    if costs.grad_norm_s > 0:
+        out.append(("reduce-scatter", norm_start_s, optimizer_start_s, "norm", grad_accum_steps))
+    if gpu_adam_s > 0:
+        out.append(("compute", optimizer_start_s, optimizer_start_s + gpu_adam_s, "adam", grad_accum_steps))
+    if cpu_adam_s > 0:
+        cpu_start_s = optimizer_start_s + (gpu_adam_s if serial_optimizers else 0.0)
+        out.append(("cpu optimizer", cpu_start_s, cpu_start_s + cpu_adam_s, "adam", grad_accum_steps))
+    return out
