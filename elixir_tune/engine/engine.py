@@ -14,12 +14,15 @@ Life of a micro-batch:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from elixir_tune.engine.cache import ChunkCache
 from elixir_tune.engine.chunk import Chunk, ParamSlot
 from elixir_tune.engine.comm import Comm
 from elixir_tune.engine.hooks import disable_kv_cache, install_grad_hooks, install_module_hooks, wrap_checkpointed
+from elixir_tune.engine.layered import Baton
 from elixir_tune.engine.states import GRAD_STAGED, TensorState, transition
 from elixir_tune.plan import DTYPE_BYTES, MODEL_STATE_KEYS, Plan
 
@@ -86,6 +89,9 @@ class Engine:
         )
         self._handles += install_grad_hooks([slot.param for slot in self.slots], self._on_grad)
         self._apply_checkpointing()
+        self.scaler: Any = None  # the optimizer's fp16 loss scaler, attached by ShardedOptimizer
+        self.baton: Baton | None = None  # set while a layered step's forwards run (engine/layered.py)
+        self._running: dict[torch.nn.Module, int] = {}  # forwards inside each module (several when layered)
 
         self.used = torch.zeros(len(self.slots), dtype=torch.bool)  # got a gradient since zero_grad
         self._slot_index = {id(slot): i for i, slot in enumerate(self.slots)}
@@ -96,6 +102,7 @@ class Engine:
         self._bwd_pins: list[torch.nn.Module] = []
         self.in_backward = False
         self.backward_passes = 0
+        self.reduce_scatters = 0  # chunk reductions started, for tests and benchmarks
         for chunk in self.chunks:
             if chunk.resident:
                 chunk.gather(async_op=False)
@@ -170,10 +177,34 @@ class Engine:
         if not self.plan.model.block_list:
             raise ValueError("training.activation_checkpointing is set but model.block_list names no blocks")
         disable_kv_cache(self.model)
-        blocks = self.model.get_submodule(self.plan.model.block_list)
-        for index, block in enumerate(blocks):
+        for index, block in enumerate(self.blocks()):
             if checkpointing.applies_to(index):
                 wrap_checkpointed(block)
+
+    def blocks(self) -> torch.nn.ModuleList:
+        """The plan's repeated blocks (``model.block_list``).
+
+        Raises:
+            ValueError: the plan names no block list.
+        """
+        if not self.plan.model.block_list:
+            raise ValueError(
+                "the plan's model.block_list names no blocks (needed by activation checkpointing and by "
+                "training.accumulation: layered)"
+            )
+        blocks = self.model.get_submodule(self.plan.model.block_list)
+        if not isinstance(blocks, (torch.nn.ModuleList, torch.nn.Sequential)):
+            raise ValueError(
+                f"model.block_list {self.plan.model.block_list!r} is a {type(blocks).__name__}, not a ModuleList"
+            )
+        return blocks
+
+    def set_baton(self, baton: Baton | None) -> None:
+        self.baton = baton
+
+    def loss_scale(self) -> float:
+        """The fp16 loss scale of the optimizer attached to this engine (1 otherwise)."""
+        return float(self.scaler.scale) if self.scaler is not None else 1.0
 
     # --- forward -------------------------------------------------------------------------------
 
@@ -181,6 +212,7 @@ class Engine:
         """Called by the model wrapper before each forward (one micro-batch)."""
         if self.in_backward:
             self._abandon_backward()
+        self._running.clear()  # a forward stopped by an exception never ran its post-hooks
         self.cache.start_microbatch()
 
     def _abandon_backward(self) -> None:
@@ -200,6 +232,9 @@ class Engine:
         self._callback_queued = self.in_backward = False
 
     def _pre_forward(self, module: torch.nn.Module) -> None:
+        if self.baton is not None:
+            self.baton.boundary()  # layered: the other micro-batches run this module first
+        self._running[module] = self._running.get(module, 0) + 1
         if self.in_backward and self._bwd_module is not None:
             # A recomputation: the module waiting for it need not hold its chunks meanwhile (its
             # own recomputed forward, which comes last, gathers them again and pins them).
@@ -208,6 +243,9 @@ class Engine:
         self._set_state(module, "use")
 
     def _post_forward(self, module: torch.nn.Module) -> None:
+        self._running[module] -= 1
+        if self._running[module] > 0:
+            return  # layered: another micro-batch is still inside this module (an ancestor of the others)
         self._set_state(module, "done")
         if self.in_backward and module is self._bwd_module:
             self._set_state(module, "use")
@@ -264,6 +302,7 @@ class Engine:
         self.used[self._slot_index[id(slot)]] = True
         if chunk.reduce_ready():
             chunk.start_reduce()
+            self.reduce_scatters += 1
             self._reducing.append(chunk)
 
     def _end_backward(self) -> None:
@@ -271,6 +310,7 @@ class Engine:
         for chunk in self.chunks:
             if chunk.staging is not None:
                 chunk.start_reduce()
+                self.reduce_scatters += 1
                 self._reducing.append(chunk)
         for chunk in self._reducing:
             staging = chunk.finish_reduce()
@@ -372,5 +412,7 @@ class Engine:
         return {
             "peak_cache_bytes": self.cache.peak_bytes,
             "gathers": self.cache.gathers,
+            "uploads": self.cache.uploads,
+            "reduce_scatters": self.reduce_scatters,
             "held_cache_bytes": sum(c.payload_bytes() for c in self.cache.held.values()),
         }

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import Any
+
 import torch
 
 from elixir_tune.engine.engine import Engine
+from elixir_tune.engine.layered import run_layer_major
+
+LossFn = Callable[[Any, dict], torch.Tensor]
 
 
 class ElixirModel(torch.nn.Module):
@@ -23,6 +29,62 @@ class ElixirModel(torch.nn.Module):
     def forward(self, *args, **kwargs):
         self.engine.begin_forward()
         return self.module(*args, **kwargs)
+
+    def forward_backward(self, micro_batches: Sequence[dict], loss_fn: LossFn | None = None) -> torch.Tensor:
+        """Forward and backward of every micro-batch of one step, as the plan's accumulation says.
+
+        ``training.accumulation: standard`` runs the micro-batches one after the other; ``layered``
+        runs each block for all of them before the next (engine/layered.py), in forward and in
+        backward. Either way the gradients of the mean loss are accumulated and reduced into the
+        shards afterwards, ready for ``optimizer.clip_grad_norm`` and ``optimizer.step``.
+
+        Args:
+            micro_batches: one dict of keyword arguments of the model per micro-batch.
+            loss_fn: ``loss_fn(output, batch)`` gives a micro-batch's loss; None takes ``output.loss``.
+
+        Returns:
+            The mean loss over the micro-batches (detached, 0-dim).
+
+        Raises:
+            ValueError: no micro-batches, or a micro-batch is not a dict.
+            AttributeError: no ``loss_fn`` and the output has no ``loss``.
+        """
+        if not micro_batches:
+            raise ValueError("forward_backward needs at least one micro-batch")
+        for index, batch in enumerate(micro_batches):
+            if not isinstance(batch, dict):
+                raise ValueError(
+                    f"micro-batch {index} is a {type(batch).__name__}; forward_backward takes a list of dicts of "
+                    "the model's keyword arguments (e.g. input_ids, labels)"
+                )
+        count = len(micro_batches)
+        scale = self.engine.loss_scale() / count
+
+        def scaled_loss(index: int) -> torch.Tensor:
+            batch = micro_batches[index]
+            output = self.module(**batch)
+            if loss_fn is not None:
+                return loss_fn(output, batch) * scale
+            if getattr(output, "loss", None) is None:
+                raise AttributeError(
+                    f"the model's output ({type(output).__name__}) has no loss: pass labels in the batch or "
+                    "forward_backward(..., loss_fn=lambda output, batch: ...)"
+                )
+            return output.loss * scale
+
+        layered = self.engine.plan.training.accumulation == "layered" and count > 1 and torch.is_grad_enabled()
+        if layered:
+            self.engine.begin_forward()
+            losses = run_layer_major(scaled_loss, count, self.engine.set_baton)
+            torch.autograd.backward(losses)
+        else:
+            losses = []
+            for index in range(count):
+                self.engine.begin_forward()
+                loss = scaled_loss(index)
+                loss.backward()
+                losses.append(loss.detach())
+        return torch.stack([loss.detach() for loss in losses]).sum() / (scale * count)
 
     def __getattr__(self, name: str):
         try:

@@ -52,6 +52,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.optimizer_class = type(optimizer)
         super().__init__([dict(group) for group in optimizer.param_groups], dict(optimizer.defaults))
         self.scaler = DynamicLossScaler() if engine.plan.training.dtype == "fp16" else None
+        engine.scaler = self.scaler  # ElixirModel.forward_backward scales its losses by it
         self.skipped_steps = 0
         self._stats: _GradStats | None = None
         self._unscaled_at = -1

@@ -28,6 +28,9 @@ SCHEMA_VERSION = 1
 Dtype = Literal["fp32", "bf16", "fp16"]
 Device = Literal["cuda", "cpu"]
 Backend = Literal["nccl", "gloo"]
+# How the micro-batches of a step run: one after the other (standard), or block by block for all of
+# them (layered gradient accumulation, Lamy-Poirier 2021: each chunk fetched once per pass per step).
+Accumulation = Literal["standard", "layered"]
 # Keys of Prediction.model_state_bytes; the engine reports the same keys (Engine.memory_report).
 #   cache_bytes:        cache_blocks gathered chunks, chunk_size elements each, compute dtype (device)
 #   resident_bytes:     resident chunks, always gathered, chunk_size elements each, compute dtype (device)
@@ -38,6 +41,7 @@ ModelStateKey = Literal["cache_bytes", "resident_bytes", "device_shard_bytes", "
 DTYPES: tuple[str, ...] = get_args(Dtype)
 DEVICES: tuple[str, ...] = get_args(Device)
 BACKENDS: tuple[str, ...] = get_args(Backend)
+ACCUMULATIONS: tuple[str, ...] = get_args(Accumulation)
 MODEL_STATE_KEYS: tuple[str, ...] = get_args(ModelStateKey)
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -119,6 +123,9 @@ class TrainingInfo:
         grad_accum_steps: micro-batches per optimizer step on one rank.
         seq_len: tokens per sample.
         activation_checkpointing: which blocks recompute their activations in backward.
+        accumulation: ``standard`` runs the micro-batches one after the other; ``layered`` runs
+            each block for all micro-batches before the next (``ElixirModel.forward_backward``),
+            so every chunk is gathered once per forward and once per backward per step.
     """
 
     dtype: Dtype
@@ -127,6 +134,7 @@ class TrainingInfo:
     grad_accum_steps: PositiveInt
     seq_len: PositiveInt
     activation_checkpointing: Checkpointing = field(default_factory=Checkpointing)
+    accumulation: Accumulation = "standard"
 
 
 @dataclass
