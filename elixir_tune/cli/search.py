@@ -80,7 +80,7 @@ def candidates_table(rows: list[dict], title: str) -> Table:
         "cache",
         "offloaded",
         "ckpt",
-        "micro x accum",
+        "micro x accum (L: layered)",
         "step s",
         "tokens/s",
         "TFLOPS/GPU",
@@ -97,7 +97,7 @@ def candidates_table(rows: list[dict], title: str) -> Table:
             f"{row['cache_blocks']}/{row['cacheable_chunks']}",
             f"{row['offload']:.0%}",
             "none" if every == 0 else "all" if every == 1 else f"1/{every}",
-            f"{row['micro_batch_size']} x {row['grad_accum_steps']}",
+            f"{row['micro_batch_size']} x {row['grad_accum_steps']}{' L' if row.get('accumulation') == 'layered' else ''}",
             f"{row['step_time_s']:.3g}",
             f"{row['tokens_per_s']:,.0f}",
             f"{row['tflops_per_gpu']:.3g}",
@@ -144,7 +144,7 @@ def candidates_table(rows: list[dict], title: str) -> Table:
     multiple=True,
     metavar="KEY=VALUE",
     help="Pin a choice (repeatable): chunk_size=<elements>, cache_blocks=<n>|all, offload=<0..1>, "
-    "prefetch=<n>, micro_batch_size=<n>, checkpointing=none|all|every:<k>, dtype=fp32|bf16|fp16.",
+    "prefetch=<n>, micro_batch_size=<n>, checkpointing=none|all|every:<k>, dtype=fp32|bf16|fp16, accumulation=standard|layered.",
 )
 @click.option(
     "--top",

@@ -199,6 +199,7 @@ def _draw(plan: Plan, path: str, profile_path: str, hardware_ref: str | None) ->
         training.micro_batch_size,
         training.grad_accum_steps,
         offloaded=offloaded,
+        layered=training.accumulation == "layered",
     )
     estimate = model.step_time(shape)
     title = shape_title("this plan", shape, estimate.step_time_s, model.memory(shape).peak_gpu_bytes)
@@ -262,7 +263,7 @@ def show_command(
         f"[bold]{plan_path}[/]: {plan.model.name or plan.model.source} ({plan.model.num_params:,} parameters) "
         f"on {c.nodes} x {c.gpus_per_node} x {c.hardware} ({c.device}, {c.backend}); {t.dtype}, "
         f"global batch {t.global_batch_size} = micro-batch {t.micro_batch_size} x accumulation "
-        f"{t.grad_accum_steps} x {plan.world_size} ranks, seq {t.seq_len}, checkpointing "
+        f"{t.grad_accum_steps} ({t.accumulation}) x {plan.world_size} ranks, seq {t.seq_len}, checkpointing "
         f"{'none' if every == 0 else 'all blocks' if every == 1 else f'every {every} blocks'}",
         soft_wrap=True,
     )

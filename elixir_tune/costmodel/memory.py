@@ -136,6 +136,7 @@ def estimate_memory(
     frozen_numel: int,
     micro_batch_size: int,
     every: int,
+    activation_copies: int = 1,
     allocator_overhead_bytes: int,
 ) -> MemoryEstimate:
     """Device and host peaks of one candidate.
@@ -153,6 +154,9 @@ def estimate_memory(
         frozen_numel: elements of frozen parameters.
         micro_batch_size: samples per micro-batch.
         every: checkpointing.
+        activation_copies: micro-batches whose activations are held at once (layered accumulation
+            keeps all of a step's: their block boundaries, and in backward the recomputed blocks of
+            every micro-batch side by side).
         allocator_overhead_bytes: from the hardware spec.
 
     Returns:
@@ -163,7 +167,7 @@ def estimate_memory(
     )
     dtype_bytes = DTYPE_BYTES[dtype]
     frozen = frozen_numel * dtype_bytes
-    activations = activation_bytes(profile, micro_batch_size, every, dtype)
+    activations = activation_copies * activation_bytes(profile, micro_batch_size, every, dtype)
     buffers = profile.buffers_bytes + GRAD_BUFFER_CHUNKS * chunk_size * dtype_bytes
     peak_gpu = (
         states["cache_bytes"]

@@ -23,6 +23,7 @@ from elixir_tune.costmodel.timeline import (
 )
 from elixir_tune.costmodel.trace import ChunkTrace, chunk_trace
 from elixir_tune.hardware.spec import HardwareSpec
+from elixir_tune.plan.schema import Accumulation
 from elixir_tune.profiler.schema import ModelProfile
 
 
@@ -40,6 +41,9 @@ class Shape:
         grad_accum_steps: micro-batches per step.
         offloaded: explicit chunk ids to offload instead of the first ``num_offloaded`` of
             ``CostModel.offload_order`` (a baseline strategy places shards its own way).
+        layered: layered gradient accumulation (plan ``training.accumulation: layered``): the
+            micro-batches run layer by layer, so the step fetches and reduces each chunk as one
+            micro-batch does, and holds the activations of all micro-batches at once.
     """
 
     chunk_size: int
@@ -50,6 +54,17 @@ class Shape:
     micro_batch_size: int
     grad_accum_steps: int
     offloaded: tuple[int, ...] | None = None
+    layered: bool = False
+
+    @property
+    def accumulation(self) -> Accumulation:
+        """The plan's ``training.accumulation`` value of this shape."""
+        return "layered" if self.layered else "standard"
+
+    @property
+    def passes_per_step(self) -> int:
+        """Forward+backward passes whose chunk traffic the step pays: one when layered."""
+        return 1 if self.layered else self.grad_accum_steps
 
 
 @dataclass
@@ -244,6 +259,7 @@ class CostModel:
             frozen_numel=layout.frozen_numel,
             micro_batch_size=shape.micro_batch_size,
             every=shape.every,
+            activation_copies=shape.grad_accum_steps if shape.layered else 1,
             allocator_overhead_bytes=self.hardware.allocator_overhead_bytes,
         )
 
@@ -265,7 +281,12 @@ class CostModel:
         offloaded = self.offload_mask(shape)
         costs = self.costs(shape.chunk_size)
         mb_compute, mb_recompute = self.compute_s(shape.micro_batch_size, shape.every)
-        step_compute = [share * mb_compute for share in trace.flops_share]
+        accum = shape.grad_accum_steps
+        # Layered: each trace step runs for all micro-batches at once, with one micro-batch's fetches
+        # and reductions (those of the first after the optimizer step: the cold simulation).
+        passes = shape.passes_per_step
+        pass_compute = mb_compute * accum / passes
+        step_compute = [share * pass_compute for share in trace.flops_share]
         on_cpu = self.hardware.device == "cpu"
         first = simulate_micro_batch(
             step_compute,
@@ -279,7 +300,7 @@ class CostModel:
             record=cold_blocks,
         )
         steady = None
-        if shape.grad_accum_steps > 1:
+        if passes > 1:
             steady = simulate_micro_batch(
                 step_compute,
                 sim.steady,
@@ -296,11 +317,10 @@ class CostModel:
         device_shards = len(offloaded) - host_shards
         gpu_adam = device_shards * shard_numel / self.hardware.gpu_adam_elems_per_s
         cpu_adam = host_shards * shard_numel / self.cpu_adam_elems_per_s
-        accum = shape.grad_accum_steps
         step_time, breakdown = combine_step(
             first,
             steady,
-            accum,
+            passes,
             costs,
             gpu_adam,
             cpu_adam,
@@ -310,6 +330,6 @@ class CostModel:
         )
         if record is not None and cold_blocks is not None:
             record += step_blocks(
-                first, cold_blocks, steady, steady_blocks or [], accum, costs, gpu_adam, cpu_adam, on_cpu
+                first, cold_blocks, steady, steady_blocks or [], passes, costs, gpu_adam, cpu_adam, on_cpu
             )
         return StepEstimate(step_time_s=step_time, breakdown=breakdown)

@@ -24,7 +24,7 @@ one thread stops the others at their next layer and is raised in the caller.
 Checkpointed blocks recompute in backward, in the autograd engine's thread, where the baton is not
 active (hooks from threads outside the step pass straight through).
 
-Why not ``torch.distributed.pipelining``: it needs the model split into stage modules (an export
+Why not torch's pipelining package (``PipelineStage``, ``ScheduleLoopedBFS``): it needs the model split into stage modules (an export
 trace of the forward, which transformers models' data-dependent Python does not always survive) and
 its schedules move activations between stages with point-to-point sends; on one rank the threaded
 forward gives the same layer-major order on the unmodified module, with nothing to split.

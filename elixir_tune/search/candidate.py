@@ -59,6 +59,7 @@ class Candidate:
             "checkpointing": s.every,
             "micro_batch_size": s.micro_batch_size,
             "grad_accum_steps": s.grad_accum_steps,
+            "accumulation": s.accumulation,
             "step_time_s": round(self.step_time_s, 6),
             "tokens_per_s": round(self.tokens_per_s, 2),
             "tflops_per_gpu": round(self.tflops_per_gpu, 3),

@@ -146,6 +146,11 @@ def explain_winner(candidates: list[Candidate], pinned: dict | None = None, devi
     line = (
         f"{what}; compute is {compute_share:.0%} of the step, {b.get('exposed_fetch_s', 0.0):.3g} s of fetches exposed"
     )
+    if s.layered:
+        line += (
+            f"; the {s.grad_accum_steps} micro-batches run layer by layer (layered accumulation: each chunk fetched "
+            f"and reduced once per step instead of {s.grad_accum_steps} times, their activations held together)"
+        )
     if len(candidates) > 1:
         other = candidates[1]
         diffs = [
@@ -156,6 +161,7 @@ def explain_winner(candidates: list[Candidate], pinned: dict | None = None, devi
                 ("offload", s.num_offloaded, other.shape.num_offloaded),
                 ("checkpointing", s.every, other.shape.every),
                 ("micro-batch", s.micro_batch_size, other.shape.micro_batch_size),
+                ("accumulation", s.accumulation, other.shape.accumulation),
                 ("prefetch", s.prefetch, other.shape.prefetch),
             )
             if a != c

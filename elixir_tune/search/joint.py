@@ -156,6 +156,28 @@ def micro_batch_choices(per_rank_batch: int, fixed: dict) -> list[int]:
     return divisors(per_rank_batch)[::-1]
 
 
+def micro_batch_accumulation_choices(per_rank_batch: int, fixed: dict) -> list[tuple[int, bool]]:
+    """(micro-batch size, layered) pairs: layered accumulation is tried wherever a step has more than
+    one micro-batch (with one it is the same as standard); ``--fix accumulation`` pins it."""
+    pinned = fixed.get("accumulation")
+    pairs = []
+    for micro_batch in micro_batch_choices(per_rank_batch, fixed):
+        several = per_rank_batch // micro_batch > 1
+        for layered in (False, True):
+            if pinned is not None and layered != (pinned == "layered"):
+                continue
+            if layered and not several:
+                continue
+            pairs.append((micro_batch, layered))
+    if not pairs:
+        raise ValueError(
+            f"--fix accumulation=layered: a per-rank batch of {per_rank_batch} leaves one micro-batch per step "
+            "with the pinned micro-batch size; layered accumulation needs several (raise the global batch or "
+            "lower --fix micro_batch_size)"
+        )
+    return pairs
+
+
 def cache_choices(minimum: int, cacheable: int, fixed: dict) -> list[int]:
     """Cache sizes to try for one chunk size and checkpointing."""
     if cacheable == 0:
@@ -214,12 +236,12 @@ def explore(model: CostModel, budget: Budget, fixed: dict, top_k: int) -> Explor
         costs = model.costs(chunk_size)
         for every in checkpointing_choices(model, fixed):
             minimum = model.min_cache_blocks(chunk_size, every)
-            for micro_batch in micro_batch_choices(per_rank, fixed):
+            for micro_batch, layered in micro_batch_accumulation_choices(per_rank, fixed):
                 accum = per_rank // micro_batch
                 compute_s = accum * model.compute_s(micro_batch, every)[0]
                 for cache_blocks in cache_choices(minimum, cacheable, fixed):
                     for prefetch in prefetch_choices(cache_blocks, minimum, cacheable, fixed):
-                        shape = Shape(chunk_size, cache_blocks, 0, prefetch, every, micro_batch, accum)
+                        shape = Shape(chunk_size, cache_blocks, 0, prefetch, every, micro_batch, accum, layered=layered)
                         base = model.memory(shape)
                         need_all_offloaded = base.peak_gpu_bytes - num_chunks * shard_state_bytes
                         min_gpu = need_all_offloaded if min_gpu is None else min(min_gpu, need_all_offloaded)
@@ -228,7 +250,9 @@ def explore(model: CostModel, budget: Budget, fixed: dict, top_k: int) -> Explor
                         if smallest > num_chunks:
                             continue
                         host_need = model.memory(
-                            Shape(chunk_size, cache_blocks, smallest, prefetch, every, micro_batch, accum)
+                            Shape(
+                                chunk_size, cache_blocks, smallest, prefetch, every, micro_batch, accum, layered=layered
+                            )
                         ).peak_host_bytes
                         min_host = host_need if min_host is None else min(min_host, host_need)
                         if compute_s >= top.threshold_s:
@@ -241,7 +265,16 @@ def explore(model: CostModel, budget: Budget, fixed: dict, top_k: int) -> Explor
                             )
                             if compute_s + costs.grad_norm_s + optimizer_s >= top.threshold_s:
                                 continue  # the optimizer bound is V-shaped in the offload share
-                            shape = Shape(chunk_size, cache_blocks, offloaded, prefetch, every, micro_batch, accum)
+                            shape = Shape(
+                                chunk_size,
+                                cache_blocks,
+                                offloaded,
+                                prefetch,
+                                every,
+                                micro_batch,
+                                accum,
+                                layered=layered,
+                            )
                             memory = model.memory(shape)
                             if memory.peak_host_bytes > budget.host_bytes:
                                 break

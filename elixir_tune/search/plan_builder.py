@@ -100,6 +100,7 @@ def build_plan(
             grad_accum_steps=shape.grad_accum_steps,
             seq_len=profile.seq_len,
             activation_checkpointing=Checkpointing(every=shape.every),
+            accumulation=shape.accumulation,
         ),
         memory=MemoryPlan(
             chunk_size=shape.chunk_size, cache_blocks=shape.cache_blocks, prefetch=shape.prefetch, chunks=chunks

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from elixir_tune.plan.schema import DTYPES
+from elixir_tune.plan.schema import ACCUMULATIONS, DTYPES
 
 FIX_KEYS = {
     "chunk_size": "elements per chunk (a multiple of the world size, at least the largest parameter)",
@@ -15,6 +15,7 @@ FIX_KEYS = {
     "micro_batch_size": "samples per micro-batch on one rank",
     "checkpointing": "none, all or every:<k>",
     "dtype": "fp32, bf16 or fp16",
+    "accumulation": "standard or layered (micro-batches run layer by layer)",
 }
 ALL = "all"
 # Checkpointing options the search tries when the model has blocks: none, all, every 2nd, every 4th.
@@ -94,6 +95,10 @@ def parse_fixed(fixed: dict[str, Any] | list[str] | None) -> dict[str, Any]:
             out[key] = share
         elif key == "checkpointing":
             out[key] = parse_checkpointing(value)
+        elif key == "accumulation":
+            if str(value) not in ACCUMULATIONS:
+                raise ValueError(f"--fix accumulation={value}: expected one of {', '.join(ACCUMULATIONS)}")
+            out[key] = str(value)
         else:
             if str(value) not in DTYPES:
                 raise ValueError(f"--fix dtype={value}: expected one of {', '.join(DTYPES)}")

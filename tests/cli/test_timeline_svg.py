@@ -37,7 +37,8 @@ def searched(tmp_path_factory):
     folder = tmp_path_factory.mktemp("timeline")
     save_profile(gpt2_profile("gpt2-10b"), folder / "profile.yaml")
     args = ["search", "--gpus", "4", "--hardware", "a100-40gb-pcie", "--profile", str(folder / "profile.yaml")]
-    args += ["--global-batch-size", "32", "--fix", "micro_batch_size=4", "--out", str(folder / "plan.yaml")]
+    args += ["--global-batch-size", "32", "--fix", "micro_batch_size=4", "--fix", "accumulation=standard"]
+    args += ["--out", str(folder / "plan.yaml")]
     result = CliRunner().invoke(cli, [*args, "--timeline", str(folder / "step.svg")])
     assert result.exit_code == 0, result.output
     return folder

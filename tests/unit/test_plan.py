@@ -138,6 +138,11 @@ MALFORMED = [
         "memory.colour: unknown field (known: chunk_size, cache_blocks, prefetch, staging_buffers, chunks)",
     ),
     ("memory.staging_buffers", 0, "memory.staging_buffers: must be positive, got 0"),
+    (
+        "training.accumulation",
+        "pipelined",
+        "training.accumulation: unknown value 'pipelined' (expected one of standard, layered)",
+    ),
     ("memory.staging_buffers", 1.5, "memory.staging_buffers: expected an integer, got 1.5"),
     ("cluster.device", _DELETE, "cluster.device: missing (expected one of cuda, cpu)"),
     ("memory.chunks.1.params.2", 7, "memory.chunks[1].params[2]: expected a string, got 7"),
@@ -262,3 +267,4 @@ def test_frozen_version_1_fixture_keeps_loading():
     assert plan.schema_version == 1
     assert [len(chunk.params) for chunk in plan.memory.chunks] == [1, 13, 14]
     assert plan.training.activation_checkpointing.applies_to(0)
+    assert plan.training.accumulation == "standard"  # written before the field existed

@@ -125,11 +125,21 @@ def every_shape(model: CostModel, per_rank: int, fixed: dict):
         for every in checkpointing_choices(model, fixed):
             minimum = model.min_cache_blocks(chunk_size, every)
             for micro_batch in micro_batch_choices(per_rank, fixed):
-                for cache_blocks in cache_choices(minimum, layout.num_cacheable, fixed):
-                    for prefetch in prefetch_choices(cache_blocks, minimum, layout.num_cacheable, fixed):
-                        for offloaded in range(layout.num_chunks + 1):
-                            accum = per_rank // micro_batch
-                            yield Shape(chunk_size, cache_blocks, offloaded, prefetch, every, micro_batch, accum)
+                accum = per_rank // micro_batch
+                for layered in (False, True) if accum > 1 and fixed.get("accumulation") != "standard" else (False,):
+                    for cache_blocks in cache_choices(minimum, layout.num_cacheable, fixed):
+                        for prefetch in prefetch_choices(cache_blocks, minimum, layout.num_cacheable, fixed):
+                            for offloaded in range(layout.num_chunks + 1):
+                                yield Shape(
+                                    chunk_size,
+                                    cache_blocks,
+                                    offloaded,
+                                    prefetch,
+                                    every,
+                                    micro_batch,
+                                    accum,
+                                    layered=layered,
+                                )
 
 
 def exhaustive_best(profile, hardware, gpus: int, global_batch: int, fixed: dict):
