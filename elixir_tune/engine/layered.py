@@ -58,22 +58,36 @@ class Baton:
         self.done = [False] * count
         self.failed = False
         self._index: dict[int, int] = {}  # thread ident -> micro-batch index
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        # One condition per thread on the shared lock: a hand-over wakes only the next thread (waking
+        # all N at every layer costs N thread switches each on a loaded CPU).
+        self._conds = [threading.Condition(self._lock) for _ in range(count)]
 
-    def _turn(self) -> int:
-        return min((self.segment[i], i) for i in range(self.count) if not self.done[i])[1]
+    def _turn(self) -> int | None:
+        waiting = [(self.segment[i], i) for i in range(self.count) if not self.done[i]]
+        return min(waiting)[1] if waiting else None
+
+    def _hand_over(self) -> None:
+        """Wakes the thread whose turn it is now (all of them after a failure). Lock held."""
+        if self.failed:
+            for cond in self._conds:
+                cond.notify_all()
+            return
+        turn = self._turn()
+        if turn is not None:
+            self._conds[turn].notify()
 
     def register(self, index: int) -> None:
         """Called by micro-batch thread ``index`` first thing: waits for its first turn."""
-        with self._cond:
+        with self._lock:
             self._index[threading.get_ident()] = index
-        self._wait(index)
+            self._wait(index)
 
     def _wait(self, index: int) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: self.failed or self._turn() == index)
-            if self.failed:
-                raise _Aborted
+        """Lock held."""
+        self._conds[index].wait_for(lambda: self.failed or self._turn() == index)
+        if self.failed:
+            raise _Aborted
 
     def boundary(self) -> None:
         """A layer starts: the calling micro-batch thread yields to the one furthest behind.
@@ -84,16 +98,18 @@ class Baton:
         index = self._index.get(threading.get_ident())
         if index is None:
             return
-        with self._cond:
+        with self._lock:
             self.segment[index] += 1
-            self._cond.notify_all()
-        self._wait(index)
+            if self._turn() == index:
+                return  # still this thread's turn (the others are done)
+            self._hand_over()
+            self._wait(index)
 
     def finish(self, index: int, failed: bool) -> None:
-        with self._cond:
+        with self._lock:
             self.done[index] = True
             self.failed = self.failed or failed
-            self._cond.notify_all()
+            self._hand_over()
 
 
 def _autocast_states() -> list[tuple[str, torch.dtype]]:
