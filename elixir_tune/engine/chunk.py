@@ -104,9 +104,12 @@ class Chunk:
             return None
         return begin - self.shard_begin, end - self.shard_begin
 
-    def init_master(self, full_fp32: torch.Tensor) -> None:
-        """Sets this rank's master shard from the full fp32 chunk (padding zero)."""
-        self.master.copy_(full_fp32[self.shard_begin : self.shard_begin + self.shard_numel])
+    def init_master(self, full_or_shard_fp32: torch.Tensor) -> None:
+        """Sets this rank's master shard from the full fp32 chunk or from this rank's shard of it (padding zero)."""
+        if full_or_shard_fp32.numel() == self.shard_numel:
+            self.master.copy_(full_or_shard_fp32)
+            return
+        self.master.copy_(full_or_shard_fp32[self.shard_begin : self.shard_begin + self.shard_numel])
 
     def flat_from_params(self) -> torch.Tensor:
         """The full chunk built from the parameters' current data, fp32, on the device."""
