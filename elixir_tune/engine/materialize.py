@@ -109,16 +109,16 @@ class Initializer:
     Args:
         model: the model (meta tensors are initialized; real ones are read as they are).
         seed: the seed every rank agrees on.
-        unit_numel: the most elements one unit holds (a whole subtree when it fits).
+        unit_numel: the most elements one unit holds (a whole subtree when it fits); default UNIT_NUMEL.
 
     Raises:
         MaterializeError: a meta tensor that no module around it knows how to initialize.
     """
 
-    def __init__(self, model: nn.Module, seed: int, unit_numel: int = UNIT_NUMEL):
+    def __init__(self, model: nn.Module, seed: int, unit_numel: int | None = None):
         self.model = model
         self.seed = int(seed)
-        self.unit_numel = unit_numel
+        self.unit_numel = unit_numel or UNIT_NUMEL
         self.registrations = _registrations(model)
         self.hf_init = _hf_init_functions(model)
         self.parent: dict[nn.Module, nn.Module] = {}
