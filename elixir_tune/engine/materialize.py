@@ -202,22 +202,29 @@ class Initializer:
         return list(dict.fromkeys(modules)), ancestors
 
     def _check_initializable(self) -> None:
-        problems = []
-        for unit, (name, _, ids, _) in enumerate(self.units):
-            meta = [k for k in ids if k in self.meta]
-            if not meta:
-                continue
-            modules, ancestors = self._unit_modules(unit)
-            if not ancestors and not any(
-                m in self.hf_init or callable(getattr(m, "reset_parameters", None)) for m in modules
-            ):
-                problems.append(f"{name} ({type(self.units[unit][1]).__name__}: {len(meta)} tensors)")
+        """Every meta tensor's module, or one around it, must have an initializer (a cheap check up front;
+        what an initializer leaves unset is caught when its unit runs)."""
+
+        def covered(module: nn.Module | None) -> bool:
+            while module is not None:
+                if module in self.hf_init or callable(getattr(module, "reset_parameters", None)):
+                    return True
+                module = self.parent.get(module)
+            return False
+
+        problems: dict[str, list[str]] = {}
+        for key in self.meta:
+            owner = self.owner[key]
+            if not covered(owner):
+                problems.setdefault(type(owner).__name__, []).append(self.names[key])
         if problems:
+            listed = [f"{', '.join(names[:4])} ({kind})" for kind, names in problems.items()]
             raise MaterializeError(
-                "the model has parameters on the meta device that nothing can initialize: "
-                + ", ".join(problems[:8])
-                + ". Give those modules a reset_parameters() method, build the model with real weights, "
-                "or pass weights=PATH (a safetensors checkpoint) to setup"
+                "the model has tensors on the meta device that nothing can initialize: "
+                + "; ".join(listed[:8])
+                + ". Their modules have no reset_parameters() (and the model is no transformers PreTrainedModel): "
+                "give them one, build the model with real weights, or pass weights=PATH (a safetensors checkpoint) "
+                "to setup"
             )
 
     def value(self, tensor: torch.Tensor) -> torch.Tensor:
