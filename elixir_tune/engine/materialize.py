@@ -110,12 +110,13 @@ class Initializer:
         model: the model (meta tensors are initialized; real ones are read as they are).
         seed: the seed every rank agrees on.
         unit_numel: the most elements one unit holds (a whole subtree when it fits); default UNIT_NUMEL.
+        provided: ids of tensors that come from elsewhere (a checkpoint): they need no initializer.
 
     Raises:
         MaterializeError: a meta tensor that no module around it knows how to initialize.
     """
 
-    def __init__(self, model: nn.Module, seed: int, unit_numel: int | None = None):
+    def __init__(self, model: nn.Module, seed: int, unit_numel: int | None = None, provided: set[int] | None = None):
         self.model = model
         self.seed = int(seed)
         self.unit_numel = unit_numel or UNIT_NUMEL
@@ -146,7 +147,7 @@ class Initializer:
         self.unit_of: dict[int, int] = {}
         self._cut(model, "", own)
         self._cache: OrderedDict[int, dict[int, torch.Tensor]] = OrderedDict()
-        self._check_initializable()
+        self._check_initializable(provided or set())
 
     def _cut(self, module: nn.Module, name: str, own: dict[nn.Module, list[int]]) -> list[int]:
         """Splits ``module``'s subtree into units; returns the tensor ids of the subtree."""
@@ -201,7 +202,7 @@ class Initializer:
             node = self.parent.get(node)
         return list(dict.fromkeys(modules)), ancestors
 
-    def _check_initializable(self) -> None:
+    def _check_initializable(self, provided: set[int]) -> None:
         """Every meta tensor's module, or one around it, must have an initializer (a cheap check up front;
         what an initializer leaves unset is caught when its unit runs)."""
 
@@ -213,7 +214,7 @@ class Initializer:
             return False
 
         problems: dict[str, list[str]] = {}
-        for key in self.meta:
+        for key in self.meta - provided:
             owner = self.owner[key]
             if not covered(owner):
                 problems.setdefault(type(owner).__name__, []).append(self.names[key])
@@ -348,10 +349,10 @@ def make_source(model: nn.Module, weights, seed: int) -> WeightSource | None:
         WeightsError: unusable weights (listed).
     """
     meta = has_meta(model)
-    initializer = Initializer(model, seed) if meta else None
     if weights is not None:
-        return FileSource(WeightsReader(weights, model), initializer)
-    return InitSource(initializer) if meta else None
+        reader = WeightsReader(weights, model)
+        return FileSource(reader, Initializer(model, seed, provided=set(reader.names)) if meta else None)
+    return InitSource(Initializer(model, seed)) if meta else None
 
 
 def materialize_replicated(model: nn.Module, chunked: set[int], source: WeightSource | None) -> None:

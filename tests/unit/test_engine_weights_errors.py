@@ -139,3 +139,17 @@ def test_meta_model_initializes_without_weights():
     assert all(not v.is_meta and torch.isfinite(v).all() for v in state.values())
     assert state["transformer.h.0.ln_1.weight"].eq(1).all()  # transformers' LayerNorm init
     assert 0.01 < float(state["transformer.wte.weight"].std()) < 0.03  # initializer_range 0.02
+
+
+def test_meta_params_without_initializer_load_from_weights(tmp_path):
+    """No initializer is needed for what the weights provide."""
+    from safetensors.torch import save_file
+
+    save_file(
+        {"0.weight": torch.ones(8, 8), "0.bias": torch.zeros(8), "1.scale": torch.full((8,), 2.0)},
+        str(tmp_path / "w.safetensors"),
+    )
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 8), Scaled())
+    model, _ = setup_with(model, tmp_path / "w.safetensors")
+    assert model.state_dict()["1.scale"].eq(2).all()
