@@ -4,6 +4,7 @@ beside the old path (the model materialized on every rank, rank 0's weights broa
 
     python scripts/bench_setup.py                      # both paths, world 2
     python scripts/bench_setup.py --modes meta-weights # the new path only
+    (modes: meta-weights, meta-init: a meta model initialized by its own initializer, materialized)
 
 The weights file (random initialization, ``save_pretrained`` of transformers) is written once into
 ``--weights-dir`` (default /tmp/elixir-bench-gpt2-large, about 3.1 GB) and reused.
@@ -112,6 +113,8 @@ def worker(mode: str, weights_dir: Path, chunk_size: int, out: Path) -> None:
     plan = make_plan(shapes, world, chunk_size)
     if mode == "meta-weights":
         model, weights = shapes, weights_dir
+    elif mode == "meta-init":  # no weights: the model's own initializer, unit by unit, this rank's shards only
+        model, weights = shapes, None
     else:  # the old path: every rank materializes the model (its initializer), rank 0's weights win
         torch.manual_seed(0)
         model, weights = source.build_model(), None
@@ -197,7 +200,7 @@ def main() -> int:
     parser.add_argument("--weights-dir", default="/tmp/elixir-bench-gpt2-large", type=Path)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--chunk-size", type=int, default=1 << 26, help="elements per chunk (default 64M)")
-    parser.add_argument("--modes", default="meta-weights,materialized")
+    parser.add_argument("--modes", default="meta-weights,meta-init,materialized")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--results", default=str(RESULTS / "setup-memory"), help="results path without suffix")
