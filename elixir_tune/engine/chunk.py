@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from elixir_tune.engine.comm import Comm, Handle
+from elixir_tune.engine.host_memory import zeros_on_demand
 from elixir_tune.engine.states import TensorState, transition
 
 
@@ -85,7 +86,10 @@ class Chunk:
         shard_device = torch.device("cpu") if offload else device
         pin = offload and device.type == "cuda"
         self.master = torch.zeros(self.shard_numel, dtype=torch.float32, device=shard_device, pin_memory=pin)
-        self.grad = torch.zeros(self.shard_numel, dtype=torch.float32, device=shard_device, pin_memory=pin)
+        if shard_device.type == "cpu" and not pin:  # zero until the first backward: resident from then on
+            self.grad = zeros_on_demand(self.shard_numel)
+        else:
+            self.grad = torch.zeros(self.shard_numel, dtype=torch.float32, device=shard_device, pin_memory=pin)
         self.payload = torch.empty(chunk_size, dtype=compute_dtype, device=device)
         self.payload.untyped_storage().resize_(0)
         self.allocated = False  # payload storage present
