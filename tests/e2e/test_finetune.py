@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch_helpers import console_script, job_env, run_elixir
 
 from elixir_tune.paths import REPO_DIR
+from tests.e2e.launch_helpers import console_script, job_env, run_elixir
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
