@@ -6,6 +6,7 @@ The public API is small and imports torch only when used:
     plan = elixir_tune.load_plan("plan.yaml")
     model, optimizer = elixir_tune.setup(model, optimizer, plan=plan)
     elixir_tune.save_checkpoint("ckpt", model, optimizer, step)   # resume: elixir_tune.load_checkpoint
+    elixir_tune.save_pretrained(model, "out")                      # Hugging Face layout
 """
 
 __version__ = "0.1.0"
@@ -13,11 +14,21 @@ __version__ = "0.1.0"
 from elixir_tune.plan import load_plan, save_plan, validate  # noqa: E402  (torch-free)
 
 
-def setup(model, optimizer, plan=None):
-    """Shards ``model`` and ``optimizer`` as the plan says; see elixir_tune.engine.setup."""
+def setup(model, optimizer, plan=None, weights=None, seed=None):
+    """Shards ``model`` (real or on the meta device) and ``optimizer`` as the plan says, with the
+    initial weights from ``weights`` (safetensors file, index or HF directory) when given; see
+    elixir_tune.engine.setup."""
     from elixir_tune.engine import setup as engine_setup
 
-    return engine_setup(model, optimizer, plan=plan)
+    return engine_setup(model, optimizer, plan=plan, weights=weights, seed=seed)
+
+
+def save_pretrained(model, directory, max_shard_size="5GB", dtype=None):
+    """Writes Hugging Face sharded safetensors + config from rank 0, streamed (every rank calls it);
+    see elixir_tune.engine.pretrained."""
+    from elixir_tune.engine import save_pretrained as engine_save_pretrained
+
+    return engine_save_pretrained(model, directory, max_shard_size=max_shard_size, dtype=dtype)
 
 
 def save_checkpoint(path, model, optimizer, step: int, extra: dict | None = None):
@@ -34,4 +45,13 @@ def load_checkpoint(path, model, optimizer) -> dict:
     return engine_load(path, model, optimizer)
 
 
-__all__ = ["__version__", "load_checkpoint", "load_plan", "save_checkpoint", "save_plan", "setup", "validate"]
+__all__ = [
+    "__version__",
+    "load_checkpoint",
+    "load_plan",
+    "save_checkpoint",
+    "save_plan",
+    "save_pretrained",
+    "setup",
+    "validate",
+]

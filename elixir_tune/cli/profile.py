@@ -8,7 +8,8 @@ from elixir_tune.cli.console import Table, console, err_console, fail, print_jso
 
 MODEL_HINT = (
     "MODEL is a .py file defining build_model() and example_batch(batch_size, seq_len) (file.py:builder names "
-    "another builder), a model YAML, or a config name from configs/models/ such as gpt2-tiny"
+    "another builder), a model YAML, a config name from configs/models/ such as gpt2-tiny, or a Hugging Face "
+    "model directory (its config.json; weights are not read)"
 )
 
 
@@ -61,6 +62,7 @@ def profile_command(
         elixir-tune profile configs/models/gpt2-tiny.yaml --batch-size 8 --seq-len 128
         elixir-tune profile gpt2-20b --batch-size 8 --seq-len 1024 --dtype bf16 --checkpointing all
         elixir-tune profile my_model.py:build_small --out small.yaml --json
+        elixir-tune profile path/to/Llama-2-7b-hf --seq-len 1024 --dtype bf16   # a downloaded model
     """
     from elixir_tune.profiler import ModelSourceError, profile_model, save_profile
 

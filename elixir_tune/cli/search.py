@@ -243,6 +243,13 @@ def search_command(
     )
     prediction = plan.prediction
     assert prediction is not None, "search always writes a prediction"
+    # A Hugging Face model directory is fine-tuned from its weights; other models train from scratch.
+    source_dir = Path(str(profile.source))
+    run_script = (
+        f"scripts/finetune.py --model {profile.source} --data FILE"
+        if source_dir.is_dir() and (source_dir / "config.json").is_file()
+        else "scripts/train_gpt2.py"
+    )
     header = (
         f"Written by `{command}`\n"
         f"on {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} from profile {profile_path} ({profile.name}) "
@@ -251,7 +258,7 @@ def search_command(
         f"{prediction.tflops_per_gpu:.1f} TFLOPS/GPU, peak {gib(prediction.peak_gpu_bytes)} per GPU.\n"
         f"Why: {result.why}\n"
         f"Explain: elixir-tune show {out_path}\n"
-        f"Run:     elixir-run {out_path} scripts/train_gpt2.py"
+        f"Run:     elixir-run {out_path} {run_script}"
     )
     save_plan(plan, out_path, header=header)
     if timeline_path:
@@ -278,7 +285,7 @@ def search_command(
     console.print(f"[bold]why #1:[/] {result.why}", soft_wrap=True)
     console.print(
         f"wrote [bold]{out_path}[/]; explain it with `elixir-tune show {out_path}`, run it with "
-        f"`elixir-run {out_path} scripts/train_gpt2.py`",
+        f"`elixir-run {out_path} {run_script}`",
         soft_wrap=True,
     )
 

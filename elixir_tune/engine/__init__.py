@@ -1,10 +1,14 @@
 """The chunk-based training engine: ``setup(model, optimizer, plan)`` runs a plan.
 
 Public names:
-    setup(model, optimizer, plan=None) -> (ElixirModel, ShardedOptimizer); plan: Plan, path, or
-        None for $ELIXIR_TUNE_PLAN.
-    ElixirModel: call like the model; .state_dict() (collective: full fp32 weights, original
-        names, every rank), .load_state_dict(full), .memory_report() (model-state bytes, keys
+    setup(model, optimizer, plan=None, weights=None, seed=None) -> (ElixirModel, ShardedOptimizer);
+        plan: Plan, path, or None for $ELIXIR_TUNE_PLAN; the model may be on the meta device
+        (elixir_tune.engine.materialize); weights: safetensors file / index / HF directory
+        (elixir_tune.engine.weights); errors: MaterializeError, WeightsError (ValueErrors).
+    save_pretrained(model, dir, max_shard_size="5GB", dtype=None): Hugging Face layout, streamed
+        from rank 0 (elixir_tune.engine.pretrained).
+    ElixirModel: call like the model; .state_dict(all_ranks=False) (collective: full fp32 weights,
+        original names, on rank 0; {} elsewhere), .load_state_dict(full), .memory_report() (model-state bytes, keys
         elixir_tune.plan.MODEL_STATE_KEYS), .engine (Engine; .engine.memory_stats() for measured
         figures).
     ShardedOptimizer (a torch.optim.Optimizer): .backward(loss) (fp16 loss scaling),
@@ -30,20 +34,26 @@ descending in backward).
 from elixir_tune.engine.cache import CacheTooSmall
 from elixir_tune.engine.checkpoint import load_checkpoint, save_checkpoint
 from elixir_tune.engine.engine import Engine
+from elixir_tune.engine.materialize import MaterializeError
 from elixir_tune.engine.model import ElixirModel
 from elixir_tune.engine.optimizer import ShardedOptimizer
+from elixir_tune.engine.pretrained import save_pretrained
 from elixir_tune.engine.setup import check_plan_matches, model_fingerprint, setup
 from elixir_tune.engine.states import TensorState
+from elixir_tune.engine.weights import WeightsError
 
 __all__ = [
     "CacheTooSmall",
     "ElixirModel",
     "Engine",
+    "MaterializeError",
     "ShardedOptimizer",
     "TensorState",
     "check_plan_matches",
     "load_checkpoint",
     "model_fingerprint",
     "save_checkpoint",
+    "save_pretrained",
     "setup",
+    "WeightsError",
 ]

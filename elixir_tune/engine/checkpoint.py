@@ -109,7 +109,7 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer, step: int, extra:
     plan = engine.plan
     final = Path(path).absolute()
     tmp = final.parent / f".{final.name}.tmp"
-    full = model.state_dict()  # collective: every rank gathers, rank 0 writes
+    full = model.state_dict()  # collective: rank 0 gathers the full weights (the others get {}) and writes them
     if comm.rank == 0:
         if tmp.exists():
             shutil.rmtree(tmp)  # a save that was interrupted earlier
@@ -243,7 +243,7 @@ def _load_shards(directory: Path, engine, optimizer) -> None:
     if len(masters) != len(engine.chunks) or any(m.shape != c.master.shape for m, c in zip(masters, engine.chunks)):
         raise ValueError(f"{directory / rank_file_name(rank)} does not match this plan's chunks")
     for chunk, master in zip(engine.chunks, masters):
-        chunk.master.copy_(master)
+        chunk.init_master(master)
     optimizer.load_state_dict(shard["optimizer"])
     optimizer.skipped_steps = int(shard.get("skipped_steps", 0))
     state = engine.model.state_dict(keep_vars=True)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from elixir_tune.engine.comm import Comm, Handle
+from elixir_tune.engine.host_memory import zeros_on_demand
 from elixir_tune.engine.states import TensorState, transition
 
 
@@ -85,7 +86,10 @@ class Chunk:
         shard_device = torch.device("cpu") if offload else device
         pin = offload and device.type == "cuda"
         self.master = torch.zeros(self.shard_numel, dtype=torch.float32, device=shard_device, pin_memory=pin)
-        self.grad = torch.zeros(self.shard_numel, dtype=torch.float32, device=shard_device, pin_memory=pin)
+        if shard_device.type == "cpu" and not pin:  # zero until the first backward: resident from then on
+            self.grad = zeros_on_demand(self.shard_numel)
+        else:
+            self.grad = torch.zeros(self.shard_numel, dtype=torch.float32, device=shard_device, pin_memory=pin)
         self.payload = torch.empty(chunk_size, dtype=compute_dtype, device=device)
         self.payload.untyped_storage().resize_(0)
         self.allocated = False  # payload storage present
@@ -104,9 +108,12 @@ class Chunk:
             return None
         return begin - self.shard_begin, end - self.shard_begin
 
-    def init_master(self, full_fp32: torch.Tensor) -> None:
-        """Sets this rank's master shard from the full fp32 chunk (padding zero)."""
-        self.master.copy_(full_fp32[self.shard_begin : self.shard_begin + self.shard_numel])
+    def init_master(self, full_or_shard_fp32: torch.Tensor) -> None:
+        """Sets this rank's master shard from the full fp32 chunk or from this rank's shard of it (padding zero)."""
+        if full_or_shard_fp32.numel() == self.shard_numel:
+            self.master.copy_(full_or_shard_fp32)
+            return
+        self.master.copy_(full_or_shard_fp32[self.shard_begin : self.shard_begin + self.shard_numel])
 
     def flat_from_params(self) -> torch.Tensor:
         """The full chunk built from the parameters' current data, fp32, on the device."""

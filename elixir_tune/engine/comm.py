@@ -123,6 +123,27 @@ class Comm:
         if self.distributed:
             dist.broadcast(tensor, src=src)
 
+    def gather_to(self, output: torch.Tensor | None, shard: torch.Tensor, dst: int = 0) -> None:
+        """Gathers every rank's ``shard`` into ``output`` on rank ``dst`` only (rank order; blocking).
+
+        Args:
+            output: ``world_size * shard.numel()`` elements on rank ``dst``; ignored (may be None) elsewhere.
+            shard: this rank's part.
+        """
+        if not self.distributed:
+            output.copy_(shard)
+            return
+        parts = list(output.chunk(self.world_size)) if self.rank == dst else None
+        dist.gather(shard, gather_list=parts, dst=dst)
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` is set on any rank (blocking; every rank calls it)."""
+        if not self.distributed:
+            return flag
+        value = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item() > 0)
+
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()

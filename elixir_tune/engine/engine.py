@@ -23,7 +23,14 @@ from elixir_tune.engine.chunk import Chunk, ParamSlot
 from elixir_tune.engine.comm import Comm
 from elixir_tune.engine.hooks import disable_kv_cache, install_grad_hooks, install_module_hooks, wrap_checkpointed
 from elixir_tune.engine.layered import Baton
+from elixir_tune.engine.materialize import (
+    MaterializeError,
+    WeightSource,
+    materialize_replicated,
+    swap_meta_for_placeholders,
+)
 from elixir_tune.engine.states import GRAD_STAGED, TensorState, transition
+from elixir_tune.engine.weights import WeightsError
 from elixir_tune.plan import DTYPE_BYTES, MODEL_STATE_KEYS, Plan
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -36,9 +43,11 @@ class Engine:
         model: the user's module (its parameters' data is replaced by views of chunk payloads).
         plan: a valid plan for this model and world size.
         comm: the data-parallel group.
+        source: where the first weights come from (a checkpoint, the model's initializer for a model
+            on the meta device); None: the model's own weights, rank 0's.
     """
 
-    def __init__(self, model: torch.nn.Module, plan: Plan, comm: Comm):
+    def __init__(self, model: torch.nn.Module, plan: Plan, comm: Comm, source: WeightSource | None = None):
         self.model = model
         self.plan = plan
         self.comm = comm
@@ -65,7 +74,7 @@ class Engine:
             for slot in chunk.slots:
                 self.slot_of[id(slot.param)] = slot
         self.slots: list[ParamSlot] = [slot for chunk in self.chunks for slot in chunk.slots]
-        self._init_shards()
+        self._init_shards(source)
         self._place_replicated()
 
         side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" and plan.memory.prefetch else None
@@ -115,12 +124,27 @@ class Engine:
     def placeholder(self, chunk: Chunk) -> torch.Tensor:
         return self._nan
 
-    def _init_shards(self) -> None:
-        """Master shards from the model's weights; rank 0's weights win, as in DDP."""
+    def _init_shards(self, source: WeightSource | None) -> None:
+        """Master shards from ``source`` chunk by chunk (this rank's part only), or from the model's
+        weights (rank 0's win, as in DDP); then the tensors outside the chunks."""
+        if source is None:
+            for chunk in self.chunks:
+                flat = chunk.flat_from_params()
+                self.comm.broadcast(flat, src=0)
+                chunk.init_master(flat)
+            return
+        failed: Exception | None = None
         for chunk in self.chunks:
-            flat = chunk.flat_from_params()
-            self.comm.broadcast(flat, src=0)
-            chunk.init_master(flat)
+            try:
+                chunk.init_master(source.shard(chunk))
+            except (MaterializeError, WeightsError) as error:
+                failed = error
+                break
+        # Ranks read different parts: all must stop together, not wait in a later collective.
+        if self.comm.any_rank(failed is not None):
+            raise failed or MaterializeError("another rank could not produce its shards (its error says why)")
+        materialize_replicated(self.model, set(self.slot_of), source)
+        swap_meta_for_placeholders([slot.param for slot in self.slots], self._nan)
 
     def _place_replicated(self) -> None:
         """Frozen parameters and buffers: ordinary replicated tensors on the device."""
@@ -347,19 +371,37 @@ class Engine:
     # --- state and accounting ------------------------------------------------------------------
 
     @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full fp32 weights under the original names (frozen parameters and buffers included).
+    def gathered_chunks(self, all_ranks: bool = False):
+        """Yields ``(chunk, full fp32 chunk on the CPU)`` one chunk at a time (a collective).
 
-        Every rank takes part (all-gathers) and gets the full dictionary, on the CPU.
+        Args:
+            all_ranks: every rank gets the chunk; otherwise rank 0 does and the others get None.
+        """
+        for chunk in self.chunks:
+            shard = chunk.master.to(self.device)
+            mine = all_ranks or self.comm.rank == 0
+            flat = torch.empty(chunk.chunk_size, dtype=torch.float32, device=self.device) if mine else None
+            if all_ranks:
+                self.comm.all_gather_into_tensor(flat, shard, async_op=False)
+            else:
+                self.comm.gather_to(flat, shard, dst=0)
+            yield chunk, (flat.cpu() if flat is not None else None)
+
+    @torch.no_grad()
+    def full_state_dict(self, all_ranks: bool = False) -> dict[str, torch.Tensor]:
+        """Full fp32 weights under the original names (frozen parameters and buffers included), on the CPU.
+
+        A collective: every rank calls it. Rank 0 gets the dictionary, the others an empty one
+        (all of them with ``all_ranks``).
         """
         full: dict[int, torch.Tensor] = {}
-        for chunk in self.chunks:
-            flat = torch.empty(chunk.chunk_size, dtype=torch.float32, device=self.device)
-            shard = chunk.master.to(self.device)
-            self.comm.all_gather_into_tensor(flat, shard, async_op=False)
-            flat = flat.cpu()
+        for chunk, flat in self.gathered_chunks(all_ranks):
+            if flat is None:
+                continue
             for slot in chunk.slots:
                 full[id(slot.param)] = flat[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+        if not (all_ranks or self.comm.rank == 0):
+            return {}
         state = {}
         for name, value in self.model.state_dict(keep_vars=True).items():
             if id(value) in full:

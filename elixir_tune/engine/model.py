@@ -92,12 +92,13 @@ class ElixirModel(torch.nn.Module):
         except AttributeError:
             return getattr(self._modules["module"], name)  # e.g. model.config
 
-    def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
-        """Full fp32 weights with the original names, frozen parameters and buffers included.
+    def state_dict(self, *args, all_ranks: bool = False, **kwargs) -> dict[str, torch.Tensor]:
+        """Full fp32 weights with the original names, frozen parameters and buffers included (on the CPU).
 
-        A collective: every rank must call it; every rank gets the full dictionary (on the CPU).
+        A collective: every rank must call it. Rank 0 gets the full dictionary and the other ranks an
+        empty one, unless ``all_ranks`` (then every rank holds the whole model at once).
         """
-        return self.engine.full_state_dict()
+        return self.engine.full_state_dict(all_ranks=all_ranks)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Loads full weights (original names, as ``state_dict`` returns) into the shards."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from elixir_tune.engine.engine import Engine
+from elixir_tune.engine.host_memory import zeros_on_demand
 from elixir_tune.engine.scaler import DynamicLossScaler
 
 _IMPLEMENTATION_KEYS = ("fused", "foreach", "params")
@@ -111,7 +112,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         names = self._state_names()
         for chunk in self.engine.chunks:
             # Every chunk gets the full shard, padding included: 16 (Adam) or 12 (SGD) bytes/element.
-            chunk.optimizer_flats = {name: torch.zeros_like(chunk.master) for name in names}
+            chunk.optimizer_flats = {
+                # Host shards: zero until the first step writes them (resident from then on).
+                name: zeros_on_demand(chunk.master.numel())
+                if chunk.master.device.type == "cpu"
+                else torch.zeros_like(chunk.master)
+                for name in names
+            }
             chunk.optimizer_state_bytes = sum(flat.nbytes for flat in chunk.optimizer_flats.values())
         by_tensor = {id(entry.tensor): entry for entry in self._entries}
         is_adam = issubclass(self.optimizer_class, (torch.optim.Adam, torch.optim.AdamW))

@@ -8,6 +8,7 @@ import torch
 
 from elixir_tune.engine.comm import init_comm
 from elixir_tune.engine.engine import Engine
+from elixir_tune.engine.materialize import make_source
 from elixir_tune.engine.model import ElixirModel
 from elixir_tune.engine.optimizer import ShardedOptimizer
 from elixir_tune.plan import PLAN_ENV_VAR, Plan, PlanError, fingerprint, load_plan, validate
@@ -65,17 +66,40 @@ def check_plan_matches(model: torch.nn.Module, plan: Plan) -> None:
         raise ValueError("the plan does not match the model's parameters: " + "; ".join(problems))
 
 
-def setup(model: torch.nn.Module, optimizer: torch.optim.Optimizer, plan: Plan | str | None = None):
+def agreed_seed(comm, seed: int | None) -> int:
+    """``seed``, or rank 0's ``torch.initial_seed()`` (what its last ``torch.manual_seed`` set), on every rank."""
+    value = torch.tensor(
+        [int(seed if seed is not None else torch.initial_seed()) & ((1 << 63) - 1)], device=comm.device
+    )
+    comm.broadcast(value, src=0)
+    return int(value.item())
+
+
+def setup(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    plan: Plan | str | None = None,
+    weights: str | os.PathLike | None = None,
+    seed: int | None = None,
+):
     """Shards ``model`` and ``optimizer`` as the plan says.
 
     Starts the process group when needed (nccl for cuda, gloo for cpu; from the torchrun
     environment), checks the plan against the model, packs the trainable parameters into chunks,
     installs the hooks and rebuilds the optimizer over this rank's shards.
 
+    The model may be built on the meta device (``with torch.device("meta"):``): the weights are then
+    made chunk by chunk straight into this rank's shards, read from ``weights`` or produced by the
+    model's own initializer (deterministic for a seed whatever the world size, chunk size and
+    offload), so no rank ever holds the whole model.
+
     Args:
-        model: the user's module (weights as initialised; rank 0's are used everywhere).
+        model: the user's module: real weights (rank 0's are used everywhere) or on the meta device.
         optimizer: an optimizer built on ``model.parameters()`` (Adam, AdamW, SGD, param groups kept).
         plan: a Plan, a path to a plan YAML, or None to read ``$ELIXIR_TUNE_PLAN``.
+        weights: a safetensors file, a ``model.safetensors.index.json``, or a Hugging Face model
+            directory: the initial weights (each rank reads only its shards' slices).
+        seed: seeds the initializer of a meta-device model; default rank 0's ``torch.initial_seed()``.
 
     Returns:
         (model, optimizer): an ElixirModel to call like the original module, and a
@@ -85,5 +109,6 @@ def setup(model: torch.nn.Module, optimizer: torch.optim.Optimizer, plan: Plan |
     plan = _resolve_plan(plan)
     check_plan_matches(model, plan)
     comm = init_comm(plan.world_size, plan.cluster.device, plan.cluster.backend)
-    engine = Engine(model, plan, comm)
+    source = make_source(model, weights, agreed_seed(comm, seed))
+    engine = Engine(model, plan, comm, source)
     return ElixirModel(model, engine), ShardedOptimizer(optimizer, engine)

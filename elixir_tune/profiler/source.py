@@ -1,17 +1,20 @@
-"""Where a model comes from: a Python file with a builder, or a model YAML naming a transformers
-architecture.
+"""Where a model comes from: a Python file with a builder, a model YAML naming a transformers
+architecture, or a Hugging Face model directory (its ``config.json``; weights are not read here).
 
 A Python file exposes ``build_model() -> nn.Module`` and ``example_batch(batch_size, seq_len) ->
 dict[str, Tensor]``; ``file.py:other_builder`` names another builder. A model YAML (see
 ``configs/models/``) names a transformers ``model_type`` and its config fields; it is built with
 ``AutoModelForCausalLM.from_config``, so nothing is downloaded. A bare name such as ``gpt2-tiny``
-is looked up in ``configs/models/``.
+is looked up in ``configs/models/``. A directory with a ``config.json`` (a downloaded model, or one
+written by ``save_pretrained``) is built from that config the same way; its weights are loaded at
+training time (``elixir_tune.setup(..., weights=DIR)``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -107,6 +110,8 @@ def load_model_source(spec: str) -> ModelSource:
     if sep and head.endswith(".py") and tail.isidentifier():
         path_part, builder = head, tail
     path = Path(path_part)
+    if path.is_dir():
+        return _load_hf_directory(path, spec)
     if path.suffix in (".yaml", ".yml"):
         return _load_yaml(path, spec)
     if path.suffix == ".py":
@@ -120,7 +125,8 @@ def load_model_source(spec: str) -> ModelSource:
             f"{', '.join(available_model_configs()) or '(none)'}"
         )
     raise ModelSourceError(
-        f"{spec}: MODEL must be a .py file (optionally file.py:builder), a model .yaml, or a config name"
+        f"{spec}: MODEL must be a .py file (optionally file.py:builder), a model .yaml, a config name, "
+        "or a Hugging Face model directory (with config.json)"
     )
 
 
@@ -152,6 +158,28 @@ def _load_python(path: Path, builder: str, spec: str) -> ModelSource:
     return ModelSource(name=path.stem, source=spec, _build=build, _batch=batch, _builder_name=builder)
 
 
+def _load_hf_directory(path: Path, spec: str) -> ModelSource:
+    """A Hugging Face model directory: built from its config.json (the architecture is its model_type)."""
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ModelSourceError(
+            f"{path}: a model directory needs a config.json (a Hugging Face model directory, as "
+            "save_pretrained writes it)"
+        )
+    try:
+        config = json.loads(config_path.read_text())
+    except ValueError as exc:
+        raise ModelSourceError(f"{config_path}: not valid JSON: {exc}") from exc
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ModelSourceError(f"{config_path}: no model_type; is this a transformers model directory?")
+    fields = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "transformers_version")}
+    raw = {"name": path.resolve().name, "architecture": config["model_type"], "config": fields}
+    # The engine keeps fp32 master weights (the plan says the compute dtype); training keeps no KV cache.
+    for key in ("dtype", "torch_dtype", "use_cache"):
+        fields.pop(key, None)
+    return _from_raw(raw, config_path, spec)
+
+
 def _load_yaml(path: Path, spec: str) -> ModelSource:
     if not path.is_file():
         raise ModelSourceError(f"{path}: no such file")
@@ -163,6 +191,11 @@ def _load_yaml(path: Path, spec: str) -> ModelSource:
         raise ModelSourceError(
             f"{path}: a model YAML needs at least `architecture:` (a transformers model_type) and `config:`"
         )
+    return _from_raw(raw, path, spec)
+
+
+def _from_raw(raw: dict, path: Path, spec: str) -> ModelSource:
+    """A transformers causal LM from ``architecture`` (model_type) and ``config`` fields."""
     architecture = str(raw["architecture"])
     config_fields = raw.get("config") or {}
     if not isinstance(config_fields, dict):

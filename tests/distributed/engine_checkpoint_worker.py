@@ -69,7 +69,7 @@ def run_case(case: dict, rank: int, world: int, directory: Path, extras: bool) -
     half = steps // 2
     model, opt = setup(case, world)
     straight, straight_skipped = train(model, opt, case, rank, world, 0, steps)
-    straight_state = model.state_dict()
+    straight_state = model.state_dict(all_ranks=True)
     straight_scale = opt.loss_scale
 
     model, opt = setup(case, world)
@@ -77,7 +77,7 @@ def run_case(case: dict, rank: int, world: int, directory: Path, extras: bool) -
     if rank == 0:  # the leftovers of an interrupted save must not matter
         Path(directory.parent, f".{directory.name}.tmp").mkdir(parents=True, exist_ok=True)
     elixir_tune.save_checkpoint(directory, model, opt, step=half, extra={"note": "half"})
-    saved_state = model.state_dict()
+    saved_state = model.state_dict(all_ranks=True)
     del model, opt
 
     model, opt = setup(case, world)
@@ -91,7 +91,7 @@ def run_case(case: dict, rank: int, world: int, directory: Path, extras: bool) -
         "extra": meta["extra"],
         "skipped": [straight_skipped, first_skipped + second_skipped],
         "scales": [straight_scale, opt.loss_scale],
-        "same_weights": same_state(straight_state, model.state_dict()),
+        "same_weights": same_state(straight_state, model.state_dict(all_ranks=True)),
         "files": sorted(p.name for p in directory.iterdir()),
         "leftovers": sorted(p.name for p in directory.parent.iterdir() if p.name.startswith(f".{directory.name}")),
     }
@@ -103,7 +103,7 @@ def run_case(case: dict, rank: int, world: int, directory: Path, extras: bool) -
             meta = elixir_tune.load_checkpoint(directory, model, opt)
         result["fallback_exact"] = meta["exact"]
         result["fallback_warning"] = " ".join(str(w.message) for w in caught)
-        result["fallback_weights"] = same_state(saved_state, model.state_dict())
+        result["fallback_weights"] = same_state(saved_state, model.state_dict(all_ranks=True))
         torch_loaded = torch.load(directory / "model.pt", weights_only=True)
         result["model_pt_weights"] = same_state(saved_state, torch_loaded)
         # Another model: a clear error.
@@ -131,7 +131,7 @@ def run_case(case: dict, rank: int, world: int, directory: Path, extras: bool) -
             warnings.simplefilter("always")
             meta = elixir_tune.load_checkpoint(directory, model, opt)
         result["renamed_exact"] = meta["exact"] and "interrupted" in " ".join(str(w.message) for w in caught)
-        result["renamed_weights"] = same_state(saved_state, model.state_dict())
+        result["renamed_weights"] = same_state(saved_state, model.state_dict(all_ranks=True))
     return result
 
 

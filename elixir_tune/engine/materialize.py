@@ -1,0 +1,396 @@
+"""Where the first weights come from: a model built on the meta device, a checkpoint, or the model itself.
+
+``setup`` takes a model whose parameters (and buffers) may be on the meta device. A
+``WeightSource`` then gives each chunk the values of this rank's shard, one chunk at a time, so no
+rank ever holds the full model:
+
+* ``FileSource``: slices of a safetensors checkpoint (``weights=PATH``), read per rank;
+* ``InitSource``: the model's own initializer, run on the CPU over small *units* of the model;
+* ``BroadcastSource``: a model built with real weights (the old path: rank 0's weights win).
+
+Initialization units make the result deterministic whatever the world size, chunk size and offload.
+The module tree is cut into units of at most ``UNIT_NUMEL`` elements (a whole subtree when it is
+small enough, else the module's own tensors and then each child), which depends on the model only.
+Each unit is initialized on the CPU with its own seed (a hash of the seed and the unit's name):
+its tensors are swapped for real ones, the modules' ``reset_parameters()`` run (what their
+constructors do), then for a transformers model ``PreTrainedModel._init_weights`` on the unit's
+modules and on their ancestors (GPT-2 rescales ``c_proj`` from the parent module), tensors outside
+the unit stay on meta, where the initializers do nothing. A rank initializes only the units that
+overlap its shards. Tensors are pre-filled with NaN: one the initializers never wrote is an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from elixir_tune.engine.weights import WeightsReader
+
+UNIT_NUMEL = 1 << 26  # elements initialized at once (256 MiB in fp32): bounds host memory, not values
+_KEEP_UNITS = 2  # a unit straddling two chunks is initialized once
+
+
+class MaterializeError(ValueError):
+    """The model's weights cannot be produced (no initializer for a meta tensor, unusable weights)."""
+
+
+def is_meta(tensor: torch.Tensor | None) -> bool:
+    return tensor is not None and tensor.is_meta
+
+
+def has_meta(model: nn.Module) -> bool:
+    """Whether some parameter or buffer of ``model`` is on the meta device."""
+    return any(t.is_meta for t in model.parameters()) or any(b.is_meta for b in model.buffers())
+
+
+def _registrations(model: nn.Module) -> dict[int, list[tuple[nn.Module, str, bool]]]:
+    """id(tensor) -> every (module, attribute, is_parameter) it is registered under (tied weights: several)."""
+    found: dict[int, list[tuple[nn.Module, str, bool]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                found.setdefault(id(param), []).append((module, name, True))
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                found.setdefault(id(buffer), []).append((module, name, False))
+    return found
+
+
+def _hf_init_functions(model: nn.Module) -> dict[nn.Module, object]:
+    """Each module's transformers initializer: the ``_init_weights`` of its nearest enclosing PreTrainedModel."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return {}
+    functions: dict[nn.Module, object] = {}
+
+    def walk(module: nn.Module, current) -> None:
+        if isinstance(module, PreTrainedModel):
+            current = module._init_weights
+        if current is not None:
+            functions[module] = current
+        for child in module.children():
+            walk(child, current)
+
+    walk(model, None)
+    return functions
+
+
+def _unit_seed(seed: int, unit_name: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{unit_name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _unset(tensor: torch.Tensor) -> bool:
+    """Still holds the fill value it was created with (NaN, or the dtype's minimum for integers)."""
+    if tensor.numel() == 0:
+        return False
+    if tensor.is_floating_point() or tensor.is_complex():
+        return bool(torch.isnan(tensor).any())
+    if tensor.dtype == torch.bool:
+        return False
+    return bool((tensor == torch.iinfo(tensor.dtype).min).all())
+
+
+def _filled(like: torch.Tensor) -> torch.Tensor:
+    if like.is_floating_point() or like.is_complex():
+        return torch.full(like.shape, float("nan"), dtype=like.dtype)
+    if like.dtype == torch.bool:
+        return torch.zeros(like.shape, dtype=like.dtype)
+    return torch.full(like.shape, torch.iinfo(like.dtype).min, dtype=like.dtype)
+
+
+class Initializer:
+    """Runs the model's own initializer unit by unit, on the CPU, seeded per unit.
+
+    Args:
+        model: the model (meta tensors are initialized; real ones are read as they are).
+        seed: the seed every rank agrees on.
+        unit_numel: the most elements one unit holds (a whole subtree when it fits); default UNIT_NUMEL.
+        provided: ids of tensors that come from elsewhere (a checkpoint): they need no initializer.
+
+    Raises:
+        MaterializeError: a meta tensor that no module around it knows how to initialize.
+    """
+
+    def __init__(self, model: nn.Module, seed: int, unit_numel: int | None = None, provided: set[int] | None = None):
+        self.model = model
+        self.seed = int(seed)
+        self.unit_numel = unit_numel or UNIT_NUMEL
+        self.registrations = _registrations(model)
+        self.hf_init = _hf_init_functions(model)
+        self.parent: dict[nn.Module, nn.Module] = {}
+        for module in model.modules():
+            for child in module.children():
+                self.parent.setdefault(child, module)
+        # Canonical owner of each tensor: the module of its first name (named_parameters order).
+        # Shapes and dtypes as built (``tensors``: meta stand-ins): the engine later swaps the
+        # chunked parameters for real placeholders, and those must still read as "to initialize".
+        self.owner: dict[int, nn.Module] = {}
+        self.tensors: dict[int, torch.Tensor] = {}
+        self.names: dict[int, str] = {}
+        self.meta: set[int] = set()
+        named_modules = dict(model.named_modules())
+        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+            self.owner[id(tensor)] = named_modules[name.rpartition(".")[0]]
+            self.tensors[id(tensor)] = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+            self.names[id(tensor)] = name
+            if tensor.is_meta:
+                self.meta.add(id(tensor))
+        own: dict[nn.Module, list[int]] = {}
+        for key, module in self.owner.items():
+            own.setdefault(module, []).append(key)
+        self.units: list[tuple[str, nn.Module, list[int], bool]] = []  # name, root, tensor ids, whole subtree
+        self.unit_of: dict[int, int] = {}
+        self._cut(model, "", own)
+        self._cache: OrderedDict[int, dict[int, torch.Tensor]] = OrderedDict()
+        self._check_initializable(provided or set())
+
+    def _cut(self, module: nn.Module, name: str, own: dict[nn.Module, list[int]]) -> list[int]:
+        """Splits ``module``'s subtree into units; returns the tensor ids of the subtree."""
+        subtree = list(own.get(module, []))
+        children = [
+            (f"{name}.{child_name}" if name else child_name, child) for child_name, child in module.named_children()
+        ]
+        below = {child: self._collect(child, own) for _, child in children}
+        total = sum(self.tensors[k].numel() for k in subtree) + sum(
+            self.tensors[k].numel() for ids in below.values() for k in ids
+        )
+        if total <= self.unit_numel or not children:
+            ids = subtree + [k for ids in below.values() for k in ids]
+            self._add_unit(name or "<root>", module, ids, whole=True)
+            return ids
+        if subtree:
+            self._add_unit((name or "<root>") + ":own", module, subtree, whole=False)
+        for child_name, child in children:
+            subtree += self._cut(child, child_name, own)
+        return subtree
+
+    def _collect(self, module: nn.Module, own: dict[nn.Module, list[int]]) -> list[int]:
+        return [k for m in module.modules() for k in own.get(m, [])]
+
+    def _add_unit(self, name: str, root: nn.Module, ids: list[int], whole: bool) -> None:
+        ids = [k for k in dict.fromkeys(ids) if k not in self.unit_of]  # a module reached twice counts once
+        if not ids:
+            return
+        for key in ids:
+            self.unit_of[key] = len(self.units)
+        self.units.append((name, root, ids, whole))
+
+    def _unit_modules(self, unit: int) -> tuple[list[nn.Module], list[nn.Module]]:
+        """A unit's modules, children before parents (as ``Module.apply``), and its ancestors that
+        have a transformers initializer (innermost first)."""
+        _, root, _, whole = self.units[unit]
+        modules = [root]
+        if whole:
+            modules = []
+
+            def post_order(module: nn.Module) -> None:
+                for child in module.children():
+                    post_order(child)
+                modules.append(module)
+
+            post_order(root)
+        ancestors = []
+        node = self.parent.get(root)
+        while node is not None:
+            if node in self.hf_init:
+                ancestors.append(node)
+            node = self.parent.get(node)
+        return list(dict.fromkeys(modules)), ancestors
+
+    def _check_initializable(self, provided: set[int]) -> None:
+        """Every meta tensor's module, or one around it, must have an initializer (a cheap check up front;
+        what an initializer leaves unset is caught when its unit runs)."""
+
+        def covered(module: nn.Module | None) -> bool:
+            while module is not None:
+                if module in self.hf_init or callable(getattr(module, "reset_parameters", None)):
+                    return True
+                module = self.parent.get(module)
+            return False
+
+        problems: dict[str, list[str]] = {}
+        for key in self.meta - provided:
+            owner = self.owner[key]
+            if not covered(owner):
+                problems.setdefault(type(owner).__name__, []).append(self.names[key])
+        if problems:
+            listed = [f"{', '.join(names[:4])} ({kind})" for kind, names in problems.items()]
+            raise MaterializeError(
+                "the model has tensors on the meta device that nothing can initialize: "
+                + "; ".join(listed[:8])
+                + ". Their modules have no reset_parameters() (and the model is no transformers PreTrainedModel): "
+                "give them one, build the model with real weights, or pass weights=PATH (a safetensors checkpoint) "
+                "to setup"
+            )
+
+    def value(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The initial value of one of the model's tensors (CPU, its own dtype); real tensors as they are."""
+        if id(tensor) not in self.meta:
+            return tensor.detach()
+        return self._unit_values(self.unit_of[id(tensor)])[id(tensor)]
+
+    @torch.no_grad()
+    def _unit_values(self, unit: int) -> dict[int, torch.Tensor]:
+        if unit in self._cache:
+            self._cache.move_to_end(unit)
+            return self._cache[unit]
+        name, root, ids, _ = self.units[unit]
+        meta = [k for k in ids if k in self.meta]
+        temps = {k: _filled(self.tensors[k]) for k in meta}
+        swapped = []
+        for key in meta:
+            for module, attr, is_param in self.registrations[key]:
+                table = module._parameters if is_param else module._buffers
+                original = table[attr]
+                value = temps[key]
+                table[attr] = nn.Parameter(value, requires_grad=original.requires_grad) if is_param else value
+                swapped.append((table, attr, original))
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(_unit_seed(self.seed, name))
+                modules, ancestors = self._unit_modules(unit)
+                for module in modules:  # what the constructors do
+                    reset = getattr(module, "reset_parameters", None)
+                    if callable(reset):
+                        reset()
+                for module in modules + ancestors:  # then transformers' post_init
+                    init = self.hf_init.get(module)
+                    if init is not None:
+                        init(module)
+        finally:
+            for table, attr, original in reversed(swapped):
+                table[attr] = original
+        unset = [self.names[k] for k in meta if _unset(temps[k])]
+        if unset:
+            raise MaterializeError(
+                f"the model's initializer left {len(unset)} tensor(s) of {name} unset (they were built on the meta "
+                f"device): {', '.join(unset[:8])}. Give their module a reset_parameters() method (or, for a "
+                "transformers model, cover them in _init_weights), or pass weights=PATH to setup"
+            )
+        self._cache[unit] = temps
+        while len(self._cache) > _KEEP_UNITS:
+            self._cache.popitem(last=False)
+        return temps
+
+
+class WeightSource:
+    """Gives the values of this rank's shard of each chunk, and of the replicated tensors."""
+
+    def shard(self, chunk) -> torch.Tensor:
+        """This rank's part of ``chunk``, fp32, ``chunk.shard_numel`` elements (padding zero)."""
+        shard = torch.zeros(chunk.shard_numel, dtype=torch.float32)
+        for slot in chunk.slots:
+            owned = chunk.owned_range(slot)
+            if owned is None:
+                continue
+            begin, end = owned
+            first = chunk.shard_begin + begin - slot.offset  # element of the parameter
+            shard[begin:end].copy_(self.read_range(slot.param, first, first + end - begin))
+        self.done_chunk()
+        return shard
+
+    def read_range(self, param: torch.Tensor, begin: int, end: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def done_chunk(self) -> None:
+        """A chunk is complete: drop what only it needed."""
+
+    def full(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """The whole value of a replicated tensor (frozen parameter, buffer), or None to keep it as is."""
+        raise NotImplementedError
+
+
+class InitSource(WeightSource):
+    """The model's own initializer (meta tensors) or the model's own values (real ones)."""
+
+    def __init__(self, initializer: Initializer):
+        self.initializer = initializer
+
+    def read_range(self, param: torch.Tensor, begin: int, end: int) -> torch.Tensor:
+        return self.initializer.value(param).reshape(-1)[begin:end].float()
+
+    def full(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        return self.initializer.value(tensor) if id(tensor) in self.initializer.meta else None
+
+
+class FileSource(WeightSource):
+    """A safetensors checkpoint; tensors it lacks (buffers only: missing parameters are refused) are
+    initialized when they are on the meta device, or kept."""
+
+    def __init__(self, reader: WeightsReader, initializer: Initializer | None):
+        self.reader = reader
+        self.initializer = initializer
+
+    def read_range(self, param: torch.Tensor, begin: int, end: int) -> torch.Tensor:
+        return self.reader.read_range(self.reader.names[id(param)], begin, end)
+
+    def done_chunk(self) -> None:
+        self.reader.release()  # unmap: the pages of this chunk leave the resident set
+
+    def full(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        name = self.reader.names.get(id(tensor))
+        if name is not None:
+            return self.reader.read_full(name).to(tensor.dtype)
+        if self.initializer is not None and id(tensor) in self.initializer.meta:
+            return self.initializer.value(tensor)
+        return None
+
+
+def make_source(model: nn.Module, weights, seed: int) -> WeightSource | None:
+    """The source of the first weights: None means the model's own (real) weights, broadcast from rank 0.
+
+    Raises:
+        MaterializeError: meta tensors with no initializer.
+        WeightsError: unusable weights (listed).
+    """
+    meta = has_meta(model)
+    if weights is not None:
+        reader = WeightsReader(weights, model)
+        return FileSource(reader, Initializer(model, seed, provided=set(reader.names)) if meta else None)
+    return InitSource(Initializer(model, seed)) if meta else None
+
+
+def materialize_replicated(model: nn.Module, chunked: set[int], source: WeightSource | None) -> None:
+    """Gives every tensor outside the chunks (frozen parameters, buffers) its value, in place.
+
+    Parameters keep their identity (``torch.utils.swap_tensors``) so that optimizers and user
+    references stay valid; buffers are replaced in every module that registers them.
+    """
+    if source is None:
+        return
+    registrations = _registrations(model)
+    seen: set[int] = set()
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        key = id(tensor)
+        if key in chunked or key in seen:
+            continue
+        seen.add(key)
+        value = source.full(tensor)
+        if value is None:
+            continue
+        if isinstance(tensor, nn.Parameter):
+            replacement = nn.Parameter(value.detach().clone(), requires_grad=tensor.requires_grad)
+            torch.utils.swap_tensors(tensor, replacement)
+        else:
+            value = value.detach().clone()
+            for module, attr, _ in registrations[key]:
+                module._buffers[attr] = value
+    still = [
+        n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta and id(t) not in chunked
+    ]
+    if still:
+        raise MaterializeError(f"tensors left on the meta device: {', '.join(still[:8])}")
+
+
+def swap_meta_for_placeholders(params: list[nn.Parameter], placeholder: torch.Tensor) -> None:
+    """Chunked parameters on the meta device become (same objects) expanded views of ``placeholder``:
+    the engine points them at chunk payloads afterwards, which a meta tensor cannot be."""
+    for param in params:
+        if param.is_meta:
+            replacement = nn.Parameter(placeholder.expand(param.shape), requires_grad=param.requires_grad)
+            torch.utils.swap_tensors(param, replacement)

@@ -1,0 +1,222 @@
+"""Weights out in Hugging Face layout: ``save_pretrained(model, DIR)``, streamed chunk by chunk.
+
+Rank 0 writes safetensors files itself: every tensor's name, dtype and shape are known before any
+weight is gathered, so the file split and each file's header are decided first, and then each
+chunk, gathered to rank 0 alone, is cut into its parameters and appended to the open file. No rank
+holds more than one gathered chunk (plus one frozen tensor or buffer) at a time. Several files get
+``model-0000i-of-0000n.safetensors`` names and ``model.safetensors.index.json``, one file is
+``model.safetensors``, as transformers writes them; ``config.json`` and ``generation_config.json``
+come from the model's ``config`` / ``generation_config`` when it has them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from elixir_tune.engine.weights import INDEX_NAME, WEIGHTS_NAME
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(size: int | str) -> int:
+    """``"5GB"`` -> 5e9 bytes (KB/MB/GB decimal, KiB/MiB/GiB binary, as transformers reads them)."""
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]I?B|B)?\s*", str(size).upper())
+    if not match:
+        raise ValueError(f"max_shard_size {size!r}: expected bytes or a size such as '5GB' or '500MiB'")
+    return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
+
+
+@dataclass
+class _Entry:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+    file: int = 0
+
+
+def _entries(engine, dtype: torch.dtype | None) -> tuple[list[_Entry], dict[int, _Entry]]:
+    """One entry per tensor in writing order: chunk slots in chunk order, then the replicated tensors.
+
+    A tied weight is written once, under its first state-dict name (transformers re-ties the others).
+    """
+    first_name: dict[int, str] = {}
+    values: dict[int, torch.Tensor] = {}
+    for name, value in engine.model.state_dict(keep_vars=True).items():
+        first_name.setdefault(id(value), name)
+        values[id(value)] = value
+    entries, by_tensor = [], {}
+
+    def add(key: int, shape, tensor_dtype: torch.dtype) -> None:
+        out = dtype if (dtype is not None and tensor_dtype.is_floating_point) else tensor_dtype
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        entry = _Entry(first_name[key], tuple(shape), out, numel * out.itemsize)
+        entries.append(entry)
+        by_tensor[key] = entry
+
+    for chunk in engine.chunks:
+        for slot in chunk.slots:
+            if id(slot.param) in first_name and id(slot.param) not in by_tensor:
+                add(id(slot.param), slot.shape, torch.float32)
+    for key, value in values.items():
+        if key not in by_tensor:
+            add(key, value.shape, torch.float32 if isinstance(value, torch.nn.Parameter) else value.dtype)
+    return entries, by_tensor
+
+
+def _split(entries: list[_Entry], max_bytes: int) -> int:
+    """Assigns consecutive entries to files of at most ``max_bytes`` (a bigger tensor alone); returns the count."""
+    file, used = 0, 0
+    for entry in entries:
+        if used and used + entry.nbytes > max_bytes:
+            file, used = file + 1, 0
+        entry.file = file
+        used += entry.nbytes
+    return file + 1 if entries else 0
+
+
+class _Writer:
+    """Rank 0's open safetensors file: header first (offsets known), then the data in order."""
+
+    def __init__(self, directory: Path, entries: list[_Entry], files: int):
+        self.directory = directory
+        self.entries = entries
+        self.files = files
+        self.names = [
+            WEIGHTS_NAME if files == 1 else f"model-{i + 1:05d}-of-{files:05d}.safetensors" for i in range(files)
+        ]
+        self.handle = None
+        self.current = -1
+        self.expected: list[_Entry] = []
+
+    def _open(self, file: int) -> None:
+        self.close()
+        members = [e for e in self.entries if e.file == file]
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for entry in members:
+            header[entry.name] = {
+                "dtype": _SAFETENSORS_DTYPES[entry.dtype],
+                "shape": list(entry.shape),
+                "data_offsets": [offset, offset + entry.nbytes],
+            }
+            offset += entry.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+        self.handle = open(self.directory / self.names[file], "wb")  # noqa: SIM115  (closed in close())
+        self.handle.write(struct.pack("<Q", len(raw)) + raw)
+        self.current = file
+        self.expected = members
+
+    def write(self, entry: _Entry, value: torch.Tensor) -> None:
+        if entry.file != self.current:
+            self._open(entry.file)
+        if not self.expected or self.expected[0] is not entry:
+            raise RuntimeError(f"save_pretrained: {entry.name} written out of order")  # a bug, not a user error
+        self.expected.pop(0)
+        data = value.detach().to(entry.dtype).contiguous().cpu().reshape(-1)
+        self.handle.write(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.close()
+            self.handle = None
+
+
+def _save_configs(module: torch.nn.Module, directory: Path, dtype: torch.dtype) -> None:
+    config = getattr(module, "config", None)
+    if config is not None and hasattr(config, "save_pretrained"):
+        import copy
+
+        config = copy.deepcopy(config)
+        name = str(dtype).removeprefix("torch.")
+        for field in ("dtype", "torch_dtype"):
+            if hasattr(config, field):
+                try:
+                    setattr(config, field, name)
+                except (AttributeError, TypeError, ValueError):
+                    pass
+        config.save_pretrained(directory)
+    generation = getattr(module, "generation_config", None)
+    if generation is not None and hasattr(generation, "save_pretrained"):
+        generation.save_pretrained(directory)
+
+
+@torch.no_grad()
+def save_pretrained(
+    model, directory: str | os.PathLike, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None
+) -> Path:
+    """Writes the model's current weights as a Hugging Face model directory (a collective).
+
+    ``transformers.AutoModelForCausalLM.from_pretrained(directory)`` loads it, and so does
+    ``elixir_tune.setup(..., weights=directory)``.
+
+    Args:
+        model: the ElixirModel from ``elixir_tune.setup``.
+        directory: created if needed; earlier ``model*.safetensors`` files and index there are replaced.
+        max_shard_size: the largest file (bytes or a size such as ``"5GB"``); a bigger tensor gets its own.
+        dtype: floating-point dtype to store (default fp32, the master weights).
+
+    Returns:
+        The directory.
+    """
+    engine = model.engine
+    directory = Path(directory)
+    entries, by_tensor = _entries(engine, dtype)
+    files = _split(entries, parse_size(max_shard_size))
+    rank0 = engine.comm.rank == 0
+    writer = None
+    if rank0:
+        directory.mkdir(parents=True, exist_ok=True)
+        for old in list(directory.glob("model*.safetensors")) + [directory / INDEX_NAME]:
+            old.unlink(missing_ok=True)
+        writer = _Writer(directory, entries, files)
+    try:
+        for chunk, flat in engine.gathered_chunks(all_ranks=False):
+            if writer is None:
+                continue
+            for slot in chunk.slots:
+                entry = by_tensor.get(id(slot.param))
+                if entry is not None:
+                    writer.write(entry, flat[slot.offset : slot.offset + slot.numel])
+        if writer is not None:
+            chunked = {id(slot.param) for slot in engine.slots}
+            for name, value in engine.model.state_dict(keep_vars=True).items():
+                entry = by_tensor.get(id(value))
+                if id(value) not in chunked and entry is not None and entry.name == name:
+                    writer.write(entry, value)
+    finally:
+        if writer is not None:
+            writer.close()
+    if rank0:
+        if files > 1:
+            index = {
+                "metadata": {"total_size": sum(e.nbytes for e in entries)},
+                "weight_map": {e.name: writer.names[e.file] for e in entries},
+            }
+            (directory / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True))
+        _save_configs(engine.model, directory, dtype or torch.float32)
+    engine.comm.barrier()  # nobody reads the directory before it is complete
+    return directory

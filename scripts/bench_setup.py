@@ -1,0 +1,290 @@
+"""Peak host memory of ``elixir_tune.setup`` for GPT-2 large (774M parameters, 3.1 GB in fp32) at
+world 2 (gloo, CPU): a model built on the meta device with its weights read from a safetensors file,
+beside the old path (the model materialized on every rank, rank 0's weights broadcast).
+
+    python scripts/bench_setup.py                      # both paths, world 2
+    python scripts/bench_setup.py --modes meta-weights # the new path only
+    (modes: meta-weights, meta-init: a meta model initialized by its own initializer, materialized)
+
+The weights file (random initialization, ``save_pretrained`` of transformers) is written once into
+``--weights-dir`` (default /tmp/elixir-bench-gpt2-large, about 3.1 GB) and reused.
+
+Each rank reports ``ru_maxrss`` after ``setup`` returns: the peak of the whole process, which
+starts small (the interpreter, torch and transformers: "RSS at start"), compared with the bound
+half the fp32 model + 1 GiB. The optimizer is AdamW: ``setup`` allocates the fp32 gradient shard
+and Adam's two moments (3 x the master shard) in host memory here, because the device is the CPU;
+they read as zeros and become resident when training first writes them
+(``engine/host_memory.py``), so the peak is the weights' way in: the master shard plus what
+materializing it costs (for the old path, the whole model built before setup, too).
+
+Results go to benchmarks/results/setup-memory.json and .md, with the machine's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+MODEL = "gpt2-774m"
+GIB = 2**30
+
+
+def rss_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+
+
+def make_weights(directory: Path) -> None:
+    """Random GPT-2 large weights in Hugging Face layout (run in a child process: it holds the model)."""
+    import torch
+
+    from elixir_tune.profiler import load_model_source
+
+    torch.manual_seed(0)
+    model = load_model_source(MODEL).build_model()
+    model.save_pretrained(directory, max_shard_size="10GB")
+
+
+def make_plan(model, world: int, chunk_size: int):
+    """Every trainable parameter packed in order into chunks of ``chunk_size`` elements, all cached."""
+    from elixir_tune.engine import model_fingerprint
+    from elixir_tune.plan import ChunkPlan, ClusterInfo, MemoryPlan, ModelInfo, Plan, TrainingInfo
+
+    chunk_size = -(-chunk_size // world) * world
+    chunks, current, used = [], [], 0
+    for name, param in model.named_parameters():
+        if used + param.numel() > chunk_size and current:
+            chunks.append(current)
+            current, used = [], 0
+        current.append((name, param.numel()))
+        used += param.numel()
+    chunks.append(current)
+    return Plan(
+        model=ModelInfo(
+            source=MODEL,
+            fingerprint=model_fingerprint(model),
+            num_params=sum(p.numel() for p in model.parameters()),
+            name=MODEL,
+        ),
+        cluster=ClusterInfo(hardware="cpu", nodes=1, gpus_per_node=world, device="cpu", backend="gloo"),
+        training=TrainingInfo(
+            dtype="fp32", global_batch_size=world, micro_batch_size=1, grad_accum_steps=1, seq_len=128
+        ),
+        memory=MemoryPlan(
+            chunk_size=chunk_size,
+            cache_blocks=len(chunks),
+            prefetch=0,
+            chunks=[
+                ChunkPlan(id=i, params=[n for n, _ in c], numel=sum(k for _, k in c), resident=False, offload=False)
+                for i, c in enumerate(chunks)
+            ],
+        ),
+    )
+
+
+def worker(mode: str, weights_dir: Path, chunk_size: int, out: Path) -> None:
+    """One rank: build the model as ``mode`` says, run setup, report memory."""
+    import torch
+
+    import elixir_tune
+    from elixir_tune.profiler import load_model_source
+
+    torch.set_num_threads(1)
+    start = rss_bytes()  # the interpreter, torch and transformers: the same for both paths
+    source = load_model_source(MODEL)
+    world = int(os.environ["WORLD_SIZE"])
+    with torch.device("meta"):
+        shapes = source.build_model()
+    plan = make_plan(shapes, world, chunk_size)
+    if mode == "meta-weights":
+        model, weights = shapes, weights_dir
+    elif mode == "meta-init":  # no weights: the model's own initializer, unit by unit, this rank's shards only
+        model, weights = shapes, None
+    else:  # the old path: every rank materializes the model (its initializer), rank 0's weights win
+        torch.manual_seed(0)
+        model, weights = source.build_model(), None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = rss_bytes()
+    peak_before = peak_rss_bytes()
+    started = time.perf_counter()
+    model, optimizer = elixir_tune.setup(model, optimizer, plan=plan, weights=weights)
+    setup_s = time.perf_counter() - started
+    peak = peak_rss_bytes()
+    engine = model.engine
+    grad_bytes = sum(chunk.grad.nbytes for chunk in engine.chunks)
+    optimizer_bytes = sum(getattr(chunk, "optimizer_state_bytes", 0) for chunk in engine.chunks)
+    master_bytes = sum(chunk.master.nbytes for chunk in engine.chunks)
+    # A spot check that the weights are the file's: one row of the embedding, read by safetensors.
+    check = None
+    if mode == "meta-weights":
+        from safetensors import safe_open
+
+        state = model.state_dict()
+        if state:
+            file = next(weights_dir.glob("*.safetensors"))
+            with safe_open(str(file), framework="pt") as handle:
+                row = handle.get_slice("transformer.wte.weight")[7:8]
+            check = bool(torch.equal(state["transformer.wte.weight"][7:8], row.float()))
+    out.write_text(
+        json.dumps(
+            {
+                "mode": mode,
+                "rank": int(os.environ["RANK"]),
+                "world": world,
+                "num_params": plan.model.num_params,
+                "chunks": len(plan.memory.chunks),
+                "chunk_size": plan.memory.chunk_size,
+                "rss_start_bytes": start,
+                "rss_before_setup_bytes": before,
+                "peak_rss_before_setup_bytes": peak_before,
+                "peak_rss_bytes": peak,
+                "master_shard_bytes": master_bytes,
+                "grad_shard_bytes": grad_bytes,
+                "optimizer_state_bytes": optimizer_bytes,
+                "setup_s": setup_s,
+                "weights_match_file": check,
+            }
+        )
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(mode: str, world: int, weights_dir: Path, chunk_size: int, tmp: Path) -> list[dict]:
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+            TRANSFORMERS_VERBOSITY="error",
+            PYTHONPATH=str(REPO),
+        )
+        out = tmp / f"{mode}-{rank}.json"
+        command = [sys.executable, __file__, "--worker", mode, "--weights-dir", str(weights_dir)]
+        command += ["--chunk-size", str(chunk_size), "--out", str(out)]
+        procs.append((subprocess.Popen(command, env=env), out))
+    for proc, _ in procs:
+        if proc.wait(timeout=1800):
+            raise SystemExit(f"{mode}: a rank failed (exit {proc.returncode})")
+    return [json.loads(out.read_text()) for _, out in procs]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--weights-dir", default="/tmp/elixir-bench-gpt2-large", type=Path)
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--chunk-size", type=int, default=1 << 26, help="elements per chunk (default 64M)")
+    parser.add_argument("--modes", default="meta-weights,meta-init,materialized")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--results", default=str(RESULTS / "setup-memory"), help="results path without suffix")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.weights_dir, args.chunk_size, args.out)
+        return 0
+
+    if not any(args.weights_dir.glob("*.safetensors")):
+        print(f"writing random {MODEL} weights to {args.weights_dir} (once)", flush=True)
+        code = [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(REPO)!r}); "]
+        code[-1] += (
+            f"from scripts.bench_setup import make_weights; from pathlib import Path; make_weights(Path({str(args.weights_dir)!r}))"
+        )
+        subprocess.run(code, check=True, env=dict(os.environ, TRANSFORMERS_VERBOSITY="error", PYTHONPATH=str(REPO)))
+    file_bytes = sum(p.stat().st_size for p in args.weights_dir.glob("*.safetensors"))
+    load_before = os.getloadavg()
+    tmp = Path(args.results).parent / ".bench-setup-tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    runs = {}
+    for mode in args.modes.split(","):
+        print(f"{mode}: setup on {args.world} ranks ...", flush=True)
+        runs[mode] = launch(mode, args.world, args.weights_dir, args.chunk_size, tmp)
+    for path in tmp.iterdir():
+        path.unlink()
+    tmp.rmdir()
+    load_after = os.getloadavg()
+
+    num_params = next(iter(runs.values()))[0]["num_params"]
+    model_bytes = num_params * 4
+    bound = model_bytes / 2 + GIB
+    lines = [
+        f"# setup host memory: {MODEL} ({num_params:,} params, {model_bytes / GIB:.2f} GiB fp32), world {args.world}",
+        "",
+        f"Command: `python scripts/bench_setup.py --world {args.world}`; weights file {file_bytes / GIB:.2f} GiB "
+        f"on local disk; chunk size {args.chunk_size:,} elements; load average before/after "
+        f"{load_before[0]:.2f}/{load_after[0]:.2f} on {os.cpu_count()} cores; torch gloo CPU.",
+        "",
+        "| path | rank | peak RSS GiB | bound GiB | RSS at start GiB | RSS before setup GiB | master shard GiB "
+        "| grad + Adam allocated GiB | setup s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for mode, results in runs.items():
+        for r in results:
+            lines.append(
+                f"| {mode} | {r['rank']} | {r['peak_rss_bytes'] / GIB:.2f} | {bound / GIB:.2f} | "
+                f"{r['rss_start_bytes'] / GIB:.2f} | {r['rss_before_setup_bytes'] / GIB:.2f} | "
+                f"{r['master_shard_bytes'] / GIB:.2f} | {(r['grad_shard_bytes'] + r['optimizer_state_bytes']) / GIB:.2f} | "
+                f"{r['setup_s']:.1f} |"
+            )
+    lines += [
+        "",
+        "peak RSS: ru_maxrss after setup (the whole process). bound: half the fp32 model + 1 GiB. RSS at start: after "
+        "importing torch, before building the model. grad + Adam allocated: the gradient shard and AdamW's moments "
+        "that setup allocates (host memory on a CPU device); zero until training writes them, not yet resident.",
+    ]
+    if "meta-weights" in runs:
+        worst = max(r["peak_rss_bytes"] for r in runs["meta-weights"])
+        checks = [r["weights_match_file"] for r in runs["meta-weights"] if r["weights_match_file"] is not None]
+        lines.append(
+            f"meta-weights: worst rank {worst / GIB:.2f} GiB, {'under' if worst < bound else 'OVER'} the bound; "
+            f"rank 0's embedding row equals the file's: {all(checks) if checks else 'n/a'}"
+        )
+    if "materialized" in runs:
+        worst_old = max(r["peak_rss_bytes"] for r in runs["materialized"])
+        lines.append(
+            f"materialized: worst rank {worst_old / GIB:.2f} GiB, {'under' if worst_old < bound else 'OVER'} the bound"
+        )
+    text = "\n".join(lines)
+    print(text)
+    record = {
+        "model": MODEL,
+        "world": args.world,
+        "chunk_size": args.chunk_size,
+        "num_params": num_params,
+        "weights_file_bytes": file_bytes,
+        "bound_bytes": bound,
+        "load_average_before_after": [load_before[0], load_after[0]],
+        "cpu_count": os.cpu_count(),
+        "host": platform.node(),
+        "runs": runs,
+    }
+    Path(args.results).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.results + ".json").write_text(json.dumps(record, indent=1))
+    Path(args.results + ".md").write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
