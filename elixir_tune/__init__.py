@@ -13,11 +13,11 @@ __version__ = "0.1.0"
 from elixir_tune.plan import load_plan, save_plan, validate  # noqa: E402  (torch-free)
 
 
-def setup(model, optimizer, plan=None):
+def setup(model, optimizer, plan=None, find_unused_parameters=None):
     """Shards ``model`` and ``optimizer`` as the plan says; see elixir_tune.engine.setup."""
     from elixir_tune.engine import setup as engine_setup
 
-    return engine_setup(model, optimizer, plan=plan)
+    return engine_setup(model, optimizer, plan=plan, find_unused_parameters=find_unused_parameters)
 
 
 def save_checkpoint(path, model, optimizer, step: int, extra: dict | None = None):

@@ -51,6 +51,7 @@ class ChunkCache:
         self.pos = -1
         self.peak_bytes = 0
         self.gathers = 0  # chunks gathered (fetch + prefetch), for tests and benchmarks
+        self.uploads = 0  # of those, host->device copies of offloaded shards
 
     # --- access order --------------------------------------------------------------------------
 
@@ -137,6 +138,7 @@ class ChunkCache:
         chunk.allocate()
         self.peak_bytes = max(self.peak_bytes, sum(c.payload_bytes() for c in self.held.values()))
         self.gathers += 1
+        self.uploads += chunk.offload
         return chunk.gather(async_op=async_op, side_stream=self.side_stream if async_op else None)
 
     # --- the entry point -----------------------------------------------------------------------

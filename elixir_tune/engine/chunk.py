@@ -5,6 +5,10 @@ A chunk of ``chunk_size`` elements is cut into ``world_size`` equal shards; this
 device, or in host memory when the chunk is offloaded (the host path always uses its own buffers
 and explicit copies, also on a cpu device, so that CI exercises it).
 
+
+An offloaded shard also keeps a compute-dtype copy of its master in host memory: that copy, not
+the fp32 master, crosses the host->device link on every gather.
+
 The gathered copy (the "payload", compute dtype, all ``chunk_size`` elements) has a storage of its
 own that is allocated when the chunk enters the cache and freed when it leaves (storage resize, as
 FSDP does). Keeping one storage per chunk matters: autograd saves views of parameters, and those
@@ -14,12 +18,14 @@ recomputation, whichever cache slot it went through.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
-from elixir_tune.engine.comm import Comm, Handle
-from elixir_tune.engine.states import TensorState, transition
+from elixir_tune.engine.comm import DONE, Comm, Handle
+from elixir_tune.engine.staging import GradDrain, StagingBuffer
+from elixir_tune.engine.states import GRAD_STAGED, TensorState, transition
 
 
 @dataclass
@@ -49,6 +55,8 @@ class Chunk:
         device: the compute device.
         resident: the payload is never released.
         offload: the shard lives in host memory.
+        upload: for an offloaded chunk, the host buffer (``shard_numel`` elements, compute dtype)
+            of its upload copy; allocated here when None.
     """
 
     def __init__(
@@ -61,6 +69,7 @@ class Chunk:
         device: torch.device,
         resident: bool,
         offload: bool,
+        upload: torch.Tensor | None = None,
     ):
         self.id = chunk_id
         self.chunk_size = chunk_size
@@ -82,17 +91,28 @@ class Chunk:
                 f"chunk {chunk_id}: its parameters hold {offset} elements, more than chunk_size {chunk_size}"
             )
 
-        shard_device = torch.device("cpu") if offload else device
-        pin = offload and device.type == "cuda"
-        self.master = torch.zeros(self.shard_numel, dtype=torch.float32, device=shard_device, pin_memory=pin)
-        self.grad = torch.zeros(self.shard_numel, dtype=torch.float32, device=shard_device, pin_memory=pin)
+        if offload:
+            # Host path (also on a cpu device, so that CI exercises it): fp32 master, gradient and
+            # optimizer state in host memory, and a compute-dtype copy of the master that is what
+            # goes up to the device (pinned on cuda; in fp32 the master itself).
+            if upload is None:
+                upload = torch.empty(self.shard_numel, dtype=compute_dtype)
+            self.upload: torch.Tensor | None = upload
+            self.master = upload if compute_dtype == torch.float32 else torch.zeros(self.shard_numel)
+            self.grad = torch.zeros(self.shard_numel)
+        else:
+            self.upload = None
+            self.master = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
+            self.grad = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
+        self.upload_event = None  # cuda: the last host->device copy reading ``upload``
         self.payload = torch.empty(chunk_size, dtype=compute_dtype, device=device)
         self.payload.untyped_storage().resize_(0)
         self.allocated = False  # payload storage present
         self.fresh = False  # payload holds the current weights
-        self.staging: torch.Tensor | None = None  # gradients of this backward, compute dtype
+        self.staging: StagingBuffer | None = None  # gradients of this backward, compute dtype
         self.staged = 0  # parameters whose gradient is in ``staging``
-        self.pending: tuple[Handle, torch.Tensor, torch.Tensor] | None = None  # reduce in flight
+        self.received = 0  # parameters whose gradient arrived in this backward
+        self.pending: tuple[StagingBuffer, Handle | Future] | None = None  # reduction in flight
 
     # --- layout -------------------------------------------------------------------------------
 
@@ -106,7 +126,29 @@ class Chunk:
 
     def init_master(self, full_fp32: torch.Tensor) -> None:
         """Sets this rank's master shard from the full fp32 chunk (padding zero)."""
-        self.master.copy_(full_fp32[self.shard_begin : self.shard_begin + self.shard_numel])
+        self.set_master(full_fp32[self.shard_begin : self.shard_begin + self.shard_numel])
+
+    def set_master(self, shard_fp32: torch.Tensor) -> None:
+        """Sets this rank's master shard (``shard_numel`` elements) and refreshes its upload copy.
+
+        Every write to a master goes through here or through the optimizer step, which calls
+        ``refresh_upload`` after it.
+        """
+        self.wait_upload()
+        self.master.copy_(shard_fp32)
+        self.refresh_upload()
+
+    def wait_upload(self) -> None:
+        """Waits until no host->device copy still reads the upload copy (before writing it)."""
+        if self.upload_event is not None:
+            self.upload_event.synchronize()
+            self.upload_event = None
+
+    def refresh_upload(self) -> None:
+        """Casts the fp32 master into the compute-dtype upload copy (offloaded chunks)."""
+        if self.upload is not None and self.upload is not self.master:
+            self.wait_upload()
+            self.upload.copy_(self.master)
 
     def flat_from_params(self) -> torch.Tensor:
         """The full chunk built from the parameters' current data, fp32, on the device."""
@@ -142,16 +184,22 @@ class Chunk:
         return Handle(None, lambda: (handle.wait(), torch.cuda.current_stream(self.device).wait_event(event)))
 
     def _gather_on_current_stream(self, async_op: bool) -> Handle:
-        shard = self.master
+        # In place, as FSDP does: this rank's part of the payload is written from the shard (the
+        # compute-dtype upload copy of a host shard crosses the link; a device shard is cast), then
+        # gathered around it; no temporary. Writes go through .data (a fresh version counter):
+        # gathering must not look like an in-place change to the tensors autograd saved.
+        raw = self.payload.data
+        mine = raw[self.shard_begin : self.shard_begin + self.shard_numel]
         if self.offload:
-            # Host path: copy the host shard into a device buffer first (a real copy, also on cpu).
-            shard = torch.empty(self.shard_numel, dtype=torch.float32, device=self.device)
-            shard.copy_(self.master, non_blocking=True)
-        if shard.dtype != self.compute_dtype:
-            shard = shard.to(self.compute_dtype)
-        # Writes go through .data (a fresh version counter): gathering must not look like an in-place
-        # change to the tensors autograd saved from this chunk.
-        return self.comm.all_gather_into_tensor(self.payload.data, shard, async_op=async_op)
+            mine.copy_(self.upload, non_blocking=True)
+            if self.device.type == "cuda":
+                self.upload_event = torch.cuda.Event()
+                self.upload_event.record()
+        else:
+            mine.copy_(self.master)
+        if self.comm.world_size == 1:
+            return DONE
+        return self.comm.all_gather_into_tensor(raw, mine, async_op=async_op)
 
     def bind(self) -> None:
         """Points the parameters at their views of the gathered payload."""
@@ -185,44 +233,47 @@ class Chunk:
     # --- gradients -----------------------------------------------------------------------------
 
     def reduce_ready(self) -> bool:
-        return self.staged == len(self.slots)
+        """Every parameter's gradient of this backward has arrived (the rest is staged or reduced)."""
+        return self.received == len(self.slots) and self.staging is not None
 
-    def start_reduce(self) -> None:
-        """Starts the reduce-scatter of the staged gradients (missing ones count as zero)."""
-        staging = self.staging
+    def start_reduce(self, drain: GradDrain) -> None:
+        """Starts the reduce-scatter of the staged gradients (missing ones count as zero).
+
+        Args:
+            drain: moves the reduced shard of an offloaded chunk to the host, overlapped.
+        """
+        buffer = self.staging
         self.staging = None
         self.staged = 0
         for slot in self.slots:
-            slot.state = transition(slot.state, "reduced")
+            if slot.state in GRAD_STAGED:
+                slot.state = transition(slot.state, "reduced")
         world = self.comm.world_size
-        if world == 1:
-            self.pending = (Handle(), staging, staging)
-            self.pending[0].done = True
-            return
-        staging.div_(world)  # average over ranks (gloo has no AVG)
-        out = torch.empty(self.shard_numel, dtype=staging.dtype, device=staging.device)
-        handle = self.comm.reduce_scatter_tensor(out, staging, async_op=True)
-        self.pending = (handle, out, staging)
+        handle = DONE
+        if world > 1:
+            buffer.full.div_(world)  # average over ranks (gloo has no AVG)
+            handle = self.comm.reduce_scatter_tensor(buffer.out, buffer.full, async_op=True)
+        if self.offload:
+            self.pending = (buffer, drain.submit(handle, buffer, self.grad))
+        else:
+            self.pending = (buffer, handle)
 
-    def finish_reduce(self) -> torch.Tensor | None:
-        """Waits for the reduce in flight and adds it into the fp32 shard gradient.
+    def finish_reduce(self) -> StagingBuffer | None:
+        """Waits for the reduction in flight; its result is then in the fp32 shard gradient.
 
         Returns:
             The staging buffer, free to reuse (None when nothing was in flight).
         """
         if self.pending is None:
             return None
-        handle, out, staging = self.pending
+        buffer, waitable = self.pending
         self.pending = None
-        handle.wait()
-        if out is staging:
-            out = staging[self.shard_begin : self.shard_begin + self.shard_numel]
-        if self.offload:
-            host = torch.empty(self.shard_numel, dtype=out.dtype, device="cpu", pin_memory=self.device.type == "cuda")
-            host.copy_(out)
-            out = host
-        self.grad.add_(out)
-        return staging
+        if isinstance(waitable, Future):
+            waitable.result()  # copied down and added on the host by the drain
+        else:
+            waitable.wait()
+            self.grad.add_(buffer.out)
+        return buffer
 
     # --- accounting ----------------------------------------------------------------------------
 

@@ -65,7 +65,12 @@ def check_plan_matches(model: torch.nn.Module, plan: Plan) -> None:
         raise ValueError("the plan does not match the model's parameters: " + "; ".join(problems))
 
 
-def setup(model: torch.nn.Module, optimizer: torch.optim.Optimizer, plan: Plan | str | None = None):
+def setup(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    plan: Plan | str | None = None,
+    find_unused_parameters: bool | None = None,
+):
     """Shards ``model`` and ``optimizer`` as the plan says.
 
     Starts the process group when needed (nccl for cuda, gloo for cpu; from the torchrun
@@ -76,6 +81,9 @@ def setup(model: torch.nn.Module, optimizer: torch.optim.Optimizer, plan: Plan |
         model: the user's module (weights as initialised; rank 0's are used everywhere).
         optimizer: an optimizer built on ``model.parameters()`` (Adam, AdamW, SGD, param groups kept).
         plan: a Plan, a path to a plan YAML, or None to read ``$ELIXIR_TUNE_PLAN``.
+        find_unused_parameters: True when some parameters may get no gradient in some steps (they
+            are then skipped, as torch skips grad None; costs a small all-reduce and a host sync per
+            step); False when every parameter always gets one; None learns it from the first step.
 
     Returns:
         (model, optimizer): an ElixirModel to call like the original module, and a
@@ -86,4 +94,4 @@ def setup(model: torch.nn.Module, optimizer: torch.optim.Optimizer, plan: Plan |
     check_plan_matches(model, plan)
     comm = init_comm(plan.world_size, plan.cluster.device, plan.cluster.backend)
     engine = Engine(model, plan, comm)
-    return ElixirModel(model, engine), ShardedOptimizer(optimizer, engine)
+    return ElixirModel(model, engine), ShardedOptimizer(optimizer, engine, find_unused_parameters)

@@ -144,12 +144,15 @@ class MemoryPlan:
         cache_blocks: gathered non-resident chunks the device holds at once.
         prefetch: chunks fetched ahead of their first use.
         chunks: every trainable parameter exactly once, in first-use order.
+        staging_buffers: chunk-sized gradient buffers that backward fills and reduce-scatters
+            from (a bounded pool: when none is free the oldest reduction is finished first).
     """
 
     chunk_size: int
     cache_blocks: int
     prefetch: int
     chunks: list[ChunkPlan]
+    staging_buffers: int = 2
 
 
 @dataclass
@@ -164,6 +167,8 @@ class Prediction:
         peak_gpu_bytes: peak device memory of one rank.
         peak_host_bytes: peak host memory of one node.
         model_state_bytes: the model-state part of memory, keys MODEL_STATE_KEYS.
+        transient_bytes: what the engine allocates beside the model states, keys TRANSIENT_KEYS
+            (``elixir_tune.plan.memory``).
         breakdown: named parts of the step time in seconds (compute_s, exposed_fetch_s, ...).
     """
 
@@ -174,6 +179,7 @@ class Prediction:
     peak_gpu_bytes: int
     peak_host_bytes: int
     model_state_bytes: dict[str, int] = field(default_factory=dict)
+    transient_bytes: dict[str, int] = field(default_factory=dict)
     breakdown: dict[str, float] = field(default_factory=dict)
 
 

@@ -42,6 +42,7 @@ _SECTIONS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "cache_blocks": (_INT, True),
         "prefetch": (_INT, True),
         "chunks": (_LIST, True),
+        "staging_buffers": (_INT, False),
     },
     "prediction": {
         "step_time_s": (_NUM, True),
@@ -51,6 +52,7 @@ _SECTIONS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "peak_gpu_bytes": (_INT, True),
         "peak_host_bytes": (_INT, True),
         "model_state_bytes": (_MAP, False),
+        "transient_bytes": (_MAP, False),
         "breakdown": (_MAP, False),
     },
     "search": {
@@ -77,6 +79,7 @@ _POSITIVE = {
     "training.grad_accum_steps",
     "training.seq_len",
     "memory.chunk_size",
+    "memory.staging_buffers",
 }
 _NON_NEGATIVE = {
     "model.num_blocks",

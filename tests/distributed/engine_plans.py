@@ -82,6 +82,7 @@ def make_plan(
     grad_accum_steps: int = 1,
     seq_len: int = 8,
     device: str = "cpu",
+    staging_buffers: int = 2,
 ) -> Plan:
     """A valid plan for ``model``.
 
@@ -134,7 +135,13 @@ def make_plan(
             seq_len=seq_len,
             activation_checkpointing=Checkpointing(every=checkpoint_every),
         ),
-        memory=MemoryPlan(chunk_size=chunk_size, cache_blocks=blocks, prefetch=prefetch, chunks=chunks),
+        memory=MemoryPlan(
+            chunk_size=chunk_size,
+            cache_blocks=blocks,
+            prefetch=prefetch,
+            chunks=chunks,
+            staging_buffers=staging_buffers,
+        ),
     )
     problems = validate(plan)
     assert not problems, problems

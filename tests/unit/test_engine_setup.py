@@ -14,6 +14,7 @@ from engine_plans import batches, make_plan, param_groups, tied_net, tiny_gpt2  
 
 import elixir_tune  # noqa: E402
 from elixir_tune.plan import MODEL_STATE_KEYS, SHARD_BYTES_PER_ELEMENT  # noqa: E402
+from elixir_tune.plan.memory import TRANSIENT_KEYS  # noqa: E402
 
 
 def setup_tied(**plan_kwargs):
@@ -71,7 +72,7 @@ def test_state_dict_has_original_names_and_weights():
 def test_memory_report_equals_the_plan_formulas():
     model, opt, plan, _ = setup_tied(cache=2, offload=0.5, resident=(0,))
     report = model.memory_report()
-    assert tuple(report) == MODEL_STATE_KEYS
+    assert tuple(report) == MODEL_STATE_KEYS + TRANSIENT_KEYS
     shard = plan.memory.chunk_size
     adam = SHARD_BYTES_PER_ELEMENT["adam"]
     n_off = sum(c.offload for c in plan.memory.chunks)
@@ -80,6 +81,9 @@ def test_memory_report_equals_the_plan_formulas():
         "resident_bytes": plan.memory.chunk_size * 4,
         "device_shard_bytes": (len(plan.memory.chunks) - n_off) * shard * adam,
         "host_shard_bytes": n_off * shard * adam,
+        "staging_bytes": 2 * plan.memory.chunk_size * 4,  # two staging buffers, no separate output at world 1
+        "host_copy_bytes": 0,  # fp32: the offloaded masters are what goes up
+        "landing_bytes": 2 * shard * 4,
     }
     train_step(model, opt, batches(1, 2, 8)[0])
     assert model.memory_report() == report  # optimizer state is preallocated: no growth at the first step

@@ -132,7 +132,11 @@ MALFORMED = [
         "training.activation_checkpointing.every: expected 0 (none), 1 (all) or k > 1, got -2",
     ),
     ("cluster.backend", "nccl", "cluster.backend: nccl needs GPUs; a cpu plan uses gloo"),
-    ("memory.colour", "red", "memory.colour: unknown field (known: chunk_size, cache_blocks, prefetch, chunks)"),
+    (
+        "memory.colour",
+        "red",
+        "memory.colour: unknown field (known: chunk_size, cache_blocks, prefetch, chunks, staging_buffers)",
+    ),
 ]
 
 
