@@ -198,3 +198,20 @@ def test_optimizer_state_dict_round_trip_keeps_training_identical():
     train_step(model, opt, data[1])
     assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
     assert model.memory_report() == bytes_before
+
+
+def test_device_follows_local_rank_and_visible_devices(monkeypatch):
+    from elixir_tune.engine.comm import pick_device
+
+    assert pick_device("cpu") == torch.device("cpu")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)  # torchrun on a 4-GPU node
+    assert pick_device("cuda") == torch.device("cuda", 2)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # CUDA_VISIBLE_DEVICES narrowed per process
+    assert pick_device("cuda") == torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(RuntimeError, match="LOCAL_RANK is 2 but this process sees 2 GPUs"):
+        pick_device("cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(RuntimeError, match="no GPU is visible"):
+        pick_device("cuda")
