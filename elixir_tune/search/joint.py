@@ -215,9 +215,9 @@ def explore(model: CostModel, budget: Budget, fixed: dict, top_k: int) -> Explor
                     for prefetch in prefetch_choices(cache_blocks, minimum, cacheable, fixed):
                         shape = Shape(chunk_size, cache_blocks, 0, prefetch, every, micro_batch, accum)
                         base = model.memory(shape)
-                        need_all_offloaded = base.peak_gpu_bytes - num_chunks * shard_state_bytes
+                        need_all_offloaded = base.required_gpu_bytes - num_chunks * shard_state_bytes
                         min_gpu = need_all_offloaded if min_gpu is None else min(min_gpu, need_all_offloaded)
-                        over = base.peak_gpu_bytes - budget.usable_gpu_bytes
+                        over = base.required_gpu_bytes - budget.usable_gpu_bytes  # the margin stays free
                         smallest = max(0, -(-over // shard_state_bytes))
                         if smallest > num_chunks:
                             continue

@@ -67,6 +67,7 @@ def build_plan(
         peak_gpu_bytes=int(candidate.memory.peak_gpu_bytes),
         peak_host_bytes=int(candidate.memory.peak_host_bytes),
         model_state_bytes=dict(candidate.memory.model_state_bytes),
+        transient_bytes=dict(candidate.memory.transient_bytes),
         breakdown={key: round(value, 6) for key, value in candidate.estimate.breakdown.items()},
     )
     device = model.hardware.device
@@ -95,7 +96,11 @@ def build_plan(
             activation_checkpointing=Checkpointing(every=shape.every),
         ),
         memory=MemoryPlan(
-            chunk_size=shape.chunk_size, cache_blocks=shape.cache_blocks, prefetch=shape.prefetch, chunks=chunks
+            chunk_size=shape.chunk_size,
+            cache_blocks=shape.cache_blocks,
+            prefetch=shape.prefetch,
+            chunks=chunks,
+            staging_buffers=shape.staging_buffers,
         ),
         prediction=prediction,
         search=SearchInfo(

@@ -1,5 +1,6 @@
 """A plan from the real profiler and search runs in the engine, and the engine's model-state memory
-equals what the search predicted, for several plan shapes (world size 1, in-process)."""
+and its other buffers (staging pool, upload copies, landing buffers) equal what the search
+predicted, for several plan shapes (world size 1, in-process)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def test_engine_model_states_equal_the_prediction(tiny, fixed: dict):
     model = source.build_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer = elixir_tune.setup(model, optimizer, plan=plan)
-    assert model.memory_report() == plan.prediction.model_state_bytes
+    predicted = {**plan.prediction.model_state_bytes, **plan.prediction.transient_bytes}
+    assert model.memory_report() == predicted
 
     batch = source.example_batch(plan.training.micro_batch_size, plan.training.seq_len)
     losses = []
@@ -46,4 +48,4 @@ def test_engine_model_states_equal_the_prediction(tiny, fixed: dict):
         optimizer.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < losses[0]  # the same batch three times: a working step lowers its loss
-    assert model.memory_report() == plan.prediction.model_state_bytes
+    assert model.memory_report() == predicted
