@@ -14,8 +14,8 @@ the landing buffers of their gradients on the host, pinned (rounded to a power o
 
 The rest of the device peak is frozen parameters, activations at the micro-batch size (a line
 from the profile, interpolated by blocks for every-k checkpointing), model buffers, and the
-gradient of the largest parameter, which autograd allocates before the engine copies it into the
-staging buffer. That is what a step allocates (``peak_gpu_bytes``). Beside it the search keeps a
+gradients autograd holds before the engine copies them into the staging buffer (twice the largest
+parameter, at fp32 width). That is what a step allocates (``peak_gpu_bytes``). Beside it the search keeps a
 margin free (``margin_bytes``) for what tensors do not show: allocator fragmentation and
 workspaces, and the buffers of the communication library.
 """
@@ -30,6 +30,13 @@ from elixir_tune.plan.schema import DTYPE_BYTES, SHARD_BYTES_PER_ELEMENT
 from elixir_tune.profiler.schema import ModelProfile
 
 SHARD_BYTES = SHARD_BYTES_PER_ELEMENT["adam"]
+# Parameter gradients autograd holds before the engine stages them: the outputs of one backward
+# node arrive together, and a tied parameter's two contributions exist before they are summed.
+GRADS_IN_FLIGHT = 2
+# ... at fp32 width whatever the compute dtype: CPU kernels such as the embedding backward
+# accumulate a bf16/fp16 gradient in fp32 before casting it (a workspace the meta-device profile
+# cannot see).
+GRAD_KERNEL_BYTES = 4
 # The plan's default gradient staging pool.
 STAGING_BUFFERS = 2
 # Allocator margin on a GPU: at least 1 GiB or 5% of the device, whichever is larger (the caching
@@ -221,8 +228,8 @@ def estimate_memory(
         staging_buffers: the gradient staging pool.
         device: ``cuda`` (host buffers pinned, GPU margin) or ``cpu``.
         device_memory_bytes: memory of one device, for the margin.
-        largest_param_numel: elements of the largest trainable parameter (its gradient arrives
-            whole before it is staged).
+        largest_param_numel: elements of the largest trainable parameter (gradients arrive whole
+            before they are staged).
 
     Returns:
         The estimate.
@@ -234,7 +241,7 @@ def estimate_memory(
     dtype_bytes = DTYPE_BYTES[dtype]
     frozen = frozen_numel * dtype_bytes
     activations = activation_bytes(profile, micro_batch_size, every, dtype)
-    buffers = profile.buffers_bytes + largest_param_numel * dtype_bytes
+    buffers = profile.buffers_bytes + GRADS_IN_FLIGHT * largest_param_numel * GRAD_KERNEL_BYTES
     peak_gpu = (
         states["cache_bytes"]
         + states["resident_bytes"]

@@ -45,6 +45,7 @@ class ChunkCache:
         self.side_stream = side_stream  # CUDA: prefetches run on it
         self.held: dict[int, Chunk] = {}  # chunks whose payload is allocated, by id
         self.inflight: dict[int, Handle] = {}
+        self.unused_prefetch: set[int] = set()  # prefetched, not yet used
         ids = [chunk.id for chunk in self.chunks]
         self._set_trace(ids + ids[::-1])
         self._recording: list[int] | None = []
@@ -97,14 +98,17 @@ class ChunkCache:
     def _victim(self, keep: set[int], before: float | None = None) -> Chunk | None:
         """The evictable chunk used furthest in the future (only if later than ``before``).
 
-        Chunks still awaiting gradients in this backward are taken only when no other chunk can go.
+        Chunks still awaiting gradients in this backward are taken only when no other chunk can go,
+        and prefetched chunks not used yet only after them (evicting one wastes its gather).
         """
-        for allow_awaiting in (False, True):
+        for allow_awaiting, allow_prefetched in ((False, False), (True, False), (True, True)):
             best, best_use = None, -1.0
             for chunk_id, chunk in self.held.items():
                 if chunk_id in keep or chunk_id in self.inflight or chunk.in_use():
                     continue
                 if not allow_awaiting and chunk.awaiting_grads():
+                    continue
+                if not allow_prefetched and chunk_id in self.unused_prefetch:
                     continue
                 use = self.next_use(chunk_id) if chunk.fresh else math.inf  # stale: free to take
                 if use > best_use:
@@ -116,6 +120,7 @@ class ChunkCache:
         return None
 
     def evict(self, chunk: Chunk) -> None:
+        self.unused_prefetch.discard(chunk.id)
         if chunk.fresh:
             chunk.unbind(self._placeholder(chunk))
         chunk.free()
@@ -153,6 +158,7 @@ class ChunkCache:
         keep = {chunk.id for chunk in chunks}
         for chunk in chunks:
             self._advance(chunk.id)
+            self.unused_prefetch.discard(chunk.id)
             handle = self.inflight.pop(chunk.id, None)
             if handle is not None:
                 handle.wait()
@@ -186,6 +192,7 @@ class ChunkCache:
                     return
                 self.evict(victim)
             self.inflight[chunk_id] = self._start_gather(chunk, async_op=True)
+            self.unused_prefetch.add(chunk_id)
 
     def wait_all(self) -> None:
         """Completes every prefetch in flight (leaves the chunks gathered)."""
@@ -197,6 +204,7 @@ class ChunkCache:
     def invalidate(self) -> None:
         """After an optimizer step: gathered copies are stale; slots stay allocated for reuse."""
         self.wait_all()
+        self.unused_prefetch.clear()  # stale now: free to take
         for chunk in self.held.values():
             if chunk.fresh:
                 chunk.unbind(self._placeholder(chunk))

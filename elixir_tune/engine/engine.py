@@ -99,6 +99,8 @@ class Engine:
             self.module_names, self._pre_forward, self._post_forward, self._pre_backward
         )
         self._handles += install_grad_hooks([slot.param for slot in self.slots], self._on_grad)
+        self._checkpointed_block: dict[torch.nn.Module, torch.nn.Module] = {}  # module -> its checkpointed block
+        self._recomputed: set[torch.nn.Module] = set()  # checkpointed blocks recomputed in this backward
         self._apply_checkpointing()
 
         self.used = torch.zeros(len(self.slots), dtype=torch.bool)  # got a gradient since zero_grad (host)
@@ -197,6 +199,8 @@ class Engine:
         for index, block in enumerate(blocks):
             if checkpointing.applies_to(index):
                 wrap_checkpointed(block)
+                for module in block.modules():
+                    self._checkpointed_block[module] = block
 
     # --- forward -------------------------------------------------------------------------------
 
@@ -220,9 +224,12 @@ class Engine:
                 slot.state = transition(slot.state, "reduced")
         self.cache.wait_all()
         self._bwd_module, self._bwd_pins = None, []
+        self._recomputed.clear()
         self._callback_queued = self.in_backward = False
 
     def _pre_forward(self, module: torch.nn.Module) -> None:
+        if self.in_backward and module in self._checkpointed_block:
+            self._recomputed.add(self._checkpointed_block[module])
         if self.in_backward and self._bwd_module is not None:
             # A recomputation: the module waiting for it need not hold its chunks meanwhile (its
             # own recomputed forward, which comes last, gathers them again and pins them).
@@ -258,7 +265,22 @@ class Engine:
             self._set_state(old, "done")
         self._bwd_pins = pins
         self._bwd_module = module
-        self.cache.fetch(self._chain_chunks(module), self.module_names[module])
+        block = self._checkpointed_block.get(module)
+        if (
+            block is not None
+            and block not in self._recomputed
+            and all(self._checkpointed_block.get(a) is not block for a in pins[1:])
+        ):
+            # The module's backward first recomputes its checkpointed block, whose forward hooks
+            # gather the module's chunks again (and pin them, it comes last): gathering them now
+            # would be a wasted fetch (the cost model's trace has none). Ancestors outside the
+            # block still get theirs.
+            pins = pins[1:]
+            chunks = list(dict.fromkeys(c for a in pins for c in self.module_chunks[a]))
+            if chunks:
+                self.cache.fetch(chunks, self.module_names[module])
+        else:
+            self.cache.fetch(self._chain_chunks(module), self.module_names[module])
         for pinned in pins:
             self._set_state(pinned, "use")
         for slot in self.module_slots[module]:
@@ -328,6 +350,7 @@ class Engine:
         self.cache.finish_recording()
         self._bwd_module = None
         self._bwd_pins = []
+        self._recomputed.clear()
         self._callback_queued = False
         self.in_backward = False
         self.backward_passes += 1

@@ -92,8 +92,8 @@ def test_frozen_parameters_are_not_chunked_but_counted_on_the_device():
         largest_param_numel=50,
     )
     # cache 1*120*2 + resident 120*2 + one device shard 60*16 + staging 2 x (chunk 120 + shard 60) x 2
-    # + frozen 40*2 + activations 1000+2*400 + buffers 64 + the largest gradient 50*2
-    assert memory.peak_gpu_bytes == 240 + 240 + 960 + 720 + 80 + 1800 + 64 + 100
+    # + frozen 40*2 + activations 1000+2*400 + buffers 64 + gradients in flight 2 x 50 x 4 (fp32 width)
+    assert memory.peak_gpu_bytes == 240 + 240 + 960 + 720 + 80 + 1800 + 64 + 400
     assert memory.transient_bytes["staging_bytes"] == 720
     # kept free: 1 GiB (more than 5% of an unknown device and the probe's 1000) + NCCL's buffers
     assert memory.margin_bytes == (1 << 30) + (512 << 20)
