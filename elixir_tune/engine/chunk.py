@@ -1,5 +1,9 @@
 """Chunks: flat buffers holding whole parameters, sharded over the data-parallel ranks.
 
+Each parameter starts at an aligned offset (``elixir_tune.plan.memory.padded_offsets``: 16 bytes
+in bf16, as FSDP pads) so that kernels see aligned views; the padding stays zero. A plan packed
+before alignment existed (its parameters do not fit padded) is laid out back to back, as packed.
+
 A chunk of ``chunk_size`` elements is cut into ``world_size`` equal shards; this rank owns
 ``[rank * shard, (rank + 1) * shard)``. The shard's fp32 master weights and gradient live on the
 device, or in host memory when the chunk is offloaded (the host path always uses its own buffers
@@ -26,6 +30,7 @@ import torch
 from elixir_tune.engine.comm import DONE, Comm, Handle
 from elixir_tune.engine.staging import GradDrain, StagingBuffer
 from elixir_tune.engine.states import GRAD_STAGED, TensorState, transition
+from elixir_tune.plan.memory import padded_offsets
 
 
 @dataclass
@@ -80,16 +85,20 @@ class Chunk:
         self.offload = offload
         self.shard_numel = chunk_size // comm.world_size
         self.shard_begin = comm.rank * self.shard_numel
-        self.slots: list[ParamSlot] = []
-        offset = 0
-        for index, (name, param) in enumerate(named_params):
-            self.slots.append(ParamSlot(name, param, self, index, offset, param.numel(), param.shape))
-            offset += param.numel()
-        self.numel = offset
-        if offset > chunk_size:
-            raise ValueError(
-                f"chunk {chunk_id}: its parameters hold {offset} elements, more than chunk_size {chunk_size}"
-            )
+        numels = [param.numel() for _, param in named_params]
+        offsets, end = padded_offsets(numels)
+        self.aligned = end <= chunk_size
+        if not self.aligned:
+            # A plan packed before parameters were aligned: back to back, as it was packed.
+            offsets = [sum(numels[:i]) for i in range(len(numels))]
+            end = sum(numels)
+        if end > chunk_size:
+            raise ValueError(f"chunk {chunk_id}: its parameters hold {end} elements, more than chunk_size {chunk_size}")
+        self.slots: list[ParamSlot] = [
+            ParamSlot(name, param, self, index, offset, param.numel(), param.shape)
+            for index, ((name, param), offset) in enumerate(zip(named_params, offsets, strict=True))
+        ]
+        self.numel = end
 
         if offload:
             # Host path (also on a cpu device, so that CI exercises it): fp32 master, gradient and

@@ -14,6 +14,7 @@ Life of a micro-batch:
 
 from __future__ import annotations
 
+import warnings
 from collections import deque
 
 import torch
@@ -76,6 +77,13 @@ class Engine:
             for slot in chunk.slots:
                 self.slot_of[id(slot.param)] = slot
         self.slots: list[ParamSlot] = [slot for chunk in self.chunks for slot in chunk.slots]
+        unaligned = [chunk.id for chunk in self.chunks if not chunk.aligned]
+        if unaligned:
+            warnings.warn(
+                f"chunks {unaligned[:5]} of this plan were packed without alignment padding (an older "
+                "elixir-tune): they run, with parameters not 16-byte aligned; run `elixir-tune search` again",
+                stacklevel=2,
+            )
         self._init_shards()
         self._place_replicated()
 

@@ -59,3 +59,40 @@ def transient_bytes(
         "host_copy_bytes": pinned_bytes(host_copy, pinned) - masters_inside,
         "landing_bytes": pinned_bytes(landing, pinned),
     }
+
+
+# --- alignment --------------------------------------------------------------------------------
+
+# Every parameter starts at a multiple of 8 elements inside its chunk (16 bytes in bf16/fp16, 32 in
+# fp32), as FSDP pads, so that kernels see aligned views; chunk sizes are multiples of 8 x the
+# world size, so that every rank's shard starts aligned too. The cost model's packing, validate and
+# the engine use these same helpers.
+ALIGN_ELEMENTS = 8
+
+
+def align_up(numel: int, multiple: int = ALIGN_ELEMENTS) -> int:
+    """``numel`` rounded up to a multiple of ``multiple``."""
+    return -(-numel // multiple) * multiple
+
+
+def padded_offsets(numels: list[int]) -> tuple[list[int], int]:
+    """Offsets of parameters packed in order with aligned starts, and the elements they span.
+
+    Args:
+        numels: elements of each parameter, in packing order.
+
+    Returns:
+        (offsets, end): each parameter's first element, and where the last one ends (the chunk's
+        ``numel``: the last parameter needs no padding after it).
+    """
+    offsets, end = [], 0
+    for numel in numels:
+        start = align_up(end)
+        offsets.append(start)
+        end = start + numel
+    return offsets, end
+
+
+def chunk_size_multiple(world_size: int) -> int:
+    """What a chunk size must be a multiple of for every shard to start aligned."""
+    return world_size * ALIGN_ELEMENTS

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from elixir_tune.plan.memory import ALIGN_ELEMENTS
 from elixir_tune.plan.schema import BACKENDS, DEVICES, DTYPES, MODEL_STATE_KEYS, SCHEMA_VERSION, Plan
 
 # Field tables: name -> (accepted python types, required). bool is excluded from int explicitly.
@@ -272,7 +273,9 @@ def validate_dict(raw: Any) -> list[str]:
             )
     if model.get("num_params") and chunks and all("numel" in chunk for chunk in chunks):
         total = sum(chunk["numel"] for chunk in chunks)
-        if total > model["num_params"]:
+        # numel spans the alignment padding between parameters (under ALIGN_ELEMENTS each).
+        padding = sum(len(chunk.get("params", [])) for chunk in chunks) * (ALIGN_ELEMENTS - 1)
+        if total > model["num_params"] + padding:
             errors.append(f"memory.chunks: hold {total} elements, more than model.num_params {model['num_params']}")
 
     states = sections.get("prediction", {}).get("model_state_bytes", {})

@@ -63,10 +63,12 @@ def test_packing_is_greedy_in_first_use_order_and_shared_params_are_resident():
     layout = pack_chunks(small_profile(), chunk_size=120)
     assert [(c.params, c.numel, c.resident) for c in layout.chunks] == [
         ([0], 100, True),
-        ([1, 2], 110, False),
+        ([1, 2], 114, False),  # b starts at 64, a multiple of 8 elements: 64 + 50
         ([3], 40, False),
     ]
     assert layout.chunk_of_param == [0, 1, 1, 2]
+    # Without room for the padding, b moves to a chunk of its own.
+    assert [c.params for c in pack_chunks(small_profile(), chunk_size=112).chunks] == [[0], [1], [2, 3]]
     with pytest.raises(ValueError):
         pack_chunks(small_profile(), chunk_size=99)
 

@@ -215,3 +215,45 @@ def test_device_follows_local_rank_and_visible_devices(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(RuntimeError, match="no GPU is visible"):
         pick_device("cuda")
+
+
+def test_parameters_start_16_byte_aligned_in_their_chunk():
+    model = tiny_gpt2()
+    plan = make_plan(model, 1, 4096, dtype="bf16")
+    wrapped, opt = elixir_tune.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3), plan=plan)
+    seen = []
+
+    def check(module, args):
+        for param in module.parameters(recurse=False):
+            seen.append(param.data_ptr() % 16)
+
+    for module in wrapped.module.modules():
+        module.register_forward_pre_hook(check)  # runs after the engine's hook: parameters gathered
+    train_step(wrapped, opt, batches(1, 2, 8)[0])
+    assert seen and set(seen) == {0}
+    assert all(slot.offset % 8 == 0 for chunk in wrapped.engine.chunks for slot in chunk.slots)
+
+
+def test_a_plan_packed_without_padding_still_runs():
+    from elixir_tune.plan import ChunkPlan, MemoryPlan
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 2))  # 15, 5, 10, 2 elements
+
+    model = build()
+    plan = make_plan(model, 1, 64)
+    names = [name for name, _ in model.named_parameters()]
+    # As an older search packed it: back to back, 32 elements in a chunk of 32 (padded they need 34).
+    plan.memory = MemoryPlan(chunk_size=32, cache_blocks=1, prefetch=0, chunks=[ChunkPlan(0, names, 32)])
+    x = torch.randn(4, 3)
+    reference = build()
+    reference(x).square().sum().backward()
+    with pytest.warns(UserWarning, match="without alignment padding"):
+        wrapped, opt = elixir_tune.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), plan=plan)
+    opt.backward(wrapped(x).square().sum())
+    opt.step()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    state = wrapped.state_dict()
+    for name, value in reference.state_dict().items():
+        assert torch.allclose(state[name], value, atol=1e-6), name
