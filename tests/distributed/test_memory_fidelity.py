@@ -63,6 +63,7 @@ def test_predicted_peak_covers_the_measured_one_within_15_percent(results):
     table = "\n".join(
         f"{label} rank {rank}: measured {m} predicted {p} ({r:.3f}x): {d}" for label, rank, m, p, r, d in rows
     )
+    print(table)  # pytest -s shows the figures
     assert all(m <= p for _, _, m, p, _, _ in rows), table
     assert all(r <= MAX_OVER for *_, r, _ in rows), table
 
