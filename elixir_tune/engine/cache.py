@@ -83,12 +83,13 @@ class ChunkCache:
         if i < len(positions):
             self.pos = positions[i]
 
-    def next_use(self, chunk_id: int) -> float:
-        """Position of the chunk's next access (later micro-batches continue the trace)."""
+    def next_use(self, chunk_id: int, after: int | None = None) -> float:
+        """Position of the chunk's next access after ``after`` (default: now; later micro-batches
+        continue the trace)."""
         positions = self._positions.get(chunk_id)
         if not positions:
             return math.inf
-        i = bisect.bisect_right(positions, self.pos)
+        i = bisect.bisect_right(positions, self.pos if after is None else after)
         if i < len(positions):
             return positions[i]
         return len(self.trace) + positions[0]
@@ -187,12 +188,29 @@ class ChunkCache:
             if chunk.fresh or chunk_id in self.inflight:
                 continue
             if chunk_id not in self.held and len(self.held) >= self.cache_blocks:
-                victim = self._victim(keep | {chunk_id}, before=self.next_use(chunk_id))
+                victim = self._prefetch_victim(keep, self.next_use(chunk_id))
                 if victim is None:
                     return
                 self.evict(victim)
             self.inflight[chunk_id] = self._start_gather(chunk, async_op=True)
             self.unused_prefetch.add(chunk_id)
+
+    def _prefetch_victim(self, keep: set[int], need_at: float) -> Chunk | None:
+        """The chunk that fetching on demand at position ``need_at`` would evict (the held chunk
+        used furthest after it), if it may go now: nothing needs it before then. Otherwise None
+        (the prefetch waits), so that prefetching only issues the fetches of demand fetching
+        earlier, as the cost model's timeline assumes, and never adds one."""
+        best, best_use = None, -1.0
+        for chunk in self.held.values():
+            current = chunk.fresh or chunk.id in self.inflight  # being gathered: current once bound
+            use = self.next_use(chunk.id, after=int(need_at)) if current else math.inf
+            if use > best_use:
+                best, best_use = chunk, use
+        if best is None or best_use <= need_at or best.id in keep or best.id in self.inflight:
+            return None
+        if best.in_use() or best.awaiting_grads() or (best.fresh and self.next_use(best.id) < need_at):
+            return None
+        return best
 
     def wait_all(self) -> None:
         """Completes every prefetch in flight (leaves the chunks gathered)."""

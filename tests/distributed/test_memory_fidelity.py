@@ -70,20 +70,21 @@ def test_predicted_peak_covers_the_measured_one_within_15_percent(results):
 
 @pytest.mark.slow
 def test_live_cache_gathers_and_uploads_equal_the_simulation(results):
-    """Equal counts, except where prefetch meets recomputation in a cache smaller than the model.
-
-    There (the plan's ``mb=1 accum=4`` shape) the engine still gathers 1-2 chunks per micro-batch
-    more than the simulation, which models fetches on demand (measured: GPT-2 96 vs 88, Llama 47
-    vs 43 per step); never fewer.
-    """
+    """Gathers are equal in every case; uploads too, except where prefetch meets recomputation in a
+    cache smaller than the model (GPT-2's ``mb=1 accum=4`` shape: 40 vs 37 per step): there the
+    engine and the simulation break ties between chunks used at the same step differently, so the
+    same number of gathers falls on other chunks (some offloaded). Printed under pytest -s."""
     differ = []
     for per_case in results:
         for result in per_case:
             assert result["ok"], (result.get("error"), result.get("trace"))
             engine, simulated, plan = result["engine_counts"], result["simulated_counts"], result["plan"]
             known_gap = plan["prefetch"] > 0 and plan["every"] > 0 and plan["cache_blocks"] < plan["chunks"] - 1
-            if known_gap:
-                assert all(engine[key] >= simulated[key] for key in engine), (_label(result["case"]), engine, simulated)
-            elif engine != simulated:
+            if engine["gathers"] != simulated["gathers"] or (
+                engine["uploads"] != simulated["uploads"] and not known_gap
+            ):
                 differ.append((_label(result["case"]), plan, engine, simulated))
+            if known_gap:
+                print("prefetch + recomputation, small cache:", _label(result["case"]), engine, simulated)
+                assert abs(engine["uploads"] - simulated["uploads"]) <= 0.1 * simulated["uploads"]
     assert not differ, "\n".join(map(str, differ))
