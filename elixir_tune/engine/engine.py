@@ -5,11 +5,15 @@ Life of a micro-batch:
               mark them idle and hook the module's outputs for backward;
     backward  output hooks fetch the chunks again (they may have been evicted; checkpointed blocks
               recompute through the forward hooks); each parameter's post-accumulate-grad hook
-              copies its gradient into the chunk's staging buffer, and a chunk whose gradients are
-              all staged starts its reduce-scatter (asynchronous) into the fp32 shard gradient;
+              copies its gradient into the chunk's staging buffer (a bounded pool, see
+              staging.py), and a chunk whose gradients are all staged starts its reduce-scatter
+              (asynchronous) into the fp32 shard gradient; an offloaded chunk's reduced shard
+              drains to the host gradient meanwhile;
     end       a callback queued on the autograd engine reduces the chunks left incomplete
-              (parameters unused in this step count as zero), in chunk order, and waits for all
-              reductions: gradients accumulate in the shard until the optimizer step or zero_grad.
+              (parameters unused in this step count as zero), in chunk order, and finishes the
+              device-side reductions; host-side ones keep draining until the optimizer (or the
+              next backward's need for a staging buffer) waits for them. Gradients accumulate in
+              the shard until the optimizer step or zero_grad.
 """
 
 from __future__ import annotations

@@ -9,6 +9,10 @@ host shards: the host one steps on the CPU), fused where torch has a fused imple
 
 Adam's and SGD-momentum's state is preallocated as one flat buffer per chunk shard (so a shard
 costs exactly 16, resp. 12, bytes per element) and handed to torch as views.
+
+A default step does not wait for the device: the norm, the clip coefficient and the fp16 overflow
+flag stay device tensors (the fused optimizers take the flag as ``found_inf``). The host side
+waits only for its own gradients (the drain's per-chunk events).
 """
 
 from __future__ import annotations
