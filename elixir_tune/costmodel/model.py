@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from elixir_tune.costmodel.cache import CacheSim, simulate_cache
-from elixir_tune.costmodel.layout import ChunkLayout, pack_chunks
-from elixir_tune.costmodel.memory import MemoryEstimate, checkpointed_blocks, estimate_memory
+from elixir_tune.costmodel.layout import ChunkLayout, largest_trainable_numel, pack_chunks
+from elixir_tune.costmodel.memory import STAGING_BUFFERS, MemoryEstimate, checkpointed_blocks, estimate_memory
 from elixir_tune.costmodel.timeline import (
     TransferCosts,
     combine_step,
@@ -40,6 +40,7 @@ class Shape:
         grad_accum_steps: micro-batches per step.
         offloaded: explicit chunk ids to offload instead of the first ``num_offloaded`` of
             ``CostModel.offload_order`` (a baseline strategy places shards its own way).
+        staging_buffers: the gradient staging pool.
     """
 
     chunk_size: int
@@ -50,6 +51,7 @@ class Shape:
     micro_batch_size: int
     grad_accum_steps: int
     offloaded: tuple[int, ...] | None = None
+    staging_buffers: int = STAGING_BUFFERS
 
 
 @dataclass
@@ -245,6 +247,11 @@ class CostModel:
             micro_batch_size=shape.micro_batch_size,
             every=shape.every,
             allocator_overhead_bytes=self.hardware.allocator_overhead_bytes,
+            prefetch=shape.prefetch,
+            staging_buffers=shape.staging_buffers,
+            device=self.hardware.device,
+            device_memory_bytes=self.hardware.gpu_memory_bytes,
+            largest_param_numel=largest_trainable_numel(self.profile),
         )
 
     def step_time(self, shape: Shape, record: list[tuple[str, float, float, str, int]] | None = None) -> StepEstimate:
