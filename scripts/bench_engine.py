@@ -3,13 +3,15 @@
 
     python scripts/bench_engine.py                      # both comparisons, default model
     python scripts/bench_engine.py --steps 6 --layers 4 --out benchmarks/results/engine-cpu.json
+    python scripts/bench_engine.py --device cuda --hardware h100-80gb-sxm --fix offload=0.5   # a lent GPU
 
 Model: transformers GPT-2 (n_embd 512, 6 layers, 8 heads, vocab 16384, seq 128: 27M parameters by
 default), fp32, AdamW; engine plan: 1M-element chunks, every chunk cached, no offload, no
 checkpointing, no prefetch (what a plan for a model that fits looks like). A step is forward +
 backward + optimizer step + zero_grad; baseline and engine steps alternate (the same load hits
 both); figures are the median and the minimum over ``--steps`` timed steps after ``--warmup``
-steps. Prints and saves JSON.
+steps. Prints and saves JSON. ``--device cuda`` measures a searched plan on one GPU against its
+prediction instead (see scripts/bench_engine_gpu.py).
 """
 
 from __future__ import annotations
@@ -30,14 +32,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
-def build_model(args):
-    import torch
-    import transformers
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    config = GPT2Config(
+def gpt2_config(args) -> dict:
+    """The benchmark model's GPT2Config fields (no dropout)."""
+    return dict(
         n_embd=args.hidden,
         n_layer=args.layers,
         n_head=args.heads,
@@ -49,23 +46,32 @@ def build_model(args):
         bos_token_id=0,
         eos_token_id=0,
     )
-    return GPT2LMHeadModel(config)
+
+
+def build_model(args):
+    import torch
+    import transformers
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(**gpt2_config(args)))
 
 
 def make_plan(model, world: int, chunk_size: int, prefetch: int = 0):
     from elixir_tune.engine import model_fingerprint
     from elixir_tune.plan import ChunkPlan, ClusterInfo, MemoryPlan, ModelInfo, Plan, TrainingInfo
+    from elixir_tune.plan.memory import align_up, chunk_size_multiple, padded_offsets
 
-    chunk_size = -(-chunk_size // world) * world
+    multiple = chunk_size_multiple(world)
+    chunk_size = max([align_up(chunk_size, multiple)] + [align_up(p.numel(), multiple) for p in model.parameters()])
     chunks, used = [[]], 0
-    for param in model.parameters():
-        chunk_size = max(chunk_size, -(-param.numel() // world) * world)
     for name, param in model.named_parameters():
-        if used + param.numel() > chunk_size and chunks[-1]:
+        if align_up(used) + param.numel() > chunk_size and chunks[-1]:
             chunks.append([])
             used = 0
         chunks[-1].append((name, param.numel()))
-        used += param.numel()
+        used = align_up(used) + param.numel()
     return Plan(
         model=ModelInfo(
             source="bench", fingerprint=model_fingerprint(model), num_params=sum(p.numel() for p in model.parameters())
@@ -79,7 +85,8 @@ def make_plan(model, world: int, chunk_size: int, prefetch: int = 0):
             cache_blocks=len(chunks),
             prefetch=min(prefetch, len(chunks) - 1),
             chunks=[
-                ChunkPlan(id=i, params=[n for n, _ in c], numel=sum(k for _, k in c)) for i, c in enumerate(chunks)
+                ChunkPlan(id=i, params=[n for n, _ in c], numel=padded_offsets([k for _, k in c])[1])
+                for i, c in enumerate(chunks)
             ],
         ),
     )
@@ -199,7 +206,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads, world 1")
     parser.add_argument("--threads-per-rank", type=int, default=1)
     parser.add_argument("--skip-world2", action="store_true")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "engine-cpu.json"))
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: the GPU mode")
+    parser.add_argument("--hardware", default="h100-80gb-sxm", help="GPU mode: preset or hardware YAML to search for")
+    parser.add_argument("--fix", action="append", default=[], help="GPU mode: search pin KEY=VALUE (repeatable)")
+    parser.add_argument("--dtype", default="bf16", help="GPU mode: compute dtype")
+    parser.add_argument("--accum", type=int, default=1, help="GPU mode: micro-batches per step")
+    parser.add_argument("--out", default=None, help="JSON output (default benchmarks/results/engine-<device>.json)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -222,6 +234,20 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    args.out = args.out or str(REPO / "benchmarks" / "results" / f"engine-{args.device}.json")
+    if args.device == "cuda":
+        from bench_engine_gpu import run_gpu
+
+        result = dict(run_gpu(args, gpt2_config(args)), command=" ".join([Path(sys.argv[0]).name] + sys.argv[1:]))
+        print(
+            f"{result['device']}: {result['step_time_s']['median'] * 1e3:.1f} ms/step (predicted "
+            f"{result['predicted_step_time_s'] * 1e3:.1f}), peak {result['peak_allocated_bytes'] / 2**30:.2f} GiB "
+            f"allocated (predicted {result['predicted_peak_gpu_bytes'] / 2**30:.2f})"
+        )
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"saved {args.out}")
+        return
 
     import torch
 
@@ -232,6 +258,7 @@ def main() -> None:
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+        "load_before": os.getloadavg(),
         "model": {k: getattr(args, k) for k in ("hidden", "layers", "heads", "vocab", "seq", "batch")},
         "num_params": sum(p.numel() for p in build_model(args).parameters()),
         "steps": args.steps,
@@ -252,6 +279,7 @@ def main() -> None:
             f"{w2['median_step_time_s']['engine'] * 1e3:.1f} ms/step (medians); engine/ddp "
             f"{w2['ratio_engine_vs_ddp_median']:.3f} (median), {w2['ratio_engine_vs_ddp_min']:.3f} (min)"
         )
+    result["load_after"] = os.getloadavg()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"saved {args.out}")

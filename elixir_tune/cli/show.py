@@ -112,7 +112,7 @@ def _memory_table(plan: Plan, states: dict[str, int]) -> Table:
     prediction = plan.prediction
     if prediction is not None:
         rest = prediction.peak_gpu_bytes - device_states
-        table.add_row("activations, frozen params, buffers, allocator", f"{rest:,}", human_bytes(rest))
+        table.add_row("activations, frozen params, buffers, gradient staging", f"{rest:,}", human_bytes(rest))
         table.add_row("[bold]peak per GPU[/]", f"{prediction.peak_gpu_bytes:,}", human_bytes(prediction.peak_gpu_bytes))
     table.add_row(
         _STATE_LABELS["host_shard_bytes"] + " (per rank)",

@@ -2,13 +2,15 @@
 
 Trainable parameters are packed greedily in first-use order into chunks of ``chunk_size``
 elements (a parameter is never split); shared (tied) parameters get chunks of their own that stay
-resident; frozen parameters are not chunked (they stay replicated on the device).
+resident; frozen parameters are not chunked (they stay replicated on the device). Each parameter
+starts at an aligned offset (``elixir_tune.plan.memory.padded_offsets``), as the engine lays it out.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from elixir_tune.plan.memory import align_up
 from elixir_tune.profiler.schema import ModelProfile
 
 
@@ -18,7 +20,8 @@ class Chunk:
 
     Attributes:
         params: indices into ``ModelProfile.params``, in order.
-        numel: elements used (the rest of the chunk is padding).
+        numel: elements spanned by the parameters, alignment padding between them included (the
+            rest of the chunk is padding).
         resident: always gathered (shared parameters).
     """
 
@@ -86,10 +89,10 @@ def pack_chunks(profile: ModelProfile, chunk_size: int) -> ChunkLayout:
             raise ValueError(f"parameter {param.name} has {param.numel} elements, more than chunk_size {chunk_size}")
         resident = bool(param.shared)
         current = open_chunk[resident]
-        if current is None or chunks[current].numel + param.numel > chunk_size:
+        if current is None or align_up(chunks[current].numel) + param.numel > chunk_size:
             chunks.append(Chunk(params=[], numel=0, resident=resident))
             current = open_chunk[resident] = len(chunks) - 1
         chunks[current].params.append(index)
-        chunks[current].numel += param.numel
+        chunks[current].numel = align_up(chunks[current].numel) + param.numel
         chunk_of_param[index] = current
     return ChunkLayout(chunk_size=chunk_size, chunks=chunks, chunk_of_param=chunk_of_param, frozen_numel=frozen_numel)

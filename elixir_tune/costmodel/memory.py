@@ -8,24 +8,81 @@ byte, because the engine reports the same keys and a test compares them:
     device_shard_bytes = shards on the device * (chunk_size / world) * 16   (Adam)
     host_shard_bytes   = shards on the host   * (chunk_size / world) * 16
 
+The engine's other buffers follow ``elixir_tune.plan.memory`` (TRANSIENT_KEYS), also to the byte:
+the gradient staging pool on the device; the compute-dtype upload copies of offloaded shards and
+the landing buffers of their gradients on the host, pinned (rounded to a power of two) on cuda.
+
 The rest of the device peak is frozen parameters, activations at the micro-batch size (a line
-from the profile, interpolated by blocks for every-k checkpointing), model buffers, one chunk of
-gradient staging for the reduce-scatter, and the allocator overhead the probe measured.
+from the profile, interpolated by blocks for every-k checkpointing), model buffers, and the
+gradients autograd holds before the engine copies them into the staging buffer (twice the largest
+parameter, at fp32 width). That is what a step allocates (``peak_gpu_bytes``). Beside it the search keeps a
+margin free (``margin_bytes``) for what tensors do not show: allocator fragmentation and
+workspaces, and the buffers of the communication library.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from elixir_tune.plan.memory import DEVICE_TRANSIENT_KEYS, HOST_TRANSIENT_KEYS, transient_bytes
 from elixir_tune.plan.schema import DTYPE_BYTES, SHARD_BYTES_PER_ELEMENT
 from elixir_tune.profiler.schema import ModelProfile
 
 SHARD_BYTES = SHARD_BYTES_PER_ELEMENT["adam"]
-# The reduce-scatter reads a chunk of compute-dtype gradients while the next one fills.
-GRAD_BUFFER_CHUNKS = 1
-# Per rank on the host: one fp32 shard landing from the device and one going up.
-HOST_STAGING_SHARDS = 2
+# Parameter gradients autograd holds before the engine stages them: the outputs of one backward
+# node arrive together, and a tied parameter's two contributions exist before they are summed.
+GRADS_IN_FLIGHT = 2
+# ... at fp32 width whatever the compute dtype: CPU kernels such as the embedding backward
+# accumulate a bf16/fp16 gradient in fp32 before casting it (a workspace the meta-device profile
+# cannot see).
+GRAD_KERNEL_BYTES = 4
+# The plan's default gradient staging pool.
+STAGING_BUFFERS = 2
+# Allocator margin on a GPU: at least 1 GiB or 5% of the device, whichever is larger (the caching
+# allocator's fragmentation, cuBLAS/cuDNN workspaces).
+GPU_MARGIN_MIN_BYTES = 1 << 30
+GPU_MARGIN_SHARE = 0.05
+# NCCL's own device buffers for one communicator (estimate: 4 MiB NCCL_BUFFSIZE per channel and
+# protocol, tens of channels on NVLink/PCIe nodes), outside the caching allocator.
+NCCL_BUFFER_BYTES = 512 << 20
+# On a CPU device: what malloc and the interpreter keep around beyond live tensors.
+CPU_MARGIN_MIN_BYTES = 256 << 20
+CPU_MARGIN_SHARE = 0.05
+
+
+def margin_bytes(
+    device: str,
+    device_memory_bytes: int,
+    world_size: int,
+    chunk_size: int,
+    dtype: str,
+    prefetch: int,
+    allocator_overhead_bytes: int = 0,
+) -> int:
+    """Memory the search keeps free beside the predicted peak of one rank.
+
+    Args:
+        device: ``cuda`` or ``cpu``.
+        device_memory_bytes: memory of one device (for a cpu device: its share of RAM).
+        world_size: data-parallel size.
+        chunk_size: elements per chunk.
+        dtype: compute dtype.
+        prefetch: gathers in flight beside the one in use.
+        allocator_overhead_bytes: what the probe measured (a lower bound of the allocator part).
+
+    Returns:
+        Bytes.
+    """
+    if device == "cuda":
+        margin = max(GPU_MARGIN_MIN_BYTES, int(GPU_MARGIN_SHARE * device_memory_bytes), allocator_overhead_bytes)
+        return margin + (NCCL_BUFFER_BYTES if world_size > 1 else 0)
+    margin = max(CPU_MARGIN_MIN_BYTES, int(CPU_MARGIN_SHARE * device_memory_bytes), allocator_overhead_bytes)
+    if world_size > 1:
+        # gloo gathers into a flat buffer of its own and copies out (one per gather in flight),
+        # and its reduce-scatter path all-reduces a whole chunk.
+        margin += (prefetch + 2) * chunk_size * DTYPE_BYTES[dtype]
+    return margin
 
 
 def model_state_bytes(
@@ -94,19 +151,26 @@ class MemoryEstimate:
         model_state_bytes: keys of MODEL_STATE_KEYS, one rank.
         frozen_bytes: frozen parameters, replicated on the device.
         activation_bytes: activations of one micro-batch.
-        buffer_bytes: model buffers and gradient staging.
-        overhead_bytes: allocator fragmentation and workspace (measured by the probe).
-        peak_gpu_bytes: sum of the device parts.
-        peak_host_bytes: host shards, their compute-dtype copies and staging of a whole node.
+        buffer_bytes: model buffers and the gradient autograd hands over before staging.
+        margin_bytes: kept free beside the peak (allocator, communication library).
+        peak_gpu_bytes: what a step allocates on the device at its peak (the margin not included).
+        peak_host_bytes: host shards, upload copies and landing buffers of a whole node.
+        transient_bytes: the engine's buffers beside the model states, keys TRANSIENT_KEYS, one rank.
     """
 
     model_state_bytes: dict[str, int]
     frozen_bytes: int
     activation_bytes: int
     buffer_bytes: int
-    overhead_bytes: int
+    margin_bytes: int
     peak_gpu_bytes: int
     peak_host_bytes: int
+    transient_bytes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def required_gpu_bytes(self) -> int:
+        """Device memory a rank needs: the peak and the margin kept free beside it."""
+        return self.peak_gpu_bytes + self.margin_bytes
 
     def device_parts(self) -> dict[str, int]:
         """Device memory by part, for display."""
@@ -115,10 +179,11 @@ class MemoryEstimate:
             "cache": states["cache_bytes"],
             "resident chunks": states["resident_bytes"],
             "optimizer shards": states["device_shard_bytes"],
+            "gradient staging": sum(self.transient_bytes.get(key, 0) for key in DEVICE_TRANSIENT_KEYS),
             "frozen params": self.frozen_bytes,
             "activations": self.activation_bytes,
             "buffers": self.buffer_bytes,
-            "allocator overhead": self.overhead_bytes,
+            "margin kept free": self.margin_bytes,
         }
 
 
@@ -136,8 +201,13 @@ def estimate_memory(
     frozen_numel: int,
     micro_batch_size: int,
     every: int,
-    activation_copies: int = 1,
     allocator_overhead_bytes: int,
+    prefetch: int = 0,
+    staging_buffers: int = STAGING_BUFFERS,
+    device: str = "cuda",
+    device_memory_bytes: int = 0,
+    largest_param_numel: int = 0,
+    activation_copies: int = 1,
 ) -> MemoryEstimate:
     """Device and host peaks of one candidate.
 
@@ -154,10 +224,16 @@ def estimate_memory(
         frozen_numel: elements of frozen parameters.
         micro_batch_size: samples per micro-batch.
         every: checkpointing.
+        allocator_overhead_bytes: from the hardware spec (a lower bound of the allocator margin).
+        prefetch: gathers issued ahead (gloo's gather buffers, in the margin).
+        staging_buffers: the gradient staging pool.
+        device: ``cuda`` (host buffers pinned, GPU margin) or ``cpu``.
+        device_memory_bytes: memory of one device, for the margin.
+        largest_param_numel: elements of the largest trainable parameter (gradients arrive whole
+            before they are staged).
         activation_copies: micro-batches whose activations are held at once (layered accumulation
             keeps all of a step's: their block boundaries, and in backward the recomputed blocks of
             every micro-batch side by side).
-        allocator_overhead_bytes: from the hardware spec.
 
     Returns:
         The estimate.
@@ -165,33 +241,30 @@ def estimate_memory(
     states = model_state_bytes(
         chunk_size, world_size, dtype, cache_blocks, num_resident, num_chunks - num_offloaded, num_offloaded
     )
+    transients = transient_bytes(chunk_size, world_size, dtype, staging_buffers, num_offloaded, pinned=device == "cuda")
     dtype_bytes = DTYPE_BYTES[dtype]
     frozen = frozen_numel * dtype_bytes
     activations = activation_copies * activation_bytes(profile, micro_batch_size, every, dtype)
-    buffers = profile.buffers_bytes + GRAD_BUFFER_CHUNKS * chunk_size * dtype_bytes
+    buffers = profile.buffers_bytes + GRADS_IN_FLIGHT * largest_param_numel * GRAD_KERNEL_BYTES
     peak_gpu = (
         states["cache_bytes"]
         + states["resident_bytes"]
         + states["device_shard_bytes"]
+        + sum(transients[key] for key in DEVICE_TRANSIENT_KEYS)
         + frozen
         + activations
         + buffers
-        + allocator_overhead_bytes
     )
-    shard_numel = chunk_size // world_size
-    host_per_rank = 0
-    if num_offloaded:
-        host_per_rank = (
-            states["host_shard_bytes"]
-            + num_offloaded * shard_numel * dtype_bytes
-            + HOST_STAGING_SHARDS * shard_numel * 4
-        )
+    host_per_rank = states["host_shard_bytes"] + sum(transients[key] for key in HOST_TRANSIENT_KEYS)
     return MemoryEstimate(
         model_state_bytes=states,
         frozen_bytes=frozen,
         activation_bytes=activations,
         buffer_bytes=buffers,
-        overhead_bytes=allocator_overhead_bytes,
+        margin_bytes=margin_bytes(
+            device, device_memory_bytes, world_size, chunk_size, dtype, prefetch, allocator_overhead_bytes
+        ),
         peak_gpu_bytes=peak_gpu,
         peak_host_bytes=host_per_rank * gpus_per_node,
+        transient_bytes=transients,
     )

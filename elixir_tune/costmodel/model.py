@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from elixir_tune.costmodel.cache import CacheSim, simulate_cache
-from elixir_tune.costmodel.layout import ChunkLayout, pack_chunks
-from elixir_tune.costmodel.memory import MemoryEstimate, checkpointed_blocks, estimate_memory
+from elixir_tune.costmodel.layout import ChunkLayout, largest_trainable_numel, pack_chunks
+from elixir_tune.costmodel.memory import STAGING_BUFFERS, MemoryEstimate, checkpointed_blocks, estimate_memory
 from elixir_tune.costmodel.timeline import (
     TransferCosts,
     combine_step,
@@ -44,6 +44,7 @@ class Shape:
         layered: layered gradient accumulation (plan ``training.accumulation: layered``): the
             micro-batches run layer by layer, so the step fetches and reduces each chunk as one
             micro-batch does, and holds the activations of all micro-batches at once.
+        staging_buffers: the gradient staging pool.
     """
 
     chunk_size: int
@@ -54,6 +55,7 @@ class Shape:
     micro_batch_size: int
     grad_accum_steps: int
     offloaded: tuple[int, ...] | None = None
+    staging_buffers: int = STAGING_BUFFERS
     layered: bool = False
 
     @property
@@ -261,6 +263,11 @@ class CostModel:
             every=shape.every,
             activation_copies=shape.grad_accum_steps if shape.layered else 1,
             allocator_overhead_bytes=self.hardware.allocator_overhead_bytes,
+            prefetch=shape.prefetch,
+            staging_buffers=shape.staging_buffers,
+            device=self.hardware.device,
+            device_memory_bytes=self.hardware.gpu_memory_bytes,
+            largest_param_numel=largest_trainable_numel(self.profile),
         )
 
     def step_time(self, shape: Shape, record: list[tuple[str, float, float, str, int]] | None = None) -> StepEstimate:

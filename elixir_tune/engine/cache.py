@@ -45,6 +45,7 @@ class ChunkCache:
         self.side_stream = side_stream  # CUDA: prefetches run on it
         self.held: dict[int, Chunk] = {}  # chunks whose payload is allocated, by id
         self.inflight: dict[int, Handle] = {}
+        self.unused_prefetch: set[int] = set()  # prefetched, not yet used
         ids = [chunk.id for chunk in self.chunks]
         self._set_trace(ids + ids[::-1])
         self._recording: list[int] | None = []
@@ -82,12 +83,13 @@ class ChunkCache:
         if i < len(positions):
             self.pos = positions[i]
 
-    def next_use(self, chunk_id: int) -> float:
-        """Position of the chunk's next access (later micro-batches continue the trace)."""
+    def next_use(self, chunk_id: int, after: int | None = None) -> float:
+        """Position of the chunk's next access after ``after`` (default: now; later micro-batches
+        continue the trace)."""
         positions = self._positions.get(chunk_id)
         if not positions:
             return math.inf
-        i = bisect.bisect_right(positions, self.pos)
+        i = bisect.bisect_right(positions, self.pos if after is None else after)
         if i < len(positions):
             return positions[i]
         return len(self.trace) + positions[0]
@@ -97,14 +99,17 @@ class ChunkCache:
     def _victim(self, keep: set[int], before: float | None = None) -> Chunk | None:
         """The evictable chunk used furthest in the future (only if later than ``before``).
 
-        Chunks still awaiting gradients in this backward are taken only when no other chunk can go.
+        Chunks still awaiting gradients in this backward are taken only when no other chunk can go,
+        and prefetched chunks not used yet only after them (evicting one wastes its gather).
         """
-        for allow_awaiting in (False, True):
+        for allow_awaiting, allow_prefetched in ((False, False), (True, False), (True, True)):
             best, best_use = None, -1.0
             for chunk_id, chunk in self.held.items():
                 if chunk_id in keep or chunk_id in self.inflight or chunk.in_use():
                     continue
                 if not allow_awaiting and chunk.awaiting_grads():
+                    continue
+                if not allow_prefetched and chunk_id in self.unused_prefetch:
                     continue
                 use = self.next_use(chunk_id) if chunk.fresh else math.inf  # stale: free to take
                 if use > best_use:
@@ -116,6 +121,7 @@ class ChunkCache:
         return None
 
     def evict(self, chunk: Chunk) -> None:
+        self.unused_prefetch.discard(chunk.id)
         if chunk.fresh:
             chunk.unbind(self._placeholder(chunk))
         chunk.free()
@@ -153,6 +159,7 @@ class ChunkCache:
         keep = {chunk.id for chunk in chunks}
         for chunk in chunks:
             self._advance(chunk.id)
+            self.unused_prefetch.discard(chunk.id)
             handle = self.inflight.pop(chunk.id, None)
             if handle is not None:
                 handle.wait()
@@ -181,11 +188,29 @@ class ChunkCache:
             if chunk.fresh or chunk_id in self.inflight:
                 continue
             if chunk_id not in self.held and len(self.held) >= self.cache_blocks:
-                victim = self._victim(keep | {chunk_id}, before=self.next_use(chunk_id))
+                victim = self._prefetch_victim(keep, self.next_use(chunk_id))
                 if victim is None:
                     return
                 self.evict(victim)
             self.inflight[chunk_id] = self._start_gather(chunk, async_op=True)
+            self.unused_prefetch.add(chunk_id)
+
+    def _prefetch_victim(self, keep: set[int], need_at: float) -> Chunk | None:
+        """The chunk that fetching on demand at position ``need_at`` would evict (the held chunk
+        used furthest after it), if it may go now: nothing needs it before then. Otherwise None
+        (the prefetch waits), so that prefetching only issues the fetches of demand fetching
+        earlier, as the cost model's timeline assumes, and never adds one."""
+        best, best_use = None, -1.0
+        for chunk in self.held.values():
+            current = chunk.fresh or chunk.id in self.inflight  # being gathered: current once bound
+            use = self.next_use(chunk.id, after=int(need_at)) if current else math.inf
+            if use > best_use:
+                best, best_use = chunk, use
+        if best is None or best_use <= need_at or best.id in keep or best.id in self.inflight:
+            return None
+        if best.in_use() or best.awaiting_grads() or (best.fresh and self.next_use(best.id) < need_at):
+            return None
+        return best
 
     def wait_all(self) -> None:
         """Completes every prefetch in flight (leaves the chunks gathered)."""
@@ -197,6 +222,7 @@ class ChunkCache:
     def invalidate(self) -> None:
         """After an optimizer step: gathered copies are stale; slots stay allocated for reuse."""
         self.wait_all()
+        self.unused_prefetch.clear()  # stale now: free to take
         for chunk in self.held.values():
             if chunk.fresh:
                 chunk.unbind(self._placeholder(chunk))

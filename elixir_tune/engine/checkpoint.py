@@ -242,6 +242,7 @@ def _load_shards(directory: Path, engine, optimizer) -> None:
     masters = shard["masters"]
     if len(masters) != len(engine.chunks) or any(m.shape != c.master.shape for m, c in zip(masters, engine.chunks)):
         raise ValueError(f"{directory / rank_file_name(rank)} does not match this plan's chunks")
+    engine.cache.wait_all()  # no gather in flight may read a master while it is written
     for chunk, master in zip(engine.chunks, masters):
         chunk.init_master(master)
     optimizer.load_state_dict(shard["optimizer"])

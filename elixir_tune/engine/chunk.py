@@ -1,9 +1,17 @@
 """Chunks: flat buffers holding whole parameters, sharded over the data-parallel ranks.
 
+Each parameter starts at an aligned offset (``elixir_tune.plan.memory.padded_offsets``: 16 bytes
+in bf16, as FSDP pads) so that kernels see aligned views; the padding stays zero. A plan packed
+before alignment existed (its parameters do not fit padded) is laid out back to back, as packed.
+
 A chunk of ``chunk_size`` elements is cut into ``world_size`` equal shards; this rank owns
 ``[rank * shard, (rank + 1) * shard)``. The shard's fp32 master weights and gradient live on the
 device, or in host memory when the chunk is offloaded (the host path always uses its own buffers
 and explicit copies, also on a cpu device, so that CI exercises it).
+
+
+An offloaded shard also keeps a compute-dtype copy of its master in host memory: that copy, not
+the fp32 master, crosses the host->device link on every gather.
 
 The gathered copy (the "payload", compute dtype, all ``chunk_size`` elements) has a storage of its
 own that is allocated when the chunk enters the cache and freed when it leaves (storage resize, as
@@ -14,13 +22,16 @@ recomputation, whichever cache slot it went through.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
-from elixir_tune.engine.comm import Comm, Handle
+from elixir_tune.engine.comm import DONE, Comm, Handle
 from elixir_tune.engine.host_memory import zeros_on_demand
-from elixir_tune.engine.states import TensorState, transition
+from elixir_tune.engine.staging import GradDrain, StagingBuffer
+from elixir_tune.engine.states import GRAD_STAGED, TensorState, transition
+from elixir_tune.plan.memory import padded_offsets
 
 
 @dataclass
@@ -50,6 +61,8 @@ class Chunk:
         device: the compute device.
         resident: the payload is never released.
         offload: the shard lives in host memory.
+        upload: for an offloaded chunk, the host buffer (``shard_numel`` elements, compute dtype)
+            of its upload copy; allocated here when None.
     """
 
     def __init__(
@@ -62,6 +75,7 @@ class Chunk:
         device: torch.device,
         resident: bool,
         offload: bool,
+        upload: torch.Tensor | None = None,
     ):
         self.id = chunk_id
         self.chunk_size = chunk_size
@@ -72,31 +86,46 @@ class Chunk:
         self.offload = offload
         self.shard_numel = chunk_size // comm.world_size
         self.shard_begin = comm.rank * self.shard_numel
-        self.slots: list[ParamSlot] = []
-        offset = 0
-        for index, (name, param) in enumerate(named_params):
-            self.slots.append(ParamSlot(name, param, self, index, offset, param.numel(), param.shape))
-            offset += param.numel()
-        self.numel = offset
-        if offset > chunk_size:
-            raise ValueError(
-                f"chunk {chunk_id}: its parameters hold {offset} elements, more than chunk_size {chunk_size}"
-            )
+        numels = [param.numel() for _, param in named_params]
+        offsets, end = padded_offsets(numels)
+        self.aligned = end <= chunk_size
+        if not self.aligned:
+            # A plan packed before parameters were aligned: back to back, as it was packed.
+            offsets = [sum(numels[:i]) for i in range(len(numels))]
+            end = sum(numels)
+        if end > chunk_size:
+            raise ValueError(f"chunk {chunk_id}: its parameters hold {end} elements, more than chunk_size {chunk_size}")
+        self.slots: list[ParamSlot] = [
+            ParamSlot(name, param, self, index, offset, param.numel(), param.shape)
+            for index, ((name, param), offset) in enumerate(zip(named_params, offsets, strict=True))
+        ]
+        self.numel = end
 
-        shard_device = torch.device("cpu") if offload else device
-        pin = offload and device.type == "cuda"
-        self.master = torch.zeros(self.shard_numel, dtype=torch.float32, device=shard_device, pin_memory=pin)
-        if shard_device.type == "cpu" and not pin:  # zero until the first backward: resident from then on
-            self.grad = zeros_on_demand(self.shard_numel)
+        if offload:
+            # Host path (also on a cpu device, so that CI exercises it): fp32 master, gradient and
+            # optimizer state in host memory, and a compute-dtype copy of the master that is what
+            # goes up to the device (pinned on cuda; in fp32 the master itself).
+            if upload is None:
+                upload = torch.empty(self.shard_numel, dtype=compute_dtype)
+            self.upload: torch.Tensor | None = upload
+            self.master = upload if compute_dtype == torch.float32 else torch.zeros(self.shard_numel)
+            self.grad = zeros_on_demand(self.shard_numel)  # zero until the first backward writes it
         else:
-            self.grad = torch.zeros(self.shard_numel, dtype=torch.float32, device=shard_device, pin_memory=pin)
+            self.upload = None
+            self.master = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
+            if device.type == "cpu":
+                self.grad = zeros_on_demand(self.shard_numel)
+            else:
+                self.grad = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
+        self.upload_event = None  # cuda: the last host->device copy reading ``upload``
         self.payload = torch.empty(chunk_size, dtype=compute_dtype, device=device)
         self.payload.untyped_storage().resize_(0)
         self.allocated = False  # payload storage present
         self.fresh = False  # payload holds the current weights
-        self.staging: torch.Tensor | None = None  # gradients of this backward, compute dtype
+        self.staging: StagingBuffer | None = None  # gradients of this backward, compute dtype
         self.staged = 0  # parameters whose gradient is in ``staging``
-        self.pending: tuple[Handle, torch.Tensor, torch.Tensor] | None = None  # reduce in flight
+        self.received = 0  # parameters whose gradient arrived in this backward
+        self.pending: tuple[StagingBuffer, Handle | Future] | None = None  # reduction in flight
 
     # --- layout -------------------------------------------------------------------------------
 
@@ -111,9 +140,31 @@ class Chunk:
     def init_master(self, full_or_shard_fp32: torch.Tensor) -> None:
         """Sets this rank's master shard from the full fp32 chunk or from this rank's shard of it (padding zero)."""
         if full_or_shard_fp32.numel() == self.shard_numel:
-            self.master.copy_(full_or_shard_fp32)
+            self.set_master(full_or_shard_fp32)
             return
-        self.master.copy_(full_or_shard_fp32[self.shard_begin : self.shard_begin + self.shard_numel])
+        self.set_master(full_or_shard_fp32[self.shard_begin : self.shard_begin + self.shard_numel])
+
+    def set_master(self, shard_fp32: torch.Tensor) -> None:
+        """Sets this rank's master shard (``shard_numel`` elements) and refreshes its upload copy.
+
+        Every write to a master goes through here or through the optimizer step, which calls
+        ``refresh_upload`` after it.
+        """
+        self.wait_upload()
+        self.master.copy_(shard_fp32)
+        self.refresh_upload()
+
+    def wait_upload(self) -> None:
+        """Waits until no host->device copy still reads the upload copy (before writing it)."""
+        if self.upload_event is not None:
+            self.upload_event.synchronize()
+            self.upload_event = None
+
+    def refresh_upload(self) -> None:
+        """Casts the fp32 master into the compute-dtype upload copy (offloaded chunks)."""
+        if self.upload is not None and self.upload is not self.master:
+            self.wait_upload()
+            self.upload.copy_(self.master)
 
     def flat_from_params(self) -> torch.Tensor:
         """The full chunk built from the parameters' current data, fp32, on the device."""
@@ -149,16 +200,22 @@ class Chunk:
         return Handle(None, lambda: (handle.wait(), torch.cuda.current_stream(self.device).wait_event(event)))
 
     def _gather_on_current_stream(self, async_op: bool) -> Handle:
-        shard = self.master
+        # In place, as FSDP does: this rank's part of the payload is written from the shard (the
+        # compute-dtype upload copy of a host shard crosses the link; a device shard is cast), then
+        # gathered around it; no temporary. Writes go through .data (a fresh version counter):
+        # gathering must not look like an in-place change to the tensors autograd saved.
+        raw = self.payload.data
+        mine = raw[self.shard_begin : self.shard_begin + self.shard_numel]
         if self.offload:
-            # Host path: copy the host shard into a device buffer first (a real copy, also on cpu).
-            shard = torch.empty(self.shard_numel, dtype=torch.float32, device=self.device)
-            shard.copy_(self.master, non_blocking=True)
-        if shard.dtype != self.compute_dtype:
-            shard = shard.to(self.compute_dtype)
-        # Writes go through .data (a fresh version counter): gathering must not look like an in-place
-        # change to the tensors autograd saved from this chunk.
-        return self.comm.all_gather_into_tensor(self.payload.data, shard, async_op=async_op)
+            mine.copy_(self.upload, non_blocking=True)
+            if self.device.type == "cuda":
+                self.upload_event = torch.cuda.Event()
+                self.upload_event.record()
+        else:
+            mine.copy_(self.master)
+        if self.comm.world_size == 1:
+            return DONE
+        return self.comm.all_gather_into_tensor(raw, mine, async_op=async_op)
 
     def bind(self) -> None:
         """Points the parameters at their views of the gathered payload."""
@@ -192,44 +249,47 @@ class Chunk:
     # --- gradients -----------------------------------------------------------------------------
 
     def reduce_ready(self) -> bool:
-        return self.staged == len(self.slots)
+        """Every parameter's gradient of this backward has arrived (the rest is staged or reduced)."""
+        return self.received == len(self.slots) and self.staging is not None
 
-    def start_reduce(self) -> None:
-        """Starts the reduce-scatter of the staged gradients (missing ones count as zero)."""
-        staging = self.staging
+    def start_reduce(self, drain: GradDrain) -> None:
+        """Starts the reduce-scatter of the staged gradients (missing ones count as zero).
+
+        Args:
+            drain: moves the reduced shard of an offloaded chunk to the host, overlapped.
+        """
+        buffer = self.staging
         self.staging = None
         self.staged = 0
         for slot in self.slots:
-            slot.state = transition(slot.state, "reduced")
+            if slot.state in GRAD_STAGED:
+                slot.state = transition(slot.state, "reduced")
         world = self.comm.world_size
-        if world == 1:
-            self.pending = (Handle(), staging, staging)
-            self.pending[0].done = True
-            return
-        staging.div_(world)  # average over ranks (gloo has no AVG)
-        out = torch.empty(self.shard_numel, dtype=staging.dtype, device=staging.device)
-        handle = self.comm.reduce_scatter_tensor(out, staging, async_op=True)
-        self.pending = (handle, out, staging)
+        handle = DONE
+        if world > 1:
+            buffer.full.div_(world)  # average over ranks (gloo has no AVG)
+            handle = self.comm.reduce_scatter_tensor(buffer.out, buffer.full, async_op=True)
+        if self.offload:
+            self.pending = (buffer, drain.submit(handle, buffer, self.grad))
+        else:
+            self.pending = (buffer, handle)
 
-    def finish_reduce(self) -> torch.Tensor | None:
-        """Waits for the reduce in flight and adds it into the fp32 shard gradient.
+    def finish_reduce(self) -> StagingBuffer | None:
+        """Waits for the reduction in flight; its result is then in the fp32 shard gradient.
 
         Returns:
             The staging buffer, free to reuse (None when nothing was in flight).
         """
         if self.pending is None:
             return None
-        handle, out, staging = self.pending
+        buffer, waitable = self.pending
         self.pending = None
-        handle.wait()
-        if out is staging:
-            out = staging[self.shard_begin : self.shard_begin + self.shard_numel]
-        if self.offload:
-            host = torch.empty(self.shard_numel, dtype=out.dtype, device="cpu", pin_memory=self.device.type == "cuda")
-            host.copy_(out)
-            out = host
-        self.grad.add_(out)
-        return staging
+        if isinstance(waitable, Future):
+            waitable.result()  # copied down and added on the host by the drain
+        else:
+            waitable.wait()
+            self.grad.add_(buffer.out)
+        return buffer
 
     # --- accounting ----------------------------------------------------------------------------
 

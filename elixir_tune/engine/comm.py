@@ -61,9 +61,13 @@ class Comm:
         self.device = device
         # gloo's all_gather_into_tensor / reduce_scatter_tensor are slower than list all-gather and
         # all-reduce (2 CPU processes, 16 MB: 11.1 vs 7.7 ms and 19.5 vs 15.5 ms, torch 2.13), and
-        # older gloo lacks them: use those paths on gloo. None: try the native op first.
-        self._native_gather: bool | None = False if backend == "gloo" else None
-        self._native_scatter: bool | None = False if backend == "gloo" else None
+        # older gloo lacks them: use those paths on gloo. On nccl an error is never answered with
+        # another collective: a rank whose native op failed would issue a different sequence of
+        # collectives from the others (they would diverge or hang); it raises. None: try the
+        # native op first.
+        native = {"gloo": False, "nccl": True}.get(backend)
+        self._native_gather: bool | None = native
+        self._native_scatter: bool | None = native
 
     @property
     def distributed(self) -> bool:
@@ -161,6 +165,32 @@ def _destroy_group() -> None:
         dist.destroy_process_group()
 
 
+def pick_device(device_type: str) -> torch.device:
+    """This process's device, as torchrun and CUDA_VISIBLE_DEVICES intend.
+
+    torchrun gives each process its LOCAL_RANK; a launcher (or a cluster scheduler) that also narrows
+    CUDA_VISIBLE_DEVICES to one GPU per process leaves only device 0 visible to it.
+
+    Raises:
+        RuntimeError: a cuda plan with no GPU visible, or a LOCAL_RANK beyond the visible GPUs.
+    """
+    if device_type != "cuda":
+        return torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    count = torch.cuda.device_count()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
+    if count == 0:
+        raise RuntimeError(f"the plan is for cuda but no GPU is visible (CUDA_VISIBLE_DEVICES={visible})")
+    index = 0 if count == 1 else local_rank
+    if index >= count:
+        raise RuntimeError(
+            f"LOCAL_RANK is {local_rank} but this process sees {count} GPUs (CUDA_VISIBLE_DEVICES={visible}); "
+            "start one process per GPU (elixir-run or torchrun --nproc-per-node) and leave CUDA_VISIBLE_DEVICES "
+            "listing every GPU of the node, or exactly one per process"
+        )
+    return torch.device("cuda", index)
+
+
 def init_comm(world_size: int, device_type: str, backend: str, timeout_s: float = 600.0) -> Comm:
     """Joins (or starts) the process group the plan needs.
 
@@ -180,8 +210,7 @@ def init_comm(world_size: int, device_type: str, backend: str, timeout_s: float 
         RuntimeError: the group's size differs from the plan's, or a multi-process plan was not
             started by a launcher.
     """
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
+    device = pick_device(device_type)
     if device_type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_available():

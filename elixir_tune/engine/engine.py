@@ -5,15 +5,21 @@ Life of a micro-batch:
               mark them idle and hook the module's outputs for backward;
     backward  output hooks fetch the chunks again (they may have been evicted; checkpointed blocks
               recompute through the forward hooks); each parameter's post-accumulate-grad hook
-              copies its gradient into the chunk's staging buffer, and a chunk whose gradients are
-              all staged starts its reduce-scatter (asynchronous) into the fp32 shard gradient;
+              copies its gradient into the chunk's staging buffer (a bounded pool, see
+              staging.py), and a chunk whose gradients are all staged starts its reduce-scatter
+              (asynchronous) into the fp32 shard gradient; an offloaded chunk's reduced shard
+              drains to the host gradient meanwhile;
     end       a callback queued on the autograd engine reduces the chunks left incomplete
-              (parameters unused in this step count as zero), in chunk order, and waits for all
-              reductions: gradients accumulate in the shard until the optimizer step or zero_grad.
+              (parameters unused in this step count as zero), in chunk order, and finishes the
+              device-side reductions; host-side ones keep draining until the optimizer (or the
+              next backward's need for a staging buffer) waits for them. Gradients accumulate in
+              the shard until the optimizer step or zero_grad.
 """
 
 from __future__ import annotations
 
+import warnings
+from collections import deque
 from typing import Any
 
 import torch
@@ -29,9 +35,11 @@ from elixir_tune.engine.materialize import (
     materialize_replicated,
     swap_meta_for_placeholders,
 )
+from elixir_tune.engine.staging import GradDrain, StagingBuffer, StagingPool
 from elixir_tune.engine.states import GRAD_STAGED, TensorState, transition
 from elixir_tune.engine.weights import WeightsError
 from elixir_tune.plan import DTYPE_BYTES, MODEL_STATE_KEYS, Plan
+from elixir_tune.plan.memory import pinned_bytes
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -59,6 +67,15 @@ class Engine:
         named = dict(model.named_parameters())
         self.chunks: list[Chunk] = []
         self.slot_of: dict[int, ParamSlot] = {}  # id(param) -> slot
+        shard_numel = plan.memory.chunk_size // comm.world_size
+        offloaded = [chunk_plan.id for chunk_plan in plan.memory.chunks if chunk_plan.offload]
+        self.pinned = self.device.type == "cuda"
+        # One host block for the upload copies of all offloaded shards: pinned blocks are rounded
+        # up to a power of two by the CUDA host allocator, so one block wastes the least.
+        self.upload_block = torch.empty(
+            len(offloaded) * shard_numel, dtype=self.compute_dtype, pin_memory=self.pinned and bool(offloaded)
+        )
+        upload_of = {cid: self.upload_block[i * shard_numel : (i + 1) * shard_numel] for i, cid in enumerate(offloaded)}
         for chunk_plan in plan.memory.chunks:
             chunk = Chunk(
                 chunk_plan.id,
@@ -69,11 +86,19 @@ class Engine:
                 self.device,
                 chunk_plan.resident,
                 chunk_plan.offload,
+                upload_of.get(chunk_plan.id),
             )
             self.chunks.append(chunk)
             for slot in chunk.slots:
                 self.slot_of[id(slot.param)] = slot
         self.slots: list[ParamSlot] = [slot for chunk in self.chunks for slot in chunk.slots]
+        unaligned = [chunk.id for chunk in self.chunks if not chunk.aligned]
+        if unaligned:
+            warnings.warn(
+                f"chunks {unaligned[:5]} of this plan were packed without alignment padding (an older "
+                "elixir-tune): they run, with parameters not 16-byte aligned; run `elixir-tune search` again",
+                stacklevel=2,
+            )
         self._init_shards(source)
         self._place_replicated()
 
@@ -97,15 +122,27 @@ class Engine:
             self.module_names, self._pre_forward, self._post_forward, self._pre_backward
         )
         self._handles += install_grad_hooks([slot.param for slot in self.slots], self._on_grad)
+        self._checkpointed_block: dict[torch.nn.Module, torch.nn.Module] = {}  # module -> its checkpointed block
+        self._recomputed: set[torch.nn.Module] = set()  # checkpointed blocks recomputed in this backward
         self._apply_checkpointing()
         self.scaler: Any = None  # the optimizer's fp16 loss scaler, attached by ShardedOptimizer
         self.baton: Baton | None = None  # set while a layered step's forwards run (engine/layered.py)
         self._running: dict[torch.nn.Module, int] = {}  # forwards inside each module (several when layered)
 
-        self.used = torch.zeros(len(self.slots), dtype=torch.bool)  # got a gradient since zero_grad
+        self.used = torch.zeros(len(self.slots), dtype=torch.bool)  # got a gradient since zero_grad (host)
         self._slot_index = {id(slot): i for i, slot in enumerate(self.slots)}
-        self._free_staging: list[torch.Tensor] = []
-        self._reducing: list[Chunk] = []
+        self.staging = StagingPool(
+            plan.memory.staging_buffers,
+            plan.memory.chunk_size,
+            comm.rank,
+            comm.world_size,
+            self.compute_dtype,
+            self.device,
+            landing=bool(offloaded),
+        )
+        self.drain = GradDrain(self.device)
+        self._filling: list[Chunk] = []  # chunks holding a staging buffer, not yet reducing, oldest first
+        self._reducing: deque[Chunk] = deque()  # reductions in flight, oldest first
         self._callback_queued = False
         self._bwd_module: torch.nn.Module | None = None
         self._bwd_pins: list[torch.nn.Module] = []
@@ -204,6 +241,8 @@ class Engine:
         for index, block in enumerate(self.blocks()):
             if checkpointing.applies_to(index):
                 wrap_checkpointed(block)
+                for module in block.modules():
+                    self._checkpointed_block[module] = block
 
     def blocks(self) -> torch.nn.ModuleList:
         """The plan's repeated blocks (``model.block_list``).
@@ -226,9 +265,10 @@ class Engine:
     def set_baton(self, baton: Baton | None) -> None:
         self.baton = baton
 
-    def loss_scale(self) -> float:
-        """The fp16 loss scale of the optimizer attached to this engine (1 otherwise)."""
-        return float(self.scaler.scale) if self.scaler is not None else 1.0
+    def loss_scale(self) -> torch.Tensor | float:
+        """The fp16 loss scale of the optimizer attached to this engine, a device tensor (reading it
+        would synchronize); 1 otherwise."""
+        return self.scaler.scale_tensor if self.scaler is not None else 1.0
 
     # --- forward -------------------------------------------------------------------------------
 
@@ -241,24 +281,27 @@ class Engine:
 
     def _abandon_backward(self) -> None:
         """A backward stopped by an exception never ran its end callback: drop what it staged."""
-        for chunk in self._reducing:
-            chunk.finish_reduce()
-        self._reducing.clear()
+        self.drain_grads()
+        for chunk in self._filling:
+            self.staging.release(chunk.staging)
+            chunk.staging, chunk.staged = None, 0
+        self._filling.clear()
         for chunk in self.chunks:
-            if chunk.staging is not None:
-                self._free_staging.append(chunk.staging)
-                chunk.staging, chunk.staged = None, 0
+            chunk.received = 0
             for slot in chunk.slots:
                 slot.awaiting_grad = False
                 slot.state = transition(slot.state, "reduced")
         self.cache.wait_all()
         self._bwd_module, self._bwd_pins = None, []
+        self._recomputed.clear()
         self._callback_queued = self.in_backward = False
 
     def _pre_forward(self, module: torch.nn.Module) -> None:
         if self.baton is not None:
             self.baton.boundary()  # layered: the other micro-batches run this module first
         self._running[module] = self._running.get(module, 0) + 1
+        if self.in_backward and module in self._checkpointed_block:
+            self._recomputed.add(self._checkpointed_block[module])
         if self.in_backward and self._bwd_module is not None:
             # A recomputation: the module waiting for it need not hold its chunks meanwhile (its
             # own recomputed forward, which comes last, gathers them again and pins them).
@@ -297,50 +340,84 @@ class Engine:
             self._set_state(old, "done")
         self._bwd_pins = pins
         self._bwd_module = module
-        self.cache.fetch(self._chain_chunks(module), self.module_names[module])
+        block = self._checkpointed_block.get(module)
+        if (
+            block is not None
+            and block not in self._recomputed
+            and all(self._checkpointed_block.get(a) is not block for a in pins[1:])
+        ):
+            # The module's backward first recomputes its checkpointed block, whose forward hooks
+            # gather the module's chunks again (and pin them, it comes last): gathering them now
+            # would be a wasted fetch (the cost model's trace has none). Ancestors outside the
+            # block still get theirs.
+            pins = pins[1:]
+            chunks = list(dict.fromkeys(c for a in pins for c in self.module_chunks[a]))
+            if chunks:
+                self.cache.fetch(chunks, self.module_names[module])
+        else:
+            self.cache.fetch(self._chain_chunks(module), self.module_names[module])
         for pinned in pins:
             self._set_state(pinned, "use")
         for slot in self.module_slots[module]:
             if slot.state not in GRAD_STAGED:
                 slot.awaiting_grad = True
 
-    def _acquire_staging(self, chunk: Chunk) -> torch.Tensor:
-        if self._free_staging:
-            staging = self._free_staging.pop()
-            staging.zero_()
-            return staging
-        return torch.zeros(chunk.chunk_size, dtype=self.compute_dtype, device=self.device)
+    def _acquire_staging(self) -> StagingBuffer:
+        """A free staging buffer; when the pool is empty the oldest reduction in flight is finished
+        (or, with none in flight, the chunk that has held its buffer longest is reduced as far as
+        its gradients have arrived; the rest follows in a second reduction)."""
+        while True:
+            buffer = self.staging.acquire()
+            if buffer is not None:
+                return buffer
+            if not self._reducing:
+                self._start_reduce(self._filling[0])
+            self._finish_oldest()
+
+    def _start_reduce(self, chunk: Chunk) -> None:
+        self._filling.remove(chunk)
+        chunk.start_reduce(self.drain)
+        self.reduce_scatters += 1
+        self._reducing.append(chunk)
+
+    def _finish_oldest(self) -> None:
+        chunk = self._reducing.popleft()
+        self.staging.release(chunk.finish_reduce())
+
+    def drain_grads(self) -> None:
+        """Completes every reduction in flight (host gradients included): the shard gradients are final."""
+        while self._reducing:
+            self._finish_oldest()
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         self._queue_end_of_backward()
         slot = self.slot_of[id(param)]
         chunk = slot.chunk
         if chunk.staging is None:
-            chunk.staging = self._acquire_staging(chunk)
+            chunk.staging = self._acquire_staging()
+            self._filling.append(chunk)
         grad = param.grad
-        chunk.staging[slot.offset : slot.offset + slot.numel].copy_(grad.reshape(-1))
+        chunk.staging.full[slot.offset : slot.offset + slot.numel].copy_(grad.reshape(-1))
         param.grad = None
         slot.state = transition(slot.state, "grad")
         slot.awaiting_grad = False
         chunk.staged += 1
+        chunk.received += 1
         self.used[self._slot_index[id(slot)]] = True
         if chunk.reduce_ready():
-            chunk.start_reduce()
-            self.reduce_scatters += 1
-            self._reducing.append(chunk)
+            self._start_reduce(chunk)
 
     def _end_backward(self) -> None:
         # Deterministic order on every rank: incomplete chunks in chunk order.
         for chunk in self.chunks:
             if chunk.staging is not None:
-                chunk.start_reduce()
-                self.reduce_scatters += 1
-                self._reducing.append(chunk)
-        for chunk in self._reducing:
-            staging = chunk.finish_reduce()
-            if staging is not None:
-                self._free_staging.append(staging)
-        self._reducing.clear()
+                self._start_reduce(chunk)
+            chunk.received = 0
+        # Device-side reductions finish here; host ones go on draining into the host gradients
+        # (the optimizer step or the next backward's need for a buffer waits for them).
+        for chunk in [chunk for chunk in self._reducing if not chunk.offload]:
+            self._reducing.remove(chunk)
+            self.staging.release(chunk.finish_reduce())
         for slot in self.slots:
             slot.awaiting_grad = False
             if slot.state is TensorState.COMPUTE:
@@ -349,6 +426,7 @@ class Engine:
         self.cache.finish_recording()
         self._bwd_module = None
         self._bwd_pins = []
+        self._recomputed.clear()
         self._callback_queued = False
         self.in_backward = False
         self.backward_passes += 1
@@ -364,6 +442,7 @@ class Engine:
                 chunk.fresh = True
 
     def zero_grad(self) -> None:
+        self.drain_grads()
         for chunk in self.chunks:
             chunk.grad.zero_()
         self.used.zero_()
@@ -420,6 +499,7 @@ class Engine:
         Raises:
             KeyError: a chunked parameter is missing from ``state``.
         """
+        self.cache.wait_all()  # no gather in flight may read a master while it is written
         names = {id(value): name for name, value in self.model.state_dict(keep_vars=True).items()}
         for chunk in self.chunks:
             flat = torch.zeros(chunk.chunk_size, dtype=torch.float32, device=self.device)
@@ -433,11 +513,13 @@ class Engine:
         self.after_step()
 
     def memory_report(self) -> dict[str, int]:
-        """Model-state bytes of this rank, keys ``elixir_tune.plan.MODEL_STATE_KEYS``.
+        """Bytes this rank's engine allocated: the model states under the keys of
+        ``elixir_tune.plan.MODEL_STATE_KEYS`` and the rest under ``elixir_tune.plan.memory.TRANSIENT_KEYS``.
 
         Computed from the buffers the engine allocated: cache slots (capacity: cache_blocks chunk
-        payloads in compute dtype), resident payloads, and master + gradient + optimizer-state
-        bytes of device and host shards.
+        payloads in compute dtype), resident payloads, master + gradient + optimizer-state bytes of
+        device and host shards; the staging pool, the upload copies and the landing buffers
+        (pinned blocks as the CUDA host allocator rounds them).
         """
         item = DTYPE_BYTES[self.plan.training.dtype]
         report = dict.fromkeys(MODEL_STATE_KEYS, 0)
@@ -447,14 +529,20 @@ class Engine:
                 report["resident_bytes"] += chunk.payload_bytes()
             key = "host_shard_bytes" if chunk.offload else "device_shard_bytes"
             report[key] += chunk.shard_bytes() + getattr(chunk, "optimizer_state_bytes", 0)
+        upload = self.upload_block.nbytes
+        masters_inside = upload if self.compute_dtype == torch.float32 else 0  # counted as host shards
+        report["staging_bytes"] = self.staging.device_bytes()
+        report["host_copy_bytes"] = pinned_bytes(upload, self.pinned) - masters_inside
+        report["landing_bytes"] = pinned_bytes(self.staging.landing_nbytes(), self.pinned)
         return report
 
     def memory_stats(self) -> dict[str, int]:
-        """Measured figures beside the report: peak bytes of cache payloads actually held."""
+        """Measured figures beside the report: cache payloads and staging buffers actually held."""
         return {
             "peak_cache_bytes": self.cache.peak_bytes,
             "gathers": self.cache.gathers,
             "uploads": self.cache.uploads,
             "reduce_scatters": self.reduce_scatters,
             "held_cache_bytes": sum(c.payload_bytes() for c in self.cache.held.values()),
+            "peak_staging_buffers": self.staging.peak_live,
         }

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -73,8 +74,27 @@ def install_module_hooks(
 
 
 def install_grad_hooks(params: list[torch.nn.Parameter], on_grad: Callable) -> list:
-    """Registers ``on_grad(param)`` to run once a parameter's gradient for this backward is complete."""
-    return [param.register_post_accumulate_grad_hook(on_grad) for param in params]
+    """Registers ``on_grad(param)`` to run once a parameter's gradient for this backward is complete.
+
+    A bound method is held weakly: a tensor's hooks are referenced from C++, where the garbage
+    collector cannot see them, so a strong reference would keep the engine (and every buffer it
+    holds) alive after the model is dropped.
+    """
+    hook = weak_method(on_grad) if isinstance(on_grad, types.MethodType) else on_grad
+    return [param.register_post_accumulate_grad_hook(hook) for param in params]
+
+
+def weak_method(method: types.MethodType) -> Callable:
+    """A callable that calls ``method`` while its object is alive (and does nothing after)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args, **kwargs):
+        target = ref()
+        if target is not None:
+            return target(*args, **kwargs)
+        return None
+
+    return call
 
 
 def _no_early_stop():

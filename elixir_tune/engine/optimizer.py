@@ -9,6 +9,10 @@ host shards: the host one steps on the CPU), fused where torch has a fused imple
 
 Adam's and SGD-momentum's state is preallocated as one flat buffer per chunk shard (so a shard
 costs exactly 16, resp. 12, bytes per element) and handed to torch as views.
+
+A default step does not wait for the device: the norm, the clip coefficient and the fp16 overflow
+flag stay device tensors (the fused optimizers take the flag as ``found_inf``). The host side
+waits only for its own gradients (the drain's per-chunk events).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ class _ShardParam:
 @dataclass
 class _GradStats:
     backward_passes: int
-    overflow: bool
+    found_inf: torch.Tensor | None  # fp16: 1.0 on the device when some gradient overflowed
     norm: torch.Tensor | None = None
 
 
@@ -48,13 +52,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         engine: the engine holding the chunks.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, engine: Engine):
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: Engine, find_unused_parameters: bool | None = None):
         self.engine = engine
         self.optimizer_class = type(optimizer)
         super().__init__([dict(group) for group in optimizer.param_groups], dict(optimizer.defaults))
-        self.scaler = DynamicLossScaler() if engine.plan.training.dtype == "fp16" else None
+        device = engine.comm.device
+        self.scaler = DynamicLossScaler(device) if engine.plan.training.dtype == "fp16" else None
         engine.scaler = self.scaler  # ElixirModel.forward_backward scales its losses by it
-        self.skipped_steps = 0
+        self._skipped = torch.zeros((), dtype=torch.int64, device=device)
+        # None: learn it at the first step (one all-reduce); True: all-reduce the used flags every
+        # step (parameters unused on every rank are skipped, as torch skips grad None); False:
+        # every parameter gets a gradient in every step, no bookkeeping across ranks.
+        self.find_unused_parameters = find_unused_parameters
         self._stats: _GradStats | None = None
         self._unscaled_at = -1
         group_of = {id(p): gi for gi, group in enumerate(self.param_groups) for p in group["params"]}
@@ -70,9 +79,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._entries.append(entry)
             per_side[slot.chunk.offload].append(entry)
         self._inner: list[tuple[torch.optim.Optimizer, list[int]]] = []
-        for entries in per_side.values():
+        self._on_host: list[bool] = []
+        for on_host, entries in per_side.items():  # the device side first: it runs while the host one does
             if entries:
                 self._inner.append(self._build_inner(entries))
+                self._on_host.append(on_host)
         self._preallocate_state()
 
     # --- construction --------------------------------------------------------------------------
@@ -149,49 +160,67 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, scaled by the loss scale for fp16."""
         if self.scaler is not None:
-            loss = loss * self.scaler.scale
+            loss = loss * self.scaler.scale_tensor
         loss.backward()
 
     @property
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler is not None else 1.0
 
+    @property
+    def skipped_steps(self) -> int:
+        """fp16 steps skipped on overflow (reading it synchronizes with the device)."""
+        return int(self._skipped)
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped.fill_(int(value))
+
+    def _split_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        chunks = self.engine.chunks
+        return [c.grad for c in chunks if not c.offload], [c.grad for c in chunks if c.offload]
+
     def _grad_stats(self, need_norm: bool = False, norm_type: float = 2.0) -> _GradStats:
-        """Unscales (fp16), checks overflow and (when asked) the global norm; all-reduced once."""
+        """Unscales (fp16), checks overflow and (when asked) the global norm; all-reduced once.
+
+        Everything stays on the device: the overflow flag is a tensor that the fused optimizers
+        and the loss scaler read there. Host gradients (offloaded chunks) are complete first.
+        """
         engine = self.engine
+        engine.drain_grads()
         passes = engine.backward_passes
         stats = self._stats
         if stats is not None and stats.backward_passes == passes and (stats.norm is not None or not need_norm):
             return stats
-        grads = [chunk.grad for chunk in engine.chunks]
+        device_grads, host_grads = self._split_grads()
         if self.scaler is not None and self._unscaled_at != passes:
-            inverse = 1.0 / self.scaler.scale
-            for grad in grads:
-                grad.mul_(inverse)
+            inverse = self.scaler.scale_tensor.reciprocal()
+            _mul_(device_grads, inverse)
+            _mul_(host_grads, inverse)
             self._unscaled_at = passes
         if not need_norm and self.scaler is None:
-            self._stats = _GradStats(passes, False)
+            self._stats = _GradStats(passes, None)
             return self._stats
         device = engine.comm.device
-        if math.isinf(norm_type):
-            local = torch.stack([g.abs().max().float().to(device) for g in grads]).max().reshape(1)
+        inf = math.isinf(norm_type)
+        parts = [_norm_part(grads, norm_type).to(device) for grads in (device_grads, host_grads) if grads]
+        local = torch.stack(parts)
+        local = (local.max() if inf else local.sum()).reshape(1)
+        if inf:
             engine.comm.all_reduce_max(local)
-            norm = local[0]
         else:
-            local = (
-                torch.stack([torch.linalg.vector_norm(g.float(), norm_type).to(device) ** norm_type for g in grads])
-                .sum()
-                .reshape(1)
-            )
             engine.comm.all_reduce_sum(local)
-            norm = local[0] ** (1.0 / norm_type)
-        overflow = self.scaler is not None and not bool(torch.isfinite(norm))
-        self._stats = _GradStats(passes, overflow, norm)
+        norm = local[0] if inf else local[0] ** (1.0 / norm_type)
+        found_inf = (~torch.isfinite(norm)).float() if self.scaler is not None else None
+        self._stats = _GradStats(passes, found_inf, norm)
         return self._stats
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips the gradients of all shards of all ranks together, as torch.nn.utils.clip_grad_norm_.
+
+        The coefficient is clamped to 1 on the device (no host round trip); a non-finite norm
+        leaves the gradients as they are (an fp16 overflow skips the step anyway).
 
         Args:
             max_norm: largest allowed global norm.
@@ -202,50 +231,79 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         if norm_type not in (2.0, math.inf):
             raise ValueError(f"clip_grad_norm supports norm_type 2 and inf, got {norm_type}")
-        stats = self._grad_stats(need_norm=True, norm_type=norm_type)
-        norm = stats.norm
-        if torch.isfinite(norm):
-            coef = max_norm / (float(norm) + 1e-6)
-            if coef < 1.0:
-                for chunk in self.engine.chunks:
-                    chunk.grad.mul_(coef)
+        norm = self._grad_stats(need_norm=True, norm_type=norm_type).norm
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
+        device_grads, host_grads = self._split_grads()
+        _mul_(device_grads, coef)
+        _mul_(host_grads, coef)
         return norm
+
+    def _mark_used(self) -> None:
+        """Gives each shard entry its gradient, or None where no rank used the parameter."""
+        engine = self.engine
+        mode = self.find_unused_parameters
+        if mode is False:
+            if not bool(engine.used.all()):  # a host tensor: no device round trip
+                unused = [engine.slots[i].name for i in (~engine.used).nonzero().flatten().tolist()]
+                raise RuntimeError(
+                    f"parameters got no gradient in this step ({', '.join(unused[:5])}) although every parameter "
+                    "had one in the first step; pass find_unused_parameters=True to elixir_tune.setup for a model "
+                    "that leaves some parameters unused in some steps"
+                )
+            for entry in self._entries:
+                entry.tensor.grad = entry.grad
+            return
+        used = engine.used.to(torch.float32).to(engine.comm.device)
+        engine.comm.all_reduce_sum(used)  # used on any rank = has a gradient
+        used = used.cpu() > 0
+        if mode is None:
+            self.find_unused_parameters = not bool(used.all())
+        for entry in self._entries:
+            # A parameter without a gradient anywhere is skipped, as torch skips grad None.
+            entry.tensor.grad = entry.grad if bool(used[entry.slot_index]) else None
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One optimizer step over this rank's shards (skipped on every rank on fp16 overflow)."""
+        """One optimizer step over this rank's shards (skipped on every rank on fp16 overflow).
+
+        The device shards' optimizer is launched first; the host shards' waits only for the host
+        gradients (the drain's per-chunk events), then runs on the CPU meanwhile.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        stats = self._grad_stats()
-        if stats.overflow:
-            self.scaler.update(overflow=True)
-            self.skipped_steps += 1
-            return loss
-        used = self.engine.used.to(torch.float32).to(self.engine.comm.device)
-        self.engine.comm.all_reduce_sum(used)  # used on any rank = has a gradient (tiny, once a step)
-        used = used.cpu() > 0
-        for entry in self._entries:
-            # A parameter without a gradient anywhere is skipped, as torch skips grad None.
-            entry.tensor.grad = entry.grad if bool(used[entry.slot_index]) else None
-        if self.engine.device.type == "cuda" and any(chunk.offload for chunk in self.engine.chunks):
-            # Asynchronous host<->device copies of host shards must be done before the CPU step.
-            torch.cuda.current_stream(self.engine.device).synchronize()
-        for inner, group_ids in self._inner:
+        self.engine.cache.wait_all()  # no gather may read a master while it is written
+        found_inf = self._grad_stats().found_inf if self.scaler is not None else None
+        self._mark_used()
+        for (inner, group_ids), on_host in zip(self._inner, self._on_host, strict=True):
             for inner_group, gi in zip(inner.param_groups, group_ids):
                 for key, value in self.param_groups[gi].items():
                     if key not in _IMPLEMENTATION_KEYS:
                         inner_group[key] = value
-            inner.step()
+            if on_host:
+                self.engine.drain_grads()
+            if found_inf is None:
+                inner.step()
+            elif inner.param_groups[0].get("fused"):
+                inner.found_inf = found_inf.to("cpu" if on_host else found_inf.device)
+                inner.grad_scale = None
+                inner.step()
+            elif not bool(found_inf):  # no fused kernel: the decision has to come to the host
+                inner.step()
+            if on_host:
+                for chunk in self.engine.chunks:
+                    chunk.refresh_upload()
         if self.scaler is not None:
-            self.scaler.update(overflow=False)
+            self.scaler.update(found_inf)
+            self._skipped += found_inf.to(torch.int64)
         self.engine.after_step()
         self._stats = None
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zeroes the shard gradients (they are buffers: never None)."""
+        """Zeroes the shard gradients (they are buffers: never None), after the reductions in flight."""
         self.engine.zero_grad()
         self._stats = None
         self._unscaled_at = -1
@@ -281,3 +339,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.scaler.load_state_dict(state_dict["scaler"])
         for group, saved in zip(self.param_groups, state_dict.get("param_groups", [])):
             group.update(saved)
+
+
+def _mul_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """Multiplies in place by a scalar tensor that may live on another device (foreach kernels)."""
+    if tensors:
+        torch._foreach_mul_(tensors, factor.to(tensors[0].device))
+
+
+def _norm_part(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The local part of a global norm: the max for inf, else the sum of p-th powers (foreach)."""
+    norms = torch.stack(torch._foreach_norm(grads, norm_type))
+    return norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()

@@ -81,6 +81,7 @@ def setup(
     plan: Plan | str | None = None,
     weights: str | os.PathLike | None = None,
     seed: int | None = None,
+    find_unused_parameters: bool | None = None,
 ):
     """Shards ``model`` and ``optimizer`` as the plan says.
 
@@ -100,6 +101,9 @@ def setup(
         weights: a safetensors file, a ``model.safetensors.index.json``, or a Hugging Face model
             directory: the initial weights (each rank reads only its shards' slices).
         seed: seeds the initializer of a meta-device model; default rank 0's ``torch.initial_seed()``.
+        find_unused_parameters: True when some parameters may get no gradient in some steps (they
+            are then skipped, as torch skips grad None; costs a small all-reduce and a host sync per
+            step); False when every parameter always gets one; None learns it from the first step.
 
     Returns:
         (model, optimizer): an ElixirModel to call like the original module, and a
@@ -111,4 +115,4 @@ def setup(
     comm = init_comm(plan.world_size, plan.cluster.device, plan.cluster.backend)
     source = make_source(model, weights, agreed_seed(comm, seed))
     engine = Engine(model, plan, comm, source)
-    return ElixirModel(model, engine), ShardedOptimizer(optimizer, engine)
+    return ElixirModel(model, engine), ShardedOptimizer(optimizer, engine, find_unused_parameters)

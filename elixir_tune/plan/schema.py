@@ -43,6 +43,8 @@ DEVICES: tuple[str, ...] = get_args(Device)
 BACKENDS: tuple[str, ...] = get_args(Backend)
 ACCUMULATIONS: tuple[str, ...] = get_args(Accumulation)
 MODEL_STATE_KEYS: tuple[str, ...] = get_args(ModelStateKey)
+# What the engine holds beside the model states (plan/memory.py has the formula).
+TransientKey = Literal["staging_bytes", "host_copy_bytes", "landing_bytes"]
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 # Bytes per element of this rank's shard of model states, for a chunk, by optimizer: fp32 master
@@ -165,8 +167,8 @@ class MemoryPlan:
         chunk_size: elements per chunk, a multiple of the world size.
         cache_blocks: gathered non-resident chunks the device holds at once.
         prefetch: chunks fetched ahead of their first use.
-        staging_buffers: compute-dtype gradient staging buffers (one chunk each) the engine may
-            hold at once during backward.
+        staging_buffers: chunk-sized gradient buffers that backward fills and reduce-scatters from
+            (a bounded pool: when none is free the oldest reduction is finished first).
         chunks: every trainable parameter exactly once, in first-use order.
     """
 
@@ -190,6 +192,8 @@ class Prediction:
         peak_gpu_bytes: peak device memory of one rank.
         peak_host_bytes: peak host memory of one node.
         model_state_bytes: the model-state part of memory, keys MODEL_STATE_KEYS.
+        transient_bytes: what the engine allocates beside the model states, keys TRANSIENT_KEYS
+            (``elixir_tune.plan.memory``).
         breakdown: named parts of the step time in seconds (compute_s, exposed_fetch_s, ...).
     """
 
@@ -200,6 +204,7 @@ class Prediction:
     peak_gpu_bytes: NonNegativeInt
     peak_host_bytes: NonNegativeInt
     model_state_bytes: dict[ModelStateKey, int] = field(default_factory=dict)
+    transient_bytes: dict[TransientKey, int] = field(default_factory=dict)
     breakdown: dict[str, float] = field(default_factory=dict)
 
 

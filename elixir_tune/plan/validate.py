@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any
 
 from elixir_tune.plan.fields import check_fields, is_required, section_type
+from elixir_tune.plan.memory import ALIGN_ELEMENTS
 from elixir_tune.plan.schema import SCHEMA_VERSION, Plan
 
 _SECTIONS = [field for field in dataclasses.fields(Plan) if field.name != "schema_version"]
@@ -127,7 +128,9 @@ def validate_dict(raw: Any) -> list[str]:
             )
     if model.get("num_params") and chunks and all("numel" in chunk for chunk in chunks):
         total = sum(chunk["numel"] for chunk in chunks)
-        if total > model["num_params"]:
+        # numel spans the alignment padding between parameters (under ALIGN_ELEMENTS each).
+        padding = sum(len(chunk.get("params", [])) for chunk in chunks) * (ALIGN_ELEMENTS - 1)
+        if total > model["num_params"] + padding:
             errors.append(f"memory.chunks: hold {total} elements, more than model.num_params {model['num_params']}")
     return errors
 

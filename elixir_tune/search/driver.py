@@ -231,9 +231,9 @@ def search(
     else:
         shape = elixir_shape(model, global_batch // world, pinned)
         memory = model.memory(shape)
-        if memory.peak_gpu_bytes > budget.usable_gpu_bytes or memory.peak_host_bytes > host_bytes:
+        if memory.required_gpu_bytes > budget.usable_gpu_bytes or memory.peak_host_bytes > host_bytes:
             raise _infeasible(
-                memory.peak_gpu_bytes, memory.peak_host_bytes, budget.usable_gpu_bytes, host_bytes, pinned
+                memory.required_gpu_bytes, memory.peak_host_bytes, budget.usable_gpu_bytes, host_bytes, pinned
             )
         candidates, num_scored = [score(model, shape, memory, global_batch)], 1
     why = explain_winner(candidates, pinned, device=hardware.device)

@@ -20,6 +20,7 @@ from elixir_tune.costmodel.cache import simulate_cache
 from elixir_tune.costmodel.layout import largest_trainable_numel
 from elixir_tune.costmodel.memory import SHARD_BYTES, activation_bytes
 from elixir_tune.costmodel.model import CostModel, Shape
+from elixir_tune.plan.memory import chunk_size_multiple
 from elixir_tune.plan.schema import DTYPE_BYTES
 from elixir_tune.search.space import round_up
 
@@ -40,7 +41,7 @@ def _candidate_sizes(model: CostModel) -> list[int]:
     while minimum < largest:
         minimum *= 2
     step = max(world, (3 * minimum - minimum) // _CHUNK_STEPS)
-    return sorted({round_up(minimum + i * step, world) for i in range(_CHUNK_STEPS + 1)})
+    return sorted({round_up(minimum + i * step, chunk_size_multiple(world)) for i in range(_CHUNK_STEPS + 1)})
 
 
 def _moved_elements(model: CostModel, chunk_size: int, every: int, cache_blocks: int) -> int:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from elixir_tune.costmodel.layout import largest_trainable_numel
 from elixir_tune.costmodel.memory import SHARD_BYTES
 from elixir_tune.costmodel.model import CostModel, Shape
+from elixir_tune.plan.memory import ALIGN_ELEMENTS, chunk_size_multiple
 from elixir_tune.search.candidate import Candidate, score
 from elixir_tune.search.space import (
     ALL,
@@ -123,8 +124,12 @@ def chunk_sizes(model: CostModel, fixed: dict) -> list[int]:
     largest = largest_trainable_numel(profile)
     if "chunk_size" in fixed:
         size = fixed["chunk_size"]
-        if size % world:
-            raise ValueError(f"--fix chunk_size={size}: not a multiple of the world size {world}")
+        multiple = chunk_size_multiple(world)
+        if size % multiple:
+            raise ValueError(
+                f"--fix chunk_size={size}: not a multiple of {multiple} ({ALIGN_ELEMENTS} x the world size {world}, "
+                f"so that every shard starts aligned); use {-(-size // multiple) * multiple}"
+            )
         if size < largest:
             raise ValueError(f"--fix chunk_size={size}: smaller than the largest parameter ({largest} elements)")
         return [size]
@@ -243,9 +248,9 @@ def explore(model: CostModel, budget: Budget, fixed: dict, top_k: int) -> Explor
                     for prefetch in prefetch_choices(cache_blocks, minimum, cacheable, fixed):
                         shape = Shape(chunk_size, cache_blocks, 0, prefetch, every, micro_batch, accum, layered=layered)
                         base = model.memory(shape)
-                        need_all_offloaded = base.peak_gpu_bytes - num_chunks * shard_state_bytes
+                        need_all_offloaded = base.required_gpu_bytes - num_chunks * shard_state_bytes
                         min_gpu = need_all_offloaded if min_gpu is None else min(min_gpu, need_all_offloaded)
-                        over = base.peak_gpu_bytes - budget.usable_gpu_bytes
+                        over = base.required_gpu_bytes - budget.usable_gpu_bytes  # the margin stays free
                         smallest = max(0, -(-over // shard_state_bytes))
                         if smallest > num_chunks:
                             continue

@@ -19,6 +19,7 @@ from elixir_tune.plan.schema import (
     Prediction,
     SearchInfo,
     TrainingInfo,
+    TransientKey,
 )
 from elixir_tune.search.candidate import Candidate
 
@@ -74,6 +75,7 @@ def build_plan(
         peak_host_bytes=int(candidate.memory.peak_host_bytes),
         # The cost model's keys are MODEL_STATE_KEYS by construction (costmodel.memory.model_state_bytes).
         model_state_bytes=cast("dict[ModelStateKey, int]", dict(candidate.memory.model_state_bytes)),
+        transient_bytes=cast("dict[TransientKey, int]", dict(candidate.memory.transient_bytes)),
         breakdown={key: round(value, 6) for key, value in candidate.estimate.breakdown.items()},
     )
     device = model.hardware.device
@@ -103,7 +105,11 @@ def build_plan(
             accumulation=shape.accumulation,
         ),
         memory=MemoryPlan(
-            chunk_size=shape.chunk_size, cache_blocks=shape.cache_blocks, prefetch=shape.prefetch, chunks=chunks
+            chunk_size=shape.chunk_size,
+            cache_blocks=shape.cache_blocks,
+            prefetch=shape.prefetch,
+            chunks=chunks,
+            staging_buffers=shape.staging_buffers,
         ),
         prediction=prediction,
         search=SearchInfo(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from elixir_tune.plan.memory import ALIGN_ELEMENTS
 from elixir_tune.plan.schema import ACCUMULATIONS, DTYPES
 
 FIX_KEYS = {
@@ -112,9 +113,9 @@ def round_up(value: int, multiple: int) -> int:
 
 def chunk_size_grid(largest_numel: int, trainable_numel: int, world_size: int) -> list[int]:
     """Chunk sizes to try: from the largest parameter up, by factors of about 1.5, up to 8x it or
-    the whole model, each a multiple of the world size (and of 1024 elements when that is small
-    next to the chunk, so that shards stay aligned)."""
-    align = world_size * (1024 if largest_numel >= 1024 * 1024 else 1)
+    the whole model, each a multiple of the world size times the alignment (times 1024 elements
+    when that is small next to the chunk), so that shards stay aligned."""
+    align = world_size * (1024 if largest_numel >= 1024 * 1024 else ALIGN_ELEMENTS)
     smallest = round_up(largest_numel, align)
     largest = max(smallest, min(8 * smallest, round_up(trainable_numel, align)))
     sizes = []

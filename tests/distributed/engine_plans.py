@@ -24,6 +24,7 @@ from elixir_tune.plan import (
     fingerprint,
     validate,
 )
+from elixir_tune.plan.memory import align_up, chunk_size_multiple, padded_offsets
 
 
 def model_fingerprint(model: nn.Module) -> str:
@@ -33,17 +34,17 @@ def model_fingerprint(model: nn.Module) -> str:
 
 
 def pack(model: nn.Module, chunk_size: int) -> list[list[tuple[str, int]]]:
-    """Greedy first-fit in order: (name, numel) lists, one per chunk."""
+    """Greedy first-fit in order, parameters at aligned offsets: (name, numel) lists, one per chunk."""
     chunks: list[list[tuple[str, int]]] = [[]]
     used = 0
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        if used + param.numel() > chunk_size and chunks[-1]:
+        if align_up(used) + param.numel() > chunk_size and chunks[-1]:
             chunks.append([])
             used = 0
         chunks[-1].append((name, param.numel()))
-        used += param.numel()
+        used = align_up(used) + param.numel()
     return chunks
 
 
@@ -82,6 +83,7 @@ def make_plan(
     grad_accum_steps: int = 1,
     seq_len: int = 8,
     device: str = "cpu",
+    staging_buffers: int = 2,
 ) -> Plan:
     """A valid plan for ``model``.
 
@@ -91,12 +93,16 @@ def make_plan(
         offload: fraction of chunks whose shard lives on the host, spread evenly.
         resident: chunk ids kept gathered.
     """
-    chunk_size = math.ceil(chunk_size / world_size) * world_size
+    chunk_size = align_up(chunk_size, chunk_size_multiple(world_size))
     packed = pack(model, chunk_size)
     offloaded = {i for i in range(len(packed)) if math.floor((i + 1) * offload) > math.floor(i * offload)}
     chunks = [
         ChunkPlan(
-            id=i, params=[n for n, _ in c], numel=sum(k for _, k in c), resident=i in resident, offload=i in offloaded
+            id=i,
+            params=[n for n, _ in c],
+            numel=padded_offsets([k for _, k in c])[1],
+            resident=i in resident,
+            offload=i in offloaded,
         )
         for i, c in enumerate(packed)
     ]
@@ -134,7 +140,13 @@ def make_plan(
             seq_len=seq_len,
             activation_checkpointing=Checkpointing(every=checkpoint_every),
         ),
-        memory=MemoryPlan(chunk_size=chunk_size, cache_blocks=blocks, prefetch=prefetch, chunks=chunks),
+        memory=MemoryPlan(
+            chunk_size=chunk_size,
+            cache_blocks=blocks,
+            prefetch=prefetch,
+            chunks=chunks,
+            staging_buffers=staging_buffers,
+        ),
     )
     problems = validate(plan)
     assert not problems, problems

@@ -21,6 +21,7 @@ import torch
 
 import elixir_tune
 from elixir_tune.plan import SHARD_BYTES_PER_ELEMENT
+from elixir_tune.plan.memory import transient_bytes
 from tests.distributed.engine_plans import batches, make_plan, param_groups, tied_net, tiny_gpt2
 
 SEQ = 8
@@ -142,7 +143,7 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
 
 
 def expected_report(plan, case: dict, rank: int, world: int) -> dict:
-    """The schema.py formulas for model-state bytes."""
+    """The plan's formulas for model-state bytes (schema.py) and the engine's other buffers (plan/memory.py)."""
     item = {"fp32": 4, "bf16": 2, "fp16": 2}[plan.training.dtype]
     per_element = SHARD_BYTES_PER_ELEMENT["adam" if case.get("optimizer", "adamw") != "sgd" else "sgd_momentum"]
     shard = plan.memory.chunk_size // world
@@ -152,6 +153,14 @@ def expected_report(plan, case: dict, rank: int, world: int) -> dict:
         "resident_bytes": sum(plan.memory.chunk_size * item for c in chunks if c.resident),
         "device_shard_bytes": sum(shard * per_element for c in chunks if not c.offload),
         "host_shard_bytes": sum(shard * per_element for c in chunks if c.offload),
+        **transient_bytes(
+            plan.memory.chunk_size,
+            world,
+            plan.training.dtype,
+            plan.memory.staging_buffers,
+            sum(c.offload for c in chunks),
+            pinned=False,
+        ),
     }
 
 

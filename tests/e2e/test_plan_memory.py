@@ -4,7 +4,8 @@ really holds equals what the search predicted, for several plan shapes (world si
 "Really holds" is read from the tensors, not from ``memory_report()`` (which shares the plan's
 formula for the cache): the storages of each chunk's fp32 master and gradient, of the optimizer
 states torch steps for the chunk's parameters, of the resident payloads, and the peak bytes of
-gathered payloads the cache held during the steps."""
+gathered payloads the cache held during the steps. The engine's other buffers (staging pool, upload
+copies, landing buffers) equal the prediction's transient bytes."""
 
 from __future__ import annotations
 
@@ -19,24 +20,29 @@ from elixir_tune.search import search
 
 
 def held_model_state_bytes(model, optimizer) -> dict[str, int]:
-    """Model-state bytes of this rank read from the storages the engine and the optimizer hold."""
+    """Model-state bytes of this rank read from the storages the engine and the optimizer hold.
+
+    Storages are counted once per side (device shards, host shards): the fp32 masters of offloaded
+    chunks are views of one upload block that they share.
+    """
     engine = model.engine
-    chunk_of_storage = {chunk.master.untyped_storage().data_ptr(): chunk for chunk in engine.chunks}
-    storages: dict[int, dict[int, int]] = {
-        chunk.id: {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (chunk.master, chunk.grad)}
-        for chunk in engine.chunks
-    }
+    side_of_storage = {}
+    storages: dict[str, dict[int, int]] = {"host_shard_bytes": {}, "device_shard_bytes": {}}
+    for chunk in engine.chunks:
+        side = "host_shard_bytes" if chunk.offload else "device_shard_bytes"
+        for tensor in (chunk.master, chunk.grad):
+            side_of_storage[tensor.untyped_storage().data_ptr()] = side
+            storages[side][tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
     for inner, _ in optimizer._inner:  # the torch optimizers stepping the shards
         for param, state in inner.state.items():
-            chunk = chunk_of_storage[param.untyped_storage().data_ptr()]
+            side = side_of_storage[param.untyped_storage().data_ptr()]
             for value in state.values():
                 if torch.is_tensor(value) and value.dim() > 0:  # not the scalar step count
-                    storages[chunk.id][value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
+                    storages[side][value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
     held = dict.fromkeys(MODEL_STATE_KEYS, 0)
-    for chunk in engine.chunks:
-        held["host_shard_bytes" if chunk.offload else "device_shard_bytes"] += sum(storages[chunk.id].values())
-        if chunk.resident:
-            held["resident_bytes"] += chunk.payload.untyped_storage().nbytes()
+    for side, sizes in storages.items():
+        held[side] = sum(sizes.values())
+    held["resident_bytes"] = sum(c.payload.untyped_storage().nbytes() for c in engine.chunks if c.resident)
     held["cache_bytes"] = engine.memory_stats()["peak_cache_bytes"]
     return held
 
@@ -63,6 +69,8 @@ def test_engine_model_states_equal_the_prediction(tiny, fixed: dict):
     model = source.build_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer = elixir_tune.setup(model, optimizer, plan=plan)
+    predicted = {**plan.prediction.model_state_bytes, **plan.prediction.transient_bytes}
+    assert model.memory_report() == predicted
 
     batch = source.example_batch(plan.training.micro_batch_size, plan.training.seq_len)
     losses = []
@@ -75,4 +83,4 @@ def test_engine_model_states_equal_the_prediction(tiny, fixed: dict):
         losses.append(loss.item())
     assert losses[-1] < losses[0]  # the same batch three times: a working step lowers its loss
     assert held_model_state_bytes(model, optimizer) == plan.prediction.model_state_bytes
-    assert model.memory_report() == plan.prediction.model_state_bytes
+    assert model.memory_report() == predicted

@@ -83,9 +83,36 @@ def test_fp32_matches_torch_on_gpu(build, kwargs):
     offloaded = sum(c.offload for c in plan.memory.chunks)
     assert report["host_shard_bytes"] == 16 * shard * offloaded
     assert report["device_shard_bytes"] == 16 * shard * (len(plan.memory.chunks) - offloaded)
-    assert all(c.master.is_pinned() for c in model.engine.chunks if c.offload)
+    # What crosses the link is the upload copy (the master itself in fp32), in one pinned block.
+    assert all(c.upload.is_pinned() for c in model.engine.chunks if c.offload)
+    assert report["host_copy_bytes"] + 4 * shard * offloaded == 1 << (4 * shard * offloaded - 1).bit_length()
 
 
 def test_bf16_tracks_autocast_on_gpu():
     loss_rel, weight, _, _ = train(tiny_gpt2, dict(chunk_size=4096, cache="min", offload=0.5, prefetch=2), dtype="bf16")
     assert loss_rel < 2e-2 and weight < 5e-2, (loss_rel, weight)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_a_default_step_never_waits_for_the_device(dtype):
+    """After the first step (which learns that every parameter gets a gradient), a step with clipping
+    and fp16 loss scaling issues no host synchronization: torch's sync debug mode raises on one."""
+    model = tiny_gpt2()
+    plan = make_plan(model, 1, 4096, cache="min", prefetch=2, dtype=dtype, block_list="transformer.h", device="cuda")
+    model, opt = elixir_tune.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3), plan=plan)
+    batch = {k: v.cuda() for k, v in batches(1, 2, 8)[0].items()}
+
+    def step():
+        opt.backward(model(**batch).loss)
+        opt.clip_grad_norm(1.0)
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert opt.skipped_steps == 0

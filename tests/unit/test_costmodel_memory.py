@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from elixir_tune.costmodel.layout import pack_chunks
-from elixir_tune.costmodel.memory import GRAD_BUFFER_CHUNKS, activation_bytes, estimate_memory, model_state_bytes
+from elixir_tune.costmodel.memory import activation_bytes, estimate_memory, model_state_bytes
 from elixir_tune.costmodel.synthetic import gpt2_profile
 from elixir_tune.costmodel.trace import BACKWARD, FORWARD, RECOMPUTE, checkpointed_trace, chunk_trace, forward_length
 from elixir_tune.profiler.schema import ActivationLine, BlockInfo, ModelProfile, ParamInfo
@@ -63,10 +63,12 @@ def test_packing_is_greedy_in_first_use_order_and_shared_params_are_resident():
     layout = pack_chunks(small_profile(), chunk_size=120)
     assert [(c.params, c.numel, c.resident) for c in layout.chunks] == [
         ([0], 100, True),
-        ([1, 2], 110, False),
+        ([1, 2], 114, False),  # b starts at 64, a multiple of 8 elements: 64 + 50
         ([3], 40, False),
     ]
     assert layout.chunk_of_param == [0, 1, 1, 2]
+    # Without room for the padding, b moves to a chunk of its own.
+    assert [c.params for c in pack_chunks(small_profile(), chunk_size=112).chunks] == [[0], [1], [2, 3]]
     with pytest.raises(ValueError):
         pack_chunks(small_profile(), chunk_size=99)
 
@@ -89,13 +91,34 @@ def test_frozen_parameters_are_not_chunked_but_counted_on_the_device():
         micro_batch_size=2,
         every=0,
         allocator_overhead_bytes=1000,
+        largest_param_numel=50,
     )
-    # cache 1*120*2 + resident 120*2 + one device shard 60*16 + frozen 40*2 + activations 1000+2*400
-    # + buffers 64 + one grad chunk 120*2 + overhead 1000
-    assert memory.peak_gpu_bytes == 240 + 240 + 960 + 80 + 1800 + 64 + GRAD_BUFFER_CHUNKS * 240 + 1000
-    # host, per rank: one shard 60*16, its bf16 copy 60*2, staging 2*60*4; two ranks per node.
-    assert memory.peak_host_bytes == 2 * (960 + 120 + 480)
+    # cache 1*120*2 + resident 120*2 + one device shard 60*16 + staging 2 x (chunk 120 + shard 60) x 2
+    # + frozen 40*2 + activations 1000+2*400 + buffers 64 + gradients in flight 2 x 50 x 4 (fp32 width)
+    assert memory.peak_gpu_bytes == 240 + 240 + 960 + 720 + 80 + 1800 + 64 + 400
+    assert memory.transient_bytes["staging_bytes"] == 720
+    # kept free: 1 GiB (more than 5% of an unknown device and the probe's 1000) + NCCL's buffers
+    assert memory.margin_bytes == (1 << 30) + (512 << 20)
+    assert memory.required_gpu_bytes == memory.peak_gpu_bytes + memory.margin_bytes
+    # host, per rank: one shard 60*16, its bf16 upload copy 60*2 and two bf16 landing shards 2*60*2,
+    # pinned, so rounded to 128 and 256; two ranks per node.
+    assert memory.transient_bytes["host_copy_bytes"] == 128 and memory.transient_bytes["landing_bytes"] == 256
+    assert memory.peak_host_bytes == 2 * (960 + 128 + 256)
     assert memory.model_state_bytes["host_shard_bytes"] == 960
+
+
+def test_cpu_device_pins_nothing_and_keeps_a_cpu_sized_margin():
+    profile = small_profile()
+    common = dict(
+        chunk_size=120, world_size=2, gpus_per_node=2, dtype="fp32", cache_blocks=1, num_resident=1,
+        num_chunks=2, num_offloaded=1, frozen_numel=0, micro_batch_size=2, every=0, allocator_overhead_bytes=0,
+        prefetch=1, device="cpu", device_memory_bytes=16 << 30,
+    )  # fmt: skip
+    memory = estimate_memory(profile, **common)
+    # fp32: the offloaded master is what goes up (no copy); landing 2 x 60 x 4, not rounded.
+    assert memory.transient_bytes == {"staging_bytes": 2 * 180 * 4, "host_copy_bytes": 0, "landing_bytes": 480}
+    # 5% of 16 GiB, plus gloo's gather buffers (prefetch 1 + 2) x 120 x 4.
+    assert memory.margin_bytes == int(0.05 * (16 << 30)) + 3 * 480
 
 
 def test_activation_line_interpolates_by_checkpointed_blocks_and_scales_with_dtype():

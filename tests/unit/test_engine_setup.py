@@ -9,6 +9,7 @@ import torch
 
 import elixir_tune
 from elixir_tune.plan import MODEL_STATE_KEYS, SHARD_BYTES_PER_ELEMENT
+from elixir_tune.plan.memory import TRANSIENT_KEYS
 from tests.distributed.engine_plans import batches, make_plan, param_groups, tied_net, tiny_gpt2
 
 
@@ -67,7 +68,7 @@ def test_state_dict_has_original_names_and_weights():
 def test_memory_report_equals_the_plan_formulas():
     model, opt, plan, _ = setup_tied(cache=2, offload=0.5, resident=(0,))
     report = model.memory_report()
-    assert tuple(report) == MODEL_STATE_KEYS
+    assert tuple(report) == MODEL_STATE_KEYS + TRANSIENT_KEYS
     shard = plan.memory.chunk_size
     adam = SHARD_BYTES_PER_ELEMENT["adam"]
     n_off = sum(c.offload for c in plan.memory.chunks)
@@ -76,6 +77,9 @@ def test_memory_report_equals_the_plan_formulas():
         "resident_bytes": plan.memory.chunk_size * 4,
         "device_shard_bytes": (len(plan.memory.chunks) - n_off) * shard * adam,
         "host_shard_bytes": n_off * shard * adam,
+        "staging_bytes": 2 * plan.memory.chunk_size * 4,  # two staging buffers, no separate output at world 1
+        "host_copy_bytes": 0,  # fp32: the offloaded masters are what goes up
+        "landing_bytes": 2 * shard * 4,
     }
     train_step(model, opt, batches(1, 2, 8)[0])
     assert model.memory_report() == report  # optimizer state is preallocated: no growth at the first step
@@ -191,3 +195,62 @@ def test_optimizer_state_dict_round_trip_keeps_training_identical():
     train_step(model, opt, data[1])
     assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
     assert model.memory_report() == bytes_before
+
+
+def test_device_follows_local_rank_and_visible_devices(monkeypatch):
+    from elixir_tune.engine.comm import pick_device
+
+    assert pick_device("cpu") == torch.device("cpu")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)  # torchrun on a 4-GPU node
+    assert pick_device("cuda") == torch.device("cuda", 2)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # CUDA_VISIBLE_DEVICES narrowed per process
+    assert pick_device("cuda") == torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(RuntimeError, match="LOCAL_RANK is 2 but this process sees 2 GPUs"):
+        pick_device("cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(RuntimeError, match="no GPU is visible"):
+        pick_device("cuda")
+
+
+def test_parameters_start_16_byte_aligned_in_their_chunk():
+    model = tiny_gpt2()
+    plan = make_plan(model, 1, 4096, dtype="bf16")
+    wrapped, opt = elixir_tune.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3), plan=plan)
+    seen = []
+
+    def check(module, args):
+        for param in module.parameters(recurse=False):
+            seen.append(param.data_ptr() % 16)
+
+    for module in wrapped.module.modules():
+        module.register_forward_pre_hook(check)  # runs after the engine's hook: parameters gathered
+    train_step(wrapped, opt, batches(1, 2, 8)[0])
+    assert seen and set(seen) == {0}
+    assert all(slot.offset % 8 == 0 for chunk in wrapped.engine.chunks for slot in chunk.slots)
+
+
+def test_a_plan_packed_without_padding_still_runs():
+    from elixir_tune.plan import ChunkPlan, MemoryPlan
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 2))  # 15, 5, 10, 2 elements
+
+    model = build()
+    plan = make_plan(model, 1, 64)
+    names = [name for name, _ in model.named_parameters()]
+    # As an older search packed it: back to back, 32 elements in a chunk of 32 (padded they need 34).
+    plan.memory = MemoryPlan(chunk_size=32, cache_blocks=1, prefetch=0, chunks=[ChunkPlan(0, names, 32)])
+    x = torch.randn(4, 3)
+    reference = build()
+    reference(x).square().sum().backward()
+    with pytest.warns(UserWarning, match="without alignment padding"):
+        wrapped, opt = elixir_tune.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), plan=plan)
+    opt.backward(wrapped(x).square().sum())
+    opt.step()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    state = wrapped.state_dict()
+    for name, value in reference.state_dict().items():
+        assert torch.allclose(state[name], value, atol=1e-6), name

@@ -1,0 +1,151 @@
+"""Gradient staging: a bounded pool of chunk buffers, and the overlapped copy-down to the host.
+
+Backward copies each parameter's gradient into its chunk's staging buffer (compute dtype, the
+whole chunk); a complete chunk is reduce-scattered from it into a shard-sized output. The pool holds
+``staging_buffers`` such pairs, allocated once: when none is free, the engine finishes the oldest
+reduction in flight, so staging never takes more than the plan says.
+
+Gradients of offloaded chunks go down to the host as they are reduced: the reduced shard is copied
+into a landing buffer of host memory (pinned on cuda, on a stream of its own, one event per chunk)
+and a worker thread adds it into the fp32 host gradient once the copy's event has fired, while
+backward goes on. On a cpu device the same path runs without streams (the copy is a plain copy),
+so CI exercises it.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from elixir_tune.engine.comm import Handle
+
+
+@dataclass
+class StagingBuffer:
+    """One entry of the pool.
+
+    Attributes:
+        full: the chunk's gradients before reduction (compute dtype, device).
+        out: this rank's reduced shard (a view of ``full`` with one rank).
+        landing: host buffer the reduced shard of an offloaded chunk is copied into (None when no
+            chunk is offloaded).
+    """
+
+    full: torch.Tensor
+    out: torch.Tensor
+    landing: torch.Tensor | None
+
+
+class StagingPool:
+    """``size`` staging buffers, allocated up front.
+
+    Args:
+        size: buffers in the pool (the plan's ``memory.staging_buffers``).
+        chunk_size: elements per chunk.
+        rank: this rank (its shard's place in the chunk, for a world of one).
+        world_size: data-parallel size.
+        dtype: compute dtype.
+        device: the compute device.
+        landing: allocate host landing buffers (some chunk is offloaded).
+    """
+
+    def __init__(
+        self,
+        size: int,
+        chunk_size: int,
+        rank: int,
+        world_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        landing: bool,
+    ):
+        if size < 1:
+            raise ValueError(f"memory.staging_buffers must be at least 1, got {size}")
+        shard = chunk_size // world_size
+        self.size = size
+        self.full_block = torch.zeros(size * chunk_size, dtype=dtype, device=device)
+        self.out_block = torch.empty(size * shard if world_size > 1 else 0, dtype=dtype, device=device)
+        self.landing_block = None
+        if landing:
+            self.landing_block = torch.empty(size * shard, dtype=dtype, pin_memory=device.type == "cuda")
+        self._free: list[StagingBuffer] = []
+        for i in range(size):
+            full = self.full_block[i * chunk_size : (i + 1) * chunk_size]
+            out = self.out_block[i * shard : (i + 1) * shard] if world_size > 1 else full[rank * shard :][:shard]
+            land = self.landing_block[i * shard : (i + 1) * shard] if landing else None
+            self._free.append(StagingBuffer(full, out, land))
+        self._free.reverse()  # hand out buffer 0 first
+        self.live = 0  # buffers handed out and not yet released
+        self.peak_live = 0
+
+    def acquire(self) -> StagingBuffer | None:
+        """A zeroed free buffer, or None when all are in use."""
+        if not self._free:
+            return None
+        buffer = self._free.pop()
+        buffer.full.zero_()
+        self.live += 1
+        self.peak_live = max(self.peak_live, self.live)
+        return buffer
+
+    def release(self, buffer: StagingBuffer) -> None:
+        self.live -= 1
+        self._free.append(buffer)
+
+    def device_bytes(self) -> int:
+        return self.full_block.nbytes + self.out_block.nbytes
+
+    def landing_nbytes(self) -> int:
+        return 0 if self.landing_block is None else self.landing_block.nbytes
+
+
+class GradDrain:
+    """Copies reduced shards of offloaded chunks to the host and accumulates them there, overlapped.
+
+    Args:
+        device: the compute device (cuda: the copies run on a stream of their own).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._executor: ThreadPoolExecutor | None = None
+
+    def _worker(self) -> ThreadPoolExecutor:
+        if self._executor is None:  # one thread: additions into a gradient keep their order
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elixir-grad-drain")
+        return self._executor
+
+    def submit(self, handle: Handle, buffer: StagingBuffer, grad: torch.Tensor) -> Future:
+        """Starts moving ``buffer.out`` (once ``handle``'s reduce-scatter is done) into ``grad``.
+
+        Returns:
+            A future that completes when ``grad`` holds the addition.
+        """
+        if self.stream is None:
+            # cpu: the collective is waited for in the worker, so that backward goes on meanwhile.
+            return self._worker().submit(_wait_copy_add, handle, buffer.out, buffer.landing, grad)
+        with torch.cuda.stream(self.stream):
+            handle.wait()  # the copy stream (not the compute stream) waits for the reduce-scatter
+            buffer.landing.copy_(buffer.out, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return self._worker().submit(_sync_add, event, buffer.landing, grad)
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+
+def _wait_copy_add(handle: Handle, out: torch.Tensor, landing: torch.Tensor, grad: torch.Tensor) -> None:
+    handle.wait()
+    landing.copy_(out)
+    grad.add_(landing)
+
+
+def _sync_add(event, landing: torch.Tensor, grad: torch.Tensor) -> None:
+    event.synchronize()
+    grad.add_(landing)

@@ -1,0 +1,100 @@
+"""What the engine holds beside the model states: one formula for the engine and the cost model.
+
+``Engine.memory_report()`` and ``Prediction.transient_bytes`` use these keys, and a test compares
+them. Sizes are per rank.
+
+    staging_bytes    device: ``staging_buffers`` gradient buffers of one chunk each, plus (world > 1)
+                     the reduce-scatter output shard of each, compute dtype
+    host_copy_bytes  host: compute-dtype copies of the offloaded master shards, the bytes that cross
+                     the host->device link, pinned on cuda, in one block; in fp32 the masters
+                     themselves live in that block and are uploaded, so only its rounding counts here
+    landing_bytes    host: ``staging_buffers`` shards in compute dtype that reduced gradients of
+                     offloaded chunks land in before they are added into the fp32 host gradient;
+                     pinned on cuda, in one block
+
+Pinned blocks come from the CUDA host caching allocator, which rounds each block up to a power of
+two (``pinned_bytes``).
+"""
+
+from __future__ import annotations
+
+from typing import get_args
+
+from elixir_tune.plan.schema import DTYPE_BYTES, TransientKey
+
+TRANSIENT_KEYS: tuple[str, ...] = get_args(TransientKey)
+DEVICE_TRANSIENT_KEYS = ("staging_bytes",)
+HOST_TRANSIENT_KEYS = ("host_copy_bytes", "landing_bytes")
+
+
+def pinned_bytes(nbytes: int, pinned: bool) -> int:
+    """Bytes a host block of ``nbytes`` really takes: a power of two when it is pinned (CUDA)."""
+    if not pinned or nbytes <= 0:
+        return max(nbytes, 0)
+    return 1 << (nbytes - 1).bit_length()
+
+
+def transient_bytes(
+    chunk_size: int, world_size: int, dtype: str, staging_buffers: int, num_offloaded: int, pinned: bool
+) -> dict[str, int]:
+    """The engine's buffers beside the model states, keys ``TRANSIENT_KEYS``.
+
+    Args:
+        chunk_size: elements per chunk.
+        world_size: data-parallel size.
+        dtype: compute dtype.
+        staging_buffers: the plan's gradient staging pool size.
+        num_offloaded: chunks whose shard lives on the host.
+        pinned: host buffers are pinned (the device is cuda).
+
+    Returns:
+        Bytes per key.
+    """
+    item = DTYPE_BYTES[dtype]
+    shard_numel = chunk_size // world_size
+    out_numel = shard_numel if world_size > 1 else 0
+    host_copy = num_offloaded * shard_numel * item
+    masters_inside = host_copy if dtype == "fp32" else 0  # counted in host_shard_bytes
+    landing = staging_buffers * shard_numel * item if num_offloaded else 0
+    return {
+        "staging_bytes": staging_buffers * (chunk_size + out_numel) * item,
+        "host_copy_bytes": pinned_bytes(host_copy, pinned) - masters_inside,
+        "landing_bytes": pinned_bytes(landing, pinned),
+    }
+
+
+# --- alignment --------------------------------------------------------------------------------
+
+# Every parameter starts at a multiple of 8 elements inside its chunk (16 bytes in bf16/fp16, 32 in
+# fp32), as FSDP pads, so that kernels see aligned views; chunk sizes are multiples of 8 x the
+# world size, so that every rank's shard starts aligned too. The cost model's packing, validate and
+# the engine use these same helpers.
+ALIGN_ELEMENTS = 8
+
+
+def align_up(numel: int, multiple: int = ALIGN_ELEMENTS) -> int:
+    """``numel`` rounded up to a multiple of ``multiple``."""
+    return -(-numel // multiple) * multiple
+
+
+def padded_offsets(numels: list[int]) -> tuple[list[int], int]:
+    """Offsets of parameters packed in order with aligned starts, and the elements they span.
+
+    Args:
+        numels: elements of each parameter, in packing order.
+
+    Returns:
+        (offsets, end): each parameter's first element, and where the last one ends (the chunk's
+        ``numel``: the last parameter needs no padding after it).
+    """
+    offsets, end = [], 0
+    for numel in numels:
+        start = align_up(end)
+        offsets.append(start)
+        end = start + numel
+    return offsets, end
+
+
+def chunk_size_multiple(world_size: int) -> int:
+    """What a chunk size must be a multiple of for every shard to start aligned."""
+    return world_size * ALIGN_ELEMENTS

@@ -1,0 +1,88 @@
+"""What a training step really allocates against what the plan predicts, measured without asking
+the engine (``memory_probe``), for GPT-2 and Llama tiny at world 2 on gloo; and the engine's live
+cache against the cost model's simulated one (gathers and host->device uploads of one step).
+
+On a CPU plan device and host are one pool: the prediction compared is the device peak plus this
+rank's share of the node's host peak. The prediction must never be under the measurement, and at
+most 15% over it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.engine_launch import launch
+
+MAX_OVER = 1.15
+
+
+def shape(offload: float, cache: str, prefetch: int, checkpointing: str, mb: int, accum: int, dtype: str) -> dict:
+    fixed = dict(offload=offload, cache_blocks=cache, prefetch=prefetch, checkpointing=checkpointing)
+    return dict(fixed=fixed, micro_batch_size=mb, accum=accum, dtype=dtype)
+
+
+# offload none / half / all, cache all / minimum, prefetch 2, checkpointing all, accumulation 4, fp32 and bf16
+SHAPES = [
+    shape(0.0, "all", 0, "none", mb=2, accum=1, dtype="fp32"),
+    shape(0.5, "min", 2, "all", mb=1, accum=4, dtype="fp32"),
+    shape(1.0, "min", 0, "all", mb=2, accum=1, dtype="bf16"),
+    shape(0.0, "min", 2, "none", mb=2, accum=2, dtype="bf16"),
+    shape(0.5, "all", 0, "all", mb=2, accum=1, dtype="fp32"),
+    shape(1.0, "all", 2, "none", mb=1, accum=4, dtype="bf16"),
+]
+CASES = [dict(s, model=model) for model in ("gpt2-tiny", "llama-tiny") for s in SHAPES]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return launch("memory_fidelity_worker.py", CASES, world_size=2, timeout_s=400)
+
+
+def _label(case: dict) -> str:
+    return f"{case['model']} {case['dtype']} {case['fixed']} mb={case['micro_batch_size']} accum={case['accum']}"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_predicted_peak_covers_the_measured_one_within_15_percent(results):
+    rows = []
+    for rank, per_case in enumerate(results):
+        for result in per_case:
+            assert result["ok"], (rank, result.get("error"), result.get("trace"))
+            measured = result["measured"]["peak_bytes"]
+            predicted = result["predicted_gpu_bytes"] + result["predicted_host_bytes_per_rank"]
+            detail = (
+                f"live {result['measured']['live_bytes']} (engine report {result['report_bytes']}) + step "
+                f"{result['measured']['step_peak_bytes']} (activations {result['predicted_activation_bytes']} + "
+                f"buffers {result['predicted_buffer_bytes']})"
+            )
+            rows.append((_label(result["case"]), rank, measured, predicted, predicted / measured, detail))
+    table = "\n".join(
+        f"{label} rank {rank}: measured {m} predicted {p} ({r:.3f}x): {d}" for label, rank, m, p, r, d in rows
+    )
+    print(table)  # pytest -s shows the figures
+    assert all(m <= p for _, _, m, p, _, _ in rows), table
+    assert all(r <= MAX_OVER for *_, r, _ in rows), table
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_live_cache_gathers_and_uploads_equal_the_simulation(results):
+    """Gathers are equal in every case; uploads too, except where prefetch meets recomputation in a
+    cache smaller than the model (GPT-2's ``mb=1 accum=4`` shape: 40 vs 37 per step): there the
+    engine and the simulation break ties between chunks used at the same step differently, so the
+    same number of gathers falls on other chunks (some offloaded). Printed under pytest -s."""
+    differ = []
+    for per_case in results:
+        for result in per_case:
+            assert result["ok"], (result.get("error"), result.get("trace"))
+            engine, simulated, plan = result["engine_counts"], result["simulated_counts"], result["plan"]
+            known_gap = plan["prefetch"] > 0 and plan["every"] > 0 and plan["cache_blocks"] < plan["chunks"] - 1
+            if engine["gathers"] != simulated["gathers"] or (
+                engine["uploads"] != simulated["uploads"] and not known_gap
+            ):
+                differ.append((_label(result["case"]), plan, engine, simulated))
+            if known_gap:
+                print("prefetch + recomputation, small cache:", _label(result["case"]), engine, simulated)
+                assert abs(engine["uploads"] - simulated["uploads"]) <= 0.1 * simulated["uploads"]
+    assert not differ, "\n".join(map(str, differ))
