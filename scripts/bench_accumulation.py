@@ -8,7 +8,8 @@ Part 1, CPU, world 2 (gloo, one thread per worker): a transformers GPT-2 (n_embd
 4 heads, vocab 1024, seq 64 by default), fp32, AdamW, every chunk offloaded, the smallest cache the
 plan allows (a chunk gathered for one micro-batch is evicted before the next one needs it: the case
 layered accumulation is for), no checkpointing, micro-batch 2, accumulation 1, 2, 4 and 8, standard
-and layered; and the global batch of accumulation 8 as one micro-batch of 16 (standard). Each plan comes from the real profiler and search (``--fix`` pins), on the ``cpu``
+and layered; the global batch of accumulation 8 as one micro-batch of 16 (standard); and
+accumulation 4 with every block checkpointed (standard and layered). Each plan comes from the real profiler and search (``--fix`` pins), on the ``cpu``
 hardware preset; its prediction is the search's. Measured: median step time of ``--steps`` steps
 after ``--warmup`` (``forward_backward`` + ``step`` + ``zero_grad``), and the engine's counters
 per step (gathers, uploads, reduce-scatters).
@@ -105,20 +106,20 @@ def bytes_moved(counts: dict[str, float], chunk_bytes: int, world: int) -> int:
     )
 
 
-def plan_for(profile, hardware, accum: int, mode: str, chunk_size: int, micro: int = MICRO):
+def plan_for(profile, hardware, accum: int, mode: str, chunk_size: int, micro: int = MICRO, every: int = 0):
     """The search's plan with everything pinned but the cache, which is pinned to its minimum."""
     from elixir_tune.costmodel.model import CostModel, Shape
     from elixir_tune.search import search
 
     model = CostModel(profile, hardware, WORLD, dtype="fp32")
     chunk_size = -(-chunk_size // (8 * WORLD)) * 8 * WORLD
-    minimum = model.min_cache_blocks(chunk_size, 0)
+    minimum = model.min_cache_blocks(chunk_size, every)
     pins = [
         f"chunk_size={chunk_size}",
         "offload=1.0",
         f"cache_blocks={minimum}",
         "prefetch=0",
-        "checkpointing=none",
+        "checkpointing=" + ("none" if every == 0 else "all"),
         f"micro_batch_size={micro}",
         f"accumulation={mode}",
     ]
@@ -129,7 +130,7 @@ def plan_for(profile, hardware, accum: int, mode: str, chunk_size: int, micro: i
         plan.memory.cache_blocks,
         sum(c.offload for c in plan.memory.chunks),
         plan.memory.prefetch,
-        0,
+        every,
         micro,
         accum,
         offloaded=tuple(c.id for c in plan.memory.chunks if c.offload),
@@ -207,6 +208,12 @@ def cpu_part(args) -> list[dict]:
         plan, predicted = plan_for(profile, hardware, 1, "standard", args.chunk_size, micro=MICRO * ACCUMS[-1])
         plans.append(plan)
         rows.append({"accum": 1, "mode": f"standard, micro {MICRO * ACCUMS[-1]}", "predicted": predicted, "plan": plan})
+        # Every block checkpointed: recomputation runs one micro-batch at a time, so a cache smaller
+        # than a block refetches its chunks per micro-batch; the cost model does not count that.
+        for mode in ("standard", "layered"):
+            plan, predicted = plan_for(profile, hardware, 4, mode, args.chunk_size, every=1)
+            plans.append(plan)
+            rows.append({"accum": 4, "mode": f"{mode}, checkpointing all", "predicted": predicted, "plan": plan})
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]

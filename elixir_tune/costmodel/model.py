@@ -118,8 +118,8 @@ class CostModel:
         # PCIe-only GPUs: collectives and host copies share each GPU's link (world 1 has no collectives).
         self.shared_link = hardware.shared_host_link and self.world_size > 1 and hardware.device != "cpu"
         self._layouts: dict[int, ChunkLayout] = {}
-        self._traces: dict[tuple[int, int], tuple[ChunkTrace, list[tuple[int, ...]]]] = {}
-        self._sims: dict[tuple[int, int, int], tuple[CacheSim, list[tuple[int, int, int]]]] = {}
+        self._traces: dict[tuple[int, int, int], tuple[ChunkTrace, list[tuple[int, ...]]]] = {}
+        self._sims: dict[tuple[int, int, int, int], tuple[CacheSim, list[tuple[int, int, int]]]] = {}
         self._costs: dict[int, TransferCosts] = {}
         self._orders: dict[tuple[int, int, int], list[int]] = {}
 
@@ -135,11 +135,13 @@ class CostModel:
         """The chunk trace of one micro-batch (cached)."""
         return self._trace(chunk_size, every)[0]
 
-    def _trace(self, chunk_size: int, every: int) -> tuple[ChunkTrace, list[tuple[int, ...]]]:
-        key = (chunk_size, every)
+    def _trace(self, chunk_size: int, every: int, micro_batches: int = 1) -> tuple[ChunkTrace, list[tuple[int, ...]]]:
+        """The trace (cached) and, per step, the chunks whose gradients are complete after it.
+        ``micro_batches`` > 1: the trace of a layered step (``chunk_trace``)."""
+        key = (chunk_size, every, micro_batches)
         if key not in self._traces:
             layout = self.layout(chunk_size)
-            trace = chunk_trace(self.profile, layout, every)
+            trace = chunk_trace(self.profile, layout, every, micro_batches)
             reduce_after: list[list[int]] = [[] for _ in trace.steps]
             for chunk, step in enumerate(trace.last_use):
                 if step >= 0:
@@ -151,12 +153,14 @@ class CostModel:
         """The fewest cache blocks any step can run with (no prefetch)."""
         return max(self.trace(chunk_size, every).max_step_chunks, 1 if self.layout(chunk_size).num_cacheable else 0)
 
-    def cache_sim(self, chunk_size: int, every: int, cache_blocks: int) -> tuple[CacheSim, list[tuple[int, int, int]]]:
+    def cache_sim(
+        self, chunk_size: int, every: int, cache_blocks: int, micro_batches: int = 1
+    ) -> tuple[CacheSim, list[tuple[int, int, int]]]:
         """Cache simulation (cached) and the cold fetch list with resident chunks added."""
-        key = (chunk_size, every, cache_blocks)
+        key = (chunk_size, every, cache_blocks, micro_batches)
         if key not in self._sims:
             layout = self.layout(chunk_size)
-            trace = self.trace(chunk_size, every)
+            trace = self._trace(chunk_size, every, micro_batches)[0]
             sim = simulate_cache(trace.steps, cache_blocks, layout.num_cacheable)
             resident = [
                 (trace.first_use[c], c, -1)
@@ -283,8 +287,10 @@ class CostModel:
         """
         cold_blocks: list[tuple[str, float, float, int]] | None = [] if record is not None else None
         steady_blocks: list[tuple[str, float, float, int]] | None = [] if record is not None else None
-        trace, reduce_after = self._trace(shape.chunk_size, shape.every)
-        sim, cold = self.cache_sim(shape.chunk_size, shape.every, shape.cache_blocks)
+        # Layered with recomputation: each block recomputes once per micro-batch (engine/layered.py).
+        traced = shape.grad_accum_steps if shape.layered and shape.every > 0 else 1
+        trace, reduce_after = self._trace(shape.chunk_size, shape.every, traced)
+        sim, cold = self.cache_sim(shape.chunk_size, shape.every, shape.cache_blocks, traced)
         offloaded = self.offload_mask(shape)
         costs = self.costs(shape.chunk_size)
         mb_compute, mb_recompute = self.compute_s(shape.micro_batch_size, shape.every)

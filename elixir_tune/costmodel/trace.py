@@ -31,7 +31,7 @@ def forward_length(trace: list[list[int]]) -> int:
     return half
 
 
-def checkpointed_trace(profile: ModelProfile, every: int) -> list[tuple[list[int], int]]:
+def checkpointed_trace(profile: ModelProfile, every: int, recompute_copies: int = 1) -> list[tuple[list[int], int]]:
     """The module-level trace with blocks 0, every, 2*every, ... checkpointed.
 
     A checkpointed block runs its forward steps again right before its backward.
@@ -39,6 +39,9 @@ def checkpointed_trace(profile: ModelProfile, every: int) -> list[tuple[list[int
     Args:
         profile: the model profile.
         every: 0 for no checkpointing, k for every k-th block.
+        recompute_copies: how many times each recomputation runs back to back (layered
+            accumulation recomputes a block once per micro-batch, one after the other, while its
+            forward and backward steps serve all micro-batches at once).
 
     Returns:
         (parameter indices, kind) per step, kind one of FORWARD, BACKWARD, RECOMPUTE.
@@ -65,7 +68,8 @@ def checkpointed_trace(profile: ModelProfile, every: int) -> list[tuple[list[int
         block_index = block_of(step)
         if block_index >= 0 and block_index % every == 0 and block_index not in recomputed:
             recomputed.add(block_index)
-            out.extend((fwd, RECOMPUTE) for fwd in forward_of_block.get(block_index, []))
+            for _ in range(recompute_copies):
+                out.extend((fwd, RECOMPUTE) for fwd in forward_of_block.get(block_index, []))
         out.append((step, BACKWARD))
     return out
 
@@ -89,13 +93,15 @@ class ChunkTrace:
     max_step_chunks: int
 
 
-def chunk_trace(profile: ModelProfile, layout: ChunkLayout, every: int) -> ChunkTrace:
+def chunk_trace(profile: ModelProfile, layout: ChunkLayout, every: int, micro_batches: int = 1) -> ChunkTrace:
     """Maps the module trace to chunks, merging steps that cannot miss.
 
     Args:
         profile: the model profile.
         layout: the chunk layout.
         every: checkpointing (0 none, k every k-th block).
+        micro_batches: > 1 for one layered step of that many micro-batches: forward and backward
+            steps carry all of their FLOPs, and each recomputation runs once per micro-batch.
 
     Returns:
         The merged chunk trace of one micro-batch.
@@ -108,9 +114,10 @@ def chunk_trace(profile: ModelProfile, layout: ChunkLayout, every: int) -> Chunk
     first_use = [-1] * layout.num_chunks
     last_use = [-1] * layout.num_chunks
     previous: set[int] | None = None
-    for params, kind in checkpointed_trace(profile, every):
+    for params, kind in checkpointed_trace(profile, every, micro_batches):
         touched = {chunk_of[i] for i in params if chunk_of[i] >= 0}
-        weight = _KIND_FLOPS[kind] * sum(numel[i] for i in params)
+        copies = 1 if kind == RECOMPUTE else micro_batches
+        weight = copies * _KIND_FLOPS[kind] * sum(numel[i] for i in params)
         cacheable = {c for c in touched if not resident[c]}
         if previous is not None and cacheable <= previous:
             weights[-1] += weight

@@ -22,12 +22,12 @@ def model() -> CostModel:
     return CostModel(profile, example_hardware(gpus_per_node=2), gpus_per_node=2, dtype="bf16")
 
 
-def shapes(model: CostModel, accum: int, layered: bool) -> Shape:
+def shapes(model: CostModel, accum: int, layered: bool, every: int = 0, cache: str = "min") -> Shape:
     chunk_size = model.profile.params[0].numel  # the embedding alone fills a chunk: many chunks
     chunk_size += -chunk_size % (8 * model.world_size)
-    num_chunks = model.layout(chunk_size).num_chunks
-    minimum = model.min_cache_blocks(chunk_size, 1)
-    return Shape(chunk_size, minimum, num_chunks, 0, 1, 2, accum, layered=layered)
+    layout = model.layout(chunk_size)
+    blocks = model.min_cache_blocks(chunk_size, every) if cache == "min" else layout.num_cacheable
+    return Shape(chunk_size, blocks, layout.num_chunks, 0, every, 2, accum, layered=layered)
 
 
 def test_layered_pays_one_micro_batch_of_traffic(model):
@@ -39,7 +39,7 @@ def test_layered_pays_one_micro_batch_of_traffic(model):
     gathers = round(one["allgather_s"] / costs.allgather_s)
     reduces = round(one["reduce_scatter_s"] / costs.reduce_scatter_s)
     assert reduces == model.layout(shapes(model, 1, False).chunk_size).num_chunks  # every chunk once
-    assert gathers > reduces  # a small cache: chunks are fetched again in backward and recomputation
+    assert gathers > reduces  # a small cache: chunks are fetched again in backward
     # Layered: exactly that traffic for four micro-batches; standard: four times the reductions.
     assert layered["allgather_s"] == pytest.approx(gathers * costs.allgather_s)
     assert layered["reduce_scatter_s"] == pytest.approx(reduces * costs.reduce_scatter_s)
@@ -57,8 +57,28 @@ def test_layered_is_faster_when_offloaded_traffic_dominates(model):
     assert layered < standard
 
 
+def test_layered_recomputes_once_per_micro_batch(model):
+    """Checkpointed blocks recompute one micro-batch at a time: with a cache smaller than a block's
+    chunks each recomputation fetches them again; with every chunk cached, nothing is refetched."""
+    costs = model.costs(shapes(model, 1, False).chunk_size)
+
+    def gathers(shape: Shape) -> int:
+        return round(model.step_time(shape).breakdown["allgather_s"] / costs.allgather_s)
+
+    one = gathers(shapes(model, 1, False, every=1))
+    two = gathers(shapes(model, 2, True, every=1))
+    layered = gathers(shapes(model, ACCUM, True, every=1))
+    recompute_refetch = two - one  # what one more micro-batch's recomputation fetches
+    assert recompute_refetch > 0
+    assert layered == one + (ACCUM - 1) * recompute_refetch
+    assert layered < gathers(shapes(model, ACCUM, False, every=1))
+    assert gathers(shapes(model, ACCUM, True, every=1, cache="all")) == gathers(
+        shapes(model, 1, False, every=1, cache="all")
+    )
+
+
 def test_layered_holds_every_micro_batch_activations(model):
-    standard, layered = shapes(model, ACCUM, False), shapes(model, ACCUM, True)
+    standard, layered = shapes(model, ACCUM, False, every=1), shapes(model, ACCUM, True, every=1)
     one = activation_bytes(model.profile, 2, 1, "bf16")
     difference = model.memory(layered).peak_gpu_bytes - model.memory(standard).peak_gpu_bytes
     assert difference == (ACCUM - 1) * one
@@ -66,8 +86,9 @@ def test_layered_holds_every_micro_batch_activations(model):
 
 
 def test_with_one_micro_batch_layered_is_standard(model):
-    assert model.step_time(shapes(model, 1, True)) == model.step_time(shapes(model, 1, False))
-    assert model.memory(shapes(model, 1, True)) == model.memory(shapes(model, 1, False))
+    for every in (0, 1):
+        assert model.step_time(shapes(model, 1, True, every)) == model.step_time(shapes(model, 1, False, every))
+        assert model.memory(shapes(model, 1, True, every)) == model.memory(shapes(model, 1, False, every))
 
 
 def test_search_choices_and_the_pin():
