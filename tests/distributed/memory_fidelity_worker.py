@@ -36,7 +36,15 @@ def profiled(name: str, dtype: str):
 def make_plan(case: dict, world: int):
     source, profile = profiled(case["model"], case["dtype"])
     hardware = load_hardware("cpu")
-    fixed = dict(case["fixed"], chunk_size=CHUNK_SIZE, micro_batch_size=case["micro_batch_size"], dtype=case["dtype"])
+    # Standard accumulation: a layered step runs its forwards on threads that torch.profiler does not
+    # follow, so memory_probe cannot see their activations on the CPU.
+    fixed = dict(
+        case["fixed"],
+        chunk_size=CHUNK_SIZE,
+        micro_batch_size=case["micro_batch_size"],
+        dtype=case["dtype"],
+        accumulation=case.get("accumulation", "standard"),
+    )
     if fixed.get("cache_blocks") == "min":
         every = {"none": 0, "all": 1}[fixed["checkpointing"]]
         model = CostModel(profile, hardware, gpus_per_node=world, dtype=case["dtype"])
@@ -50,8 +58,13 @@ def simulated_counts(profile, plan, world: int) -> dict[str, int]:
     """Gathers and uploads of one step of non-resident chunks, by the cost model's cache simulation."""
     model = CostModel(profile, load_hardware("cpu"), gpus_per_node=world, dtype=plan.training.dtype)
     every = plan.training.activation_checkpointing.every
-    sim, _ = model.cache_sim(plan.memory.chunk_size, every, plan.memory.cache_blocks)
-    fetches = sim.cold + sim.steady * (plan.training.grad_accum_steps - 1)
+    accum = plan.training.grad_accum_steps
+    if plan.training.accumulation == "layered":  # one pass for all micro-batches (recomputing each)
+        sim, _ = model.cache_sim(plan.memory.chunk_size, every, plan.memory.cache_blocks, accum if every else 1)
+        fetches = sim.cold
+    else:
+        sim, _ = model.cache_sim(plan.memory.chunk_size, every, plan.memory.cache_blocks)
+        fetches = sim.cold + sim.steady * (accum - 1)
     offloaded = {chunk.id for chunk in plan.memory.chunks if chunk.offload}
     return {"gathers": len(fetches), "uploads": sum(1 for _, chunk, _ in fetches if chunk in offloaded)}
 
@@ -67,8 +80,8 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
     engine = model.engine
 
     def step() -> None:
-        for _ in range(plan.training.grad_accum_steps):
-            optimizer.backward(model(**batch).loss / plan.training.grad_accum_steps)
+        # Standard or layered accumulation, as the plan says.
+        model.forward_backward([batch] * plan.training.grad_accum_steps)
         optimizer.clip_grad_norm(1.0)
         optimizer.step()
         optimizer.zero_grad()
@@ -100,6 +113,7 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
             "chunks": len(plan.memory.chunks),
             "every": plan.training.activation_checkpointing.every,
             "accum": plan.training.grad_accum_steps,
+            "accumulation": plan.training.accumulation,
         },
         "engine_counts": {key: after[key] - before[key] for key in ("gathers", "uploads")},
         "simulated_counts": simulated_counts(profile, plan, world),
