@@ -5,7 +5,7 @@ counters), compared with plain PyTorch on the same global batch.
 Run by ``engine_launch.py`` as N processes. Each case is a dict:
 
     arch: gpt2 | llama     offload (fraction)     checkpoint (every)     accum     steps
-    mode: layered | standard     chunk_size     cache ("min" | "all" | int)
+    mode: layered | standard     chunk_size     cache ("min" | "all" | int)     prefetch
 
 Rank 0 also trains the plain-PyTorch reference (fp32) and reports the largest differences.
 Every rank reports the engine's counters (gathers, uploads, reduce-scatters) of the last step.
@@ -49,6 +49,7 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
         case["chunk_size"],
         cache=case.get("cache", "min"),
         offload=case.get("offload", 0.0),
+        prefetch=case.get("prefetch", 0),
         checkpoint_every=case.get("checkpoint", 0),
         block_list=block_list(case),
         micro_batch_size=MICRO,

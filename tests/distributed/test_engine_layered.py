@@ -2,8 +2,8 @@
 same global batch, and the engine's own counters against standard accumulation.
 
 GPT-2 and a Llama-style tiny model (grouped-query attention, RMSNorm, rotary), 4 micro-batches per
-step, offload none and all, checkpointing none and all, at world 1 and world 2 (one launch each,
-gloo). fp32 tolerances as test_engine_dist.py: losses 1e-5 relative, weights 1e-5 absolute after 10
+step, offload none and all, checkpointing none and all (and half offloaded, checkpointed, prefetch
+2), at world 1 and world 2 (one launch each, gloo). fp32 tolerances as test_engine_dist.py: losses 1e-5 relative, weights 1e-5 absolute after 10
 steps. Chunks of 4096 elements with the smallest cache (several chunks per block, two cache slots).
 
 Counters, per step (forward and backward): with layered accumulation and no checkpointing the
@@ -30,10 +30,13 @@ CASES = [
     dict(BASE, arch=arch, offload=offload, checkpoint=checkpoint, mode="layered")
     for arch, offload, checkpoint in itertools.product(("gpt2", "llama"), (0.0, 1.0), (0, 1))
 ] + [dict(BASE, arch=arch, offload=1.0, checkpoint=0, mode="standard", steps=2) for arch in ("gpt2", "llama")]
+# Prefetch along the access order the cache recorded in the first (layered) step, half offloaded.
+CASES += [dict(BASE, arch=arch, offload=0.5, checkpoint=1, prefetch=2, mode="layered") for arch in ("gpt2", "llama")]
 
 
 def case_id(case: dict) -> str:
-    return f"{case['arch']}-{case['mode']}-offload{case['offload']:g}-ckpt{case['checkpoint']}"
+    prefetch = f"-prefetch{case['prefetch']}" if case.get("prefetch") else ""
+    return f"{case['arch']}-{case['mode']}-offload{case['offload']:g}-ckpt{case['checkpoint']}{prefetch}"
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["world1", "world2"])
@@ -64,7 +67,11 @@ def test_layered_fetches_and_reduces_once_per_step(results, arch):
         index = next(
             i
             for i, c in enumerate(CASES)
-            if c["arch"] == arch and c["mode"] == mode and c["offload"] == 1.0 and c["checkpoint"] == checkpoint
+            if c["arch"] == arch
+            and c["mode"] == mode
+            and c["offload"] == 1.0
+            and c["checkpoint"] == checkpoint
+            and not c.get("prefetch")
         )
         return _case(results, index)[0]
 
