@@ -157,3 +157,23 @@ def test_a_plan_for_another_model_is_refused_by_the_workers(cpu_plan, tmp_path):
     assert "the job failed: worker rank" in output
     assert time.monotonic() - started < 120
     assert not (tmp_path / "t.json").exists()
+
+
+def test_a_layered_plan_trains_through_train_gpt2(cpu_plan, tmp_path):
+    """search --fix accumulation=layered -> show names it -> elixir-run train_gpt2.py (the shared
+    training loop steps through model.forward_backward) -> the loss falls."""
+    plan = tmp_path / "plan-layered.yaml"
+    work = cpu_plan.parent
+    args = ["search", "--gpus", "2", "--profile", work / "profile.yaml", "--hardware", "cpu"]
+    args += ["--global-batch-size", "16", "--fix", "accumulation=layered", "--fix", "micro_batch_size=2"]
+    _tune([*args, "--out", plan])
+    assert "accumulation: layered" in plan.read_text()
+    shown = _tune(["show", plan])
+    assert "accumulation 4 (layered)" in " ".join(shown.stdout.split())
+    log = tmp_path / "train.json"
+    result = run_elixir([plan, TRAIN, "--steps", "12", "--log", log], timeout_s=300)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    record = json.loads(log.read_text())
+    losses = [step["loss"] for step in record["steps"]]
+    assert len(losses) == 12 and record["summary"]["status"] == "finished"
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.5, losses
