@@ -1,5 +1,5 @@
 """Layered gradient accumulation (Lamy-Poirier 2021, arXiv 2106.02679): all micro-batches of a step
-go through the model block by block, forward and backward.
+go through the model layer by layer, forward and backward.
 
 How, without touching the model's code: each micro-batch's forward runs in its own Python thread,
 and the threads pass a baton in the engine's forward pre-hook of every module that owns chunked
@@ -17,17 +17,22 @@ shape, so node j of every micro-batch carries the same number: the engine walks 
 lockstep, layer k of every micro-batch before layer k-1 of any (``tests/unit/test_layered.py``
 checks the order). Each parameter's gradient accumulator has an input from every micro-batch, so
 the autograd engine sums them before it runs once: the engine's post-accumulate-grad hook sees the
-step's gradient once, stages it once and reduce-scatters each chunk once per step.
+step's gradient once, stages it once and reduce-scatters each chunk once per step. Should the
+micro-batches take different paths (data-dependent control flow), the numbers drift apart and the
+backward order only approximates layer-major: more fetches, the same gradients.
 
 Grad mode and autocast are thread-local in PyTorch: each thread takes the caller's. An exception in
 one thread stops the others at their next layer and is raised in the caller.
 Checkpointed blocks recompute in backward, in the autograd engine's thread, where the baton is not
-active (hooks from threads outside the step pass straight through).
+active (hooks from threads outside the step pass straight through): one micro-batch at a time, so a
+cache smaller than a block's chunks fetches them again for each (the cost model's layered trace
+counts it: ``costmodel/trace.py``).
 
-Why not torch's pipelining package (``PipelineStage``, ``ScheduleLoopedBFS``): it needs the model split into stage modules (an export
-trace of the forward, which transformers models' data-dependent Python does not always survive) and
-its schedules move activations between stages with point-to-point sends; on one rank the threaded
-forward gives the same layer-major order on the unmodified module, with nothing to split.
+Why not torch's pipelining package (``PipelineStage``, ``ScheduleLoopedBFS``): it needs the model
+split into stage modules (an export trace of the forward, which transformers models'
+data-dependent Python does not always survive) and its schedules move activations between stages
+with point-to-point sends; on one rank the threaded forward gives the same layer-major order on the
+unmodified module, with nothing to split.
 """
 
 from __future__ import annotations
