@@ -14,9 +14,12 @@ from dataclasses import dataclass
 from elixir_tune.costmodel.layout import ChunkLayout
 from elixir_tune.profiler.schema import ModelProfile
 
-FORWARD, BACKWARD, RECOMPUTE = 0, 1, 2
+FORWARD, BACKWARD, RECOMPUTE, FORWARD_ONE = 0, 1, 2, 3
 # Backward of a matmul costs twice its forward; a recomputed forward costs one forward.
-_KIND_FLOPS = {FORWARD: 1.0, BACKWARD: 2.0, RECOMPUTE: 1.0}
+# FORWARD_ONE: one micro-batch's forward of a checkpointed block in a layered step (the block runs
+# whole for each micro-batch in turn, see engine/layered.py), where FORWARD steps serve all of them.
+_KIND_FLOPS = {FORWARD: 1.0, BACKWARD: 2.0, RECOMPUTE: 1.0, FORWARD_ONE: 1.0}
+_ONE_MICRO_BATCH = (RECOMPUTE, FORWARD_ONE)
 
 
 def forward_length(trace: list[list[int]]) -> int:
@@ -39,12 +42,12 @@ def checkpointed_trace(profile: ModelProfile, every: int, recompute_copies: int 
     Args:
         profile: the model profile.
         every: 0 for no checkpointing, k for every k-th block.
-        recompute_copies: how many times each recomputation runs back to back (layered
-            accumulation recomputes a block once per micro-batch, one after the other, while its
-            forward and backward steps serve all micro-batches at once).
+        recompute_copies: micro-batches of a layered step: a checkpointed block's forward and its
+            recomputation run whole for each micro-batch in turn (FORWARD_ONE, RECOMPUTE), while
+            the other forward and backward steps serve all micro-batches at once.
 
     Returns:
-        (parameter indices, kind) per step, kind one of FORWARD, BACKWARD, RECOMPUTE.
+        (parameter indices, kind) per step, kind one of FORWARD, BACKWARD, RECOMPUTE, FORWARD_ONE.
     """
     steps = [list(step) for step in profile.trace if step]
     num_forward = forward_length(profile.trace)
@@ -57,9 +60,23 @@ def checkpointed_trace(profile: ModelProfile, every: int, recompute_copies: int 
         owners = {block_of_param.get(index, -1) for index in step}
         return owners.pop() if len(owners) == 1 else -1
 
-    out = [(step, FORWARD) for step in steps[:num_forward]]
     if every <= 0 or not profile.blocks:
-        return out + [(step, BACKWARD) for step in steps[num_forward:]]
+        return [(step, FORWARD) for step in steps[:num_forward]] + [(step, BACKWARD) for step in steps[num_forward:]]
+    out: list[tuple[list[int], int]] = []
+    forward = steps[:num_forward]
+    start = 0
+    while start < len(forward):
+        block_index = block_of(forward[start])
+        if recompute_copies == 1 or block_index < 0 or block_index % every:
+            out.append((forward[start], FORWARD))
+            start += 1
+            continue
+        end = start
+        while end < len(forward) and block_of(forward[end]) == block_index:
+            end += 1
+        for _ in range(recompute_copies):
+            out.extend((step, FORWARD_ONE) for step in forward[start:end])
+        start = end
     forward_of_block: dict[int, list[list[int]]] = {}
     for step in steps[:num_forward]:
         forward_of_block.setdefault(block_of(step), []).append(step)
@@ -101,7 +118,8 @@ def chunk_trace(profile: ModelProfile, layout: ChunkLayout, every: int, micro_ba
         layout: the chunk layout.
         every: checkpointing (0 none, k every k-th block).
         micro_batches: > 1 for one layered step of that many micro-batches: forward and backward
-            steps carry all of their FLOPs, and each recomputation runs once per micro-batch.
+            steps carry all of their FLOPs, and each checkpointed block's forward and
+            recomputation run once per micro-batch.
 
     Returns:
         The merged chunk trace of one micro-batch.
@@ -116,7 +134,7 @@ def chunk_trace(profile: ModelProfile, layout: ChunkLayout, every: int, micro_ba
     previous: set[int] | None = None
     for params, kind in checkpointed_trace(profile, every, micro_batches):
         touched = {chunk_of[i] for i in params if chunk_of[i] >= 0}
-        copies = 1 if kind == RECOMPUTE else micro_batches
+        copies = 1 if kind in _ONE_MICRO_BATCH else micro_batches
         weight = copies * _KIND_FLOPS[kind] * sum(numel[i] for i in params)
         cacheable = {c for c in touched if not resident[c]}
         if previous is not None and cacheable <= previous:

@@ -241,6 +241,7 @@ class Engine:
         for index, block in enumerate(self.blocks()):
             if checkpointing.applies_to(index):
                 wrap_checkpointed(block)
+                self._handles.append(block.register_forward_pre_hook(lambda *_: self._layer_boundary()))
                 for module in block.modules():
                     self._checkpointed_block[module] = block
 
@@ -296,9 +297,17 @@ class Engine:
         self._recomputed.clear()
         self._callback_queued = self.in_backward = False
 
-    def _pre_forward(self, module: torch.nn.Module) -> None:
+    def _layer_boundary(self) -> None:
+        """Layered step: the other micro-batches run up to here first (engine/layered.py)."""
         if self.baton is not None:
-            self.baton.boundary()  # layered: the other micro-batches run this module first
+            self.baton.boundary()
+
+    def _pre_forward(self, module: torch.nn.Module) -> None:
+        if module not in self._checkpointed_block:
+            # Not inside a checkpointed block: those yield once, before their checkpoint saves the
+            # RNG state (a pre-hook on the block), so that the recomputation, which runs alone,
+            # draws the same random numbers (dropout) as the forward did.
+            self._layer_boundary()
         self._running[module] = self._running.get(module, 0) + 1
         if self.in_backward and module in self._checkpointed_block:
             self._recomputed.add(self._checkpointed_block[module])

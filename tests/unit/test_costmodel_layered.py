@@ -58,8 +58,9 @@ def test_layered_is_faster_when_offloaded_traffic_dominates(model):
 
 
 def test_layered_recomputes_once_per_micro_batch(model):
-    """Checkpointed blocks recompute one micro-batch at a time: with a cache smaller than a block's
-    chunks each recomputation fetches them again; with every chunk cached, nothing is refetched."""
+    """Checkpointed blocks run their forward and their recomputation one micro-batch at a time (so
+    that the recomputation draws the forward's random numbers): with a cache smaller than a block's
+    chunks each micro-batch fetches them again; with every chunk cached, nothing is refetched."""
     costs = model.costs(shapes(model, 1, False).chunk_size)
 
     def gathers(shape: Shape) -> int:
@@ -68,10 +69,10 @@ def test_layered_recomputes_once_per_micro_batch(model):
     one = gathers(shapes(model, 1, False, every=1))
     two = gathers(shapes(model, 2, True, every=1))
     layered = gathers(shapes(model, ACCUM, True, every=1))
-    recompute_refetch = two - one  # what one more micro-batch's recomputation fetches
+    recompute_refetch = two - one  # what one more micro-batch's block forwards and recomputations fetch
     assert recompute_refetch > 0
     assert layered == one + (ACCUM - 1) * recompute_refetch
-    assert layered < gathers(shapes(model, ACCUM, False, every=1))
+    assert layered <= gathers(shapes(model, ACCUM, False, every=1))
     assert gathers(shapes(model, ACCUM, True, every=1, cache="all")) == gathers(
         shapes(model, 1, False, every=1, cache="all")
     )
