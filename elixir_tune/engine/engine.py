@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import warnings
 from collections import deque
+from collections.abc import Iterable
+from typing import cast
 
 import torch
 
@@ -217,7 +219,7 @@ class Engine:
     def _check_cache_fits(self) -> None:
         """A module runs inside its ancestors' forward: their chunks stay gathered meanwhile."""
         need = {module: len(self._chain_chunks(module)) for module in self.module_chunks}
-        worst = max(need, key=need.get, default=None)
+        worst = max(need, key=need.__getitem__, default=None)
         if worst is not None and need[worst] > self.plan.memory.cache_blocks:
             raise ValueError(
                 f"module {self.module_names[worst]!r} uses {need[worst]} non-resident chunks at once (its own and "
@@ -232,7 +234,8 @@ class Engine:
         if not self.plan.model.block_list:
             raise ValueError("training.activation_checkpointing is set but model.block_list names no blocks")
         disable_kv_cache(self.model)
-        blocks = self.model.get_submodule(self.plan.model.block_list)
+        # model.block_list names a ModuleList of blocks (profiler/blocks.py finds it).
+        blocks = cast("Iterable[torch.nn.Module]", self.model.get_submodule(self.plan.model.block_list))
         for index, block in enumerate(blocks):
             if checkpointing.applies_to(index):
                 wrap_checkpointed(block)
@@ -251,6 +254,7 @@ class Engine:
         """A backward stopped by an exception never ran its end callback: drop what it staged."""
         self.drain_grads()
         for chunk in self._filling:
+            assert chunk.staging is not None  # a filling chunk holds its staging buffer
             self.staging.release(chunk.staging)
             chunk.staging, chunk.staged = None, 0
         self._filling.clear()
@@ -358,6 +362,7 @@ class Engine:
             chunk.staging = self._acquire_staging()
             self._filling.append(chunk)
         grad = param.grad
+        assert grad is not None  # the post-accumulate-grad hook runs with the gradient set
         chunk.staging.full[slot.offset : slot.offset + slot.numel].copy_(grad.reshape(-1))
         param.grad = None
         slot.state = transition(slot.state, "grad")
@@ -422,6 +427,7 @@ class Engine:
             mine = all_ranks or self.comm.rank == 0
             flat = torch.empty(chunk.chunk_size, dtype=torch.float32, device=self.device) if mine else None
             if all_ranks:
+                assert flat is not None  # every rank allocated it
                 self.comm.all_gather_into_tensor(flat, shard, async_op=False)
             else:
                 self.comm.gather_to(flat, shard, dst=0)
@@ -489,7 +495,7 @@ class Engine:
             if chunk.resident:
                 report["resident_bytes"] += chunk.payload_bytes()
             key = "host_shard_bytes" if chunk.offload else "device_shard_bytes"
-            report[key] += chunk.shard_bytes() + getattr(chunk, "optimizer_state_bytes", 0)
+            report[key] += chunk.shard_bytes() + chunk.optimizer_state_bytes
         upload = self.upload_block.nbytes
         masters_inside = upload if self.compute_dtype == torch.float32 else 0  # counted as host shards
         report["staging_bytes"] = self.staging.device_bytes()
