@@ -240,10 +240,12 @@ def _load_shards(directory: Path, engine, optimizer) -> None:
     rank = engine.comm.rank
     shard = _load(directory / rank_file_name(rank))
     masters = shard["masters"]
-    if len(masters) != len(engine.chunks) or any(m.shape != c.master.shape for m, c in zip(masters, engine.chunks)):
+    if len(masters) != len(engine.chunks) or any(
+        m.shape != c.master.shape for m, c in zip(masters, engine.chunks, strict=True)
+    ):
         raise ValueError(f"{directory / rank_file_name(rank)} does not match this plan's chunks")
     engine.cache.wait_all()  # no gather in flight may read a master while it is written
-    for chunk, master in zip(engine.chunks, masters):
+    for chunk, master in zip(engine.chunks, masters, strict=True):
         chunk.init_master(master)
     optimizer.load_state_dict(shard["optimizer"])
     optimizer.skipped_steps = int(shard.get("skipped_steps", 0))

@@ -117,7 +117,7 @@ class Chunk:
                 self.grad = zeros_on_demand(self.shard_numel)
             else:
                 self.grad = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
-        self.upload_event = None  # cuda: the last host->device copy reading ``upload``
+        self.upload_event: torch.cuda.Event | None = None  # cuda: the last host->device copy reading ``upload``
         self.payload = torch.empty(chunk_size, dtype=compute_dtype, device=device)
         self.payload.untyped_storage().resize_(0)
         self.allocated = False  # payload storage present
@@ -126,6 +126,9 @@ class Chunk:
         self.staged = 0  # parameters whose gradient is in ``staging``
         self.received = 0  # parameters whose gradient arrived in this backward
         self.pending: tuple[StagingBuffer, Handle | Future] | None = None  # reduction in flight
+        # Flat per-element optimizer state over the shard (ShardedOptimizer preallocates it).
+        self.optimizer_flats: dict[str, torch.Tensor] = {}
+        self.optimizer_state_bytes = 0
 
     # --- layout -------------------------------------------------------------------------------
 
@@ -197,7 +200,12 @@ class Chunk:
             handle = self._gather_on_current_stream(async_op=True)
             event = torch.cuda.Event()
             event.record(side_stream)
-        return Handle(None, lambda: (handle.wait(), torch.cuda.current_stream(self.device).wait_event(event)))
+
+        def wait() -> None:
+            handle.wait()
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+        return Handle(None, wait)
 
     def _gather_on_current_stream(self, async_op: bool) -> Handle:
         # In place, as FSDP does: this rank's part of the payload is written from the shard (the
@@ -207,6 +215,7 @@ class Chunk:
         raw = self.payload.data
         mine = raw[self.shard_begin : self.shard_begin + self.shard_numel]
         if self.offload:
+            assert self.upload is not None  # an offloaded chunk always has its upload copy
             mine.copy_(self.upload, non_blocking=True)
             if self.device.type == "cuda":
                 self.upload_event = torch.cuda.Event()
@@ -259,6 +268,7 @@ class Chunk:
             drain: moves the reduced shard of an offloaded chunk to the host, overlapped.
         """
         buffer = self.staging
+        assert buffer is not None, "start_reduce before any gradient was staged (see reduce_ready)"
         self.staging = None
         self.staged = 0
         for slot in self.slots:
@@ -274,14 +284,13 @@ class Chunk:
         else:
             self.pending = (buffer, handle)
 
-    def finish_reduce(self) -> StagingBuffer | None:
+    def finish_reduce(self) -> StagingBuffer:
         """Waits for the reduction in flight; its result is then in the fp32 shard gradient.
 
         Returns:
-            The staging buffer, free to reuse (None when nothing was in flight).
+            The staging buffer, free to reuse.
         """
-        if self.pending is None:
-            return None
+        assert self.pending is not None, "finish_reduce without a reduction in flight (see start_reduce)"
         buffer, waitable = self.pending
         self.pending = None
         if isinstance(waitable, Future):

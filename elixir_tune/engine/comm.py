@@ -134,10 +134,13 @@ class Comm:
             output: ``world_size * shard.numel()`` elements on rank ``dst``; ignored (may be None) elsewhere.
             shard: this rank's part.
         """
+        if self.rank == dst:
+            assert output is not None, "gather_to: the destination rank needs an output tensor"
         if not self.distributed:
+            assert output is not None  # one rank: it is dst
             output.copy_(shard)
             return
-        parts = list(output.chunk(self.world_size)) if self.rank == dst else None
+        parts = list(output.chunk(self.world_size)) if output is not None and self.rank == dst else None
         dist.gather(shard, gather_list=parts, dst=dst)
 
     def any_rank(self, flag: bool) -> bool:

@@ -223,7 +223,7 @@ class Engine:
     def _check_cache_fits(self) -> None:
         """A module runs inside its ancestors' forward: their chunks stay gathered meanwhile."""
         need = {module: len(self._chain_chunks(module)) for module in self.module_chunks}
-        worst = max(need, key=need.get, default=None)
+        worst = max(need, key=need.__getitem__, default=None)
         if worst is not None and need[worst] > self.plan.memory.cache_blocks:
             raise ValueError(
                 f"module {self.module_names[worst]!r} uses {need[worst]} non-resident chunks at once (its own and "
@@ -245,7 +245,7 @@ class Engine:
                 for module in block.modules():
                     self._checkpointed_block[module] = block
 
-    def blocks(self) -> torch.nn.ModuleList:
+    def blocks(self) -> torch.nn.ModuleList | torch.nn.Sequential:
         """The plan's repeated blocks (``model.block_list``).
 
         Raises:
@@ -253,8 +253,7 @@ class Engine:
         """
         if not self.plan.model.block_list:
             raise ValueError(
-                "the plan's model.block_list names no blocks (needed by activation checkpointing and by "
-                "training.accumulation: layered)"
+                "the plan's model.block_list names no blocks (activation checkpointing applies to its items)"
             )
         blocks = self.model.get_submodule(self.plan.model.block_list)
         if not isinstance(blocks, (torch.nn.ModuleList, torch.nn.Sequential)):
@@ -284,6 +283,7 @@ class Engine:
         """A backward stopped by an exception never ran its end callback: drop what it staged."""
         self.drain_grads()
         for chunk in self._filling:
+            assert chunk.staging is not None  # a filling chunk holds its staging buffer
             self.staging.release(chunk.staging)
             chunk.staging, chunk.staged = None, 0
         self._filling.clear()
@@ -406,6 +406,7 @@ class Engine:
             chunk.staging = self._acquire_staging()
             self._filling.append(chunk)
         grad = param.grad
+        assert grad is not None  # the post-accumulate-grad hook runs with the gradient set
         chunk.staging.full[slot.offset : slot.offset + slot.numel].copy_(grad.reshape(-1))
         param.grad = None
         slot.state = transition(slot.state, "grad")
@@ -470,6 +471,7 @@ class Engine:
             mine = all_ranks or self.comm.rank == 0
             flat = torch.empty(chunk.chunk_size, dtype=torch.float32, device=self.device) if mine else None
             if all_ranks:
+                assert flat is not None  # every rank allocated it
                 self.comm.all_gather_into_tensor(flat, shard, async_op=False)
             else:
                 self.comm.gather_to(flat, shard, dst=0)
@@ -537,7 +539,7 @@ class Engine:
             if chunk.resident:
                 report["resident_bytes"] += chunk.payload_bytes()
             key = "host_shard_bytes" if chunk.offload else "device_shard_bytes"
-            report[key] += chunk.shard_bytes() + getattr(chunk, "optimizer_state_bytes", 0)
+            report[key] += chunk.shard_bytes() + chunk.optimizer_state_bytes
         upload = self.upload_block.nbytes
         masters_inside = upload if self.compute_dtype == torch.float32 else 0  # counted as host shards
         report["staging_bytes"] = self.staging.device_bytes()

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -59,15 +61,15 @@ def _registrations(model: nn.Module) -> dict[int, list[tuple[nn.Module, str, boo
     return found
 
 
-def _hf_init_functions(model: nn.Module) -> dict[nn.Module, object]:
+def _hf_init_functions(model: nn.Module) -> dict[nn.Module, Callable[[nn.Module], None]]:
     """Each module's transformers initializer: the ``_init_weights`` of its nearest enclosing PreTrainedModel."""
     try:
         from transformers import PreTrainedModel
     except ImportError:
         return {}
-    functions: dict[nn.Module, object] = {}
+    functions: dict[nn.Module, Callable[[nn.Module], None]] = {}
 
-    def walk(module: nn.Module, current) -> None:
+    def walk(module: nn.Module, current: Callable[[nn.Module], None] | None) -> None:
         if isinstance(module, PreTrainedModel):
             current = module._init_weights
         if current is not None:
@@ -245,7 +247,8 @@ class Initializer:
         swapped = []
         for key in meta:
             for module, attr, is_param in self.registrations[key]:
-                table = module._parameters if is_param else module._buffers
+                # Parameters or buffers: one code path for both registration tables.
+                table: dict[str, Any] = module._parameters if is_param else module._buffers
                 original = table[attr]
                 value = temps[key]
                 table[attr] = nn.Parameter(value, requires_grad=original.requires_grad) if is_param else value

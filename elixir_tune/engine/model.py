@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import torch
 
@@ -11,6 +11,8 @@ from elixir_tune.engine.engine import Engine
 from elixir_tune.engine.layered import run_layer_major
 
 LossFn = Callable[[Any, dict], torch.Tensor]
+
+T_destination = TypeVar("T_destination", bound=dict[str, Any])
 
 
 class ElixirModel(torch.nn.Module):
@@ -92,13 +94,47 @@ class ElixirModel(torch.nn.Module):
         except AttributeError:
             return getattr(self._modules["module"], name)  # e.g. model.config
 
-    def state_dict(self, *args, all_ranks: bool = False, **kwargs) -> dict[str, torch.Tensor]:
+    # The same call forms as nn.Module.state_dict (so the override is type-correct), plus ``all_ranks``.
+    @overload
+    def state_dict(
+        self, *, destination: T_destination, prefix: str = ..., keep_vars: bool = ..., all_ranks: bool = ...
+    ) -> T_destination: ...
+
+    @overload
+    def state_dict(
+        self, *, prefix: str = ..., keep_vars: bool = ..., all_ranks: bool = ...
+    ) -> dict[str, torch.Tensor]: ...
+
+    def state_dict(
+        self,
+        *args: Any,
+        destination: dict[str, Any] | None = None,
+        prefix: str = "",
+        all_ranks: bool = False,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
         """Full fp32 weights with the original names, frozen parameters and buffers included (on the CPU).
 
         A collective: every rank must call it. Rank 0 gets the full dictionary and the other ranks an
-        empty one, unless ``all_ranks`` (then every rank holds the whole model at once).
+        empty one, unless ``all_ranks`` (then every rank holds the whole model at once). ``keep_vars`` is
+        accepted for nn.Module compatibility and ignored (the values are gathered copies).
+
+        Args:
+            destination: a dictionary to put the weights in and return (default: a new one), as
+                nn.Module.state_dict does when an enclosing module collects its children's.
+            prefix: prepended to every name (nn.Module's convention for an enclosing module).
+            all_ranks: every rank gets the full dictionary, not only rank 0.
+
+        Returns:
+            The weights by name (empty on ranks other than 0 unless ``all_ranks``).
         """
-        return self.engine.full_state_dict(all_ranks=all_ranks)
+        state = self.engine.full_state_dict(all_ranks=all_ranks)
+        if prefix:
+            state = {prefix + name: value for name, value in state.items()}
+        if destination is None:
+            return state
+        destination.update(state)
+        return destination
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Loads full weights (original names, as ``state_dict`` returns) into the shards."""

@@ -18,6 +18,7 @@ waits only for its own gradients (the drain's per-chunk events).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -101,9 +102,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             attempts.append({"fused": True, **({"foreach": None} if "foreach" in defaults else {})})
         attempts.append({"foreach": True} if "foreach" in defaults else {})
         error = None
+        # The user's class: its constructor takes (params, **hyperparameters), not the base's (params, defaults).
+        build: Callable[..., torch.optim.Optimizer] = self.optimizer_class
         for extra in attempts:
             try:
-                inner = self.optimizer_class([dict(group, **extra) for group in base_groups])
+                inner = build([dict(group, **extra) for group in base_groups])
                 return inner, group_ids
             except (RuntimeError, ValueError, TypeError) as exc:  # no fused kernel for this device/version
                 error = exc
@@ -232,6 +235,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if norm_type not in (2.0, math.inf):
             raise ValueError(f"clip_grad_norm supports norm_type 2 and inf, got {norm_type}")
         norm = self._grad_stats(need_norm=True, norm_type=norm_type).norm
+        assert norm is not None  # need_norm=True computes it
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
         device_grads, host_grads = self._split_grads()
@@ -278,7 +282,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         found_inf = self._grad_stats().found_inf if self.scaler is not None else None
         self._mark_used()
         for (inner, group_ids), on_host in zip(self._inner, self._on_host, strict=True):
-            for inner_group, gi in zip(inner.param_groups, group_ids):
+            for inner_group, gi in zip(inner.param_groups, group_ids, strict=True):
                 for key, value in self.param_groups[gi].items():
                     if key not in _IMPLEMENTATION_KEYS:
                         inner_group[key] = value
@@ -320,7 +324,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restores what ``state_dict`` saved on this rank (same plan and world size)."""
-        for (inner, _), state in zip(self._inner, state_dict["inner"]):
+        for (inner, _), state in zip(self._inner, state_dict["inner"], strict=True):
             flats = {
                 id(p): {k: v for k, v in inner.state[p].items() if k != "step"}
                 for g in inner.param_groups
@@ -337,7 +341,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                             inner.state[param][name] = view
         if self.scaler is not None and state_dict.get("scaler"):
             self.scaler.load_state_dict(state_dict["scaler"])
-        for group, saved in zip(self.param_groups, state_dict.get("param_groups", [])):
+        # A checkpoint without group settings (or with fewer groups) keeps the current ones.
+        for group, saved in zip(self.param_groups, state_dict.get("param_groups", []), strict=False):
             group.update(saved)
 
 

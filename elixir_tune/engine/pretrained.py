@@ -17,6 +17,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import torch
 
@@ -108,14 +109,15 @@ class _Writer:
         self.names = [
             WEIGHTS_NAME if files == 1 else f"model-{i + 1:05d}-of-{files:05d}.safetensors" for i in range(files)
         ]
-        self.handle = None
+        self.handle: BinaryIO | None = None
         self.current = -1
         self.expected: list[_Entry] = []
 
     def _open(self, file: int) -> None:
         self.close()
         members = [e for e in self.entries if e.file == file]
-        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
         for entry in members:
             header[entry.name] = {
                 "dtype": _SAFETENSORS_DTYPES[entry.dtype],
@@ -137,6 +139,7 @@ class _Writer:
             raise RuntimeError(f"save_pretrained: {entry.name} written out of order")  # a bug, not a user error
         self.expected.pop(0)
         data = value.detach().to(entry.dtype).contiguous().cpu().reshape(-1)
+        assert self.handle is not None  # opened by _open above or for an earlier entry of this file
         self.handle.write(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
 
     def close(self) -> None:
@@ -210,7 +213,7 @@ def save_pretrained(
     finally:
         if writer is not None:
             writer.close()
-    if rank0:
+    if writer is not None:  # rank 0
         if files > 1:
             index = {
                 "metadata": {"total_size": sum(e.nbytes for e in entries)},

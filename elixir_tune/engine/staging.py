@@ -74,7 +74,7 @@ class StagingPool:
         for i in range(size):
             full = self.full_block[i * chunk_size : (i + 1) * chunk_size]
             out = self.out_block[i * shard : (i + 1) * shard] if world_size > 1 else full[rank * shard :][:shard]
-            land = self.landing_block[i * shard : (i + 1) * shard] if landing else None
+            land = self.landing_block[i * shard : (i + 1) * shard] if self.landing_block is not None else None
             self._free.append(StagingBuffer(full, out, land))
         self._free.reverse()  # hand out buffer 0 first
         self.live = 0  # buffers handed out and not yet released
@@ -124,15 +124,17 @@ class GradDrain:
         Returns:
             A future that completes when ``grad`` holds the addition.
         """
+        landing = buffer.landing
+        assert landing is not None, "the grad drain needs a staging pool built with landing buffers"
         if self.stream is None:
             # cpu: the collective is waited for in the worker, so that backward goes on meanwhile.
-            return self._worker().submit(_wait_copy_add, handle, buffer.out, buffer.landing, grad)
+            return self._worker().submit(_wait_copy_add, handle, buffer.out, landing, grad)
         with torch.cuda.stream(self.stream):
             handle.wait()  # the copy stream (not the compute stream) waits for the reduce-scatter
-            buffer.landing.copy_(buffer.out, non_blocking=True)
+            landing.copy_(buffer.out, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
-        return self._worker().submit(_sync_add, event, buffer.landing, grad)
+        return self._worker().submit(_sync_add, event, landing, grad)
 
     def close(self) -> None:
         if self._executor is not None:

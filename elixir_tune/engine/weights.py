@@ -19,6 +19,7 @@ import json
 import math
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -83,11 +84,11 @@ def find_weight_files(path: str | Path) -> dict[str, Path]:
             weight_map = json.loads(path.read_text())["weight_map"]
         except (ValueError, KeyError, TypeError) as exc:
             raise WeightsError(f"weights index {path}: not a safetensors index (no weight_map): {exc}") from exc
-        files = {name: path.parent / file for name, file in weight_map.items()}
-        absent = sorted({str(file) for file in files.values() if not file.is_file()})
+        file_of = {name: path.parent / file for name, file in weight_map.items()}
+        absent = sorted({str(file) for file in file_of.values() if not file.is_file()})
         if absent:
             raise WeightsError(f"weights index {path} names files that are not there: {', '.join(absent[:_LISTED])}")
-        return files
+        return file_of
     with _safe_open(path) as handle:
         return dict.fromkeys(handle.keys(), path)
 
@@ -124,7 +125,7 @@ class WeightsReader:
             raise WeightsError(
                 f"weights {self.path}: the index lists tensors its files lack: {', '.join(absent[:_LISTED])}"
             )
-        self._handles: dict[Path, object] = {}
+        self._handles: dict[Path, Any] = {}  # what safe_open.__enter__ returns (untyped in safetensors)
         self.names = self._match(model)
 
     def _match(self, model: torch.nn.Module) -> dict[int, str]:

@@ -11,7 +11,7 @@ from elixir_tune.hardware.spec import HardwareSpec
 from elixir_tune.plan.schema import Plan
 from elixir_tune.profiler.schema import ModelProfile
 from elixir_tune.search.candidate import Candidate, score
-from elixir_tune.search.elixir_rule import elixir_shape
+from elixir_tune.search.elixir_rule import fitted_elixir_shape
 from elixir_tune.search.joint import Budget, explore
 from elixir_tune.search.plan_builder import build_plan
 from elixir_tune.search.space import parse_fixed
@@ -229,8 +229,7 @@ def search(
             raise _infeasible(found.min_gpu_bytes, found.min_host_bytes, budget.usable_gpu_bytes, host_bytes, pinned)
         candidates, num_scored = found.best, found.num_scored
     else:
-        shape = elixir_shape(model, global_batch // world, pinned)
-        memory = model.memory(shape)
+        shape, memory = fitted_elixir_shape(model, global_batch // world, budget.usable_gpu_bytes, pinned)
         if memory.required_gpu_bytes > budget.usable_gpu_bytes or memory.peak_host_bytes > host_bytes:
             raise _infeasible(
                 memory.required_gpu_bytes, memory.peak_host_bytes, budget.usable_gpu_bytes, host_bytes, pinned

@@ -50,13 +50,17 @@ def _moved_elements(model: CostModel, chunk_size: int, every: int, cache_blocks:
     return len(sim.cold) * chunk_size
 
 
-def elixir_shape(model: CostModel, per_rank_batch: int, fixed: dict | None = None) -> Shape:
+def elixir_shape(
+    model: CostModel, per_rank_batch: int, fixed: dict | None = None, budget_cut_bytes: float = 0.0
+) -> Shape:
     """The plan shape Elixir's rule picks.
 
     Args:
         model: the cost model.
         per_rank_batch: samples per rank per step (one micro-batch: no accumulation).
         fixed: pinned choices; ``checkpointing`` and ``micro_batch_size`` are honoured.
+        budget_cut_bytes: taken off the rule's GPU budget (the caller's way to make the rule's
+            choice fit what our engine holds beside it; see ``fitted_elixir_shape``).
 
     Returns:
         The shape (not checked against our memory model; the caller scores it).
@@ -65,7 +69,7 @@ def elixir_shape(model: CostModel, per_rank_batch: int, fixed: dict | None = Non
     every = fixed.get("checkpointing", 1 if model.profile.blocks else 0)
     micro_batch = fixed.get("micro_batch_size", per_rank_batch)
     accum = per_rank_batch // micro_batch
-    budget = _budget_bytes(model, micro_batch, every)
+    budget = _budget_bytes(model, micro_batch, every) - budget_cut_bytes
     dtype_bytes = DTYPE_BYTES[model.dtype]
     world = model.world_size
     best = None
@@ -119,3 +123,25 @@ def elixir_shape(model: CostModel, per_rank_batch: int, fixed: dict | None = Non
     prefetch = 1 if blocks >= minimum + 1 and blocks > 1 else 0
     offloaded = tuple(range(on_gpu, layout.num_chunks))
     return Shape(chunk_size, blocks, len(offloaded), prefetch, every, micro_batch, accum, offloaded=offloaded)
+
+
+def fitted_elixir_shape(model: CostModel, per_rank_batch: int, usable_gpu_bytes: int, fixed: dict | None = None):
+    """Elixir's rule with its budget cut until its choice fits our memory model.
+
+    The rule budgets for Elixir's own engine (2 GiB for the driver, 5% slack); ours also holds a
+    staging pool and keeps a margin free (costmodel/memory.py), so the rule's choice can overshoot
+    the device. As a baseline it is given the same memory: its budget shrinks by the overshoot until
+    the shape fits (a few rounds at most), so that the comparison is of choices, not of accounting.
+
+    Returns:
+        (shape, memory estimate); the last shape tried when none fits (the caller reports it).
+    """
+    cut = 0.0
+    for _ in range(8):
+        shape = elixir_shape(model, per_rank_batch, fixed, budget_cut_bytes=cut)
+        memory = model.memory(shape)
+        over = memory.required_gpu_bytes - usable_gpu_bytes
+        if over <= 0:
+            break
+        cut += over
+    return shape, memory

@@ -65,6 +65,16 @@ def test_state_dict_has_original_names_and_weights():
         assert torch.equal(state[key], value), key
 
 
+def test_state_dict_inside_an_enclosing_module_is_prefixed():
+    # nn.Module.state_dict collects a child's entries through destination= and prefix=.
+    model, _, _, reference = setup_tied(cache="min")
+    outer = torch.nn.ModuleDict({"inner": model})
+    state = outer.state_dict()
+    assert list(state) == ["inner." + key for key in reference]
+    for key, value in reference.items():
+        assert torch.equal(state["inner." + key], value), key
+
+
 def test_memory_report_equals_the_plan_formulas():
     model, opt, plan, _ = setup_tied(cache=2, offload=0.5, resident=(0,))
     report = model.memory_report()

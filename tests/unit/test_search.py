@@ -252,3 +252,22 @@ def test_search_keeps_the_margin_free(profiles, a100):
     memory = result.candidates[0].memory
     assert memory.margin_bytes >= max(2**30, 0.05 * a100.gpu_memory_bytes)
     assert memory.peak_gpu_bytes + memory.margin_bytes <= a100.usable_memory_bytes
+
+
+def test_elixir_rule_budget_is_cut_until_its_choice_fits_our_memory_model(profiles, a100):
+    from elixir_tune.costmodel.model import CostModel
+    from elixir_tune.search.elixir_rule import elixir_shape, fitted_elixir_shape
+
+    model = CostModel(profiles["gpt2-10b"], a100, gpus_per_node=1)
+    # The rule as Elixir wrote it budgets for its own engine and overshoots ours on a 40 GB card.
+    raw = elixir_shape(model, per_rank_batch=8)
+    assert model.memory(raw).required_gpu_bytes > a100.usable_memory_bytes
+    shape, memory = fitted_elixir_shape(model, 8, a100.usable_memory_bytes)
+    assert memory.required_gpu_bytes <= a100.usable_memory_bytes
+
+    # Less budget: the rule puts fewer model-state bytes on the device (cache blocks + device shards).
+    def on_device(states: dict) -> int:
+        return states["cache_bytes"] + states["resident_bytes"] + states["device_shard_bytes"]
+
+    assert on_device(memory.model_state_bytes) < on_device(model.memory(raw).model_state_bytes)
+    assert search(profiles["gpt2-10b"], a100, gpus_per_node=1, strategy="elixir").plan.search.strategy == "elixir"
