@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # training_loop, also 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record  # noqa: E402
-from training_loop import add_training_args, resolve_model_spec, train  # noqa: E402
+from training_loop import add_training_args, plan_and_device, resolve_model_spec, train  # noqa: E402
 
 import elixir_tune  # noqa: E402
 from elixir_tune.profiler import load_model_source  # noqa: E402
@@ -109,15 +109,7 @@ def tokenize(text: str, model_dir: Path, seq_len: int, vocab_size: int | None) -
 @record  # an unexpected error reaches elixir-run's failure report, not only this rank's output
 def main() -> int:
     args = parse_args()
-    plan_path = os.environ.get(elixir_tune.plan.PLAN_ENV_VAR, "")
-    plan = elixir_tune.load_plan()  # $ELIXIR_TUNE_PLAN, set by elixir-run
-    device = (
-        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        if plan.cluster.device == "cuda"
-        else torch.device("cpu")
-    )
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    plan_path, plan, device = plan_and_device()  # $ELIXIR_TUNE_PLAN, set by elixir-run
     model_dir = Path(resolve_model_spec(args.model or plan.model.source, plan_path))
     if not (model_dir / "config.json").is_file():
         raise SystemExit(f"--model {model_dir}: not a model directory (no config.json)")

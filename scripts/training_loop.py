@@ -78,6 +78,18 @@ class SyntheticSampler:
         return {"input_ids": ids, "labels": ids}
 
 
+def plan_and_device() -> tuple[str, elixir_tune.plan.Plan, torch.device]:
+    """The plan elixir-run gave this worker ($ELIXIR_TUNE_PLAN), its path, and the device it runs on
+    (the GPU of LOCAL_RANK for a cuda plan, made current; the CPU otherwise)."""
+    plan_path = os.environ.get(elixir_tune.plan.PLAN_ENV_VAR, "")
+    plan = elixir_tune.load_plan()
+    if plan.cluster.device != "cuda":
+        return plan_path, plan, torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    return plan_path, plan, device
+
+
 def step_loss(output, batch: dict) -> torch.Tensor:
     """A micro-batch's loss: the model output's ``loss`` (transformers), or the output itself."""
     return output.loss if hasattr(output, "loss") else output

@@ -20,7 +20,7 @@ import tempfile
 import torch
 
 import elixir_tune
-from tests.distributed.engine_worker import compare, mean_over_ranks, train_steps
+from tests.distributed.engine_worker import compare, mean_over_ranks, plain_training, train_steps
 
 MODELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "unit", "models")
 SPECS = {
@@ -123,14 +123,7 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
 
 def run_reference(case: dict, world: int) -> dict:
     model, opt = build(case)
-    losses = []
-    for batch in global_batches(case, world):
-        loss = model(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
-    return {"losses": losses, "norms": [], "state": {k: v.tolist() for k, v in model.state_dict().items()}}
+    return plain_training(model, opt, global_batches(case, world))
 
 
 def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> dict:

@@ -69,6 +69,18 @@ def mean_over_ranks(losses: list[float], world: int) -> list[float]:
     return (total / world).tolist()
 
 
+def plain_training(model, opt, global_batches: list[dict]) -> dict:
+    """Plain PyTorch on each step's whole global batch: the reference the engine must match."""
+    losses = []
+    for batch in global_batches:
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "norms": [], "state": {k: v.tolist() for k, v in model.state_dict().items()}}
+
+
 def train_steps(model, opt, global_batches: list[dict], rank: int, world: int, accum: int) -> list[float]:
     """Plain training steps through the engine's API; this rank's loss of each step."""
     losses = []
