@@ -4,7 +4,7 @@ counters), compared with plain PyTorch on the same global batch.
 
 Run by ``engine_launch.py`` as N processes. Each case is a dict:
 
-    arch: gpt2 | llama     offload (fraction)     checkpoint (every)     accum     steps
+    arch: gpt2 | llama | opt (tied head)     offload (fraction)     checkpoint (every)     accum     steps
     mode: layered | standard     chunk_size     cache ("min" | "all" | int)     prefetch
 
 Rank 0 also trains the plain-PyTorch reference (fp32) and reports the largest differences.
@@ -31,13 +31,13 @@ def build(case: dict):
     if case["arch"] == "gpt2":
         model = tiny_gpt2()
     else:
-        model = build_model(dict(arch="llama", tied=False))
+        model = build_model(dict(arch=case["arch"], tied=case["arch"] == "opt"))
     opt = torch.optim.AdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95), eps=1e-6, foreach=False)
     return model, opt
 
 
 def block_list(case: dict) -> str:
-    return "transformer.h" if case["arch"] == "gpt2" else BLOCK_LIST["llama"]
+    return "transformer.h" if case["arch"] == "gpt2" else BLOCK_LIST[case["arch"]]
 
 
 def run_engine(case: dict, rank: int, world: int) -> dict:

@@ -3,7 +3,8 @@ same global batch, and the engine's own counters against standard accumulation.
 
 GPT-2 and a Llama-style tiny model (grouped-query attention, RMSNorm, rotary), 4 micro-batches per
 step, offload none and all, checkpointing none and all (and half offloaded, checkpointed, prefetch
-2), at world 1 and world 2 (one launch each, gloo). fp32 tolerances as test_engine_dist.py: losses 1e-5 relative, weights 1e-5 absolute after 10
+2; and OPT with a tied head, checkpointed, offload none and all), at world 1 and world 2 (one launch
+each, gloo). fp32 tolerances as test_engine_dist.py: losses 1e-5 relative, weights 1e-5 absolute after 10
 steps. Chunks of 4096 elements with the smallest cache (several chunks per block, two cache slots).
 
 Counters, per step (forward and backward): with layered accumulation and no checkpointing the
@@ -32,6 +33,8 @@ CASES = [
 ] + [dict(BASE, arch=arch, offload=1.0, checkpoint=0, mode="standard", steps=2) for arch in ("gpt2", "llama")]
 # Prefetch along the access order the cache recorded in the first (layered) step, half offloaded.
 CASES += [dict(BASE, arch=arch, offload=0.5, checkpoint=1, prefetch=2, mode="layered") for arch in ("gpt2", "llama")]
+# OPT with its tied head (learned positions, the head's chunk used first and last).
+CASES += [dict(BASE, arch="opt", offload=offload, checkpoint=1, mode="layered") for offload in (0.0, 1.0)]
 
 
 def case_id(case: dict) -> str:
