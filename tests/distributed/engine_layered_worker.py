@@ -20,7 +20,7 @@ import torch
 import elixir_tune
 from tests.distributed.engine_archs_worker import BLOCK_LIST, build_model
 from tests.distributed.engine_plans import batches, make_plan, param_groups, tiny_gpt2
-from tests.distributed.engine_worker import compare, local_micro, mean_over_ranks
+from tests.distributed.engine_worker import compare, local_micro, mean_over_ranks, plain_training
 
 SEQ = 8
 MICRO = 2
@@ -86,14 +86,7 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
 
 def run_reference(case: dict, global_batch: int) -> dict:
     model, opt = build(case)
-    losses = []
-    for batch in batches(case["steps"], global_batch, SEQ):
-        loss = model(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
-    return {"losses": losses, "norms": [], "state": {k: v.tolist() for k, v in model.state_dict().items()}}
+    return plain_training(model, opt, batches(case["steps"], global_batch, SEQ))
 
 
 def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> dict:
