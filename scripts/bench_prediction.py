@@ -43,8 +43,9 @@ BIN = Path(sys.executable).parent
 WORLD = 2
 GLOBAL_BATCH = 16
 
+# A GPT-2 model YAML (configs/models/ format) without dropout; gpu_validate.py sizes its model with it too.
 MODEL_YAML = """\
-name: gpt2-bench-{hidden}x{layers}
+name: {name}
 architecture: gpt2
 seq_len: {seq}
 config:
@@ -460,7 +461,14 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="bench_prediction_"))
     model_path = workdir / "gpt2-bench.yaml"
     model_path.write_text(
-        MODEL_YAML.format(hidden=args.hidden, layers=args.layers, heads=args.heads, vocab=args.vocab, seq=args.seq)
+        MODEL_YAML.format(
+            name=f"gpt2-bench-{args.hidden}x{args.layers}",
+            hidden=args.hidden,
+            layers=args.layers,
+            heads=args.heads,
+            vocab=args.vocab,
+            seq=args.seq,
+        )
     )
     (workdir / "wrapper.py").write_text(WRAPPER.replace("SCRIPT", repr(str(REPO / "scripts" / "train_gpt2.py"))))
     source = load_model_source(str(model_path))

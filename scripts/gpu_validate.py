@@ -51,24 +51,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 PY = sys.executable
 GiB = 2**30
 
+from bench_prediction import MODEL_YAML  # noqa: E402
 from gpu_validate_report import write_markdown  # noqa: E402
-
-MODEL_YAML = """\
-name: {name}
-architecture: gpt2
-seq_len: {seq}
-config:
-  n_embd: {hidden}
-  n_layer: {layers}
-  n_head: {heads}
-  n_positions: {seq}
-  vocab_size: {vocab}
-  bos_token_id: 0
-  eos_token_id: 0
-  resid_pdrop: 0.0
-  embd_pdrop: 0.0
-  attn_pdrop: 0.0
-"""
 
 
 def parse_args() -> argparse.Namespace:

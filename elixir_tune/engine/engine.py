@@ -27,7 +27,7 @@ import torch
 from elixir_tune.engine.cache import ChunkCache
 from elixir_tune.engine.chunk import Chunk, ParamSlot
 from elixir_tune.engine.comm import Comm
-from elixir_tune.engine.hooks import disable_kv_cache, install_grad_hooks, install_module_hooks, wrap_checkpointed
+from elixir_tune.engine.hooks import install_grad_hooks, install_module_hooks, wrap_checkpointed
 from elixir_tune.engine.layered import Baton
 from elixir_tune.engine.materialize import (
     MaterializeError,
@@ -38,6 +38,7 @@ from elixir_tune.engine.materialize import (
 from elixir_tune.engine.staging import GradDrain, StagingBuffer, StagingPool
 from elixir_tune.engine.states import GRAD_STAGED, TensorState, transition
 from elixir_tune.engine.weights import WeightsError
+from elixir_tune.kv_cache import disable_kv_cache
 from elixir_tune.plan import DTYPE_BYTES, MODEL_STATE_KEYS, Plan
 from elixir_tune.plan.memory import pinned_bytes
 

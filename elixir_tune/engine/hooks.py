@@ -115,15 +115,3 @@ def wrap_checkpointed(block: torch.nn.Module) -> None:
             return torch_checkpoint.checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
     block.forward = forward
-
-
-def disable_kv_cache(model: torch.nn.Module) -> None:
-    """Turns off transformers' key/value cache, as its own gradient checkpointing does.
-
-    Training never reads the cache, and a cache filled during the forward makes a checkpointed
-    block's recomputation take another path than its forward (T5's decoder).
-    """
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and getattr(config, "use_cache", False):
-            config.use_cache = False

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from elixir_tune.dtypes import DTYPE_ALIASES, TORCH_DTYPES, dtype_name
+from elixir_tune.kv_cache import disable_kv_cache
 from elixir_tune.plan.fingerprint import model_fingerprint
 from elixir_tune.plan.schema import Dtype
 from elixir_tune.profiler.blocks import checkpointed, find_block_list
@@ -175,18 +176,6 @@ def summarize(profile: ModelProfile) -> str:
         f" --dtype {profile.dtype}" + (" --checkpointing all" if profile.trace_checkpointed else ""),
     ]
     return "\n".join(lines)
-
-
-def disable_kv_cache(model: nn.Module) -> None:
-    """Turns off transformers' key/value cache, as its gradient checkpointing does.
-
-    A training step never reads the cache, and a cache filled during the forward makes a
-    checkpointed block's recomputation take another path than its forward (T5's decoder).
-    """
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and getattr(config, "use_cache", False):
-            config.use_cache = False
 
 
 class _WhereRunning:

@@ -22,7 +22,7 @@ import torch
 import yaml
 
 import elixir_tune
-from tests.distributed.engine_plans import VOCAB, batches, make_plan, param_groups
+from tests.distributed.engine_plans import VOCAB, batches, param_groups, plan_for_case
 from tests.distributed.engine_worker import compare, mean_over_ranks, train_steps
 
 SEQ = 8
@@ -118,20 +118,7 @@ def search_plan(case: dict, world: int):
 def make_case_plan(case: dict, model: torch.nn.Module, world: int):
     if case["plan"] == "search":
         return search_plan(case, world)
-    return make_plan(
-        model,
-        world,
-        case["chunk_size"],
-        cache=case.get("cache", "all"),
-        offload=case.get("offload", 0.0),
-        prefetch=case.get("prefetch", 0),
-        checkpoint_every=case.get("checkpoint", 0),
-        dtype=case.get("dtype", "fp32"),
-        block_list=BLOCK_LIST[case["arch"]],
-        micro_batch_size=case.get("micro", 2),
-        grad_accum_steps=case.get("accum", 1),
-        seq_len=SEQ,
-    )
+    return plan_for_case(model, world, case, BLOCK_LIST[case["arch"]], SEQ)
 
 
 def run_engine(case: dict, rank: int, world: int) -> dict:

@@ -153,19 +153,36 @@ def make_plan(
     return plan
 
 
+def plan_for_case(model: nn.Module, world_size: int, case: dict, block_list: str, seq_len: int) -> Plan:
+    """``make_plan`` with the shape a test case dict names (chunk_size, cache, offload, prefetch,
+    checkpoint, dtype, resident, micro, accum)."""
+    return make_plan(
+        model,
+        world_size,
+        case["chunk_size"],
+        cache=case.get("cache", "all"),
+        offload=case.get("offload", 0.0),
+        prefetch=case.get("prefetch", 0),
+        checkpoint_every=case.get("checkpoint", 0),
+        dtype=case.get("dtype", "fp32"),
+        resident=tuple(case.get("resident", ())),
+        block_list=block_list,
+        micro_batch_size=case.get("micro", 2),
+        grad_accum_steps=case.get("accum", 1),
+        seq_len=seq_len,
+    )
+
+
 # --- models -------------------------------------------------------------------------------------
 
 VOCAB = 64
 
 
-def tiny_gpt2(seed: int = 0) -> nn.Module:
+def tiny_gpt2_config():
     """GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=32), no dropout."""
-    import transformers
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config
 
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(seed)
-    config = GPT2Config(
+    return GPT2Config(
         n_embd=32,
         n_layer=2,
         n_head=2,
@@ -177,7 +194,16 @@ def tiny_gpt2(seed: int = 0) -> nn.Module:
         bos_token_id=0,
         eos_token_id=0,
     )
-    return GPT2LMHeadModel(config)
+
+
+def tiny_gpt2(seed: int = 0) -> nn.Module:
+    """The tiny GPT-2 of ``tiny_gpt2_config``, seeded."""
+    import transformers
+    from transformers import GPT2LMHeadModel
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(tiny_gpt2_config())
 
 
 class Block(nn.Module):

@@ -25,7 +25,7 @@ from torch import nn
 import elixir_tune
 from elixir_tune.engine import materialize
 from tests.distributed.engine_launch import worker_main
-from tests.distributed.engine_plans import make_plan
+from tests.distributed.engine_plans import make_plan, tiny_gpt2_config
 
 SEQ = 8
 VOCAB = 64
@@ -33,21 +33,10 @@ SMALL_UNIT_NUMEL = 600
 
 
 def hf_config(arch: str):
-    from transformers import GPT2Config, LlamaConfig
+    from transformers import LlamaConfig
 
     if arch == "gpt2":
-        return GPT2Config(
-            n_embd=32,
-            n_layer=2,
-            n_head=2,
-            vocab_size=VOCAB,
-            n_positions=32,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
+        return tiny_gpt2_config()
     return LlamaConfig(
         hidden_size=32,
         intermediate_size=64,

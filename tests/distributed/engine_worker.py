@@ -22,7 +22,7 @@ import torch
 import elixir_tune
 from elixir_tune.plan import SHARD_BYTES_PER_ELEMENT
 from elixir_tune.plan.memory import transient_bytes
-from tests.distributed.engine_plans import batches, make_plan, param_groups, tied_net, tiny_gpt2
+from tests.distributed.engine_plans import batches, param_groups, plan_for_case, tied_net, tiny_gpt2
 
 SEQ = 8
 
@@ -98,21 +98,7 @@ def train_steps(model, opt, global_batches: list[dict], rank: int, world: int, a
 
 def run_engine(case: dict, rank: int, world: int) -> dict:
     model, opt, _ = build(case)
-    plan = make_plan(
-        model,
-        world,
-        case["chunk_size"],
-        cache=case.get("cache", "all"),
-        offload=case.get("offload", 0.0),
-        prefetch=case.get("prefetch", 0),
-        checkpoint_every=case.get("checkpoint", 0),
-        dtype=case.get("dtype", "fp32"),
-        resident=tuple(case.get("resident", ())),
-        block_list=block_list(case),
-        micro_batch_size=case.get("micro", 2),
-        grad_accum_steps=case.get("accum", 1),
-        seq_len=SEQ,
-    )
+    plan = plan_for_case(model, world, case, block_list(case), SEQ)
     model, opt = elixir_tune.setup(model, opt, plan=plan)
     scheduler = None
     if case.get("scheduler"):
