@@ -1,0 +1,195 @@
+"""The CPU as the device: worker processes share the host, gloo carries the collectives."""
+
+from __future__ import annotations
+
+import socket
+
+import torch
+
+from elixir_tune.hardware import host
+from elixir_tune.hardware.bench_compute import adam_elems_per_s, copy_gbps, matmul_tflops
+from elixir_tune.hardware.bench_copy import (
+    host_copy_curve,
+    host_copy_latency_s,
+)
+from elixir_tune.hardware.probe_common import (
+    CPU_BLOCKS,
+    OVERHEAD_NOTE,
+    ProbeError,
+    Progress,
+    asymptotic_note,
+    block_note,
+    inter_node_gbps,
+    measure_block_curves,
+    run_collectives,
+    say,
+    versions,
+)
+from elixir_tune.hardware.spec import HardwareSpec
+from elixir_tune.hardware.timing import GiB, MiB, asymptotic_gbps, size_ladder
+
+
+def probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
+    if procs < 1:
+        raise ProbeError(f"procs must be at least 1, got {procs}")
+    cpu = torch.device("cpu")
+    cores = host.host_cores()
+    threads = max(1, cores // procs)
+    torch.set_num_threads(threads)
+    memory_bytes, available_bytes = host.host_memory_bytes(), host.host_available_bytes()
+    budget = 0.8 if quick else 3.0
+    tokens, hidden = (512, 512) if quick else (1024, 768)
+    how = f"{threads} thread(s) of {cores} core(s), {versions()}"
+    sources = {
+        "device_name": "/proc/cpuinfo model name",
+        "gpus_per_node": f"worker processes on this host (--procs {procs})",
+        "gpu_memory_bytes": f"host RAM (MemTotal, cgroup-capped) / {procs} processes",
+        "usable_memory_bytes": f"host MemAvailable at probe time / {procs} processes",
+        "host_memory_bytes": "MemTotal (cgroup-capped)",
+        "host_cores": "logical CPUs this process may use (affinity, cgroup quota)",
+    }
+
+    matmul: dict[str, float] = {}
+    for dtype_name in ("fp32", "bf16", "fp16"):
+        say(progress, f"matmul {dtype_name} on the CPU ({threads} thread(s))")
+        try:
+            matmul[dtype_name] = matmul_tflops(cpu, dtype_name, tokens, hidden, budget)
+        except RuntimeError:  # fp16 GEMM is missing on some CPU builds
+            continue
+    sources["matmul_tflops"] = (
+        f"measured: F.linear on a transformer block's GEMMs (tokens "
+        f"{tokens}, hidden {hidden}), median of repeats, {how}"
+    )
+
+    say(progress, "memory copy bandwidth")
+    copy_bytes = 64 * MiB if quick else 256 * MiB
+    hbm = copy_gbps(cpu, copy_bytes, budget)
+    sources["hbm_gbps"] = f"measured: torch copy_ of {copy_bytes // MiB} MiB, (read + write) bytes / s, {how}"
+
+    say(progress, "host copy bandwidth over sizes")
+    copy_sizes = size_ladder(MiB, 64 * MiB if quick else GiB)
+    h2d_curve = host_copy_curve(copy_sizes, 2 * budget)
+    h2d = asymptotic_gbps(h2d_curve)
+    latency = host_copy_latency_s(budget / 4)
+    sources["h2d_gbps"] = sources["d2h_gbps"] = (
+        f"measured: copy between two host buffers (the CPU is the device), one process alone, "
+        f"{asymptotic_note(h2d_curve)}, {how}"
+    )
+    sources["copy_latency_s"] = "measured: median time of one 4 KiB host copy (torch copy_)"
+    curves = {"h2d_gbps": h2d_curve, "d2h_gbps": h2d_curve}
+
+    # Larger than the last-level cache, as real shards are.
+    adam_elements = 2**24 if quick else 2**25
+    block_shapes = CPU_BLOCKS[:3] if quick else CPU_BLOCKS
+    if procs > 1:
+        say(progress, f"gloo collectives, concurrent copies and CPU Adam in {procs} processes")
+        coll_sizes = size_ladder(MiB, 32 * MiB if quick else GiB)
+        workers, allgather_gbps, reduce_scatter_gbps, coll_note = run_collectives(
+            "cpu",
+            procs,
+            threads,
+            coll_sizes,
+            copy_sizes,
+            adam_elements,
+            budget_s=2 * budget,
+            timeout_s=90 if quick else 300,
+            block_shapes=block_shapes,
+        )
+        allgather, reduce_scatter = workers["allgather"], workers["reduce_scatter"]
+        coll_latency = workers["latency_s"]
+        copy_all = workers["host_copy_all"]
+        h2d_all = asymptotic_gbps(copy_all)
+        adam, adam_impl = workers["cpu_adam_elems_per_s"], workers["cpu_adam_impl"]
+        sources["allgather_gbps"] = coll_note
+        sources["reduce_scatter_gbps"] = coll_note + f", op {workers['reduce_scatter_impl']}"
+        sources["collective_latency_s"] = "measured: gloo all-gather of 1 KiB per process"
+        sources["h2d_gbps_all"] = sources["d2h_gbps_all"] = (
+            f"measured: host copy in all {procs} processes at once, mean per process, {asymptotic_note(copy_all)}"
+        )
+        sources["cpu_adam_elems_per_s"] = sources["gpu_adam_elems_per_s"] = (
+            f"measured: torch.optim.AdamW ({adam_impl}) over {adam_elements} fp32 elements, all "
+            f"{procs} processes stepping at once, {how}"
+        )
+        curves.update(
+            {
+                "h2d_gbps_all": copy_all,
+                "d2h_gbps_all": copy_all,
+                "allgather_gbps": allgather,
+                "reduce_scatter_gbps": reduce_scatter,
+            }
+        )
+    else:
+        say(progress, "CPU Adam")
+        adam, adam_impl = adam_elems_per_s(cpu, adam_elements, budget)
+        h2d_all = h2d
+        allgather_gbps = reduce_scatter_gbps = hbm / 2
+        coll_latency = latency
+        single = "one process: no peers, a collective is a local copy (not measured)"
+        sources.update(
+            {
+                "allgather_gbps": single,
+                "reduce_scatter_gbps": single,
+                "collective_latency_s": single,
+                "h2d_gbps_all": "one process: same as h2d_gbps",
+                "d2h_gbps_all": "one process: same as d2h_gbps",
+                "cpu_adam_elems_per_s": f"measured: torch.optim.AdamW ({adam_impl}), {how}",
+                "gpu_adam_elems_per_s": "same as cpu_adam_elems_per_s (the CPU is the device)",
+            }
+        )
+
+    # fp32 only: a CPU's fp16 (and often bf16) blocks run at a few GFLOP/s and would take minutes;
+    # the other dtypes' curves are fp32's scaled by their matmul rate. With several processes the
+    # workers measured it all at once (they share caches and memory bandwidth, as in training).
+    if procs > 1:
+        block_curves, overhead_s = {"fp32": workers["block_curve"]}, workers["block_overhead_s"]
+        block_how = f"all {procs} processes at once, {how}"
+    else:
+        block_curves, overhead_s = measure_block_curves(cpu, ["fp32"], block_shapes, 6 * budget, progress)
+        block_how = how
+    for dtype_name, tflops in matmul.items():
+        if dtype_name != "fp32":
+            ratio = tflops / matmul["fp32"]
+            block_curves[dtype_name] = {numel: rate * ratio for numel, rate in block_curves["fp32"].items()}
+    model_rates = {dtype: curve[max(curve)] for dtype, curve in block_curves.items()}
+    sources["block_tflops_curves"] = (
+        block_note(block_shapes, block_how) + "; fp32 measured, other dtypes x their matmul rate / fp32's"
+    )
+    sources["model_tflops"] = "measured: the block rate at the largest shape (block_tflops_curves)"
+    sources["block_call_overhead_s"] = OVERHEAD_NOTE
+    node_adam = adam * procs
+    sources["cpu_adam_node_elems_per_s"] = "cpu_adam_elems_per_s x processes (measured all at once)"
+    shared_link = False
+    sources["shared_host_link"] = "the CPU is the device: no host link"
+    inter_node, sources["inter_node_gbps"] = inter_node_gbps(allgather_gbps)
+    sources["allocator_overhead_bytes"] = "0: host allocations have no caching-allocator overhead"
+    return HardwareSpec(
+        name=f"probe of {socket.gethostname()} (cpu{', quick' if quick else ''})",
+        device="cpu",
+        device_name=host.cpu_name(),
+        gpus_per_node=procs,
+        gpu_memory_bytes=memory_bytes // procs,
+        usable_memory_bytes=available_bytes // procs,
+        matmul_tflops=matmul,
+        hbm_gbps=hbm,
+        h2d_gbps=h2d,
+        d2h_gbps=h2d,
+        h2d_gbps_all=h2d_all,
+        d2h_gbps_all=h2d_all,
+        allgather_gbps=allgather_gbps,
+        reduce_scatter_gbps=reduce_scatter_gbps,
+        inter_node_gbps=inter_node,
+        gpu_adam_elems_per_s=adam,
+        cpu_adam_elems_per_s=adam,
+        host_memory_bytes=memory_bytes,
+        host_cores=host.host_cores(),
+        allocator_overhead_bytes=0,
+        copy_latency_s=latency,
+        collective_latency_s=coll_latency,
+        sources=sources,
+        bandwidth_curves=curves,
+        model_tflops=model_rates,
+        block_tflops_curves=block_curves,
+        block_call_overhead_s=overhead_s,
+        cpu_adam_node_elems_per_s=node_adam,
+        shared_host_link=shared_link,
+    )
