@@ -39,9 +39,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
 BIN = Path(sys.executable).parent
 WORLD = 2
 GLOBAL_BATCH = 16
+
+from bench_prediction_reference import plain_reference, plain_rss_reference  # noqa: E402
+from bench_prediction_report import describe, markdown, mib, ms, rank_order, spearman  # noqa: E402
 
 # A GPT-2 model YAML (configs/models/ format) without dropout; gpu_validate.py sizes its model with it too.
 MODEL_YAML = """\
@@ -303,120 +307,6 @@ def world1_reference(profile, hardware, best_plan, workdir: Path, args) -> dict:
     }
 
 
-PLAIN_RSS = """\
-import json, os, resource, sys
-import torch
-from elixir_tune.profiler import load_model_source
-torch.set_num_threads(1)
-def rss():
-    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-micro, seq, vocab = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-torch.manual_seed(0)
-model = load_model_source(sys.argv[1]).build_model()
-before = rss()
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-ids = torch.randint(0, vocab, (micro, seq))
-for _ in range(3):
-    model(input_ids=ids, labels=ids).loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-print(json.dumps({"rss_before_bytes": before, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
-"""
-
-
-def plain_rss_reference(model_path: Path, profile, args) -> dict:
-    """Peak RSS growth of plain PyTorch training (fresh process, 1 thread, micro-batch 8, AdamW) next to
-    what the profile predicts for it: activations at micro-batch 8 + fp32 weights, gradients, Adam m, v."""
-    micro = GLOBAL_BATCH // WORLD
-    proc = subprocess.run(
-        [sys.executable, "-c", PLAIN_RSS, str(model_path), str(micro), str(args.seq), str(args.vocab)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"},
-    )
-    if proc.returncode != 0:
-        return {"error": proc.stderr[-1000:]}
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    activations = int(profile.activation.at(micro))
-    states = profile.num_params * 16
-    out.update(
-        {
-            "growth_bytes": out["peak_rss_bytes"] - out["rss_before_bytes"],
-            "micro_batch_size": micro,
-            "profile_activation_bytes": activations,
-            "param_grad_adam_bytes": states,
-            "predicted_bytes": activations + states,
-        }
-    )
-    return out
-
-
-def plain_reference(source, profile, args) -> dict:
-    """Plain PyTorch (no engine), 1 thread, in this process: forward+backward and an AdamW step."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        torch.manual_seed(0)
-        model = source.build_model()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        out = {}
-        for micro, accum in ((8, 1), (2, 4)):
-            ids = torch.randint(0, args.vocab, (micro, args.seq))
-            samples = []
-            for step in range(5):
-                started = time.perf_counter()
-                for _ in range(accum):
-                    model(input_ids=ids, labels=ids).loss.backward()
-                if step:  # the first includes one-off work
-                    samples.append(time.perf_counter() - started)
-            out[f"fwd_bwd_{micro}x{accum}_s"] = statistics.median(samples)
-        samples = []
-        for _ in range(5):
-            started = time.perf_counter()
-            optimizer.step()
-            samples.append(time.perf_counter() - started)
-        out["adamw_step_s"] = statistics.median(samples[1:])
-        # Hook count: what the engine pays per-module Python overhead on (forward and backward).
-        out["num_modules"] = sum(1 for _ in model.modules())
-        out["num_param_tensors"] = sum(1 for _ in model.parameters())
-        return out
-    finally:
-        torch.set_num_threads(threads)
-
-
-def ms(seconds: float) -> str:
-    return f"{seconds * 1000:.1f}"
-
-
-def mib(num_bytes: float) -> str:
-    return f"{num_bytes / 2**20:.1f}"
-
-
-def rank_order(values: list[float]) -> list[int]:
-    """1-based rank of each value (ties share the lower rank)."""
-    return [1 + sum(v < x for v in values) for x in values]
-
-
-def spearman(a: list[float], b: list[float]) -> float:
-    ra, rb = rank_order(a), rank_order(b)
-    ma, mb = statistics.mean(ra), statistics.mean(rb)
-    num = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
-    den = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
-    return num / den if den else float("nan")
-
-
-def describe(shape: dict) -> str:
-    return (
-        f"mb {shape['micro_batch_size']}x{shape['grad_accum_steps']}, ckpt {shape['checkpointing']}, "
-        f"cache {shape['cache_blocks']}/{shape['cacheable_chunks']}, pf {shape['prefetch']}, "
-        f"offload {shape['offloaded_chunks']}/{shape['num_chunks']}"
-    )
-
-
 def main() -> int:
     args = parse_args()
     started = time.perf_counter()
@@ -485,7 +375,7 @@ def main() -> int:
         f"plain PyTorch, 1 thread: fwd+bwd 8x1 {ms(plain['fwd_bwd_8x1_s'])} ms, 2x4 {ms(plain['fwd_bwd_2x4_s'])} ms, "
         f"AdamW {ms(plain['adamw_step_s'])} ms"
     )
-    plain_rss = plain_rss_reference(model_path, profile, args)
+    plain_rss = plain_rss_reference(model_path, profile, args, GLOBAL_BATCH // WORLD)
     if "growth_bytes" in plain_rss:
         say(
             f"plain PyTorch peak RSS growth at micro-batch 8: {mib(plain_rss['growth_bytes'])} MiB "
@@ -603,110 +493,6 @@ def main() -> int:
     print(md)
     say(f"done in {elapsed:.0f} s; saved {args.out} and {args.md}")
     return 0
-
-
-def markdown(record: dict) -> str:
-    hw = record["hardware"]
-    lines = [
-        "# Cost-model prediction vs measurement, CPU",
-        "",
-        f"- device: cpu ({record['cpu']}, {record['cores']} cores), torch {record['torch']}, "
-        f"python {record['python']}, {record['date_utc']} UTC",
-        f"- command: `.venv/bin/python {record['command'].strip()}` ({record['elapsed_s']} s)",
-        f"- model: GPT-2 n_embd {record['model']['hidden']}, {record['model']['layers']} layers, "
-        f"{record['model']['heads']} heads, vocab {record['model']['vocab']}, seq {record['model']['seq']} "
-        f"({record['model']['num_params']:,} parameters), fp32, AdamW; world {record['world_size']} (gloo), "
-        f"global batch {record['global_batch_size']}",
-        f"- hardware ({record['hardware_source']}): fp32 matmul {hw['matmul_tflops'].get('fp32'):.3g} TFLOP/s, "
-        f"all-gather {hw['allgather_gbps']:.3g} GB/s, reduce-scatter {hw['reduce_scatter_gbps']:.3g} GB/s, "
-        f"collective latency {hw['collective_latency_s'] * 1e6:.0f} us, Adam {hw['cpu_adam_elems_per_s']:.2e} elem/s",
-        "- compute rate the cost model uses: the probe's transformer-block forward+backward curve, fp32 "
-        + ", ".join(
-            f"{tflops:.3g} TFLOP/s at {numel / 1e6:.3g}M block parameters"
-            for numel, tflops in sorted((hw.get("block_tflops_curves") or {}).get("fp32", {}).items())
-        )
-        + " (read at the model's block parameter count)",
-        f"- load: 1-minute load average {record['load_avg_1min_at_start']} at the start, "
-        f"{record['load_avg_1min_at_end']} at the end (2 cores, shared with other jobs)",
-        f"- measured: `elixir-run plan.yaml train_gpt2.py --synthetic --steps {record['steps']}` (rank 0 "
-        f"`step_time_s`), {record['rounds']} runs per shape in alternating order; median over the timed steps "
-        f"of all runs after dropping {record['warmup']} warm-up steps of each (each run's median in the JSON)",
-        "",
-        "| shape | choices | predicted ms | measured ms (min-max) | per-run medians ms | measured / predicted "
-        "| rank pred / meas | model states = engine | predicted worker MiB | measured RSS growth MiB (peak RSS) |",
-        "|---|---|---:|---:|---:|---:|---:|---|---:|---:|",
-    ]
-    for r in record["shapes"]:
-        m = r["measured"]
-        growth = "/".join(mib(g) for g in r["measured_rss_growth_bytes_per_rank"])
-        peak = "/".join(mib(g) for g in r["measured_peak_rss_bytes_per_rank"])
-        lines.append(
-            f"| {r['name']} | {describe(r['shape'])} | {ms(r['predicted_step_time_s'])} | "
-            f"{ms(r['measured_median_step_time_s'])} ({ms(m['min_step_time_s'])}-{ms(m['max_step_time_s'])}) | "
-            f"{', '.join(ms(t) for t in m['round_medians_s'])} | {r['ratio_measured_over_predicted']:.2f} | {r['predicted_rank']} / {r['measured_rank']} | "
-            f"{'yes' if r['model_state_bytes_match'] else 'NO'} | {mib(r['predicted_worker_bytes'])} | "
-            f"{growth} ({peak}) |"
-        )
-    rk = record["ranking"]
-    plain = record["plain_pytorch_1thread"]
-    lines += [
-        "",
-        f"Ranking: predicted fastest {', '.join(rk['predicted_fastest'])}; measured fastest {rk['measured_fastest']}; "
-        f"agree: {'yes' if rk['agree'] else 'no'}; Spearman rank correlation {rk['spearman']} (by the minimum "
-        f"step time: fastest {rk['measured_fastest_by_min']}, Spearman {rk['spearman_by_min']}).",
-        "",
-        "Predicted breakdown (ms):",
-        "",
-        "| shape | compute | recompute | all-gather | reduce-scatter | exposed fetch | grad drain | optimizer exposed "
-        "| no-overlap sum | measured / no-overlap sum |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in record["shapes"]:
-        b = r["predicted_breakdown"]
-        lines.append(
-            f"| {r['name']} | {ms(b.get('compute_s', 0))} | {ms(b.get('recompute_s', 0))} | "
-            f"{ms(b.get('allgather_s', 0))} | {ms(b.get('reduce_scatter_s', 0))} | "
-            f"{ms(b.get('exposed_fetch_s', 0))} | {ms(b.get('grad_drain_s', 0))} | "
-            f"{ms(b.get('optimizer_exposed_s', 0))} | {ms(r['no_overlap_sum_s'])} | "
-            f"{r['measured_median_step_time_s'] / r['no_overlap_sum_s']:.2f} |"
-        )
-    w1 = record["world1_engine_reference"]
-    lines += [
-        "",
-        "(compute includes recompute; 'no-overlap sum' adds compute, all-gather, reduce-scatter, host copies and "
-        "the optimizer step as if none of them overlapped: a diagnostic, not a cost-model output.)",
-        "",
-        f"World-1 engine reference (no gloo peer, OMP_NUM_THREADS=1, {describe(w1['shape'])}): predicted "
-        f"{ms(w1['predicted_step_time_s'])} ms, measured median {ms(w1['measured_median_step_time_s'])} ms "
-        f"(min {ms(w1['measured']['min_step_time_s'])}); predicted worker memory {mib(w1['predicted_worker_bytes'])} MiB, "
-        f"measured RSS growth {mib(w1['measured_rss_growth_bytes'])} MiB; model states = engine: "
-        f"{'yes' if w1['model_state_bytes_match'] else 'NO'}.",
-        "",
-        f"Plain PyTorch reference (no engine, 1 thread, this process alone): forward+backward micro-batch 8 "
-        f"{ms(plain['fwd_bwd_8x1_s'])} ms, 4 x micro-batch 2 {ms(plain['fwd_bwd_2x4_s'])} ms, AdamW step "
-        f"{ms(plain['adamw_step_s'])} ms ({plain['num_modules']} modules, {plain['num_param_tensors']} "
-        f"parameter tensors); after the runs: {ms(record['plain_pytorch_1thread_after']['fwd_bwd_8x1_s'])} ms / "
-        f"{ms(record['plain_pytorch_1thread_after']['fwd_bwd_2x4_s'])} ms. The machine is shared: 1-minute load "
-        f"average {record['load_avg_1min_at_start']} at the start; per shape in the JSON.",
-        "",
-        (
-            f"Plain PyTorch memory (fresh process, 1 thread, micro-batch {record['plain_pytorch_rss']['micro_batch_size']}, "
-            f"3 AdamW steps): peak RSS growth {mib(record['plain_pytorch_rss']['growth_bytes'])} MiB against "
-            f"{mib(record['plain_pytorch_rss']['predicted_bytes'])} MiB from the profile (activations "
-            f"{mib(record['plain_pytorch_rss']['profile_activation_bytes'])} + 16 B per parameter "
-            f"{mib(record['plain_pytorch_rss']['param_grad_adam_bytes'])})."
-        )
-        if "growth_bytes" in record["plain_pytorch_rss"]
-        else "Plain PyTorch memory: failed (see JSON).",
-        "",
-        "Memory columns: 'model states = engine' compares `prediction.model_state_bytes` with "
-        "`model.memory_report()` of both ranks (world 2, the same plan); 'predicted worker' is "
-        "`peak_gpu_bytes + peak_host_bytes / 2` (on the CPU device and host are the same RAM); 'RSS growth' is "
-        "each rank's peak RSS (`ru_maxrss`) minus its RSS just before `elixir_tune.setup` (torch, transformers "
-        "and the freshly built model already loaded), rank 0 / rank 1.",
-        "",
-    ]
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

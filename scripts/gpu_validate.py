@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import os
 import platform
 import re
@@ -52,7 +51,8 @@ PY = sys.executable
 GiB = 2**30
 
 from bench_prediction import MODEL_YAML  # noqa: E402
-from gpu_validate_report import write_markdown  # noqa: E402
+from gpu_validate_report import error_line, summary, write_markdown  # noqa: E402
+from gpu_validate_shapes import gpt2_dims, peak_tflops, shape_pins  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -389,70 +389,6 @@ class Validation:
         self.write()
 
 
-def error_line(step: dict) -> str:
-    """The last line of a step's output that names an error (else its last line)."""
-    lines = [line.strip() for line in step.get("output_tail", "").splitlines() if line.strip()]
-    errors = [line for line in lines if re.search(r"(Error|error:|Exception|OOM|out of memory)", line)]
-    return ((errors or lines or ["(no output)"])[-1])[:400]
-
-
-def gpt2_dims(target_params: float, seq: int = 1024, vocab: int = 50257) -> dict:
-    """GPT-2 dimensions near ``target_params``: the narrowest width (heads of 128) at <= 48 layers."""
-    for hidden in (1024, 1536, 2048, 2560, 3072, 4096, 5120, 6144, 8192):
-        per_layer = 12 * hidden * hidden + 13 * hidden
-        layers = round((target_params - (vocab + seq) * hidden) / per_layer)
-        if layers <= 48:
-            return {"hidden": hidden, "layers": max(layers, 2), "heads": hidden // 128, "vocab": vocab, "seq": seq}
-    return {"hidden": 8192, "layers": 48, "heads": 64, "vocab": vocab, "seq": seq}
-
-
-def peak_tflops(spec, dtype: str) -> float:
-    """Datasheet peak for MFU: the spec's, else the closest preset's, else the measured matmul rate."""
-    from elixir_tune.hardware import closest_preset, load_hardware
-
-    if spec.matmul_peak_tflops.get(dtype):
-        return spec.matmul_peak_tflops[dtype]
-    preset = closest_preset(spec)
-    if preset and load_hardware(preset).matmul_peak_tflops.get(dtype):
-        return load_hardware(preset).matmul_peak_tflops[dtype]
-    return spec.matmul_tflops.get(dtype) or spec.matmul_tflops["fp32"]
-
-
-def shape_pins(
-    best: dict, model_path: str, hardware: str, world: int, per_rank: int
-) -> list[tuple[str, list[str], str]]:
-    """(name, --fix pins, strategy) of every shape after the search's best, in priority order."""
-    from elixir_tune.costmodel.model import CostModel
-    from elixir_tune.hardware import load_hardware
-    from elixir_tune.profiler import load_profile
-
-    shape = best["shape"]
-    cost = CostModel(load_profile(model_path), load_hardware(hardware), world)
-    min_cache = cost.min_cache_blocks(shape["chunk_size"], shape["checkpointing"])
-    every = shape["checkpointing"]
-    ckpt = "none" if every == 0 else "all" if every == 1 else f"every:{every}"
-    micro = shape["micro_batch_size"]
-    return [
-        ("elixir-rule", [], "elixir"),
-        ("full-offload", ["offload=1"], "joint"),
-        (
-            "no-cache",
-            [f"chunk_size={shape['chunk_size']}", f"checkpointing={ckpt}", f"cache_blocks={min_cache}", "prefetch=0"],
-            "joint",
-        ),
-        ("ckpt-none", ["checkpointing=none"], "joint"),
-        ("ckpt-all", ["checkpointing=all"], "joint"),
-    ] + [
-        (f"micro-batch-{size}", [f"micro_batch_size={size}"], "joint") for size in other_micro_batches(micro, per_rank)
-    ]
-
-
-def other_micro_batches(micro: int, per_rank: int) -> list[int]:
-    """The two micro-batch sizes nearest ``micro`` (by ratio) that divide the per-rank batch."""
-    sizes = [size for size in range(1, per_rank + 1) if per_rank % size == 0 and size != micro]
-    return sorted(sorted(sizes, key=lambda size: abs(math.log(size / micro)))[:2])
-
-
 def run_world(
     v: Validation, world: int, hardware: str, model: dict, wanted: set[str] | None, limit: int, peers: bool
 ) -> None:
@@ -528,22 +464,6 @@ def main() -> int:
     v.write()
     print(summary(v.record))
     return 0 if any(r.get("status") == "measured" for r in v.record["rows"]) else 1
-
-
-def summary(record: dict) -> str:
-    lines = [f"gpu_validate: {record['machine']['device_name']}, {record.get('elapsed_s')} s"]
-    for row in record["rows"]:
-        if "measured_step_time_s" in row and "time_ratio" in row:
-            lines.append(
-                f"  w{row['world']} {row['name']:<16} predicted {row['predicted_step_time_s']:.3f} s, measured "
-                f"{row['measured_step_time_s']:.3f} s ({row['time_ratio']:.2f}x), {row['status']}"
-            )
-        else:
-            lines.append(f"  w{row['world']} {row['name']:<16} {row['status']}")
-    for peer in record["peers"]:
-        measured = f"{peer['median_step_time_s']:.3f} s" if "median_step_time_s" in peer else ""
-        lines.append(f"  peer {peer['name']:<12} {measured} {peer['status'][:120]}")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

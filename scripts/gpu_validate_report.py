@@ -3,6 +3,8 @@ off early still has a readable report)."""
 
 from __future__ import annotations
 
+import re
+
 GiB = 2**30
 
 
@@ -96,3 +98,26 @@ def write_markdown(record: dict) -> str:
             "```",
         ]
     return "\n".join(lines) + "\n"
+
+
+def error_line(step: dict) -> str:
+    """The last line of a step's output that names an error (else its last line)."""
+    lines = [line.strip() for line in step.get("output_tail", "").splitlines() if line.strip()]
+    errors = [line for line in lines if re.search(r"(Error|error:|Exception|OOM|out of memory)", line)]
+    return ((errors or lines or ["(no output)"])[-1])[:400]
+
+
+def summary(record: dict) -> str:
+    lines = [f"gpu_validate: {record['machine']['device_name']}, {record.get('elapsed_s')} s"]
+    for row in record["rows"]:
+        if "measured_step_time_s" in row and "time_ratio" in row:
+            lines.append(
+                f"  w{row['world']} {row['name']:<16} predicted {row['predicted_step_time_s']:.3f} s, measured "
+                f"{row['measured_step_time_s']:.3f} s ({row['time_ratio']:.2f}x), {row['status']}"
+            )
+        else:
+            lines.append(f"  w{row['world']} {row['name']:<16} {row['status']}")
+    for peer in record["peers"]:
+        measured = f"{peer['median_step_time_s']:.3f} s" if "median_step_time_s" in peer else ""
+        lines.append(f"  peer {peer['name']:<12} {measured} {peer['status'][:120]}")
+    return "\n".join(lines)
