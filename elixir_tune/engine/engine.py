@@ -54,6 +54,9 @@ class Engine:
         comm: the data-parallel group.
         source: where the first weights come from (a checkpoint, the model's initializer for a model
             on the meta device); None: the model's own weights, rank 0's.
+        mesh: every process group of the run (default: the data group alone).
+        elsewhere: ids of tensors of modules that run on other pipeline stages: left as they are
+            (never materialized, moved or broadcast; engine/pipeline.py).
     """
 
     def __init__(
@@ -63,11 +66,15 @@ class Engine:
         comm: Comm,
         source: WeightSource | None = None,
         mesh: Mesh | None = None,
+        elsewhere: set[int] | None = None,
     ):
         self.model = model
         self.plan = plan
         self.comm = comm
         self.mesh = mesh if mesh is not None else Mesh.data_only(comm)
+        self.elsewhere = elsewhere or set()
+        self.pipeline: Any = None  # engine/pipeline.py's Pipeline on a pipeline plan (it drives forward_backward)
+        self.norm_skip: set[int] = set()  # chunk ids the gradient norm leaves out (a shared chunk counted elsewhere)
         self.device = comm.device
         self.compute_dtype = COMPUTE_DTYPES[plan.training.dtype]
         self._placeholders: dict[torch.Size, torch.Tensor] = {}
@@ -189,13 +196,13 @@ class Engine:
         # Ranks read different parts: all must stop together, not wait in a later collective.
         if self.comm.any_rank(failed is not None):
             raise failed or MaterializeError("another rank could not produce its shards (its error says why)")
-        materialize_replicated(self.model, set(self.slot_of), source)
+        materialize_replicated(self.model, set(self.slot_of) | self.elsewhere, source)
         swap_meta_for_placeholders([slot.param for slot in self.slots], self._nan)
 
     def _place_replicated(self) -> None:
         """Frozen parameters and buffers: ordinary replicated tensors on the device."""
         for param in self.model.parameters():
-            if id(param) in self.slot_of:
+            if id(param) in self.slot_of or id(param) in self.elsewhere:
                 continue
             data = param.data.to(self.device)
             if data.is_floating_point() and self.compute_dtype != torch.float32:
@@ -205,7 +212,7 @@ class Engine:
             param.data = data
         for module in self.model.modules():
             for name, buffer in list(module.named_buffers(recurse=False)):
-                if buffer is not None and buffer.device != self.device:
+                if buffer is not None and buffer.device != self.device and id(buffer) not in self.elsewhere:
                     module._buffers[name] = buffer.to(self.device)
 
     def _hooked_ancestors(self) -> dict[torch.nn.Module, list[torch.nn.Module]]:

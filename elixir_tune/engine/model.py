@@ -29,6 +29,11 @@ class ElixirModel(torch.nn.Module):
         object.__setattr__(self, "engine", engine)  # not a submodule: keep it out of modules()
 
     def forward(self, *args, **kwargs):
+        if self.engine.pipeline is not None:
+            raise RuntimeError(
+                "this plan splits the model into pipeline stages (parallel.pipeline.stages > 1): run each step "
+                "with loss = model.forward_backward(micro_batches), not model(...)"
+            )
         self.engine.begin_forward()
         return self.module(*args, **kwargs)
 
@@ -59,6 +64,8 @@ class ElixirModel(torch.nn.Module):
                     f"micro-batch {index} is a {type(batch).__name__}; forward_backward takes a list of dicts of "
                     "the model's keyword arguments (e.g. input_ids, labels)"
                 )
+        if self.engine.pipeline is not None:
+            return self.engine.pipeline.forward_backward(micro_batches, loss_fn)
         count = len(micro_batches)
         scale = self.engine.loss_scale() / count
 
@@ -128,7 +135,7 @@ class ElixirModel(torch.nn.Module):
         Returns:
             The weights by name (empty on ranks other than 0 unless ``all_ranks``).
         """
-        state = self.engine.full_state_dict(all_ranks=all_ranks)
+        state = (self.engine.pipeline or self.engine).full_state_dict(all_ranks=all_ranks)
         if prefix:
             state = {prefix + name: value for name, value in state.items()}
         if destination is None:

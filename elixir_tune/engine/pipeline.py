@@ -42,6 +42,8 @@ import torch
 from torch import nn
 
 from elixir_tune.engine.comm import Comm, Mesh, gather_objects, pipelining, subgroup
+from elixir_tune.engine.engine import Engine
+from elixir_tune.engine.materialize import WeightSource
 from elixir_tune.engine.pipeline_adapters import StageAdapter, adapter_for
 from elixir_tune.plan import Plan
 from elixir_tune.plan.stages import stage_of_block
@@ -139,7 +141,9 @@ def prepare(model: nn.Module, plan: Plan, stage: int) -> tuple[StageAdapter, Sta
                     "with parameters of one stage only; a chunk shared by stages must hold only the shared ones"
                 )
             elif chunk.stage not in union:
-                problems.append(f"memory.chunks[{chunk.id}].stage: {chunk.stage}, but its parameters run on {sorted(union)}")
+                problems.append(
+                    f"memory.chunks[{chunk.id}].stage: {chunk.stage}, but its parameters run on {sorted(union)}"
+                )
             shared[chunk.id] = tuple(sorted(union))
         elif union and union != {chunk.stage}:
             problems.append(
@@ -266,8 +270,12 @@ class Pipeline:
         engine = self.engine
         device = engine.device
         batch, seq = input_shape
+        # Activations and logits need gradients: a stage's received input must be a leaf that
+        # collects its gradient, to be sent back to the stage before.
         hidden = torch.empty(batch, seq, self.adapter.hidden_size, dtype=engine.compute_dtype, device="meta")
+        hidden.requires_grad_(True)
         logits = torch.empty(batch, seq, self.adapter.vocab_size, dtype=engine.compute_dtype, device="meta")
+        logits.requires_grad_(True)
         ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
         virtual = self.layout.virtual
         last = len(virtual) - 1
@@ -406,3 +414,16 @@ def drop_elsewhere(model: nn.Module, layout: StageLayout) -> None:
                 meta = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"), param.requires_grad)
                 torch.utils.swap_tensors(param, meta)
         parent._modules[child] = Elsewhere(name, stage)
+
+
+def build_engine(model: nn.Module, plan: Plan, mesh: Mesh, source: WeightSource | None) -> Engine:
+    """This rank's chunk engine for a pipeline plan, with its ``Pipeline`` attached (``engine.pipeline``).
+
+    Raises:
+        ValueError: no stage adapter for the model, or the plan's stages do not match it.
+    """
+    adapter, layout = prepare(model, plan, mesh.stage)
+    engine = Engine(model, layout.plan, mesh.data, source, mesh, elsewhere=layout.elsewhere_tensors)
+    drop_elsewhere(model, layout)
+    engine.pipeline = Pipeline(engine, adapter, layout, mesh)
+    return engine

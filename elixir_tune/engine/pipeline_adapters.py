@@ -156,8 +156,12 @@ class OPTAdapter(StageAdapter):
         super().__init__(model)
         decoder = model.model.decoder
         self.body = decoder
-        self.first_modules = [m for m in (decoder.embed_tokens, decoder.project_in, decoder.embed_positions) if m is not None]
-        self.last_modules = [m for m in (decoder.final_layer_norm, decoder.project_out) if m is not None] + [model.lm_head]
+        self.first_modules = [
+            m for m in (decoder.embed_tokens, decoder.project_in, decoder.embed_positions) if m is not None
+        ]
+        self.last_modules = [m for m in (decoder.final_layer_norm, decoder.project_out) if m is not None] + [
+            model.lm_head
+        ]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         decoder = self.body

@@ -1,0 +1,130 @@
+"""Worker for the pipeline tests: a 4-block GPT-2 (tied embeddings) and a 4-block Llama-style model
+trained on a pipeline plan (``parallel.pipeline``) through ``ElixirModel.forward_backward``, compared
+with plain PyTorch on the same global batch.
+
+Run by ``engine_launch.py`` as N = stages x data processes. Each case is a dict:
+
+    arch: gpt2 | llama | llama_tied     stages     assignment: modular | contiguous
+    schedule: looped_bfs | interleaved_1f1b | gpipe | 1f1b     chunk_size     cache ("all" | "min")
+    offload (fraction)     checkpoint (every)     accum     steps     clip (max norm, 0: none)
+
+Rank 0 (stage 0, data index 0) also trains the plain-PyTorch reference (fp32) and reports the largest
+differences of the losses, the clipped norms and the weights (``model.state_dict()`` merges every
+stage's weights onto it).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+import elixir_tune
+from tests.distributed.engine_archs_worker import arch_config
+from tests.distributed.engine_plans import batches, make_plan, param_groups, tiny_gpt2_config
+from tests.distributed.engine_worker import compare, local_micro, mean_over_ranks, plain_training
+
+SEQ = 8
+MICRO = 2
+BLOCKS = 4
+BLOCK_LIST = {"gpt2": "transformer.h", "llama": "model.layers", "llama_tied": "model.layers"}
+
+
+def build(case: dict):
+    """The case's model with 4 blocks (seeded: every rank and the reference build the same weights)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    if case["arch"] == "gpt2":
+        config = tiny_gpt2_config()
+        config.n_layer = BLOCKS
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        fields = arch_config(dict(arch="llama", tied=case["arch"] == "llama_tied"))
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**dict(fields, num_hidden_layers=BLOCKS)))
+    opt = torch.optim.AdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95), eps=1e-6, foreach=False)
+    return model, opt
+
+
+def case_plan(case: dict, model, world: int):
+    return make_plan(
+        model,
+        world,
+        case["chunk_size"],
+        cache=case.get("cache", "all"),
+        offload=case.get("offload", 0.0),
+        checkpoint_every=case.get("checkpoint", 0),
+        block_list=BLOCK_LIST[case["arch"]],
+        micro_batch_size=MICRO,
+        grad_accum_steps=case["accum"],
+        seq_len=SEQ,
+        stages=case["stages"],
+        assignment=case.get("assignment", "modular"),
+        schedule=case.get("schedule", "looped_bfs"),
+    )
+
+
+def run_engine(case: dict, rank: int, world: int) -> dict:
+    model, opt = build(case)
+    plan = case_plan(case, model, world)
+    model, opt = elixir_tune.setup(model, opt, plan=plan)
+    mesh = model.engine.mesh
+    accum = case["accum"]
+    data = plan.data_parallel_size
+    losses, norms = [], []
+    for batch in batches(case["steps"], plan.training.global_batch_size, SEQ):
+        micro_batches = [local_micro(batch, mesh.data_rank, data, accum, k) for k in range(accum)]
+        loss = model.forward_backward(micro_batches)
+        if case.get("clip"):
+            norms.append(float(opt.clip_grad_norm(case["clip"])))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    full = model.state_dict()  # a collective: every rank calls it
+    return {
+        "losses": losses,
+        "norms": norms,
+        "state": {k: v.tolist() for k, v in full.items()} if rank == 0 else None,
+        "global_batch": plan.training.global_batch_size,
+        "stage": mesh.stage,
+        "data_rank": mesh.data_rank,
+        "chunks": [chunk.id for chunk in model.engine.chunks],
+        "shared": [chunk.id for chunk, _ in model.engine.pipeline.shared],
+        "elsewhere": sorted(model.engine.pipeline.layout.elsewhere),
+    }
+
+
+def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> dict:
+    from elixir_tune.profiler.source import quiet_transformers
+
+    start = time.perf_counter()
+    with quiet_transformers():
+        engine = run_engine(case, rank, world)
+    result = {
+        "case": case,
+        "losses": engine["losses"],
+        "world_losses": mean_over_ranks(engine["losses"], world),
+        "norms": engine["norms"],
+        "stage": engine["stage"],
+        "data_rank": engine["data_rank"],
+        "chunks": engine["chunks"],
+        "shared": engine["shared"],
+        "elsewhere": engine["elsewhere"],
+        "engine_s": time.perf_counter() - start,
+    }
+    if rank == 0:
+        with quiet_transformers():
+            model, opt = build(case)
+            reference = plain_training(
+                model, opt, batches(case["steps"], engine["global_batch"], SEQ), clip=case.get("clip", 0.0)
+            )
+        result.update(compare(engine, reference, result["world_losses"]))
+        result["ref_losses"] = reference["losses"]
+    return result
+
+
+if __name__ == "__main__":
+    from tests.distributed.engine_launch import worker_main
+
+    worker_main(run_case)
