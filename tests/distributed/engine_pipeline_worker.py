@@ -81,8 +81,14 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))
+    errors = {}
+    if case.get("errors"):
+        errors = {"call": _error(lambda: model(**micro_batches[0]))}
+        with_mask = [dict(b, attention_mask=torch.ones_like(b["input_ids"])) for b in micro_batches]
+        errors["extra_keys"] = _error(lambda: model.forward_backward(with_mask))
     full = model.state_dict()  # a collective: every rank calls it
     return {
+        "errors": errors,
         "losses": losses,
         "norms": norms,
         "state": {k: v.tolist() for k, v in full.items()} if rank == 0 else None,
@@ -93,6 +99,14 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
         "shared": [chunk.id for chunk, _ in model.engine.pipeline.shared],
         "elsewhere": sorted(model.engine.pipeline.layout.elsewhere),
     }
+
+
+def _error(call) -> str:
+    try:
+        call()
+    except (RuntimeError, ValueError) as error:
+        return str(error)
+    return ""
 
 
 def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> dict:
@@ -111,6 +125,7 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
         "chunks": engine["chunks"],
         "shared": engine["shared"],
         "elsewhere": engine["elsewhere"],
+        "errors": engine["errors"],
         "engine_s": time.perf_counter() - start,
     }
     if rank == 0:
