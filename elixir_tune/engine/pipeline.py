@@ -213,14 +213,16 @@ class Pipeline:
         adapter: the model's stage adapter.
         layout: what ``prepare`` decided.
         mesh: the process groups.
+        full_plan: the whole plan (``layout.plan`` holds this rank's chunks only).
     """
 
-    def __init__(self, engine, adapter: StageAdapter, layout: StageLayout, mesh: Mesh):
+    def __init__(self, engine, adapter: StageAdapter, layout: StageLayout, mesh: Mesh, full_plan: Plan):
         self.engine = engine
         self.adapter = adapter
         self.layout = layout
         self.mesh = mesh
         self.plan = layout.plan
+        self.full_plan = full_plan
         self.stage = layout.stage
         self.stages = self.plan.parallel.pipeline.stages
         self.schedule_name = self.plan.parallel.pipeline.schedule
@@ -425,5 +427,5 @@ def build_engine(model: nn.Module, plan: Plan, mesh: Mesh, source: WeightSource 
     adapter, layout = prepare(model, plan, mesh.stage)
     engine = Engine(model, layout.plan, mesh.data, source, mesh, elsewhere=layout.elsewhere_tensors)
     drop_elsewhere(model, layout)
-    engine.pipeline = Pipeline(engine, adapter, layout, mesh)
+    engine.pipeline = Pipeline(engine, adapter, layout, mesh, plan)
     return engine
