@@ -16,7 +16,7 @@ What each rank does:
   of other stages are never materialized: the engine leaves their tensors alone (on the meta
   device they stay there; real ones are moved to meta) and they are replaced in the module tree by
   ``Elsewhere`` stubs that raise if called.
-* **A step** (``forward_backward``): one ``torch.distributed.pipelining`` ``PipelineStage`` per
+* **A step** (``forward_backward``): one ``PipelineStage`` of torch's pipelining package per
   virtual stage (static shapes: nothing is traced) and the plan's schedule (``looped_bfs`` ->
   ``ScheduleLoopedBFS``, ``interleaved_1f1b`` -> ``ScheduleInterleaved1F1B`` for modular plans;
   ``gpipe`` / ``1f1b`` for contiguous ones) move activations and their gradients between stages
@@ -354,14 +354,19 @@ class Pipeline:
         before = [chunk.grad.clone() for chunk, _ in self.shared]
         engine.begin_forward()
         losses: list[torch.Tensor] = []
-        args = ()
+        args: tuple[torch.Tensor, ...] = ()
         if 0 in self.mine:
             args = (torch.cat([batch["input_ids"] for batch in micro_batches]).to(engine.device),)
+        training = torch.is_grad_enabled()
         try:
-            schedule.step(*args, target=torch.arange(count), losses=losses, return_outputs=False)
+            if training:
+                schedule.step(*args, target=torch.arange(count), losses=losses, return_outputs=False)
+            else:  # evaluation: forwards only, the same losses
+                schedule.eval(*args, target=torch.arange(count), losses=losses)
         finally:
             self._batches, self._loss_fn = (), None
-        self._sum_shared(before)
+        if training:
+            self._sum_shared(before)
         total = torch.zeros((), dtype=torch.float32, device=engine.device)
         if losses:
             total = (torch.stack([loss.detach().float() for loss in losses]).sum() / (self._scale * count)).reshape(())

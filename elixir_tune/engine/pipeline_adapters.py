@@ -20,7 +20,7 @@ causal), as in the training scripts.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -41,9 +41,11 @@ class StageAdapter:
     block_list = ""
 
     def __init__(self, model: nn.Module):
-        self.model = model
-        self.config = model.config
-        self.blocks: nn.ModuleList = model.get_submodule(self.block_list)
+        # Any: transformers' modules are reached by attribute (nn.Module types them Tensor | Module).
+        self.model: Any = cast(Any, model)
+        self.body: Any = None
+        self.config: Any = self.model.config
+        self.blocks: Any = model.get_submodule(self.block_list)
         self.first_modules: list[nn.Module] = []
         self.last_modules: list[nn.Module] = []
         self.hidden_size = int(self.config.hidden_size)
@@ -88,10 +90,10 @@ class GPT2Adapter(StageAdapter):
 
     def __init__(self, model: nn.Module):
         super().__init__(model)
-        body = model.transformer
+        body = self.model.transformer
         self.body = body
         self.first_modules = [body.wte, body.wpe, body.drop]
-        self.last_modules = [body.ln_f, model.lm_head]
+        self.last_modules = [body.ln_f, self.model.lm_head]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         body = self.body
@@ -117,9 +119,9 @@ class LlamaAdapter(StageAdapter):
 
     def __init__(self, model: nn.Module):
         super().__init__(model)
-        self.body = model.model
+        self.body = self.model.model
         self.first_modules = [self.body.embed_tokens]
-        self.last_modules = [self.body.norm, model.lm_head]
+        self.last_modules = [self.body.norm, self.model.lm_head]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.body.embed_tokens(input_ids)
@@ -154,7 +156,7 @@ class OPTAdapter(StageAdapter):
 
     def __init__(self, model: nn.Module):
         super().__init__(model)
-        decoder = model.model.decoder
+        decoder = self.model.model.decoder
         self.body = decoder
         self.first_modules = [
             m for m in (decoder.embed_tokens, decoder.project_in, decoder.embed_positions) if m is not None

@@ -82,13 +82,20 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
         opt.zero_grad()
         losses.append(float(loss))
     errors = {}
+    eval_loss = None
     if case.get("errors"):
+        with torch.no_grad():  # forwards only (the schedule's eval), on the first step's batch
+            first = batches(1, plan.training.global_batch_size, SEQ)[0]
+            eval_loss = float(
+                model.forward_backward([local_micro(first, mesh.data_rank, data, accum, k) for k in range(accum)])
+            )
         errors = {"call": _error(lambda: model(**micro_batches[0]))}
         with_mask = [dict(b, attention_mask=torch.ones_like(b["input_ids"])) for b in micro_batches]
         errors["extra_keys"] = _error(lambda: model.forward_backward(with_mask))
     full = model.state_dict()  # a collective: every rank calls it
     return {
         "errors": errors,
+        "eval_loss": eval_loss,
         "losses": losses,
         "norms": norms,
         "state": {k: v.tolist() for k, v in full.items()} if rank == 0 else None,
@@ -126,6 +133,7 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
         "shared": engine["shared"],
         "elsewhere": engine["elsewhere"],
         "errors": engine["errors"],
+        "eval_loss": engine["eval_loss"],
         "engine_s": time.perf_counter() - start,
     }
     if rank == 0:
@@ -134,6 +142,10 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
             reference = plain_training(
                 model, opt, batches(case["steps"], engine["global_batch"], SEQ), clip=case.get("clip", 0.0)
             )
+            if engine["eval_loss"] is not None:  # the trained reference on the first step's global batch
+                with torch.no_grad():
+                    first = batches(1, engine["global_batch"], SEQ)[0]
+                    result["ref_eval_loss"] = float(model(**first).loss)
         result.update(compare(engine, reference, result["world_losses"]))
         result["ref_losses"] = reference["losses"]
     return result
