@@ -30,20 +30,43 @@ BLOCKS = 4
 BLOCK_LIST = {"gpt2": "transformer.h", "llama": "model.layers", "llama_tied": "model.layers"}
 
 
-def build(case: dict):
-    """The case's model with 4 blocks (seeded: every rank and the reference build the same weights)."""
+META_SEED = 5
+
+
+def build(case: dict, meta: bool = False):
+    """The case's model with 4 blocks (seeded: every rank and the reference build the same weights);
+    ``meta``: on the meta device (the engine initializes each rank's shards, seed ``META_SEED``)."""
     import transformers
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
-    if case["arch"] == "gpt2":
-        config = tiny_gpt2_config()
-        config.n_layer = BLOCKS
-        model = transformers.GPT2LMHeadModel(config)
-    else:
-        fields = arch_config(dict(arch="llama", tied=case["arch"] == "llama_tied"))
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**dict(fields, num_hidden_layers=BLOCKS)))
+    with torch.device("meta" if meta else "cpu"):
+        if case["arch"] == "gpt2":
+            config = tiny_gpt2_config()
+            config.n_layer = BLOCKS
+            model = transformers.GPT2LMHeadModel(config)
+        else:
+            fields = arch_config(dict(arch="llama", tied=case["arch"] == "llama_tied"))
+            config = transformers.LlamaConfig(**dict(fields, num_hidden_layers=BLOCKS))
+            model = transformers.LlamaForCausalLM(config)
     opt = torch.optim.AdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95), eps=1e-6, foreach=False)
+    return model, opt
+
+
+def build_reference(case: dict):
+    """The plain model the engine is compared with; for a meta case, with the initial weights the
+    model's initializer gives for ``META_SEED`` (what the engine made, whatever the world)."""
+    model, opt = build(case)
+    if case.get("meta"):
+        from elixir_tune.engine.materialize import Initializer
+
+        meta_model, _ = build(case, meta=True)
+        initializer = Initializer(meta_model, META_SEED)
+        with torch.no_grad():
+            for (_, param), (_, meta_param) in zip(
+                model.named_parameters(), meta_model.named_parameters(), strict=True
+            ):
+                param.copy_(initializer.value(meta_param))
     return model, opt
 
 
@@ -66,16 +89,22 @@ def case_plan(case: dict, model, world: int):
 
 
 def run_engine(case: dict, rank: int, world: int) -> dict:
-    model, opt = build(case)
+    model, opt = build(case, meta=case.get("meta", False))
     plan = case_plan(case, model, world)
-    model, opt = elixir_tune.setup(model, opt, plan=plan)
+    model, opt = elixir_tune.setup(model, opt, plan=plan, seed=META_SEED if case.get("meta") else None)
     mesh = model.engine.mesh
+    # Parameters of other stages' modules: never materialized on this rank.
+    others = [p for group in opt.param_groups for p in group["params"] if id(p) not in model.engine.slot_of]
+    others_on_meta = bool(others) and all(p.is_meta for p in others)
     accum = case["accum"]
     data = plan.data_parallel_size
     losses, norms = [], []
     for batch in batches(case["steps"], plan.training.global_batch_size, SEQ):
         micro_batches = [local_micro(batch, mesh.data_rank, data, accum, k) for k in range(accum)]
+        before = model.engine.memory_stats()
         loss = model.forward_backward(micro_batches)
+        after = model.engine.memory_stats()
+        counts = {key: after[key] - before[key] for key in ("gathers", "reduce_scatters")}  # of the last step
         if case.get("clip"):
             norms.append(float(opt.clip_grad_norm(case["clip"])))
         opt.step()
@@ -94,6 +123,8 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
         errors["extra_keys"] = _error(lambda: model.forward_backward(with_mask))
     full = model.state_dict()  # a collective: every rank calls it
     return {
+        "counts": counts,
+        "others_on_meta": others_on_meta,
         "errors": errors,
         "eval_loss": eval_loss,
         "losses": losses,
@@ -133,12 +164,14 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
         "shared": engine["shared"],
         "elsewhere": engine["elsewhere"],
         "errors": engine["errors"],
+        "others_on_meta": engine["others_on_meta"],
+        "counts": engine["counts"],
         "eval_loss": engine["eval_loss"],
         "engine_s": time.perf_counter() - start,
     }
     if rank == 0:
         with quiet_transformers():
-            model, opt = build(case)
+            model, opt = build_reference(case)
             reference = plain_training(
                 model, opt, batches(case["steps"], engine["global_batch"], SEQ), clip=case.get("clip", 0.0)
             )
