@@ -4,8 +4,9 @@ A 4-block GPT-2 (tied embeddings: the first and the last stage both hold ``wte``
 Llama-style model (grouped-query attention, rotary, RMSNorm; untied, and tied with contiguous
 stages), 2 stages, 4 micro-batches per step, trained 10 steps through ``model.forward_backward``:
 at world 2 (pipeline 2 x data 1) with every schedule (looped_bfs, interleaved_1f1b on modular
-stages; 1f1b and gpipe on contiguous ones), offload and checkpointing, and at world 4 (pipeline 2
-x data 2, chunks sharded over each stage's data group). fp32 tolerances as the other engine tests:
+stages; 1f1b and gpipe on contiguous ones), offload and checkpointing, a GPT-2 built on the meta
+device (each stage initializes its own shards: the weights of P = 1), and at world 4 (pipeline 2 x
+data 2, chunks sharded over each stage's data group). fp32 tolerances as the other engine tests:
 losses 1e-5 relative, clipped gradient norms 1e-5 relative, weights 1e-5 absolute after 10 steps
 (``model.state_dict()`` merges every stage's weights on rank 0).
 """
@@ -29,6 +30,8 @@ WORLD2 = [
     dict(BASE, arch="llama", schedule="interleaved_1f1b", offload=0.5, checkpoint=1),
     dict(BASE, arch="llama_tied", assignment="contiguous", schedule="1f1b", clip=1.0),
     dict(BASE, arch="gpt2", assignment="contiguous", schedule="gpipe", cache="min"),
+    # Built on the meta device: each stage initializes its own shards, the same weights as at P = 1.
+    dict(BASE, arch="gpt2", meta=True),
 ]
 WORLD4 = [
     dict(BASE, arch="gpt2", clip=1.0),
@@ -37,7 +40,7 @@ WORLD4 = [
 
 
 def case_id(case: dict) -> str:
-    extra = "".join(f"-{key}{case[key]:g}" for key in ("offload", "checkpoint", "clip") if case.get(key))
+    extra = "".join(f"-{key}{case[key]:g}" for key in ("offload", "checkpoint", "clip", "meta") if case.get(key))
     return f"{case['arch']}-{case.get('assignment', 'modular')}-{case.get('schedule', 'looped_bfs')}{extra}"
 
 
@@ -64,7 +67,9 @@ def _check(per_rank: list[dict]) -> None:
     assert first["norm_rel"] <= NORM_REL, (first["case"], first["norm_rel"])
     assert first["weight_abs"] <= WEIGHT_ABS, (first["case"], first["weight_abs"])
     # Every rank returns the step's loss (broadcast from the last stage): the same within a data index.
+    # Parameters of the other stages' modules hold no memory (meta) on every rank.
     for result in per_rank:
+        assert result["others_on_meta"], result["case"]
         peers = [r for r in per_rank if r["data_rank"] == result["data_rank"]]
         assert all(r["losses"] == result["losses"] for r in peers)
 
