@@ -85,6 +85,7 @@ def case_plan(case: dict, model, world: int):
         stages=case["stages"],
         assignment=case.get("assignment", "modular"),
         schedule=case.get("schedule", "looped_bfs"),
+        dtype=case.get("dtype", "fp32"),
     )
 
 

@@ -6,7 +6,7 @@ stages), 2 stages, 4 micro-batches per step, trained 10 steps through ``model.fo
 at world 2 (pipeline 2 x data 1) with every schedule (looped_bfs, interleaved_1f1b on modular
 stages; 1f1b and gpipe on contiguous ones), offload and checkpointing, a GPT-2 built on the meta
 device (each stage initializes its own shards: the weights of P = 1), and at world 4 (pipeline 2 x
-data 2, chunks sharded over each stage's data group). fp32 tolerances as the other engine tests:
+data 2, chunks sharded over each stage's data group; and GPT-2 on 4 stages of one block). fp32 tolerances as the other engine tests:
 losses 1e-5 relative, clipped gradient norms 1e-5 relative, weights 1e-5 absolute after 10 steps
 (``model.state_dict()`` merges every stage's weights on rank 0).
 """
@@ -36,6 +36,8 @@ WORLD2 = [
 WORLD4 = [
     dict(BASE, arch="gpt2", clip=1.0),
     dict(BASE, arch="llama", clip=1.0, offload=0.5, cache="min"),
+    # 4 stages of one block: the tied wte on the first and the last, two middle stages without it.
+    dict(BASE, arch="gpt2", stages=4, clip=1.0),
 ]
 
 
@@ -86,7 +88,11 @@ def test_pipeline_world4_matches_torch(world4, index):
     per_rank = _ranks(world4, index)
     _check(per_rank)
     # rank = data_index x P + stage
-    assert [(r["data_rank"], r["stage"]) for r in per_rank] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    stages = WORLD4[index]["stages"]
+    assert [(r["data_rank"], r["stage"]) for r in per_rank] == [divmod(rank, stages) for rank in range(4)]
+    shared = [r["shared"] for r in per_rank]
+    if WORLD4[index]["arch"] == "gpt2":
+        assert shared == [[0] if r["stage"] in (0, stages - 1) else [] for r in per_rank]
 
 
 def test_each_stage_holds_its_blocks_and_the_tied_embedding_only(world2):
