@@ -43,7 +43,11 @@ class ElixirModel(torch.nn.Module):
         ``training.accumulation: standard`` runs the micro-batches one after the other; ``layered``
         runs each block for all of them before the next (engine/layered.py), in forward and in
         backward. Either way the gradients of the mean loss are accumulated and reduced into the
-        shards afterwards, ready for ``optimizer.clip_grad_norm`` and ``optimizer.step``.
+        shards afterwards, ready for ``optimizer.clip_grad_norm`` and ``optimizer.step``. On a
+        pipeline plan (``parallel.pipeline.stages`` > 1) the plan's pipeline schedule runs them
+        through the stages (engine/pipeline.py): every rank passes the micro-batches of its data
+        index (``input_ids`` of one shape, and ``labels``) and gets the mean loss; ``loss_fn``
+        then sees an output with ``logits`` and ``loss``.
 
         Args:
             micro_batches: one dict of keyword arguments of the model per micro-batch.
