@@ -4,7 +4,7 @@ with plain PyTorch on the same global batch.
 
 Run by ``engine_launch.py`` as N = stages x data processes. Each case is a dict:
 
-    arch: gpt2 | llama | llama_tied     stages     assignment: modular | contiguous
+    arch: gpt2 | llama | llama_tied | opt (proj: OPT-350m's projections)     stages     assignment: modular | contiguous
     schedule: looped_bfs | interleaved_1f1b | gpipe | 1f1b     chunk_size     cache ("all" | "min")
     offload (fraction)     checkpoint (every)     accum     steps     clip (max norm, 0: none)
 
@@ -27,7 +27,12 @@ from tests.distributed.engine_worker import compare, local_micro, mean_over_rank
 SEQ = 8
 MICRO = 2
 BLOCKS = 4
-BLOCK_LIST = {"gpt2": "transformer.h", "llama": "model.layers", "llama_tied": "model.layers"}
+BLOCK_LIST = {
+    "gpt2": "transformer.h",
+    "llama": "model.layers",
+    "llama_tied": "model.layers",
+    "opt": "model.decoder.layers",
+}
 
 
 META_SEED = 5
@@ -45,6 +50,9 @@ def build(case: dict, meta: bool = False):
             config = tiny_gpt2_config()
             config.n_layer = BLOCKS
             model = transformers.GPT2LMHeadModel(config)
+        elif case["arch"] == "opt":  # tied head, learned positions
+            fields = arch_config(dict(arch="opt", tied=True, proj=case.get("proj", False)))
+            model = transformers.OPTForCausalLM(transformers.OPTConfig(**dict(fields, num_hidden_layers=BLOCKS)))
         else:
             fields = arch_config(dict(arch="llama", tied=case["arch"] == "llama_tied"))
             config = transformers.LlamaConfig(**dict(fields, num_hidden_layers=BLOCKS))

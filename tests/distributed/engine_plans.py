@@ -67,10 +67,24 @@ def pack_stages(
 ) -> tuple[list[list[tuple[str, int]]], list[int]]:
     """A pipeline plan's packing: each stage's trainable parameters (``plan/stages.py``) packed in order
     into that stage's chunks, stage by stage; a tied parameter in a chunk of its own (both stages that
-    use it hold that chunk). Returns the chunks and the stage of each."""
-    from elixir_tune.plan.stages import assign_stages
+    use it hold that chunk). Returns the chunks and the stage of each.
 
-    trainable = [(name, p.numel()) for name, p in model.named_parameters() if p.requires_grad]
+    ``assign_stages`` needs first-use order (the profiler's); registration order is not that for every
+    family (OPT registers its final norm before the blocks), so the embeddings the stage adapter runs
+    first come first, then the blocks, then the rest.
+    """
+    from elixir_tune.engine.pipeline_adapters import adapter_for
+    from elixir_tune.plan.stages import assign_stages, block_index_of
+
+    adapter = adapter_for(model, block_list)
+    embeddings = {id(p) for module in adapter.first_modules for p in module.parameters()}
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+    def use_order(item: tuple[str, torch.nn.Parameter]) -> int:
+        name, param = item
+        return 0 if id(param) in embeddings else 1 if block_index_of(name, block_list) is not None else 2
+
+    trainable = [(name, p.numel()) for name, p in sorted(named, key=use_order)]
     num_blocks = len(model.get_submodule(block_list))
     stage_of = assign_stages([name for name, _ in trainable], block_list, num_blocks, stages, assignment)
     tied = shared_params(model)

@@ -1,8 +1,8 @@
 """Pipeline parallelism (``parallel.pipeline``) against plain PyTorch on the same global batch.
 
-A 4-block GPT-2 (tied embeddings: the first and the last stage both hold ``wte``) and a 4-block
+A 4-block GPT-2 (tied embeddings: the first and the last stage both hold ``wte``), a 4-block
 Llama-style model (grouped-query attention, rotary, RMSNorm; untied, and tied with contiguous
-stages), 2 stages, 4 micro-batches per step, trained 10 steps through ``model.forward_backward``:
+stages) and a 4-block OPT (tied; and OPT-350m's projections), 2 stages, 4 micro-batches per step, trained 10 steps through ``model.forward_backward``:
 at world 2 (pipeline 2 x data 1) with every schedule (looped_bfs, interleaved_1f1b on modular
 stages; 1f1b and gpipe on contiguous ones), offload and checkpointing, a GPT-2 built on the meta
 device (each stage initializes its own shards: the weights of P = 1), and at world 4 (pipeline 2 x
@@ -32,6 +32,10 @@ WORLD2 = [
     dict(BASE, arch="gpt2", assignment="contiguous", schedule="gpipe", cache="min"),
     # Built on the meta device: each stage initializes its own shards, the same weights as at P = 1.
     dict(BASE, arch="gpt2", meta=True),
+    # OPT: tied head, learned positions; and OPT-350m's shape (project_in on the first stage,
+    # project_out on the last, post-layer-norm blocks), checkpointed.
+    dict(BASE, arch="opt", clip=1.0),
+    dict(BASE, arch="opt", proj=True, checkpoint=1),
 ]
 WORLD4 = [
     dict(BASE, arch="gpt2", clip=1.0),
@@ -42,7 +46,9 @@ WORLD4 = [
 
 
 def case_id(case: dict) -> str:
-    extra = "".join(f"-{key}{case[key]:g}" for key in ("offload", "checkpoint", "clip", "meta") if case.get(key))
+    extra = "".join(
+        f"-{key}{case[key]:g}" for key in ("offload", "checkpoint", "clip", "meta", "proj") if case.get(key)
+    )
     return f"{case['arch']}-{case.get('assignment', 'modular')}-{case.get('schedule', 'looped_bfs')}{extra}"
 
 
