@@ -153,7 +153,11 @@ def prepare(model: nn.Module, plan: Plan, stage: int) -> tuple[StageAdapter, Sta
         if stage in union or (not union and chunk.stage == stage):
             mine.append(chunk)
     if problems:
-        raise ValueError("the plan's pipeline stages do not match the model: " + "; ".join(problems))
+        raise ValueError(
+            "the plan's pipeline stages do not match the model: "
+            + "; ".join(problems)
+            + ". Make the plan again with `elixir-tune search` for this model"
+        )
     my_params = {id(named[name]) for chunk in mine for name in chunk.params}
     my_params |= {key for key, stages in users.items() if stage in stages}  # frozen ones too
     elsewhere: dict[str, int] = {}

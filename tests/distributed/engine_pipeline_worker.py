@@ -20,6 +20,7 @@ import time
 import torch
 
 import elixir_tune
+from elixir_tune.engine import save_pretrained
 from tests.distributed.engine_archs_worker import arch_config
 from tests.distributed.engine_plans import batches, make_plan, param_groups, tiny_gpt2_config
 from tests.distributed.engine_worker import compare, local_micro, mean_over_ranks, plain_training
@@ -130,6 +131,7 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
         errors = {"call": _error(lambda: model(**micro_batches[0]))}
         with_mask = [dict(b, attention_mask=torch.ones_like(b["input_ids"])) for b in micro_batches]
         errors["extra_keys"] = _error(lambda: model.forward_backward(with_mask))
+        errors["save_pretrained"] = _error(lambda: save_pretrained(model, "unused-directory"))
     full = model.state_dict()  # a collective: every rank calls it
     return {
         "counts": counts,
