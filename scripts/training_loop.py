@@ -274,7 +274,9 @@ def train(
         reporter.console.print(
             f"training {model_name} ({num_params:,} params) on {world} {plan.cluster.device} worker(s): "
             f"{args.steps} steps of {training.global_batch_size} x {training.seq_len} tokens "
-            f"(micro-batch {micro} x accumulation {accum} x world {world}), data: {data_name}",
+            f"(micro-batch {micro} x accumulation {accum} x data-parallel {plan.data_parallel_size}"
+            + (f"; {world} workers" if plan.data_parallel_size != world else "")
+            + f"), data: {data_name}",
             soft_wrap=True,
         )
 
