@@ -75,6 +75,8 @@ class Engine:
         self.elsewhere = elsewhere or set()
         self.pipeline: Any = None  # engine/pipeline.py's Pipeline on a pipeline plan (it drives forward_backward)
         self.norm_skip: set[int] = set()  # chunk ids the gradient norm leaves out (a shared chunk counted elsewhere)
+        self.grad_passes = 1  # backward passes per gradient reduction (no-sync: hold_grads)
+        self._held: dict[int, int] = {}  # id(slot) -> passes whose gradient is held in param.grad
         self.device = comm.device
         self.compute_dtype = COMPUTE_DTYPES[plan.training.dtype]
         self._placeholders: dict[torch.Size, torch.Tensor] = {}
@@ -417,6 +419,41 @@ class Engine:
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         self._queue_end_of_backward()
         slot = self.slot_of[id(param)]
+        if self.grad_passes > 1 and self._hold_grad(slot):
+            return
+        self._stage_grad(slot, param)
+
+    def _hold_grad(self, slot: ParamSlot) -> bool:
+        """No-sync over a step's backward passes (a pipeline's): the gradient stays in ``param.grad``,
+        where autograd keeps accumulating it, until the parameter's last pass of the step."""
+        held = self._held.get(id(slot), 0) + 1
+        if held < self.grad_passes:
+            self._held[id(slot)] = held
+            return True
+        self._held.pop(id(slot), None)
+        return False
+
+    def hold_grads(self, passes: int) -> None:
+        """Reduce each gradient once per ``passes`` backward passes (``end_held_grads`` ends it)."""
+        self.grad_passes = passes
+
+    def end_held_grads(self, flush: bool = True) -> None:
+        """Ends no-sync: gradients still held (parameters used in fewer passes) are staged and reduced
+        now (``flush``), or dropped (a step that failed)."""
+        self.grad_passes = 1
+        held = [slot for slot in self.slots if id(slot) in self._held]
+        self._held.clear()
+        if not flush:
+            for slot in held:
+                slot.param.grad = None
+            return
+        if held:
+            self.in_backward = True
+            for slot in held:
+                self._stage_grad(slot, slot.param)
+            self._end_backward()
+
+    def _stage_grad(self, slot: ParamSlot, param: torch.nn.Parameter) -> None:
         chunk = slot.chunk
         if chunk.staging is None:
             chunk.staging = self._acquire_staging()

@@ -362,13 +362,20 @@ class Pipeline:
         if 0 in self.mine:
             args = (torch.cat([batch["input_ids"] for batch in micro_batches]).to(engine.device),)
         training = torch.is_grad_enabled()
+        # No-sync: every parameter's gradient is reduced over the data group once per step (after its
+        # last micro-batch's backward), not after each of the schedule's backward passes.
+        engine.hold_grads(count if training else 1)
         try:
             if training:
                 schedule.step(*args, target=torch.arange(count), losses=losses, return_outputs=False)
             else:  # evaluation: forwards only, the same losses
                 schedule.eval(*args, target=torch.arange(count), losses=losses)
+        except BaseException:
+            engine.end_held_grads(flush=False)
+            raise
         finally:
             self._batches, self._loss_fn = (), None
+        engine.end_held_grads()
         if training:
             self._sum_shared(before)
         total = torch.zeros((), dtype=torch.float32, device=engine.device)

@@ -135,6 +135,7 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
     full = model.state_dict()  # a collective: every rank calls it
     return {
         "counts": counts,
+        "virtual_chunk_pairs": virtual_chunk_pairs(model.engine, BLOCK_LIST[case["arch"]]),
         "others_on_meta": others_on_meta,
         "errors": errors,
         "eval_loss": eval_loss,
@@ -148,6 +149,28 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
         "shared": [chunk.id for chunk, _ in model.engine.pipeline.shared],
         "elsewhere": sorted(model.engine.pipeline.layout.elsewhere),
     }
+
+
+def virtual_chunk_pairs(engine, block_list: str) -> int:
+    """(chunk, virtual stage) pairs of this rank: with no-sync, each is reduce-scattered once per step
+    (after the virtual stage's last micro-batch's backward)."""
+    from elixir_tune.plan.stages import block_index_of
+
+    pipeline = engine.pipeline
+    virtual = pipeline.layout.virtual
+    of_block = {block: index for index, (_, blocks) in enumerate(virtual) for block in blocks}
+    embeddings = {id(p) for module in pipeline.adapter.first_modules for p in module.parameters()}
+    pairs = 0
+    for chunk in engine.chunks:
+        touched = set()
+        for slot in chunk.slots:
+            block = block_index_of(slot.name, block_list)
+            if block is not None:
+                touched.add(of_block[block])
+            else:  # embeddings with the first virtual stage (on the last stage: the tied head), the rest last
+                touched.add(0 if id(slot.param) in embeddings and pipeline.stage == 0 else len(virtual) - 1)
+        pairs += len(touched)
+    return pairs
 
 
 def _error(call) -> str:
@@ -177,6 +200,7 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
         "errors": engine["errors"],
         "others_on_meta": engine["others_on_meta"],
         "counts": engine["counts"],
+        "virtual_chunk_pairs": engine["virtual_chunk_pairs"],
         "eval_loss": engine["eval_loss"],
         "engine_s": time.perf_counter() - start,
     }

@@ -76,8 +76,11 @@ def _check(per_rank: list[dict]) -> None:
     assert first["weight_abs"] <= WEIGHT_ABS, (first["case"], first["weight_abs"])
     # Every rank returns the step's loss (broadcast from the last stage): the same within a data index.
     # Parameters of the other stages' modules hold no memory (meta) on every rank.
+    # No-sync: each chunk is reduce-scattered over the data group once per step per virtual stage it
+    # holds parameters of (after that stage's last micro-batch), not once per micro-batch.
     for result in per_rank:
         assert result["others_on_meta"], result["case"]
+        assert result["counts"]["reduce_scatters"] == result["virtual_chunk_pairs"], (result["case"], result["counts"])
         peers = [r for r in per_rank if r["data_rank"] == result["data_rank"]]
         assert all(r["losses"] == result["losses"] for r in peers)
 
