@@ -61,3 +61,42 @@ def test_models_without_a_stage_adapter_get_a_clear_error():
         adapter_for(tied_net(), "body")
     with pytest.raises(ValueError, match="split 'transformer.h'"):
         adapter_for(_gpt2(), "transformer.x")
+
+
+def test_held_gradients_are_reduced_once_per_step_and_stragglers_flushed():
+    """No-sync (what a pipeline step uses): three backward passes, one reduction per chunk; a module
+    used in one pass only has its gradient flushed at the end; the sums equal plain PyTorch's."""
+    import copy
+
+    import elixir_tune
+    from tests.distributed.engine_plans import batches
+
+    model = tied_net()
+    reference = copy.deepcopy(model)
+    plan = make_plan(model, 1, 4096, block_list="body")
+    wrapped, _ = elixir_tune.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), plan=plan)
+    engine = wrapped.engine
+    micro = [{k: v[2 * i : 2 * i + 2] for k, v in batches(1, 6, 8)[0].items()} for i in range(3)]
+    engine.hold_grads(3)
+    reduced = [engine.reduce_scatters]
+    for index, batch in enumerate(micro):
+        wrapped.module.use_extra = reference.use_extra = index == 1  # ``extra`` runs in one pass of three
+        (wrapped(**batch).loss / 3).backward()
+        (reference(**batch).loss / 3).backward()
+        reduced.append(engine.reduce_scatters)
+    engine.end_held_grads()
+    reduced.append(engine.reduce_scatters)
+    assert reduced[2] == reduced[0]  # nothing reduced before the last pass
+    # Once per chunk; a chunk that also holds ``extra``'s parameters (still held after the last pass)
+    # once more, when they are flushed.
+    mixed = sum(1 for chunk in engine.chunks if {s.name.startswith("extra.") for s in chunk.slots} == {True, False})
+    flushed = sum(1 for chunk in engine.chunks if any(s.name.startswith("extra.") for s in chunk.slots))
+    assert reduced[-1] - reduced[0] == len(engine.chunks) + mixed
+    assert reduced[-1] - reduced[-2] == flushed
+    expected = dict(reference.named_parameters())
+    for slot in engine.slots:
+        grad = slot.chunk.grad[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        want = expected[slot.name].grad
+        if want is None:  # ``unused`` never runs: no gradient in torch, zero in the shard
+            want = torch.zeros(slot.shape)
+        assert torch.allclose(grad, want, rtol=1e-5, atol=1e-7), slot.name
