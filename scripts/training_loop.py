@@ -244,6 +244,8 @@ def train(
 
     micro, accum = training.micro_batch_size, training.grad_accum_steps
     per_rank = micro * accum
+    # Each data-parallel index trains on its slice; the ranks of one pipeline (or tensor) group share it.
+    data_rank = model.engine.mesh.data_rank
     tokens_per_step = training.global_batch_size * training.seq_len
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 10)
     header = {
@@ -272,7 +274,9 @@ def train(
         reporter.console.print(
             f"training {model_name} ({num_params:,} params) on {world} {plan.cluster.device} worker(s): "
             f"{args.steps} steps of {training.global_batch_size} x {training.seq_len} tokens "
-            f"(micro-batch {micro} x accumulation {accum} x world {world}), data: {data_name}",
+            f"(micro-batch {micro} x accumulation {accum} x data-parallel {plan.data_parallel_size}"
+            + (f"; {world} workers" if plan.data_parallel_size != world else "")
+            + f"), data: {data_name}",
             soft_wrap=True,
         )
 
@@ -314,7 +318,7 @@ def train(
                 batch = sampler.global_batch(step, training.global_batch_size)
                 micro_batches = [
                     {k: v[begin : begin + micro].to(device, non_blocking=True) for k, v in batch.items()}
-                    for begin in range(rank * per_rank, (rank + 1) * per_rank, micro)
+                    for begin in range(data_rank * per_rank, (data_rank + 1) * per_rank, micro)
                 ]
                 # All micro-batches as the plan says (standard or layered accumulation); the mean loss.
                 loss_sum = model.forward_backward(micro_batches, loss_fn=step_loss).float() * accum

@@ -19,6 +19,10 @@ Public names:
     save_checkpoint(path, model, optimizer, step, extra=None) / load_checkpoint(path, model, optimizer)
         -> meta: sharded checkpoints (elixir_tune.engine.checkpoint); exact resume on the same plan layout.
 
+Pipeline plans (parallel.pipeline.stages > 1, elixir_tune.engine.pipeline): GPT-2, Llama-family and
+OPT causal LMs; each rank holds its stage's chunks (and the tied embedding's), other stages' modules
+stay on meta; run steps with model.forward_backward(micro_batches) (model(...) raises).
+
 Rules a plan must follow beyond validate():
     * cache_blocks >= the most non-resident chunks one module needs at once, counting the chunks
       of enclosing modules that own parameters directly (they stay gathered while their children

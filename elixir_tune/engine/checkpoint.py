@@ -105,8 +105,7 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer, step: int, extra:
         The checkpoint directory.
     """
     engine = model.engine
-    comm = engine.comm
-    plan = engine.plan
+    comm, plan = _world_and_plan(engine)
     final = Path(path).absolute()
     tmp = final.parent / f".{final.name}.tmp"
     full = model.state_dict()  # collective: rank 0 gathers the full weights (the others get {}) and writes them
@@ -190,7 +189,7 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer) -> dict:
         ValueError: the checkpoint belongs to another model (fingerprint differs).
     """
     engine = model.engine
-    plan = engine.plan
+    comm, plan = _world_and_plan(engine)
     directory = _complete_directory(Path(path))
     meta = read_meta(directory)
     if meta.get("fingerprint") != plan.model.fingerprint:
@@ -198,7 +197,7 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer) -> dict:
             f"checkpoint {directory} was saved for another model: its fingerprint is {meta.get('fingerprint')}, "
             f"this model's plan has {plan.model.fingerprint} (parameter names, shapes or dtypes differ)"
         )
-    same_layout = meta.get("layout") == plan_layout(plan) and meta.get("world_size") == engine.comm.world_size
+    same_layout = meta.get("layout") == plan_layout(plan) and meta.get("world_size") == comm.world_size
     same_optimizer = meta.get("optimizer") == optimizer.optimizer_class.__name__
     if same_layout and same_optimizer:
         _load_shards(directory, engine, optimizer)
@@ -206,7 +205,7 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer) -> dict:
         return meta
     why = (
         f"it was saved with world size {meta.get('world_size')} and chunk size {meta.get('chunk_size')}, "
-        f"this run has {engine.comm.world_size} and {plan.memory.chunk_size}"
+        f"this run has {comm.world_size} and {plan.memory.chunk_size}"
         if not same_layout
         else f"it was saved with {meta.get('optimizer')}, this run uses {optimizer.optimizer_class.__name__}"
     )
@@ -236,8 +235,15 @@ def _complete_directory(directory: Path) -> Path:
     return directory
 
 
+def _world_and_plan(engine):
+    """Every rank of the run and the whole plan: a pipeline rank's engine holds its stage's chunks
+    only (``engine.plan``), but files are named by global rank and the layout is the whole plan's."""
+    pipeline = engine.pipeline
+    return engine.mesh.world, pipeline.full_plan if pipeline is not None else engine.plan
+
+
 def _load_shards(directory: Path, engine, optimizer) -> None:
-    rank = engine.comm.rank
+    rank = engine.mesh.world.rank
     shard = _load(directory / rank_file_name(rank))
     masters = shard["masters"]
     if len(masters) != len(engine.chunks) or any(

@@ -352,3 +352,45 @@ def init_comm(world_size: int, device_type: str, backend: str, timeout_s: float 
             f"environment); launch with `elixir-run plan.yaml train.py` or torchrun --nproc-per-node {world_size}"
         )
     return Comm(0, 1, "local", device)
+
+
+def subgroup(world: Comm, rank_lists: list[list[int]]) -> Comm | None:
+    """Process groups over given global ranks; this rank's, or None when it is in none.
+
+    A collective over the world: every rank calls it with the same lists, in the same order (torch
+    requires every rank to take part in creating every group).
+
+    Args:
+        world: the Comm of every rank.
+        rank_lists: disjoint lists of global ranks, one per group.
+    """
+    mine: Comm | None = None
+    for ranks in rank_lists:
+        group = dist.new_group(ranks) if world.distributed else None
+        if world.global_ranks[world.rank] in ranks:
+            if len(ranks) == 1:
+                mine = _single(world)
+            else:
+                me = world.global_ranks[world.rank]
+                mine = Comm(ranks.index(me), len(ranks), world.backend, world.device, group, list(ranks))
+    return mine
+
+
+def gather_objects(comm: Comm, obj: Any, all_ranks: bool = False) -> list[Any] | None:
+    """Every rank's picklable ``obj`` in group-rank order: on group rank 0 (None elsewhere), or on every rank."""
+    if not comm.distributed:
+        return [obj]
+    objects: list[Any] = [None] * comm.world_size
+    if all_ranks:
+        dist.all_gather_object(objects, obj, group=comm.group)
+        return objects
+    dist.gather_object(obj, objects if comm.rank == 0 else None, dst=comm.global_ranks[0], group=comm.group)
+    return objects if comm.rank == 0 else None
+
+
+def pipelining():
+    """``torch.distributed.pipelining`` (PipelineStage and the schedules), imported on first use: it
+    takes about a second and only pipeline plans need it."""
+    import torch.distributed.pipelining as torch_pipelining
+
+    return torch_pipelining

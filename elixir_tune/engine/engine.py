@@ -54,6 +54,9 @@ class Engine:
         comm: the data-parallel group.
         source: where the first weights come from (a checkpoint, the model's initializer for a model
             on the meta device); None: the model's own weights, rank 0's.
+        mesh: every process group of the run (default: the data group alone).
+        elsewhere: ids of tensors of modules that run on other pipeline stages: left as they are
+            (never materialized, moved or broadcast; engine/pipeline.py).
     """
 
     def __init__(
@@ -63,11 +66,17 @@ class Engine:
         comm: Comm,
         source: WeightSource | None = None,
         mesh: Mesh | None = None,
+        elsewhere: set[int] | None = None,
     ):
         self.model = model
         self.plan = plan
         self.comm = comm
         self.mesh = mesh if mesh is not None else Mesh.data_only(comm)
+        self.elsewhere = elsewhere or set()
+        self.pipeline: Any = None  # engine/pipeline.py's Pipeline on a pipeline plan (it drives forward_backward)
+        self.norm_skip: set[int] = set()  # chunk ids the gradient norm leaves out (a shared chunk counted elsewhere)
+        self.grad_passes = 1  # backward passes per gradient reduction (no-sync: hold_grads)
+        self._held: dict[int, int] = {}  # id(slot) -> passes whose gradient is held in param.grad
         self.device = comm.device
         self.compute_dtype = COMPUTE_DTYPES[plan.training.dtype]
         self._placeholders: dict[torch.Size, torch.Tensor] = {}
@@ -189,13 +198,13 @@ class Engine:
         # Ranks read different parts: all must stop together, not wait in a later collective.
         if self.comm.any_rank(failed is not None):
             raise failed or MaterializeError("another rank could not produce its shards (its error says why)")
-        materialize_replicated(self.model, set(self.slot_of), source)
+        materialize_replicated(self.model, set(self.slot_of) | self.elsewhere, source)
         swap_meta_for_placeholders([slot.param for slot in self.slots], self._nan)
 
     def _place_replicated(self) -> None:
         """Frozen parameters and buffers: ordinary replicated tensors on the device."""
         for param in self.model.parameters():
-            if id(param) in self.slot_of:
+            if id(param) in self.slot_of or id(param) in self.elsewhere:
                 continue
             data = param.data.to(self.device)
             if data.is_floating_point() and self.compute_dtype != torch.float32:
@@ -205,7 +214,7 @@ class Engine:
             param.data = data
         for module in self.model.modules():
             for name, buffer in list(module.named_buffers(recurse=False)):
-                if buffer is not None and buffer.device != self.device:
+                if buffer is not None and buffer.device != self.device and id(buffer) not in self.elsewhere:
                     module._buffers[name] = buffer.to(self.device)
 
     def _hooked_ancestors(self) -> dict[torch.nn.Module, list[torch.nn.Module]]:
@@ -410,6 +419,41 @@ class Engine:
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         self._queue_end_of_backward()
         slot = self.slot_of[id(param)]
+        if self.grad_passes > 1 and self._hold_grad(slot):
+            return
+        self._stage_grad(slot, param)
+
+    def _hold_grad(self, slot: ParamSlot) -> bool:
+        """No-sync over a step's backward passes (a pipeline's): the gradient stays in ``param.grad``,
+        where autograd keeps accumulating it, until the parameter's last pass of the step."""
+        held = self._held.get(id(slot), 0) + 1
+        if held < self.grad_passes:
+            self._held[id(slot)] = held
+            return True
+        self._held.pop(id(slot), None)
+        return False
+
+    def hold_grads(self, passes: int) -> None:
+        """Reduce each gradient once per ``passes`` backward passes (``end_held_grads`` ends it)."""
+        self.grad_passes = passes
+
+    def end_held_grads(self, flush: bool = True) -> None:
+        """Ends no-sync: gradients still held (parameters used in fewer passes) are staged and reduced
+        now (``flush``), or dropped (a step that failed)."""
+        self.grad_passes = 1
+        held = [slot for slot in self.slots if id(slot) in self._held]
+        self._held.clear()
+        if not flush:
+            for slot in held:
+                slot.param.grad = None
+            return
+        if held:
+            self.in_backward = True
+            for slot in held:
+                self._stage_grad(slot, slot.param)
+            self._end_backward()
+
+    def _stage_grad(self, slot: ParamSlot, param: torch.nn.Parameter) -> None:
         chunk = slot.chunk
         if chunk.staging is None:
             chunk.staging = self._acquire_staging()

@@ -29,6 +29,11 @@ class ElixirModel(torch.nn.Module):
         object.__setattr__(self, "engine", engine)  # not a submodule: keep it out of modules()
 
     def forward(self, *args, **kwargs):
+        if self.engine.pipeline is not None:
+            raise RuntimeError(
+                "this plan splits the model into pipeline stages (parallel.pipeline.stages > 1): run each step "
+                "with loss = model.forward_backward(micro_batches), not model(...)"
+            )
         self.engine.begin_forward()
         return self.module(*args, **kwargs)
 
@@ -38,7 +43,11 @@ class ElixirModel(torch.nn.Module):
         ``training.accumulation: standard`` runs the micro-batches one after the other; ``layered``
         runs each block for all of them before the next (engine/layered.py), in forward and in
         backward. Either way the gradients of the mean loss are accumulated and reduced into the
-        shards afterwards, ready for ``optimizer.clip_grad_norm`` and ``optimizer.step``.
+        shards afterwards, ready for ``optimizer.clip_grad_norm`` and ``optimizer.step``. On a
+        pipeline plan (``parallel.pipeline.stages`` > 1) the plan's pipeline schedule runs them
+        through the stages (engine/pipeline.py): every rank passes the micro-batches of its data
+        index (``input_ids`` of one shape, and ``labels``) and gets the mean loss; ``loss_fn``
+        then sees an output with ``logits`` and ``loss``.
 
         Args:
             micro_batches: one dict of keyword arguments of the model per micro-batch.
@@ -59,6 +68,8 @@ class ElixirModel(torch.nn.Module):
                     f"micro-batch {index} is a {type(batch).__name__}; forward_backward takes a list of dicts of "
                     "the model's keyword arguments (e.g. input_ids, labels)"
                 )
+        if self.engine.pipeline is not None:
+            return self.engine.pipeline.forward_backward(micro_batches, loss_fn)
         count = len(micro_batches)
         scale = self.engine.loss_scale() / count
 
@@ -128,7 +139,7 @@ class ElixirModel(torch.nn.Module):
         Returns:
             The weights by name (empty on ranks other than 0 unless ``all_ranks``).
         """
-        state = self.engine.full_state_dict(all_ranks=all_ranks)
+        state = (self.engine.pipeline or self.engine).full_state_dict(all_ranks=all_ranks)
         if prefix:
             state = {prefix + name: value for name, value in state.items()}
         if destination is None:

@@ -179,8 +179,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def skipped_steps(self, value: int) -> None:
         self._skipped.fill_(int(value))
 
-    def _split_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        chunks = self.engine.chunks
+    def _split_grads(self, for_norm: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Device and host shard gradients; ``for_norm`` leaves out the chunks another rank counts
+        (a pipeline's shared chunk, held by two stages)."""
+        chunks = [c for c in self.engine.chunks if not (for_norm and c.id in self.engine.norm_skip)]
         return [c.grad for c in chunks if not c.offload], [c.grad for c in chunks if c.offload]
 
     def _grad_stats(self, need_norm: bool = False, norm_type: float = 2.0) -> _GradStats:
@@ -206,13 +208,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return self._stats
         device = engine.comm.device
         inf = math.isinf(norm_type)
-        parts = [_norm_part(grads, norm_type).to(device) for grads in (device_grads, host_grads) if grads]
-        local = torch.stack(parts)
+        parts = [_norm_part(grads, norm_type).to(device) for grads in self._split_grads(for_norm=True) if grads]
+        local = torch.stack(parts) if parts else torch.zeros(1, device=device)
         local = (local.max() if inf else local.sum()).reshape(1)
         if inf:
             engine.comm.all_reduce_max(local)
         else:
             engine.comm.all_reduce_sum(local)
+        if engine.pipeline is not None:  # the other stages' shards
+            engine.pipeline.reduce_norm(local, inf)
         norm = local[0] if inf else local[0] ** (1.0 / norm_type)
         found_inf = (~torch.isfinite(norm)).float() if self.scaler is not None else None
         self._stats = _GradStats(passes, found_inf, norm)

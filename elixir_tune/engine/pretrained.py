@@ -184,8 +184,17 @@ def save_pretrained(
 
     Returns:
         The directory.
+
+    Raises:
+        NotImplementedError: a pipeline plan (each rank holds one stage's weights; not streamed yet).
     """
     engine = model.engine
+    if engine.pipeline is not None:
+        raise NotImplementedError(
+            "save_pretrained does not stream a pipeline plan's stages yet: save a checkpoint "
+            "(elixir_tune.save_checkpoint; its model.pt holds the full weights), or write "
+            "model.state_dict() (merged on rank 0) with transformers' save_pretrained of a plain model"
+        )
     directory = Path(directory)
     entries, by_tensor = _entries(engine, dtype)
     files = _split(entries, parse_size(max_shard_size))

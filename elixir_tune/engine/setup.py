@@ -123,5 +123,10 @@ def setup(
     source = make_source(model, weights, agreed_seed(mesh.world, seed))
     # The chunks are sharded over the data-parallel group; pipeline and tensor parallelism read the
     # rest of the mesh from engine.mesh.
-    engine = Engine(model, plan, mesh.data, source, mesh)
+    if parallel.pipeline.stages > 1:
+        from elixir_tune.engine.pipeline import build_engine
+
+        engine = build_engine(model, plan, mesh, source)
+    else:
+        engine = Engine(model, plan, mesh.data, source, mesh)
     return ElixirModel(model, engine), ShardedOptimizer(optimizer, engine, find_unused_parameters)

@@ -230,6 +230,8 @@ class ChunkPlan:
         resident: keep the gathered chunk on the device all the time (outside the cache).
         offload: this rank's shard (fp32 master, gradient, optimizer state) lives in host memory
             and its optimizer step runs on the CPU; otherwise it lives on the device.
+        stage: the pipeline stage holding the chunk (``plan/stages.py`` ``assign_stages``; a chunk
+            never spans stages). Written only when ``parallel.pipeline.stages`` > 1.
     """
 
     id: int
@@ -237,6 +239,7 @@ class ChunkPlan:
     numel: PositiveInt
     resident: bool = False
     offload: bool = False
+    stage: NonNegativeInt = 0
 
 
 @dataclass
@@ -340,4 +343,7 @@ class Plan:
             # Without pipeline or tensor parallelism the section is left out: such plans read as before.
             if value is not None and not (name == "parallel" and self.parallel.is_default()):
                 raw[name] = dataclasses.asdict(value)
+        if self.parallel.pipeline.stages == 1:
+            for chunk in raw["memory"]["chunks"]:
+                del chunk["stage"]  # every chunk is on the one stage: the file reads as before pipelines
         return raw

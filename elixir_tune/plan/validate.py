@@ -15,6 +15,7 @@ from typing import Any
 from elixir_tune.plan.fields import check_fields, is_required, section_type
 from elixir_tune.plan.memory import ALIGN_ELEMENTS
 from elixir_tune.plan.schema import SCHEMA_VERSION, Plan
+from elixir_tune.plan.stages import assign_stages
 
 _SECTIONS = [field for field in dataclasses.fields(Plan) if field.name != "schema_version"]
 
@@ -74,6 +75,43 @@ def _check_parallel(parallel: dict, world_size: int | None, model: dict, errors:
                 "each tensor rank needs whole attention heads"
             )
     return world_size // (stages * degree)
+
+
+def _check_chunk_stages(chunks: list[dict], pipeline: dict, model: dict, errors: list[str]) -> None:
+    """A pipeline plan's chunks: each on one stage, the one ``plan/stages.py`` gives its parameters,
+    and a schedule that fits the assignment."""
+    stages = pipeline.get("stages", 1)
+    assignment = pipeline.get("assignment", "modular")
+    num_blocks = model.get("num_blocks", 0)
+    schedule = pipeline.get("schedule", "looped_bfs")
+    if stages > 1 and schedule in ("gpipe", "1f1b") and assignment == "modular" and num_blocks > stages:
+        errors.append(
+            f"parallel.pipeline.schedule: {schedule} runs one stage module per rank, but modular assignment puts "
+            f"{num_blocks} blocks on {stages} stages non-contiguously; use looped_bfs or interleaved_1f1b, or "
+            "assignment contiguous"
+        )
+    for index, chunk in enumerate(chunks):
+        stage = chunk.get("stage", 0)
+        if isinstance(stage, int) and stage >= stages:
+            errors.append(
+                f"memory.chunks[{index}].stage: {stage}, but parallel.pipeline.stages is {stages} (stages 0 to {stages - 1})"
+            )
+    if stages == 1 or not 0 < stages <= num_blocks or not model.get("block_list"):
+        return  # nothing to split, or already reported
+    names = [name for chunk in chunks for name in chunk.get("params", []) if isinstance(name, str)]
+    stage_of = assign_stages(names, model["block_list"], num_blocks, stages, assignment)
+    for index, chunk in enumerate(chunks):
+        found = sorted({stage_of[name] for name in chunk.get("params", []) if name in stage_of})
+        if len(found) > 1:
+            errors.append(
+                f"memory.chunks[{index}].params: parameters of pipeline stages {found} in one chunk "
+                f"({assignment} assignment); a chunk holds one stage's parameters: pack each stage's apart"
+            )
+        elif found and chunk.get("stage", 0) != found[0]:
+            errors.append(
+                f"memory.chunks[{index}].stage: {chunk.get('stage', 0)}, but its parameters are on stage {found[0]} "
+                f"({assignment} assignment of {num_blocks} blocks to {stages} stages)"
+            )
 
 
 def validate_dict(raw: Any) -> list[str]:
@@ -148,6 +186,7 @@ def validate_dict(raw: Any) -> list[str]:
         )
     _check_chunks(memory.get("chunks", []), memory.get("chunk_size"), "memory.chunks", errors)
     chunks = [chunk for chunk in memory.get("chunks", []) if chunk is not None]
+    _check_chunk_stages(chunks, sections.get("parallel", {}).get("pipeline", {}), model, errors)
     if "chunks" in memory and not memory["chunks"]:
         errors.append("memory.chunks: empty; a plan needs at least one chunk")
     cacheable = sum(1 for chunk in chunks if not chunk.get("resident", False))

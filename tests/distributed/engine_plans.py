@@ -19,6 +19,8 @@ from elixir_tune.plan import (
     ClusterInfo,
     MemoryPlan,
     ModelInfo,
+    ParallelPlan,
+    PipelineParallel,
     Plan,
     TrainingInfo,
     fingerprint,
@@ -35,17 +37,69 @@ def model_fingerprint(model: nn.Module) -> str:
 
 def pack(model: nn.Module, chunk_size: int) -> list[list[tuple[str, int]]]:
     """Greedy first-fit in order, parameters at aligned offsets: (name, numel) lists, one per chunk."""
+    return _pack_in_order([(name, p.numel()) for name, p in model.named_parameters() if p.requires_grad], chunk_size)
+
+
+def _pack_in_order(params: list[tuple[str, int]], chunk_size: int) -> list[list[tuple[str, int]]]:
     chunks: list[list[tuple[str, int]]] = [[]]
     used = 0
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        if align_up(used) + param.numel() > chunk_size and chunks[-1]:
+    for name, numel in params:
+        if align_up(used) + numel > chunk_size and chunks[-1]:
             chunks.append([])
             used = 0
-        chunks[-1].append((name, param.numel()))
-        used = align_up(used) + param.numel()
+        chunks[-1].append((name, numel))
+        used = align_up(used) + numel
     return chunks
+
+
+def shared_params(model: nn.Module) -> set[str]:
+    """Names of parameters registered under several modules (tied weights), as named_parameters gives them."""
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for param in module._parameters.values():
+            if param is not None:
+                owners[id(param)] = owners.get(id(param), 0) + 1
+    return {name for name, p in model.named_parameters() if owners[id(p)] > 1}
+
+
+def pack_stages(
+    model: nn.Module, chunk_size: int, block_list: str, stages: int, assignment: str
+) -> tuple[list[list[tuple[str, int]]], list[int]]:
+    """A pipeline plan's packing: each stage's trainable parameters (``plan/stages.py``) packed in order
+    into that stage's chunks, stage by stage; a tied parameter in a chunk of its own (both stages that
+    use it hold that chunk). Returns the chunks and the stage of each.
+
+    ``assign_stages`` needs first-use order (the profiler's); registration order is not that for every
+    family (OPT registers its final norm before the blocks), so the embeddings the stage adapter runs
+    first come first, then the blocks, then the rest.
+    """
+    from elixir_tune.engine.pipeline_adapters import adapter_for
+    from elixir_tune.plan.stages import assign_stages, block_index_of
+
+    adapter = adapter_for(model, block_list)
+    embeddings = {id(p) for module in adapter.first_modules for p in module.parameters()}
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+    def use_order(item: tuple[str, torch.nn.Parameter]) -> int:
+        name, param = item
+        return 0 if id(param) in embeddings else 1 if block_index_of(name, block_list) is not None else 2
+
+    trainable = [(name, p.numel()) for name, p in sorted(named, key=use_order)]
+    num_blocks = len(model.get_submodule(block_list))
+    stage_of = assign_stages([name for name, _ in trainable], block_list, num_blocks, stages, assignment)
+    tied = shared_params(model)
+    chunks: list[list[tuple[str, int]]] = []
+    chunk_stages: list[int] = []
+    for stage in range(stages):
+        for name, numel in trainable:
+            if name in tied and stage_of[name] == stage:
+                chunks.append([(name, numel)])
+                chunk_stages.append(stage)
+        rest = [(name, numel) for name, numel in trainable if stage_of[name] == stage and name not in tied]
+        packed = _pack_in_order(rest, chunk_size) if rest else []
+        chunks += packed
+        chunk_stages += [stage] * len(packed)
+    return chunks, chunk_stages
 
 
 def min_cache_blocks(model: nn.Module, chunks: list[list[tuple[str, int]]], resident: set[int]) -> int:
@@ -84,17 +138,30 @@ def make_plan(
     seq_len: int = 8,
     device: str = "cpu",
     staging_buffers: int = 2,
+    stages: int = 1,
+    assignment: str = "modular",
+    schedule: str = "looped_bfs",
 ) -> Plan:
     """A valid plan for ``model``.
 
     Args:
+        world_size: every process (data x ``stages``).
         cache: "all" (every non-resident chunk), "min" (the fewest that work, plus room for
             prefetch), or a number.
         offload: fraction of chunks whose shard lives on the host, spread evenly.
-        resident: chunk ids kept gathered.
+        resident: chunk ids kept gathered (a pipeline plan's tied chunks are resident too).
+        stages, assignment, schedule: ``parallel.pipeline``; with stages > 1 each stage's
+            parameters are packed apart (``pack_stages``) and ``block_list`` is required.
     """
-    chunk_size = align_up(chunk_size, chunk_size_multiple(world_size))
-    packed = pack(model, chunk_size)
+    data_size = world_size // stages
+    chunk_size = align_up(chunk_size, chunk_size_multiple(data_size))
+    chunk_stages: list[int] = []
+    if stages > 1:
+        packed, chunk_stages = pack_stages(model, chunk_size, block_list, stages, assignment)
+        tied = shared_params(model)
+        resident = tuple(resident) + tuple(i for i, c in enumerate(packed) if c[0][0] in tied)
+    else:
+        packed = pack(model, chunk_size)
     offloaded = {i for i in range(len(packed)) if math.floor((i + 1) * offload) > math.floor(i * offload)}
     chunks = [
         ChunkPlan(
@@ -103,6 +170,7 @@ def make_plan(
             numel=padded_offsets([k for _, k in c])[1],
             resident=i in resident,
             offload=i in offloaded,
+            stage=chunk_stages[i] if chunk_stages else 0,
         )
         for i, c in enumerate(packed)
     ]
@@ -124,6 +192,7 @@ def make_plan(
             name=type(model).__name__,
             block_list=block_list,
             num_blocks=num_blocks,
+            model_type=str(getattr(getattr(model, "config", None), "model_type", "") or ""),
         ),
         cluster=ClusterInfo(
             hardware="test",
@@ -134,7 +203,7 @@ def make_plan(
         ),
         training=TrainingInfo(
             dtype=dtype,
-            global_batch_size=micro_batch_size * grad_accum_steps * world_size,
+            global_batch_size=micro_batch_size * grad_accum_steps * data_size,
             micro_batch_size=micro_batch_size,
             grad_accum_steps=grad_accum_steps,
             seq_len=seq_len,
@@ -147,6 +216,7 @@ def make_plan(
             chunks=chunks,
             staging_buffers=staging_buffers,
         ),
+        parallel=ParallelPlan(pipeline=PipelineParallel(stages=stages, assignment=assignment, schedule=schedule)),
     )
     problems = validate(plan)
     assert not problems, problems

@@ -69,16 +69,19 @@ def mean_over_ranks(losses: list[float], world: int) -> list[float]:
     return (total / world).tolist()
 
 
-def plain_training(model, opt, global_batches: list[dict]) -> dict:
-    """Plain PyTorch on each step's whole global batch: the reference the engine must match."""
-    losses = []
+def plain_training(model, opt, global_batches: list[dict], clip: float = 0.0) -> dict:
+    """Plain PyTorch on each step's whole global batch: the reference the engine must match (``clip``:
+    the global gradient norm is clipped to it and recorded)."""
+    losses, norms = [], []
     for batch in global_batches:
         loss = model(**batch).loss
         loss.backward()
+        if clip:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
-    return {"losses": losses, "norms": [], "state": {k: v.tolist() for k, v in model.state_dict().items()}}
+    return {"losses": losses, "norms": norms, "state": {k: v.tolist() for k, v in model.state_dict().items()}}
 
 
 def train_steps(model, opt, global_batches: list[dict], rank: int, world: int, accum: int) -> list[float]:

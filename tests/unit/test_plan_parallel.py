@@ -19,8 +19,8 @@ def _with(**sections) -> dict:
         *parents, last = path.split("__")
         node = raw
         for key in parents:
-            node = node.setdefault(key, {})
-        node[last] = value
+            node = node[int(key)] if isinstance(node, list) else node.setdefault(key, {})
+        node[int(last) if isinstance(node, list) else last] = value
     return raw
 
 
@@ -29,16 +29,61 @@ def test_a_plan_without_parallel_section_has_default_degrees_and_writes_none():
     assert plan.parallel == ParallelPlan()
     assert plan.data_parallel_size == plan.world_size == 2
     assert "parallel" not in dump_plan(plan)
+    assert "stage" not in dump_plan(plan)  # chunks[].stage is written for pipeline plans only
 
 
 def test_parallel_section_round_trips_and_sets_the_data_size():
     raw = _with(parallel__pipeline__stages=2, cluster__gpus_per_node=4)  # world 4 = data 2 x pipeline 2
+    raw["memory"]["chunks"][2]["stage"] = 1  # block 1 and the final norm: stage 1 of 2 (modular)
     assert validate_dict(raw) == []
     plan = plan_from_dict(raw)
     assert plan.data_parallel_size == 2
     assert plan.parallel.pipeline.assignment == "modular"
+    assert [chunk.stage for chunk in plan.memory.chunks] == [0, 0, 1]
     text = dump_plan(plan)
-    assert "parallel:" in text and "stages: 2" in text
+    assert "parallel:" in text and "stages: 2" in text and "stage: 1" in text
+    assert validate_dict(read_plan_dict_text(text)) == []
+
+
+def read_plan_dict_text(text: str) -> dict:
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+def _pipeline(**sections) -> dict:
+    """The example plan (tiny GPT-2, 2 blocks) as a valid 2-stage pipeline at world 4, then ``sections``."""
+    return _with(
+        **{"parallel__pipeline__stages": 2, "cluster__gpus_per_node": 4, "memory__chunks__2__stage": 1, **sections}
+    )
+
+
+@pytest.mark.parametrize(
+    ("sections", "expected"),
+    [
+        (
+            {"memory__chunks__2__stage": 0},
+            "memory.chunks[2].stage: 0, but its parameters are on stage 1 (modular assignment of 2 blocks to 2 stages)",
+        ),
+        (
+            {"memory__chunks__2__stage": 2},
+            "memory.chunks[2].stage: 2, but parallel.pipeline.stages is 2 (stages 0 to 1)",
+        ),
+        (
+            {"memory__chunks__1__params": ["transformer.wpe.weight", "transformer.h.1.ln_1.weight"]},
+            "memory.chunks[1].params: parameters of pipeline stages [0, 1] in one chunk (modular assignment); "
+            "a chunk holds one stage's parameters: pack each stage's apart",
+        ),
+        (
+            {"parallel__pipeline__schedule": "gpipe", "model__num_blocks": 4},
+            "parallel.pipeline.schedule: gpipe runs one stage module per rank, but modular assignment puts 4 blocks "
+            "on 2 stages non-contiguously; use looped_bfs or interleaved_1f1b, or assignment contiguous",
+        ),
+    ],
+)
+def test_bad_pipeline_chunks_are_reported_with_their_field_paths(sections, expected):
+    problems = validate_dict(_pipeline(**sections))
+    assert expected in problems, problems
 
 
 @pytest.mark.parametrize(
@@ -67,7 +112,8 @@ def test_parallel_section_round_trips_and_sets_the_data_size():
             "parallel.tensor.mode: unknown value '3d' (expected one of 1d, 2d)",
         ),
         (
-            {"parallel__pipeline__stages": 2},  # data size 1: global 16 = 4 x 2 x 1 no longer holds
+            # data size 1: global 16 = 4 x 2 x 1 no longer holds
+            {"parallel__pipeline__stages": 2, "memory__chunks__2__stage": 1},
             "training.global_batch_size: 16 is not micro_batch_size 4 x grad_accum_steps 2 x data-parallel size 1 = 8",
         ),
     ],

@@ -1,0 +1,447 @@
+"""Modular pipeline parallelism (Lamy-Poirier 2021) on top of the chunk engine.
+
+A plan with ``parallel.pipeline.stages`` P > 1 splits the model's blocks over P stages
+(``plan/stages.py``: block i on stage i mod P for ``modular``, runs of consecutive blocks for
+``contiguous``). Each maximal run of consecutive blocks on one stage is a *virtual stage* (modular:
+every block is one, so a rank holds N/P non-contiguous virtual stages, the "looped" pipeline;
+contiguous: one per rank). The embeddings run in virtual stage 0, the final norm, head and loss in
+the last one; ``pipeline_adapters.py`` says how for each family.
+
+What each rank does:
+
+* **Setup** (``prepare`` then ``Pipeline``): the rank's chunks are the plan's chunks of its stage
+  (``chunks[].stage``) plus the chunks of parameters its modules share with another stage (tied
+  embeddings: GPT-2's ``wte`` is also its ``lm_head``); the chunk engine shards them over the
+  rank's data-parallel group (``mesh.data``), with the plan's cache, offload and prefetch. Modules
+  of other stages are never materialized: the engine leaves their tensors alone (on the meta
+  device they stay there; real ones are moved to meta) and they are replaced in the module tree by
+  ``Elsewhere`` stubs that raise if called.
+* **A step** (``forward_backward``): one ``PipelineStage`` of torch's pipelining package per
+  virtual stage (static shapes: nothing is traced) and the plan's schedule (``looped_bfs`` ->
+  ``ScheduleLoopedBFS``, ``interleaved_1f1b`` -> ``ScheduleInterleaved1F1B`` for modular plans;
+  ``gpipe`` / ``1f1b`` for contiguous ones) move activations and their gradients between stages
+  over the pipeline group; the engine's hooks gather chunks and reduce gradients inside each
+  stage's forward and backward exactly as without a pipeline. The loss of micro-batch k is the
+  model's own (or ``loss_fn``'s) divided by the micro-batch count; the step's mean loss is
+  broadcast from the last stage, so every rank returns it.
+* **Tied parameters**: both stages that use a shared chunk hold it, with the same shard layout;
+  after the schedule the step's gradient of each such chunk is summed over the two ranks (a group
+  of the stages that share it at the same data and tensor index, as Megatron's embedding group),
+  so both copies take the same optimizer step. The gradient norm counts it once (on the stage the
+  plan puts it on) and sums over the pipeline group (``ShardedOptimizer.clip_grad_norm``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+
+from elixir_tune.engine.comm import Comm, Mesh, gather_objects, pipelining, subgroup
+from elixir_tune.engine.engine import Engine
+from elixir_tune.engine.materialize import WeightSource
+from elixir_tune.engine.pipeline_adapters import StageAdapter, adapter_for
+from elixir_tune.plan import Plan
+from elixir_tune.plan.stages import stage_of_block
+
+MULTI_STAGE_SCHEDULES = {"looped_bfs": "ScheduleLoopedBFS", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
+SINGLE_STAGE_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+
+
+def virtual_stages(num_blocks: int, stages: int, assignment: str) -> list[tuple[int, list[int]]]:
+    """The pipeline's virtual stages in order: (stage that runs it, its blocks), each a maximal run of
+    consecutive blocks on one stage."""
+    result: list[tuple[int, list[int]]] = []
+    for block in range(num_blocks):
+        stage = stage_of_block(block, num_blocks, stages, assignment)
+        if result and result[-1][0] == stage:
+            result[-1][1].append(block)
+        else:
+            result.append((stage, [block]))
+    return result
+
+
+class Elsewhere(nn.Module):
+    """Stands in for a module that runs on another pipeline stage."""
+
+    def __init__(self, name: str, stage: int):
+        super().__init__()
+        self.where = f"{name} (pipeline stage {stage})"
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(
+            f"{self.where} runs on another pipeline stage: a pipeline plan's model is called through "
+            "model.forward_backward(micro_batches), not model(...)"
+        )
+
+
+@dataclasses.dataclass
+class StageLayout:
+    """What one rank of a pipeline holds, decided before the chunk engine is built.
+
+    Attributes:
+        stage: this rank's stage.
+        virtual: every virtual stage (stage, blocks) in pipeline order.
+        plan: the plan restricted to this rank's chunks (its stage's and the shared ones).
+        shared: chunk id -> stages using it, for chunks used by more than one stage.
+        elsewhere: module name -> stage, the outermost modules that run on other stages only.
+        elsewhere_tensors: ids of their parameters and buffers (the engine leaves them alone).
+    """
+
+    stage: int
+    virtual: list[tuple[int, list[int]]]
+    plan: Plan
+    shared: dict[int, tuple[int, ...]]
+    elsewhere: dict[str, int]
+    elsewhere_tensors: set[int]
+
+
+def _users(adapter: StageAdapter, virtual: list[tuple[int, list[int]]]) -> dict[int, set[int]]:
+    """id(parameter) -> the stages whose modules use it."""
+    users: dict[int, set[int]] = {}
+    last = len(virtual) - 1
+    for index, (stage, blocks) in enumerate(virtual):
+        modules = [adapter.blocks[i] for i in blocks]
+        if index == 0:
+            modules += adapter.first_modules
+        if index == last:
+            modules += adapter.last_modules
+        for module in modules:
+            for param in module.parameters():
+                users.setdefault(id(param), set()).add(stage)
+    return users
+
+
+def prepare(model: nn.Module, plan: Plan, stage: int) -> tuple[StageAdapter, StageLayout]:
+    """Decides this rank's chunks and the modules it does not run.
+
+    Raises:
+        ValueError: the plan's stages disagree with where the adapter runs the parameters, or a
+            chunk used by several stages holds parameters of one only.
+    """
+    pipeline = plan.parallel.pipeline
+    adapter = adapter_for(model, plan.model.block_list)
+    num_blocks = len(adapter.blocks)
+    virtual = virtual_stages(num_blocks, pipeline.stages, pipeline.assignment)
+    users = _users(adapter, virtual)
+    named = dict(model.named_parameters())
+    problems = []
+    mine, shared = [], {}
+    for chunk in plan.memory.chunks:
+        chunk_users = [users.get(id(named[name]), set()) for name in chunk.params]
+        union = set().union(*chunk_users)
+        if len(union) > 1:
+            if any(u != union for u in chunk_users):
+                problems.append(
+                    f"memory.chunks[{chunk.id}] holds parameters used on stages {sorted(union)} (tied) together "
+                    "with parameters of one stage only; a chunk shared by stages must hold only the shared ones"
+                )
+            elif chunk.stage not in union:
+                problems.append(
+                    f"memory.chunks[{chunk.id}].stage: {chunk.stage}, but its parameters run on {sorted(union)}"
+                )
+            shared[chunk.id] = tuple(sorted(union))
+        elif union and union != {chunk.stage}:
+            problems.append(
+                f"memory.chunks[{chunk.id}].stage: {chunk.stage}, but its parameters ({chunk.params[0]}, ...) run on "
+                f"stage {min(union)} with {pipeline.assignment} assignment"
+            )
+        if stage in union or (not union and chunk.stage == stage):
+            mine.append(chunk)
+    if problems:
+        raise ValueError(
+            "the plan's pipeline stages do not match the model: "
+            + "; ".join(problems)
+            + ". Make the plan again with `elixir-tune search` for this model"
+        )
+    my_params = {id(named[name]) for chunk in mine for name in chunk.params}
+    my_params |= {key for key, stages in users.items() if stage in stages}  # frozen ones too
+    elsewhere: dict[str, int] = {}
+    elsewhere_tensors: set[int] = set()
+
+    def walk(module: nn.Module, name: str) -> None:
+        params = list(module.parameters())
+        if name and params and not any(id(p) in my_params for p in params):
+            stages = {s for p in params for s in users.get(id(p), ())} or {-1}
+            elsewhere[name] = min(stages)
+            elsewhere_tensors.update(id(t) for t in list(params) + list(module.buffers()))
+            return
+        for child_name, child in module.named_children():
+            walk(child, f"{name}.{child_name}" if name else child_name)
+
+    walk(model, "")
+    cacheable = sum(1 for chunk in mine if not chunk.resident)
+    memory = dataclasses.replace(
+        plan.memory,
+        chunks=mine,
+        cache_blocks=min(plan.memory.cache_blocks, cacheable),
+        prefetch=min(plan.memory.prefetch, max(min(plan.memory.cache_blocks, cacheable) - 1, 0)),
+    )
+    layout = StageLayout(stage, virtual, dataclasses.replace(plan, memory=memory), shared, elsewhere, elsewhere_tensors)
+    return adapter, layout
+
+
+class VirtualStage(nn.Module):
+    """One virtual stage's forward: [embeddings], its blocks, [final norm and head] (the model's own modules)."""
+
+    def __init__(self, adapter: StageAdapter, blocks: list[int], first: bool, last: bool):
+        super().__init__()
+        self.adapter = adapter  # not a module: the model's modules stay registered in the model only
+        self.block_indices = blocks
+        self.first, self.last = first, last
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        adapter = self.adapter
+        if self.first:
+            hidden = adapter.embed(hidden)
+        context = adapter.context(hidden)
+        for index in self.block_indices:
+            hidden = adapter.block(adapter.blocks[index], hidden, context)
+        if self.last:
+            hidden = adapter.head(hidden)
+        return hidden
+
+
+LossFn = Callable[[Any, dict], torch.Tensor]
+
+
+class Pipeline:
+    """Runs a step's micro-batches through this rank's virtual stages with torch's pipeline schedules.
+
+    Args:
+        engine: this rank's chunk engine (its chunks: this stage's and the shared ones).
+        adapter: the model's stage adapter.
+        layout: what ``prepare`` decided.
+        mesh: the process groups.
+        full_plan: the whole plan (``layout.plan`` holds this rank's chunks only).
+    """
+
+    def __init__(self, engine, adapter: StageAdapter, layout: StageLayout, mesh: Mesh, full_plan: Plan):
+        self.engine = engine
+        self.adapter = adapter
+        self.layout = layout
+        self.mesh = mesh
+        self.plan = layout.plan
+        self.full_plan = full_plan
+        self.stage = layout.stage
+        self.stages = self.plan.parallel.pipeline.stages
+        self.schedule_name = self.plan.parallel.pipeline.schedule
+        self.mine = [i for i, (stage, _) in enumerate(layout.virtual) if stage == self.stage]
+        self._schedules: dict[tuple, Any] = {}
+        self._batches: Sequence[dict] = ()
+        self._loss_fn: LossFn | None = None
+        self._scale: Any = 1.0
+        # Shared (tied) chunks: one group per set of stages sharing chunks, at this data/tensor index.
+        self.shared: list[tuple[Any, Comm]] = []
+        by_id = {chunk.id: chunk for chunk in engine.chunks}
+        for users in sorted(set(layout.shared.values())):
+            comm = self._stage_group(users)
+            for chunk_id, chunk_users in layout.shared.items():
+                if chunk_users == users and comm is not None:
+                    self.shared.append((by_id[chunk_id], comm))
+        owner = {chunk.id: chunk.stage for chunk in self.plan.memory.chunks}
+        # The norm counts a shared chunk once: on the stage the plan puts it on.
+        engine.norm_skip = {chunk.id for chunk, _ in self.shared if owner[chunk.id] != self.stage}
+        if self.shared:
+            # The copies start equal whatever each stage's data-rank 0 was built with (the first stage's win).
+            for chunk, comm in self.shared:
+                master = chunk.master.to(comm.device)
+                comm.broadcast(master, src=0)
+                chunk.set_master(master.to(chunk.master.device))
+            engine.after_step()  # resident payloads gathered again from the agreed masters
+
+    def _stage_group(self, users: tuple[int, ...]) -> Comm | None:
+        """The group of the ranks at these stages with this rank's data and tensor index (a collective
+        over the world: every rank creates every such group)."""
+        world = self.mesh.world
+        stages = self.stages
+        tensor = self.mesh.tensor.world_size
+        lists = []
+        for index in range(world.world_size // (stages * tensor)):
+            for t in range(tensor):
+                lists.append([(index * stages + s) * tensor + t for s in users])
+        return subgroup(world, lists)
+
+    # --- a step --------------------------------------------------------------------------------
+
+    def _schedule(self, count: int, input_shape: tuple[int, ...]):
+        key = (count, input_shape)
+        if key in self._schedules:
+            return self._schedules[key]
+        torch_pipelining = pipelining()
+        engine = self.engine
+        device = engine.device
+        batch, seq = input_shape
+        # Activations and logits need gradients: a stage's received input must be a leaf that
+        # collects its gradient, to be sent back to the stage before.
+        hidden = torch.empty(batch, seq, self.adapter.hidden_size, dtype=engine.compute_dtype, device="meta")
+        hidden.requires_grad_(True)
+        logits = torch.empty(batch, seq, self.adapter.vocab_size, dtype=engine.compute_dtype, device="meta")
+        logits.requires_grad_(True)
+        ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
+        virtual = self.layout.virtual
+        last = len(virtual) - 1
+        stages = []
+        for index in self.mine:
+            module = VirtualStage(self.adapter, virtual[index][1], index == 0, index == last)
+            stages.append(
+                torch_pipelining.PipelineStage(
+                    module,
+                    index,
+                    len(virtual),
+                    device,
+                    input_args=ids if index == 0 else hidden,
+                    output_args=logits if index == last else hidden,
+                    group=self.mesh.pipeline.group,
+                )
+            )
+        name = self.schedule_name
+        if name in MULTI_STAGE_SCHEDULES:
+            schedule = getattr(torch_pipelining, MULTI_STAGE_SCHEDULES[name])(
+                stages, count, loss_fn=self._stage_loss, scale_grads=False
+            )
+        else:
+            if len(stages) != 1:
+                raise ValueError(
+                    f"parallel.pipeline.schedule {name} runs one virtual stage per rank, but this plan's "
+                    f"{self.plan.parallel.pipeline.assignment} assignment gives stage {self.stage} {len(stages)}; "
+                    "use looped_bfs or interleaved_1f1b"
+                )
+            schedule = getattr(torch_pipelining, SINGLE_STAGE_SCHEDULES[name])(
+                stages[0], count, loss_fn=self._stage_loss, scale_grads=False
+            )
+        self._schedules[key] = schedule
+        return schedule
+
+    def _stage_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss: ``target`` is the micro-batch's index, the loss the model's (or loss_fn's)."""
+        batch = self._batches[int(target.reshape(-1)[0])]
+        labels = batch.get("labels")
+        output = SimpleNamespace(
+            logits=logits, loss=self.adapter.loss(logits, labels.to(logits.device)) if labels is not None else None
+        )
+        if self._loss_fn is not None:
+            loss = self._loss_fn(output, batch)
+        elif output.loss is None:
+            raise AttributeError(
+                "the micro-batch has no labels: pass labels or forward_backward(..., loss_fn=lambda output, batch: ...)"
+            )
+        else:
+            loss = output.loss
+        return loss * self._scale
+
+    def forward_backward(self, micro_batches: Sequence[dict], loss_fn: LossFn | None) -> torch.Tensor:
+        """All micro-batches of a step through the pipeline; the mean loss on every rank."""
+        shapes = {tuple(batch["input_ids"].shape) if "input_ids" in batch else None for batch in micro_batches}
+        if None in shapes or len(shapes) != 1:
+            raise ValueError(
+                "a pipeline plan's micro-batches each need input_ids, all of the same shape (the stages exchange "
+                f"fixed-shape activations); got shapes {sorted(map(str, shapes))}"
+            )
+        extra = sorted({key for batch in micro_batches for key in batch} - {"input_ids", "labels"})
+        if extra and loss_fn is None:
+            raise ValueError(
+                f"a pipeline plan feeds only input_ids to the model (causal mask, positions 0..n-1); the micro-batches "
+                f"also have {extra}: drop them, or read them in forward_backward(..., loss_fn=...)"
+            )
+        engine = self.engine
+        count = len(micro_batches)
+        input_shape = shapes.pop()
+        assert input_shape is not None
+        schedule = self._schedule(count, input_shape)
+        self._batches, self._loss_fn = micro_batches, loss_fn
+        self._scale = engine.loss_scale() / count
+        before = [chunk.grad.clone() for chunk, _ in self.shared]
+        engine.begin_forward()
+        losses: list[torch.Tensor] = []
+        args: tuple[torch.Tensor, ...] = ()
+        if 0 in self.mine:
+            args = (torch.cat([batch["input_ids"] for batch in micro_batches]).to(engine.device),)
+        training = torch.is_grad_enabled()
+        # No-sync: every parameter's gradient is reduced over the data group once per step (after its
+        # last micro-batch's backward), not after each of the schedule's backward passes.
+        engine.hold_grads(count if training else 1)
+        try:
+            if training:
+                schedule.step(*args, target=torch.arange(count), losses=losses, return_outputs=False)
+            else:  # evaluation: forwards only, the same losses
+                schedule.eval(*args, target=torch.arange(count), losses=losses)
+        except BaseException:
+            engine.end_held_grads(flush=False)
+            raise
+        finally:
+            self._batches, self._loss_fn = (), None
+        engine.end_held_grads()
+        if training:
+            self._sum_shared(before)
+        total = torch.zeros((), dtype=torch.float32, device=engine.device)
+        if losses:
+            total = (torch.stack([loss.detach().float() for loss in losses]).sum() / (self._scale * count)).reshape(())
+        self.mesh.pipeline.broadcast(total, src=self.stages - 1)
+        return total
+
+    def _sum_shared(self, before: list[torch.Tensor]) -> None:
+        """Adds this step's gradient of each shared chunk from the other stages using it."""
+        if not self.shared:
+            return
+        self.engine.drain_grads()
+        for (chunk, comm), old in zip(self.shared, before, strict=True):
+            step = chunk.grad - old
+            on_device = step.to(comm.device)
+            comm.all_reduce_sum(on_device)
+            chunk.grad.copy_(old + on_device.to(chunk.grad.device))
+
+    def reduce_norm(self, local: torch.Tensor, inf: bool) -> None:
+        """Completes a gradient-norm statistic over the pipeline group (sum, or max for inf)."""
+        if inf:
+            self.mesh.pipeline.all_reduce_max(local)
+        else:
+            self.mesh.pipeline.all_reduce_sum(local)
+
+    # --- weights out ---------------------------------------------------------------------------
+
+    def full_state_dict(self, all_ranks: bool = False) -> dict[str, torch.Tensor]:
+        """The whole model's weights: each stage's (gathered over its data group) merged over the pipeline
+        group onto global rank 0 (every rank with ``all_ranks``). A collective."""
+        part = self.engine.full_state_dict(all_ranks=all_ranks)
+        if not all_ranks and self.mesh.data.rank != 0:
+            return {}
+        parts = gather_objects(self.mesh.pipeline, part, all_ranks)
+        if parts is None:
+            return {}
+        merged: dict[str, torch.Tensor] = {}
+        for piece in parts:
+            merged.update(piece)
+        return merged
+
+
+def drop_elsewhere(model: nn.Module, layout: StageLayout) -> None:
+    """Replaces the modules of other stages by ``Elsewhere`` stubs; real tensors they held go to meta
+    (the user's optimizer may still reference the parameters: they no longer hold memory)."""
+    for name, stage in layout.elsewhere.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        module = parent._modules[child]
+        assert module is not None
+        for param in module.parameters():
+            if not param.is_meta:
+                meta = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"), param.requires_grad)
+                torch.utils.swap_tensors(param, meta)
+        parent._modules[child] = Elsewhere(name, stage)
+
+
+def build_engine(model: nn.Module, plan: Plan, mesh: Mesh, source: WeightSource | None) -> Engine:
+    """This rank's chunk engine for a pipeline plan, with its ``Pipeline`` attached (``engine.pipeline``).
+
+    Raises:
+        ValueError: no stage adapter for the model, or the plan's stages do not match it.
+    """
+    adapter, layout = prepare(model, plan, mesh.stage)
+    engine = Engine(model, layout.plan, mesh.data, source, mesh, elsewhere=layout.elsewhere_tensors)
+    drop_elsewhere(model, layout)
+    engine.pipeline = Pipeline(engine, adapter, layout, mesh, plan)
+    return engine
