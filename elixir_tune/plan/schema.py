@@ -230,6 +230,8 @@ class ChunkPlan:
         resident: keep the gathered chunk on the device all the time (outside the cache).
         offload: this rank's shard (fp32 master, gradient, optimizer state) lives in host memory
             and its optimizer step runs on the CPU; otherwise it lives on the device.
+        stage: the pipeline stage whose ranks hold the chunk (0 without a pipeline; chunks never
+            cross stages; written to YAML only when not 0).
     """
 
     id: int
@@ -237,6 +239,7 @@ class ChunkPlan:
     numel: PositiveInt
     resident: bool = False
     offload: bool = False
+    stage: NonNegativeInt = 0
 
 
 @dataclass
@@ -340,4 +343,7 @@ class Plan:
             # Without pipeline or tensor parallelism the section is left out: such plans read as before.
             if value is not None and not (name == "parallel" and self.parallel.is_default()):
                 raw[name] = dataclasses.asdict(value)
+        for chunk in raw["memory"]["chunks"]:
+            if chunk.get("stage") == 0:
+                del chunk["stage"]  # plans without a pipeline read as before
         return raw
