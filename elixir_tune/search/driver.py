@@ -120,12 +120,14 @@ def _infeasible(
     )
 
 
-def explain_layout(best: Candidate, by_layout: dict[Layout, Candidate] | None = None) -> str:
+def explain_layout(best: Candidate, by_layout: dict[Layout, Candidate] | None = None, layouts_tried: int = 1) -> str:
     """Why the winner's parallel layout: its bubble and tensor traffic, and the best of the others.
 
     Args:
         best: the winning candidate.
         by_layout: the fastest candidate of each layout the search scored.
+        layouts_tried: parallel layouts searched (some may have had no candidate scored: pruned
+            by the lower bound, or nothing fit).
 
     Returns:
         A clause for the why-line ("" when only data parallelism was possible).
@@ -145,10 +147,16 @@ def explain_layout(best: Candidate, by_layout: dict[Layout, Candidate] | None = 
             f"tensor {layout.tensor} ({layout.tensor_mode}): its collectives are "
             f"{b.get('tensor_comm_s', 0.0) / step:.1%} of the step"
         )
-    others = sorted((c.step_time_s, str(key.describe())) for key, c in by_layout.items() if key != layout)
-    if not parts and not others:
+    others = sorted((c.step_time_s, key.describe()) for key, c in by_layout.items() if key != layout)
+    if not parts and layouts_tried <= 1:
         return ""
     line = "; ".join(parts) if parts else "data parallelism only"
+    unscored = layouts_tried - 1 - len(others)
+    if unscored > 0:
+        line += (
+            f"; {unscored} other pipeline/tensor layout(s) had no candidate: their compute with tensor collectives "
+            "and bubble alone is slower, or they do not fit"
+        )
     if others:
         slower = others[0][0] / step - 1
         line += f"; the best other layout ({others[0][1]}) is {slower:.1%} slower"
@@ -162,6 +170,7 @@ def explain_winner(
     pinned: dict | None = None,
     device: str = "cuda",
     by_layout: dict[Layout, Candidate] | None = None,
+    layouts_tried: int = 1,
 ) -> str:
     """One line on why the best candidate wins.
 
@@ -170,6 +179,7 @@ def explain_winner(
         pinned: the pinned choices (``parse_fixed``), which are not the search's doing.
         device: the hardware's device, ``cuda`` or ``cpu`` (named in the line).
         by_layout: the fastest candidate of each parallel layout scored (``Exploration.best_by_layout``).
+        layouts_tried: parallel layouts searched.
 
     Returns:
         The line.
@@ -202,7 +212,7 @@ def explain_winner(
             f"; the {s.grad_accum_steps} micro-batches run layer by layer (layered accumulation: each chunk fetched "
             f"and reduced once per step instead of {s.grad_accum_steps} times, their activations held together)"
         )
-    parallel = explain_layout(best, by_layout)
+    parallel = explain_layout(best, by_layout, layouts_tried)
     if parallel:
         line += "; " + parallel
     if len(candidates) > 1:
@@ -302,7 +312,7 @@ def search(
                 memory.required_gpu_bytes, memory.peak_host_bytes, budget.usable_gpu_bytes, host_bytes, pinned
             )
         candidates, num_scored = [score(model, shape, memory, global_batch)], 1
-    why = explain_winner(candidates, pinned, device=hardware.device, by_layout=by_layout)
+    why = explain_winner(candidates, pinned, device=hardware.device, by_layout=by_layout, layouts_tried=len(models))
     elapsed = time.perf_counter() - started
     plan = build_plan(
         model,
