@@ -64,6 +64,7 @@ class SearchResult:
         why: one line on why the winner wins.
         model: the cost model of the winner's parallel layout (for explaining other candidates).
         models: the cost model of every parallel layout searched.
+        best_by_layout: the fastest candidate scored of each parallel layout (joint search).
     """
 
     plan: Plan
@@ -73,6 +74,7 @@ class SearchResult:
     why: str
     model: CostModel
     models: dict[Layout, CostModel] = field(default_factory=dict)
+    best_by_layout: dict[Layout, Candidate] = field(default_factory=dict)
 
     def model_of(self, candidate: Candidate) -> CostModel:
         """The cost model a candidate was scored with."""
@@ -332,4 +334,5 @@ def search(
         why=why,
         model=model,
         models=models,
+        best_by_layout=by_layout,
     )

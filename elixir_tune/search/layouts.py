@@ -92,29 +92,30 @@ def layout_choices(
     num_blocks = len(profile.blocks)
     layouts = []
     for degree, mode in tensor_choices(profile, gpus_per_node, fixed):
+        if world % degree:
+            continue
+        stage_choices = pipeline_degrees(world, degree, num_blocks)
         if "pipeline" in fixed:
-            stages = fixed["pipeline"]
-            if (world // degree) % stages or world % degree:
-                raise ValueError(
-                    f"--fix pipeline={stages}: pipeline x tensor ({stages} x {degree}) does not divide the world of "
-                    f"{world} GPUs"
-                )
-            if stages > 1 and stages > num_blocks:
-                raise ValueError(
-                    f"--fix pipeline={stages}: the model has {num_blocks} repeated blocks; a stage needs at least one"
-                )
-            if stages > 1 and fixed.get("accumulation") == "standard":
-                raise ValueError(
-                    f"--fix pipeline={stages} with --fix accumulation=standard: a pipeline runs its micro-batches "
-                    "breadth-first, layer by layer (layered); drop one of the pins"
-                )
-            stage_choices = [stages]
-        else:
-            stage_choices = pipeline_degrees(world, degree, num_blocks)
+            stage_choices = [fixed["pipeline"]] if fixed["pipeline"] in stage_choices else []
         for stages in stage_choices:
             if global_batch_size % (world // (stages * degree)):
                 continue
             layouts.append(Layout(pipeline=stages, tensor=degree, tensor_mode=cast_mode(mode)))
+    stages = fixed.get("pipeline", 1)
+    if stages > 1 and fixed.get("accumulation") == "standard":
+        raise ValueError(
+            f"--fix pipeline={stages} with --fix accumulation=standard: a pipeline runs its micro-batches "
+            "breadth-first, layer by layer (layered); drop one of the pins"
+        )
+    if stages > 1 and stages > num_blocks:
+        raise ValueError(
+            f"--fix pipeline={stages}: the model has {num_blocks} repeated blocks; a stage needs at least one"
+        )
+    if not layouts and "pipeline" in fixed:
+        raise ValueError(
+            f"--fix pipeline={stages}: no tensor degree leaves a pipeline of {stages} that divides the world of "
+            f"{world} GPUs and a data-parallel degree that divides the global batch {global_batch_size}"
+        )
     if not layouts:
         raise ValueError(
             f"no parallel layout divides the global batch {global_batch_size} into data-parallel shares "
