@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 
 from elixir_tune.costmodel.parallel import Layout, cast_mode, pipeline_degrees, tensor_degrees
+from elixir_tune.plan.schema import TensorMode
 from elixir_tune.plan.tensor_layout import local_shape
 from elixir_tune.profiler.schema import ModelProfile
 
@@ -33,7 +34,7 @@ def _splits(profile: ModelProfile, degree: int, mode: str) -> bool:
     return True
 
 
-def tensor_choices(profile: ModelProfile, gpus_per_node: int, fixed: dict) -> list[tuple[int, str]]:
+def tensor_choices(profile: ModelProfile, gpus_per_node: int, fixed: dict) -> list[tuple[int, TensorMode]]:
     """(T, mode) pairs to try, or the pinned ones, checked.
 
     Raises:
@@ -51,7 +52,7 @@ def tensor_choices(profile: ModelProfile, gpus_per_node: int, fixed: dict) -> li
         return chosen
     if pinned_t is None:
         return allowed
-    mode = pinned_mode or "1d"
+    mode = cast_mode(pinned_mode or "1d")
     if (pinned_t, mode) in allowed:
         return [(pinned_t, mode)]
     arch = profile.arch
