@@ -43,7 +43,7 @@ def tensor_choices(profile: ModelProfile, gpus_per_node: int, fixed: dict) -> li
     allowed = [(t, m) for t, m in tensor_degrees(profile, gpus_per_node) if t == 1 or _splits(profile, t, m)]
     pinned_t, pinned_mode = fixed.get("tensor"), fixed.get("tensor_mode")
     if pinned_mode == "2d" and pinned_t is None:
-        chosen = [(t, m) for t, m in allowed if m == "2d"]
+        chosen: list[tuple[int, TensorMode]] = [(t, m) for t, m in allowed if m == "2d"]
         if not chosen:
             raise ValueError(
                 f"--fix tensor_mode=2d: no square tensor degree >= 4 fits {profile.name} on {gpus_per_node} GPUs per "
