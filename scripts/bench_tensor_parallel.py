@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -90,8 +91,9 @@ def _plan(row: dict) -> str:
     for key, label in (("tensor_comm_s", "TP comm"), ("pipeline_bubble_s", "bubble"), ("exposed_fetch_s", "fetch")):
         if b.get(key):
             extra.append(f"{label} {b[key] / step:.0%}")
+    layout = f"dp {row['data']}" if row["layout"] == "dp only" else f"{row['layout']} x dp {row['data']}"
     return (
-        f"{row['layout']} x dp {row['data']}: micro {s['micro_batch_size']} x {s['grad_accum_steps']}"
+        f"{layout}: micro {s['micro_batch_size']} x {s['grad_accum_steps']}"
         f"{' L' if s['accumulation'] == 'layered' else ''}, ckpt {ckpt}, offload {s['offload']:.0%}, "
         f"cache {s['cache_blocks']}/{s['cacheable_chunks']}" + (f"; {', '.join(extra)}" if extra else "")
     )
@@ -101,7 +103,9 @@ def markdown(report: dict) -> str:
     lines = [
         "# Tensor and pipeline parallelism: predicted best plans",
         "",
-        f"Command: `{report['command']}` ({report['machine']}; {report['elapsed_s']} s in all).",
+        f"Command: `{report['command']}` ({report['machine']}; {report['elapsed_s']} s in all"
+        + (f", load average {report['load_before']} -> {report['load_after']}" if "load_before" in report else "")
+        + "; search times depend on the load, predictions do not).",
         "",
         "Predictions of the cost model only (nothing ran): step time of the best plan the joint search finds with "
         "the parallel layout free or pinned, and its peak device memory per GPU (the largest pipeline stage). "
@@ -131,13 +135,21 @@ def markdown(report: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
+        "--render-only", action="store_true", help="rewrite PREFIX.md from the existing PREFIX.json (no search)"
+    )
+    parser.add_argument(
         "--out-prefix",
         default=str(paths.REPO_DIR / "benchmarks" / "results" / "tensor-parallel"),
         help="writes PREFIX.json and PREFIX.md",
     )
     args = parser.parse_args()
+    prefix = Path(args.out_prefix)
+    if args.render_only:
+        prefix.with_suffix(".md").write_text(markdown(json.loads(prefix.with_suffix(".json").read_text())))
+        return
     from elixir_tune.profiler import profile_model
 
+    load_before = round(os.getloadavg()[0], 2)
     started = time.perf_counter()
     cases = []
     for model_name in MODELS:
@@ -164,9 +176,10 @@ def main() -> None:
         "command": COMMAND,
         "machine": f"{platform.node() or 'vm'}, Python {platform.python_version()}",
         "elapsed_s": round(time.perf_counter() - started, 1),
+        "load_before": load_before,
+        "load_after": round(os.getloadavg()[0], 2),
         "cases": cases,
     }
-    prefix = Path(args.out_prefix)
     prefix.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     prefix.with_suffix(".md").write_text(markdown(report))
     print(f"wrote {prefix}.json and {prefix}.md")
