@@ -138,9 +138,7 @@ class CostModel:
         self.cpu_adam_elems_per_s = hardware.cpu_adam_rate_per_rank(gpus_per_node)
         # PCIe-only GPUs: collectives and host copies share each GPU's link (world 1 has no collectives).
         self.shared_link = hardware.shared_host_link and self.world_size > 1 and hardware.device != "cpu"
-        self.parallel_costs = ParallelTimes(
-            profile, self.profile, hardware, gpus_per_node, layout, self.stage, self.dtype
-        )
+        self.parallel_costs = ParallelTimes(profile, hardware, gpus_per_node, layout, self.stage, self.dtype)
         self._layouts: dict[int, ChunkLayout] = {}
         self._traces: dict[tuple[int, int, int], tuple[ChunkTrace, list[tuple[int, ...]]]] = {}
         self._sims: dict[tuple[int, int, int, int], tuple[CacheSim, list[tuple[int, int, int]]]] = {}

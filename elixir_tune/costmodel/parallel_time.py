@@ -51,7 +51,6 @@ class ParallelTimes:
     def __init__(
         self,
         full: ModelProfile,
-        local: ModelProfile,
         hardware: HardwareSpec,
         gpus_per_node: int,
         layout: Layout,
@@ -62,7 +61,6 @@ class ParallelTimes:
 
         Args:
             full: the whole model's profile.
-            local: the rank's profile (``parallel.rank_profile``).
             hardware: the node spec.
             gpus_per_node: ranks per node.
             layout: the parallel layout.
@@ -119,7 +117,6 @@ class ParallelTimes:
             )
             * self.dtype_bytes
         )
-        del local  # the rank's profile carries nothing more these costs need
 
     def communicators(self, data_size: int) -> int:
         """Communication groups of more than one rank this rank belongs to (each holds library buffers)."""
