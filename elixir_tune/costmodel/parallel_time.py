@@ -8,7 +8,8 @@ Prices the formulas of ``costmodel/parallel.py`` with the hardware's links:
 * a pipeline stage's sends go to the neighbouring stage: on the node's links while a pipeline
   group (P x T consecutive ranks) fits in a node, else over the inter-node network. They overlap the
   next micro-batch's compute in a breadth-first schedule; what is exposed is one send per stage hop
-  to fill the pipeline and one to drain it, plus whatever the sends take beyond the compute;
+  to fill the pipeline and one to drain it, plus whatever the sends take beyond the compute (on a
+  CPU device, where gloo sends on the compute cores, all of them);
 * the bubble is ``bubble_fraction`` of the step: (P - 1) idle virtual-stage slots, each one
   micro-batch through one virtual stage;
 * a tied parameter held by the first and the last stage (GPT-2's ``wte``) is all-reduced between
@@ -72,6 +73,8 @@ class ParallelTimes:
         self.stage = stage
         self.dtype_bytes = DTYPE_BYTES[dtype]
         self.latency_s = hardware.collective_latency_s
+        # On a CPU device the sends run on the compute cores (gloo), so they do not overlap the compute.
+        self.serial_sends = hardware.device == "cpu"
         self.hidden = full.arch.hidden_size
         arch = full.arch
         if layout.tensor > 1 and not (arch.hidden_size and arch.num_heads):
@@ -172,7 +175,10 @@ class ParallelTimes:
         bubble_s = stage_compute_s * fraction / (1.0 - fraction) if fraction < 1.0 else math.inf
         send_s = self.latency_s + micro_batch_size * self.send_bytes_per_sample / self.pipeline_bps
         sends = 2 * micro_batches * p2p_sends_per_micro_batch(num_blocks, stages, layout.assignment)
-        p2p_s = 2 * (stages - 1) * send_s + max(0.0, sends * send_s - stage_compute_s)
+        if self.serial_sends:
+            p2p_s = (2 * (stages - 1) + sends) * send_s
+        else:
+            p2p_s = 2 * (stages - 1) * send_s + max(0.0, sends * send_s - stage_compute_s)
         tied_s = self.latency_s + self.tied_bytes / self.pipeline_bps if self.tied_bytes else 0.0
         return {"pipeline_bubble_s": bubble_s, "p2p_s": p2p_s, "tied_allreduce_s": tied_s}
 
