@@ -31,7 +31,6 @@ _TIMELINE_LABELS = {
     "pipeline_bubble_s": "pipeline bubble (idle)",
     "p2p_s": "pipeline sends exposed",
     "tied_allreduce_s": "tied-embedding all-reduce (first and last stage)",
-    "pipeline_reduce_s": "per-micro-batch gradient reductions of a pipeline, exposed",
 }
 
 
@@ -105,7 +104,7 @@ def parallel_summary(plan: Plan) -> dict:
         )
     if tensor.degree > 1:
         out.update(tensor_mode=tensor.mode, sequence_parallel=tensor.sequence_parallel)
-    for key in ("tensor_comm_s", "pipeline_bubble_s", "p2p_s", "tied_allreduce_s", "pipeline_reduce_s"):
+    for key in ("tensor_comm_s", "pipeline_bubble_s", "p2p_s", "tied_allreduce_s"):
         if key in breakdown:
             out[key] = breakdown[key]
     return out

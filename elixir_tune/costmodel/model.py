@@ -306,33 +306,6 @@ class CostModel:
             communicators=self.parallel_costs.communicators(self.data_size),
         )
 
-    def _pipeline_reductions_s(
-        self, shape: Shape, costs: TransferCosts, breakdown: dict[str, float], compute_s: float
-    ) -> float:
-        """Exposed seconds of the reductions a pipeline adds to the layered timeline.
-
-        The pipeline engine (docs/DESIGN.md section 9.4) runs each micro-batch's backward as its own
-        autograd pass, so every chunk is reduce-scattered over the data group (and an offloaded one
-        copied down) once per micro-batch, not once per step; gathers stay once per pass (the chunk
-        stays cached while a virtual stage runs all micro-batches). The N - 1 extra reductions
-        overlap the compute on the collective stream; what shows is the collectives' excess over the
-        compute (all of it on a CPU device, where they share the cores). They are added to the
-        breakdown's busy times.
-        """
-        extra_passes = shape.grad_accum_steps - 1
-        if extra_passes <= 0:
-            return 0.0
-        chunks = self.layout(shape.chunk_size).num_chunks
-        reduce_s = extra_passes * chunks * costs.reduce_scatter_s
-        down_s = extra_passes * shape.num_offloaded * (costs.d2h_s + costs.host_add_s)
-        busy_before = breakdown["allgather_s"] + breakdown["reduce_scatter_s"]
-        breakdown["reduce_scatter_s"] += reduce_s
-        breakdown["d2h_s"] += extra_passes * shape.num_offloaded * costs.d2h_s
-        if self.hardware.device == "cpu":
-            return reduce_s + down_s
-        excess_s = max(0.0, busy_before + reduce_s - compute_s) - max(0.0, busy_before - compute_s)
-        return excess_s + max(0.0, down_s - compute_s)
-
     def step_time(self, shape: Shape, record: list[tuple[str, float, float, str, int]] | None = None) -> StepEstimate:
         """Simulated step time of a candidate.
 
@@ -406,7 +379,6 @@ class CostModel:
             breakdown["tensor_comm_s"] = tensor_s
         if self.parallel_layout.pipeline > 1:
             extra = self.parallel_costs.pipeline_s(mb_compute * accum, shape.micro_batch_size, accum)
-            extra["pipeline_reduce_s"] = self._pipeline_reductions_s(shape, costs, breakdown, mb_compute * accum)
             step_time += sum(extra.values())
             breakdown.update(extra)
         if record is not None and cold_blocks is not None:

@@ -26,7 +26,6 @@ from elixir_tune.costmodel.parallel import (
 )
 from elixir_tune.costmodel.synthetic import example_hardware, gpt2_profile
 from elixir_tune.costmodel.timeline import transfer_costs
-from elixir_tune.hardware import load_hardware
 
 HIDDEN, LAYERS, HEADS, VOCAB, SEQ = 64, 4, 4, 256, 32
 
@@ -163,18 +162,3 @@ def test_tensor_collectives_are_on_the_step(profile):
     assert tensor.tensor_comm_s(1, 1) == pytest.approx(tensor.tensor_comm_s(1, 0) + LAYERS * layer_s / 2)
     assert plain.tensor_comm_s(1, 1) == 0.0
     assert math.isclose(plain.parallel_costs.rate_factor, 1.0)
-
-
-def test_pipeline_reduces_every_chunk_once_per_micro_batch(profile):
-    # The pipeline engine reduce-scatters after each micro-batch's backward (DESIGN 9.4): N per chunk.
-    model = CostModel(profile, example_hardware(gpus_per_node=4), gpus_per_node=4, layout=Layout(pipeline=2))
-    chunk = 1 << 16
-    layout = model.layout(chunk)
-    shape = Shape(chunk, layout.num_cacheable, 0, 0, 0, 1, 4, layered=True)
-    estimate = model.step_time(shape)
-    costs = model.costs(chunk)
-    assert estimate.breakdown["reduce_scatter_s"] == pytest.approx(4 * layout.num_chunks * costs.reduce_scatter_s)
-    # On a CPU device the extra reductions share the cores: all of them are exposed.
-    cpu = CostModel(profile, load_hardware("cpu"), gpus_per_node=4, layout=Layout(pipeline=2))
-    extra = cpu.step_time(shape).breakdown["pipeline_reduce_s"]
-    assert extra == pytest.approx(3 * cpu.layout(chunk).num_chunks * cpu.costs(chunk).reduce_scatter_s)
