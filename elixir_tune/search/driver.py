@@ -209,7 +209,12 @@ def explain_winner(
     line = (
         f"{what}; compute is {compute_share:.0%} of the step, {b.get('exposed_fetch_s', 0.0):.3g} s of fetches exposed"
     )
-    if s.layered:
+    if s.layered and best.layout.pipeline > 1:
+        line += (
+            f"; the {s.grad_accum_steps} micro-batches run breadth-first through each stage's blocks (each chunk "
+            "fetched once per pass and reduced once per step, their activations held together)"
+        )
+    elif s.layered:
         line += (
             f"; the {s.grad_accum_steps} micro-batches run layer by layer (layered accumulation: each chunk fetched "
             f"and reduced once per step instead of {s.grad_accum_steps} times, their activations held together)"
