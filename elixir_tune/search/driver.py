@@ -211,7 +211,7 @@ def explain_winner(
     )
     if s.layered and best.layout.pipeline > 1:
         line += (
-            f"; the {s.grad_accum_steps} micro-batches run breadth-first through each stage's blocks (each chunk "
+            f"; the {s.grad_accum_steps} micro-batches run layer by layer, breadth-first through each stage's blocks (each chunk "
             "fetched once per pass and reduced once per step, their activations held together)"
         )
     elif s.layered:
