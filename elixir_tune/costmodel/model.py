@@ -128,6 +128,7 @@ class CostModel:
         self.data_size = layout.data_degree(self.world_size)
         self.stage = critical_stage(profile, layout) if stage is None else stage
         self.profile = rank_profile(profile, layout, self.stage)
+        self.largest_numel = largest_trainable_numel(self.profile)  # read by every memory estimate
         self.dtype = dtype or profile.dtype
         # The model-level rate (block curve or model_tflops), not the bare matmul rate: a whole
         # model's forward+backward runs well below its GEMMs (llm-foundry: A100 MFU 44-56%, H100
@@ -302,7 +303,7 @@ class CostModel:
             staging_buffers=shape.staging_buffers,
             device=self.hardware.device,
             device_memory_bytes=self.hardware.gpu_memory_bytes,
-            largest_param_numel=largest_trainable_numel(self.profile),
+            largest_param_numel=self.largest_numel,
             communicators=self.parallel_costs.communicators(self.data_size),
         )
 
