@@ -238,7 +238,8 @@ def tensor_degrees(profile: ModelProfile, gpus_per_node: int) -> list[tuple[int,
     """Tensor-parallel (degree, mode) pairs a model allows on a node, (1, "1d") first.
 
     T divides the GPUs of a node (tensor traffic stays on the node's links), the attention heads
-    and the key/value heads; 2D needs a square T of at least 4. Models whose family has no tensor
+    and the key/value heads; 1D (with sequence parallelism) needs T to divide the sequence length,
+    2D a square T of at least 4 (and, in the search, micro-batches that split over its q rows). Models whose family has no tensor
     layout table (``plan/tensor_layout.py``), or whose profile has no head counts, get T = 1 only.
     """
     arch = profile.arch
@@ -249,7 +250,8 @@ def tensor_degrees(profile: ModelProfile, gpus_per_node: int) -> list[tuple[int,
     for degree in range(2, gpus_per_node + 1):
         if gpus_per_node % degree or arch.num_heads % degree or kv_heads % degree:
             continue
-        out.append((degree, "1d"))
+        if profile.seq_len % degree == 0:  # sequence parallelism splits every sample's tokens by T
+            out.append((degree, "1d"))
         q = math.isqrt(degree)
         if q * q == degree and q >= 2:
             out.append((degree, "2d"))

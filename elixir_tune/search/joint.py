@@ -240,7 +240,12 @@ def explore(model: CostModel | list[CostModel], budget: Budget, fixed: dict, top
     top = _TopK(top_k, one_memory=first.hardware.device == "cpu", gpus_per_node=first.gpus_per_node)
     found = Exploration(best=[], num_scored=0, min_gpu_bytes=None, min_host_bytes=None)
     for each in models:
-        _explore_layout(each, budget, fixed, top, found)
+        try:
+            _explore_layout(each, budget, fixed, top, found)
+        except ValueError:
+            if len(models) == 1:
+                raise  # a pin this only layout cannot take: say why
+            # another layout may take the pins (e.g. layered needs several micro-batches per data rank)
     found.best = top.ranked()
     return found
 
@@ -251,6 +256,8 @@ def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, f
     per_rank = budget.global_batch_size // world
     hardware = model.hardware
     stages = model.parallel_layout.pipeline
+    tensor = model.parallel_layout
+    grid_rows = math.isqrt(tensor.tensor) if tensor.tensor_mode == "2d" else 1
     for chunk_size in chunk_sizes(model, fixed):
         layout = model.layout(chunk_size)
         num_chunks, cacheable = layout.num_chunks, layout.num_cacheable
@@ -260,6 +267,8 @@ def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, f
         for every in checkpointing_choices(model, fixed):
             minimum = model.min_cache_blocks(chunk_size, every)
             for micro_batch, layered in micro_batch_accumulation_choices(per_rank, fixed, stages):
+                if micro_batch % grid_rows:
+                    continue  # 2D tensor parallelism splits each micro-batch over the q rows of its grid
                 accum = per_rank // micro_batch
                 # A lower bound of the step: the compute, stretched by the pipeline bubble.
                 compute_s = accum * model.compute_s(micro_batch, every)[0] * model.parallel_costs.pipeline_factor(accum)

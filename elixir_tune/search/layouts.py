@@ -64,6 +64,8 @@ def tensor_choices(profile: ModelProfile, gpus_per_node: int, fixed: dict) -> li
         why = f"it does not divide the {arch.num_heads} heads and {arch.num_kv_heads or arch.num_heads} key/value heads"
     elif mode == "2d" and (pinned_t < 4 or math.isqrt(pinned_t) ** 2 != pinned_t):
         why = "mode 2d needs a square degree q x q of at least 4"
+    elif mode == "1d" and profile.seq_len % pinned_t:
+        why = f"sequence parallelism splits the {profile.seq_len} tokens of a sample by T, and {pinned_t} does not divide them"
     elif not any(t > 1 for t, _ in tensor_degrees(profile, gpus_per_node)):
         why = f"model type {arch.model_type!r} has no tensor layout table"
     else:

@@ -48,6 +48,8 @@ def test_pins_are_honoured(small, fixed, layout):
     assert all(c.layout == result.candidates[0].layout for c in result.candidates)
     assert validate(plan) == []
     assert plan.data_parallel_size == 4 // (layout[0] * layout[1])
+    if layout[2] == "2d":  # each micro-batch splits over the q = 2 rows of the grid
+        assert all(c.shape.micro_batch_size % 2 == 0 for c in result.candidates)
 
 
 @pytest.mark.parametrize(
@@ -64,6 +66,17 @@ def test_pins_are_honoured(small, fixed, layout):
 def test_bad_pins_say_why(small, fixed, message):
     with pytest.raises(ValueError, match=message):
         search(small, example_hardware(gpus_per_node=4), gpus_per_node=4, fixed=fixed)
+
+
+def test_sequence_parallelism_needs_the_degree_to_divide_the_tokens():
+    odd_seq = profile_of(256, 4, 4, 126, vocab=1024)
+    with pytest.raises(ValueError, match="126 tokens of a sample by T, and 4 does not divide them"):
+        search(odd_seq, example_hardware(gpus_per_node=4), gpus_per_node=4, fixed=["tensor=4"])
+    allowed = {
+        (layout.tensor, layout.tensor_mode)
+        for layout in search(odd_seq, example_hardware(gpus_per_node=4), gpus_per_node=4).models
+    }
+    assert (2, "1d") in allowed and (4, "1d") not in allowed and (4, "2d") in allowed
 
 
 def test_models_without_a_tensor_layout_get_no_tensor_parallelism(small):
