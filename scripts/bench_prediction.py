@@ -151,9 +151,12 @@ def make_shapes(profile, hardware):
     """(name, pins, SearchResult) for every shape; shapes identical to an earlier one are dropped."""
     from elixir_tune.search import search
 
-    best = search(profile, hardware, WORLD, global_batch_size=GLOBAL_BATCH)
+    # The chunk engine's data-parallel path: no pipeline or tensor layout.
+    data_only = {"pipeline": 1, "tensor": 1}
+    best = search(profile, hardware, WORLD, global_batch_size=GLOBAL_BATCH, fixed=data_only)
     b = shape_of(best.plan)
     base = {
+        **data_only,
         "chunk_size": b["chunk_size"],
         "micro_batch_size": b["micro_batch_size"],
         "checkpointing": b["checkpointing"],
@@ -178,7 +181,7 @@ def make_shapes(profile, hardware):
             result = search(profile, hardware, WORLD, global_batch_size=GLOBAL_BATCH, fixed=pins)
         except ValueError:
             # The best's cache or prefetch may not suit the changed choice: pin only chunk size and the change.
-            pins = {"chunk_size": base["chunk_size"], **change}
+            pins = {"chunk_size": base["chunk_size"], **data_only, **change}
             result = search(profile, hardware, WORLD, global_batch_size=GLOBAL_BATCH, fixed=pins)
         if shape_of(result.plan) in seen:
             say(f"{name}: same plan shape as an earlier one, skipped")

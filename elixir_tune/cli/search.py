@@ -71,11 +71,25 @@ def _load_inputs(profile_path: str, hardware_ref: str | None):
     return profile, hardware, hardware_ref
 
 
+def layout_label(row: dict) -> str:
+    """The parallel layout of a candidate row: dp, or pp/tp degrees (e.g. ``pp2 tp4/2d``)."""
+    parts = []
+    if row.get("pipeline", 1) > 1:
+        parts.append(f"pp{row['pipeline']}")
+    if row.get("tensor", 1) > 1:
+        parts.append(f"tp{row['tensor']}" + ("/2d" if row.get("tensor_mode") == "2d" else ""))
+    return " ".join(parts) or "dp"
+
+
 def candidates_table(rows: list[dict], title: str) -> Table:
     """The best candidates as a rich table (rows from ``Candidate.row``)."""
     table = Table(title=title)
+    # The layout column only when some candidate uses pipeline or tensor parallelism.
+    parallel = any(layout_label(row) != "dp" for row in rows)
+    table.add_column("#", justify="right", no_wrap=True)
+    if parallel:
+        table.add_column("parallel", justify="right", no_wrap=True)
     for name in (
-        "#",
         "chunk MiB",
         "cache",
         "offloaded",
@@ -93,6 +107,7 @@ def candidates_table(rows: list[dict], title: str) -> Table:
         every = row["checkpointing"]
         table.add_row(
             str(rank),
+            *([layout_label(row)] if parallel else []),
             f"{row['chunk_mib']:.3g}",
             f"{row['cache_blocks']}/{row['cacheable_chunks']}",
             f"{row['offload']:.0%}",
@@ -144,7 +159,8 @@ def candidates_table(rows: list[dict], title: str) -> Table:
     multiple=True,
     metavar="KEY=VALUE",
     help="Pin a choice (repeatable): chunk_size=<elements>, cache_blocks=<n>|all, offload=<0..1>, "
-    "prefetch=<n>, micro_batch_size=<n>, checkpointing=none|all|every:<k>, dtype=fp32|bf16|fp16, accumulation=standard|layered.",
+    "prefetch=<n>, micro_batch_size=<n>, checkpointing=none|all|every:<k>, dtype=fp32|bf16|fp16, accumulation=standard|layered, "
+    "pipeline=<stages>, tensor=<degree>, tensor_mode=1d|2d.",
 )
 @click.option(
     "--top",
@@ -191,7 +207,7 @@ def search_command(
     timeline_path: str | None,
     as_json: bool,
 ) -> None:
-    """Search chunking, caching, offload, checkpointing and batching; write plan.yaml.
+    """Search chunking, caching, offload, checkpointing, batching and pipeline/tensor parallelism; write plan.yaml.
 
     Every candidate is scored by the step time a timeline simulation predicts
     (compute, collectives, host<->GPU copies, CPU Adam) with the hardware's
@@ -203,6 +219,7 @@ def search_command(
         elixir-tune search --gpus 4 --profile profile.yaml --hardware a100-40gb-pcie
         elixir-tune search --gpus 2 --hardware cpu --fix offload=0.5 --fix cache_blocks=all
         elixir-tune search --gpus 4 --hardware a100-40gb-pcie --timeline step.svg
+        elixir-tune search --gpus 8 --nodes 2 --hardware h100-80gb-sxm --fix tensor=2 --fix pipeline=2
     """
     from elixir_tune.search import InfeasibleError, search
 
@@ -297,7 +314,7 @@ def _draw(path: str, result, limit_bytes: int) -> None:
     pictures = []
     for rank, candidate in zip(("#1 best", "#2 runner-up"), result.candidates, strict=False):
         title = shape_title(rank, candidate.shape, candidate.step_time_s, candidate.memory.peak_gpu_bytes)
-        pictures.append(picture_of(result.model, candidate.shape, title, limit_bytes))
+        pictures.append(picture_of(result.model_of(candidate), candidate.shape, title, limit_bytes))
     try:
         write_svg(path, pictures)
     except OSError as error:

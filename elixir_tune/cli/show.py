@@ -27,6 +27,10 @@ _TIMELINE_LABELS = {
     "optimizer_gpu_s": "Adam on the GPU",
     "optimizer_cpu_s": "Adam on the CPU",
     "optimizer_exposed_s": "optimizer after backward (norm + Adam)",
+    "tensor_comm_s": "tensor-parallel collectives (on the compute stream)",
+    "pipeline_bubble_s": "pipeline bubble (idle)",
+    "p2p_s": "pipeline sends exposed",
+    "tied_allreduce_s": "tied-embedding all-reduce (first and last stage)",
 }
 
 
@@ -66,7 +70,7 @@ def plan_states(plan: Plan) -> dict[str, int]:
     offloaded = sum(1 for c in chunks if c.offload)
     return model_state_bytes(
         plan.memory.chunk_size,
-        plan.world_size,
+        plan.data_parallel_size,
         plan.training.dtype,
         plan.memory.cache_blocks,
         sum(1 for c in chunks if c.resident),
@@ -75,12 +79,74 @@ def plan_states(plan: Plan) -> dict[str, int]:
     )
 
 
+def parallel_summary(plan: Plan) -> dict:
+    """The parallel layout of a plan and why it costs what it does: degrees, the pipeline's virtual
+    stages and bubble fraction (``costmodel.parallel.bubble_fraction``), chunks per stage, and the
+    predicted seconds of tensor collectives, bubble and sends."""
+    from elixir_tune.costmodel.parallel import bubble_fraction, virtual_stages
+
+    pipeline, tensor = plan.parallel.pipeline, plan.parallel.tensor
+    out: dict = {
+        "world_size": plan.world_size,
+        "data": plan.data_parallel_size,
+        "pipeline": pipeline.stages,
+        "tensor": tensor.degree,
+    }
+    breakdown = plan.prediction.breakdown if plan.prediction else {}
+    if pipeline.stages > 1:
+        virtual = virtual_stages(plan.model.num_blocks, pipeline.stages, pipeline.assignment)
+        out.update(
+            assignment=pipeline.assignment,
+            schedule=pipeline.schedule,
+            virtual_stages_per_rank=round(virtual, 3),
+            bubble_fraction=round(bubble_fraction(pipeline.stages, plan.training.grad_accum_steps, virtual), 4),
+            chunks_per_stage=[sum(1 for c in plan.memory.chunks if c.stage == s) for s in range(pipeline.stages)],
+        )
+    if tensor.degree > 1:
+        out.update(tensor_mode=tensor.mode, sequence_parallel=tensor.sequence_parallel)
+    for key in ("tensor_comm_s", "pipeline_bubble_s", "p2p_s", "tied_allreduce_s"):
+        if key in breakdown:
+            out[key] = breakdown[key]
+    return out
+
+
+def parallel_line(plan: Plan) -> str:
+    """One sentence on the plan's parallel layout and what it costs ("" without pipeline or tensor)."""
+    info = parallel_summary(plan)
+    if info["pipeline"] == 1 and info["tensor"] == 1:
+        return ""
+    step = plan.prediction.step_time_s if plan.prediction else 0.0
+
+    def share(key: str) -> str:
+        return f", {info[key] / step:.1%} of the predicted step" if key in info and step else ""
+
+    parts = [
+        f"world {info['world_size']} = data {info['data']} x pipeline {info['pipeline']} x tensor {info['tensor']}"
+    ]
+    if info["pipeline"] > 1:
+        parts.append(
+            f"pipeline: {info['pipeline']} stages, {info['assignment']} assignment ({info['virtual_stages_per_rank']:g} "
+            f"virtual stages per rank), {info['schedule']} over {plan.training.grad_accum_steps} micro-batches: bubble "
+            f"(P-1)/(N v + P-1) = {info['bubble_fraction']:.1%}{share('pipeline_bubble_s')}; chunks per stage "
+            f"{info['chunks_per_stage']}"
+        )
+    if info["tensor"] > 1:
+        mode = "1d (Megatron" + (", sequence-parallel)" if info["sequence_parallel"] else ")")
+        if info["tensor_mode"] == "2d":
+            mode = "2d (Optimus q x q grid)"
+        parts.append(
+            f"tensor: degree {info['tensor']}, {mode}: collectives on the compute stream{share('tensor_comm_s')}"
+        )
+    return "; ".join(parts)
+
+
 def _summary(plan: Plan) -> dict:
     chunks = plan.memory.chunks
     states = plan_states(plan)
     return {
         "model": vars(plan.model),
         "cluster": vars(plan.cluster),
+        "parallel": parallel_summary(plan),
         "training": {
             **{k: v for k, v in vars(plan.training).items() if k != "activation_checkpointing"},
             "checkpointing_every": plan.training.activation_checkpointing.every,
@@ -172,6 +238,7 @@ def _draw(plan: Plan, path: str, profile_path: str, hardware_ref: str | None) ->
     """The plan's predicted step, simulated again from its profile and hardware, as SVG."""
     from elixir_tune.cli.search import _load_inputs
     from elixir_tune.costmodel.model import CostModel, Shape
+    from elixir_tune.costmodel.parallel import Layout
     from elixir_tune.costmodel.picture import picture_of, shape_title, write_svg
 
     profile, hardware, _ = _load_inputs(profile_path, hardware_ref or plan.cluster.hardware)
@@ -181,15 +248,24 @@ def _draw(plan: Plan, path: str, profile_path: str, hardware_ref: str | None) ->
             f"{plan.model.fingerprint})",
             hint="pass the profile the plan was searched from with --profile",
         )
-    model = CostModel(profile, hardware, plan.cluster.gpus_per_node, plan.cluster.nodes, plan.training.dtype)
+    pipeline, tensor = plan.parallel.pipeline, plan.parallel.tensor
+    layout = Layout(pipeline.stages, tensor.degree, tensor.mode, pipeline.assignment, tensor.sequence_parallel)
+    model = CostModel(
+        profile, hardware, plan.cluster.gpus_per_node, plan.cluster.nodes, plan.training.dtype, layout=layout
+    )
     memory, training = plan.memory, plan.training
-    if model.layout(memory.chunk_size).num_chunks != len(memory.chunks):
+    # The search's critical stage is the one drawn (with one stage: every chunk); its chunks are
+    # matched to the cost model's packing by their first parameter.
+    planned = {chunk.params[0]: chunk for chunk in memory.chunks if chunk.stage == model.stage}
+    packed = model.layout(memory.chunk_size).chunks
+    first_names = [model.profile.params[chunk.params[0]].name for chunk in packed]
+    if not set(planned) <= set(first_names):
         fail(
-            f"the plan's {len(memory.chunks)} chunks are not the search's packing of this profile at chunk size "
+            f"the plan's chunks are not the search's packing of this profile at chunk size "
             f"{memory.chunk_size:,} (edited by hand?), so its timeline cannot be simulated",
             hint="search the plan again, e.g. elixir-tune search --fix chunk_size=...",
         )
-    offloaded = tuple(chunk.id for chunk in memory.chunks if chunk.offload)
+    offloaded = tuple(i for i, name in enumerate(first_names) if name in planned and planned[name].offload)
     shape = Shape(
         memory.chunk_size,
         memory.cache_blocks,
@@ -263,10 +339,13 @@ def show_command(
         f"[bold]{plan_path}[/]: {plan.model.name or plan.model.source} ({plan.model.num_params:,} parameters) "
         f"on {c.nodes} x {c.gpus_per_node} x {c.hardware} ({c.device}, {c.backend}); {t.dtype}, "
         f"global batch {t.global_batch_size} = micro-batch {t.micro_batch_size} x accumulation "
-        f"{t.grad_accum_steps} ({t.accumulation}) x {plan.world_size} ranks, seq {t.seq_len}, checkpointing "
-        f"{'none' if every == 0 else 'all blocks' if every == 1 else f'every {every} blocks'}",
+        f"{t.grad_accum_steps} ({t.accumulation}) x {plan.data_parallel_size} data-parallel ranks, seq {t.seq_len}, "
+        f"checkpointing {'none' if every == 0 else 'all blocks' if every == 1 else f'every {every} blocks'}",
         soft_wrap=True,
     )
+    layout_line = parallel_line(plan)
+    if layout_line:
+        console.print(f"[bold]parallel:[/] {layout_line}", soft_wrap=True)
     print_wide(_memory_table(plan, summary["memory"]["model_state_bytes"]))
     if plan.prediction is None:
         console.print(

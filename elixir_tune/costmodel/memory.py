@@ -59,6 +59,7 @@ def margin_bytes(
     dtype: str,
     prefetch: int,
     allocator_overhead_bytes: int = 0,
+    communicators: int | None = None,
 ) -> int:
     """Memory the search keeps free beside the predicted peak of one rank.
 
@@ -70,13 +71,17 @@ def margin_bytes(
         dtype: compute dtype.
         prefetch: gathers in flight beside the one in use.
         allocator_overhead_bytes: what the probe measured (a lower bound of the allocator part).
+        communicators: groups of more than one rank this rank talks in (data, tensor, pipeline),
+            each with its own library buffers (default: one when the data-parallel size is above 1).
 
     Returns:
         Bytes.
     """
+    if communicators is None:
+        communicators = 1 if world_size > 1 else 0
     if device == "cuda":
         margin = max(GPU_MARGIN_MIN_BYTES, int(GPU_MARGIN_SHARE * device_memory_bytes), allocator_overhead_bytes)
-        return margin + (NCCL_BUFFER_BYTES if world_size > 1 else 0)
+        return margin + NCCL_BUFFER_BYTES * communicators
     margin = max(CPU_MARGIN_MIN_BYTES, int(CPU_MARGIN_SHARE * device_memory_bytes), allocator_overhead_bytes)
     if world_size > 1:
         # gloo gathers into a flat buffer of its own and copies out (one per gather in flight),
@@ -208,6 +213,7 @@ def estimate_memory(
     device_memory_bytes: int = 0,
     largest_param_numel: int = 0,
     activation_copies: int = 1,
+    communicators: int | None = None,
 ) -> MemoryEstimate:
     """Device and host peaks of one candidate.
 
@@ -234,6 +240,7 @@ def estimate_memory(
         activation_copies: micro-batches whose activations are held at once (layered accumulation
             keeps all of a step's: their block boundaries, and in backward the recomputed blocks of
             every micro-batch side by side).
+        communicators: communication groups of the rank (``margin_bytes``).
 
     Returns:
         The estimate.
@@ -262,7 +269,14 @@ def estimate_memory(
         activation_bytes=activations,
         buffer_bytes=buffers,
         margin_bytes=margin_bytes(
-            device, device_memory_bytes, world_size, chunk_size, dtype, prefetch, allocator_overhead_bytes
+            device,
+            device_memory_bytes,
+            world_size,
+            chunk_size,
+            dtype,
+            prefetch,
+            allocator_overhead_bytes,
+            communicators,
         ),
         peak_gpu_bytes=peak_gpu,
         peak_host_bytes=host_per_rank * gpus_per_node,

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from elixir_tune.costmodel.cache import CacheSim, simulate_cache
 from elixir_tune.costmodel.layout import ChunkLayout, largest_trainable_numel, pack_chunks
 from elixir_tune.costmodel.memory import STAGING_BUFFERS, MemoryEstimate, checkpointed_blocks, estimate_memory
+from elixir_tune.costmodel.parallel import DATA_ONLY, Layout, critical_stage, rank_profile
+from elixir_tune.costmodel.parallel_time import ParallelTimes
 from elixir_tune.costmodel.timeline import (
     TransferCosts,
     combine_step,
@@ -83,7 +85,15 @@ class StepEstimate:
 
 
 class CostModel:
-    """Memory and time of candidates for one (profile, cluster, dtype)."""
+    """Memory and time of candidates for one (profile, cluster, dtype, parallel layout).
+
+    With pipeline or tensor parallelism (``layout``) the model is one rank's: ``profile`` is what a
+    rank of one pipeline stage holds and runs at its tensor-parallel local shapes
+    (``parallel.rank_profile``; by default the critical stage, the one holding the most), chunks are
+    sharded over the data-parallel degree ``data_size`` = world / (P x T), and ``step_time`` adds
+    the tensor-parallel collectives, the pipeline bubble, point-to-point sends and the
+    tied-embedding all-reduce (``parallel_time.ParallelTimes``). ``full_profile`` is the whole model.
+    """
 
     def __init__(
         self,
@@ -92,6 +102,8 @@ class CostModel:
         gpus_per_node: int,
         nodes: int = 1,
         dtype: str | None = None,
+        layout: Layout = DATA_ONLY,
+        stage: int | None = None,
     ):
         """Prepares the model.
 
@@ -101,12 +113,22 @@ class CostModel:
             gpus_per_node: ranks per node.
             nodes: nodes.
             dtype: compute dtype (default: the profile's).
+            layout: pipeline and tensor parallelism (default: data parallelism only).
+            stage: the pipeline stage to model (default: ``parallel.critical_stage``).
+
+        Raises:
+            ValueError: the layout does not divide the world.
         """
-        self.profile = profile
+        self.full_profile = profile
+        self.parallel_layout = layout
         self.hardware = hardware
         self.gpus_per_node = gpus_per_node
         self.nodes = nodes
         self.world_size = gpus_per_node * nodes
+        self.data_size = layout.data_degree(self.world_size)
+        self.stage = critical_stage(profile, layout) if stage is None else stage
+        self.profile = rank_profile(profile, layout, self.stage)
+        self.largest_numel = largest_trainable_numel(self.profile)  # read by every memory estimate
         self.dtype = dtype or profile.dtype
         # The model-level rate (block curve or model_tflops), not the bare matmul rate: a whole
         # model's forward+backward runs well below its GEMMs (llm-foundry: A100 MFU 44-56%, H100
@@ -117,6 +139,7 @@ class CostModel:
         self.cpu_adam_elems_per_s = hardware.cpu_adam_rate_per_rank(gpus_per_node)
         # PCIe-only GPUs: collectives and host copies share each GPU's link (world 1 has no collectives).
         self.shared_link = hardware.shared_host_link and self.world_size > 1 and hardware.device != "cpu"
+        self.parallel_costs = ParallelTimes(profile, hardware, gpus_per_node, layout, self.stage, self.dtype)
         self._layouts: dict[int, ChunkLayout] = {}
         self._traces: dict[tuple[int, int, int], tuple[ChunkTrace, list[tuple[int, ...]]]] = {}
         self._sims: dict[tuple[int, int, int, int], tuple[CacheSim, list[tuple[int, int, int]]]] = {}
@@ -175,7 +198,7 @@ class CostModel:
         """Per-chunk operation times (cached)."""
         if chunk_size not in self._costs:
             self._costs[chunk_size] = transfer_costs(
-                self.hardware, chunk_size, self.world_size, self.gpus_per_node, self.nodes, self.dtype
+                self.hardware, chunk_size, self.data_size, self.gpus_per_node, self.nodes, self.dtype
             )
         return self._costs[chunk_size]
 
@@ -231,7 +254,7 @@ class CostModel:
         change the rate (measured on the CPU: a 256-wide block at 128 and 512 tokens per call ran
         within 1.3x, and plain PyTorch at micro-batch 2x4 as fast as 8x1)."""
         if micro_batch_size not in self._rates:
-            tflops = self.hardware.compute_tflops(self.dtype, self.block_numel())
+            tflops = self.hardware.compute_tflops(self.dtype, self.block_numel()) * self.parallel_costs.rate_factor
             self._rates[micro_batch_size] = tflops * 1e12
         return self._rates[micro_batch_size]
 
@@ -241,13 +264,22 @@ class CostModel:
         FLOPs at the model-level rate, plus the hardware's per-call overhead for each block's
         forward+backward, and half of it for each recomputed block's forward (a forward runs about
         half of a forward+backward's ops): it is what makes small micro-batches of small models slow.
+        Tensor-parallel collectives sit on the compute stream (each matmul waits for its inputs), so
+        they are part of it here (``tensor_comm_s`` says how much).
         """
         rate = self.flops_per_s_at(micro_batch_size)
         overhead_s = self.hardware.block_call_overhead_s
         blocks = len(self.profile.blocks)
         recomputed = checkpointed_blocks(blocks, every) if every > 0 else 0
         recompute = micro_batch_size * self.recompute_flops_per_sample(every) / rate + recomputed * overhead_s / 2
-        return micro_batch_size * self.profile.flops_per_sample / rate + blocks * overhead_s + recompute, recompute
+        compute = micro_batch_size * self.profile.flops_per_sample / rate + blocks * overhead_s + recompute
+        return compute + self.tensor_comm_s(micro_batch_size, every), recompute
+
+    def tensor_comm_s(self, micro_batch_size: int, every: int) -> float:
+        """Seconds of tensor-parallel collectives in one micro-batch (recomputed blocks' forwards included)."""
+        blocks = self.profile.blocks
+        recomputed = sum(1 for b in blocks if every > 0 and b.index % every == 0)
+        return self.parallel_costs.tensor_comm_s(micro_batch_size, len(blocks), recomputed)
 
     def memory(self, shape: Shape) -> MemoryEstimate:
         """Peak device and host memory of a candidate."""
@@ -255,7 +287,7 @@ class CostModel:
         return estimate_memory(
             self.profile,
             chunk_size=shape.chunk_size,
-            world_size=self.world_size,
+            world_size=self.data_size,
             gpus_per_node=self.gpus_per_node,
             dtype=self.dtype,
             cache_blocks=shape.cache_blocks,
@@ -271,7 +303,8 @@ class CostModel:
             staging_buffers=shape.staging_buffers,
             device=self.hardware.device,
             device_memory_bytes=self.hardware.gpu_memory_bytes,
-            largest_param_numel=largest_trainable_numel(self.profile),
+            largest_param_numel=self.largest_numel,
+            communicators=self.parallel_costs.communicators(self.data_size),
         )
 
     def step_time(self, shape: Shape, record: list[tuple[str, float, float, str, int]] | None = None) -> StepEstimate:
@@ -325,7 +358,7 @@ class CostModel:
                 shared_link=self.shared_link,
                 record=steady_blocks,
             )
-        shard_numel = shape.chunk_size // self.world_size
+        shard_numel = shape.chunk_size // self.data_size
         host_shards = shape.num_offloaded
         device_shards = len(offloaded) - host_shards
         gpu_adam = device_shards * shard_numel / self.hardware.gpu_adam_elems_per_s
@@ -341,6 +374,14 @@ class CostModel:
             mb_recompute * accum,
             serial_optimizers=on_cpu,
         )
+        tensor_s = accum * self.tensor_comm_s(shape.micro_batch_size, shape.every)
+        if tensor_s > 0:
+            breakdown["compute_s"] -= tensor_s
+            breakdown["tensor_comm_s"] = tensor_s
+        if self.parallel_layout.pipeline > 1:
+            extra = self.parallel_costs.pipeline_s(mb_compute * accum, shape.micro_batch_size, accum)
+            step_time += sum(extra.values())
+            breakdown.update(extra)
         if record is not None and cold_blocks is not None:
             record += step_blocks(
                 first, cold_blocks, steady, steady_blocks or [], passes, costs, gpu_adam, cpu_adam, on_cpu

@@ -12,7 +12,7 @@ from typing import cast
 
 from elixir_tune.hardware.spec import HardwareSpec
 from elixir_tune.plan.schema import Dtype
-from elixir_tune.profiler.schema import ActivationLine, BlockInfo, ModelProfile, ParamInfo
+from elixir_tune.profiler.schema import ActivationLine, BlockInfo, ModelArch, ModelProfile, ParamInfo
 
 # hidden, layers, heads of the Elixir paper's benchmark models (REFERENCE.md), and GPT-2 sizes.
 GPT2_SIZES = {
@@ -122,6 +122,7 @@ def gpt2_profile(
         activation_checkpointed=checkpointed,
         buffers_bytes=0,
         summary=f"{name}: {num_params / 1e9:.2f}B parameters (analytic)",
+        arch=ModelArch("gpt2", hidden, heads, heads, 4 * hidden, vocab, layers),
     )
 
 

@@ -20,6 +20,7 @@ from elixir_tune.dtypes import DTYPE_ALIASES, TORCH_DTYPES, dtype_name
 from elixir_tune.kv_cache import disable_kv_cache
 from elixir_tune.plan.fingerprint import model_fingerprint
 from elixir_tune.plan.schema import Dtype
+from elixir_tune.profiler.arch import model_arch
 from elixir_tune.profiler.blocks import checkpointed, find_block_list
 from elixir_tune.profiler.meta_kernels import FusedKernelsOnMeta
 from elixir_tune.profiler.meter import LiveMemoryMeter, MetaOpCache
@@ -152,6 +153,7 @@ def profile_model(
         recompute_flops_per_sample=(ckpt[0].flops - plain[0].flops) / batch_size if ckpt else 0.0,
         activation_checkpointed=activation_ckpt,
         buffers_bytes=buffers_bytes,
+        arch=model_arch(model),
     )
     profile.summary = summarize(profile)
     return profile

@@ -80,6 +80,32 @@ class ActivationLine:
 
 
 @dataclass
+class ModelArch:
+    """The architecture numbers of a transformers model (its HF config), for tensor and pipeline
+    parallelism: which parameters split how, and the cost model's per-layer communication and
+    activation formulas. Zero (or "") when unknown: a custom model without an HF config, or a
+    profile written before these were recorded.
+
+    Attributes:
+        model_type: the HF config's ``model_type`` (gpt2, llama, opt, ...).
+        hidden_size: width of the residual stream (h).
+        num_heads: attention heads.
+        num_kv_heads: key/value heads (grouped-query attention; equal to num_heads otherwise).
+        intermediate_size: width of the MLP's inner layer.
+        vocab_size: vocabulary size.
+        num_layers: transformer layers.
+    """
+
+    model_type: str = ""
+    hidden_size: NonNegativeInt = 0
+    num_heads: NonNegativeInt = 0
+    num_kv_heads: NonNegativeInt = 0
+    intermediate_size: NonNegativeInt = 0
+    vocab_size: NonNegativeInt = 0
+    num_layers: NonNegativeInt = 0
+
+
+@dataclass
 class ModelProfile:
     """A profile of one model at one seq_len and compute dtype.
 
@@ -104,6 +130,7 @@ class ModelProfile:
         activation_checkpointed: the same with every block checkpointed.
         buffers_bytes: bytes of the model's buffers (not trained, kept on the device).
         summary: one-line human description.
+        arch: the architecture numbers of its HF config (all zero for other models).
     """
 
     name: str
@@ -124,6 +151,7 @@ class ModelProfile:
     activation_checkpointed: ActivationLine | None = None
     buffers_bytes: NonNegativeInt = 0
     summary: str = ""
+    arch: ModelArch = field(default_factory=ModelArch)
     version: int = PROFILE_VERSION
 
     @property

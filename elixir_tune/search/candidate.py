@@ -7,6 +7,7 @@ from typing import Any
 
 from elixir_tune.costmodel.memory import MemoryEstimate
 from elixir_tune.costmodel.model import CostModel, Shape, StepEstimate
+from elixir_tune.costmodel.parallel import DATA_ONLY, Layout
 from elixir_tune.plan.schema import DTYPE_BYTES
 
 
@@ -24,6 +25,7 @@ class Candidate:
         tokens_per_s: cluster throughput.
         tflops_per_gpu: model TFLOP/s per GPU (recomputation not counted).
         mfu: against the hardware's dense peak for the dtype (its achieved matmul rate when unknown).
+        layout: pipeline and tensor parallelism of the cost model it was scored with.
     """
 
     shape: Shape
@@ -35,6 +37,7 @@ class Candidate:
     tokens_per_s: float
     tflops_per_gpu: float
     mfu: float
+    layout: Layout = DATA_ONLY
 
     @property
     def step_time_s(self) -> float:
@@ -60,6 +63,9 @@ class Candidate:
             "micro_batch_size": s.micro_batch_size,
             "grad_accum_steps": s.grad_accum_steps,
             "accumulation": s.accumulation,
+            "pipeline": self.layout.pipeline,
+            "tensor": self.layout.tensor,
+            "tensor_mode": self.layout.tensor_mode,
             "step_time_s": round(self.step_time_s, 6),
             "tokens_per_s": round(self.tokens_per_s, 2),
             "tflops_per_gpu": round(self.tflops_per_gpu, 3),
@@ -83,7 +89,7 @@ def score(model: CostModel, shape: Shape, memory: MemoryEstimate, global_batch_s
     """
     estimate = model.step_time(shape)
     layout = model.layout(shape.chunk_size)
-    profile = model.profile
+    profile = model.full_profile  # the whole model's FLOPs over every GPU of the world
     step_s = estimate.step_time_s
     tflops = profile.flops_per_sample * global_batch_size / model.world_size / step_s / 1e12
     # MFU against the datasheet peak when the spec has it, else against the measured matmul rate.
@@ -103,4 +109,5 @@ def score(model: CostModel, shape: Shape, memory: MemoryEstimate, global_batch_s
         tokens_per_s=global_batch_size * profile.seq_len / step_s,
         tflops_per_gpu=tflops,
         mfu=tflops / peak_tflops,
+        layout=model.parallel_layout,
     )

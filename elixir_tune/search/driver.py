@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from elixir_tune.costmodel.model import CostModel
+from elixir_tune.costmodel.parallel import DATA_ONLY, Layout
 from elixir_tune.hardware.spec import HardwareSpec
 from elixir_tune.plan.schema import Plan
 from elixir_tune.profiler.schema import ModelProfile
 from elixir_tune.search.candidate import Candidate, score
 from elixir_tune.search.elixir_rule import fitted_elixir_shape
 from elixir_tune.search.joint import Budget, explore
+from elixir_tune.search.layouts import layout_choices
 from elixir_tune.search.plan_builder import build_plan
 from elixir_tune.search.space import parse_fixed
 from elixir_tune.units import gib
@@ -60,7 +62,9 @@ class SearchResult:
         elapsed_s: wall time of the search.
         num_scored: candidates whose step was simulated.
         why: one line on why the winner wins.
-        model: the cost model (for explaining other candidates).
+        model: the cost model of the winner's parallel layout (for explaining other candidates).
+        models: the cost model of every parallel layout searched.
+        best_by_layout: the fastest candidate scored of each parallel layout (joint search).
     """
 
     plan: Plan
@@ -69,6 +73,12 @@ class SearchResult:
     num_scored: int
     why: str
     model: CostModel
+    models: dict[Layout, CostModel] = field(default_factory=dict)
+    best_by_layout: dict[Layout, Candidate] = field(default_factory=dict)
+
+    def model_of(self, candidate: Candidate) -> CostModel:
+        """The cost model a candidate was scored with."""
+        return self.models.get(candidate.layout, self.model)
 
     @property
     def candidates_per_s(self) -> float:
@@ -112,13 +122,66 @@ def _infeasible(
     )
 
 
-def explain_winner(candidates: list[Candidate], pinned: dict | None = None, device: str = "cuda") -> str:
+def explain_layout(best: Candidate, by_layout: dict[Layout, Candidate] | None = None, layouts_tried: int = 1) -> str:
+    """Why the winner's parallel layout: its bubble and tensor traffic, and the best of the others.
+
+    Args:
+        best: the winning candidate.
+        by_layout: the fastest candidate of each layout the search scored.
+        layouts_tried: parallel layouts searched (some may have had no candidate scored: pruned
+            by the lower bound, or nothing fit).
+
+    Returns:
+        A clause for the why-line ("" when only data parallelism was possible).
+    """
+    by_layout = by_layout or {}
+    layout, b = best.layout, best.estimate.breakdown
+    step = best.step_time_s
+    parts = []
+    if layout.pipeline > 1:
+        parts.append(
+            f"pipeline {layout.pipeline} stages ({layout.assignment}, looped breadth-first): bubble "
+            f"{b.get('pipeline_bubble_s', 0.0) / step:.1%} of the step, point-to-point sends "
+            f"{b.get('p2p_s', 0.0) / step:.1%} exposed"
+        )
+    if layout.tensor > 1:
+        parts.append(
+            f"tensor {layout.tensor} ({layout.tensor_mode}): its collectives are "
+            f"{b.get('tensor_comm_s', 0.0) / step:.1%} of the step"
+        )
+    others = sorted((c.step_time_s, key.describe()) for key, c in by_layout.items() if key != layout)
+    if not parts and layouts_tried <= 1:
+        return ""
+    line = "; ".join(parts) if parts else "data parallelism only"
+    unscored = layouts_tried - 1 - len(others)
+    if unscored > 0:
+        line += (
+            f"; {unscored} other pipeline/tensor layout(s) had no candidate: their compute with tensor collectives "
+            "and bubble alone is slower, or they do not fit"
+        )
+    if others:
+        slower = others[0][0] / step - 1
+        line += f"; the best other layout ({others[0][1]}) is {slower:.1%} slower"
+        if DATA_ONLY != layout and DATA_ONLY in by_layout and others[0][1] != DATA_ONLY.describe():
+            line += f", data parallelism only {by_layout[DATA_ONLY].step_time_s / step - 1:.1%} slower"
+    return line
+
+
+def explain_winner(
+    candidates: list[Candidate],
+    pinned: dict | None = None,
+    device: str = "cuda",
+    by_layout: dict[Layout, Candidate] | None = None,
+    layouts_tried: int = 1,
+) -> str:
     """One line on why the best candidate wins.
 
     Args:
         candidates: the best candidates, fastest first.
         pinned: the pinned choices (``parse_fixed``), which are not the search's doing.
         device: the hardware's device, ``cuda`` or ``cpu`` (named in the line).
+        by_layout: the fastest candidate of each parallel layout scored (``Exploration.best_by_layout``).
+        layouts_tried: parallel layouts searched.
 
     Returns:
         The line.
@@ -146,11 +209,19 @@ def explain_winner(candidates: list[Candidate], pinned: dict | None = None, devi
     line = (
         f"{what}; compute is {compute_share:.0%} of the step, {b.get('exposed_fetch_s', 0.0):.3g} s of fetches exposed"
     )
-    if s.layered:
+    if s.layered and best.layout.pipeline > 1:
+        line += (
+            f"; the {s.grad_accum_steps} micro-batches run layer by layer, breadth-first through each stage's blocks (each chunk "
+            "fetched once per pass and reduced once per step, their activations held together)"
+        )
+    elif s.layered:
         line += (
             f"; the {s.grad_accum_steps} micro-batches run layer by layer (layered accumulation: each chunk fetched "
             f"and reduced once per step instead of {s.grad_accum_steps} times, their activations held together)"
         )
+    parallel = explain_layout(best, by_layout, layouts_tried)
+    if parallel:
+        line += "; " + parallel
     if len(candidates) > 1:
         other = candidates[1]
         diffs = [
@@ -163,6 +234,7 @@ def explain_winner(candidates: list[Candidate], pinned: dict | None = None, devi
                 ("micro-batch", s.micro_batch_size, other.shape.micro_batch_size),
                 ("accumulation", s.accumulation, other.shape.accumulation),
                 ("prefetch", s.prefetch, other.shape.prefetch),
+                ("parallel layout", best.layout, other.layout),
             )
             if a != c
         ]
@@ -216,18 +288,30 @@ def search(
     pinned = parse_fixed(fixed)
     world = gpus_per_node * nodes
     global_batch = global_batch_size or DEFAULT_BATCH_PER_GPU * world
-    if global_batch % world:
-        raise ValueError(f"global batch size {global_batch} is not a multiple of the {world} GPUs")
-    model = CostModel(profile, hardware, gpus_per_node, nodes, dtype=pinned.get("dtype"))
+    if strategy == "elixir":
+        if global_batch % world:
+            raise ValueError(f"global batch size {global_batch} is not a multiple of the {world} GPUs")
+        if any(key in pinned for key in ("pipeline", "tensor", "tensor_mode")):
+            raise ValueError("--strategy elixir: Elixir's rule has no pipeline or tensor parallelism; drop those pins")
+        layouts = [DATA_ONLY]
+    else:
+        layouts = layout_choices(profile, gpus_per_node, nodes, global_batch, pinned)
+    models = {
+        layout: CostModel(profile, hardware, gpus_per_node, nodes, dtype=pinned.get("dtype"), layout=layout)
+        for layout in layouts
+    }
+    model = next(iter(models.values()))
     host_bytes = host_memory_bytes if host_memory_bytes is not None else hardware.host_memory_bytes
     budget = Budget(
         usable_gpu_bytes=hardware.usable_memory_bytes, host_bytes=host_bytes, global_batch_size=global_batch
     )
+    by_layout: dict[Layout, Candidate] = {}
     if strategy == "joint":
-        found = explore(model, budget, pinned, top_k)
+        found = explore(list(models.values()), budget, pinned, top_k)
         if not found.best:
             raise _infeasible(found.min_gpu_bytes, found.min_host_bytes, budget.usable_gpu_bytes, host_bytes, pinned)
-        candidates, num_scored = found.best, found.num_scored
+        candidates, num_scored, by_layout = found.best, found.num_scored, found.best_by_layout
+        model = models[candidates[0].layout]
     else:
         shape, memory = fitted_elixir_shape(model, global_batch // world, budget.usable_gpu_bytes, pinned)
         if memory.required_gpu_bytes > budget.usable_gpu_bytes or memory.peak_host_bytes > host_bytes:
@@ -235,7 +319,7 @@ def search(
                 memory.required_gpu_bytes, memory.peak_host_bytes, budget.usable_gpu_bytes, host_bytes, pinned
             )
         candidates, num_scored = [score(model, shape, memory, global_batch)], 1
-    why = explain_winner(candidates, pinned, device=hardware.device)
+    why = explain_winner(candidates, pinned, device=hardware.device, by_layout=by_layout, layouts_tried=len(models))
     elapsed = time.perf_counter() - started
     plan = build_plan(
         model,
@@ -248,5 +332,12 @@ def search(
         alternatives=candidates[1:],
     )
     return SearchResult(
-        plan=plan, candidates=candidates, elapsed_s=elapsed, num_scored=num_scored, why=why, model=model
+        plan=plan,
+        candidates=candidates,
+        elapsed_s=elapsed,
+        num_scored=num_scored,
+        why=why,
+        model=model,
+        models=models,
+        best_by_layout=by_layout,
     )

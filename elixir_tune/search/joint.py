@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from elixir_tune.costmodel.layout import largest_trainable_numel
 from elixir_tune.costmodel.memory import SHARD_BYTES
 from elixir_tune.costmodel.model import CostModel, Shape
+from elixir_tune.costmodel.parallel import Layout
 from elixir_tune.plan.memory import ALIGN_ELEMENTS, chunk_size_multiple
 from elixir_tune.search.candidate import Candidate, score
 from elixir_tune.search.space import (
@@ -61,12 +62,14 @@ class Exploration:
             None when the pinned choices allow no configuration at all).
         min_host_bytes: the least host memory a configuration that fits the device needs
             (None when none fits the device).
+        best_by_layout: the fastest candidate scored of each parallel layout (to say why one won).
     """
 
     best: list[Candidate]
     num_scored: int
     min_gpu_bytes: int | None
     min_host_bytes: int | None
+    best_by_layout: dict[Layout, Candidate] = field(default_factory=dict)
 
 
 def _covers(a: tuple[float, int, int], b: tuple[float, int, int]) -> bool:
@@ -120,15 +123,15 @@ class _TopK:
 def chunk_sizes(model: CostModel, fixed: dict) -> list[int]:
     """Chunk sizes to explore (or the pinned one, checked)."""
     profile = model.profile
-    world = model.world_size
+    world = model.data_size
     largest = largest_trainable_numel(profile)
     if "chunk_size" in fixed:
         size = fixed["chunk_size"]
         multiple = chunk_size_multiple(world)
         if size % multiple:
             raise ValueError(
-                f"--fix chunk_size={size}: not a multiple of {multiple} ({ALIGN_ELEMENTS} x the world size {world}, "
-                f"so that every shard starts aligned); use {-(-size // multiple) * multiple}"
+                f"--fix chunk_size={size}: not a multiple of {multiple} ({ALIGN_ELEMENTS} x the data-parallel size "
+                f"{world}, so that every shard starts aligned); use {-(-size // multiple) * multiple}"
             )
         if size < largest:
             raise ValueError(f"--fix chunk_size={size}: smaller than the largest parameter ({largest} elements)")
@@ -138,14 +141,16 @@ def chunk_sizes(model: CostModel, fixed: dict) -> list[int]:
 
 
 def checkpointing_choices(model: CostModel, fixed: dict) -> list[int]:
-    """Checkpointing options (or the pinned one, checked)."""
+    """Checkpointing options (or the pinned one, checked). Under a pipeline only none or all: the
+    plan's every-k rule counts global block indices, which a modular stage holds one in P of."""
     num_blocks = len(model.profile.blocks)
     if "checkpointing" in fixed:
         every = fixed["checkpointing"]
         if every and not num_blocks:
             raise ValueError("--fix checkpointing: the model has no repeated blocks to checkpoint")
         return [every]
-    return [every for every in CHECKPOINTING_CHOICES if every <= num_blocks] if num_blocks else [0]
+    choices = CHECKPOINTING_CHOICES if model.parallel_layout.pipeline == 1 else (0, 1)
+    return [every for every in choices if every <= num_blocks] if num_blocks else [0]
 
 
 def micro_batch_choices(per_rank_batch: int, fixed: dict) -> list[int]:
@@ -161,9 +166,10 @@ def micro_batch_choices(per_rank_batch: int, fixed: dict) -> list[int]:
     return divisors(per_rank_batch)[::-1]
 
 
-def micro_batch_accumulation_choices(per_rank_batch: int, fixed: dict) -> list[tuple[int, bool]]:
+def micro_batch_accumulation_choices(per_rank_batch: int, fixed: dict, pipeline: int = 1) -> list[tuple[int, bool]]:
     """(micro-batch size, layered) pairs: layered accumulation is tried wherever a step has more than
-    one micro-batch (with one it is the same as standard); ``--fix accumulation`` pins it."""
+    one micro-batch (with one it is the same as standard); ``--fix accumulation`` pins it. A
+    pipeline's looped breadth-first schedule runs the micro-batches layer by layer: always layered."""
     pinned = fixed.get("accumulation")
     pairs = []
     for micro_batch in micro_batch_choices(per_rank_batch, fixed):
@@ -173,8 +179,10 @@ def micro_batch_accumulation_choices(per_rank_batch: int, fixed: dict) -> list[t
                 continue
             if layered and not several:
                 continue
+            if pipeline > 1 and several and not layered:
+                continue
             pairs.append((micro_batch, layered))
-    if not pairs:
+    if not pairs and pipeline == 1:
         raise ValueError(
             f"--fix accumulation=layered: a per-rank batch of {per_rank_batch} leaves one micro-batch per step "
             "with the pinned micro-batch size; layered accumulation needs several (raise the global batch or "
@@ -214,11 +222,12 @@ def offload_choices(num_chunks: int, smallest: int, fixed: dict) -> list[int]:
     return sorted({smallest} | {count for count in grid if count >= smallest})
 
 
-def explore(model: CostModel, budget: Budget, fixed: dict, top_k: int) -> Exploration:
-    """Runs the joint search.
+def explore(model: CostModel | list[CostModel], budget: Budget, fixed: dict, top_k: int) -> Exploration:
+    """Runs the joint search over one cost model or several (one per parallel layout, data-only first).
 
     Args:
-        model: the cost model (fixes profile, hardware, cluster and dtype).
+        model: the cost model (fixes profile, hardware, cluster, dtype and parallel layout), or a
+            list of them, whose candidates compete in one ranking.
         budget: memory limits and the global batch.
         fixed: pinned choices (``parse_fixed``).
         top_k: how many of the best candidates to keep.
@@ -226,13 +235,29 @@ def explore(model: CostModel, budget: Budget, fixed: dict, top_k: int) -> Explor
     Returns:
         The best candidates and what the search learnt about memory.
     """
-    world = model.world_size
+    models = model if isinstance(model, list) else [model]
+    first = models[0]
+    top = _TopK(top_k, one_memory=first.hardware.device == "cpu", gpus_per_node=first.gpus_per_node)
+    found = Exploration(best=[], num_scored=0, min_gpu_bytes=None, min_host_bytes=None)
+    for each in models:
+        try:
+            _explore_layout(each, budget, fixed, top, found)
+        except ValueError:
+            if len(models) == 1:
+                raise  # a pin this only layout cannot take: say why
+            # another layout may take the pins (e.g. layered needs several micro-batches per data rank)
+    found.best = top.ranked()
+    return found
+
+
+def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, found: Exploration) -> None:
+    """The joint search's loops for one cost model (one parallel layout), into ``top`` and ``found``."""
+    world = model.data_size
     per_rank = budget.global_batch_size // world
     hardware = model.hardware
-    top = _TopK(top_k, one_memory=hardware.device == "cpu", gpus_per_node=model.gpus_per_node)
-    scored = 0
-    min_gpu: int | None = None
-    min_host: int | None = None
+    stages = model.parallel_layout.pipeline
+    tensor = model.parallel_layout
+    grid_rows = math.isqrt(tensor.tensor) if tensor.tensor_mode == "2d" else 1
     for chunk_size in chunk_sizes(model, fixed):
         layout = model.layout(chunk_size)
         num_chunks, cacheable = layout.num_chunks, layout.num_cacheable
@@ -241,15 +266,19 @@ def explore(model: CostModel, budget: Budget, fixed: dict, top_k: int) -> Explor
         costs = model.costs(chunk_size)
         for every in checkpointing_choices(model, fixed):
             minimum = model.min_cache_blocks(chunk_size, every)
-            for micro_batch, layered in micro_batch_accumulation_choices(per_rank, fixed):
+            for micro_batch, layered in micro_batch_accumulation_choices(per_rank, fixed, stages):
+                if micro_batch % grid_rows:
+                    continue  # 2D tensor parallelism splits each micro-batch over the q rows of its grid
                 accum = per_rank // micro_batch
-                compute_s = accum * model.compute_s(micro_batch, every)[0]
+                # A lower bound of the step: the compute, stretched by the pipeline bubble.
+                compute_s = accum * model.compute_s(micro_batch, every)[0] * model.parallel_costs.pipeline_factor(accum)
                 for cache_blocks in cache_choices(minimum, cacheable, fixed):
                     for prefetch in prefetch_choices(cache_blocks, minimum, cacheable, fixed):
                         shape = Shape(chunk_size, cache_blocks, 0, prefetch, every, micro_batch, accum, layered=layered)
                         base = model.memory(shape)
                         need_all_offloaded = base.required_gpu_bytes - num_chunks * shard_state_bytes
-                        min_gpu = need_all_offloaded if min_gpu is None else min(min_gpu, need_all_offloaded)
+                        if found.min_gpu_bytes is None or need_all_offloaded < found.min_gpu_bytes:
+                            found.min_gpu_bytes = need_all_offloaded
                         over = base.required_gpu_bytes - budget.usable_gpu_bytes  # the margin stays free
                         smallest = max(0, -(-over // shard_state_bytes))
                         if smallest > num_chunks:
@@ -259,7 +288,8 @@ def explore(model: CostModel, budget: Budget, fixed: dict, top_k: int) -> Explor
                                 chunk_size, cache_blocks, smallest, prefetch, every, micro_batch, accum, layered=layered
                             )
                         ).peak_host_bytes
-                        min_host = host_need if min_host is None else min(min_host, host_need)
+                        if found.min_host_bytes is None or host_need < found.min_host_bytes:
+                            found.min_host_bytes = host_need
                         if compute_s >= top.threshold_s:
                             continue
                         previous, worse = math.inf, 0
@@ -284,10 +314,15 @@ def explore(model: CostModel, budget: Budget, fixed: dict, top_k: int) -> Explor
                             if memory.peak_host_bytes > budget.host_bytes:
                                 break
                             candidate = score(model, shape, memory, budget.global_batch_size)
-                            scored += 1
+                            found.num_scored += 1
                             top.add(candidate)
+                            key = model.parallel_layout
+                            if (
+                                key not in found.best_by_layout
+                                or candidate.step_time_s < found.best_by_layout[key].step_time_s
+                            ):
+                                found.best_by_layout[key] = candidate
                             worse = worse + 1 if candidate.step_time_s > previous else 0
                             if worse >= 2:
                                 break
                             previous = candidate.step_time_s
-    return Exploration(best=top.ranked(), num_scored=scored, min_gpu_bytes=min_gpu, min_host_bytes=min_host)

@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from elixir_tune.plan.memory import ALIGN_ELEMENTS
-from elixir_tune.plan.schema import ACCUMULATIONS, DTYPES
+from elixir_tune.plan.schema import ACCUMULATIONS, DTYPES, TENSOR_MODES
 
 FIX_KEYS = {
     "chunk_size": "elements per chunk (a multiple of the world size, at least the largest parameter)",
@@ -17,6 +17,9 @@ FIX_KEYS = {
     "checkpointing": "none, all or every:<k>",
     "dtype": "fp32, bf16 or fp16",
     "accumulation": "standard or layered (micro-batches run layer by layer)",
+    "pipeline": "pipeline stages P, an integer (1: none)",
+    "tensor": "tensor-parallel degree T, an integer dividing the GPUs of a node and the heads (1: none)",
+    "tensor_mode": "1d (Megatron) or 2d (Optimus, square T >= 4)",
 }
 ALL = "all"
 # Checkpointing options the search tries when the model has blocks: none, all, every 2nd, every 4th.
@@ -80,7 +83,7 @@ def parse_fixed(fixed: dict[str, Any] | list[str] | None) -> dict[str, Any]:
     for key, value in fixed.items():
         if key not in FIX_KEYS:
             raise ValueError(f"--fix {key}: unknown key (known: {', '.join(FIX_KEYS)})")
-        if key in ("chunk_size", "micro_batch_size"):
+        if key in ("chunk_size", "micro_batch_size", "pipeline", "tensor"):
             out[key] = _int(key, value, 1)
         elif key == "prefetch":
             out[key] = _int(key, value, 0)
@@ -100,6 +103,10 @@ def parse_fixed(fixed: dict[str, Any] | list[str] | None) -> dict[str, Any]:
             if str(value) not in ACCUMULATIONS:
                 raise ValueError(f"--fix accumulation={value}: expected one of {', '.join(ACCUMULATIONS)}")
             out[key] = str(value)
+        elif key == "tensor_mode":
+            if str(value).lower() not in TENSOR_MODES:
+                raise ValueError(f"--fix tensor_mode={value}: expected one of {', '.join(TENSOR_MODES)}")
+            out[key] = str(value).lower()
         else:
             if str(value) not in DTYPES:
                 raise ValueError(f"--fix dtype={value}: expected one of {', '.join(DTYPES)}")

@@ -109,8 +109,10 @@ def search_plan(case: dict, world: int):
     with tempfile.TemporaryDirectory() as tmp:
         source = load_model_source(model_yaml(case, tmp))
         profile = profile_model(source, batch_size=2, seq_len=SEQ, dtype="fp32", checkpointing="all")
+    # The chunk engine's data-parallel path: no pipeline or tensor layout (those have tests of their own).
+    fixed = {**case["fixed"], "pipeline": 1, "tensor": 1}
     result = search(
-        profile, load_hardware("cpu"), gpus_per_node=world, global_batch_size=case["global_batch"], fixed=case["fixed"]
+        profile, load_hardware("cpu"), gpus_per_node=world, global_batch_size=case["global_batch"], fixed=fixed
     )
     return result.plan
 

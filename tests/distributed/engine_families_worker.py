@@ -83,6 +83,9 @@ def search_plan(case: dict, world: int):
         "cache_blocks": min_cache,
         "prefetch": 0,
         "micro_batch_size": 2,
+        # the chunk engine's data-parallel path: no pipeline or tensor layout
+        "pipeline": 1,
+        "tensor": 1,
     }
     return search(profile, hardware, gpus_per_node=world, global_batch_size=case["global_batch"], fixed=fixed).plan
 

@@ -50,6 +50,7 @@ def make_plan(case: dict, world: int):
         model = CostModel(profile, hardware, gpus_per_node=world, dtype=case["dtype"])
         fixed["cache_blocks"] = model.min_cache_blocks(CHUNK_SIZE, every) + fixed.get("prefetch", 0)
     global_batch = case["micro_batch_size"] * case["accum"] * world
+    fixed = {**fixed, "pipeline": 1, "tensor": 1}  # the chunk engine's data-parallel path
     result = search(profile, hardware, gpus_per_node=world, global_batch_size=global_batch, fixed=fixed)
     return source, profile, result
 

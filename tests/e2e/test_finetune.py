@@ -61,7 +61,23 @@ def test_finetune_a_model_directory(tmp_path):
     model_dir = tmp_path / "tiny-gpt2"
     make_model_dir(model_dir)
     tune(["profile", model_dir, "--batch-size", "4", "--seq-len", "32"], tmp_path)
-    tune(["search", "--gpus", "2", "--hardware", "cpu", "--global-batch-size", "8"], tmp_path)
+    # Data parallelism only: this path checks the chunk engine (pipeline/tensor plans are tested apart).
+    tune(
+        [
+            "search",
+            "--gpus",
+            "2",
+            "--hardware",
+            "cpu",
+            "--global-batch-size",
+            "8",
+            "--fix",
+            "pipeline=1",
+            "--fix",
+            "tensor=1",
+        ],
+        tmp_path,
+    )
     out, log = tmp_path / "out", tmp_path / "train.json"
     result = run_elixir(
         [

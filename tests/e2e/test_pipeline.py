@@ -56,6 +56,11 @@ def cpu_plan(tmp_path_factory) -> Path:
             work / "profile.yaml",
             "--hardware",
             "cpu",
+            # data parallelism only: this path checks the chunk engine
+            "--fix",
+            "pipeline=1",
+            "--fix",
+            "tensor=1",
             "--global-batch-size",
             "16",
             "--out",
@@ -78,6 +83,11 @@ def test_two_nodes_on_loopback_train_one_plan(cpu_plan, tmp_path):
             cpu_plan.parent / "profile.yaml",
             "--hardware",
             "cpu",
+            # data parallelism only: this path checks the chunk engine
+            "--fix",
+            "pipeline=1",
+            "--fix",
+            "tensor=1",
             "--global-batch-size",
             "16",
             "--out",
@@ -166,6 +176,7 @@ def test_a_layered_plan_trains_through_train_gpt2(cpu_plan, tmp_path):
     work = cpu_plan.parent
     args = ["search", "--gpus", "2", "--profile", work / "profile.yaml", "--hardware", "cpu"]
     args += ["--global-batch-size", "16", "--fix", "accumulation=layered", "--fix", "micro_batch_size=2"]
+    args += ["--fix", "pipeline=1", "--fix", "tensor=1"]  # the chunk engine's layered path
     _tune([*args, "--out", plan])
     assert "accumulation: layered" in plan.read_text()
     shown = _tune(["show", plan])

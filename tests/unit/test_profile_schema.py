@@ -47,3 +47,29 @@ def test_every_problem_is_listed(tmp_path: Path, raw: dict):
         load_profile(path)
     assert "params[1].numel: expected an integer" in str(caught.value)
     assert "elixir-tune profile" in str(caught.value)
+
+
+def test_a_profile_written_before_the_architecture_numbers_loads(tmp_path: Path, raw: dict):
+    del raw["arch"]
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    arch = load_profile(path).arch
+    assert (arch.model_type, arch.hidden_size, arch.num_heads, arch.num_kv_heads) == ("", 0, 0, 0)
+
+
+def test_architecture_numbers_come_from_the_hf_config():
+    from types import SimpleNamespace
+
+    from transformers import GPT2Config, LlamaConfig, OPTConfig
+
+    from elixir_tune.profiler.arch import model_arch
+
+    llama = LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, intermediate_size=160)
+    arch = model_arch(SimpleNamespace(config=llama))
+    assert (arch.model_type, arch.hidden_size, arch.num_heads, arch.num_kv_heads) == ("llama", 64, 8, 2)
+    assert arch.intermediate_size == 160 and arch.num_layers == llama.num_hidden_layers
+    gpt2 = model_arch(SimpleNamespace(config=GPT2Config(n_embd=96, n_head=4, n_layer=3, vocab_size=500)))
+    assert (gpt2.hidden_size, gpt2.num_heads, gpt2.num_kv_heads, gpt2.intermediate_size) == (96, 4, 4, 384)
+    assert (gpt2.num_layers, gpt2.vocab_size) == (3, 500)
+    assert model_arch(SimpleNamespace(config=OPTConfig(ffn_dim=1000))).intermediate_size == 1000
+    assert model_arch(object()).model_type == ""  # no HF config: unknown

@@ -27,6 +27,7 @@ from elixir_tune.search.joint import (
     micro_batch_choices,
     prefetch_choices,
 )
+from elixir_tune.search.layouts import layout_choices
 
 MIB = 2**20
 
@@ -127,7 +128,10 @@ def every_shape(model: CostModel, per_rank: int, fixed: dict):
             minimum = model.min_cache_blocks(chunk_size, every)
             for micro_batch in micro_batch_choices(per_rank, fixed):
                 accum = per_rank // micro_batch
-                for layered in (False, True) if accum > 1 and fixed.get("accumulation") != "standard" else (False,):
+                layered_choices = (False, True) if accum > 1 and fixed.get("accumulation") != "standard" else (False,)
+                if model.parallel_layout.pipeline > 1 and accum > 1:
+                    layered_choices = (True,)  # a pipeline's breadth-first schedule is layered
+                for layered in layered_choices:
                     for cache_blocks in cache_choices(minimum, layout.num_cacheable, fixed):
                         for prefetch in prefetch_choices(cache_blocks, minimum, layout.num_cacheable, fixed):
                             for offloaded in range(layout.num_chunks + 1):
@@ -144,14 +148,21 @@ def every_shape(model: CostModel, per_rank: int, fixed: dict):
 
 
 def exhaustive_best(profile, hardware, gpus: int, global_batch: int, fixed: dict):
-    """Scores every candidate that fits device and host memory (no bound, no early stop).
+    """Scores every candidate of every parallel layout that fits device and host memory (no bound,
+    no early stop).
 
     Returns:
         ((step time, device bytes, host bytes), candidate) of the best, and how many were scored.
     """
-    model = CostModel(profile, hardware, gpus, dtype=fixed.get("dtype"))
     best, scored = None, 0
-    for shape in every_shape(model, global_batch // gpus, fixed):
+    for layout in layout_choices(profile, gpus, 1, global_batch, fixed):
+        model = CostModel(profile, hardware, gpus, dtype=fixed.get("dtype"), layout=layout)
+        best, scored = _best_of_layout(model, hardware, global_batch, fixed, best, scored)
+    return best, scored
+
+
+def _best_of_layout(model: CostModel, hardware, global_batch: int, fixed: dict, best, scored: int):
+    for shape in every_shape(model, global_batch // model.data_size, fixed):
         memory = model.memory(shape)
         # required = the peak plus the margin the search keeps free (costmodel.memory.margin_bytes)
         if (

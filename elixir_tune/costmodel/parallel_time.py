@@ -1,0 +1,192 @@
+"""What pipeline and tensor parallelism add to one rank's step, in seconds.
+
+Prices the formulas of ``costmodel/parallel.py`` with the hardware's links:
+
+* tensor-parallel collectives ride the node's GPU links (``allgather_gbps``: NVLink on SXM
+  presets, PCIe on PCIe presets; the search keeps T within a node), one ``collective_latency_s``
+  each, and sit on the compute stream: a layer's matmul waits for its gathered input;
+* a pipeline stage's sends go to the neighbouring stage: on the node's links while a pipeline
+  group (P x T consecutive ranks) fits in a node, else over the inter-node network. They overlap the
+  next micro-batch's compute in a breadth-first schedule; what is exposed is one send per stage hop
+  to fill the pipeline and one to drain it, plus whatever the sends take beyond the compute (on a
+  CPU device, where gloo sends on the compute cores, all of them);
+* the bubble is ``bubble_fraction`` of the step: (P - 1) idle virtual-stage slots, each one
+  micro-batch through one virtual stage;
+* a tied parameter held by the first and the last stage (GPT-2's ``wte``) is all-reduced between
+  them once per step, after backward.
+"""
+
+from __future__ import annotations
+
+import math
+
+from elixir_tune.costmodel.parallel import (
+    TP_1D_FORWARD_COLLECTIVES,
+    Layout,
+    bubble_fraction,
+    is_gated,
+    layer_matmuls,
+    p2p_sends_per_micro_batch,
+    tied_params,
+    tp_1d_layer_bytes,
+    tp_2d_layer_broadcasts,
+    tp_2d_layer_elements,
+    tp_boundary_factor,
+    tp_efficiency,
+    virtual_stages,
+)
+from elixir_tune.hardware.spec import HardwareSpec
+from elixir_tune.plan.schema import DTYPE_BYTES
+from elixir_tune.plan.tensor_layout import local_shape
+from elixir_tune.profiler.schema import ModelProfile
+
+# Collectives of the first and last stage beside the blocks under 1D/2D tensor parallelism: the
+# vocabulary-parallel embedding's reduce-scatter (forward) and all-gather (backward), and the
+# output head's all-gather of the sequence-sharded hidden states and its reduce-scatter.
+TP_EDGE_COLLECTIVES = 2
+
+
+class ParallelTimes:
+    """Tensor and pipeline costs of one rank (one pipeline stage) of one layout."""
+
+    def __init__(
+        self,
+        full: ModelProfile,
+        hardware: HardwareSpec,
+        gpus_per_node: int,
+        layout: Layout,
+        stage: int,
+        dtype: str,
+    ):
+        """Prepares the per-layout constants.
+
+        Args:
+            full: the whole model's profile.
+            hardware: the node spec.
+            gpus_per_node: ranks per node.
+            layout: the parallel layout.
+            stage: the pipeline stage modelled.
+            dtype: compute dtype.
+        """
+        self.full = full
+        self.layout = layout
+        self.stage = stage
+        self.dtype_bytes = DTYPE_BYTES[dtype]
+        self.latency_s = hardware.collective_latency_s
+        # On a CPU device the sends run on the compute cores (gloo), so they do not overlap the compute.
+        self.serial_sends = hardware.device == "cpu"
+        self.hidden = full.arch.hidden_size
+        arch = full.arch
+        if layout.tensor > 1 and not (arch.hidden_size and arch.num_heads):
+            raise ValueError(
+                f"tensor degree {layout.tensor}: the profile of {full.name} has no hidden size or head count "
+                "(profile it again with this elixir-tune, from a transformers model)"
+            )
+        self.matmuls = layer_matmuls(
+            arch.hidden_size,
+            arch.intermediate_size or 4 * arch.hidden_size,
+            arch.num_heads,
+            arch.num_kv_heads or arch.num_heads,
+            is_gated(full),
+        )
+        self.intra_bps = hardware.allgather_gbps * 1e9
+        fits_node = layout.model_parallel <= gpus_per_node
+        self.pipeline_bps = (hardware.allgather_gbps if fits_node else hardware.inter_node_gbps) * 1e9
+        # A measured block-rate curve is read at the rank's (smaller) block already; without one the
+        # narrower matrices follow the documented rule.
+        has_curve = bool(hardware.block_tflops_curves.get(dtype) or hardware.block_tflops_curves.get("fp32"))
+        self.rate_factor = 1.0 if has_curve else tp_efficiency(self.hidden, layout.tensor, layout.tensor_mode)
+        edges = (stage == 0) + (stage == layout.pipeline - 1)
+        self.edge_collectives = TP_EDGE_COLLECTIVES * edges if layout.tensor > 1 else 0
+        boundaries = [b.boundary_bytes_per_sample for b in full.blocks]
+        boundary = sum(boundaries) / len(boundaries) if boundaries else 0.0
+        self.send_bytes_per_sample = boundary * tp_boundary_factor(
+            layout.tensor_mode, layout.tensor, layout.sequence_parallel
+        )
+        self.tied_bytes = (
+            sum(
+                math.prod(
+                    local_shape(
+                        full.params[i].name,
+                        list(full.params[i].shape),
+                        arch.model_type,
+                        layout.tensor,
+                        layout.tensor_mode,
+                    )
+                    if layout.tensor > 1
+                    else full.params[i].shape
+                )
+                for i in tied_params(full, layout)
+            )
+            * self.dtype_bytes
+        )
+
+    def communicators(self, data_size: int) -> int:
+        """Communication groups of more than one rank this rank belongs to (each holds library buffers)."""
+        return (data_size > 1) + (self.layout.tensor > 1) + (self.layout.pipeline > 1)
+
+    def tensor_layer_s(self, micro_batch_size: int) -> tuple[float, float]:
+        """(seconds of one layer's forward+backward tensor collectives, the forward's share)."""
+        layout = self.layout
+        tokens = micro_batch_size * self.full.seq_len
+        if layout.tensor <= 1:
+            return 0.0, 0.0
+        if layout.tensor_mode == "2d":
+            q = math.isqrt(layout.tensor)
+            wire = tp_2d_layer_elements(tokens, self.matmuls, q) * self.dtype_bytes
+            calls = tp_2d_layer_broadcasts(len(self.matmuls), q)
+            return calls * self.latency_s + wire / self.intra_bps, 1.0 / 3.0
+        wire = tp_1d_layer_bytes(tokens, self.hidden, layout.tensor, self.dtype_bytes)
+        return 2 * TP_1D_FORWARD_COLLECTIVES * self.latency_s + wire / self.intra_bps, 0.5
+
+    def tensor_comm_s(self, micro_batch_size: int, blocks: int, recomputed_blocks: int) -> float:
+        """Seconds of tensor collectives in one micro-batch of this rank.
+
+        Args:
+            micro_batch_size: samples per micro-batch.
+            blocks: the rank's blocks.
+            recomputed_blocks: of which recompute their forward in backward (checkpointed).
+
+        Returns:
+            Seconds (0 without tensor parallelism).
+        """
+        layer_s, forward_share = self.tensor_layer_s(micro_batch_size)
+        if layer_s == 0.0:
+            return 0.0
+        degree = self.layout.tensor
+        edge_bytes = micro_batch_size * self.full.seq_len * self.hidden * self.dtype_bytes * (degree - 1) / degree
+        edges_s = self.edge_collectives * (self.latency_s + edge_bytes / self.intra_bps)
+        return blocks * layer_s + recomputed_blocks * layer_s * forward_share + edges_s
+
+    def pipeline_s(self, stage_compute_s: float, micro_batch_size: int, micro_batches: int) -> dict[str, float]:
+        """What a pipeline adds to the step of one stage.
+
+        Args:
+            stage_compute_s: the stage's compute over all micro-batches of the step.
+            micro_batch_size: samples per micro-batch.
+            micro_batches: N per step.
+
+        Returns:
+            ``pipeline_bubble_s``, ``p2p_s`` (exposed sends) and ``tied_allreduce_s``.
+        """
+        layout = self.layout
+        stages, num_blocks = layout.pipeline, len(self.full.blocks)
+        fraction = bubble_fraction(stages, micro_batches, virtual_stages(num_blocks, stages, layout.assignment))
+        bubble_s = stage_compute_s * fraction / (1.0 - fraction) if fraction < 1.0 else math.inf
+        send_s = self.latency_s + micro_batch_size * self.send_bytes_per_sample / self.pipeline_bps
+        sends = 2 * micro_batches * p2p_sends_per_micro_batch(num_blocks, stages, layout.assignment)
+        if self.serial_sends:
+            p2p_s = (2 * (stages - 1) + sends) * send_s
+        else:
+            p2p_s = 2 * (stages - 1) * send_s + max(0.0, sends * send_s - stage_compute_s)
+        tied_s = self.latency_s + self.tied_bytes / self.pipeline_bps if self.tied_bytes else 0.0
+        return {"pipeline_bubble_s": bubble_s, "p2p_s": p2p_s, "tied_allreduce_s": tied_s}
+
+    def pipeline_factor(self, micro_batches: int) -> float:
+        """Step over busy time of the bubble alone, 1 / (1 - bubble fraction): a lower-bound multiplier."""
+        layout = self.layout
+        num_blocks = len(self.full.blocks)
+        fraction = bubble_fraction(
+            layout.pipeline, micro_batches, virtual_stages(num_blocks, layout.pipeline, layout.assignment)
+        )
+        return 1.0 / (1.0 - fraction)

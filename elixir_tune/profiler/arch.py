@@ -1,0 +1,48 @@
+"""The architecture numbers of a transformers model, read from its HF config.
+
+Families name the same number differently (GPT-2's ``n_inner``, OPT's ``ffn_dim``, Llama's
+``intermediate_size``); transformers' ``attribute_map`` already answers ``hidden_size``,
+``num_attention_heads`` and ``num_hidden_layers`` for all of them, so only the MLP width and the
+key/value heads need a fallback chain here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from elixir_tune.profiler.schema import ModelArch
+
+# Where each family keeps its MLP width, first match wins; GPT-2's n_inner is None for 4 x hidden.
+_INTERMEDIATE_NAMES = ("intermediate_size", "ffn_dim", "n_inner", "d_ff", "encoder_ffn_dim")
+
+
+def _positive_int(config: Any, name: str) -> int:
+    value = getattr(config, name, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def model_arch(model: Any) -> ModelArch:
+    """The architecture numbers of ``model.config`` (all zero when the model has no HF config).
+
+    Args:
+        model: a module; transformers models carry a ``config``.
+
+    Returns:
+        The numbers; a missing one is 0, and the MLP width defaults to 4 x hidden as in GPT-2.
+    """
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if config is None or not isinstance(model_type, str):
+        return ModelArch()
+    hidden = _positive_int(config, "hidden_size")
+    heads = _positive_int(config, "num_attention_heads")
+    intermediate = next((_positive_int(config, name) for name in _INTERMEDIATE_NAMES if _positive_int(config, name)), 0)
+    return ModelArch(
+        model_type=model_type,
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=_positive_int(config, "num_key_value_heads") or heads,
+        intermediate_size=intermediate or 4 * hidden,
+        vocab_size=_positive_int(config, "vocab_size"),
+        num_layers=_positive_int(config, "num_hidden_layers"),
+    )

@@ -1,0 +1,127 @@
+"""The parallel layouts the joint search tries: tensor degree and mode, pipeline degree.
+
+Rules (docs/DESIGN.md section 7.1):
+
+* tensor degree T: divisors of the GPUs of one node (tensor traffic is per layer and latency-bound,
+  so it stays on the node's links) that divide the attention heads and the key/value heads, and
+  whose local shapes exist for every parameter (a vocabulary of 50257 does not split by 2);
+  mode 1d for each, and 2d where T is a square q x q >= 4; only for model families with a tensor
+  layout table (``plan/tensor_layout.py``);
+* pipeline degree P: divisors of world / T up to the number of blocks, modular assignment and the
+  looped breadth-first schedule;
+* the data degree world / (P x T) must divide the global batch.
+
+``--fix pipeline=P``, ``--fix tensor=T`` and ``--fix tensor_mode=1d|2d`` pin them (checked here).
+"""
+
+from __future__ import annotations
+
+import math
+
+from elixir_tune.costmodel.parallel import Layout, cast_mode, pipeline_degrees, tensor_degrees
+from elixir_tune.plan.schema import TensorMode
+from elixir_tune.plan.tensor_layout import local_shape
+from elixir_tune.profiler.schema import ModelProfile
+
+
+def _splits(profile: ModelProfile, degree: int, mode: str) -> bool:
+    """Whether every parameter has a local shape at this tensor degree and mode."""
+    try:
+        for param in profile.params:
+            local_shape(param.name, list(param.shape), profile.arch.model_type, degree, mode)
+    except ValueError:
+        return False
+    return True
+
+
+def tensor_choices(profile: ModelProfile, gpus_per_node: int, fixed: dict) -> list[tuple[int, TensorMode]]:
+    """(T, mode) pairs to try, or the pinned ones, checked.
+
+    Raises:
+        ValueError: a pinned degree or mode the model or the node does not allow (says why).
+    """
+    allowed = [(t, m) for t, m in tensor_degrees(profile, gpus_per_node) if t == 1 or _splits(profile, t, m)]
+    pinned_t, pinned_mode = fixed.get("tensor"), fixed.get("tensor_mode")
+    if pinned_mode == "2d" and pinned_t is None:
+        chosen: list[tuple[int, TensorMode]] = [(t, m) for t, m in allowed if m == "2d"]
+        if not chosen:
+            raise ValueError(
+                f"--fix tensor_mode=2d: no square tensor degree >= 4 fits {profile.name} on {gpus_per_node} GPUs per "
+                "node (it must divide the node's GPUs and the heads, and the model family needs a tensor layout)"
+            )
+        return chosen
+    if pinned_t is None:
+        return allowed
+    mode = cast_mode(pinned_mode or "1d")
+    if (pinned_t, mode) in allowed:
+        return [(pinned_t, mode)]
+    arch = profile.arch
+    if pinned_t > 1 and not arch.num_heads:
+        why = "the profile has no head counts (profile it again from a transformers model)"
+    elif gpus_per_node % pinned_t:
+        why = f"it does not divide the {gpus_per_node} GPUs of a node (tensor parallelism stays within a node)"
+    elif arch.num_heads % pinned_t or (arch.num_kv_heads or arch.num_heads) % pinned_t:
+        why = f"it does not divide the {arch.num_heads} heads and {arch.num_kv_heads or arch.num_heads} key/value heads"
+    elif mode == "2d" and (pinned_t < 4 or math.isqrt(pinned_t) ** 2 != pinned_t):
+        why = "mode 2d needs a square degree q x q of at least 4"
+    elif mode == "1d" and profile.seq_len % pinned_t:
+        why = f"sequence parallelism splits the {profile.seq_len} tokens of a sample by T, and {pinned_t} does not divide them"
+    elif not any(t > 1 for t, _ in tensor_degrees(profile, gpus_per_node)):
+        why = f"model type {arch.model_type!r} has no tensor layout table"
+    else:
+        why = "a parameter does not split evenly (e.g. the vocabulary size)"
+    raise ValueError(f"--fix tensor={pinned_t} (mode {mode}): not possible for {profile.name}: {why}")
+
+
+def layout_choices(
+    profile: ModelProfile, gpus_per_node: int, nodes: int, global_batch_size: int, fixed: dict
+) -> list[Layout]:
+    """Layouts to search, data parallelism only first.
+
+    Args:
+        profile: the whole model's profile.
+        gpus_per_node: ranks per node.
+        nodes: nodes.
+        global_batch_size: samples per step.
+        fixed: pinned choices (``parse_fixed``).
+
+    Returns:
+        The layouts.
+
+    Raises:
+        ValueError: a pinned pipeline or tensor degree that cannot be used (says why).
+    """
+    world = gpus_per_node * nodes
+    num_blocks = len(profile.blocks)
+    layouts = []
+    for degree, mode in tensor_choices(profile, gpus_per_node, fixed):
+        if world % degree:
+            continue
+        stage_choices = pipeline_degrees(world, degree, num_blocks)
+        if "pipeline" in fixed:
+            stage_choices = [fixed["pipeline"]] if fixed["pipeline"] in stage_choices else []
+        for stages in stage_choices:
+            if global_batch_size % (world // (stages * degree)):
+                continue
+            layouts.append(Layout(pipeline=stages, tensor=degree, tensor_mode=cast_mode(mode)))
+    stages = fixed.get("pipeline", 1)
+    if stages > 1 and fixed.get("accumulation") == "standard":
+        raise ValueError(
+            f"--fix pipeline={stages} with --fix accumulation=standard: a pipeline runs its micro-batches "
+            "breadth-first, layer by layer (layered); drop one of the pins"
+        )
+    if stages > 1 and stages > num_blocks:
+        raise ValueError(
+            f"--fix pipeline={stages}: the model has {num_blocks} repeated blocks; a stage needs at least one"
+        )
+    if not layouts and "pipeline" in fixed:
+        raise ValueError(
+            f"--fix pipeline={stages}: no tensor degree leaves a pipeline of {stages} that divides the world of "
+            f"{world} GPUs and a data-parallel degree that divides the global batch {global_batch_size}"
+        )
+    if not layouts:
+        raise ValueError(
+            f"no parallel layout divides the global batch {global_batch_size} into data-parallel shares "
+            "(raise the global batch to a multiple of the data-parallel degree)"
+        )
+    return layouts

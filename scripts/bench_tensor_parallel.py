@@ -1,0 +1,189 @@
+"""Predicted step time and peak memory of the best plan with and without tensor (and pipeline) parallelism.
+
+For Llama-2 13B and 70B (configs/models, traced on the meta device, bf16, seq 4096) on 2 nodes x 8
+h100-80gb-sxm and 4 nodes x 8 a100-40gb-pcie (configs/hardware presets), at global batches of 2 and
+8 sequences per GPU, the joint search is run with the parallel layout free and pinned:
+
+* ``free``: the search picks data/pipeline/tensor itself;
+* ``dp only``: ``--fix pipeline=1 --fix tensor=1`` (the search before tensor/pipeline parallelism);
+* ``tp T`` (1d) for T = 2, 4, 8 and ``tp 4 (2d)``: ``--fix tensor=T [--fix tensor_mode=2d]``;
+* ``pp P`` for P = 2, 4: ``--fix pipeline=P --fix tensor=1``.
+
+Everything is a prediction of the cost model (docs/DESIGN.md section 6), nothing runs.
+
+    .venv/bin/python scripts/bench_tensor_parallel.py      # writes benchmarks/results/tensor-parallel.{json,md}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+from elixir_tune import paths
+from elixir_tune.hardware import load_hardware
+from elixir_tune.search import InfeasibleError, search
+
+MODELS = ("llama2-13b", "llama2-70b")
+CLUSTERS = (("h100-80gb-sxm", 8, 2), ("a100-40gb-pcie", 8, 4))
+BATCHES_PER_GPU = (2, 8)
+SEQ_LEN = 4096
+VARIANTS: tuple[tuple[str, list[str]], ...] = (
+    ("free", []),
+    ("dp only", ["pipeline=1", "tensor=1"]),
+    ("tp 2", ["tensor=2", "pipeline=1"]),
+    ("tp 4", ["tensor=4", "pipeline=1"]),
+    ("tp 8", ["tensor=8", "pipeline=1"]),
+    ("tp 4 (2d)", ["tensor=4", "tensor_mode=2d", "pipeline=1"]),
+    ("pp 2", ["pipeline=2", "tensor=1"]),
+    ("pp 4", ["pipeline=4", "tensor=1"]),
+)
+COMMAND = ".venv/bin/python scripts/bench_tensor_parallel.py"
+
+
+def run_variant(profile, hardware, gpus: int, nodes: int, batch: int, fixed: list[str]) -> dict:
+    """The best plan of one pinned layout, or why there is none."""
+    started = time.perf_counter()
+    try:
+        result = search(profile, hardware, gpus_per_node=gpus, nodes=nodes, global_batch_size=batch, fixed=fixed)
+    except InfeasibleError as error:
+        return {"infeasible": str(error).split("; try:")[0], "search_s": round(time.perf_counter() - started, 2)}
+    except ValueError as error:
+        return {"not possible": str(error), "search_s": round(time.perf_counter() - started, 2)}
+    plan = result.plan
+    assert plan.prediction is not None
+    best = result.candidates[0]
+    return {
+        "search_s": round(result.elapsed_s, 2),
+        "step_time_s": plan.prediction.step_time_s,
+        "tokens_per_s": plan.prediction.tokens_per_s,
+        "tflops_per_gpu": plan.prediction.tflops_per_gpu,
+        "peak_gpu_bytes": plan.prediction.peak_gpu_bytes,
+        "peak_host_bytes": plan.prediction.peak_host_bytes,
+        "layout": best.layout.describe(),
+        "data": plan.data_parallel_size,
+        "breakdown": plan.prediction.breakdown,
+        "shape": best.row(),
+        "why": result.why,
+    }
+
+
+def _cell(row: dict) -> str:
+    if "step_time_s" not in row:
+        return "no plan"
+    return f"{row['step_time_s']:.3g}"
+
+
+def _plan(row: dict) -> str:
+    if "infeasible" in row:
+        return row["infeasible"].replace("|", "/")
+    if "not possible" in row:
+        return row["not possible"].replace("|", "/")
+    s = row["shape"]
+    every = s["checkpointing"]
+    ckpt = "none" if every == 0 else "all" if every == 1 else f"1/{every}"
+    b = row["breakdown"]
+    step = row["step_time_s"]
+    extra = []
+    for key, label in (("tensor_comm_s", "TP comm"), ("pipeline_bubble_s", "bubble"), ("exposed_fetch_s", "fetch")):
+        if b.get(key):
+            extra.append(f"{label} {b[key] / step:.0%}")
+    layout = f"dp {row['data']}" if row["layout"] == "dp only" else f"{row['layout']} x dp {row['data']}"
+    return (
+        f"{layout}: micro {s['micro_batch_size']} x {s['grad_accum_steps']}"
+        f"{' L' if s['accumulation'] == 'layered' else ''}, ckpt {ckpt}, offload {s['offload']:.0%}, "
+        f"cache {s['cache_blocks']}/{s['cacheable_chunks']}" + (f"; {', '.join(extra)}" if extra else "")
+    )
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        "# Tensor and pipeline parallelism: predicted best plans",
+        "",
+        f"Command: `{report['command']}` ({report['machine']}; {report['elapsed_s']} s in all"
+        + (f", load average {report['load_before']} -> {report['load_after']}" if "load_before" in report else "")
+        + "; search times depend on the load, predictions do not).",
+        "",
+        "Predictions of the cost model only (nothing ran): step time of the best plan the joint search finds with "
+        "the parallel layout free or pinned, and its peak device memory per GPU (the largest pipeline stage). "
+        f"Profiles traced on the meta device, bf16, seq {SEQ_LEN}. `free` lets the search choose; `dp only` is "
+        "`--fix pipeline=1 --fix tensor=1`; `tp T` is `--fix tensor=T --fix pipeline=1`; `pp P` is "
+        "`--fix pipeline=P --fix tensor=1`. TFLOPS = model FLOPs / step / GPUs.",
+        "",
+    ]
+    for case in report["cases"]:
+        lines += [
+            f"## {case['model']} on {case['nodes']} x {case['gpus_per_node']} x {case['hardware']}, "
+            f"global batch {case['global_batch_size']} ({case['global_batch_size'] // (case['nodes'] * case['gpus_per_node'])} per GPU)",
+            "",
+            "| layout | step s | vs dp only | TFLOPS/GPU | GPU GiB | plan |",
+            "|---|---:|---:|---:|---:|---|",
+        ]
+        base = case["variants"]["dp only"].get("step_time_s")
+        for name, row in case["variants"].items():
+            ratio = f"{base / row['step_time_s']:.2f}x" if base and "step_time_s" in row else "-"
+            tflops = f"{row['tflops_per_gpu']:.0f}" if "tflops_per_gpu" in row else "-"
+            gib = f"{row['peak_gpu_bytes'] / 2**30:.1f}" if "peak_gpu_bytes" in row else "-"
+            lines.append(f"| {name} | {_cell(row)} | {ratio} | {tflops} | {gib} | {_plan(row)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--render-only", action="store_true", help="rewrite PREFIX.md from the existing PREFIX.json (no search)"
+    )
+    parser.add_argument(
+        "--out-prefix",
+        default=str(paths.REPO_DIR / "benchmarks" / "results" / "tensor-parallel"),
+        help="writes PREFIX.json and PREFIX.md",
+    )
+    args = parser.parse_args()
+    prefix = Path(args.out_prefix)
+    if args.render_only:
+        prefix.with_suffix(".md").write_text(markdown(json.loads(prefix.with_suffix(".json").read_text())))
+        return
+    from elixir_tune.profiler import profile_model
+
+    load_before = round(os.getloadavg()[0], 2)
+    started = time.perf_counter()
+    cases = []
+    for model_name in MODELS:
+        profile = profile_model(
+            str(paths.MODEL_CONFIGS_DIR / f"{model_name}.yaml"), batch_size=1, seq_len=SEQ_LEN, dtype="bf16"
+        )
+        for hardware_name, gpus, nodes in CLUSTERS:
+            hardware = load_hardware(hardware_name)
+            for per_gpu in BATCHES_PER_GPU:
+                batch = per_gpu * gpus * nodes
+                variants = {name: run_variant(profile, hardware, gpus, nodes, batch, fixed) for name, fixed in VARIANTS}
+                cases.append(
+                    {
+                        "model": model_name,
+                        "hardware": hardware_name,
+                        "gpus_per_node": gpus,
+                        "nodes": nodes,
+                        "global_batch_size": batch,
+                        "variants": variants,
+                    }
+                )
+                print(model_name, hardware_name, batch, {k: _cell(v) for k, v in variants.items()}, flush=True)
+    report = {
+        "command": COMMAND,
+        "machine": f"{platform.node() or 'vm'}, Python {platform.python_version()}",
+        "elapsed_s": round(time.perf_counter() - started, 1),
+        "load_before": load_before,
+        "load_after": round(os.getloadavg()[0], 2),
+        "cases": cases,
+    }
+    prefix.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    prefix.with_suffix(".md").write_text(markdown(report))
+    print(f"wrote {prefix}.json and {prefix}.md")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""The search over pipeline and tensor parallelism: pins, choosing them only when faster, and the
+plans it builds (chunks per stage at tensor-parallel local sizes)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from elixir_tune.costmodel.parallel import DATA_ONLY, Layout
+from elixir_tune.costmodel.synthetic import example_hardware, gpt2_profile
+from elixir_tune.hardware import load_hardware
+from elixir_tune.plan import dump_plan, validate
+from elixir_tune.plan.stages import assign_stages
+from elixir_tune.plan.tensor_layout import local_shape
+from elixir_tune.search import search
+
+
+def profile_of(hidden: int, layers: int, heads: int, seq: int, vocab: int = 50304):
+    return gpt2_profile("p", hidden=hidden, layers=layers, heads=heads, vocab=vocab, positions=seq, seq_len=seq)
+
+
+@pytest.fixture(scope="module")
+def small():
+    return profile_of(256, 4, 4, 128, vocab=1024)
+
+
+@pytest.fixture(scope="module")
+def h100():
+    return load_hardware("h100-80gb-sxm")
+
+
+@pytest.mark.parametrize(
+    "fixed,layout",
+    [
+        (["pipeline=2"], (2, 1, "1d")),
+        (["tensor=2"], (1, 2, "1d")),
+        (["tensor=4", "tensor_mode=2d"], (1, 4, "2d")),
+        (["tensor_mode=2d"], (1, 4, "2d")),
+        (["pipeline=2", "tensor=2"], (2, 2, "1d")),
+        (["pipeline=1", "tensor=1"], (1, 1, "1d")),
+    ],
+)
+def test_pins_are_honoured(small, fixed, layout):
+    result = search(small, example_hardware(gpus_per_node=4), gpus_per_node=4, fixed=fixed)
+    plan = result.plan
+    assert (plan.parallel.pipeline.stages, plan.parallel.tensor.degree, plan.parallel.tensor.mode) == layout
+    assert all(c.layout == result.candidates[0].layout for c in result.candidates)
+    assert validate(plan) == []
+    assert plan.data_parallel_size == 4 // (layout[0] * layout[1])
+    if layout[2] == "2d":  # each micro-batch splits over the q = 2 rows of the grid
+        assert all(c.shape.micro_batch_size % 2 == 0 for c in result.candidates)
+
+
+@pytest.mark.parametrize(
+    "fixed,message",
+    [
+        (["tensor=3"], "does not divide the 4 GPUs of a node"),
+        (["tensor=8"], "does not divide the 4 GPUs"),
+        (["tensor=2", "tensor_mode=2d"], "square degree"),
+        (["pipeline=8"], "4 repeated blocks; a stage needs at least one"),
+        (["pipeline=3"], "no tensor degree leaves a pipeline of 3"),
+        (["pipeline=2", "accumulation=standard"], "breadth-first"),
+    ],
+)
+def test_bad_pins_say_why(small, fixed, message):
+    with pytest.raises(ValueError, match=message):
+        search(small, example_hardware(gpus_per_node=4), gpus_per_node=4, fixed=fixed)
+
+
+def test_sequence_parallelism_needs_the_degree_to_divide_the_tokens():
+    odd_seq = profile_of(256, 4, 4, 126, vocab=1024)
+    with pytest.raises(ValueError, match="126 tokens of a sample by T, and 4 does not divide them"):
+        search(odd_seq, example_hardware(gpus_per_node=4), gpus_per_node=4, fixed=["tensor=4"])
+    allowed = {
+        (layout.tensor, layout.tensor_mode)
+        for layout in search(odd_seq, example_hardware(gpus_per_node=4), gpus_per_node=4).models
+    }
+    assert (2, "1d") in allowed and (4, "1d") not in allowed and (4, "2d") in allowed
+
+
+def test_models_without_a_tensor_layout_get_no_tensor_parallelism(small):
+    odd_vocab = profile_of(256, 4, 4, 128, vocab=1023)  # the vocabulary does not split by 2
+    with pytest.raises(ValueError, match="does not split evenly"):
+        search(odd_vocab, example_hardware(gpus_per_node=4), gpus_per_node=4, fixed=["tensor=2"])
+    result = search(odd_vocab, example_hardware(gpus_per_node=4), gpus_per_node=4)
+    assert all(layout.tensor == 1 for layout in result.models)
+
+
+@pytest.mark.parametrize(
+    "hidden,layers,heads,seq,batch,fixed,winner",
+    [
+        # compute-bound: data parallelism alone wins, the pipelines it tried are slower
+        (1024, 8, 16, 4096, 64, [], DATA_ONLY),
+        # short sequences, many micro-batches: modular pipeline 2 halves each rank's chunk traffic
+        (1024, 8, 16, 1024, 64, [], Layout(pipeline=2)),
+        # long sequences of a wide model: tensor 2 halves the activations (less recomputation)
+        (8192, 4, 64, 8192, 8, ["pipeline=1"], Layout(tensor=2)),
+    ],
+)
+def test_a_parallel_layout_only_when_faster(h100, hidden, layers, heads, seq, batch, fixed, winner):
+    profile = profile_of(hidden, layers, heads, seq)
+    result = search(profile, h100, gpus_per_node=8, global_batch_size=batch, fixed=fixed)
+    best = result.candidates[0]
+    assert best.layout == winner
+    others = {layout: c.step_time_s for layout, c in result.best_by_layout.items() if layout != winner}
+    assert others, "other layouts were scored"
+    assert all(step > best.step_time_s for step in others.values())
+    # the why-line says how much slower data parallelism alone (or the best other layout) is
+    assert "data parallelism only" in result.why and "slower" in result.why
+
+
+def test_plan_packs_each_stage_at_local_sizes(small):
+    result = search(small, example_hardware(gpus_per_node=8), gpus_per_node=8, fixed=["pipeline=2", "tensor=2"])
+    plan = result.plan
+    assert validate(plan) == []
+    assert plan.model.model_type == "gpt2" and plan.model.num_heads == 4 and plan.model.num_kv_heads == 4
+    names = [p.name for p in small.params]
+    stage_of = assign_stages(names, small.block_list, len(small.blocks), 2, "modular")
+    listed = [name for chunk in plan.memory.chunks for name in chunk.params]
+    assert sorted(listed) == sorted(names)  # every parameter once, the tied wte in the first stage
+    shapes = {p.name: p.shape for p in small.params}
+    for chunk in plan.memory.chunks:
+        assert {stage_of[name] for name in chunk.params} == {chunk.stage}  # chunks never cross stages
+        local = [math.prod(local_shape(name, shapes[name], "gpt2", 2)) for name in chunk.params]
+        assert sum(local) <= chunk.numel < sum(local) + 64 * len(local)  # local numels (plus alignment)
+    assert {chunk.stage for chunk in plan.memory.chunks} == {0, 1}
+    text = dump_plan(plan)
+    assert "stage: 1" in text and "parallel:" in text
+
+
+def test_plans_without_parallelism_read_as_before(small):
+    plan = search(small, example_hardware(gpus_per_node=2), gpus_per_node=2, fixed=["pipeline=1", "tensor=1"]).plan
+    text = dump_plan(plan)
+    assert "stage:" not in text and "parallel:" not in text
+
+
+def test_elixir_baseline_has_neither(small):
+    result = search(small, example_hardware(gpus_per_node=4), gpus_per_node=4, strategy="elixir")
+    assert result.plan.parallel.is_default()
+    with pytest.raises(ValueError, match="Elixir's rule has no pipeline"):
+        search(small, example_hardware(gpus_per_node=4), gpus_per_node=4, strategy="elixir", fixed=["tensor=2"])
