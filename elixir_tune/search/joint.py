@@ -239,13 +239,15 @@ def explore(model: CostModel | list[CostModel], budget: Budget, fixed: dict, top
     first = models[0]
     top = _TopK(top_k, one_memory=first.hardware.device == "cpu", gpus_per_node=first.gpus_per_node)
     found = Exploration(best=[], num_scored=0, min_gpu_bytes=None, min_host_bytes=None)
+    refusals: list[ValueError] = []
     for each in models:
         try:
             _explore_layout(each, budget, fixed, top, found)
-        except ValueError:
-            if len(models) == 1:
-                raise  # a pin this only layout cannot take: say why
-            # another layout may take the pins (e.g. layered needs several micro-batches per data rank)
+        except ValueError as error:
+            # Another layout may take the pins (e.g. layered needs several micro-batches per data rank).
+            refusals.append(error)
+    if len(refusals) == len(models):
+        raise refusals[0]  # a pin no layout can take: say why (the data-parallel layout's reason)
     found.best = top.ranked()
     return found
 
