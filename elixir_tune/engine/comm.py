@@ -18,6 +18,29 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+# DTensor and tensor-parallel APIs, re-exported for engine/tensor_parallel.py and engine/tp_adapters.py
+# (this module stays the engine's only torch.distributed user).
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: F401
+from torch.distributed.tensor import (  # noqa: F401
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
+from torch.distributed.tensor.experimental import implicit_replication  # noqa: F401
+from torch.distributed.tensor.parallel import (  # noqa: F401
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
 
 class Handle:
     """An in-flight collective: ``wait()`` blocks until its output is ready (idempotent)."""

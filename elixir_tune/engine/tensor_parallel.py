@@ -1,0 +1,176 @@
+"""Tensor parallelism (1-D, Megatron style with sequence parallelism) under the chunk engine.
+
+``apply_tensor_parallel`` turns an unmodified transformers model into its tensor-parallel form on
+this rank's tensor group (``engine/tp_adapters.py`` holds the per-family tables): the split
+parameters become DTensors whose local tensors hold this rank's piece. The chunk engine then packs
+those LOCAL pieces into its chunks and shards them over the data-parallel group, as FSDP2 composes
+with tensor parallelism.
+
+How a gathered chunk view becomes a DTensor's local tensor: a DTensor parameter is a wrapper whose
+``_local_tensor`` is an ordinary tensor; the engine points that at its view of the chunk payload
+(and at a NaN placeholder when the chunk is released), as FSDP2 does for its sharded parameters
+(``reset_sharded_param``). The parameter object never changes, so autograd's saved references,
+the post-accumulate-grad hooks and the optimizer's bookkeeping hold. ``local_data`` and
+``set_local_data`` are the two accessors the chunk code uses; for a plain parameter they are
+``param.data``.
+
+Gradients: a split parameter's gradient is a DTensor with the same split: its local tensor is what
+the chunk stages. A parameter replicated over the tensor group whose input was sequence-sharded
+(the norms) gets a partial-sum gradient, which ``local_grad`` sums over the tensor group first.
+The global gradient norm counts a replicated parameter once (``replicated_fraction``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from elixir_tune.engine.comm import Comm, DeviceMesh, DTensor, Partial, parallelize_module
+from elixir_tune.engine.tp_adapters import Layout, TensorParallelError, family_plan
+
+__all__ = [
+    "TensorParallel",
+    "TensorParallelError",
+    "apply_tensor_parallel",
+    "local_data",
+    "local_grad",
+    "set_local_data",
+]
+
+
+def local_data(param: torch.Tensor) -> torch.Tensor:
+    """The tensor holding this rank's values of ``param`` (its DTensor local tensor, or ``.data``)."""
+    if isinstance(param, DTensor):
+        return param._local_tensor
+    return param.data
+
+
+def set_local_data(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Points ``param``'s values (a DTensor's local tensor, else ``.data``) at ``value``."""
+    if isinstance(param, DTensor):
+        param._local_tensor = value
+    else:
+        param.data = value
+
+
+def local_grad(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a gradient, summed over the tensor group where it is a partial sum."""
+    if not isinstance(grad, DTensor):
+        return grad
+    if isinstance(param, DTensor) and tuple(grad.placements) != tuple(param.placements):
+        grad = grad.redistribute(param.device_mesh, param.placements)
+    elif any(isinstance(p, Partial) for p in grad.placements):
+        raise TensorParallelError(f"a gradient with placements {grad.placements} for a plain parameter")
+    return grad.to_local()
+
+
+class TensorParallel:
+    """This rank's tensor-parallel layout of the model.
+
+    Attributes:
+        mesh: the 1-D tensor DeviceMesh.
+        comm: the tensor group.
+        degree: ranks in the tensor group.
+        rank: this rank in it.
+        layouts: id(parameter) -> its Layout (replicated ones included).
+        sequence_parallel: norms and dropout run on sequence shards.
+    """
+
+    def __init__(self, mesh: DeviceMesh, comm: Comm, layouts: dict[int, Layout], sequence_parallel: bool):
+        self.mesh = mesh
+        self.comm = comm
+        self.degree = comm.world_size
+        self.rank = comm.rank
+        self.layouts = layouts
+        self.sequence_parallel = sequence_parallel
+
+    def layout(self, param: torch.Tensor) -> Layout:
+        return self.layouts.get(id(param), Layout(None))
+
+    def replicated_fraction(self, param: torch.Tensor) -> float:
+        """How much of this parameter's squared gradient norm this rank counts (1/T when every
+        tensor rank holds the same values, 1 when it holds its own piece)."""
+        return 1.0 if self.layout(param).sharded else 1.0 / self.degree
+
+    @torch.no_grad()
+    def full_state(
+        self, local_state: dict[str, torch.Tensor], params: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """The full state dict from this rank's pieces (a collective over the tensor group).
+
+        Args:
+            local_state: name -> this rank's value (pieces for split parameters), on the CPU.
+            params: name -> the model's parameter (DTensor or plain), for the layouts.
+        """
+        full = {}
+        for name, value in local_state.items():
+            param = params.get(name)
+            layout = self.layout(param) if param is not None else Layout(None)
+            if not layout.sharded:
+                full[name] = value
+                continue
+            gathered = torch.empty(self.degree * value.numel(), dtype=value.dtype, device=self.comm.device)
+            self.comm.all_gather_into_tensor(gathered, value.to(self.comm.device).reshape(-1), async_op=False)
+            pieces = [piece.view(value.shape).cpu() for piece in gathered.chunk(self.degree)]
+            full[name] = layout.full(pieces)
+        return full
+
+    def local_value(self, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a full parameter value."""
+        return self.layout(param).local(full, self.rank, self.degree)
+
+
+def apply_tensor_parallel(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    mesh: DeviceMesh,
+    tensor: Comm,
+    world: Comm,
+    sequence_parallel: bool = True,
+) -> TensorParallel:
+    """Splits ``model`` over this rank's tensor group, in place.
+
+    Every rank first takes world rank 0's weights (as DDP does), then keeps its own piece of each
+    split parameter (no other traffic). The optimizer's groups are pointed at the new parameters.
+
+    Args:
+        model: a transformers model of a supported family (``tp_adapters.FAMILY_PLANS``), real weights.
+        optimizer: the user's optimizer over ``model.parameters()``, or None.
+        mesh: the 1-D DeviceMesh of the tensor group.
+        tensor: the tensor group.
+        world: every rank (the weights are broadcast from its rank 0).
+        sequence_parallel: run norms and dropout on sequence shards.
+
+    Returns:
+        The TensorParallel layout.
+
+    Raises:
+        TensorParallelError: unsupported family or sizes not divisible by the degree, or a meta model.
+    """
+    degree = tensor.world_size
+    if any(p.is_meta for p in model.parameters()):
+        raise TensorParallelError(
+            "tensor parallelism starts from real weights (rank 0's); build the model on the CPU, or run with "
+            "parallel.tensor.degree: 1 to initialize it on the meta device"
+        )
+    plan = family_plan(model, degree, sequence_parallel)
+    with torch.no_grad():
+        for param in model.parameters():
+            world.broadcast(param.data, src=0)
+    old = {name: param for name, param in model.named_parameters(remove_duplicate=False)}
+    parallelize_module(model, mesh, plan.styles, src_data_rank=None)
+    for path, attr, value in plan.local_attrs:
+        setattr(model.get_submodule(path), attr, value)
+    for path, attr, owner in plan.tied:
+        setattr(model.get_submodule(path), attr, model.get_parameter(owner))
+    new = dict(model.named_parameters(remove_duplicate=False))
+    if optimizer is not None:
+        replacement = {id(old[name]): new[name] for name in old}
+        for group in optimizer.param_groups:
+            group["params"] = [replacement.get(id(p), p) for p in group["params"]]
+    layouts: dict[int, Layout] = {}
+    for name, param in new.items():
+        if isinstance(param, DTensor) and any(p.is_shard() for p in param.placements):
+            dim = next(p.dim for p in param.placements if p.is_shard())
+            layouts[id(param)] = Layout(dim, plan.fused.get(name, 1))
+    return TensorParallel(mesh, tensor, layouts, sequence_parallel)
