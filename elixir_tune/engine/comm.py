@@ -14,6 +14,8 @@ import atexit
 import datetime
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -68,20 +70,32 @@ DONE.done = True
 
 
 class Comm:
-    """This rank's view of the data-parallel group.
+    """This rank's view of one process group (the world, or one dimension of the mesh).
 
     Attributes:
-        rank: this process's rank.
+        rank: this process's rank in the group.
         world_size: processes in the group.
-        backend: ``nccl``, ``gloo`` or ``local`` (a world of one without a process group).
+        backend: ``nccl``, ``gloo`` or ``local`` (a group of one: no process group at all).
         device: the device collectives run on (cuda for nccl, cpu for gloo).
+        group: the torch process group (None: the default group).
+        global_ranks: the global rank of each member, in group-rank order.
     """
 
-    def __init__(self, rank: int, world_size: int, backend: str, device: torch.device):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        backend: str,
+        device: torch.device,
+        group=None,
+        global_ranks: list[int] | None = None,
+    ):
         self.rank = rank
         self.world_size = world_size
         self.backend = backend
         self.device = device
+        self.group = group
+        self.global_ranks = global_ranks if global_ranks is not None else list(range(world_size))
         # gloo's all_gather_into_tensor / reduce_scatter_tensor are slower than list all-gather and
         # all-reduce (2 CPU processes, 16 MB: 11.1 vs 7.7 ms and 19.5 vs 15.5 ms, torch 2.13), and
         # older gloo lacks them: use those paths on gloo. On nccl an error is never answered with
@@ -103,7 +117,7 @@ class Comm:
             return DONE
         if self._native_gather is not False and hasattr(dist, "all_gather_into_tensor"):
             try:
-                work = dist.all_gather_into_tensor(output, shard, async_op=async_op)
+                work = dist.all_gather_into_tensor(output, shard, group=self.group, async_op=async_op)
                 self._native_gather = True
                 return self._handle(work, None, (output, shard), async_op)
             except (RuntimeError, NotImplementedError, ValueError):
@@ -111,7 +125,7 @@ class Comm:
                     raise
                 self._native_gather = False
         parts = list(output.chunk(self.world_size))
-        work = dist.all_gather(parts, shard, async_op=async_op)
+        work = dist.all_gather(parts, shard, group=self.group, async_op=async_op)
         return self._handle(work, None, (output, shard, parts), async_op)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = True) -> Handle:
@@ -121,7 +135,7 @@ class Comm:
             return DONE
         if self._native_scatter is not False and hasattr(dist, "reduce_scatter_tensor"):
             try:
-                work = dist.reduce_scatter_tensor(output, full, async_op=async_op)
+                work = dist.reduce_scatter_tensor(output, full, group=self.group, async_op=async_op)
                 self._native_scatter = True
                 return self._handle(work, None, (output, full), async_op)
             except (RuntimeError, NotImplementedError, ValueError):
@@ -129,7 +143,7 @@ class Comm:
                     raise
                 self._native_scatter = False
         # Fallback (old gloo): all-reduce the whole buffer, keep our part. Twice the traffic, correct.
-        work = dist.all_reduce(full, async_op=async_op)
+        work = dist.all_reduce(full, group=self.group, async_op=async_op)
         part = full.chunk(self.world_size)[self.rank]
         return self._handle(work, lambda: output.copy_(part), (output, full), async_op)
 
@@ -137,21 +151,21 @@ class Comm:
         """Sums ``tensor`` in place over ranks."""
         if not self.distributed:
             return DONE
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=async_op)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
         return self._handle(work, None, (tensor,), async_op)
 
     def all_reduce_max(self, tensor: torch.Tensor) -> None:
         """Maximum of ``tensor`` in place over ranks (blocking)."""
         if self.distributed:
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        """Copies rank ``src``'s ``tensor`` to every rank (blocking)."""
+        """Copies group rank ``src``'s ``tensor`` to every rank of the group (blocking)."""
         if self.distributed:
-            dist.broadcast(tensor, src=src)
+            dist.broadcast(tensor, src=self.global_ranks[src], group=self.group)
 
     def gather_to(self, output: torch.Tensor | None, shard: torch.Tensor, dst: int = 0) -> None:
-        """Gathers every rank's ``shard`` into ``output`` on rank ``dst`` only (rank order; blocking).
+        """Gathers every rank's ``shard`` into ``output`` on group rank ``dst`` only (rank order; blocking).
 
         Args:
             output: ``world_size * shard.numel()`` elements on rank ``dst``; ignored (may be None) elsewhere.
@@ -164,19 +178,19 @@ class Comm:
             output.copy_(shard)
             return
         parts = list(output.chunk(self.world_size)) if output is not None and self.rank == dst else None
-        dist.gather(shard, gather_list=parts, dst=dst)
+        dist.gather(shard, gather_list=parts, dst=self.global_ranks[dst], group=self.group)
 
     def any_rank(self, flag: bool) -> bool:
         """Whether ``flag`` is set on any rank (blocking; every rank calls it)."""
         if not self.distributed:
             return flag
         value = torch.tensor([1.0 if flag else 0.0], device=self.device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
         return bool(value.item() > 0)
 
     def barrier(self) -> None:
         if self.distributed:
-            dist.barrier()
+            dist.barrier(group=self.group)
 
     @staticmethod
     def _handle(work, finish, keep, async_op: bool) -> Handle:
@@ -217,6 +231,102 @@ def pick_device(device_type: str) -> torch.device:
     return torch.device("cuda", index)
 
 
+@dataclass
+class Mesh:
+    """This rank's place in the world: data x pipeline x tensor.
+
+    Ranks are laid out row-major over (data, pipeline, tensor): ``rank = (data_index * P + stage) *
+    T + tensor_index``. Tensor groups are consecutive ranks (their traffic is the heaviest and stays
+    within a node); data is outermost.
+
+    Attributes:
+        world: every rank.
+        data: this rank's data-parallel group; the chunk engine shards over it.
+        pipeline: this rank's pipeline group (its rank is the stage).
+        tensor: this rank's tensor-parallel group.
+        device_mesh: torch's DeviceMesh with dimensions ("data", "pipeline", "tensor") for DTensor
+            and pipelining; built only when pipeline or tensor degree is above 1, else None.
+    """
+
+    world: Comm
+    data: Comm
+    pipeline: Comm
+    tensor: Comm
+    device_mesh: Any = None
+
+    @classmethod
+    def data_only(cls, data: Comm) -> Mesh:
+        """The mesh of a plan without pipeline or tensor parallelism: the world is the data group."""
+        return cls(data, data, _single(data), _single(data))
+
+    @property
+    def stage(self) -> int:
+        return self.pipeline.rank
+
+    @property
+    def tensor_rank(self) -> int:
+        return self.tensor.rank
+
+    @property
+    def data_rank(self) -> int:
+        return self.data.rank
+
+
+MESH_DIMS = ("data", "pipeline", "tensor")
+
+
+def _single(world: Comm) -> Comm:
+    """A group of one: this rank alone (collectives are local copies)."""
+    return Comm(0, 1, "local", world.device, global_ranks=[world.global_ranks[world.rank]])
+
+
+def _mesh_of(world: Comm, pipeline: int, tensor: int) -> Mesh:
+    if pipeline * tensor == 1:
+        return Mesh.data_only(world)
+    from torch.distributed.device_mesh import init_device_mesh  # only runs with a process group
+
+    data = world.world_size // (pipeline * tensor)
+    device_mesh = init_device_mesh(world.device.type, (data, pipeline, tensor), mesh_dim_names=MESH_DIMS)
+    comms = []
+    for name in MESH_DIMS:
+        group = device_mesh.get_group(name)
+        ranks = dist.get_process_group_ranks(group)
+        if len(ranks) == 1:
+            comms.append(_single(world))
+        else:
+            comms.append(Comm(ranks.index(world.rank), len(ranks), world.backend, world.device, group, ranks))
+    return Mesh(world, comms[0], comms[1], comms[2], device_mesh)
+
+
+def init_mesh(
+    world_size: int, device_type: str, backend: str, pipeline: int = 1, tensor: int = 1, timeout_s: float = 600.0
+) -> Mesh:
+    """Joins (or starts) the process group the plan needs and splits it into the plan's mesh.
+
+    Args:
+        world_size: every process of the run (data x pipeline x tensor).
+        device_type: ``cuda`` or ``cpu``.
+        backend: ``nccl`` or ``gloo``.
+        pipeline: pipeline degree P.
+        tensor: tensor degree T.
+        timeout_s: collective timeout.
+
+    Returns:
+        This rank's Mesh.
+
+    Raises:
+        RuntimeError: the group's size differs from the plan's, or a multi-process plan was not
+            started by a launcher.
+        ValueError: P x T does not divide the world size.
+    """
+    if world_size % (pipeline * tensor):
+        raise ValueError(
+            f"pipeline {pipeline} x tensor {tensor} does not divide the world size {world_size}; "
+            "search the plan again or fix its parallel section"
+        )
+    return _mesh_of(init_comm(world_size, device_type, backend, timeout_s), pipeline, tensor)
+
+
 def init_comm(world_size: int, device_type: str, backend: str, timeout_s: float = 600.0) -> Comm:
     """Joins (or starts) the process group the plan needs.
 
@@ -224,13 +334,13 @@ def init_comm(world_size: int, device_type: str, backend: str, timeout_s: float 
     MASTER_ADDR, MASTER_PORT). A plan for one process runs without any process group.
 
     Args:
-        world_size: the plan's data-parallel size.
+        world_size: every process of the run.
         device_type: ``cuda`` or ``cpu``.
         backend: ``nccl`` or ``gloo``.
         timeout_s: collective timeout.
 
     Returns:
-        The Comm of this rank.
+        The Comm of this rank over the whole world (``init_mesh`` splits it by the plan's degrees).
 
     Raises:
         RuntimeError: the group's size differs from the plan's, or a multi-process plan was not

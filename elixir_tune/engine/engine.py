@@ -26,7 +26,7 @@ import torch
 
 from elixir_tune.engine.cache import ChunkCache
 from elixir_tune.engine.chunk import Chunk, ParamSlot
-from elixir_tune.engine.comm import Comm
+from elixir_tune.engine.comm import Comm, Mesh
 from elixir_tune.engine.hooks import install_grad_hooks, install_module_hooks, wrap_checkpointed
 from elixir_tune.engine.layered import Baton
 from elixir_tune.engine.materialize import (
@@ -56,10 +56,18 @@ class Engine:
             on the meta device); None: the model's own weights, rank 0's.
     """
 
-    def __init__(self, model: torch.nn.Module, plan: Plan, comm: Comm, source: WeightSource | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        plan: Plan,
+        comm: Comm,
+        source: WeightSource | None = None,
+        mesh: Mesh | None = None,
+    ):
         self.model = model
         self.plan = plan
         self.comm = comm
+        self.mesh = mesh if mesh is not None else Mesh.data_only(comm)
         self.device = comm.device
         self.compute_dtype = COMPUTE_DTYPES[plan.training.dtype]
         self._placeholders: dict[torch.Size, torch.Tensor] = {}

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from elixir_tune.engine.comm import init_comm
+from elixir_tune.engine.comm import init_mesh
 from elixir_tune.engine.engine import Engine
 from elixir_tune.engine.materialize import make_source
 from elixir_tune.engine.model import ElixirModel
@@ -112,7 +112,16 @@ def setup(
     """
     plan = _resolve_plan(plan)
     check_plan_matches(model, plan)
-    comm = init_comm(plan.world_size, plan.cluster.device, plan.cluster.backend)
-    source = make_source(model, weights, agreed_seed(comm, seed))
-    engine = Engine(model, plan, comm, source)
+    parallel = plan.parallel
+    mesh = init_mesh(
+        plan.world_size,
+        plan.cluster.device,
+        plan.cluster.backend,
+        pipeline=parallel.pipeline.stages,
+        tensor=parallel.tensor.degree,
+    )
+    source = make_source(model, weights, agreed_seed(mesh.world, seed))
+    # The chunks are sharded over the data-parallel group; pipeline and tensor parallelism read the
+    # rest of the mesh from engine.mesh.
+    engine = Engine(model, plan, mesh.data, source, mesh)
     return ElixirModel(model, engine), ShardedOptimizer(optimizer, engine, find_unused_parameters)

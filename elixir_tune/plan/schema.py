@@ -11,8 +11,9 @@ rules (batch product, chunk size a multiple of the world size, ...) live in ``pl
 Conventions:
     * sizes of tensors are in elements (``chunk_size``, ``numel``), sizes of memory in bytes
       (names ending in ``_bytes``), times in seconds (``_s``);
-    * the data-parallel size is ``cluster.nodes * cluster.gpus_per_node`` (one process per GPU,
-      or per CPU worker when ``cluster.device`` is ``cpu``).
+    * the world size is ``cluster.nodes * cluster.gpus_per_node`` (one process per GPU, or per CPU
+      worker when ``cluster.device`` is ``cpu``); it factors as data x pipeline x tensor
+      (``Plan.parallel``), and the chunks are sharded over the data-parallel part.
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ Backend = Literal["nccl", "gloo"]
 # How the micro-batches of a step run: one after the other (standard), or block by block for all of
 # them (layered gradient accumulation, Lamy-Poirier 2021: each chunk fetched once per pass per step).
 Accumulation = Literal["standard", "layered"]
+# Pipeline stages: block i goes to stage i mod P (modular: each rank holds several non-contiguous
+# blocks, Lamy-Poirier 2021) or to stage i // (N / P) (contiguous, GPipe style).
+PipelineAssignment = Literal["modular", "contiguous"]
+PipelineSchedule = Literal["looped_bfs", "interleaved_1f1b", "gpipe", "1f1b"]
+# Tensor parallelism: Megatron's 1D (column/row-parallel linears) or Optimus's 2D (q x q grid).
+TensorMode = Literal["1d", "2d"]
 # Keys of Prediction.model_state_bytes; the engine reports the same keys (Engine.memory_report).
 #   cache_bytes:        cache_blocks gathered chunks, chunk_size elements each, compute dtype (device)
 #   resident_bytes:     resident chunks, always gathered, chunk_size elements each, compute dtype (device)
@@ -42,6 +49,9 @@ DTYPES: tuple[str, ...] = get_args(Dtype)
 DEVICES: tuple[str, ...] = get_args(Device)
 BACKENDS: tuple[str, ...] = get_args(Backend)
 ACCUMULATIONS: tuple[str, ...] = get_args(Accumulation)
+PIPELINE_ASSIGNMENTS: tuple[str, ...] = get_args(PipelineAssignment)
+PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
+TENSOR_MODES: tuple[str, ...] = get_args(TensorMode)
 MODEL_STATE_KEYS: tuple[str, ...] = get_args(ModelStateKey)
 # What the engine holds beside the model states (plan/memory.py has the formula).
 TransientKey = Literal["staging_bytes", "host_copy_bytes", "landing_bytes"]
@@ -67,6 +77,10 @@ class ModelInfo:
         block_list: dotted path of the ModuleList of repeated blocks ("" when the model has none);
             activation checkpointing applies to its items.
         num_blocks: number of items in ``block_list``.
+        model_type: the model family (a Hugging Face ``config.model_type``: gpt2, llama, ...; ""
+            when unknown); tensor parallelism picks its per-family layout by it.
+        num_heads: attention heads per block (0 when unknown).
+        num_kv_heads: key/value heads per block (grouped-query attention; 0 when unknown).
     """
 
     source: str
@@ -75,6 +89,9 @@ class ModelInfo:
     name: str = ""
     block_list: str = ""
     num_blocks: NonNegativeInt = 0
+    model_type: str = ""
+    num_heads: NonNegativeInt = 0
+    num_kv_heads: NonNegativeInt = 0
 
 
 @dataclass
@@ -140,6 +157,69 @@ class TrainingInfo:
 
 
 @dataclass
+class PipelineParallel:
+    """Pipeline parallelism: the blocks split into stages, one stage per rank of a pipeline group.
+
+    Attributes:
+        stages: pipeline degree P (1: no pipeline).
+        assignment: ``modular`` puts block i on stage i mod P (several non-contiguous blocks per
+            rank, breadth-first schedules keep the bubble small); ``contiguous`` gives each stage a
+            run of N / P consecutive blocks.
+        schedule: the micro-batch schedule (``looped_bfs``: every micro-batch through a stage's
+            block before the next block, the layered order).
+    """
+
+    stages: PositiveInt = 1
+    assignment: PipelineAssignment = "modular"
+    schedule: PipelineSchedule = "looped_bfs"
+
+
+@dataclass
+class TensorParallel:
+    """Tensor parallelism: each block's matrices split over the ranks of a tensor group.
+
+    Attributes:
+        degree: tensor degree T (1: none); a square q x q for mode ``2d``.
+        mode: ``1d`` (Megatron: column- then row-parallel linears) or ``2d`` (Optimus: weights and
+            activations split over a q x q grid).
+        sequence_parallel: 1d only: norms and dropout run on sequence shards, so their
+            activations are split by T too.
+    """
+
+    degree: PositiveInt = 1
+    mode: TensorMode = "1d"
+    sequence_parallel: bool = True
+
+
+@dataclass
+class ParallelPlan:
+    """How the world factors: data x pipeline x tensor.
+
+    Ranks are laid out row-major over (data, pipeline, tensor): ``rank = (data_index * P + stage)
+    * T + tensor_index``, so a tensor group is consecutive ranks (one node) and data is outermost.
+
+    Attributes:
+        pipeline: the pipeline dimension.
+        tensor: the tensor dimension.
+    """
+
+    pipeline: PipelineParallel = field(default_factory=PipelineParallel)
+    tensor: TensorParallel = field(default_factory=TensorParallel)
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks that together hold one replica of the model: P x T."""
+        return self.pipeline.stages * self.tensor.degree
+
+    def data_degree(self, world_size: int) -> int:
+        """The data-parallel size of a world of ``world_size`` ranks (world / (P x T))."""
+        return world_size // self.model_parallel_size
+
+    def is_default(self) -> bool:
+        return self == ParallelPlan()
+
+
+@dataclass
 class ChunkPlan:
     """One chunk: a flat buffer of ``MemoryPlan.chunk_size`` elements holding whole parameters.
 
@@ -164,7 +244,7 @@ class MemoryPlan:
     """Chunking, caching and placement.
 
     Attributes:
-        chunk_size: elements per chunk, a multiple of the world size.
+        chunk_size: elements per chunk, a multiple of the data-parallel size.
         cache_blocks: gathered non-resident chunks the device holds at once.
         prefetch: chunks fetched ahead of their first use.
         staging_buffers: chunk-sized gradient buffers that backward fills and reduce-scatters from
@@ -233,13 +313,20 @@ class Plan:
     cluster: ClusterInfo
     training: TrainingInfo
     memory: MemoryPlan
+    parallel: ParallelPlan = field(default_factory=ParallelPlan)
     prediction: Prediction | None = None
     search: SearchInfo | None = None
     schema_version: int = SCHEMA_VERSION
 
     @property
     def world_size(self) -> int:
+        """Every process of the run (data x pipeline x tensor)."""
         return self.cluster.world_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The ranks each chunk is sharded over (and that split the global batch)."""
+        return self.parallel.data_degree(self.cluster.world_size)
 
     def chunk_of(self) -> dict[str, int]:
         """Maps each parameter name to the id of the chunk holding it."""
@@ -248,8 +335,9 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         """The plan as plain Python objects, sections in reading order, empty optional sections left out."""
         raw: dict[str, Any] = {"schema_version": self.schema_version}
-        for name in ("model", "cluster", "training", "memory", "prediction", "search"):
+        for name in ("model", "cluster", "parallel", "training", "memory", "prediction", "search"):
             value = getattr(self, name)
-            if value is not None:
+            # Without pipeline or tensor parallelism the section is left out: such plans read as before.
+            if value is not None and not (name == "parallel" and self.parallel.is_default()):
                 raw[name] = dataclasses.asdict(value)
         return raw

@@ -9,6 +9,7 @@ this module adds the rules that relate several fields.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from elixir_tune.plan.fields import check_fields, is_required, section_type
@@ -39,6 +40,40 @@ def _check_chunks(chunks: list[dict | None], chunk_size: int | None, path: str, 
                 owner[name] = index
         if "params" in chunk and not chunk["params"]:
             errors.append(f"{chunk_path}.params: a chunk must hold at least one parameter")
+
+
+def _check_parallel(parallel: dict, world_size: int | None, model: dict, errors: list[str]) -> int | None:
+    """Rules of the ``parallel`` section; returns the data-parallel size (None when unknown)."""
+    stages = parallel.get("pipeline", {}).get("stages", 1)
+    tensor = parallel.get("tensor", {})
+    degree = tensor.get("degree", 1)
+    if world_size is None:
+        return None
+    if world_size % (stages * degree):
+        errors.append(
+            f"parallel: pipeline stages {stages} x tensor degree {degree} = {stages * degree} does not divide "
+            f"the world size {world_size} (cluster.nodes x cluster.gpus_per_node); pick degrees whose product "
+            "divides it"
+        )
+        return None
+    num_blocks = model.get("num_blocks", 0)
+    if stages > 1 and stages > num_blocks:
+        errors.append(
+            f"parallel.pipeline.stages: {stages} stages but the model has {num_blocks} repeated blocks "
+            "(model.num_blocks); a stage needs at least one block"
+        )
+    if tensor.get("mode") == "2d" and (degree < 4 or math.isqrt(degree) ** 2 != degree):
+        errors.append(
+            f"parallel.tensor.degree: mode 2d needs a square degree q x q of at least 4 (2 x 2), got {degree}"
+        )
+    for key in ("num_heads", "num_kv_heads"):
+        heads = model.get(key, 0)
+        if degree > 1 and heads and heads % degree:
+            errors.append(
+                f"parallel.tensor.degree: {degree} does not divide model.{key} {heads}; "
+                "each tensor rank needs whole attention heads"
+            )
+    return world_size // (stages * degree)
 
 
 def validate_dict(raw: Any) -> list[str]:
@@ -89,13 +124,14 @@ def validate_dict(raw: Any) -> list[str]:
     world_size = None
     if "nodes" in cluster and "gpus_per_node" in cluster:
         world_size = cluster["nodes"] * cluster["gpus_per_node"]
-    if world_size and all(k in training for k in ("global_batch_size", "micro_batch_size", "grad_accum_steps")):
-        product = training["micro_batch_size"] * training["grad_accum_steps"] * world_size
+    data_size = _check_parallel(sections.get("parallel", {}), world_size, model, errors)
+    if data_size and all(k in training for k in ("global_batch_size", "micro_batch_size", "grad_accum_steps")):
+        product = training["micro_batch_size"] * training["grad_accum_steps"] * data_size
         if product != training["global_batch_size"]:
             errors.append(
                 f"training.global_batch_size: {training['global_batch_size']} is not micro_batch_size "
                 f"{training['micro_batch_size']} x grad_accum_steps {training['grad_accum_steps']} x "
-                f"data-parallel size {world_size} = {product}"
+                f"data-parallel size {data_size} = {product}"
             )
     every = training.get("activation_checkpointing", {}).get("every", 0)
     if every > 0 and model.get("num_blocks", 0) == 0:
@@ -106,8 +142,10 @@ def validate_dict(raw: Any) -> list[str]:
     if model.get("num_blocks") and not model.get("block_list"):
         errors.append("model.block_list: missing, but model.num_blocks is set")
 
-    if world_size and memory.get("chunk_size") and memory["chunk_size"] % world_size:
-        errors.append(f"memory.chunk_size: {memory['chunk_size']} is not a multiple of the world size {world_size}")
+    if data_size and memory.get("chunk_size") and memory["chunk_size"] % data_size:
+        errors.append(
+            f"memory.chunk_size: {memory['chunk_size']} is not a multiple of the data-parallel size {data_size}"
+        )
     _check_chunks(memory.get("chunks", []), memory.get("chunk_size"), "memory.chunks", errors)
     chunks = [chunk for chunk in memory.get("chunks", []) if chunk is not None]
     if "chunks" in memory and not memory["chunks"]:

@@ -103,7 +103,7 @@ MALFORMED = [
         "training.global_batch_size: 16 is not micro_batch_size 3 x grad_accum_steps 2 x data-parallel size 2 = 12",
     ),
     ("memory.chunk_size", -65536, "memory.chunk_size: must be positive, got -65536"),
-    ("memory.chunk_size", 65535, "memory.chunk_size: 65535 is not a multiple of the world size 2"),
+    ("memory.chunk_size", 65535, "memory.chunk_size: 65535 is not a multiple of the data-parallel size 2"),
     ("memory.cache_blocks", 3, "memory.cache_blocks: 3 is more than the 2 non-resident chunks"),
     ("memory.prefetch", True, "memory.prefetch: expected an integer, got True"),
     (
