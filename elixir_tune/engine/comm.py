@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 # DTensor and tensor-parallel APIs, re-exported for engine/tensor_parallel.py and engine/tp_adapters.py
 # (this module stays the engine's only torch.distributed user).
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: F401
+from torch.distributed.device_mesh import DeviceMesh  # noqa: F401
 from torch.distributed.tensor import (  # noqa: F401
     DTensor,
     Partial,

@@ -86,6 +86,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self._inner.append(self._build_inner(entries))
                 self._on_host.append(on_host)
         self._preallocate_state()
+        # Tensor parallelism: gradients every tensor rank holds alike (replicated parameters) are
+        # counted once in the global norm, split ones summed over the tensor group.
+        self._replicated_grads: list[torch.Tensor] = []
+        self._replicated_share = 1.0
+        if engine.tensor_parallel is not None:
+            self._replicated_share = 1.0 / engine.tensor_parallel.degree
+            for slot in engine.slots:
+                owned = slot.chunk.owned_range(slot)
+                if owned is not None and not engine.tensor_parallel.layout(slot.param).sharded:
+                    self._replicated_grads.append(slot.chunk.grad[owned[0] : owned[1]])
 
     # --- construction --------------------------------------------------------------------------
 
@@ -209,10 +219,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         parts = [_norm_part(grads, norm_type).to(device) for grads in (device_grads, host_grads) if grads]
         local = torch.stack(parts)
         local = (local.max() if inf else local.sum()).reshape(1)
+        if self._replicated_grads and not inf:
+            excess = _norm_part(self._replicated_grads, norm_type).to(device)
+            local = local - (1.0 - self._replicated_share) * excess
+        # Over every rank: data shards, tensor pieces and pipeline stages hold different gradients.
         if inf:
-            engine.comm.all_reduce_max(local)
+            engine.mesh.world.all_reduce_max(local)
         else:
-            engine.comm.all_reduce_sum(local)
+            engine.mesh.world.all_reduce_sum(local)
         norm = local[0] if inf else local[0] ** (1.0 / norm_type)
         found_inf = (~torch.isfinite(norm)).float() if self.scaler is not None else None
         self._stats = _GradStats(passes, found_inf, norm)

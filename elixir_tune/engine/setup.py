@@ -11,6 +11,7 @@ from elixir_tune.engine.engine import Engine
 from elixir_tune.engine.materialize import make_source
 from elixir_tune.engine.model import ElixirModel
 from elixir_tune.engine.optimizer import ShardedOptimizer
+from elixir_tune.engine.tensor_parallel import split_for_plan
 from elixir_tune.plan import PLAN_ENV_VAR, Plan, PlanError, fingerprint, load_plan, validate
 
 
@@ -120,8 +121,9 @@ def setup(
         pipeline=parallel.pipeline.stages,
         tensor=parallel.tensor.degree,
     )
+    tensor_parallel = split_for_plan(model, optimizer, plan, mesh, weights)
     source = make_source(model, weights, agreed_seed(mesh.world, seed))
     # The chunks are sharded over the data-parallel group; pipeline and tensor parallelism read the
     # rest of the mesh from engine.mesh.
-    engine = Engine(model, plan, mesh.data, source, mesh)
+    engine = Engine(model, plan, mesh.data, source, mesh, tensor_parallel)
     return ElixirModel(model, engine), ShardedOptimizer(optimizer, engine, find_unused_parameters)

@@ -25,16 +25,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from elixir_tune.engine.comm import Comm, DeviceMesh, DTensor, Partial, parallelize_module
+from elixir_tune.engine.comm import Comm, DeviceMesh, DTensor, Mesh, Partial, parallelize_module
 from elixir_tune.engine.tp_adapters import Layout, TensorParallelError, family_plan
+from elixir_tune.plan import Plan
 
 __all__ = [
-    "TensorParallel",
+    "TensorSplit",
     "TensorParallelError",
     "apply_tensor_parallel",
     "local_data",
     "local_grad",
     "set_local_data",
+    "split_for_plan",
 ]
 
 
@@ -64,7 +66,7 @@ def local_grad(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return grad.to_local()
 
 
-class TensorParallel:
+class TensorSplit:
     """This rank's tensor-parallel layout of the model.
 
     Attributes:
@@ -127,7 +129,7 @@ def apply_tensor_parallel(
     tensor: Comm,
     world: Comm,
     sequence_parallel: bool = True,
-) -> TensorParallel:
+) -> TensorSplit:
     """Splits ``model`` over this rank's tensor group, in place.
 
     Every rank first takes world rank 0's weights (as DDP does), then keeps its own piece of each
@@ -142,7 +144,7 @@ def apply_tensor_parallel(
         sequence_parallel: run norms and dropout on sequence shards.
 
     Returns:
-        The TensorParallel layout.
+        The TensorSplit layout.
 
     Raises:
         TensorParallelError: unsupported family or sizes not divisible by the degree, or a meta model.
@@ -173,4 +175,29 @@ def apply_tensor_parallel(
         if isinstance(param, DTensor) and any(p.is_shard() for p in param.placements):
             dim = next(p.dim for p in param.placements if p.is_shard())
             layouts[id(param)] = Layout(dim, plan.fused.get(name, 1))
-    return TensorParallel(mesh, tensor, layouts, sequence_parallel)
+    return TensorSplit(mesh, tensor, layouts, sequence_parallel)
+
+
+def split_for_plan(
+    model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan, mesh: Mesh, weights
+) -> TensorSplit | None:
+    """The plan's tensor parallelism applied to ``model`` (None when its tensor degree is 1).
+
+    Raises:
+        TensorParallelError: ``weights`` given or a meta-device model (tensor parallelism starts
+            from the model's own weights for now), or the model cannot be split as the plan says.
+    """
+    tensor = plan.parallel.tensor
+    if tensor.degree == 1:
+        return None
+    if weights is not None:
+        raise TensorParallelError(
+            "setup(weights=...) with tensor parallelism is not supported yet: load the weights into the model "
+            "(from_pretrained) and call setup without weights=, or use parallel.tensor.degree: 1"
+        )
+    if tensor.mode != "1d":
+        raise TensorParallelError(f"parallel.tensor.mode {tensor.mode!r} is not supported by the engine yet; use 1d")
+    assert mesh.device_mesh is not None  # built whenever the tensor degree is above 1
+    return apply_tensor_parallel(
+        model, optimizer, mesh.device_mesh["tensor"], mesh.tensor, mesh.world, tensor.sequence_parallel
+    )
