@@ -115,9 +115,7 @@ def make_tp_plan(
             activation_checkpointing=Checkpointing(every=checkpoint_every),
         ),
         memory=MemoryPlan(chunk_size=chunk_size, cache_blocks=blocks, prefetch=0, chunks=chunks),
-        parallel=ParallelPlan(
-            tensor=TensorParallel(degree=tensor, mode=mode, sequence_parallel=sequence_parallel)
-        ),
+        parallel=ParallelPlan(tensor=TensorParallel(degree=tensor, mode=mode, sequence_parallel=sequence_parallel)),
     )
     problems = validate(plan)
     assert not problems, problems

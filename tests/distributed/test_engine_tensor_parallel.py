@@ -1,0 +1,63 @@
+"""Tensor parallelism in the engine against plain PyTorch on the same global batch (gloo, CPU).
+
+1D (Megatron, with and without sequence parallelism) at tensor degree 2: world 2 (tensor only)
+and world 4 (tensor 2 x data 2, the chunks of each tensor rank's local pieces sharded over its data
+group, half of them offloaded). Models: a Llama with grouped-query attention (4 query heads, 2
+key/value heads) and GPT-2 (Conv1D weights, fused q|k|v split per head). fp32, 10 steps: losses
+1e-5 relative, final weights 1e-5 absolute, clipped gradient norms 1e-5 relative (the norm counts
+parameters replicated over the tensor group once).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.engine_launch import launch
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+FP32_LOSS_REL = 1e-5
+FP32_WEIGHT_ABS = 1e-5
+
+WORLD2 = [
+    dict(model="llama", tensor=2, chunk_size=4096, clip=0.5),
+    dict(model="gpt2", tensor=2, chunk_size=2048, cache="min", checkpoint=1, accum=2, clip=0.5),
+    dict(model="llama", tensor=2, chunk_size=2048, cache="min", checkpoint=1, sp=False, offload=0.5, clip=0.5),
+]
+WORLD4 = [
+    dict(model="llama", tensor=2, chunk_size=2048, cache="min", offload=0.5, checkpoint=1, clip=0.5),
+    dict(model="gpt2", tensor=2, chunk_size=2048, cache="min", offload=0.5, accum=2, clip=0.5),
+]
+
+
+def check(per_rank: list[list[dict]], index: int) -> None:
+    results = [rank_results[index] for rank_results in per_rank]
+    for rank, result in enumerate(results):
+        assert result["ok"], f"rank {rank}: {result.get('error')}\n{result.get('trace')}"
+    first = results[0]
+    assert first["loss_rel"] <= FP32_LOSS_REL, (first["case"], first["loss_rel"])
+    assert first["weight_abs"] <= FP32_WEIGHT_ABS, (first["case"], first["weight_abs"])
+    assert first["norm_rel"] <= FP32_LOSS_REL, (first["case"], first["norm_rel"])
+    assert len(first["world_losses"]) == 10
+    tensor = first["case"]["tensor"]
+    for group_start in range(0, len(results), tensor):  # a tensor group computes one loss
+        group = results[group_start : group_start + tensor]
+        assert all(r["losses"] == group[0]["losses"] for r in group)
+    if first["case"].get("offload"):
+        assert first["offloaded"] >= first["chunks"] // 2 >= 1
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return launch("engine_tp_worker.py", WORLD2, 2, timeout_s=300)
+
+
+@pytest.mark.parametrize("index", range(len(WORLD2)), ids=[str(c) for c in WORLD2])
+def test_tensor2_matches_torch(world2, index):
+    check(world2, index)
+
+
+def test_tensor2_data2_offload_matches_torch():
+    per_rank = launch("engine_tp_worker.py", WORLD4, 4, timeout_s=400)
+    for index in range(len(WORLD4)):
+        check(per_rank, index)
