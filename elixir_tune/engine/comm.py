@@ -298,6 +298,29 @@ def _mesh_of(world: Comm, pipeline: int, tensor: int) -> Mesh:
     return Mesh(world, comms[0], comms[1], comms[2], device_mesh)
 
 
+def grid_device_mesh(mesh: Mesh, rows: int) -> Any:
+    """This rank's tensor group as a ``rows x (T / rows)`` DeviceMesh (Optimus's 2D grid), tensor ranks
+    row-major; a collective (every rank of the world calls it).
+
+    Args:
+        mesh: the world's mesh.
+        rows: grid rows q.
+
+    Returns:
+        The 2D DeviceMesh with dimensions ("tensor_row", "tensor_col").
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    tensor, pipeline = mesh.tensor.world_size, mesh.pipeline.world_size
+    data = mesh.world.world_size // (tensor * pipeline)
+    full = init_device_mesh(
+        mesh.world.device.type,
+        (data, pipeline, rows, tensor // rows),
+        mesh_dim_names=("data", "pipeline", "tensor_row", "tensor_col"),
+    )
+    return full["tensor_row", "tensor_col"]
+
+
 def init_mesh(
     world_size: int, device_type: str, backend: str, pipeline: int = 1, tensor: int = 1, timeout_s: float = 600.0
 ) -> Mesh:

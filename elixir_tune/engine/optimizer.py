@@ -86,16 +86,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self._inner.append(self._build_inner(entries))
                 self._on_host.append(on_host)
         self._preallocate_state()
-        # Tensor parallelism: gradients every tensor rank holds alike (replicated parameters) are
-        # counted once in the global norm, split ones summed over the tensor group.
-        self._replicated_grads: list[torch.Tensor] = []
-        self._replicated_share = 1.0
+        # Tensor parallelism: a gradient piece that several tensor ranks hold alike (a replicated
+        # parameter, or one split along one grid dimension only) counts once in the global norm.
+        shares: dict[float, list[torch.Tensor]] = {}
         if engine.tensor_parallel is not None:
-            self._replicated_share = 1.0 / engine.tensor_parallel.degree
             for slot in engine.slots:
                 owned = slot.chunk.owned_range(slot)
-                if owned is not None and not engine.tensor_parallel.layout(slot.param).sharded:
-                    self._replicated_grads.append(slot.chunk.grad[owned[0] : owned[1]])
+                share = engine.tensor_parallel.norm_share(slot.param)
+                if owned is not None and share < 1.0:
+                    shares.setdefault(share, []).append(slot.chunk.grad[owned[0] : owned[1]])
+        self._norm_shares = list(shares.items())
 
     # --- construction --------------------------------------------------------------------------
 
@@ -219,9 +219,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         parts = [_norm_part(grads, norm_type).to(device) for grads in (device_grads, host_grads) if grads]
         local = torch.stack(parts)
         local = (local.max() if inf else local.sum()).reshape(1)
-        if self._replicated_grads and not inf:
-            excess = _norm_part(self._replicated_grads, norm_type).to(device)
-            local = local - (1.0 - self._replicated_share) * excess
+        if not inf:
+            for share, grads in self._norm_shares:
+                local = local - (1.0 - share) * _norm_part(grads, norm_type).to(device)
         # Over every rank: data shards, tensor pieces and pipeline stages hold different gradients.
         if inf:
             engine.mesh.world.all_reduce_max(local)

@@ -22,11 +22,14 @@ The global gradient norm counts a replicated parameter once (``replicated_fracti
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
-from elixir_tune.engine.comm import Comm, DeviceMesh, DTensor, Mesh, Partial, parallelize_module
-from elixir_tune.engine.tp_adapters import Layout, TensorParallelError, family_plan
+from elixir_tune.engine.comm import Comm, DeviceMesh, DTensor, Mesh, Partial, grid_device_mesh, parallelize_module
+from elixir_tune.engine.tp_adapters import Layout, TensorParallelError, family_plan, mesh_coords
+from elixir_tune.engine.tp_grid import grid_plan
 from elixir_tune.plan import Plan
 
 __all__ = [
@@ -70,29 +73,35 @@ class TensorSplit:
     """This rank's tensor-parallel layout of the model.
 
     Attributes:
-        mesh: the 1-D tensor DeviceMesh.
-        comm: the tensor group.
+        mesh: the tensor DeviceMesh (1-D; q x q for Optimus's 2D).
+        comm: the tensor group (its rank order is the mesh's row-major order).
         degree: ranks in the tensor group.
         rank: this rank in it.
-        layouts: id(parameter) -> its Layout (replicated ones included).
-        sequence_parallel: norms and dropout run on sequence shards.
+        layouts: id(parameter) -> its Layout (parameters not listed are replicated).
+        mode: ``1d`` or ``2d``.
+        sequence_parallel: 1d: norms and dropout run on sequence shards.
     """
 
-    def __init__(self, mesh: DeviceMesh, comm: Comm, layouts: dict[int, Layout], sequence_parallel: bool):
+    def __init__(
+        self, mesh: DeviceMesh, comm: Comm, layouts: dict[int, Layout], mode: str = "1d", sequence_parallel: bool = True
+    ):
         self.mesh = mesh
         self.comm = comm
         self.degree = comm.world_size
         self.rank = comm.rank
+        self.sizes = tuple(mesh.shape)
+        self.coords = mesh_coords(self.rank, self.sizes)
         self.layouts = layouts
+        self.mode = mode
         self.sequence_parallel = sequence_parallel
 
     def layout(self, param: torch.Tensor) -> Layout:
-        return self.layouts.get(id(param), Layout(None))
+        return self.layouts.get(id(param), Layout((None,) * len(self.sizes)))
 
-    def replicated_fraction(self, param: torch.Tensor) -> float:
-        """How much of this parameter's squared gradient norm this rank counts (1/T when every
-        tensor rank holds the same values, 1 when it holds its own piece)."""
-        return 1.0 if self.layout(param).sharded else 1.0 / self.degree
+    def norm_share(self, param: torch.Tensor) -> float:
+        """The part of this parameter's squared gradient norm this rank counts: 1 over the number of
+        tensor ranks holding the same piece (1 when the piece is its own)."""
+        return 1.0 / self.layout(param).replicas(self.sizes)
 
     @torch.no_grad()
     def full_state(
@@ -102,24 +111,24 @@ class TensorSplit:
 
         Args:
             local_state: name -> this rank's value (pieces for split parameters), on the CPU.
-            params: name -> the model's parameter (DTensor or plain), for the layouts.
+            params: name -> the model's parameter (DTensor or plain), for the layouts and full shapes.
         """
         full = {}
         for name, value in local_state.items():
             param = params.get(name)
-            layout = self.layout(param) if param is not None else Layout(None)
-            if not layout.sharded:
+            layout = self.layout(param) if param is not None else Layout((None,))
+            if param is None or not layout.sharded:
                 full[name] = value
                 continue
             gathered = torch.empty(self.degree * value.numel(), dtype=value.dtype, device=self.comm.device)
             self.comm.all_gather_into_tensor(gathered, value.to(self.comm.device).reshape(-1), async_op=False)
             pieces = [piece.view(value.shape).cpu() for piece in gathered.chunk(self.degree)]
-            full[name] = layout.full(pieces)
+            full[name] = layout.full(pieces, param.shape, self.sizes)
         return full
 
     def local_value(self, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         """This rank's piece of a full parameter value."""
-        return self.layout(param).local(full, self.rank, self.degree)
+        return self.layout(param).local(full, self.coords, self.sizes)
 
 
 def apply_tensor_parallel(
@@ -128,6 +137,7 @@ def apply_tensor_parallel(
     mesh: DeviceMesh,
     tensor: Comm,
     world: Comm,
+    mode: str = "1d",
     sequence_parallel: bool = True,
 ) -> TensorSplit:
     """Splits ``model`` over this rank's tensor group, in place.
@@ -138,10 +148,11 @@ def apply_tensor_parallel(
     Args:
         model: a transformers model of a supported family (``tp_adapters.FAMILY_PLANS``), real weights.
         optimizer: the user's optimizer over ``model.parameters()``, or None.
-        mesh: the 1-D DeviceMesh of the tensor group.
+        mesh: the DeviceMesh of the tensor group: 1-D, or the q x q grid for ``mode`` 2d.
         tensor: the tensor group.
         world: every rank (the weights are broadcast from its rank 0).
-        sequence_parallel: run norms and dropout on sequence shards.
+        mode: ``1d`` (Megatron) or ``2d`` (Optimus, engine/tp_grid.py).
+        sequence_parallel: 1d: run norms and dropout on sequence shards.
 
     Returns:
         The TensorSplit layout.
@@ -155,7 +166,7 @@ def apply_tensor_parallel(
             "tensor parallelism starts from real weights (rank 0's); build the model on the CPU, or run with "
             "parallel.tensor.degree: 1 to initialize it on the meta device"
         )
-    plan = family_plan(model, degree, sequence_parallel)
+    plan = grid_plan(model, degree) if mode == "2d" else family_plan(model, degree, sequence_parallel)
     with torch.no_grad():
         for param in model.parameters():
             world.broadcast(param.data, src=0)
@@ -173,9 +184,10 @@ def apply_tensor_parallel(
     layouts: dict[int, Layout] = {}
     for name, param in new.items():
         if isinstance(param, DTensor) and any(p.is_shard() for p in param.placements):
-            dim = next(p.dim for p in param.placements if p.is_shard())
-            layouts[id(param)] = Layout(dim, plan.fused.get(name, 1))
-    return TensorSplit(mesh, tensor, layouts, sequence_parallel)
+            dims = tuple(p.dim if p.is_shard() else None for p in param.placements)
+            fused = plan.fused.get(name)
+            layouts[id(param)] = Layout(dims, fused[0], fused[1]) if fused else Layout(dims)
+    return TensorSplit(mesh, tensor, layouts, mode, sequence_parallel)
 
 
 def split_for_plan(
@@ -195,9 +207,17 @@ def split_for_plan(
             "setup(weights=...) with tensor parallelism is not supported yet: load the weights into the model "
             "(from_pretrained) and call setup without weights=, or use parallel.tensor.degree: 1"
         )
-    if tensor.mode != "1d":
-        raise TensorParallelError(f"parallel.tensor.mode {tensor.mode!r} is not supported by the engine yet; use 1d")
     assert mesh.device_mesh is not None  # built whenever the tensor degree is above 1
+    if tensor.mode == "2d":
+        q = math.isqrt(tensor.degree)
+        if plan.training.micro_batch_size % q:
+            raise TensorParallelError(
+                f"2d tensor parallelism splits each micro-batch over the {q} grid rows: training.micro_batch_size "
+                f"{plan.training.micro_batch_size} must be a multiple of {q}"
+            )
+        device_mesh = grid_device_mesh(mesh, q)
+    else:
+        device_mesh = mesh.device_mesh["tensor"]
     return apply_tensor_parallel(
-        model, optimizer, mesh.device_mesh["tensor"], mesh.tensor, mesh.world, tensor.sequence_parallel
+        model, optimizer, device_mesh, mesh.tensor, mesh.world, tensor.mode, tensor.sequence_parallel
     )

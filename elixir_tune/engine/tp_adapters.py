@@ -20,6 +20,7 @@ the logits are gathered whole before the model's own loss, so the loss code is u
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -51,52 +52,86 @@ class TensorParallelError(ValueError):
 
 @dataclass(frozen=True)
 class Layout:
-    """One parameter's split over the tensor ranks.
+    """One parameter's split over the tensor ranks (a 1-D tensor mesh, or Optimus's q x q grid).
 
     Attributes:
-        dim: the split dimension; None for a parameter replicated on every tensor rank.
-        parts: a fused parameter holds ``parts`` equal tensors along ``dim`` (GPT-2's q | k | v):
-            each is split, and a rank's piece is its part of each, concatenated.
+        dims: for each tensor mesh dimension, the parameter dimension it splits (None: the
+            parameter is replicated along that mesh dimension).
+        parts: a fused parameter holds ``parts`` equal tensors along its split output dimension
+            (GPT-2's q | k | v): each is split, and a rank's piece is its block of each, concatenated.
+        fused_dim: the dimension ``parts`` applies to.
     """
 
-    dim: int | None
+    dims: tuple[int | None, ...]
     parts: int = 1
+    fused_dim: int | None = None
 
     @property
     def sharded(self) -> bool:
-        return self.dim is not None
+        return any(dim is not None for dim in self.dims)
 
-    def local(self, full: torch.Tensor, rank: int, degree: int) -> torch.Tensor:
-        """This rank's piece of ``full`` (a view when not fused)."""
-        if self.dim is None:
-            return full
-        if self.parts == 1:
-            return full.chunk(degree, self.dim)[rank]
-        return torch.cat([part.chunk(degree, self.dim)[rank] for part in full.chunk(self.parts, self.dim)], self.dim)
+    def replicas(self, sizes: tuple[int, ...]) -> int:
+        """How many ranks of the tensor group hold the same piece."""
+        return math.prod(size for size, dim in zip(sizes, self.dims, strict=True) if dim is None)
 
-    def full(self, pieces: list[torch.Tensor]) -> torch.Tensor:
-        """The full parameter from every rank's piece (tensor-rank order)."""
-        if self.dim is None:
+    def local(self, full: torch.Tensor, coords: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        """The piece of ``full`` at mesh coordinates ``coords`` of a tensor mesh of ``sizes``."""
+        piece = full
+        for dim, index, count in zip(self.dims, coords, sizes, strict=True):
+            if dim is None:
+                continue
+            if self.parts == 1 or dim != self.fused_dim:
+                piece = piece.chunk(count, dim)[index]
+            else:
+                piece = torch.cat([part.chunk(count, dim)[index] for part in piece.chunk(self.parts, dim)], dim)
+        return piece
+
+    def full(self, pieces: list[torch.Tensor], shape: torch.Size, sizes: tuple[int, ...]) -> torch.Tensor:
+        """The full parameter of ``shape`` from every rank's piece (tensor ranks in row-major mesh order)."""
+        if not self.sharded:
             return pieces[0]
-        if self.parts == 1:
-            return torch.cat(pieces, self.dim)
-        split = [piece.chunk(self.parts, self.dim) for piece in pieces]
-        return torch.cat([split[r][p] for p in range(self.parts) for r in range(len(pieces))], self.dim)
+        # Where each rank's elements sit: its piece of the full tensor's flat indices.
+        index = torch.arange(math.prod(shape)).view(shape)
+        out = torch.empty(math.prod(shape), dtype=pieces[0].dtype)
+        for rank, piece in enumerate(pieces):
+            out[self.local(index, mesh_coords(rank, sizes), sizes).reshape(-1)] = piece.reshape(-1)
+        return out.view(shape)
+
+
+def mesh_coords(rank: int, sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """A tensor rank's coordinates on its tensor mesh (row-major: the last dimension innermost)."""
+    coords = []
+    for size in reversed(sizes):
+        coords.append(rank % size)
+        rank //= size
+    return tuple(reversed(coords))
 
 
 # --- GPT-2's Conv1D -----------------------------------------------------------------------------------
 
 
-def _distribute_params(module: nn.Module, mesh: DeviceMesh, dims: dict[str, int | None], parts: int) -> None:
+def distribute_params(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    dims: dict[str, tuple[int | None, ...]],
+    parts: int = 1,
+    fused_dims: dict[str, int] | None = None,
+) -> None:
     """Replaces ``module``'s parameters by DTensors holding this rank's piece (no communication:
-    every rank holds the full weights already)."""
-    rank, degree = mesh.get_local_rank(), mesh.size()
+    every rank holds the full weights already).
+
+    Args:
+        dims: parameter name -> the parameter dimension each mesh dimension splits (None: replicated).
+        parts: fused tensors (GPT-2's q | k | v), each split by heads, along ``fused_dims[name]``.
+    """
+    sizes = tuple(mesh.shape)
+    coords = tuple(mesh.get_local_rank(m) for m in range(mesh.ndim))
     for name, param in list(module.named_parameters(recurse=False)):
-        dim = dims[name]
-        layout = Layout(dim, parts if dim is not None else 1)
-        local = layout.local(param.detach(), rank, degree).contiguous()
-        placement = Replicate() if dim is None else Shard(dim)
-        dtensor = DTensor.from_local(local, mesh, [placement], run_check=False)
+        fused_dim = (fused_dims or {}).get(name)
+        layout = Layout(dims[name], parts if fused_dim is not None else 1, fused_dim)
+        local = layout.local(param.detach(), coords, sizes).contiguous()
+        placements = [Replicate() if dim is None else Shard(dim) for dim in layout.dims]
+        dtensor = DTensor.from_local(local, mesh, placements, run_check=False)
         module.register_parameter(name, nn.Parameter(dtensor, requires_grad=param.requires_grad))
 
 
@@ -115,7 +150,7 @@ class Conv1DColwise(ParallelStyle):
         self.fused_parts = fused_parts
 
     def _partition(self, name, module, mesh):
-        _distribute_params(module, mesh, {"weight": 1, "bias": 0}, self.fused_parts)
+        distribute_params(module, mesh, {"weight": (1,), "bias": (0,)}, self.fused_parts, {"weight": 1, "bias": 0})
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(
@@ -141,7 +176,7 @@ class Conv1DRowwise(ParallelStyle):
         self.use_local_output = use_local_output
 
     def _partition(self, name, module, mesh):
-        _distribute_params(module, mesh, {"weight": 0, "bias": None}, 1)
+        distribute_params(module, mesh, {"weight": (0,), "bias": (None,)})
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(
@@ -162,13 +197,13 @@ class FamilyPlan:
 
     Attributes:
         styles: module path -> style.
-        fused: parameter name -> number of fused parts (GPT-2's c_attn: 3).
+        fused: parameter name -> (fused parts, their dimension) (GPT-2's c_attn: 3 along the output).
         local_attrs: (module path, attribute, local value) set after partitioning.
         tied: (alias module path, attribute, owner parameter name) to re-tie after partitioning.
     """
 
     styles: dict[str, ParallelStyle]
-    fused: dict[str, int]
+    fused: dict[str, tuple[int, int]]
     local_attrs: list[tuple[str, str, int]]
     tied: list[tuple[str, str, str]]
 
@@ -224,7 +259,8 @@ def _gpt2_plan(model: nn.Module, degree: int, sp: bool) -> FamilyPlan:
             output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False
         )
         styles["transformer.ln_f"] = SequenceParallel()
-    fused, attrs = {}, []
+    fused: dict[str, tuple[int, int]] = {}
+    attrs = []
     for i, block in enumerate(model.get_submodule("transformer.h")):
         path = f"transformer.h.{i}"
         styles[f"{path}.attn.c_attn"] = Conv1DColwise(fused_parts=3)
@@ -238,8 +274,8 @@ def _gpt2_plan(model: nn.Module, degree: int, sp: bool) -> FamilyPlan:
                 styles[f"{path}.{sub}"] = PrepareModuleInput(
                     input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
                 )
-        fused[f"{path}.attn.c_attn.weight"] = 3
-        fused[f"{path}.attn.c_attn.bias"] = 3
+        fused[f"{path}.attn.c_attn.weight"] = (3, 1)
+        fused[f"{path}.attn.c_attn.bias"] = (3, 0)
         attrs.append((f"{path}.attn", "split_size", block.attn.split_size // degree))
         attrs.append((f"{path}.attn", "num_heads", block.attn.num_heads // degree))
     styles["lm_head"] = ColwiseParallel(input_layouts=between, output_layouts=Replicate())
@@ -257,29 +293,36 @@ FAMILY_PLANS: dict[str, Callable[[nn.Module, int, bool], FamilyPlan]] = {
 }
 
 
-def family_plan(model: nn.Module, degree: int, sequence_parallel: bool) -> FamilyPlan:
-    """The 1-D tensor-parallel plan of ``model`` (a transformers model of a supported family).
+def check_splittable(model: nn.Module, parts: int, families) -> str:
+    """The model's family, after checking that heads and vocabulary split into ``parts``.
 
     Raises:
-        TensorParallelError: an unsupported family, or heads / sizes not divisible by ``degree``.
+        TensorParallelError: an unsupported family, or heads / vocabulary not divisible.
     """
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", "")
-    if model_type not in FAMILY_PLANS:
+    if model_type not in families:
         raise TensorParallelError(
-            f"tensor parallelism supports the transformers families {sorted(FAMILY_PLANS)}; this model is "
+            f"tensor parallelism supports the transformers families {sorted(families)}; this model is "
             f"{type(model).__name__} (model_type {model_type!r}); set parallel.tensor.degree: 1 for it"
         )
     heads = getattr(config, "num_attention_heads", 0)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    problems = [
-        f"{what} {value}" for what, value in (("heads", heads), ("key/value heads", kv_heads)) if value % degree
-    ]
-    vocab = getattr(config, "vocab_size", 0)
-    if vocab % degree:
-        problems.append(f"vocabulary {vocab}")
+    sizes = (("heads", heads), ("key/value heads", kv_heads), ("vocabulary", getattr(config, "vocab_size", 0)))
+    problems = [f"{what} {value}" for what, value in sizes if value % parts]
     if problems:
         raise TensorParallelError(
-            f"tensor degree {degree} must divide the model's {', '.join(problems)}; choose a degree that divides them"
+            f"the tensor split into {parts} parts must divide the model's {', '.join(problems)}; "
+            "choose a tensor degree that divides them"
         )
+    return model_type
+
+
+def family_plan(model: nn.Module, degree: int, sequence_parallel: bool) -> FamilyPlan:
+    """The 1-D tensor-parallel plan of ``model`` (a transformers model of a supported family).
+
+    Raises:
+        TensorParallelError: an unsupported family, or heads / vocabulary not divisible by ``degree``.
+    """
+    model_type = check_splittable(model, degree, FAMILY_PLANS)
     return FAMILY_PLANS[model_type](model, degree, sequence_parallel)
