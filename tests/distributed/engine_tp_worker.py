@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 
 import elixir_tune
+from elixir_tune.engine.tensor_parallel import local_data
+from elixir_tune.plan.tensor_layout import local_shape
 from tests.distributed.engine_plans import batches, param_groups, tiny_gpt2
 from tests.distributed.engine_worker import compare, local_micro, mean_over_ranks
 from tests.distributed.tp_plans import make_tp_plan, tiny_llama_gqa
@@ -56,6 +58,13 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
         seq_len=SEQ,
     )
     model, opt = elixir_tune.setup(model, opt, plan=plan)
+    # The engine's local pieces have the shapes the search packs (plan/tensor_layout.py).
+    model_type, mode = plan.model.model_type, plan.parallel.tensor.mode
+    mismatches = [
+        (name, list(local_data(p).shape))
+        for name, p in model.module.named_parameters()
+        if list(local_data(p).shape) != local_shape(name, list(p.shape), model_type, tensor, mode)
+    ]
     accum = case.get("accum", 1)
     losses, norms = [], []
     for batch in global_batches(case, data):
@@ -78,6 +87,7 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
         "offloaded": sum(c.offload for c in plan.memory.chunks),
         "chunk_numel": sum(c.numel for c in plan.memory.chunks),
         "report": model.memory_report(),
+        "layout_mismatches": mismatches,
     }
 
 
@@ -108,6 +118,7 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
         "offloaded": engine["offloaded"],
         "chunk_numel": engine["chunk_numel"],
         "report": engine["report"],
+        "layout_mismatches": engine["layout_mismatches"],
     }
     if rank == 0:
         reference = run_reference(case, world // case["tensor"])

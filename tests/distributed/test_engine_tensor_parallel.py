@@ -2,7 +2,8 @@
 
 1D (Megatron, with and without sequence parallelism) at tensor degree 2: world 2 (tensor only)
 and world 4 (tensor 2 x data 2, the chunks of each tensor rank's local pieces sharded over its data
-group, half of them offloaded). Models: a Llama with grouped-query attention (4 query heads, 2
+group, half of them offloaded); 2D (Optimus) on a 2 x 2 grid at world 4. Each rank's local pieces
+have the shapes of ``plan/tensor_layout.py`` (what the search packs). Models: a Llama with grouped-query attention (4 query heads, 2
 key/value heads) and GPT-2 (Conv1D weights, fused q|k|v split per head). fp32, 10 steps: losses
 1e-5 relative, final weights 1e-5 absolute, clipped gradient norms 1e-5 relative (the norm counts
 parameters replicated over the tensor group once).
@@ -27,6 +28,8 @@ WORLD2 = [
 WORLD4 = [
     dict(model="llama", tensor=2, chunk_size=2048, cache="min", offload=0.5, checkpoint=1, clip=0.5),
     dict(model="gpt2", tensor=2, chunk_size=2048, cache="min", offload=0.5, accum=2, clip=0.5),
+    dict(model="gpt2", tensor=4, mode="2d", chunk_size=2048, cache="min", checkpoint=1, clip=0.5),
+    dict(model="llama", tensor=4, mode="2d", chunk_size=2048, cache="min", offload=0.5, accum=2, clip=0.5),
 ]
 
 
@@ -34,6 +37,7 @@ def check(per_rank: list[list[dict]], index: int) -> None:
     results = [rank_results[index] for rank_results in per_rank]
     for rank, result in enumerate(results):
         assert result["ok"], f"rank {rank}: {result.get('error')}\n{result.get('trace')}"
+        assert result["layout_mismatches"] == [], (rank, result["layout_mismatches"])
     first = results[0]
     assert first["loss_rel"] <= FP32_LOSS_REL, (first["case"], first["loss_rel"])
     assert first["weight_abs"] <= FP32_WEIGHT_ABS, (first["case"], first["weight_abs"])
@@ -57,7 +61,12 @@ def test_tensor2_matches_torch(world2, index):
     check(world2, index)
 
 
-def test_tensor2_data2_offload_matches_torch():
-    per_rank = launch("engine_tp_worker.py", WORLD4, 4, timeout_s=400)
-    for index in range(len(WORLD4)):
-        check(per_rank, index)
+@pytest.fixture(scope="module")
+def world4():
+    return launch("engine_tp_worker.py", WORLD4, 4, timeout_s=400)
+
+
+@pytest.mark.parametrize("index", range(len(WORLD4)), ids=[str(c) for c in WORLD4])
+def test_world4_matches_torch(world4, index):
+    """1D tensor 2 x data 2 with half the chunks offloaded, and 2D on a 2 x 2 grid."""
+    check(world4, index)
