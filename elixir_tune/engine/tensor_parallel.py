@@ -27,7 +27,16 @@ import math
 import torch
 from torch import nn
 
-from elixir_tune.engine.comm import Comm, DeviceMesh, DTensor, Mesh, Partial, grid_device_mesh, parallelize_module
+from elixir_tune.engine.comm import (
+    Comm,
+    DeviceMesh,
+    DTensor,
+    Mesh,
+    Partial,
+    Shard,
+    grid_device_mesh,
+    parallelize_module,
+)
 from elixir_tune.engine.tp_adapters import Layout, TensorParallelError, family_plan, mesh_coords
 from elixir_tune.engine.tp_grid import grid_plan
 from elixir_tune.plan import Plan
@@ -184,7 +193,7 @@ def apply_tensor_parallel(
     layouts: dict[int, Layout] = {}
     for name, param in new.items():
         if isinstance(param, DTensor) and any(p.is_shard() for p in param.placements):
-            dims = tuple(p.dim if p.is_shard() else None for p in param.placements)
+            dims = tuple(p.dim if isinstance(p, Shard) else None for p in param.placements)
             fused = plan.fused.get(name)
             layouts[id(param)] = Layout(dims, fused[0], fused[1]) if fused else Layout(dims)
     return TensorSplit(mesh, tensor, layouts, mode, sequence_parallel)

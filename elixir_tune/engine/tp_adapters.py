@@ -208,6 +208,20 @@ class FamilyPlan:
     tied: list[tuple[str, str, str]]
 
 
+def blocks_of(model: nn.Module, path: str) -> nn.ModuleList:
+    """The ModuleList of repeated blocks at ``path``."""
+    blocks = model.get_submodule(path)
+    assert isinstance(blocks, nn.ModuleList), f"{path} is a {type(blocks).__name__}, not a ModuleList"
+    return blocks
+
+
+def gpt2_local_heads(path: str, block: nn.Module, parts: int) -> list[tuple[str, str, int]]:
+    """GPT-2's attention splits its fused output at ``split_size`` (the width of q, k, v): with the
+    heads split ``parts`` ways a rank sees the local width (and head count)."""
+    attn = block.get_submodule("attn")
+    return [(f"{path}.attn", name, int(getattr(attn, name)) // parts) for name in ("split_size", "num_heads")]
+
+
 def _sequence(sp: bool):
     """(between-block layout, local output?) of row-parallel outputs."""
     return (Shard(1), False) if sp else (Replicate(), True)
@@ -221,7 +235,7 @@ def _llama_plan(model: nn.Module, degree: int, sp: bool) -> FamilyPlan:
             input_layouts=Replicate(), output_layouts=between, use_local_output=local_out
         ),
     }
-    for i in range(len(model.get_submodule(f"{base}.layers"))):
+    for i in range(len(blocks_of(model, f"{base}.layers"))):
         layer = f"{base}.layers.{i}"
         for proj in ("q_proj", "k_proj", "v_proj"):
             styles[f"{layer}.self_attn.{proj}"] = ColwiseParallel()
@@ -261,7 +275,7 @@ def _gpt2_plan(model: nn.Module, degree: int, sp: bool) -> FamilyPlan:
         styles["transformer.ln_f"] = SequenceParallel()
     fused: dict[str, tuple[int, int]] = {}
     attrs = []
-    for i, block in enumerate(model.get_submodule("transformer.h")):
+    for i, block in enumerate(blocks_of(model, "transformer.h")):
         path = f"transformer.h.{i}"
         styles[f"{path}.attn.c_attn"] = Conv1DColwise(fused_parts=3)
         styles[f"{path}.attn.c_proj"] = Conv1DRowwise(output_layouts=between, use_local_output=local_out)
@@ -276,8 +290,7 @@ def _gpt2_plan(model: nn.Module, degree: int, sp: bool) -> FamilyPlan:
                 )
         fused[f"{path}.attn.c_attn.weight"] = (3, 1)
         fused[f"{path}.attn.c_attn.bias"] = (3, 0)
-        attrs.append((f"{path}.attn", "split_size", block.attn.split_size // degree))
-        attrs.append((f"{path}.attn", "num_heads", block.attn.num_heads // degree))
+        attrs += gpt2_local_heads(path, block, degree)
     styles["lm_head"] = ColwiseParallel(input_layouts=between, output_layouts=Replicate())
     tied = []
     if getattr(model.config, "tie_word_embeddings", True):

@@ -16,7 +16,7 @@ columns), its sharding propagation gathers W's rows over the grid rows and, for 
 X's columns over the grid columns, then multiplies locally; the result comes out split (batch /
 rows, out / columns) with no reduction. That moves the same bytes as SUMMA's broadcasts (each
 rank receives the other q - 1 blocks of its X row and of its W column) but holds a gathered panel
-at once instead of one block at a time (docs/DESIGN.md, 9.4, compares the two).
+at once instead of one block at a time (docs/DESIGN.md, 9.5, compares the two).
 
 The logits are gathered whole before the model's own loss; the micro-batch must divide by q.
 """
@@ -29,7 +29,14 @@ from dataclasses import dataclass
 from torch import nn
 
 from elixir_tune.engine.comm import DeviceMesh, DTensor, ParallelStyle, Replicate, Shard, distribute_module
-from elixir_tune.engine.tp_adapters import FamilyPlan, TensorParallelError, check_splittable, distribute_params
+from elixir_tune.engine.tp_adapters import (
+    FamilyPlan,
+    TensorParallelError,
+    blocks_of,
+    check_splittable,
+    distribute_params,
+    gpt2_local_heads,
+)
 
 # The residual stream between blocks: batch over the grid rows, hidden over the grid columns.
 RESIDUAL = (Shard(0), Shard(2))
@@ -148,7 +155,7 @@ def _head() -> Linear2D:
 def llama_grid_plan(model: nn.Module, q: int) -> FamilyPlan:
     base = model.base_model_prefix
     styles: dict[str, ParallelStyle] = {f"{base}.embed_tokens": Embedding2D(), f"{base}.norm": Norm2D()}
-    for i in range(len(model.get_submodule(f"{base}.layers"))):
+    for i in range(len(blocks_of(model, f"{base}.layers"))):
         layer = f"{base}.layers.{i}"
         styles[f"{layer}.input_layernorm"] = Norm2D()
         styles[f"{layer}.post_attention_layernorm"] = Norm2D()
@@ -174,7 +181,7 @@ def gpt2_grid_plan(model: nn.Module, q: int) -> FamilyPlan:
     }
     fused: dict[str, tuple[int, int]] = {}
     attrs = []
-    for i, block in enumerate(model.get_submodule("transformer.h")):
+    for i, block in enumerate(blocks_of(model, "transformer.h")):
         path = f"transformer.h.{i}"
         styles[f"{path}.ln_1"] = Norm2D()
         styles[f"{path}.ln_2"] = Norm2D()
@@ -186,8 +193,7 @@ def gpt2_grid_plan(model: nn.Module, q: int) -> FamilyPlan:
         styles[f"{path}.mlp.c_proj"] = _exit()
         fused[f"{path}.attn.c_attn.weight"] = (3, 1)
         fused[f"{path}.attn.c_attn.bias"] = (3, 0)
-        attrs.append((f"{path}.attn", "split_size", block.attn.split_size // q))
-        attrs.append((f"{path}.attn", "num_heads", block.attn.num_heads // q))
+        attrs += gpt2_local_heads(path, block, q)
     styles["lm_head"] = _head()
     tied = []
     if getattr(model.config, "tie_word_embeddings", True):
