@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from elixir_tune.engine.comm import DeviceMesh, DTensor, ParallelStyle, Replicate, Shard, distribute_module
@@ -126,14 +127,24 @@ class Norm2D(ParallelStyle):
 
 class LocalSamples(ParallelStyle):
     """The attention's or MLP's input (first positional argument, or ``hidden_states``) gathered
-    over the grid columns and handed over as this rank's samples, an ordinary tensor."""
+    over the grid columns and handed over as this rank's samples, an ordinary tensor; a per-sample
+    ``attention_mask`` is cut to the same samples."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        rows, row = device_mesh.size(0), device_mesh.get_local_rank(0)
+
         def hook(mod, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            batch = hidden.shape[0]
+            local = _to(hidden, device_mesh, ROW_SAMPLES, local=True)
             if args:
-                args = (_to(args[0], device_mesh, ROW_SAMPLES, local=True), *args[1:])
+                args = (local, *args[1:])
             else:
-                kwargs["hidden_states"] = _to(kwargs["hidden_states"], device_mesh, ROW_SAMPLES, local=True)
+                kwargs["hidden_states"] = local
+            mask = kwargs.get("attention_mask")
+            if isinstance(mask, torch.Tensor) and mask.shape[0] == batch > 1:
+                # A per-sample mask (eager attention builds one): this rank's samples only.
+                kwargs["attention_mask"] = mask.chunk(rows, 0)[row]
             return args, kwargs
 
         module.register_forward_pre_hook(hook, with_kwargs=True)

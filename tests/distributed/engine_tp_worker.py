@@ -4,6 +4,7 @@ Run by ``engine_launch.py`` as N processes (gloo, CPU). Each case is a dict:
 
     model: llama (grouped-query attention) | gpt2      tensor: tensor degree T (world = data x T)
     mode: 1d | 2d      sp: sequence parallelism (1d)    chunk_size, cache, offload (fraction)
+    attn: the attention implementation (default sdpa; eager builds a per-sample mask)
     checkpoint (every), accum, clip (max norm or 0), steps
 
 Every rank of a tensor group takes the same micro-batches (those of its data-parallel rank); rank 0
@@ -26,6 +27,8 @@ SEQ = 8
 
 def build(case: dict):
     model = tiny_llama_gqa() if case["model"] == "llama" else tiny_gpt2()
+    if case.get("attn"):
+        model.config._attn_implementation = case["attn"]  # eager: a per-sample causal mask
     opt = torch.optim.AdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95), eps=1e-6, foreach=False)
     return model, opt
 

@@ -28,7 +28,7 @@ WORLD2 = [
 WORLD4 = [
     dict(model="llama", tensor=2, chunk_size=2048, cache="min", offload=0.5, checkpoint=1, clip=0.5),
     dict(model="gpt2", tensor=2, chunk_size=2048, cache="min", offload=0.5, accum=2, clip=0.5),
-    dict(model="gpt2", tensor=4, mode="2d", chunk_size=2048, cache="min", checkpoint=1, clip=0.5),
+    dict(model="gpt2", tensor=4, mode="2d", chunk_size=2048, cache="min", checkpoint=1, clip=0.5, attn="eager"),
     dict(model="llama", tensor=4, mode="2d", chunk_size=2048, cache="min", offload=0.5, accum=2, clip=0.5),
 ]
 
