@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from elixir_tune.engine.tensor_parallel import refuse_tensor_parallel
 from elixir_tune.plan import Plan
 
 FORMAT_VERSION = 1
@@ -105,6 +106,7 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer, step: int, extra:
         The checkpoint directory.
     """
     engine = model.engine
+    refuse_tensor_parallel(engine, "save_checkpoint")  # rank files are keyed by the data rank
     comm = engine.comm
     plan = engine.plan
     final = Path(path).absolute()

@@ -21,6 +21,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from elixir_tune.engine.tensor_parallel import refuse_tensor_parallel
 from elixir_tune.engine.weights import INDEX_NAME, WEIGHTS_NAME
 
 _SAFETENSORS_DTYPES = {
@@ -186,6 +187,7 @@ def save_pretrained(
         The directory.
     """
     engine = model.engine
+    refuse_tensor_parallel(engine, "save_pretrained")
     directory = Path(directory)
     entries, by_tensor = _entries(engine, dtype)
     files = _split(entries, parse_size(max_shard_size))

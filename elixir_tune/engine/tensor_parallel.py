@@ -49,6 +49,7 @@ __all__ = [
     "local_grad",
     "set_local_data",
     "split_for_plan",
+    "refuse_tensor_parallel",
 ]
 
 
@@ -230,3 +231,17 @@ def split_for_plan(
     return apply_tensor_parallel(
         model, optimizer, device_mesh, mesh.tensor, mesh.world, tensor.mode, tensor.sequence_parallel
     )
+
+
+def refuse_tensor_parallel(engine, what: str) -> None:
+    """Raises TensorParallelError for a feature that does not handle tensor-parallel pieces yet.
+
+    Args:
+        engine: the Engine.
+        what: the feature, for the message.
+    """
+    if engine.tensor_parallel is not None:
+        raise TensorParallelError(
+            f"{what} does not support tensor parallelism yet (parallel.tensor.degree "
+            f"{engine.tensor_parallel.degree}): save the full weights with model.state_dict() on rank 0 instead"
+        )

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 import elixir_tune
-from elixir_tune.engine.tensor_parallel import local_data
+from elixir_tune.engine.tensor_parallel import TensorParallelError, local_data
 from elixir_tune.plan.tensor_layout import local_shape
 from tests.distributed.engine_plans import batches, param_groups, tiny_gpt2
 from tests.distributed.engine_worker import compare, local_micro, mean_over_ranks
@@ -82,6 +82,13 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
         opt.zero_grad()
         losses.append(total)
     full = model.state_dict()  # a collective: every rank calls it
+    refused = []
+    for save in (lambda: elixir_tune.save_checkpoint("unused-ckpt", model, opt, 0),
+                 lambda: elixir_tune.save_pretrained(model, "unused-dir")):  # fmt: skip
+        try:
+            save()
+        except TensorParallelError as error:
+            refused.append(str(error))
     return {
         "losses": losses,
         "norms": norms,
@@ -91,6 +98,7 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
         "chunk_numel": sum(c.numel for c in plan.memory.chunks),
         "report": model.memory_report(),
         "layout_mismatches": mismatches,
+        "refused_saves": refused,
     }
 
 
@@ -122,6 +130,7 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
         "chunk_numel": engine["chunk_numel"],
         "report": engine["report"],
         "layout_mismatches": engine["layout_mismatches"],
+        "refused_saves": engine["refused_saves"],
     }
     if rank == 0:
         reference = run_reference(case, world // case["tensor"])
