@@ -8,7 +8,8 @@ Each configuration runs in one launch of ``--world`` processes (data x tensor) w
 micro-batch per tensor group (``--micro`` samples of ``--seq`` tokens): tensor 1 (data only), 1D
 tensor 2 with and without sequence parallelism, 1D tensor 4, and 2D 2 x 2 when the engine has it.
 Per rank it reports the bytes autograd saves for backward in one forward (activations, parameter
-storages left out) and the measured step's allocation peak (tests/distributed/memory_probe.py).
+storages left out), the measured step's allocation peak (tests/distributed/memory_probe.py) and
+the bytes moved by the tensor-parallel collectives of one forward and backward (ring volumes).
 Models (tests/distributed/tp_activation_worker.py): GPT-2 and Llama, hidden 128, 8 heads (Llama: 4
 key/value heads), 2 layers, vocabulary 512, eager attention, fp32.
 """
@@ -65,12 +66,17 @@ def main() -> None:
                 "saved_bytes": [r["saved_bytes"] for r in results],
                 "step_peak_bytes": [r["step_peak_bytes"] for r in results],
                 "live_bytes": [r["live_bytes"] for r in results],
+                "forward_collective_bytes": [r["forward_collective_bytes"] for r in results],
+                "backward_collective_bytes": [r["backward_collective_bytes"] for r in results],
             }
+            moved = max(sum(r["forward_collective_bytes"].values()) + sum(r["backward_collective_bytes"].values())
+                        for r in results)  # fmt: skip
             rows.append(row)
             print(
                 f"{model:6} T={row['tensor']} mode={row['mode']:2} sp={row['sp']!s:5} "
                 f"activations/rank {max(row['saved_bytes']) / 2**20:7.3f} MiB  "
-                f"step peak/rank {max(row['step_peak_bytes']) / 2**20:7.3f} MiB",
+                f"step peak/rank {max(row['step_peak_bytes']) / 2**20:7.3f} MiB  "
+                f"TP collectives/rank (fwd+bwd) {moved / 2**20:7.3f} MiB",
                 flush=True,
             )
     if args.out:

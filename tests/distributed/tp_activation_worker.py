@@ -7,6 +7,8 @@ through the engine, then one measured micro-batch:
 * ``saved_bytes``: the bytes of the distinct storages autograd saves for backward during the
   forward (``torch.autograd.graph.saved_tensors_hooks``; a DTensor counts its local tensor), minus
   the parameters' own storages (chunk payloads): the activation memory of this rank;
+* ``forward_collective_bytes`` / ``backward_collective_bytes``: bytes this rank moved in the
+  tensor-parallel collectives of that forward and its backward, by collective (``CollectiveBytes``);
 * ``step_peak_bytes`` / ``live_bytes``: the measured step's allocation peak above its start and
   the live storages at its start (``memory_probe.peak_step_bytes``, as the engine's memory harness).
 """
@@ -14,7 +16,8 @@ through the engine, then one measured micro-batch:
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 import elixir_tune
 from tests.distributed.engine_launch import worker_main
@@ -73,6 +76,29 @@ def saved_activation_bytes(run, exclude: set[int]) -> int:
     return sum(sizes.values())
 
 
+class CollectiveBytes(TorchDispatchMode):
+    """Bytes each rank moves in the tensor-parallel collectives (DTensor's functional collectives;
+    the chunk engine's own gathers and reductions are not functional and are not counted), by the
+    ring algorithm's volume: all-gather (g - 1) x input, reduce-scatter (g - 1) / g x input,
+    all-reduce 2 (g - 1) / g x input, for a group of g ranks."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes: dict[str, float] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        namespace, _, name = func._schema.name.partition("::")
+        names = [arg for arg in (*args, *kwargs.values()) if isinstance(arg, str)]
+        if namespace == "_c10d_functional" and names and args and isinstance(args[0], torch.Tensor):
+            size = args[0].numel() * args[0].element_size()
+            group = dist.distributed_c10d._resolve_process_group(names[-1]).size()  # the group comes last
+            factor = {"all_gather_into_tensor": group - 1, "reduce_scatter_tensor": (group - 1) / group}
+            moved = size * factor.get(name, 2 * (group - 1) / group)
+            self.bytes[name] = self.bytes.get(name, 0) + moved
+        return func(*args, **kwargs)
+
+
 def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> dict:
     tensor = case["tensor"]
     model = build(case)
@@ -103,11 +129,20 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
     step()  # records the access order; the payloads are gathered from here on
     payloads = {chunk.payload.untyped_storage().data_ptr() for chunk in model.engine.chunks}
     losses: list[torch.Tensor] = []
-    saved = saved_activation_bytes(lambda: losses.append(model(**batch).loss), payloads)
-    opt.backward(losses[0])
+    forward, backward = CollectiveBytes(), CollectiveBytes()
+    with forward:
+        saved = saved_activation_bytes(lambda: losses.append(model(**batch).loss), payloads)
+    with backward:
+        opt.backward(losses[0])
     opt.zero_grad()
     measured = peak_step_bytes(step, model.engine.device, warmup=step)
-    return {"case": case, "saved_bytes": saved, **measured}
+    return {
+        "case": case,
+        "saved_bytes": saved,
+        "forward_collective_bytes": forward.bytes,
+        "backward_collective_bytes": backward.bytes,
+        **measured,
+    }
 
 
 if __name__ == "__main__":
