@@ -243,14 +243,17 @@ def _llama_plan(model: nn.Module, degree: int, sp: bool) -> FamilyPlan:
         for proj in ("gate_proj", "up_proj"):
             styles[f"{layer}.mlp.{proj}"] = ColwiseParallel()
         styles[f"{layer}.mlp.down_proj"] = RowwiseParallel(output_layouts=between, use_local_output=local_out)
+        # The block input as a replicated DTensor (gathered from sequence shards with SP): the column-
+        # parallel layers' input gradients (partial sums) then add up before ONE reduction, instead of
+        # one all-reduce per q, k, v (gate, up) as with a plain input.
+        styles[f"{layer}.self_attn"] = PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": between},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+        )
+        styles[f"{layer}.mlp"] = PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),))
         if sp:
             styles[f"{layer}.input_layernorm"] = SequenceParallel()
             styles[f"{layer}.post_attention_layernorm"] = SequenceParallel()
-            styles[f"{layer}.self_attn"] = PrepareModuleInput(
-                input_kwarg_layouts={"hidden_states": Shard(1)},
-                desired_input_kwarg_layouts={"hidden_states": Replicate()},
-            )
-            styles[f"{layer}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     if sp:
         styles[f"{base}.norm"] = SequenceParallel()
     styles["lm_head"] = ColwiseParallel(input_layouts=between, output_layouts=Replicate())
@@ -281,13 +284,11 @@ def _gpt2_plan(model: nn.Module, degree: int, sp: bool) -> FamilyPlan:
         styles[f"{path}.attn.c_proj"] = Conv1DRowwise(output_layouts=between, use_local_output=local_out)
         styles[f"{path}.mlp.c_fc"] = Conv1DColwise()
         styles[f"{path}.mlp.c_proj"] = Conv1DRowwise(output_layouts=between, use_local_output=local_out)
+        for sub in ("attn", "mlp"):  # as in _llama_plan: one reduction of the input gradient
+            styles[f"{path}.{sub}"] = PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),))
         if sp:
             for norm in ("ln_1", "ln_2"):
                 styles[f"{path}.{norm}"] = SequenceParallel()
-            for sub in ("attn", "mlp"):
-                styles[f"{path}.{sub}"] = PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-                )
         fused[f"{path}.attn.c_attn.weight"] = (3, 1)
         fused[f"{path}.attn.c_attn.bias"] = (3, 0)
         attrs += gpt2_local_heads(path, block, degree)
