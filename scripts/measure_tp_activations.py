@@ -35,6 +35,31 @@ CONFIGS = [
 ]
 
 
+def markdown(result: dict) -> str:
+    """The rows as a table (MiB, the largest rank of each configuration)."""
+    args = result["args"]
+    lines = [
+        "# Activation memory and tensor-parallel traffic per rank (CPU)",
+        "",
+        f"`python scripts/measure_tp_activations.py --out {args['out']}`; load average "
+        f"{', '.join(f'{x:.1f}' for x in result['load'])} (1, 5, 15 min) at the end; world {args['world']}, "
+        f"micro-batch {args['micro']} x seq {args['seq']} per tensor group.",
+        "",
+        "| model | T | mode | SP | activations saved (MiB) | step peak (MiB) | TP collectives fwd+bwd (MiB) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        moved = max(
+            sum(fwd.values()) + sum(bwd.values())
+            for fwd, bwd in zip(row["forward_collective_bytes"], row["backward_collective_bytes"], strict=True)
+        )
+        lines.append(
+            f"| {row['model']} | {row['tensor']} | {row['mode']} | {row['sp']} | {max(row['saved_bytes']) / 2**20:.3f} "
+            f"| {max(row['step_peak_bytes']) / 2**20:.3f} | {moved / 2**20:.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     from tests.distributed.engine_launch import launch
 
@@ -81,9 +106,9 @@ def main() -> None:
             )
     if args.out:
         load = os.getloadavg()
-        args.out.write_text(
-            json.dumps({"args": vars(args) | {"out": str(args.out)}, "load": load, "rows": rows}, indent=1)
-        )
+        result = {"args": vars(args) | {"out": str(args.out)}, "load": load, "rows": rows}
+        args.out.write_text(json.dumps(result, indent=1))
+        args.out.with_suffix(".md").write_text(markdown(result))
 
 
 if __name__ == "__main__":

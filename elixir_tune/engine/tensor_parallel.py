@@ -1,7 +1,8 @@
-"""Tensor parallelism (1-D, Megatron style with sequence parallelism) under the chunk engine.
+"""Tensor parallelism (1D Megatron with sequence parallelism, 2D Optimus) under the chunk engine.
 
 ``apply_tensor_parallel`` turns an unmodified transformers model into its tensor-parallel form on
-this rank's tensor group (``engine/tp_adapters.py`` holds the per-family tables): the split
+this rank's tensor group (``engine/tp_adapters.py`` holds the per-family 1D tables,
+``engine/tp_grid.py`` the 2D ones; docs/DESIGN.md 9.5 describes both): the split
 parameters become DTensors whose local tensors hold this rank's piece. The chunk engine then packs
 those LOCAL pieces into its chunks and shards them over the data-parallel group, as FSDP2 composes
 with tensor parallelism.
@@ -17,7 +18,8 @@ the post-accumulate-grad hooks and the optimizer's bookkeeping hold. ``local_dat
 Gradients: a split parameter's gradient is a DTensor with the same split: its local tensor is what
 the chunk stages. A parameter replicated over the tensor group whose input was sequence-sharded
 (the norms) gets a partial-sum gradient, which ``local_grad`` sums over the tensor group first.
-The global gradient norm counts a replicated parameter once (``replicated_fraction``).
+The global gradient norm counts a piece held alike by several tensor ranks once
+(``TensorSplit.norm_share``).
 """
 
 from __future__ import annotations
