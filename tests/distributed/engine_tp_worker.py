@@ -82,6 +82,12 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
         opt.zero_grad()
         losses.append(total)
     full = model.state_dict()  # a collective: every rank calls it
+    # Loading full weights slices them per tensor rank again: a round trip changes nothing.
+    everywhere = model.state_dict(all_ranks=True)
+    model.load_state_dict({k: v * 2 for k, v in everywhere.items()})
+    model.load_state_dict(everywhere)
+    reloaded = model.state_dict(all_ranks=True)
+    round_trip = all(torch.equal(reloaded[k], v) for k, v in everywhere.items())
     refused = []
     for save in (lambda: elixir_tune.save_checkpoint("unused-ckpt", model, opt, 0),
                  lambda: elixir_tune.save_pretrained(model, "unused-dir")):  # fmt: skip
@@ -99,6 +105,7 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
         "report": model.memory_report(),
         "layout_mismatches": mismatches,
         "refused_saves": refused,
+        "round_trip": round_trip,
     }
 
 
@@ -131,6 +138,7 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
         "report": engine["report"],
         "layout_mismatches": engine["layout_mismatches"],
         "refused_saves": engine["refused_saves"],
+        "round_trip": engine["round_trip"],
     }
     if rank == 0:
         reference = run_reference(case, world // case["tensor"])

@@ -38,6 +38,7 @@ def check(per_rank: list[list[dict]], index: int) -> None:
     for rank, result in enumerate(results):
         assert result["ok"], f"rank {rank}: {result.get('error')}\n{result.get('trace')}"
         assert result["layout_mismatches"] == [], (rank, result["layout_mismatches"])
+        assert result["round_trip"], rank  # state_dict -> load_state_dict slices back to the same pieces
         # Sharded checkpoints and save_pretrained do not handle tensor-parallel pieces yet: they say so.
         assert [message.split(" does not")[0] for message in result["refused_saves"]] == [
             "save_checkpoint",
