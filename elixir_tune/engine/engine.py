@@ -18,6 +18,7 @@ Life of a micro-batch:
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections import deque
 from typing import Any
@@ -276,6 +277,11 @@ class Engine:
                 f"model.block_list {self.plan.model.block_list!r} is a {type(blocks).__name__}, not a ModuleList"
             )
         return blocks
+
+    def loss_context(self):
+        """The context a forward and its backward run in: ``loss_parallel()`` when tensor parallelism
+        keeps the logits split by vocabulary, else a no-op."""
+        return self.tensor_parallel.loss_context() if self.tensor_parallel is not None else contextlib.nullcontext()
 
     def set_baton(self, baton: Baton | None) -> None:
         self.baton = baton

@@ -174,7 +174,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """``loss.backward()``, scaled by the loss scale for fp16."""
         if self.scaler is not None:
             loss = loss * self.scaler.scale_tensor
-        loss.backward()
+        with self.engine.loss_context():  # a vocabulary-parallel loss's backward runs inside loss_parallel
+            loss.backward()
 
     @property
     def loss_scale(self) -> float:

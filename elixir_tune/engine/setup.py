@@ -83,6 +83,7 @@ def setup(
     weights: str | os.PathLike | None = None,
     seed: int | None = None,
     find_unused_parameters: bool | None = None,
+    vocab_parallel_loss: bool = False,
 ):
     """Shards ``model`` and ``optimizer`` as the plan says.
 
@@ -105,6 +106,10 @@ def setup(
         find_unused_parameters: True when some parameters may get no gradient in some steps (they
             are then skipped, as torch skips grad None; costs a small all-reduce and a host sync per
             step); False when every parameter always gets one; None learns it from the first step.
+        vocab_parallel_loss: with 1d tensor parallelism, keep the logits split by vocabulary and run
+            the model's loss under ``loss_parallel`` (no rank holds the whole logits); the loss is then
+            a DTensor whose backward must go through ``optimizer.backward(loss)`` or
+            ``model.forward_backward``, not ``loss.backward()``.
 
     Returns:
         (model, optimizer): an ElixirModel to call like the original module, and a
@@ -121,7 +126,7 @@ def setup(
         pipeline=parallel.pipeline.stages,
         tensor=parallel.tensor.degree,
     )
-    tensor_parallel = split_for_plan(model, optimizer, plan, mesh, weights)
+    tensor_parallel = split_for_plan(model, optimizer, plan, mesh, weights, vocab_parallel_loss)
     source = make_source(model, weights, agreed_seed(mesh.world, seed))
     # The chunks are sharded over the data-parallel group; pipeline and tensor parallelism read the
     # rest of the mesh from engine.mesh.

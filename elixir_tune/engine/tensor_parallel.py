@@ -24,6 +24,7 @@ The global gradient norm counts a piece held alike by several tensor ranks once
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -37,6 +38,7 @@ from elixir_tune.engine.comm import (
     Partial,
     Shard,
     grid_device_mesh,
+    loss_parallel,
     parallelize_module,
 )
 from elixir_tune.engine.tp_adapters import Layout, TensorParallelError, family_plan, mesh_coords
@@ -49,6 +51,7 @@ __all__ = [
     "apply_tensor_parallel",
     "local_data",
     "local_grad",
+    "plain",
     "set_local_data",
     "split_for_plan",
     "refuse_tensor_parallel",
@@ -60,6 +63,11 @@ def local_data(param: torch.Tensor) -> torch.Tensor:
     if isinstance(param, DTensor):
         return param._local_tensor
     return param.data
+
+
+def plain(tensor: torch.Tensor) -> torch.Tensor:
+    """An ordinary tensor: a replicated DTensor (a vocabulary-parallel loss) made whole, else ``tensor``."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def set_local_data(param: torch.Tensor, value: torch.Tensor) -> None:
@@ -106,6 +114,11 @@ class TensorSplit:
         self.layouts = layouts
         self.mode = mode
         self.sequence_parallel = sequence_parallel
+        self.vocab_parallel_loss = False  # set by apply_tensor_parallel
+
+    def loss_context(self):
+        """``loss_parallel()`` when the logits stay split by vocabulary, else a no-op context."""
+        return loss_parallel() if self.vocab_parallel_loss else contextlib.nullcontext()
 
     def layout(self, param: torch.Tensor) -> Layout:
         return self.layouts.get(id(param), Layout((None,) * len(self.sizes)))
@@ -151,6 +164,7 @@ def apply_tensor_parallel(
     world: Comm,
     mode: str = "1d",
     sequence_parallel: bool = True,
+    vocab_parallel_loss: bool = False,
 ) -> TensorSplit:
     """Splits ``model`` over this rank's tensor group, in place.
 
@@ -165,6 +179,8 @@ def apply_tensor_parallel(
         world: every rank (the weights are broadcast from its rank 0).
         mode: ``1d`` (Megatron) or ``2d`` (Optimus, engine/tp_grid.py).
         sequence_parallel: 1d: run norms and dropout on sequence shards.
+        vocab_parallel_loss: 1d: keep the logits split by vocabulary and compute the model's loss
+            under ``loss_parallel`` (ElixirModel's forward and the optimizer's ``backward`` enter it).
 
     Returns:
         The TensorSplit layout.
@@ -178,7 +194,12 @@ def apply_tensor_parallel(
             "tensor parallelism starts from real weights (rank 0's); build the model on the CPU, or run with "
             "parallel.tensor.degree: 1 to initialize it on the meta device"
         )
-    plan = grid_plan(model, degree) if mode == "2d" else family_plan(model, degree, sequence_parallel)
+    if mode == "2d":
+        if vocab_parallel_loss:
+            raise TensorParallelError("the vocabulary-parallel loss is for 1d tensor parallelism only")
+        plan = grid_plan(model, degree)
+    else:
+        plan = family_plan(model, degree, sequence_parallel, vocab_parallel_loss)
     with torch.no_grad():
         for param in model.parameters():
             world.broadcast(param.data, src=0)
@@ -199,11 +220,18 @@ def apply_tensor_parallel(
             dims = tuple(p.dim if isinstance(p, Shard) else None for p in param.placements)
             fused = plan.fused.get(name)
             layouts[id(param)] = Layout(dims, fused[0], fused[1]) if fused else Layout(dims)
-    return TensorSplit(mesh, tensor, layouts, mode, sequence_parallel)
+    split = TensorSplit(mesh, tensor, layouts, mode, sequence_parallel)
+    split.vocab_parallel_loss = vocab_parallel_loss
+    return split
 
 
 def split_for_plan(
-    model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan, mesh: Mesh, weights
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    plan: Plan,
+    mesh: Mesh,
+    weights,
+    vocab_parallel_loss: bool = False,
 ) -> TensorSplit | None:
     """The plan's tensor parallelism applied to ``model`` (None when its tensor degree is 1).
 
@@ -231,7 +259,14 @@ def split_for_plan(
     else:
         device_mesh = mesh.device_mesh["tensor"]
     return apply_tensor_parallel(
-        model, optimizer, device_mesh, mesh.tensor, mesh.world, tensor.mode, tensor.sequence_parallel
+        model,
+        optimizer,
+        device_mesh,
+        mesh.tensor,
+        mesh.world,
+        tensor.mode,
+        tensor.sequence_parallel,
+        vocab_parallel_loss,
     )
 
 

@@ -332,11 +332,23 @@ def check_splittable(model: nn.Module, parts: int, families) -> str:
     return model_type
 
 
-def family_plan(model: nn.Module, degree: int, sequence_parallel: bool) -> FamilyPlan:
+def family_plan(
+    model: nn.Module, degree: int, sequence_parallel: bool, vocab_parallel_loss: bool = False
+) -> FamilyPlan:
     """The 1-D tensor-parallel plan of ``model`` (a transformers model of a supported family).
+
+    Args:
+        vocab_parallel_loss: the logits stay split by vocabulary (a DTensor) for ``loss_parallel``;
+            otherwise they are gathered whole before the model's loss.
 
     Raises:
         TensorParallelError: an unsupported family, or heads / vocabulary not divisible by ``degree``.
     """
     model_type = check_splittable(model, degree, FAMILY_PLANS)
-    return FAMILY_PLANS[model_type](model, degree, sequence_parallel)
+    plan = FAMILY_PLANS[model_type](model, degree, sequence_parallel)
+    if vocab_parallel_loss:
+        between, _ = _sequence(sequence_parallel)
+        plan.styles["lm_head"] = ColwiseParallel(
+            input_layouts=between, output_layouts=Shard(-1), use_local_output=False
+        )
+    return plan

@@ -5,6 +5,7 @@ Run by ``engine_launch.py`` as N processes (gloo, CPU). Each case is a dict:
     model: llama (grouped-query attention) | gpt2      tensor: tensor degree T (world = data x T)
     mode: 1d | 2d      sp: sequence parallelism (1d)    chunk_size, cache, offload (fraction)
     attn: the attention implementation (default sdpa; eager builds a per-sample mask)
+    vocab_loss: the logits stay split by vocabulary, the loss runs under loss_parallel
     checkpoint (every), accum, clip (max norm or 0), steps
 
 Every rank of a tensor group takes the same micro-batches (those of its data-parallel rank); rank 0
@@ -60,7 +61,7 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
         grad_accum_steps=case.get("accum", 1),
         seq_len=SEQ,
     )
-    model, opt = elixir_tune.setup(model, opt, plan=plan)
+    model, opt = elixir_tune.setup(model, opt, plan=plan, vocab_parallel_loss=case.get("vocab_loss", False))
     # The engine's local pieces have the shapes the search packs (plan/tensor_layout.py).
     model_type, mode = plan.model.model_type, plan.parallel.tensor.mode
     mismatches = [
@@ -73,7 +74,9 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
     for batch in global_batches(case, data):
         total = 0.0
         for k in range(accum):
-            loss = model(**local_micro(batch, data_rank, data, accum, k)).loss / accum
+            output = model(**local_micro(batch, data_rank, data, accum, k))
+            logits_vocab = local_data(output.logits).shape[-1]  # this rank's vocabulary columns
+            loss = output.loss / accum
             opt.backward(loss)
             total += float(loss.detach())
         if case.get("clip"):
@@ -106,6 +109,7 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
         "layout_mismatches": mismatches,
         "refused_saves": refused,
         "round_trip": round_trip,
+        "logits_vocab": logits_vocab,
     }
 
 
@@ -139,6 +143,7 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
         "layout_mismatches": engine["layout_mismatches"],
         "refused_saves": engine["refused_saves"],
         "round_trip": engine["round_trip"],
+        "logits_vocab": engine["logits_vocab"],
     }
     if rank == 0:
         reference = run_reference(case, world // case["tensor"])

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed.engine_launch import launch
+from tests.distributed.engine_plans import VOCAB
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -24,6 +25,8 @@ WORLD2 = [
     dict(model="llama", tensor=2, chunk_size=4096, clip=0.5),
     dict(model="gpt2", tensor=2, chunk_size=2048, cache="min", checkpoint=1, accum=2, clip=0.5),
     dict(model="llama", tensor=2, chunk_size=2048, cache="min", checkpoint=1, sp=False, offload=0.5, clip=0.5),
+    # Vocabulary-parallel loss (loss_parallel) on GPT-2's tied embedding / output head.
+    dict(model="gpt2", tensor=2, chunk_size=2048, cache="min", accum=2, clip=0.5, vocab_loss=True),
 ]
 WORLD4 = [
     dict(model="llama", tensor=2, chunk_size=2048, cache="min", offload=0.5, checkpoint=1, clip=0.5),
@@ -39,6 +42,9 @@ def check(per_rank: list[list[dict]], index: int) -> None:
         assert result["ok"], f"rank {rank}: {result.get('error')}\n{result.get('trace')}"
         assert result["layout_mismatches"] == [], (rank, result["layout_mismatches"])
         assert result["round_trip"], rank  # state_dict -> load_state_dict slices back to the same pieces
+        # The logits are gathered whole, or stay split by vocabulary for the vocabulary-parallel loss.
+        split = result["case"]["tensor"] if result["case"].get("vocab_loss") else 1
+        assert result["logits_vocab"] == VOCAB // split
         # Sharded checkpoints and save_pretrained do not handle tensor-parallel pieces yet: they say so.
         assert [message.split(" does not")[0] for message in result["refused_saves"]] == [
             "save_checkpoint",
