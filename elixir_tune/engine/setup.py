@@ -126,8 +126,10 @@ def setup(
         pipeline=parallel.pipeline.stages,
         tensor=parallel.tensor.degree,
     )
-    tensor_parallel = split_for_plan(model, optimizer, plan, mesh, weights, vocab_parallel_loss)
     source = make_source(model, weights, agreed_seed(mesh.world, seed))
+    tensor_parallel = split_for_plan(model, optimizer, plan, mesh, source, vocab_parallel_loss)
+    if tensor_parallel is not None:
+        source = None  # split_for_plan made the model whole from the source before splitting it
     # The chunks are sharded over the data-parallel group; pipeline and tensor parallelism read the
     # rest of the mesh from engine.mesh.
     engine = Engine(model, plan, mesh.data, source, mesh, tensor_parallel)

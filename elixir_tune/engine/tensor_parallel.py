@@ -41,6 +41,7 @@ from elixir_tune.engine.comm import (
     loss_parallel,
     parallelize_module,
 )
+from elixir_tune.engine.materialize import WeightSource, materialize_replicated
 from elixir_tune.engine.tp_adapters import Layout, TensorParallelError, family_plan, mesh_coords
 from elixir_tune.engine.tp_grid import grid_plan
 from elixir_tune.plan import Plan
@@ -230,23 +231,24 @@ def split_for_plan(
     optimizer: torch.optim.Optimizer,
     plan: Plan,
     mesh: Mesh,
-    weights,
+    source: WeightSource | None = None,
     vocab_parallel_loss: bool = False,
 ) -> TensorSplit | None:
     """The plan's tensor parallelism applied to ``model`` (None when its tensor degree is 1).
 
+    A model on the meta device, or weights from a file (``source``), is first made whole on the CPU
+    from ``source`` (the initializer's values depend on the seed only, so every rank makes the same
+    ones, and they equal a plain model's of the same seed); then each rank keeps its pieces. Each
+    rank holds the whole model on the host meanwhile.
+
     Raises:
-        TensorParallelError: ``weights`` given or a meta-device model (tensor parallelism starts
-            from the model's own weights for now), or the model cannot be split as the plan says.
+        TensorParallelError: the model cannot be split as the plan says.
     """
     tensor = plan.parallel.tensor
     if tensor.degree == 1:
         return None
-    if weights is not None:
-        raise TensorParallelError(
-            "setup(weights=...) with tensor parallelism is not supported yet: load the weights into the model "
-            "(from_pretrained) and call setup without weights=, or use parallel.tensor.degree: 1"
-        )
+    if source is not None:
+        materialize_replicated(model, set(), source)
     assert mesh.device_mesh is not None  # built whenever the tensor degree is above 1
     if tensor.mode == "2d":
         q = math.isqrt(tensor.degree)

@@ -6,6 +6,8 @@ Run by ``engine_launch.py`` as N processes (gloo, CPU). Each case is a dict:
     mode: 1d | 2d      sp: sequence parallelism (1d)    chunk_size, cache, offload (fraction)
     attn: the attention implementation (default sdpa; eager builds a per-sample mask)
     vocab_loss: the logits stay split by vocabulary, the loss runs under loss_parallel
+    meta: the model is built on the meta device and initialized by setup (seed META_SEED); the
+        reference gets the same initializer's values
     checkpoint (every), accum, clip (max norm or 0), steps
 
 Every rank of a tensor group takes the same micro-batches (those of its data-parallel rank); rank 0
@@ -17,6 +19,7 @@ from __future__ import annotations
 import torch
 
 import elixir_tune
+from elixir_tune.engine.materialize import Initializer, InitSource, materialize_replicated
 from elixir_tune.engine.tensor_parallel import TensorParallelError, local_data
 from elixir_tune.plan.tensor_layout import local_shape
 from tests.distributed.engine_plans import batches, param_groups, tiny_gpt2
@@ -26,8 +29,19 @@ from tests.distributed.tp_plans import make_tp_plan, tiny_llama_gqa
 SEQ = 8
 
 
-def build(case: dict):
-    model = tiny_llama_gqa() if case["model"] == "llama" else tiny_gpt2()
+META_SEED = 7
+
+
+def build(case: dict, materialize: bool = False):
+    """The case's model and optimizer; ``meta`` cases build it on the meta device (``materialize``:
+    then give it the initializer's values for META_SEED, what setup(seed=META_SEED) makes)."""
+    if case.get("meta"):
+        with torch.device("meta"):
+            model = tiny_llama_gqa() if case["model"] == "llama" else tiny_gpt2()
+        if materialize:
+            materialize_replicated(model, set(), InitSource(Initializer(model, META_SEED)))
+    else:
+        model = tiny_llama_gqa() if case["model"] == "llama" else tiny_gpt2()
     if case.get("attn"):
         model.config._attn_implementation = case["attn"]  # eager: a per-sample causal mask
     opt = torch.optim.AdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95), eps=1e-6, foreach=False)
@@ -61,7 +75,9 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
         grad_accum_steps=case.get("accum", 1),
         seq_len=SEQ,
     )
-    model, opt = elixir_tune.setup(model, opt, plan=plan, vocab_parallel_loss=case.get("vocab_loss", False))
+    model, opt = elixir_tune.setup(
+        model, opt, plan=plan, seed=META_SEED, vocab_parallel_loss=case.get("vocab_loss", False)
+    )
     # The engine's local pieces have the shapes the search packs (plan/tensor_layout.py).
     model_type, mode = plan.model.model_type, plan.parallel.tensor.mode
     mismatches = [
@@ -114,7 +130,7 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
 
 
 def run_reference(case: dict, data: int) -> dict:
-    model, opt = build(case)
+    model, opt = build(case, materialize=True)
     losses, norms = [], []
     for batch in global_batches(case, data):
         loss = model(**batch).loss

@@ -33,6 +33,8 @@ WORLD4 = [
     dict(model="gpt2", tensor=2, chunk_size=2048, cache="min", offload=0.5, accum=2, clip=0.5),
     dict(model="gpt2", tensor=4, mode="2d", chunk_size=2048, cache="min", checkpoint=1, clip=0.5, attn="eager"),
     dict(model="llama", tensor=4, mode="2d", chunk_size=2048, cache="min", offload=0.5, accum=2, clip=0.5),
+    # Built on the meta device: setup initializes it (seed) before splitting, as a plain model of that seed.
+    dict(model="llama", tensor=2, chunk_size=2048, cache="min", offload=0.5, clip=0.5, meta=True),
 ]
 
 
@@ -80,5 +82,5 @@ def world4():
 
 @pytest.mark.parametrize("index", range(len(WORLD4)), ids=[str(c) for c in WORLD4])
 def test_world4_matches_torch(world4, index):
-    """1D tensor 2 x data 2 with half the chunks offloaded, and 2D on a 2 x 2 grid."""
+    """1D tensor 2 x data 2 with half the chunks offloaded (one built on the meta device), and 2D on a 2 x 2 grid."""
     check(world4, index)
