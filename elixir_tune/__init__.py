@@ -14,14 +14,20 @@ __version__ = "0.1.0"
 from elixir_tune.plan import load_plan, save_plan, validate  # noqa: E402  (torch-free)
 
 
-def setup(model, optimizer, plan=None, weights=None, seed=None, find_unused_parameters=None):
+def setup(model, optimizer, plan=None, weights=None, seed=None, find_unused_parameters=None, vocab_parallel_loss=False):
     """Shards ``model`` (real or on the meta device) and ``optimizer`` as the plan says, with the
     initial weights from ``weights`` (safetensors file, index or HF directory) when given; see
     elixir_tune.engine.setup."""
     from elixir_tune.engine import setup as engine_setup
 
     return engine_setup(
-        model, optimizer, plan=plan, weights=weights, seed=seed, find_unused_parameters=find_unused_parameters
+        model,
+        optimizer,
+        plan=plan,
+        weights=weights,
+        seed=seed,
+        find_unused_parameters=find_unused_parameters,
+        vocab_parallel_loss=vocab_parallel_loss,
     )
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from elixir_tune.engine.tensor_parallel import refuse_tensor_parallel
 from elixir_tune.plan import Plan
 
 FORMAT_VERSION = 1
@@ -105,6 +106,7 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer, step: int, extra:
         The checkpoint directory.
     """
     engine = model.engine
+    refuse_tensor_parallel(engine, "save_checkpoint")  # not yet tested with tensor-parallel pieces
     comm, plan = _world_and_plan(engine)
     final = Path(path).absolute()
     tmp = final.parent / f".{final.name}.tmp"

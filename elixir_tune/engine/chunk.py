@@ -31,6 +31,7 @@ from elixir_tune.engine.comm import DONE, Comm, Handle
 from elixir_tune.engine.host_memory import zeros_on_demand
 from elixir_tune.engine.staging import GradDrain, StagingBuffer
 from elixir_tune.engine.states import GRAD_STAGED, TensorState, transition
+from elixir_tune.engine.tensor_parallel import local_data, set_local_data
 from elixir_tune.plan.memory import padded_offsets
 
 
@@ -86,7 +87,8 @@ class Chunk:
         self.offload = offload
         self.shard_numel = chunk_size // comm.world_size
         self.shard_begin = comm.rank * self.shard_numel
-        numels = [param.numel() for _, param in named_params]
+        # A tensor-parallel parameter is a DTensor: the chunk holds its local piece (local_data).
+        numels = [local_data(param).numel() for _, param in named_params]
         offsets, end = padded_offsets(numels)
         self.aligned = end <= chunk_size
         if not self.aligned:
@@ -96,7 +98,7 @@ class Chunk:
         if end > chunk_size:
             raise ValueError(f"chunk {chunk_id}: its parameters hold {end} elements, more than chunk_size {chunk_size}")
         self.slots: list[ParamSlot] = [
-            ParamSlot(name, param, self, index, offset, param.numel(), param.shape)
+            ParamSlot(name, param, self, index, offset, local_data(param).numel(), local_data(param).shape)
             for index, ((name, param), offset) in enumerate(zip(named_params, offsets, strict=True))
         ]
         self.numel = end
@@ -173,7 +175,7 @@ class Chunk:
         """The full chunk built from the parameters' current data, fp32, on the device."""
         flat = torch.zeros(self.chunk_size, dtype=torch.float32, device=self.device)
         for slot in self.slots:
-            flat[slot.offset : slot.offset + slot.numel].copy_(slot.param.data.reshape(-1))
+            flat[slot.offset : slot.offset + slot.numel].copy_(local_data(slot.param).reshape(-1))
         return flat
 
     # --- gather / release ----------------------------------------------------------------------
@@ -230,14 +232,14 @@ class Chunk:
         """Points the parameters at their views of the gathered payload."""
         raw = self.payload.data
         for slot in self.slots:
-            slot.param.data = raw[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            set_local_data(slot.param, raw[slot.offset : slot.offset + slot.numel].view(slot.shape))
             slot.state = transition(slot.state, "gather")
         self.fresh = True
 
     def unbind(self, placeholder: torch.Tensor) -> None:
         """Detaches the parameters from the payload (they keep their shape, read as NaN)."""
         for slot in self.slots:
-            slot.param.data = placeholder.expand(slot.shape)
+            set_local_data(slot.param, placeholder.expand(slot.shape))
             slot.state = transition(slot.state, "release")
         self.fresh = False
 

@@ -20,6 +20,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# DTensor and tensor-parallel APIs, re-exported for engine/tensor_parallel.py and engine/tp_adapters.py
+# (this module stays the engine's only torch.distributed user).
+from torch.distributed.device_mesh import DeviceMesh  # noqa: F401
+from torch.distributed.tensor import (  # noqa: F401
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
+from torch.distributed.tensor.experimental import implicit_replication  # noqa: F401
+from torch.distributed.tensor.parallel import (  # noqa: F401
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
 
 class Handle:
     """An in-flight collective: ``wait()`` blocks until its output is ready (idempotent)."""
@@ -273,6 +296,29 @@ def _mesh_of(world: Comm, pipeline: int, tensor: int) -> Mesh:
         else:
             comms.append(Comm(ranks.index(world.rank), len(ranks), world.backend, world.device, group, ranks))
     return Mesh(world, comms[0], comms[1], comms[2], device_mesh)
+
+
+def grid_device_mesh(mesh: Mesh, rows: int) -> Any:
+    """This rank's tensor group as a ``rows x (T / rows)`` DeviceMesh (Optimus's 2D grid), tensor ranks
+    row-major; a collective (every rank of the world calls it).
+
+    Args:
+        mesh: the world's mesh.
+        rows: grid rows q.
+
+    Returns:
+        The 2D DeviceMesh with dimensions ("tensor_row", "tensor_col").
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    tensor, pipeline = mesh.tensor.world_size, mesh.pipeline.world_size
+    data = mesh.world.world_size // (tensor * pipeline)
+    full = init_device_mesh(
+        mesh.world.device.type,
+        (data, pipeline, rows, tensor // rows),
+        mesh_dim_names=("data", "pipeline", "tensor_row", "tensor_col"),
+    )
+    return full["tensor_row", "tensor_col"]
 
 
 def init_mesh(

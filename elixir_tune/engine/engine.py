@@ -18,6 +18,7 @@ Life of a micro-batch:
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections import deque
 from typing import Any
@@ -37,6 +38,7 @@ from elixir_tune.engine.materialize import (
 )
 from elixir_tune.engine.staging import GradDrain, StagingBuffer, StagingPool
 from elixir_tune.engine.states import GRAD_STAGED, TensorState, transition
+from elixir_tune.engine.tensor_parallel import TensorSplit, local_data, local_grad, set_local_data
 from elixir_tune.engine.weights import WeightsError
 from elixir_tune.kv_cache import disable_kv_cache
 from elixir_tune.plan import DTYPE_BYTES, MODEL_STATE_KEYS, Plan
@@ -57,6 +59,8 @@ class Engine:
         mesh: every process group of the run (default: the data group alone).
         elsewhere: ids of tensors of modules that run on other pipeline stages: left as they are
             (never materialized, moved or broadcast; engine/pipeline.py).
+        tensor_parallel: the model's tensor-parallel split (``apply_tensor_parallel``), whose
+            parameters' local pieces the chunks hold; None without tensor parallelism.
     """
 
     def __init__(
@@ -67,8 +71,10 @@ class Engine:
         source: WeightSource | None = None,
         mesh: Mesh | None = None,
         elsewhere: set[int] | None = None,
+        tensor_parallel: TensorSplit | None = None,
     ):
         self.model = model
+        self.tensor_parallel = tensor_parallel  # the model's split over mesh.tensor (engine/tensor_parallel.py)
         self.plan = plan
         self.comm = comm
         self.mesh = mesh if mesh is not None else Mesh.data_only(comm)
@@ -206,12 +212,12 @@ class Engine:
         for param in self.model.parameters():
             if id(param) in self.slot_of or id(param) in self.elsewhere:
                 continue
-            data = param.data.to(self.device)
+            data = local_data(param).to(self.device)
             if data.is_floating_point() and self.compute_dtype != torch.float32:
                 data = data.to(self.compute_dtype)
             data = data.contiguous()
             self.comm.broadcast(data, src=0)
-            param.data = data
+            set_local_data(param, data)
         for module in self.model.modules():
             for name, buffer in list(module.named_buffers(recurse=False)):
                 if buffer is not None and buffer.device != self.device and id(buffer) not in self.elsewhere:
@@ -279,6 +285,11 @@ class Engine:
                 f"model.block_list {self.plan.model.block_list!r} is a {type(blocks).__name__}, not a ModuleList"
             )
         return blocks
+
+    def loss_context(self):
+        """The context a forward and its backward run in: ``loss_parallel()`` when tensor parallelism
+        keeps the logits split by vocabulary, else a no-op."""
+        return self.tensor_parallel.loss_context() if self.tensor_parallel is not None else contextlib.nullcontext()
 
     def set_baton(self, baton: Baton | None) -> None:
         self.baton = baton
@@ -458,8 +469,8 @@ class Engine:
         if chunk.staging is None:
             chunk.staging = self._acquire_staging()
             self._filling.append(chunk)
-        grad = param.grad
-        assert grad is not None  # the post-accumulate-grad hook runs with the gradient set
+        assert param.grad is not None  # the post-accumulate-grad hook runs with the gradient set
+        grad = local_grad(param, param.grad)
         chunk.staging.full[slot.offset : slot.offset + slot.numel].copy_(grad.reshape(-1))
         param.grad = None
         slot.state = transition(slot.state, "grad")
@@ -546,14 +557,20 @@ class Engine:
         if not (all_ranks or self.comm.rank == 0):
             return {}
         state = {}
-        for name, value in self.model.state_dict(keep_vars=True).items():
+        values = self.model.state_dict(keep_vars=True)
+        for name, value in values.items():
             if id(value) in full:
                 state[name] = full[id(value)]
             else:
-                tensor = value.detach()
+                tensor = local_data(value).detach()
                 if isinstance(value, torch.nn.Parameter) and tensor.is_floating_point():
                     tensor = tensor.float()
                 state[name] = tensor.cpu().clone()
+        if self.tensor_parallel is not None:
+            # This rank holds its pieces of the split parameters: assemble them over the tensor group.
+            state = self.tensor_parallel.full_state(state, values)
+            if not all_ranks and self.tensor_parallel.rank != 0:
+                return {}
         return state
 
     @torch.no_grad()
@@ -569,11 +586,16 @@ class Engine:
             flat = torch.zeros(chunk.chunk_size, dtype=torch.float32, device=self.device)
             for slot in chunk.slots:
                 value = state[names.get(id(slot.param), slot.name)]
+                if self.tensor_parallel is not None:
+                    value = self.tensor_parallel.local_value(slot.param, value)
                 flat[slot.offset : slot.offset + slot.numel].copy_(value.reshape(-1))
             chunk.init_master(flat)
         for name, value in self.model.state_dict(keep_vars=True).items():
             if id(value) not in self.slot_of and name in state:
-                value.data.copy_(state[name])
+                full = state[name]
+                if self.tensor_parallel is not None:
+                    full = self.tensor_parallel.local_value(value, full)
+                local_data(value).copy_(full)
         self.after_step()
 
     def memory_report(self) -> dict[str, int]:

@@ -9,6 +9,7 @@ import torch
 
 from elixir_tune.engine.engine import Engine
 from elixir_tune.engine.layered import run_layer_major
+from elixir_tune.engine.tensor_parallel import plain
 
 LossFn = Callable[[Any, dict], torch.Tensor]
 
@@ -35,7 +36,8 @@ class ElixirModel(torch.nn.Module):
                 "with loss = model.forward_backward(micro_batches), not model(...)"
             )
         self.engine.begin_forward()
-        return self.module(*args, **kwargs)
+        with self.engine.loss_context():  # a vocabulary-parallel loss (tensor parallelism) runs inside it
+            return self.module(*args, **kwargs)
 
     def forward_backward(self, micro_batches: Sequence[dict], loss_fn: LossFn | None = None) -> torch.Tensor:
         """Forward and backward of every micro-batch of one step, as the plan's accumulation says.
@@ -86,6 +88,12 @@ class ElixirModel(torch.nn.Module):
             return output.loss * scale
 
         layered = self.engine.plan.training.accumulation == "layered" and count > 1 and torch.is_grad_enabled()
+        with self.engine.loss_context():
+            losses = self._run(scaled_loss, count, layered)
+        return torch.stack([plain(loss.detach()) for loss in losses]).sum() / (scale * count)
+
+    def _run(self, scaled_loss: Callable[[int], torch.Tensor], count: int, layered: bool) -> list[torch.Tensor]:
+        """Forward and backward of ``count`` micro-batches; their scaled losses."""
         if layered:
             self.engine.begin_forward()
             losses = run_layer_major(scaled_loss, count, self.engine.set_baton)
@@ -97,7 +105,7 @@ class ElixirModel(torch.nn.Module):
                 loss = scaled_loss(index)
                 loss.backward()
                 losses.append(loss.detach())
-        return torch.stack([loss.detach() for loss in losses]).sum() / (scale * count)
+        return losses
 
     def __getattr__(self, name: str):
         try:

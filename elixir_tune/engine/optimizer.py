@@ -86,6 +86,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self._inner.append(self._build_inner(entries))
                 self._on_host.append(on_host)
         self._preallocate_state()
+        # Tensor parallelism: a gradient piece that several tensor ranks hold alike (a replicated
+        # parameter, or one split along one grid dimension only) counts once in the global norm.
+        shares: dict[float, list[torch.Tensor]] = {}
+        if engine.tensor_parallel is not None:
+            for slot in engine.slots:
+                owned = slot.chunk.owned_range(slot)
+                share = engine.tensor_parallel.norm_share(slot.param)
+                if owned is not None and share < 1.0:
+                    shares.setdefault(share, []).append(slot.chunk.grad[owned[0] : owned[1]])
+        self._norm_shares = list(shares.items())
 
     # --- construction --------------------------------------------------------------------------
 
@@ -164,7 +174,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """``loss.backward()``, scaled by the loss scale for fp16."""
         if self.scaler is not None:
             loss = loss * self.scaler.scale_tensor
-        loss.backward()
+        with self.engine.loss_context():  # a vocabulary-parallel loss's backward runs inside loss_parallel
+            loss.backward()
 
     @property
     def loss_scale(self) -> float:
@@ -211,12 +222,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         parts = [_norm_part(grads, norm_type).to(device) for grads in self._split_grads(for_norm=True) if grads]
         local = torch.stack(parts) if parts else torch.zeros(1, device=device)
         local = (local.max() if inf else local.sum()).reshape(1)
+        if not inf:
+            for share, grads in self._norm_shares:
+                local = local - (1.0 - share) * _norm_part(grads, norm_type).to(device)
+        # Over every rank: data shards, tensor pieces and pipeline stages hold different gradients.
         if inf:
-            engine.comm.all_reduce_max(local)
+            engine.mesh.world.all_reduce_max(local)
         else:
-            engine.comm.all_reduce_sum(local)
-        if engine.pipeline is not None:  # the other stages' shards
-            engine.pipeline.reduce_norm(local, inf)
+            engine.mesh.world.all_reduce_sum(local)
         norm = local[0] if inf else local[0] ** (1.0 / norm_type)
         found_inf = (~torch.isfinite(norm)).float() if self.scaler is not None else None
         self._stats = _GradStats(passes, found_inf, norm)

@@ -395,13 +395,6 @@ class Pipeline:
             comm.all_reduce_sum(on_device)
             chunk.grad.copy_(old + on_device.to(chunk.grad.device))
 
-    def reduce_norm(self, local: torch.Tensor, inf: bool) -> None:
-        """Completes a gradient-norm statistic over the pipeline group (sum, or max for inf)."""
-        if inf:
-            self.mesh.pipeline.all_reduce_max(local)
-        else:
-            self.mesh.pipeline.all_reduce_sum(local)
-
     # --- weights out ---------------------------------------------------------------------------
 
     def full_state_dict(self, all_ranks: bool = False) -> dict[str, torch.Tensor]:

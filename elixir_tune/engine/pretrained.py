@@ -21,6 +21,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from elixir_tune.engine.tensor_parallel import refuse_tensor_parallel
 from elixir_tune.engine.weights import INDEX_NAME, WEIGHTS_NAME
 
 _SAFETENSORS_DTYPES = {
@@ -195,6 +196,7 @@ def save_pretrained(
             "(elixir_tune.save_checkpoint; its model.pt holds the full weights), or write "
             "model.state_dict() (merged on rank 0) with transformers' save_pretrained of a plain model"
         )
+    refuse_tensor_parallel(engine, "save_pretrained")
     directory = Path(directory)
     entries, by_tensor = _entries(engine, dtype)
     files = _split(entries, parse_size(max_shard_size))

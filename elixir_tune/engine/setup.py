@@ -11,6 +11,7 @@ from elixir_tune.engine.engine import Engine
 from elixir_tune.engine.materialize import make_source
 from elixir_tune.engine.model import ElixirModel
 from elixir_tune.engine.optimizer import ShardedOptimizer
+from elixir_tune.engine.tensor_parallel import split_for_plan
 from elixir_tune.plan import PLAN_ENV_VAR, Plan, PlanError, fingerprint, load_plan, validate
 
 
@@ -82,6 +83,7 @@ def setup(
     weights: str | os.PathLike | None = None,
     seed: int | None = None,
     find_unused_parameters: bool | None = None,
+    vocab_parallel_loss: bool = False,
 ):
     """Shards ``model`` and ``optimizer`` as the plan says.
 
@@ -104,6 +106,10 @@ def setup(
         find_unused_parameters: True when some parameters may get no gradient in some steps (they
             are then skipped, as torch skips grad None; costs a small all-reduce and a host sync per
             step); False when every parameter always gets one; None learns it from the first step.
+        vocab_parallel_loss: with 1d tensor parallelism, keep the logits split by vocabulary and run
+            the model's loss under ``loss_parallel`` (no rank holds the whole logits); the loss is then
+            a DTensor whose backward must go through ``optimizer.backward(loss)`` or
+            ``model.forward_backward``, not ``loss.backward()``.
 
     Returns:
         (model, optimizer): an ElixirModel to call like the original module, and a
@@ -121,6 +127,9 @@ def setup(
         tensor=parallel.tensor.degree,
     )
     source = make_source(model, weights, agreed_seed(mesh.world, seed))
+    tensor_parallel = split_for_plan(model, optimizer, plan, mesh, source, vocab_parallel_loss)
+    if tensor_parallel is not None:
+        source = None  # split_for_plan made the model whole from the source before splitting it
     # The chunks are sharded over the data-parallel group; pipeline and tensor parallelism read the
     # rest of the mesh from engine.mesh.
     if parallel.pipeline.stages > 1:
@@ -128,5 +137,5 @@ def setup(
 
         engine = build_engine(model, plan, mesh, source)
     else:
-        engine = Engine(model, plan, mesh.data, source, mesh)
+        engine = Engine(model, plan, mesh.data, source, mesh, tensor_parallel=tensor_parallel)
     return ElixirModel(model, engine), ShardedOptimizer(optimizer, engine, find_unused_parameters)

@@ -42,21 +42,9 @@ _TABLES: dict[str, tuple[tuple[str, TensorStyle], ...]] = {
         ("wte.weight", "vocab"),
         ("lm_head.weight", "vocab"),
     ),
-    "opt": (
-        ("self_attn.q_proj.weight", "colwise"),
-        ("self_attn.q_proj.bias", "colwise"),
-        ("self_attn.k_proj.weight", "colwise"),
-        ("self_attn.k_proj.bias", "colwise"),
-        ("self_attn.v_proj.weight", "colwise"),
-        ("self_attn.v_proj.bias", "colwise"),
-        ("self_attn.out_proj.weight", "rowwise"),
-        ("fc1.weight", "colwise"),
-        ("fc1.bias", "colwise"),
-        ("fc2.weight", "rowwise"),
-        ("embed_tokens.weight", "vocab"),
-        ("lm_head.weight", "vocab"),
-    ),
 }
+# OPT is left out until the engine has its tensor-parallel adapter (engine/tp_adapters.py): the
+# search must never pick a layout the engine refuses.
 # Families whose linears store their weight as [in, out] (transformers' Conv1D).
 _IN_OUT_WEIGHTS = {"gpt2"}
 

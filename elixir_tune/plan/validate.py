@@ -16,6 +16,7 @@ from elixir_tune.plan.fields import check_fields, is_required, section_type
 from elixir_tune.plan.memory import ALIGN_ELEMENTS
 from elixir_tune.plan.schema import SCHEMA_VERSION, Plan
 from elixir_tune.plan.stages import assign_stages
+from elixir_tune.plan.tensor_layout import supported_model_types
 
 _SECTIONS = [field for field in dataclasses.fields(Plan) if field.name != "schema_version"]
 
@@ -57,6 +58,11 @@ def _check_parallel(parallel: dict, world_size: int | None, model: dict, errors:
             "divides it"
         )
         return None
+    if stages > 1 and degree > 1:
+        errors.append(
+            f"parallel: pipeline stages {stages} with tensor degree {degree}: the engine runs pipeline or tensor "
+            "parallelism, not both at once yet; set one of them to 1 (elixir-tune search never combines them)"
+        )
     num_blocks = model.get("num_blocks", 0)
     if stages > 1 and stages > num_blocks:
         errors.append(
@@ -67,14 +73,44 @@ def _check_parallel(parallel: dict, world_size: int | None, model: dict, errors:
         errors.append(
             f"parallel.tensor.degree: mode 2d needs a square degree q x q of at least 4 (2 x 2), got {degree}"
         )
+    return world_size // (stages * degree)
+
+
+def _check_tensor(tensor: dict, model: dict, training: dict, errors: list[str]) -> None:
+    """Rules of ``parallel.tensor`` that depend on the model and the batch shape."""
+    degree = tensor.get("degree", 1)
+    if not isinstance(degree, int) or degree <= 1:
+        return
+    mode = tensor.get("mode", "1d")
+    # 1d splits the heads by T; 2d by q over the grid columns (and the micro-batch by q over its rows).
+    parts = math.isqrt(degree) if mode == "2d" else degree
     for key in ("num_heads", "num_kv_heads"):
         heads = model.get(key, 0)
-        if degree > 1 and heads and heads % degree:
+        if heads and heads % parts:
+            split = f"{degree}" if mode == "1d" else f"{degree} (2d: the heads split {parts} ways)"
             errors.append(
-                f"parallel.tensor.degree: {degree} does not divide model.{key} {heads}; "
+                f"parallel.tensor.degree: {split} does not divide model.{key} {heads}; "
                 "each tensor rank needs whole attention heads"
             )
-    return world_size // (stages * degree)
+    model_type = model.get("model_type", "")
+    if model_type and model_type not in supported_model_types():
+        errors.append(
+            f"parallel.tensor.degree: no tensor-parallel layout for model.model_type {model_type!r} (supported: "
+            f"{', '.join(supported_model_types())}); use tensor degree 1 for this model"
+        )
+    micro = training.get("micro_batch_size")
+    if mode == "2d" and isinstance(micro, int) and micro % parts:
+        errors.append(
+            f"training.micro_batch_size: {micro} is not a multiple of {parts}; 2d tensor parallelism splits each "
+            f"micro-batch over the {parts} rows of its grid"
+        )
+    seq_len = training.get("seq_len")
+    if mode == "1d" and tensor.get("sequence_parallel", True) and isinstance(seq_len, int) and seq_len % degree:
+        errors.append(
+            f"training.seq_len: {seq_len} is not a multiple of the tensor degree {degree}; sequence parallelism "
+            "splits every sample's tokens over the tensor ranks (set parallel.tensor.sequence_parallel: false, "
+            "or pick a seq_len that divides)"
+        )
 
 
 def _check_chunk_stages(chunks: list[dict], pipeline: dict, model: dict, errors: list[str]) -> None:
@@ -163,6 +199,7 @@ def validate_dict(raw: Any) -> list[str]:
     if "nodes" in cluster and "gpus_per_node" in cluster:
         world_size = cluster["nodes"] * cluster["gpus_per_node"]
     data_size = _check_parallel(sections.get("parallel", {}), world_size, model, errors)
+    _check_tensor(sections.get("parallel", {}).get("tensor", {}), model, training, errors)
     if data_size and all(k in training for k in ("global_batch_size", "micro_batch_size", "grad_accum_steps")):
         product = training["micro_batch_size"] * training["grad_accum_steps"] * data_size
         if product != training["global_batch_size"]:

@@ -9,7 +9,8 @@ Rules (docs/DESIGN.md section 7.1):
   layout table (``plan/tensor_layout.py``);
 * pipeline degree P: divisors of world / T up to the number of blocks, modular assignment and the
   looped breadth-first schedule;
-* the data degree world / (P x T) must divide the global batch.
+* the data degree world / (P x T) must divide the global batch;
+* pipeline and tensor parallelism one at a time: the engine does not compose the two yet.
 
 ``--fix pipeline=P``, ``--fix tensor=T`` and ``--fix tensor_mode=1d|2d`` pin them (checked here).
 """
@@ -103,6 +104,8 @@ def layout_choices(
         for stages in stage_choices:
             if global_batch_size % (world // (stages * degree)):
                 continue
+            if stages > 1 and degree > 1:
+                continue  # the engine runs one of the two at a time (plan/validate.py says so)
             layouts.append(Layout(pipeline=stages, tensor=degree, tensor_mode=cast_mode(mode)))
     stages = fixed.get("pipeline", 1)
     if stages > 1 and fixed.get("accumulation") == "standard":
@@ -113,6 +116,11 @@ def layout_choices(
     if stages > 1 and stages > num_blocks:
         raise ValueError(
             f"--fix pipeline={stages}: the model has {num_blocks} repeated blocks; a stage needs at least one"
+        )
+    if fixed.get("pipeline", 1) > 1 and fixed.get("tensor", 1) > 1:
+        raise ValueError(
+            f"--fix pipeline={fixed['pipeline']} with --fix tensor={fixed['tensor']}: the engine runs pipeline or "
+            "tensor parallelism, not both at once yet; drop one of the pins"
         )
     if not layouts and "pipeline" in fixed:
         raise ValueError(

@@ -16,6 +16,7 @@ import gc
 from collections.abc import Callable
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 def live_cpu_storage_bytes() -> int:
@@ -25,6 +26,8 @@ def live_cpu_storage_bytes() -> int:
     for obj in gc.get_objects():
         if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu":
             continue
+        if is_traceable_wrapper_subclass(obj):
+            continue  # a wrapper (a DTensor): its inner tensors are counted themselves
         storage = obj.untyped_storage()
         address = storage.data_ptr()
         if address:

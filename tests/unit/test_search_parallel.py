@@ -37,7 +37,6 @@ def h100():
         (["tensor=2"], (1, 2, "1d")),
         (["tensor=4", "tensor_mode=2d"], (1, 4, "2d")),
         (["tensor_mode=2d"], (1, 4, "2d")),
-        (["pipeline=2", "tensor=2"], (2, 2, "1d")),
         (["pipeline=1", "tensor=1"], (1, 1, "1d")),
     ],
 )
@@ -110,23 +109,30 @@ def test_a_parallel_layout_only_when_faster(h100, hidden, layers, heads, seq, ba
     assert "data parallelism only" in result.why and "slower" in result.why
 
 
-def test_plan_packs_each_stage_at_local_sizes(small):
-    result = search(small, example_hardware(gpus_per_node=8), gpus_per_node=8, fixed=["pipeline=2", "tensor=2"])
+def test_pipeline_and_tensor_pins_together_are_refused(small):
+    with pytest.raises(ValueError, match="not both at once yet"):
+        search(small, example_hardware(gpus_per_node=8), gpus_per_node=8, fixed=["pipeline=2", "tensor=2"])
+
+
+@pytest.mark.parametrize(("stages", "tensor"), [(2, 1), (1, 2)])
+def test_plan_packs_each_stage_at_local_sizes(small, stages, tensor):
+    fixed = [f"pipeline={stages}", f"tensor={tensor}"]
+    result = search(small, example_hardware(gpus_per_node=8), gpus_per_node=8, fixed=fixed)
     plan = result.plan
     assert validate(plan) == []
     assert plan.model.model_type == "gpt2" and plan.model.num_heads == 4 and plan.model.num_kv_heads == 4
     names = [p.name for p in small.params]
-    stage_of = assign_stages(names, small.block_list, len(small.blocks), 2, "modular")
+    stage_of = assign_stages(names, small.block_list, len(small.blocks), stages, "modular")
     listed = [name for chunk in plan.memory.chunks for name in chunk.params]
     assert sorted(listed) == sorted(names)  # every parameter once, the tied wte in the first stage
     shapes = {p.name: p.shape for p in small.params}
     for chunk in plan.memory.chunks:
         assert {stage_of[name] for name in chunk.params} == {chunk.stage}  # chunks never cross stages
-        local = [math.prod(local_shape(name, shapes[name], "gpt2", 2)) for name in chunk.params]
+        local = [math.prod(local_shape(name, shapes[name], "gpt2", tensor)) for name in chunk.params]
         assert sum(local) <= chunk.numel < sum(local) + 64 * len(local)  # local numels (plus alignment)
-    assert {chunk.stage for chunk in plan.memory.chunks} == {0, 1}
+    assert {chunk.stage for chunk in plan.memory.chunks} == set(range(stages))
     text = dump_plan(plan)
-    assert "stage: 1" in text and "parallel:" in text
+    assert "parallel:" in text and ("stage: 1" in text) == (stages > 1)
 
 
 def test_plans_without_parallelism_read_as_before(small):
