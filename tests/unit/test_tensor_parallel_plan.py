@@ -36,7 +36,7 @@ from tests.unit.test_plan_parallel import _with
         (
             {"parallel__tensor__degree": 2, "model__model_type": "bloom", "training__global_batch_size": 8},
             "parallel.tensor.degree: no tensor-parallel layout for model.model_type 'bloom' (supported: gpt2, "
-            "llama, mistral, opt, qwen2); use tensor degree 1 for this model",
+            "llama, mistral, qwen2); use tensor degree 1 for this model",
         ),
     ],
 )  # fmt: skip
