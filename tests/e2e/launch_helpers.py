@@ -98,3 +98,17 @@ def run_elixir(args: list[str], timeout_s: float = 120, cwd: Path = REPO_DIR) ->
         env=job_env(),
         cwd=cwd,
     )
+
+
+def tune(args: list, cwd: Path = REPO_DIR, timeout_s: float = 180) -> subprocess.CompletedProcess:
+    """Runs ``elixir-tune ARGS`` and asserts it succeeded (its output in the message when not)."""
+    result = subprocess.run(
+        [console_script("elixir-tune"), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=job_env(),
+        cwd=cwd,
+    )
+    assert result.returncode == 0, f"elixir-tune {args[0]} failed:\n{result.stdout}\n{result.stderr}"
+    return result

@@ -7,14 +7,13 @@ workers; OUT loads with plain ``from_pretrained`` and its weights moved from the
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
 from elixir_tune.paths import REPO_DIR
-from tests.e2e.launch_helpers import console_script, job_env, run_elixir
+from tests.e2e.launch_helpers import run_elixir, tune
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -41,18 +40,6 @@ def make_model_dir(directory: Path) -> None:
     )
     torch.manual_seed(3)
     GPT2LMHeadModel(config).save_pretrained(directory)
-
-
-def tune(args: list, cwd: Path) -> None:
-    result = subprocess.run(
-        [console_script("elixir-tune"), *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=job_env(),
-        cwd=cwd,
-    )
-    assert result.returncode == 0, f"elixir-tune {args[0]} failed:\n{result.stdout}\n{result.stderr}"
 
 
 def test_finetune_a_model_directory(tmp_path):

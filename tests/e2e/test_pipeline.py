@@ -12,30 +12,17 @@ from pathlib import Path
 import pytest
 
 from elixir_tune.paths import REPO_DIR
-from tests.e2e.launch_helpers import console_script, free_port, job_env, run_elixir
+from tests.e2e.launch_helpers import console_script, free_port, job_env, run_elixir, tune
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]  # torchrun with several worker processes
 
 TRAIN = REPO_DIR / "scripts" / "train_gpt2.py"
 
 
-def _tune(args: list, timeout_s: float = 180) -> subprocess.CompletedProcess:
-    result = subprocess.run(
-        [console_script("elixir-tune"), *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        env=job_env(),
-        cwd=REPO_DIR,
-    )
-    assert result.returncode == 0, f"elixir-tune {args[0]} failed:\n{result.stdout}\n{result.stderr}"
-    return result
-
-
 @pytest.fixture(scope="module")
 def cpu_plan(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("pipeline")
-    _tune(
+    tune(
         [
             "profile",
             "configs/models/gpt2-tiny.yaml",
@@ -47,7 +34,7 @@ def cpu_plan(tmp_path_factory) -> Path:
             work / "profile.yaml",
         ]
     )
-    _tune(
+    tune(
         [
             "search",
             "--gpus",
@@ -72,7 +59,7 @@ def cpu_plan(tmp_path_factory) -> Path:
 
 def test_two_nodes_on_loopback_train_one_plan(cpu_plan, tmp_path):
     plan = tmp_path / "plan-2nodes.yaml"
-    _tune(
+    tune(
         [
             "search",
             "--nodes",
@@ -177,9 +164,9 @@ def test_a_layered_plan_trains_through_train_gpt2(cpu_plan, tmp_path):
     args = ["search", "--gpus", "2", "--profile", work / "profile.yaml", "--hardware", "cpu"]
     args += ["--global-batch-size", "16", "--fix", "accumulation=layered", "--fix", "micro_batch_size=2"]
     args += ["--fix", "pipeline=1", "--fix", "tensor=1"]  # the chunk engine's layered path
-    _tune([*args, "--out", plan])
+    tune([*args, "--out", plan])
     assert "accumulation: layered" in plan.read_text()
-    shown = _tune(["show", plan])
+    shown = tune(["show", plan])
     assert "accumulation 4 (layered)" in " ".join(shown.stdout.split())
     log = tmp_path / "train.json"
     result = run_elixir([plan, TRAIN, "--steps", "12", "--log", log], timeout_s=300)
