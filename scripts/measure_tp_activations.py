@@ -35,6 +35,39 @@ CONFIGS = [
 ]
 
 
+def predictions(models: list[str], micro: int, seq: int) -> dict[tuple, int]:
+    """The cost model's activation bytes per rank for every configuration: the profile of the same
+    model (traced on the meta device at ``micro`` x ``seq``) seen by one tensor rank
+    (``costmodel/parallel.py`` ``rank_profile``), its activation line at ``micro``."""
+    import torch
+
+    from elixir_tune.costmodel.model import CostModel
+    from elixir_tune.costmodel.parallel import Layout
+    from elixir_tune.hardware import load_hardware
+    from elixir_tune.profiler import profile_model
+    from elixir_tune.profiler.source import ModelSource
+    from tests.distributed.tp_activation_worker import build
+
+    def batch(size: int, length: int) -> dict:
+        ids = torch.zeros(size, length, dtype=torch.long)
+        return {"input_ids": ids, "labels": ids}
+
+    hardware = load_hardware("cpu")
+    out = {}
+    for name in models:
+        case = {"model": name, "seq": seq}
+        source = ModelSource(name=name, source=name, _build=lambda case=case: build(case), _batch=batch)
+        profile = profile_model(source, batch_size=micro, seq_len=seq)
+        for config in CONFIGS:
+            layout = Layout(
+                tensor=config["tensor"], tensor_mode=config.get("mode", "1d"), sequence_parallel=config.get("sp", True)
+            )
+            model = CostModel(profile, hardware, gpus_per_node=4, layout=layout)
+            key = (name, config["tensor"], config.get("mode", "-"), config.get("sp", "-"))
+            out[key] = int(model.profile.activation.at(micro))
+    return out
+
+
 def markdown(result: dict) -> str:
     """The rows as a table (MiB, the largest rank of each configuration)."""
     args = result["args"]
@@ -45,17 +78,25 @@ def markdown(result: dict) -> str:
         f"{', '.join(f'{x:.1f}' for x in result['load'])} (1, 5, 15 min) at the end; world {args['world']}, "
         f"micro-batch {args['micro']} x seq {args['seq']} per tensor group.",
         "",
-        "| model | T | mode | SP | activations saved (MiB) | step peak (MiB) | TP collectives fwd+bwd (MiB) |",
-        "|---|---|---|---|---|---|---|",
+        "Predicted: the cost model's activation memory per rank (the profile's activation line, seen by one",
+        "tensor rank: the blocks 1/T for 1D with sequence parallelism and 2D, (10 + 24/T)/34 for 1D without it; logits whole).",
+        "",
+        "| model | T | mode | SP | activations saved (MiB) | step peak (MiB) | predicted (MiB) | peak / predicted "
+        "| TP collectives fwd+bwd (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+    predicted = {tuple(key): value for key, value in result.get("predicted", [])}
     for row in result["rows"]:
         moved = max(
             sum(fwd.values()) + sum(bwd.values())
             for fwd, bwd in zip(row["forward_collective_bytes"], row["backward_collective_bytes"], strict=True)
         )
+        peak = max(row["step_peak_bytes"])
+        guess = predicted.get((row["model"], row["tensor"], row["mode"], row["sp"]))
+        versus = f"{guess / 2**20:.3f} | {peak / guess:.2f}" if guess else "- | -"
         lines.append(
             f"| {row['model']} | {row['tensor']} | {row['mode']} | {row['sp']} | {max(row['saved_bytes']) / 2**20:.3f} "
-            f"| {max(row['step_peak_bytes']) / 2**20:.3f} | {moved / 2**20:.3f} |"
+            f"| {peak / 2**20:.3f} | {versus} | {moved / 2**20:.3f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -70,9 +111,20 @@ def main() -> None:
     parser.add_argument("--models", default="gpt2,llama")
     parser.add_argument("--modes", default="1d,2d", help="tensor modes to measure (2d needs the engine's 2d mode)")
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--render-only", action="store_true", help="add the predictions to --out's measured JSON and rewrite its .md"
+    )
     args = parser.parse_args()
+    models = args.models.split(",")
+    if args.render_only:
+        result = json.loads(args.out.read_text())
+        saved = result["args"]
+        result["predicted"] = [[list(k), v] for k, v in predictions(models, saved["micro"], saved["seq"]).items()]
+        args.out.write_text(json.dumps(result, indent=1))
+        args.out.with_suffix(".md").write_text(markdown(result))
+        return
     rows = []
-    for model in args.models.split(","):
+    for model in models:
         for config in CONFIGS:
             if config.get("mode", "1d") not in args.modes.split(","):
                 continue
@@ -107,6 +159,7 @@ def main() -> None:
     if args.out:
         load = os.getloadavg()
         result = {"args": vars(args) | {"out": str(args.out)}, "load": load, "rows": rows}
+        result["predicted"] = [[list(k), v] for k, v in predictions(models, args.micro, args.seq).items()]
         args.out.write_text(json.dumps(result, indent=1))
         args.out.with_suffix(".md").write_text(markdown(result))
 

@@ -305,7 +305,7 @@ def rank_profile(profile: ModelProfile, layout: Layout, stage: int) -> ModelProf
     FLOPs: the stage's blocks (and the output head and loss on the last stage), divided by T.
     Activations: the stage's share of the blocks' (by their profiled per-block bytes) times the
     tensor-parallel factor, plus on the last stage what the profile has beyond the blocks (logits
-    and loss, vocabulary-parallel under TP: / T).
+    and loss, whole: the engine gathers the logits before the loss).
 
     Args:
         profile: the whole model's profile.
@@ -357,8 +357,10 @@ def rank_profile(profile: ModelProfile, layout: Layout, stage: int) -> ModelProf
     head_flops = max(0.0, profile.flops_per_sample - 3 * all_fwd)  # embeddings, head and loss
     flops = (3 * mine_fwd + (head_flops if is_last else 0.0)) / degree
     fwd_share = mine_fwd / all_fwd if all_fwd else (1.0 if is_last else 0.0)
-    # Vocabulary-parallel logits and loss under TP: what lies beyond the blocks splits by T too.
-    extra_factor = 1.0 / degree
+    # What lies beyond the blocks (logits and loss) stays whole under TP: the engine gathers the logits
+    # before the model's own loss (the vocabulary-parallel loss is opt-in and no plan field selects it);
+    # measured, benchmarks/results/tp-activations-cpu.md.
+    extra_factor = 1.0
 
     def stage_line(line: ActivationLine, per_block: list[int], mine_per_block: list[int], factor: float, tail: float):
         total = sum(per_block)
