@@ -3,6 +3,8 @@
 
     .venv/bin/python scripts/bench_prediction.py                       # ~4-5 min on 2 cores
     .venv/bin/python scripts/bench_prediction.py --steps 15 --warmup 3 --preset    # cpu preset, no probe
+    .venv/bin/python scripts/bench_prediction.py --layouts --out benchmarks/results/prediction-cpu-layouts.json \
+        --md benchmarks/results/prediction-cpu-layouts.md     # data only vs pipeline 2 vs tensor 2
 
 What it does:
   1. measures this machine with ``probe(quick=True)`` (or takes the ``cpu`` preset with --preset);
@@ -120,6 +122,11 @@ def parse_args() -> argparse.Namespace:
         help="runs per shape, in alternating order (the machine is shared; this spreads drift)",
     )
     parser.add_argument("--preset", action="store_true", help="use the cpu preset instead of probe(quick=True)")
+    parser.add_argument(
+        "--layouts",
+        action="store_true",
+        help="instead of the chunk-engine shapes: the best plan of data parallelism only, pipeline 2 and tensor 2",
+    )
     parser.add_argument("--run-timeout", type=float, default=180.0, help="seconds per elixir-run")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "prediction-cpu.json"))
     parser.add_argument("--md", default=str(REPO / "benchmarks" / "results" / "prediction-cpu.md"))
@@ -144,7 +151,30 @@ def shape_of(plan) -> dict:
         "checkpointing": plan.training.activation_checkpointing.every,
         "micro_batch_size": plan.training.micro_batch_size,
         "grad_accum_steps": plan.training.grad_accum_steps,
+        "pipeline": plan.parallel.pipeline.stages,
+        "tensor": plan.parallel.tensor.degree,
     }
+
+
+def reports_match(report: dict | None, prediction) -> bool:
+    """Whether the engine's ``memory_report()`` has the predicted model-state and transient bytes (every key)."""
+    expected = {**prediction.model_state_bytes, **prediction.transient_bytes}
+    return report is not None and all(report.get(key) == value for key, value in expected.items())
+
+
+def layout_shapes(profile, hardware):
+    """(name, pins, SearchResult) of the search's best plan for each parallel layout the world allows:
+    data parallelism only, pipeline 2 and tensor 2 (the rest left to the search)."""
+    from elixir_tune.search import search
+
+    shapes = []
+    for name, pins in (
+        ("data-only", {"pipeline": 1, "tensor": 1}),
+        ("pipeline-2", {"pipeline": 2}),
+        ("tensor-2", {"tensor": 2}),
+    ):
+        shapes.append((name, pins, search(profile, hardware, WORLD, global_batch_size=GLOBAL_BATCH, fixed=pins)))
+    return shapes
 
 
 def make_shapes(profile, hardware):
@@ -303,7 +333,7 @@ def world1_reference(profile, hardware, best_plan, workdir: Path, args) -> dict:
         "predicted_step_time_s": result.plan.prediction.step_time_s,
         "predicted_worker_bytes": pred.peak_gpu_bytes + pred.peak_host_bytes,
         "measured_rss_growth_bytes": rank0.get("peak_rss_bytes", 0) - rank0.get("rss_before_setup_bytes", 0),
-        "model_state_bytes_match": rank0.get("memory_report") == pred.model_state_bytes,
+        "model_state_bytes_match": reports_match(rank0.get("memory_report"), pred),
         "predicted_breakdown": result.plan.prediction.breakdown,
         "measured_median_step_time_s": measured["median_step_time_s"],
         "measured": measured,
@@ -371,7 +401,7 @@ def main() -> int:
         f"{profile.flops_per_sample / args.seq / 1e9:.4f} GFLOP per token"
     )
 
-    shapes = make_shapes(profile, hardware)
+    shapes = layout_shapes(profile, hardware) if args.layouts else make_shapes(profile, hardware)
     say(f"{len(shapes)} shapes: " + ", ".join(name for name, _, _ in shapes))
     plain = plain_reference(source, profile, args)
     say(
@@ -409,7 +439,7 @@ def main() -> int:
         measured = pool(runs[name], args.warmup)
         pred = plan.prediction
         engine_reports = [r.get("memory_report") for r in measured["ranks"]]
-        states_match = bool(engine_reports) and all(rep == pred.model_state_bytes for rep in engine_reports)
+        states_match = bool(engine_reports) and all(reports_match(rep, pred) for rep in engine_reports)
         # On the CPU the "device" and the "host" are the same RAM: a worker holds its device part and its
         # share of the node's host part.
         pred_worker_bytes = pred.peak_gpu_bytes + pred.peak_host_bytes // WORLD

@@ -27,7 +27,8 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 
 def describe(shape: dict) -> str:
-    return (
+    layout = "".join(f"{key} {shape[key]}, " for key in ("pipeline", "tensor") if shape.get(key, 1) > 1)
+    return layout + (
         f"mb {shape['micro_batch_size']}x{shape['grad_accum_steps']}, ckpt {shape['checkpointing']}, "
         f"cache {shape['cache_blocks']}/{shape['cacheable_chunks']}, pf {shape['prefetch']}, "
         f"offload {shape['offloaded_chunks']}/{shape['num_chunks']}"
@@ -128,7 +129,7 @@ def markdown(record: dict) -> str:
         if "growth_bytes" in record["plain_pytorch_rss"]
         else "Plain PyTorch memory: failed (see JSON).",
         "",
-        "Memory columns: 'model states = engine' compares `prediction.model_state_bytes` with "
+        "Memory columns: 'model states = engine' compares `prediction.model_state_bytes` and `transient_bytes` with "
         "`model.memory_report()` of both ranks (world 2, the same plan); 'predicted worker' is "
         "`peak_gpu_bytes + peak_host_bytes / 2` (on the CPU device and host are the same RAM); 'RSS growth' is "
         "each rank's peak RSS (`ru_maxrss`) minus its RSS just before `elixir_tune.setup` (torch, transformers "
