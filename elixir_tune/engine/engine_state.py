@@ -1,0 +1,154 @@
+"""What the engine reports and exchanges as a whole: full weights in and out, and its memory accounting.
+
+A mixin of ``Engine`` (engine.py): these methods read the engine's chunks, cache and staging pool but
+take no part in a step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from elixir_tune.engine.tensor_parallel import local_data
+from elixir_tune.plan import DTYPE_BYTES, MODEL_STATE_KEYS
+from elixir_tune.plan.memory import pinned_bytes
+
+if TYPE_CHECKING:
+    from elixir_tune.engine.cache import ChunkCache
+    from elixir_tune.engine.chunk import Chunk, ParamSlot
+    from elixir_tune.engine.comm import Comm
+    from elixir_tune.engine.staging import StagingPool
+    from elixir_tune.engine.tensor_parallel import TensorSplit
+    from elixir_tune.plan import Plan
+
+
+class EngineState:
+    """Full state dicts and memory figures of an ``Engine`` (its attributes are declared here for them)."""
+
+    model: torch.nn.Module
+    plan: Plan
+    comm: Comm
+    device: torch.device
+    compute_dtype: torch.dtype
+    chunks: list[Chunk]
+    slot_of: dict[int, ParamSlot]
+    cache: ChunkCache
+    staging: StagingPool
+    upload_block: torch.Tensor
+    pinned: bool
+    reduce_scatters: int
+    tensor_parallel: TensorSplit | None
+
+    def after_step(self) -> None:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def gathered_chunks(self, all_ranks: bool = False):
+        """Yields ``(chunk, full fp32 chunk on the CPU)`` one chunk at a time (a collective).
+
+        Args:
+            all_ranks: every rank gets the chunk; otherwise rank 0 does and the others get None.
+        """
+        for chunk in self.chunks:
+            shard = chunk.master.to(self.device)
+            mine = all_ranks or self.comm.rank == 0
+            flat = torch.empty(chunk.chunk_size, dtype=torch.float32, device=self.device) if mine else None
+            if all_ranks:
+                assert flat is not None  # every rank allocated it
+                self.comm.all_gather_into_tensor(flat, shard, async_op=False)
+            else:
+                self.comm.gather_to(flat, shard, dst=0)
+            yield chunk, (flat.cpu() if flat is not None else None)
+
+    @torch.no_grad()
+    def full_state_dict(self, all_ranks: bool = False) -> dict[str, torch.Tensor]:
+        """Full fp32 weights under the original names (frozen parameters and buffers included), on the CPU.
+
+        A collective: every rank calls it. Rank 0 gets the dictionary, the others an empty one
+        (all of them with ``all_ranks``).
+        """
+        full: dict[int, torch.Tensor] = {}
+        for chunk, flat in self.gathered_chunks(all_ranks):
+            if flat is None:
+                continue
+            for slot in chunk.slots:
+                full[id(slot.param)] = flat[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+        if not (all_ranks or self.comm.rank == 0):
+            return {}
+        state = {}
+        values = self.model.state_dict(keep_vars=True)
+        for name, value in values.items():
+            if id(value) in full:
+                state[name] = full[id(value)]
+            else:
+                tensor = local_data(value).detach()
+                if isinstance(value, torch.nn.Parameter) and tensor.is_floating_point():
+                    tensor = tensor.float()
+                state[name] = tensor.cpu().clone()
+        if self.tensor_parallel is not None:
+            # This rank holds its pieces of the split parameters: assemble them over the tensor group.
+            state = self.tensor_parallel.full_state(state, values)
+            if not all_ranks and self.tensor_parallel.rank != 0:
+                return {}
+        return state
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Sets the weights from a full state dict (as ``full_state_dict`` returns), on every rank.
+
+        Raises:
+            KeyError: a chunked parameter is missing from ``state``.
+        """
+        self.cache.wait_all()  # no gather in flight may read a master while it is written
+        names = {id(value): name for name, value in self.model.state_dict(keep_vars=True).items()}
+        for chunk in self.chunks:
+            flat = torch.zeros(chunk.chunk_size, dtype=torch.float32, device=self.device)
+            for slot in chunk.slots:
+                value = state[names.get(id(slot.param), slot.name)]
+                if self.tensor_parallel is not None:
+                    value = self.tensor_parallel.local_value(slot.param, value)
+                flat[slot.offset : slot.offset + slot.numel].copy_(value.reshape(-1))
+            chunk.init_master(flat)
+        for name, value in self.model.state_dict(keep_vars=True).items():
+            if id(value) not in self.slot_of and name in state:
+                full = state[name]
+                if self.tensor_parallel is not None:
+                    full = self.tensor_parallel.local_value(value, full)
+                local_data(value).copy_(full)
+        self.after_step()
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank's engine allocated: the model states under the keys of
+        ``elixir_tune.plan.MODEL_STATE_KEYS`` and the rest under ``elixir_tune.plan.memory.TRANSIENT_KEYS``.
+
+        Computed from the buffers the engine allocated: cache slots (capacity: cache_blocks chunk
+        payloads in compute dtype), resident payloads, master + gradient + optimizer-state bytes of
+        device and host shards; the staging pool, the upload copies and the landing buffers
+        (pinned blocks as the CUDA host allocator rounds them).
+        """
+        item = DTYPE_BYTES[self.plan.training.dtype]
+        report = dict.fromkeys(MODEL_STATE_KEYS, 0)
+        report["cache_bytes"] = self.cache.cache_blocks * self.plan.memory.chunk_size * item
+        for chunk in self.chunks:
+            if chunk.resident:
+                report["resident_bytes"] += chunk.payload_bytes()
+            key = "host_shard_bytes" if chunk.offload else "device_shard_bytes"
+            report[key] += chunk.shard_bytes() + chunk.optimizer_state_bytes
+        upload = self.upload_block.nbytes
+        masters_inside = upload if self.compute_dtype == torch.float32 else 0  # counted as host shards
+        report["staging_bytes"] = self.staging.device_bytes()
+        report["host_copy_bytes"] = pinned_bytes(upload, self.pinned) - masters_inside
+        report["landing_bytes"] = pinned_bytes(self.staging.landing_nbytes(), self.pinned)
+        return report
+
+    def memory_stats(self) -> dict[str, int]:
+        """Measured figures beside the report: cache payloads and staging buffers actually held."""
+        return {
+            "peak_cache_bytes": self.cache.peak_bytes,
+            "gathers": self.cache.gathers,
+            "uploads": self.cache.uploads,
+            "reduce_scatters": self.reduce_scatters,
+            "held_cache_bytes": sum(c.payload_bytes() for c in self.cache.held.values()),
+            "peak_staging_buffers": self.staging.peak_live,
+        }
