@@ -3,7 +3,8 @@
 Thin wrappers over torch.distributed with three extras:
     * a world of one needs no process group: every collective is a local copy;
     * gloo lacks ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` in some torch versions
-      (2.5 to the newest are supported; 2.5 made DTensor public): the wrappers fall back to list all-gather and all-reduce;
+      (2.5, which made DTensor public, to the newest are supported): the wrappers fall back to list
+      all-gather and all-reduce;
     * every asynchronous call returns a :class:`Handle` whose ``wait()`` also runs the fallback's
       finishing copy, so callers never see the difference.
 """
