@@ -28,7 +28,7 @@ What each rank does:
   after the schedule the step's gradient of each such chunk is summed over the two ranks (a group
   of the stages that share it at the same data and tensor index, as Megatron's embedding group),
   so both copies take the same optimizer step. The gradient norm counts it once (on the stage the
-  plan puts it on) and sums over the pipeline group (``ShardedOptimizer.clip_grad_norm``).
+  plan puts it on), in one all-reduce over the world (``ShardedOptimizer.clip_grad_norm``).
 """
 
 from __future__ import annotations
