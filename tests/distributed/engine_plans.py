@@ -22,6 +22,7 @@ from elixir_tune.plan import (
     ParallelPlan,
     PipelineParallel,
     Plan,
+    TensorParallel,
     TrainingInfo,
     fingerprint,
     validate,
@@ -35,9 +36,21 @@ def model_fingerprint(model: nn.Module) -> str:
     )
 
 
-def pack(model: nn.Module, chunk_size: int) -> list[list[tuple[str, int]]]:
-    """Greedy first-fit in order, parameters at aligned offsets: (name, numel) lists, one per chunk."""
-    return _pack_in_order([(name, p.numel()) for name, p in model.named_parameters() if p.requires_grad], chunk_size)
+def pack(model: nn.Module, chunk_size: int, tensor: int = 1, mode: str = "1d") -> list[list[tuple[str, int]]]:
+    """Greedy first-fit in order, parameters at aligned offsets: (name, numel) lists, one per chunk.
+
+    With ``tensor`` > 1 the numels are one tensor rank's local pieces (``plan/tensor_layout.py``
+    ``local_shape``), as the search packs them.
+    """
+    from elixir_tune.plan.tensor_layout import local_shape
+
+    def numel(name: str, param: nn.Parameter) -> int:
+        if tensor == 1:
+            return param.numel()
+        return math.prod(local_shape(name, list(param.shape), model.config.model_type, tensor, mode))
+
+    trainable = [(name, numel(name, p)) for name, p in model.named_parameters() if p.requires_grad]
+    return _pack_in_order(trainable, chunk_size)
 
 
 def _pack_in_order(params: list[tuple[str, int]], chunk_size: int) -> list[list[tuple[str, int]]]:
@@ -141,19 +154,24 @@ def make_plan(
     stages: int = 1,
     assignment: str = "modular",
     schedule: str = "looped_bfs",
+    tensor: int = 1,
+    tensor_mode: str = "1d",
+    sequence_parallel: bool = True,
 ) -> Plan:
     """A valid plan for ``model``.
 
     Args:
-        world_size: every process (data x ``stages``).
+        world_size: every process (data x ``stages`` x ``tensor``).
         cache: "all" (every non-resident chunk), "min" (the fewest that work, plus room for
             prefetch), or a number.
         offload: fraction of chunks whose shard lives on the host, spread evenly.
         resident: chunk ids kept gathered (a pipeline plan's tied chunks are resident too).
         stages, assignment, schedule: ``parallel.pipeline``; with stages > 1 each stage's
             parameters are packed apart (``pack_stages``) and ``block_list`` is required.
+        tensor, tensor_mode, sequence_parallel: ``parallel.tensor``; with tensor > 1 the chunks hold
+            each tensor rank's local pieces.
     """
-    data_size = world_size // stages
+    data_size = world_size // (stages * tensor)
     chunk_size = align_up(chunk_size, chunk_size_multiple(data_size))
     chunk_stages: list[int] = []
     if stages > 1:
@@ -161,7 +179,7 @@ def make_plan(
         tied = shared_params(model)
         resident = tuple(resident) + tuple(i for i, c in enumerate(packed) if c[0][0] in tied)
     else:
-        packed = pack(model, chunk_size)
+        packed = pack(model, chunk_size, tensor, tensor_mode)
     offloaded = {i for i in range(len(packed)) if math.floor((i + 1) * offload) > math.floor(i * offload)}
     chunks = [
         ChunkPlan(
@@ -184,6 +202,7 @@ def make_plan(
     blocks = min(max(blocks, prefetch + 1 if prefetch else blocks), cacheable)
     prefetch = min(prefetch, max(blocks - 1, 0))
     num_blocks = len(model.get_submodule(block_list)) if block_list else 0
+    config = getattr(model, "config", None)
     plan = Plan(
         model=ModelInfo(
             source="tests",
@@ -192,7 +211,9 @@ def make_plan(
             name=type(model).__name__,
             block_list=block_list,
             num_blocks=num_blocks,
-            model_type=str(getattr(getattr(model, "config", None), "model_type", "") or ""),
+            model_type=str(getattr(config, "model_type", "") or ""),
+            num_heads=getattr(config, "num_attention_heads", 0) or 0,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", 0) or 0,
         ),
         cluster=ClusterInfo(
             hardware="test",
@@ -216,7 +237,10 @@ def make_plan(
             chunks=chunks,
             staging_buffers=staging_buffers,
         ),
-        parallel=ParallelPlan(pipeline=PipelineParallel(stages=stages, assignment=assignment, schedule=schedule)),
+        parallel=ParallelPlan(
+            pipeline=PipelineParallel(stages=stages, assignment=assignment, schedule=schedule),
+            tensor=TensorParallel(degree=tensor, mode=tensor_mode, sequence_parallel=sequence_parallel),
+        ),
     )
     problems = validate(plan)
     assert not problems, problems
@@ -335,3 +359,24 @@ def param_groups(model: nn.Module, weight_decay: float = 0.1) -> list[dict]:
     for _, param in model.named_parameters():
         (decay if param.ndim >= 2 else no_decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def tiny_llama_gqa(seed: int = 0) -> nn.Module:
+    """A Llama with grouped-query attention: 4 query heads, 2 key/value heads, 2 layers, untied."""
+    import torch
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config)

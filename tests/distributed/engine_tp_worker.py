@@ -22,9 +22,8 @@ import elixir_tune
 from elixir_tune.engine.materialize import Initializer, InitSource, materialize_replicated
 from elixir_tune.engine.tensor_parallel import TensorParallelError, local_data
 from elixir_tune.plan.tensor_layout import local_shape
-from tests.distributed.engine_plans import batches, param_groups, tiny_gpt2
+from tests.distributed.engine_plans import batches, make_plan, param_groups, tiny_gpt2, tiny_llama_gqa
 from tests.distributed.engine_worker import compare, local_micro, mean_over_ranks
-from tests.distributed.tp_plans import make_tp_plan, tiny_llama_gqa
 
 SEQ = 8
 
@@ -60,12 +59,12 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
     tensor = case["tensor"]
     data, data_rank = world // tensor, rank // tensor  # rank = data_index * T + tensor_index (P = 1)
     model, opt = build(case)
-    plan = make_tp_plan(
+    plan = make_plan(
         model,
         world,
-        tensor,
         case["chunk_size"],
-        mode=case.get("mode", "1d"),
+        tensor=tensor,
+        tensor_mode=case.get("mode", "1d"),
         sequence_parallel=case.get("sp", True),
         cache=case.get("cache", "all"),
         offload=case.get("offload", 0.0),

@@ -21,8 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 
 import elixir_tune
 from tests.distributed.engine_launch import worker_main
+from tests.distributed.engine_plans import make_plan
 from tests.distributed.memory_probe import peak_step_bytes
-from tests.distributed.tp_plans import make_tp_plan
 
 
 def build(case: dict) -> torch.nn.Module:
@@ -104,12 +104,12 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
     model = build(case)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     block = "transformer.h" if case["model"] == "gpt2" else "model.layers"
-    plan = make_tp_plan(
+    plan = make_plan(
         model,
         world,
-        tensor,
         1 << 20,
-        mode=case.get("mode", "1d"),
+        tensor=tensor,
+        tensor_mode=case.get("mode", "1d"),
         sequence_parallel=case.get("sp", True),
         block_list=block,
         micro_batch_size=case["micro"],
