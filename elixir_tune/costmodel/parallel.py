@@ -357,17 +357,16 @@ def rank_profile(profile: ModelProfile, layout: Layout, stage: int) -> ModelProf
     head_flops = max(0.0, profile.flops_per_sample - 3 * all_fwd)  # embeddings, head and loss
     flops = (3 * mine_fwd + (head_flops if is_last else 0.0)) / degree
     fwd_share = mine_fwd / all_fwd if all_fwd else (1.0 if is_last else 0.0)
-    # What lies beyond the blocks (logits and loss) stays whole under TP: the engine gathers the logits
-    # before the model's own loss (the vocabulary-parallel loss is opt-in and no plan field selects it);
-    # measured, benchmarks/results/tp-activations-cpu.md.
-    extra_factor = 1.0
 
     def stage_line(line: ActivationLine, per_block: list[int], mine_per_block: list[int], factor: float, tail: float):
         total = sum(per_block)
         blocks_part = min(line.per_sample_bytes, total)
         share = sum(mine_per_block) / total if total else 0.0
         if is_last:
-            tail = (line.per_sample_bytes - blocks_part) * extra_factor
+            # What lies beyond the blocks (logits and loss) stays whole under TP: the engine gathers the
+            # logits before the model's own loss (the vocabulary-parallel loss is opt-in and no plan
+            # field selects it); measured, benchmarks/results/tp-activations-cpu.md.
+            tail = line.per_sample_bytes - blocks_part
         return _scaled_line(line, blocks_part * share * factor + tail)
 
     activation = stage_line(
