@@ -6,6 +6,7 @@ take no part in a step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,9 +40,7 @@ class EngineState:
     pinned: bool
     reduce_scatters: int
     tensor_parallel: TensorSplit | None
-
-    def after_step(self) -> None:
-        raise NotImplementedError
+    after_step: Callable[[], None]
 
     @torch.no_grad()
     def gathered_chunks(self, all_ranks: bool = False):
