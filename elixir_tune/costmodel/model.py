@@ -227,17 +227,35 @@ class CostModel:
 
     # -- per candidate ---------------------------------------------------------------------------
 
-    def recompute_flops_per_sample(self, every: int) -> float:
-        """Extra forward FLOPs per sample of every-k checkpointing: the profile's figure for all
-        blocks, shared out by the checkpointed blocks' forward FLOPs."""
+    def recompute_share(self, every: int) -> float:
+        """The part of all blocks' recomputation that every-k checkpointing does: the checkpointed
+        blocks' share of the blocks' forward FLOPs."""
         blocks = self.profile.blocks
         if every <= 0 or not blocks:
             return 0.0
         total = sum(b.fwd_flops_per_sample for b in blocks)
         chosen = sum(b.fwd_flops_per_sample for b in blocks if b.index % every == 0)
-        share = chosen / total if total else checkpointed_blocks(len(blocks), every) / len(blocks)
-        full = self.profile.recompute_flops_per_sample or total
-        return full * share
+        return chosen / total if total else checkpointed_blocks(len(blocks), every) / len(blocks)
+
+    def recompute_flops_per_sample(self, every: int) -> float:
+        """Extra forward FLOPs per sample of every-k checkpointing: the profile's figure for all
+        blocks, shared out by the checkpointed blocks' forward FLOPs."""
+        full = self.profile.recompute_flops_per_sample or sum(b.fwd_flops_per_sample for b in self.profile.blocks)
+        return full * self.recompute_share(every)
+
+    def pointwise_s(self, micro_batch_size: int, every: int) -> tuple[float, float]:
+        """Seconds of one micro-batch's memory-bound pointwise ops at the hardware's pointwise rate:
+        (forward+backward, recomputation); (0, 0) when the hardware has no such rate (then the
+        block rate stands for them)."""
+        rate_bps = self.hardware.pointwise_gbps * 1e9
+        if rate_bps <= 0:
+            return 0.0, 0.0
+        profile = self.profile
+        recompute_bytes = profile.recompute_pointwise_bytes_per_sample * self.recompute_share(every)
+        return (
+            micro_batch_size * profile.pointwise_bytes_per_sample / rate_bps,
+            micro_batch_size * recompute_bytes / rate_bps,
+        )
 
     def block_numel(self) -> float:
         """Parameters of the mean block (of the whole model when the profile found no blocks):
@@ -261,18 +279,25 @@ class CostModel:
     def compute_s(self, micro_batch_size: int, every: int) -> tuple[float, float]:
         """(compute, recompute part) seconds of one micro-batch.
 
-        FLOPs at the model-level rate, plus the hardware's per-call overhead for each block's
-        forward+backward, and half of it for each recomputed block's forward (a forward runs about
-        half of a forward+backward's ops): it is what makes small micro-batches of small models slow.
-        Tensor-parallel collectives sit on the compute stream (each matmul waits for its inputs), so
-        they are part of it here (``tensor_comm_s`` says how much).
+        FLOPs at the model-level rate; the model's own pointwise ops at the pointwise rate (the
+        block rate is net of the probe block's, ``pointwise_s``); plus the hardware's per-call
+        overhead for each block's forward+backward, and half of it for each recomputed block's
+        forward (a forward runs about half of a forward+backward's ops): it is what makes small
+        micro-batches of small models slow. Tensor-parallel collectives sit on the compute stream
+        (each matmul waits for its inputs), so they are part of it here (``tensor_comm_s`` says how
+        much).
         """
         rate = self.flops_per_s_at(micro_batch_size)
         overhead_s = self.hardware.block_call_overhead_s
         blocks = len(self.profile.blocks)
         recomputed = checkpointed_blocks(blocks, every) if every > 0 else 0
-        recompute = micro_batch_size * self.recompute_flops_per_sample(every) / rate + recomputed * overhead_s / 2
-        compute = micro_batch_size * self.profile.flops_per_sample / rate + blocks * overhead_s + recompute
+        pointwise, pointwise_recompute = self.pointwise_s(micro_batch_size, every)
+        recompute = (
+            micro_batch_size * self.recompute_flops_per_sample(every) / rate
+            + recomputed * overhead_s / 2
+            + pointwise_recompute
+        )
+        compute = micro_batch_size * self.profile.flops_per_sample / rate + blocks * overhead_s + pointwise + recompute
         return compute + self.tensor_comm_s(micro_batch_size, every), recompute
 
     def tensor_comm_s(self, micro_batch_size: int, every: int) -> float:
@@ -378,6 +403,13 @@ class CostModel:
         if tensor_s > 0:
             breakdown["compute_s"] -= tensor_s
             breakdown["tensor_comm_s"] = tensor_s
+        if shape.layered and accum > 1 and on_cpu:
+            # Each micro-batch's thread hands the baton on at every hooked module call of its forward
+            # (engine/layered.py); on a CPU device the hand-overs hold up the compute itself.
+            forward_calls = len(self.profile.trace) // 2
+            handoff_s = accum * forward_calls * self.hardware.thread_handoff_s
+            step_time += handoff_s
+            breakdown["thread_handoff_s"] = handoff_s
         if self.parallel_layout.pipeline > 1:
             extra = self.parallel_costs.pipeline_s(mb_compute * accum, shape.micro_batch_size, accum)
             step_time += sum(extra.values())

@@ -396,6 +396,9 @@ def rank_profile(profile: ModelProfile, layout: Layout, stage: int) -> ModelProf
         blocks=blocks,
         flops_per_sample=flops,
         recompute_flops_per_sample=profile.recompute_flops_per_sample * fwd_share / degree,
+        # The profile counts pointwise bytes for the whole model only: a rank's share is its FLOPs'.
+        pointwise_bytes_per_sample=profile.pointwise_bytes_per_sample * flops / max(profile.flops_per_sample, 1.0),
+        recompute_pointwise_bytes_per_sample=profile.recompute_pointwise_bytes_per_sample * fwd_share / degree,
         activation=activation,
         activation_checkpointed=checkpointed,
     )

@@ -8,7 +8,7 @@ from typing import Any, TypeVar, overload
 import torch
 
 from elixir_tune.engine.engine import Engine
-from elixir_tune.engine.layered import run_layer_major
+from elixir_tune.engine.layered import MicroBatchThreads, run_layer_major
 from elixir_tune.engine.tensor_parallel import plain
 
 LossFn = Callable[[Any, dict], torch.Tensor]
@@ -28,6 +28,7 @@ class ElixirModel(torch.nn.Module):
         super().__init__()
         self.module = module
         object.__setattr__(self, "engine", engine)  # not a submodule: keep it out of modules()
+        self._micro_batch_threads = MicroBatchThreads()  # layered accumulation's, kept across steps
 
     def forward(self, *args, **kwargs):
         if self.engine.pipeline is not None:
@@ -96,7 +97,7 @@ class ElixirModel(torch.nn.Module):
         """Forward and backward of ``count`` micro-batches; their scaled losses."""
         if layered:
             self.engine.begin_forward()
-            losses = run_layer_major(scaled_loss, count, self.engine.set_baton)
+            losses = run_layer_major(scaled_loss, count, self.engine.set_baton, self._micro_batch_threads)
             torch.autograd.backward(losses)
         else:
             losses = []

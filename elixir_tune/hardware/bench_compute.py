@@ -1,4 +1,5 @@
-"""Micro-benchmarks of one device: dense matmul rate, memory copy bandwidth, Adam update rate.
+"""Micro-benchmarks of one device: dense matmul rate, memory copy bandwidth, Adam update rate, a
+transformer block's forward+backward and the rate of memory-bound pointwise ops.
 
 Each works on ``cuda`` and ``cpu`` alike; the caller sets the CPU thread count (the threads one
 rank gets) before calling.
@@ -7,12 +8,14 @@ rank gets) before calling.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
 
 from elixir_tune.dtypes import TORCH_DTYPES
 from elixir_tune.hardware.timing import median_time_s
+from elixir_tune.pointwise import PointwiseCounter
 
 # tf32 is fp32 storage with TF32 matmuls (switched on around the benchmark).
 DTYPES = {**TORCH_DTYPES, "tf32": torch.float32}
@@ -135,7 +138,7 @@ class _Block(torch.nn.Module):
 
 def block_time(
     device: torch.device, dtype_name: str, batch: int, seq: int, hidden: int, heads: int, budget_s: float
-) -> tuple[int, float, float]:
+) -> tuple[int, float, float, float]:
     """One transformer block's forward+backward: the measure of the model-level compute rate.
 
     A whole model runs below its GEMMs' rate: attention, norms, activations and per-op launch or
@@ -150,7 +153,8 @@ def block_time(
         budget_s: time to spend.
 
     Returns:
-        (the block's parameter count, forward+backward FLOPs of one call, median seconds of one call).
+        (the block's parameter count, forward+backward FLOPs of one call, bytes its pointwise ops
+        write in one call, median seconds of one call).
     """
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -161,10 +165,45 @@ def block_time(
     def step() -> None:
         block(x).sum().backward()
 
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False) as counter, PointwiseCounter() as pointwise:
         step()
     seconds = median_time_s(step, device, budget_s, warmup=2)
-    return sum(p.numel() for p in block.parameters()), float(counter.get_total_flops()), seconds
+    numel = sum(p.numel() for p in block.parameters())
+    return numel, float(counter.get_total_flops()), float(pointwise.bytes), seconds
+
+
+def _tanh_gelu_unfused(x: torch.Tensor) -> torch.Tensor:
+    """The tanh-approximate GELU written out op by op, as transformers' GPT-2 ("gelu_new") has it."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+def pointwise_gbps(device: torch.device, dtype_name: str, numel: int, budget_s: float) -> float:
+    """Rate of memory-bound pointwise work: bytes written per second (``elixir_tune.pointwise``).
+
+    Measured on an unfused tanh-GELU's forward+backward over ``numel`` elements: a chain of the
+    small elementwise ops that models written op by op run (about 20 of them, each reading and
+    writing the whole tensor).
+
+    Args:
+        device: where to run.
+        dtype_name: fp32, bf16 or fp16.
+        numel: elements of the activation (a block's MLP activation is the typical size).
+        budget_s: time to spend.
+
+    Returns:
+        GB/s of pointwise output bytes.
+    """
+    dtype = DTYPES[dtype_name]
+    x = torch.randn(numel, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.ones_like(x)
+
+    def step() -> None:
+        _tanh_gelu_unfused(x).backward(grad)
+        x.grad = None
+
+    with PointwiseCounter() as counter:
+        step()
+    return counter.bytes / median_time_s(step, device, budget_s, warmup=2) / 1e9
 
 
 # The smallest block: its time is nearly all per-call overhead (op dispatch, kernel launches).
@@ -173,20 +212,26 @@ OVERHEAD_BLOCK = (1, 8, 64, 4)
 
 def block_rates(
     device: torch.device, dtype_name: str, shapes: list[tuple[int, int, int, int]], budget_s: float
-) -> tuple[dict[int, float], float]:
-    """A block's per-call overhead and its rate over sizes, net of that overhead.
+) -> tuple[dict[int, float], float, float]:
+    """A block's per-call overhead, the pointwise rate, and the block's rate over sizes net of both.
 
-    Time of a block call = overhead + FLOPs / rate(width): the overhead is what a tiny block
-    takes, the rate of each shape is its FLOPs over its time less the overhead (at least a tenth
-    of the time, so noise cannot make it negative).
+    Time of a block call = overhead + pointwise bytes / pointwise rate + FLOPs / rate(width): the
+    overhead is what a tiny block takes; the pointwise rate is measured at the middle shape's MLP
+    activation (``pointwise_gbps``); the rate of each shape is its FLOPs over what remains of its
+    time (at least a tenth of it, so noise cannot make it negative). A model written with more
+    pointwise ops than this block then pays for them by its own count.
 
     Returns:
-        ({block parameter count: TFLOP/s}, overhead seconds per block forward+backward call).
+        ({block parameter count: TFLOP/s}, overhead seconds per block forward+backward call,
+        pointwise GB/s).
     """
-    per_shape_s = budget_s / (len(shapes) + 1)
-    _numel, _flops, overhead_s = block_time(device, dtype_name, *OVERHEAD_BLOCK, per_shape_s)
+    per_shape_s = budget_s / (len(shapes) + 2)
+    _numel, _flops, _bytes, overhead_s = block_time(device, dtype_name, *OVERHEAD_BLOCK, per_shape_s)
+    batch, seq, hidden, _heads = shapes[len(shapes) // 2]
+    rate_gbps = pointwise_gbps(device, dtype_name, batch * seq * 4 * hidden, per_shape_s)
     curve = {}
     for shape in shapes:
-        numel, flops, seconds = block_time(device, dtype_name, *shape, per_shape_s)
-        curve[numel] = flops / max(seconds - overhead_s, 0.1 * seconds) / 1e12
-    return curve, overhead_s
+        numel, flops, pointwise_bytes, seconds = block_time(device, dtype_name, *shape, per_shape_s)
+        matmul_s = seconds - overhead_s - pointwise_bytes / (rate_gbps * 1e9)
+        curve[numel] = flops / max(matmul_s, 0.1 * seconds) / 1e12
+    return curve, overhead_s, rate_gbps

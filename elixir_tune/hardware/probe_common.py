@@ -28,6 +28,14 @@ CUDA_BLOCKS = [(1, 1024, 1024, 16), (2, 1024, 2048, 16), (4, 1024, 4096, 32), (4
 
 
 OVERHEAD_NOTE = "measured: forward+backward of a tiny block (batch 1, seq 8, hidden 64): per-call overhead"
+POINTWISE_NOTE = (
+    "measured: forward+backward of a tanh-GELU written op by op, over the middle block shape's MLP activation; "
+    "pointwise output bytes (elixir_tune.pointwise) / median time"
+)
+HANDOFF_NOTE = (
+    "measured: 4 Python threads taking turns through conditions on one lock, a 64x64 matmul between turns, "
+    "median per hand-over net of the matmuls"
+)
 
 
 class ProbeError(RuntimeError):
@@ -72,31 +80,33 @@ def measure_block_curves(
     shapes: list[tuple[int, int, int, int]],
     budget_s: float,
     progress: Progress,
-) -> tuple[dict[str, dict[int, float]], float]:
+) -> tuple[dict[str, dict[int, float]], float, float]:
     """Block forward+backward rate over ``shapes`` for each dtype (``bench_compute.block_rates``).
 
     Returns:
-        (dtype -> {block parameters: TFLOP/s}, per-call overhead seconds of the first dtype).
+        (dtype -> {block parameters: TFLOP/s}, per-call overhead seconds and pointwise GB/s of the
+        first dtype).
     """
     curves: dict[str, dict[int, float]] = {}
-    overheads: list[float] = []
+    firsts: list[tuple[float, float]] = []
     for dtype_name in dtypes:
         say(progress, f"transformer block forward+backward {dtype_name}")
         try:
-            curves[dtype_name], overhead_s = block_rates(device, dtype_name, shapes, budget_s)
+            curves[dtype_name], overhead_s, rate_gbps = block_rates(device, dtype_name, shapes, budget_s)
         except RuntimeError:  # a dtype this device cannot run a block in
             continue
-        overheads.append(overhead_s)
+        firsts.append((overhead_s, rate_gbps))
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return curves, overheads[0] if overheads else 0.0
+    overhead_s, rate_gbps = firsts[0] if firsts else (0.0, 0.0)
+    return curves, overhead_s, rate_gbps
 
 
 def block_note(shapes: list[tuple[int, int, int, int]], how: str) -> str:
     sizes = ", ".join(f"{b}x{s}x{h}" for b, s, h, _ in shapes)
     return (
         f"measured: a GPT-2 block's forward+backward (batch x seq x hidden {sizes}), FLOPs from "
-        f"torch.utils.flop_counter / (median time - block_call_overhead_s), keyed by the block's parameter count, {how}"
+        f"torch.utils.flop_counter / (median time - block_call_overhead_s - its pointwise bytes / pointwise_gbps), keyed by the block's parameter count, {how}"
     )
 
 

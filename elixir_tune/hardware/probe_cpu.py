@@ -12,9 +12,12 @@ from elixir_tune.hardware.bench_copy import (
     host_copy_curve,
     host_copy_latency_s,
 )
+from elixir_tune.hardware.bench_threads import thread_handoff_s
 from elixir_tune.hardware.probe_common import (
     CPU_BLOCKS,
+    HANDOFF_NOTE,
     OVERHEAD_NOTE,
+    POINTWISE_NOTE,
     ProbeError,
     Progress,
     asymptotic_note,
@@ -96,13 +99,18 @@ def probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
             block_shapes=block_shapes,
         )
         allgather, reduce_scatter = workers["allgather"], workers["reduce_scatter"]
-        coll_latency = workers["latency_s"]
+        # On the CPU a collective's fixed cost is what it takes between compute (ranks arriving
+        # apart, gloo's threads waiting for a core), several times its back-to-back latency.
+        coll_latency = max(workers["latency_s"], workers["loaded_latency_s"])
         copy_all = workers["host_copy_all"]
         h2d_all = asymptotic_gbps(copy_all)
         adam, adam_impl = workers["cpu_adam_elems_per_s"], workers["cpu_adam_impl"]
         sources["allgather_gbps"] = coll_note
         sources["reduce_scatter_gbps"] = coll_note + f", op {workers['reduce_scatter_impl']}"
-        sources["collective_latency_s"] = "measured: gloo all-gather of 1 KiB per process"
+        sources["collective_latency_s"] = (
+            "measured: a gloo all-gather of 1 KiB per process right after a block forward+backward, less the "
+            f"block alone, all processes at once (back to back it takes {workers['latency_s'] * 1e6:.0f} us)"
+        )
         sources["h2d_gbps_all"] = sources["d2h_gbps_all"] = (
             f"measured: host copy in all {procs} processes at once, mean per process, {asymptotic_note(copy_all)}"
         )
@@ -142,10 +150,13 @@ def probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
     # workers measured it all at once (they share caches and memory bandwidth, as in training).
     if procs > 1:
         block_curves, overhead_s = {"fp32": workers["block_curve"]}, workers["block_overhead_s"]
+        rate_gbps = workers["pointwise_gbps"]
         block_how = f"all {procs} processes at once, {how}"
     else:
-        block_curves, overhead_s = measure_block_curves(cpu, ["fp32"], block_shapes, 6 * budget, progress)
+        block_curves, overhead_s, rate_gbps = measure_block_curves(cpu, ["fp32"], block_shapes, 6 * budget, progress)
         block_how = how
+    say(progress, "thread hand-overs")
+    handoff_s = thread_handoff_s(budget)
     for dtype_name, tflops in matmul.items():
         if dtype_name != "fp32":
             ratio = tflops / matmul["fp32"]
@@ -156,6 +167,8 @@ def probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
     )
     sources["model_tflops"] = "measured: the block rate at the largest shape (block_tflops_curves)"
     sources["block_call_overhead_s"] = OVERHEAD_NOTE
+    sources["pointwise_gbps"] = POINTWISE_NOTE + f", {block_how}"
+    sources["thread_handoff_s"] = HANDOFF_NOTE
     node_adam = adam * procs
     sources["cpu_adam_node_elems_per_s"] = "cpu_adam_elems_per_s x processes (measured all at once)"
     shared_link = False
@@ -190,6 +203,8 @@ def probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
         model_tflops=model_rates,
         block_tflops_curves=block_curves,
         block_call_overhead_s=overhead_s,
+        pointwise_gbps=rate_gbps,
+        thread_handoff_s=handoff_s,
         cpu_adam_node_elems_per_s=node_adam,
         shared_host_link=shared_link,
     )

@@ -16,6 +16,7 @@ from elixir_tune.hardware.bench_copy import (
 from elixir_tune.hardware.probe_common import (
     CUDA_BLOCKS,
     OVERHEAD_NOTE,
+    POINTWISE_NOTE,
     Progress,
     asymptotic_note,
     block_note,
@@ -66,11 +67,14 @@ def probe_cuda(quick: bool, progress: Progress) -> HardwareSpec:
     )
 
     shapes = CUDA_BLOCKS[:3] if quick else CUDA_BLOCKS
-    block_curves, overhead_s = measure_block_curves(gpu, ["bf16", "fp16", "fp32"], shapes, 2 * budget, progress)
+    block_curves, overhead_s, rate_gbps = measure_block_curves(
+        gpu, ["bf16", "fp16", "fp32"], shapes, 2 * budget, progress
+    )
     model_rates = {dtype: curve[max(curve)] for dtype, curve in block_curves.items()}
     sources["block_tflops_curves"] = block_note(shapes, how)
     sources["model_tflops"] = "measured: the block rate at the largest shape (block_tflops_curves)"
     sources["block_call_overhead_s"] = OVERHEAD_NOTE
+    sources["pointwise_gbps"] = POINTWISE_NOTE + " (the first dtype the GPU runs)"
 
     say(progress, "HBM copy bandwidth")
     copy_bytes = 256 * MiB if quick else GiB
@@ -205,6 +209,7 @@ def probe_cuda(quick: bool, progress: Progress) -> HardwareSpec:
         model_tflops=model_rates,
         block_tflops_curves=block_curves,
         block_call_overhead_s=overhead_s,
+        pointwise_gbps=rate_gbps,
         cpu_adam_node_elems_per_s=node_adam,
         shared_host_link=shared_link,
     )

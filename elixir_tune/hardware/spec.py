@@ -63,6 +63,13 @@ class HardwareSpec:
             (small GEMMs, per-op overhead). Takes precedence over ``model_tflops``.
         block_call_overhead_s: fixed time of one block's forward+backward call whatever its size
             (op dispatch, kernel launches): what a tiny block takes. The curve's rates are net of it.
+        pointwise_gbps: rate of memory-bound pointwise ops, in bytes they write per second
+            (``elixir_tune.pointwise``), measured on an unfused tanh-GELU's forward+backward. When
+            set, the block curve is net of the probe block's own pointwise time and a model's
+            pointwise bytes are priced at this rate; 0 (presets, older files): the block or model
+            rate stands for them.
+        thread_handoff_s: one hand-over between two Python threads, as layered accumulation
+            makes at every layer of every micro-batch; 0: not measured.
         shared_host_link: the GPUs have no NVLink, so collectives cross the same PCIe link as the
             host<->device copies: one inbound and one outbound link per GPU in the timeline.
     """
@@ -97,6 +104,8 @@ class HardwareSpec:
     block_tflops_curves: dict[str, dict[int, float]] = field(default_factory=dict)
     shared_host_link: bool = False
     block_call_overhead_s: float = 0.0
+    pointwise_gbps: float = 0.0
+    thread_handoff_s: float = 0.0
 
     def cpu_adam_rate_per_rank(self, ranks_on_node: int) -> float:
         """Host Adam elements/s one rank gets when ``ranks_on_node`` ranks step at once.

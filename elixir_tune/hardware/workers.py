@@ -9,7 +9,8 @@ timeout. Each worker measures:
 - on CPU, the host copy curve with every process copying at once (the CPU's "h2d_gbps_all");
 - the CPU Adam rate with the threads one rank gets, all ranks stepping at once as in training;
 - on CPU, a transformer block's forward+backward rate over sizes, all ranks computing at once as
-  in training (they share the cores' caches and the memory bandwidth).
+  in training (they share the cores' caches and the memory bandwidth), and what a tiny collective
+  costs between such blocks (``_loaded_latency_s``).
 Every rank writes its results as JSON; the launcher merges them.
 """
 
@@ -101,6 +102,43 @@ def _collective_curves(device: torch.device, sizes_bytes: list[int], budget_s: f
     }
 
 
+def _loaded_latency_s(device: torch.device, shape: tuple[int, int, int, int], budget_s: float) -> float:
+    """What a tiny all-gather adds to a block's forward+backward when it runs between blocks.
+
+    Back to back, a collective finds its peers waiting and its threads awake (the idle latency).
+    In training it comes after compute: the ranks arrive apart and on the CPU gloo's threads must
+    win a core back from compute. The median of (block, then a 1 KiB all-gather) less the median
+    of the block alone, every rank doing both at once, is that cost.
+    """
+    from elixir_tune.hardware.bench_compute import _Block
+
+    world = dist.get_world_size()
+    batch, seq, hidden, heads = shape
+    block = _Block(hidden, heads).to(device)
+    x = torch.randn(batch, seq, hidden, device=device, requires_grad=True)
+    shard = torch.ones(256, device=device)
+    full = torch.ones(256 * world, device=device)
+
+    def compute() -> None:
+        block(x).sum().backward()
+
+    def compute_then_gather() -> None:
+        compute()
+        _all_gather_tensor(full, shard)
+
+    times: dict[str, list[float]] = {"alone": [], "gather": []}
+    deadline = time.perf_counter() + budget_s
+    while len(times["alone"]) < 5 or (time.perf_counter() < deadline and len(times["alone"]) < 200):
+        for name, fn in (("alone", compute), ("gather", compute_then_gather)):
+            dist.barrier()
+            begin = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - begin)
+    extra = torch.tensor([statistics.median(times["gather"]) - statistics.median(times["alone"])], dtype=torch.float64)
+    dist.all_reduce(extra, op=dist.ReduceOp.MAX)
+    return max(0.0, extra.item())
+
+
 def worker_main(config: dict) -> None:
     """One probe worker: join the group, measure, write rank<r>.json into config["out_dir"]."""
     from elixir_tune.hardware.bench_compute import adam_elems_per_s, block_rates
@@ -146,11 +184,12 @@ def worker_main(config: dict) -> None:
         if config.get("block_shapes"):
             dist.barrier()
             shapes = [tuple(shape) for shape in config["block_shapes"]]
-            result["block_curve"], result["block_overhead_s"] = block_rates(
-                device, "fp32", shapes, 3 * config["budget_s"]
-            )
+            curve, overhead_s, rate_gbps = block_rates(device, "fp32", shapes, 3 * config["budget_s"])
+            result["block_curve"], result["block_overhead_s"], result["pointwise_gbps"] = curve, overhead_s, rate_gbps
             dist.barrier()
             phase("blocks")
+            result["loaded_latency_s"] = _loaded_latency_s(device, shapes[0], config["budget_s"])
+            phase("loaded_latency")
     finally:
         dist.destroy_process_group()
     result["phases_s"] = phases_s
@@ -193,7 +232,8 @@ def run_workers(
 
     Returns:
         {"allgather": {bytes: busbw GB/s}, "reduce_scatter": {...}, "latency_s": float (a tiny
-        all-gather),
+        all-gather), with block shapes also "block_curve", "block_overhead_s", "pointwise_gbps" and
+        "loaded_latency_s" (a tiny all-gather between blocks),
         "reduce_scatter_impl": str, "host_copy_all": {bytes: GB/s per process} (cpu),
         "cpu_adam_elems_per_s": float (mean over ranks), "cpu_adam_impl": str, "backend": str}.
 
@@ -272,7 +312,9 @@ def _merge(results: list[dict]) -> dict:
             numel: statistics.fmean(int_keys(r["block_curve"])[numel] for r in results)
             for numel in int_keys(first["block_curve"])
         }
-        merged["block_overhead_s"] = statistics.fmean(r["block_overhead_s"] for r in results)
+        for key in ("block_overhead_s", "pointwise_gbps"):
+            merged[key] = statistics.fmean(r[key] for r in results)
+        merged["loaded_latency_s"] = first["loaded_latency_s"]  # already the slowest rank's
     merged["cpu_adam_impl"] = first["cpu_adam_impl"]
     return merged
 

@@ -4,7 +4,8 @@ Meta tensors have no data, but they have storages with sizes, and autograd keeps
 exactly as long as a real run would (saved tensors, gradients in flight). A dispatch mode sees
 every ATen op output; each new storage is counted when it appears and uncounted by a weakref
 finalizer when torch frees it, so ``live_bytes`` follows what a caching allocator would be asked
-to hold. FLOPs come from torch's own per-op formulas (``torch.utils.flop_counter``).
+to hold. FLOPs come from torch's own per-op formulas (``torch.utils.flop_counter``), the bytes of
+memory-bound pointwise ops from ``elixir_tune.pointwise``.
 
 Two things a meta run cannot know are assumed: a model that branches on data (``.item()``,
 ``bool(t)``) sees the usual training batch (every ``all()`` true, no ``any()``), and an op seen
@@ -21,6 +22,7 @@ import torch
 from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from elixir_tune.pointwise import pointwise_bytes
 from elixir_tune.profiler.op_cache import MetaOpCache
 
 _SCALAR = torch.ops.aten._local_scalar_dense.default
@@ -34,6 +36,8 @@ class LiveMemoryMeter(TorchDispatchMode):
         live_bytes: bytes of storages created under the mode and not yet freed.
         peak_bytes: the largest live_bytes seen.
         flops: FLOPs of every op (forward, backward and recomputation).
+        pointwise_bytes: bytes written by memory-bound pointwise ops (forward, backward and
+            recomputation), ``elixir_tune.pointwise``'s rule.
         block: index of the block whose forward runs now (set by the recorder), or None.
         in_backward: True once backward started (forward ops then are recomputation).
         block_fwd_flops: FLOPs of each block's first (not recomputed) forward.
@@ -48,6 +52,7 @@ class LiveMemoryMeter(TorchDispatchMode):
         self.live_bytes = 0
         self.peak_bytes = 0
         self.flops = 0.0
+        self.pointwise_bytes = 0
         self.block: int | None = None
         self.in_backward = False
         self.block_fwd_flops: dict[int, float] = defaultdict(float)
@@ -66,6 +71,7 @@ class LiveMemoryMeter(TorchDispatchMode):
             out = func(*args, **kwargs)
             op_flops = self._flops(func, args, kwargs, out)
             self._op_cache.remember(key, args, out, op_flops)
+        self.pointwise_bytes += pointwise_bytes(func, out)
         if op_flops:
             self.flops += op_flops
             if self.block is not None and not self.in_backward:

@@ -42,6 +42,7 @@ class _Pass:
     flops: float
     block_fwd_flops: dict[int, float]
     blocks: list[BlockStats]
+    pointwise_bytes: int
 
 
 def profile_model(
@@ -151,6 +152,10 @@ def profile_model(
         block_list=block_list,
         blocks=blocks,
         recompute_flops_per_sample=(ckpt[0].flops - plain[0].flops) / batch_size if ckpt else 0.0,
+        pointwise_bytes_per_sample=plain[0].pointwise_bytes / batch_size,
+        recompute_pointwise_bytes_per_sample=(
+            max(0, ckpt[0].pointwise_bytes - plain[0].pointwise_bytes) / batch_size if ckpt else 0.0
+        ),
         activation_checkpointed=activation_ckpt,
         buffers_bytes=buffers_bytes,
         arch=model_arch(model),
@@ -276,7 +281,14 @@ class _Tracer:
             recorder.remove()
             for handle in handles:
                 handle.remove()
-        return _Pass(recorder.steps, meter.peak_bytes, meter.flops, dict(meter.block_fwd_flops), recorder.blocks)
+        return _Pass(
+            recorder.steps,
+            meter.peak_bytes,
+            meter.flops,
+            dict(meter.block_fwd_flops),
+            recorder.blocks,
+            meter.pointwise_bytes,
+        )
 
 
 def _loss_of(source: ModelSource, model: nn.Module, batch: dict) -> torch.Tensor:

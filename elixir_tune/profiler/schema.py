@@ -126,6 +126,9 @@ class ModelProfile:
         blocks: the repeated blocks.
         flops_per_sample: forward + backward FLOPs of one sample (no recomputation).
         recompute_flops_per_sample: extra forward FLOPs of one sample when every block recomputes.
+        pointwise_bytes_per_sample: bytes written by memory-bound pointwise ops in one sample's
+            forward + backward (``elixir_tune.pointwise``); 0 in profiles made before it was counted.
+        recompute_pointwise_bytes_per_sample: the extra of it when every block recomputes.
         activation: peak activation memory over forward+backward, no checkpointing.
         activation_checkpointed: the same with every block checkpointed.
         buffers_bytes: bytes of the model's buffers (not trained, kept on the device).
@@ -148,6 +151,8 @@ class ModelProfile:
     block_list: str = ""
     blocks: list[BlockInfo] = field(default_factory=list)
     recompute_flops_per_sample: NonNegativeFloat = 0.0
+    pointwise_bytes_per_sample: NonNegativeFloat = 0.0
+    recompute_pointwise_bytes_per_sample: NonNegativeFloat = 0.0
     activation_checkpointed: ActivationLine | None = None
     buffers_bytes: NonNegativeInt = 0
     summary: str = ""
