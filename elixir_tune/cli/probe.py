@@ -39,6 +39,10 @@ def _rows(spec: HardwareSpec) -> list[tuple[str, str]]:
     rows += [(f"model rate {dtype}", _rate(tflops, "TFLOP/s")) for dtype, tflops in spec.model_tflops.items()]
     if spec.block_call_overhead_s:
         rows.append(("block call overhead", f"{spec.block_call_overhead_s * 1e3:.3g} ms"))
+    if spec.pointwise_gbps:
+        rows.append(("pointwise ops", _rate(spec.pointwise_gbps, "GB/s written")))
+    if spec.thread_handoff_s:
+        rows.append(("thread hand-over", f"{spec.thread_handoff_s * 1e6:.3g} us"))
     rows += [
         ("memory copy", _rate(spec.hbm_gbps, "GB/s")),
         ("h2d / d2h alone", f"{spec.h2d_gbps:.3g} / {spec.d2h_gbps:.3g} GB/s"),

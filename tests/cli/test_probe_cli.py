@@ -70,6 +70,9 @@ def test_quick_probe_subprocess_writes_a_loadable_spec(tmp_path):
         assert spec.h2d_gbps == spec.d2h_gbps and spec.hbm_gbps > 0
         assert len(spec.block_tflops_curves["fp32"]) == 3 and spec.block_call_overhead_s > 0
         assert "all 2 processes at once" in spec.sources["block_tflops_curves"]
+        assert spec.pointwise_gbps > 0 and spec.thread_handoff_s > 0
+        # between compute a collective costs at least its back-to-back latency
+        assert "right after a block forward+backward" in spec.sources["collective_latency_s"]
         assert spec.sources["allgather_gbps"].startswith("measured: gloo, 2 local processes")
         assert min(spec.bandwidth_curves["allgather_gbps"]) == 2**20
         assert spec.cpu_adam_elems_per_s == spec.gpu_adam_elems_per_s > 1e6

@@ -26,6 +26,7 @@ def test_quick_probe_on_the_gpus(tmp_path):
         assert 0 < spec.model_tflops["bf16"] <= 1.1 * spec.matmul_tflops["bf16"]
         assert curve[max(curve)] > curve[min(curve)]
     assert 0 < spec.block_call_overhead_s < 0.05
+    assert spec.pointwise_gbps > 1  # HBM-bound elementwise work
     assert spec.hbm_gbps > spec.h2d_gbps > 1
     assert spec.gpu_adam_elems_per_s > spec.cpu_adam_elems_per_s
     for name in ("h2d_gbps", "d2h_gbps"):

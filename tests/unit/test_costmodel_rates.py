@@ -158,3 +158,44 @@ def test_block_call_overhead_is_added_per_block_call():
     assert compute == pytest.approx(2 * flops_s + 4 * 0.002 + recompute)
     # four micro-batches of 1 pay the overhead four times where one of 4 pays it once
     assert 4 * model.compute_s(1, 0)[0] - model.compute_s(4, 0)[0] == pytest.approx(3 * 4 * 0.002)
+
+
+def test_pointwise_bytes_are_priced_at_the_pointwise_rate():
+    profile = dataclasses.replace(
+        gpt2_profile(hidden=256, layers=4, heads=4, vocab=1024, seq_len=128),
+        pointwise_bytes_per_sample=3e6,
+        recompute_pointwise_bytes_per_sample=1e6,
+    )
+    spec = example_hardware()
+    spec.model_tflops = {"bf16": 100.0}
+    without = CostModel(profile, spec, gpus_per_node=1, dtype="bf16")
+    spec = dataclasses.replace(spec, pointwise_gbps=10.0)
+    model = CostModel(profile, spec, gpus_per_node=1, dtype="bf16")
+    # 2 samples x 3 MB at 10 GB/s: 0.6 ms more per micro-batch, none of it recomputation
+    assert model.compute_s(2, 0)[0] - without.compute_s(2, 0)[0] == pytest.approx(2 * 3e6 / 10e9)
+    assert model.compute_s(2, 0)[1] == without.compute_s(2, 0)[1] == 0
+    # every 2nd block recomputes: its share of the 1 MB/sample recomputation's pointwise bytes
+    share = model.recompute_share(2)
+    assert 0 < share < 1
+    extra_recompute = 2 * 1e6 * share / 10e9
+    assert model.compute_s(2, 2)[1] - without.compute_s(2, 2)[1] == pytest.approx(extra_recompute)
+    assert model.compute_s(2, 2)[0] - without.compute_s(2, 2)[0] == pytest.approx(2 * 3e6 / 10e9 + extra_recompute)
+
+
+def test_layered_steps_on_the_cpu_pay_a_thread_hand_over_per_module_call():
+    profile = gpt2_profile(hidden=256, layers=4, heads=4, vocab=1024, seq_len=128)
+    forward_calls = len(profile.trace) // 2  # the trace holds each hooked call forward and backward
+    assert forward_calls > 4 * 4  # several per block
+    spec = dataclasses.replace(example_hardware(gpus_per_node=2), device="cpu")
+    shape = Shape(
+        chunk_size=2**20, cache_blocks=4, num_offloaded=0, prefetch=1, every=0, micro_batch_size=2, grad_accum_steps=4
+    )
+    layered = dataclasses.replace(shape, layered=True)
+    free = CostModel(profile, spec, gpus_per_node=2, dtype="fp32")
+    paid = CostModel(profile, dataclasses.replace(spec, thread_handoff_s=1e-4), gpus_per_node=2, dtype="fp32")
+    estimate = paid.step_time(layered)
+    assert estimate.breakdown["thread_handoff_s"] == pytest.approx(4 * forward_calls * 1e-4)
+    assert estimate.step_time_s - free.step_time(layered).step_time_s == pytest.approx(4 * forward_calls * 1e-4)
+    assert paid.step_time(shape).step_time_s == free.step_time(shape).step_time_s  # standard: one thread
+    on_gpu = CostModel(profile, dataclasses.replace(spec, device="cuda", thread_handoff_s=1e-4), 2, dtype="fp32")
+    assert "thread_handoff_s" not in on_gpu.step_time(layered).breakdown  # hidden behind the GPU's queue
