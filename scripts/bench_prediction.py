@@ -43,11 +43,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 BIN = Path(sys.executable).parent
-WORLD = 2
-GLOBAL_BATCH = 16
 
 from bench_prediction_reference import plain_reference, plain_rss_reference  # noqa: E402
 from bench_prediction_report import describe, markdown, mib, ms, rank_order, spearman  # noqa: E402
+from bench_prediction_shapes import GLOBAL_BATCH, WORLD, layout_shapes, make_shapes, shape_of  # noqa: E402
 
 # A GPT-2 model YAML (configs/models/ format) without dropout; gpu_validate.py sizes its model with it too.
 MODEL_YAML = """\
@@ -137,88 +136,10 @@ def say(message: str) -> None:
     print(f"[bench_prediction {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def shape_of(plan) -> dict:
-    """The choices of a plan, flat."""
-    chunks = plan.memory.chunks
-    return {
-        "chunk_size": plan.memory.chunk_size,
-        "num_chunks": len(chunks),
-        "cacheable_chunks": sum(not c.resident for c in chunks),
-        "cache_blocks": plan.memory.cache_blocks,
-        "prefetch": plan.memory.prefetch,
-        "offloaded_chunks": sum(c.offload for c in chunks),
-        "offload": round(sum(c.offload for c in chunks) / len(chunks), 3),
-        "checkpointing": plan.training.activation_checkpointing.every,
-        "micro_batch_size": plan.training.micro_batch_size,
-        "grad_accum_steps": plan.training.grad_accum_steps,
-        "pipeline": plan.parallel.pipeline.stages,
-        "tensor": plan.parallel.tensor.degree,
-    }
-
-
 def reports_match(report: dict | None, prediction) -> bool:
     """Whether the engine's ``memory_report()`` has the predicted model-state and transient bytes (every key)."""
     expected = {**prediction.model_state_bytes, **prediction.transient_bytes}
     return report is not None and all(report.get(key) == value for key, value in expected.items())
-
-
-def layout_shapes(profile, hardware):
-    """(name, pins, SearchResult) of the search's best plan for each parallel layout the world allows:
-    data parallelism only, pipeline 2 and tensor 2 (the rest left to the search)."""
-    from elixir_tune.search import search
-
-    shapes = []
-    for name, pins in (
-        ("data-only", {"pipeline": 1, "tensor": 1}),
-        ("pipeline-2", {"pipeline": 2}),
-        ("tensor-2", {"tensor": 2}),
-    ):
-        shapes.append((name, pins, search(profile, hardware, WORLD, global_batch_size=GLOBAL_BATCH, fixed=pins)))
-    return shapes
-
-
-def make_shapes(profile, hardware):
-    """(name, pins, SearchResult) for every shape; shapes identical to an earlier one are dropped."""
-    from elixir_tune.search import search
-
-    # The chunk engine's data-parallel path: no pipeline or tensor layout.
-    data_only = {"pipeline": 1, "tensor": 1}
-    best = search(profile, hardware, WORLD, global_batch_size=GLOBAL_BATCH, fixed=data_only)
-    b = shape_of(best.plan)
-    base = {
-        **data_only,
-        "chunk_size": b["chunk_size"],
-        "micro_batch_size": b["micro_batch_size"],
-        "checkpointing": b["checkpointing"],
-        "cache_blocks": b["cache_blocks"],
-        "prefetch": b["prefetch"],
-        "offload": b["offload"],
-    }
-    min_cache = best.model.min_cache_blocks(b["chunk_size"], b["checkpointing"])
-    variants = [
-        ("cache-all", {"cache_blocks": "all"}),
-        ("cache-min", {"cache_blocks": min_cache, "prefetch": 0}),
-        ("offload-0.5", {"offload": 0.5}),
-        ("offload-1", {"offload": 1.0}),
-        ("ckpt-all", {"checkpointing": "all"}),
-        ("mb2x4", {"micro_batch_size": 2}),
-    ]
-    shapes = [("search-best", {}, best)]
-    seen = [shape_of(best.plan)]
-    for name, change in variants:
-        pins = {**base, **change}
-        try:
-            result = search(profile, hardware, WORLD, global_batch_size=GLOBAL_BATCH, fixed=pins)
-        except ValueError:
-            # The best's cache or prefetch may not suit the changed choice: pin only chunk size and the change.
-            pins = {"chunk_size": base["chunk_size"], **data_only, **change}
-            result = search(profile, hardware, WORLD, global_batch_size=GLOBAL_BATCH, fixed=pins)
-        if shape_of(result.plan) in seen:
-            say(f"{name}: same plan shape as an earlier one, skipped")
-            continue
-        seen.append(shape_of(result.plan))
-        shapes.append((name, pins, result))
-    return shapes
 
 
 def run_shape(name: str, plan, workdir: Path, args, extra_env: dict | None = None) -> dict:
@@ -289,7 +210,8 @@ def pool(runs: list[dict], warmup: int) -> dict:
 
 def no_overlap_sum_s(breakdown: dict) -> float:
     """The predicted parts added up as if nothing overlapped (a diagnostic, not the cost model's answer):
-    compute (recompute included), all-gathers, reduce-scatters, host copies and the optimizer step."""
+    compute (recompute included), all-gathers, reduce-scatters, host copies, the optimizer step and
+    layered accumulation's thread hand-overs."""
     return sum(
         breakdown.get(key, 0.0)
         for key in (
@@ -300,6 +222,7 @@ def no_overlap_sum_s(breakdown: dict) -> float:
             "d2h_s",
             "optimizer_gpu_s",
             "optimizer_cpu_s",
+            "thread_handoff_s",
         )
     )
 
@@ -373,6 +296,9 @@ def main() -> int:
             "cpu_adam_elems_per_s",
             "usable_memory_bytes",
             "host_cores",
+            "block_call_overhead_s",
+            "pointwise_gbps",
+            "thread_handoff_s",
         )
     }
     say(
@@ -401,7 +327,7 @@ def main() -> int:
         f"{profile.flops_per_sample / args.seq / 1e9:.4f} GFLOP per token"
     )
 
-    shapes = layout_shapes(profile, hardware) if args.layouts else make_shapes(profile, hardware)
+    shapes = layout_shapes(profile, hardware) if args.layouts else make_shapes(profile, hardware, say)
     say(f"{len(shapes)} shapes: " + ", ".join(name for name, _, _ in shapes))
     plain = plain_reference(source, profile, args)
     say(
@@ -500,6 +426,7 @@ def main() -> int:
             "vocab": args.vocab,
             "seq": args.seq,
             "num_params": profile.num_params,
+            "pointwise_bytes_per_sample": profile.pointwise_bytes_per_sample,
         },
         "world_size": WORLD,
         "global_batch_size": GLOBAL_BATCH,

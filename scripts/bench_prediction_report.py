@@ -55,7 +55,11 @@ def markdown(record: dict) -> str:
             f"{tflops:.3g} TFLOP/s at {numel / 1e6:.3g}M block parameters"
             for numel, tflops in sorted((hw.get("block_tflops_curves") or {}).get("fp32", {}).items())
         )
-        + " (read at the model's block parameter count)",
+        + " (read at the model's block parameter count), net of a block call's overhead "
+        f"({hw.get('block_call_overhead_s', 0) * 1e3:.2f} ms) and of its pointwise ops; the model's pointwise ops "
+        f"({record['model'].get('pointwise_bytes_per_sample', 0) / 1e6:.2f} MB written per sample) at "
+        f"{hw.get('pointwise_gbps', 0):.3g} GB/s; a thread hand-over of layered accumulation "
+        f"{hw.get('thread_handoff_s', 0) * 1e6:.0f} us",
         f"- load: 1-minute load average {record['load_avg_1min_at_start']} at the start, "
         f"{record['load_avg_1min_at_end']} at the end (2 cores, shared with other jobs)",
         f"- measured: `elixir-run plan.yaml train_gpt2.py --synthetic --steps {record['steps']}` (rank 0 "
@@ -88,8 +92,8 @@ def markdown(record: dict) -> str:
         "Predicted breakdown (ms):",
         "",
         "| shape | compute | recompute | all-gather | reduce-scatter | exposed fetch | grad drain | optimizer exposed "
-        "| no-overlap sum | measured / no-overlap sum |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| thread hand-overs | no-overlap sum | measured / no-overlap sum |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in record["shapes"]:
         b = r["predicted_breakdown"]
@@ -97,14 +101,16 @@ def markdown(record: dict) -> str:
             f"| {r['name']} | {ms(b.get('compute_s', 0))} | {ms(b.get('recompute_s', 0))} | "
             f"{ms(b.get('allgather_s', 0))} | {ms(b.get('reduce_scatter_s', 0))} | "
             f"{ms(b.get('exposed_fetch_s', 0))} | {ms(b.get('grad_drain_s', 0))} | "
-            f"{ms(b.get('optimizer_exposed_s', 0))} | {ms(r['no_overlap_sum_s'])} | "
+            f"{ms(b.get('optimizer_exposed_s', 0))} | {ms(b.get('thread_handoff_s', 0))} | {ms(r['no_overlap_sum_s'])} | "
             f"{r['measured_median_step_time_s'] / r['no_overlap_sum_s']:.2f} |"
         )
     w1 = record["world1_engine_reference"]
     lines += [
         "",
-        "(compute includes recompute; 'no-overlap sum' adds compute, all-gather, reduce-scatter, host copies and "
-        "the optimizer step as if none of them overlapped: a diagnostic, not a cost-model output.)",
+        "(compute includes recompute and the model's pointwise ops at the probe's pointwise rate; 'thread "
+        "hand-overs' are layered accumulation's; 'no-overlap sum' adds compute, all-gather, reduce-scatter, host "
+        "copies, the optimizer step and the hand-overs as if none of them overlapped: a diagnostic, not a cost-model "
+        "output.)",
         "",
         f"World-1 engine reference (no gloo peer, OMP_NUM_THREADS=1, {describe(w1['shape'])}): predicted "
         f"{ms(w1['predicted_step_time_s'])} ms, measured median {ms(w1['measured_median_step_time_s'])} ms "
