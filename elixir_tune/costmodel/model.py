@@ -403,9 +403,10 @@ class CostModel:
         if tensor_s > 0:
             breakdown["compute_s"] -= tensor_s
             breakdown["tensor_comm_s"] = tensor_s
-        if shape.layered and accum > 1 and on_cpu:
+        if shape.layered and accum > 1 and on_cpu and self.parallel_layout.pipeline == 1:
             # Each micro-batch's thread hands the baton on at every hooked module call of its forward
-            # (engine/layered.py); on a CPU device the hand-overs hold up the compute itself.
+            # (engine/layered.py); on a CPU device the hand-overs hold up the compute itself. A
+            # pipeline's schedule orders its micro-batches without threads.
             forward_calls = len(self.profile.trace) // 2
             handoff_s = accum * forward_calls * self.hardware.thread_handoff_s
             step_time += handoff_s

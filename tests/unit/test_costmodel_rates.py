@@ -14,6 +14,7 @@ import math
 import pytest
 
 from elixir_tune.costmodel.model import CostModel, Shape
+from elixir_tune.costmodel.parallel import Layout
 from elixir_tune.costmodel.synthetic import example_hardware, gpt2_profile
 from elixir_tune.costmodel.timeline import TransferCosts, issue_steps, simulate_micro_batch, transfer_costs
 from elixir_tune.hardware.spec import interpolate_log
@@ -199,3 +200,6 @@ def test_layered_steps_on_the_cpu_pay_a_thread_hand_over_per_module_call():
     assert paid.step_time(shape).step_time_s == free.step_time(shape).step_time_s  # standard: one thread
     on_gpu = CostModel(profile, dataclasses.replace(spec, device="cuda", thread_handoff_s=1e-4), 2, dtype="fp32")
     assert "thread_handoff_s" not in on_gpu.step_time(layered).breakdown  # hidden behind the GPU's queue
+    # a pipeline orders its micro-batches by its schedule, without threads
+    piped = CostModel(profile, paid.hardware, gpus_per_node=2, dtype="fp32", layout=Layout(pipeline=2))
+    assert "thread_handoff_s" not in piped.step_time(layered).breakdown
