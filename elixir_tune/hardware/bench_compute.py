@@ -113,7 +113,7 @@ def adam_elems_per_s(device: torch.device, num_elements: int, budget_s: float) -
     return num_elements / seconds, impl
 
 
-class _Block(torch.nn.Module):
+class ProbeBlock(torch.nn.Module):
     """A GPT-2 block (pre-norm attention and GELU MLP) from plain torch modules: what the block
     rate measures, without depending on transformers."""
 
@@ -159,7 +159,7 @@ def block_time(
     from torch.utils.flop_counter import FlopCounterMode
 
     dtype = DTYPES[dtype_name]
-    block = _Block(hidden, heads).to(device=device, dtype=dtype)
+    block = ProbeBlock(hidden, heads).to(device=device, dtype=dtype)
     x = torch.randn(batch, seq, hidden, device=device, dtype=dtype, requires_grad=True)
 
     def step() -> None:
@@ -172,7 +172,7 @@ def block_time(
     return numel, float(counter.get_total_flops()), float(pointwise.bytes), seconds
 
 
-def _tanh_gelu_unfused(x: torch.Tensor) -> torch.Tensor:
+def tanh_gelu_unfused(x: torch.Tensor) -> torch.Tensor:
     """The tanh-approximate GELU written out op by op, as transformers' GPT-2 ("gelu_new") has it."""
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
 
@@ -198,7 +198,7 @@ def pointwise_gbps(device: torch.device, dtype_name: str, numel: int, budget_s: 
     grad = torch.ones_like(x)
 
     def step() -> None:
-        _tanh_gelu_unfused(x).backward(grad)
+        tanh_gelu_unfused(x).backward(grad)
         x.grad = None
 
     with PointwiseCounter() as counter:

@@ -110,11 +110,11 @@ def _loaded_latency_s(device: torch.device, shape: tuple[int, int, int, int], bu
     win a core back from compute. The median of (block, then a 1 KiB all-gather) less the median
     of the block alone, every rank doing both at once, is that cost.
     """
-    from elixir_tune.hardware.bench_compute import _Block
+    from elixir_tune.hardware.bench_compute import ProbeBlock
 
     world = dist.get_world_size()
     batch, seq, hidden, heads = shape
-    block = _Block(hidden, heads).to(device)
+    block = ProbeBlock(hidden, heads).to(device)
     x = torch.randn(batch, seq, hidden, device=device, requires_grad=True)
     shard = torch.ones(256, device=device)
     full = torch.ones(256 * world, device=device)
