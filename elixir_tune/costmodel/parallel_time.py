@@ -12,6 +12,10 @@ Prices the formulas of ``costmodel/parallel.py`` with the hardware's links:
   CPU device, where gloo sends on the compute cores, all of them);
 * the bubble is ``bubble_fraction`` of the step: (P - 1) idle virtual-stage slots, each one
   micro-batch through one virtual stage;
+* with 1D sequence parallelism a norm runs on sequence shards, so each norm parameter's gradient
+  is a partial sum, all-reduced over the tensor group once per micro-batch (the engine's
+  ``local_grad``; measured: 18 all-reduces per micro-batch for the 18 norm parameters of a 4-layer
+  GPT-2);
 * a tied parameter held by the first and the last stage (GPT-2's ``wte``) is all-reduced between
   them once per step, after backward.
 """
@@ -37,7 +41,7 @@ from elixir_tune.costmodel.parallel import (
 )
 from elixir_tune.hardware.spec import HardwareSpec
 from elixir_tune.plan.schema import DTYPE_BYTES
-from elixir_tune.plan.tensor_layout import local_shape
+from elixir_tune.plan.tensor_layout import is_norm_param, local_shape
 from elixir_tune.profiler.schema import ModelProfile
 
 # Collectives of the first and last stage beside the blocks under 1D/2D tensor parallelism: the
@@ -121,6 +125,24 @@ class ParallelTimes:
             * self.dtype_bytes
         )
 
+        self.block_norms_s, self.edge_norms_s = self._norm_allreduces_s(full, layout)
+
+    def _norm_allreduces_s(self, full: ModelProfile, layout: Layout) -> tuple[float, float]:
+        """Seconds of the norm gradients' all-reduces in one micro-batch: (one block's, the norms
+        outside the blocks'); zero but with 1D sequence parallelism."""
+        if layout.tensor <= 1 or layout.tensor_mode != "1d" or not layout.sequence_parallel:
+            return 0.0, 0.0
+        in_blocks = {i for b in full.blocks for i in range(b.first_param, b.first_param + b.num_params)}
+        first = full.blocks[0] if full.blocks else None
+        first_block = set(range(first.first_param, first.first_param + first.num_params)) if first else set()
+
+        def allreduce_s(indices) -> float:
+            ring = 2 * (layout.tensor - 1) / layout.tensor  # all-reduce = reduce-scatter + all-gather
+            norms = [full.params[i] for i in indices if is_norm_param(full.params[i].name, full.arch.model_type)]
+            return sum(self.latency_s + p.numel * self.dtype_bytes * ring / self.intra_bps for p in norms)
+
+        return allreduce_s(sorted(first_block)), allreduce_s(i for i in range(len(full.params)) if i not in in_blocks)
+
     def communicators(self, data_size: int) -> int:
         """Communication groups of more than one rank this rank belongs to (each holds library buffers)."""
         return (data_size > 1) + (self.layout.tensor > 1) + (self.layout.pipeline > 1)
@@ -156,7 +178,8 @@ class ParallelTimes:
         degree = self.layout.tensor
         edge_bytes = micro_batch_size * self.full.seq_len * self.hidden * self.dtype_bytes * (degree - 1) / degree
         edges_s = self.edge_collectives * (self.latency_s + edge_bytes / self.intra_bps)
-        return blocks * layer_s + recomputed_blocks * layer_s * forward_share + edges_s
+        norms_s = blocks * self.block_norms_s + (self.edge_norms_s if self.stage == self.layout.pipeline - 1 else 0.0)
+        return blocks * layer_s + recomputed_blocks * layer_s * forward_share + edges_s + norms_s
 
     def pipeline_s(self, stage_compute_s: float, micro_batch_size: int, micro_batches: int) -> dict[str, float]:
         """What a pipeline adds to the step of one stage.

@@ -43,6 +43,15 @@ _TABLES: dict[str, tuple[tuple[str, TensorStyle], ...]] = {
         ("lm_head.weight", "vocab"),
     ),
 }
+# The norms' parameters, replicated: under sequence parallelism a norm runs on sequence shards, so
+# its gradient is a partial sum over the tensor group.
+_LLAMA_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "norm.weight")
+_NORMS: dict[str, tuple[str, ...]] = {
+    "llama": _LLAMA_NORMS,
+    "mistral": _LLAMA_NORMS,
+    "qwen2": _LLAMA_NORMS,
+    "gpt2": ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "ln_f.weight", "ln_f.bias"),
+}
 # OPT is left out until the engine has its tensor-parallel adapter (engine/tp_adapters.py): the
 # search must never pick a layout the engine refuses.
 # Families whose linears store their weight as [in, out] (transformers' Conv1D).
@@ -76,6 +85,12 @@ def tensor_style(param_name: str, model_type: str) -> TensorStyle:
         if param_name.endswith(suffix):
             return style
     return "replicate"
+
+
+def is_norm_param(param_name: str, model_type: str) -> bool:
+    """Whether a parameter belongs to a norm (replicated; with sequence parallelism its gradient is a
+    partial sum that is all-reduced over the tensor group once per micro-batch)."""
+    return param_name.endswith(_NORMS.get(model_type, ()))
 
 
 def split_dim(param_name: str, shape: list[int], model_type: str) -> int | None:

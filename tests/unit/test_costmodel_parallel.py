@@ -154,11 +154,14 @@ def test_tensor_collectives_are_on_the_step(profile):
         hardware.allgather_gbps * 1e9
     )
     assert layer_s == pytest.approx(expected) and forward_share == 0.5
-    assert tensor.tensor_comm_s(1, 0) == pytest.approx(
-        LAYERS * layer_s
-        + 4 * tensor.parallel_costs.latency_s
-        + 4 * SEQ * HIDDEN * 2 / 2 / (hardware.allgather_gbps * 1e9)
-    )
+    # Sequence parallelism: each norm parameter (ln_1, ln_2 weight and bias per block, ln_f's two) has
+    # a partial gradient, all-reduced once per micro-batch: 2 (T-1)/T of its bf16 bytes on the wire.
+    norms_s = (4 * LAYERS + 2) * (hardware.collective_latency_s + HIDDEN * 2 * 1.0 / (hardware.allgather_gbps * 1e9))
+    edges_s = 4 * tensor.parallel_costs.latency_s + 4 * SEQ * HIDDEN * 2 / 2 / (hardware.allgather_gbps * 1e9)
+    assert tensor.tensor_comm_s(1, 0) == pytest.approx(LAYERS * layer_s + edges_s + norms_s)
+    no_sp = CostModel(profile, hardware, gpus_per_node=2, layout=Layout(tensor=2, sequence_parallel=False))
+    no_sp_layer_s = no_sp.parallel_costs.tensor_layer_s(micro_batch_size=1)[0]
+    assert no_sp.tensor_comm_s(1, 0) == pytest.approx(LAYERS * no_sp_layer_s + edges_s)  # norms on whole tokens
     # Checkpointed blocks gather again in their recomputed forward.
     assert tensor.tensor_comm_s(1, 1) == pytest.approx(tensor.tensor_comm_s(1, 0) + LAYERS * layer_s / 2)
     assert plain.tensor_comm_s(1, 1) == 0.0

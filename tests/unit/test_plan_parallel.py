@@ -8,7 +8,7 @@ from elixir_tune.paths import CONFIGS_DIR
 from elixir_tune.plan import ParallelPlan, load_plan, plan_from_dict, read_plan_dict, validate_dict
 from elixir_tune.plan.io import dump_plan
 from elixir_tune.plan.stages import assign_stages, block_index_of, stage_of_block
-from elixir_tune.plan.tensor_layout import local_shape, split_dim, tensor_style
+from elixir_tune.plan.tensor_layout import is_norm_param, local_shape, split_dim, tensor_style
 
 EXAMPLE = CONFIGS_DIR / "plans" / "example.yaml"  # tiny GPT-2, world 2, 2 blocks
 
@@ -165,3 +165,13 @@ def test_tensor_layout_llama_gqa_and_gpt2_conv1d():
         local_shape("lm_head.weight", [1002, 256], "llama", 4)
     with pytest.raises(ValueError, match="no tensor-parallel layout"):
         tensor_style("x.weight", "bloom")
+
+
+def test_norm_parameters_by_family():
+    assert is_norm_param("transformer.h.3.ln_2.bias", "gpt2") and is_norm_param("transformer.ln_f.weight", "gpt2")
+    assert not is_norm_param("transformer.h.3.attn.c_proj.bias", "gpt2")  # replicated, but not a norm
+    assert is_norm_param("model.layers.0.input_layernorm.weight", "llama") and is_norm_param(
+        "model.norm.weight", "qwen2"
+    )
+    assert not is_norm_param("model.layers.0.mlp.down_proj.weight", "mistral")
+    assert not is_norm_param("model.decoder.final_layer_norm.weight", "opt")  # no tensor-parallel layout
