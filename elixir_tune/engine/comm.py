@@ -13,36 +13,80 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import importlib
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 import torch.distributed as dist
 
-# DTensor and tensor-parallel APIs, re-exported for engine/tensor_parallel.py and engine/tp_adapters.py
-# (this module stays the engine's only torch.distributed user).
-from torch.distributed.device_mesh import DeviceMesh  # noqa: F401
-from torch.distributed.tensor import (  # noqa: F401
-    DTensor,
-    Partial,
-    Replicate,
-    Shard,
-    distribute_module,
-    distribute_tensor,
-)
-from torch.distributed.tensor.experimental import implicit_replication  # noqa: F401
-from torch.distributed.tensor.parallel import (  # noqa: F401
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-    loss_parallel,
-    parallelize_module,
-)
+if TYPE_CHECKING:  # the lazy names below, for type checkers
+    from torch.distributed.device_mesh import DeviceMesh  # noqa: F401
+    from torch.distributed.tensor import (  # noqa: F401
+        DTensor,
+        Partial,
+        Replicate,
+        Shard,
+        distribute_module,
+        distribute_tensor,
+    )
+    from torch.distributed.tensor.experimental import implicit_replication  # noqa: F401
+    from torch.distributed.tensor.parallel import (  # noqa: F401
+        ColwiseParallel,
+        ParallelStyle,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+        loss_parallel,
+        parallelize_module,
+    )
+
+# DTensor and tensor-parallel APIs, for engine/tensor_parallel.py, engine/tp_adapters.py and
+# engine/tp_grid.py (this module stays the engine's only torch.distributed user). They are imported
+# on first use (``__getattr__``): loading torch.distributed.tensor takes about half a second, which
+# a plan without tensor parallelism need not pay in every process.
+_LAZY_MODULES = {
+    "DeviceMesh": "torch.distributed.device_mesh",
+    **dict.fromkeys(
+        ("DTensor", "Partial", "Replicate", "Shard", "distribute_module", "distribute_tensor"),
+        "torch.distributed.tensor",
+    ),
+    "implicit_replication": "torch.distributed.tensor.experimental",
+    **dict.fromkeys(
+        (
+            "ColwiseParallel",
+            "ParallelStyle",
+            "PrepareModuleInput",
+            "PrepareModuleOutput",
+            "RowwiseParallel",
+            "SequenceParallel",
+            "loss_parallel",
+            "parallelize_module",
+        ),
+        "torch.distributed.tensor.parallel",
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The DTensor and tensor-parallel names (``_LAZY_MODULES``), imported when first asked for."""
+    module = _LAZY_MODULES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups find it without coming here
+    return value
+
+
+def is_dtensor(tensor: object) -> TypeGuard[DTensor]:
+    """Whether ``tensor`` is a DTensor, without importing DTensor: no DTensor can exist before
+    torch.distributed.tensor is loaded, so a process that never loaded it has none."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return dtensor is not None and isinstance(tensor, dtensor)
 
 
 class Handle:

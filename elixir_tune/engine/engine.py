@@ -14,13 +14,15 @@ Life of a micro-batch:
               device-side reductions; host-side ones keep draining until the optimizer (or the
               next backward's need for a staging buffer) waits for them. Gradients accumulate in
               the shard until the optimizer step or zero_grad.
+
+The gradient path (staging, reductions, no-sync) is engine_grads.py's mixin; full state dicts and the
+memory accounting are engine_state.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-from collections import deque
 from typing import Any
 
 import torch
@@ -28,6 +30,7 @@ import torch
 from elixir_tune.engine.cache import ChunkCache
 from elixir_tune.engine.chunk import Chunk, ParamSlot
 from elixir_tune.engine.comm import Comm, Mesh
+from elixir_tune.engine.engine_grads import EngineGrads
 from elixir_tune.engine.engine_state import EngineState
 from elixir_tune.engine.hooks import install_grad_hooks, install_module_hooks, wrap_checkpointed
 from elixir_tune.engine.layered import Baton
@@ -37,9 +40,8 @@ from elixir_tune.engine.materialize import (
     materialize_replicated,
     swap_meta_for_placeholders,
 )
-from elixir_tune.engine.staging import GradDrain, StagingBuffer, StagingPool
 from elixir_tune.engine.states import GRAD_STAGED, TensorState, transition
-from elixir_tune.engine.tensor_parallel import TensorSplit, local_data, local_grad, set_local_data
+from elixir_tune.engine.tensor_parallel import TensorSplit, local_data, set_local_data
 from elixir_tune.engine.weights import WeightsError
 from elixir_tune.kv_cache import disable_kv_cache
 from elixir_tune.plan import Plan
@@ -47,7 +49,7 @@ from elixir_tune.plan import Plan
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class Engine(EngineState):
+class Engine(EngineGrads, EngineState):
     """Runs ``model`` with its trainable parameters in chunks as ``plan`` says.
 
     Args:
@@ -81,8 +83,6 @@ class Engine(EngineState):
         self.elsewhere = elsewhere or set()
         self.pipeline: Any = None  # engine/pipeline.py's Pipeline on a pipeline plan (it drives forward_backward)
         self.norm_skip: set[int] = set()  # chunk ids the gradient norm leaves out (a shared chunk counted elsewhere)
-        self.grad_passes = 1  # backward passes per gradient reduction (no-sync: hold_grads)
-        self._held: dict[int, int] = {}  # id(slot) -> passes whose gradient is held in param.grad
         self.device = comm.device
         self.compute_dtype = COMPUTE_DTYPES[plan.training.dtype]
         self._placeholders: dict[torch.Size, torch.Tensor] = {}
@@ -153,20 +153,7 @@ class Engine(EngineState):
         self.baton: Baton | None = None  # set while a layered step's forwards run (engine/layered.py)
         self._running: dict[torch.nn.Module, int] = {}  # forwards inside each module (several when layered)
 
-        self.used = torch.zeros(len(self.slots), dtype=torch.bool)  # got a gradient since zero_grad (host)
-        self._slot_index = {id(slot): i for i, slot in enumerate(self.slots)}
-        self.staging = StagingPool(
-            plan.memory.staging_buffers,
-            plan.memory.chunk_size,
-            comm.rank,
-            comm.world_size,
-            self.compute_dtype,
-            self.device,
-            landing=bool(offloaded),
-        )
-        self.drain = GradDrain(self.device)
-        self._filling: list[Chunk] = []  # chunks holding a staging buffer, not yet reducing, oldest first
-        self._reducing: deque[Chunk] = deque()  # reductions in flight, oldest first
+        self._init_grads(landing=bool(offloaded))
         self._callback_queued = False
         self._bwd_module: torch.nn.Module | None = None
         self._bwd_pins: list[torch.nn.Module] = []
@@ -310,12 +297,7 @@ class Engine(EngineState):
 
     def _abandon_backward(self) -> None:
         """A backward stopped by an exception never ran its end callback: drop what it staged."""
-        self.drain_grads()
-        for chunk in self._filling:
-            assert chunk.staging is not None  # a filling chunk holds its staging buffer
-            self.staging.release(chunk.staging)
-            chunk.staging, chunk.staged = None, 0
-        self._filling.clear()
+        self._drop_staged()
         for chunk in self.chunks:
             chunk.received = 0
             for slot in chunk.slots:
@@ -400,98 +382,9 @@ class Engine(EngineState):
             if slot.state not in GRAD_STAGED:
                 slot.awaiting_grad = True
 
-    def _acquire_staging(self) -> StagingBuffer:
-        """A free staging buffer; when the pool is empty the oldest reduction in flight is finished
-        (or, with none in flight, the chunk that has held its buffer longest is reduced as far as
-        its gradients have arrived; the rest follows in a second reduction)."""
-        while True:
-            buffer = self.staging.acquire()
-            if buffer is not None:
-                return buffer
-            if not self._reducing:
-                self._start_reduce(self._filling[0])
-            self._finish_oldest()
-
-    def _start_reduce(self, chunk: Chunk) -> None:
-        self._filling.remove(chunk)
-        chunk.start_reduce(self.drain)
-        self.reduce_scatters += 1
-        self._reducing.append(chunk)
-
-    def _finish_oldest(self) -> None:
-        chunk = self._reducing.popleft()
-        self.staging.release(chunk.finish_reduce())
-
-    def drain_grads(self) -> None:
-        """Completes every reduction in flight (host gradients included): the shard gradients are final."""
-        while self._reducing:
-            self._finish_oldest()
-
-    def _on_grad(self, param: torch.nn.Parameter) -> None:
-        self._queue_end_of_backward()
-        slot = self.slot_of[id(param)]
-        if self.grad_passes > 1 and self._hold_grad(slot):
-            return
-        self._stage_grad(slot, param)
-
-    def _hold_grad(self, slot: ParamSlot) -> bool:
-        """No-sync over a step's backward passes (a pipeline's): the gradient stays in ``param.grad``,
-        where autograd keeps accumulating it, until the parameter's last pass of the step."""
-        held = self._held.get(id(slot), 0) + 1
-        if held < self.grad_passes:
-            self._held[id(slot)] = held
-            return True
-        self._held.pop(id(slot), None)
-        return False
-
-    def hold_grads(self, passes: int) -> None:
-        """Reduce each gradient once per ``passes`` backward passes (``end_held_grads`` ends it)."""
-        self.grad_passes = passes
-
-    def end_held_grads(self, flush: bool = True) -> None:
-        """Ends no-sync: gradients still held (parameters used in fewer passes) are staged and reduced
-        now (``flush``), or dropped (a step that failed)."""
-        self.grad_passes = 1
-        held = [slot for slot in self.slots if id(slot) in self._held]
-        self._held.clear()
-        if not flush:
-            for slot in held:
-                slot.param.grad = None
-            return
-        if held:
-            self.in_backward = True
-            for slot in held:
-                self._stage_grad(slot, slot.param)
-            self._end_backward()
-
-    def _stage_grad(self, slot: ParamSlot, param: torch.nn.Parameter) -> None:
-        chunk = slot.chunk
-        if chunk.staging is None:
-            chunk.staging = self._acquire_staging()
-            self._filling.append(chunk)
-        assert param.grad is not None  # the post-accumulate-grad hook runs with the gradient set
-        grad = local_grad(param, param.grad)
-        chunk.staging.full[slot.offset : slot.offset + slot.numel].copy_(grad.reshape(-1))
-        param.grad = None
-        slot.state = transition(slot.state, "grad")
-        slot.awaiting_grad = False
-        chunk.staged += 1
-        chunk.received += 1
-        self.used[self._slot_index[id(slot)]] = True
-        if chunk.reduce_ready():
-            self._start_reduce(chunk)
-
     def _end_backward(self) -> None:
-        # Deterministic order on every rank: incomplete chunks in chunk order.
-        for chunk in self.chunks:
-            if chunk.staging is not None:
-                self._start_reduce(chunk)
-            chunk.received = 0
-        # Device-side reductions finish here; host ones go on draining into the host gradients
-        # (the optimizer step or the next backward's need for a buffer waits for them).
-        for chunk in [chunk for chunk in self._reducing if not chunk.offload]:
-            self._reducing.remove(chunk)
-            self.staging.release(chunk.finish_reduce())
+        """The autograd callback after each backward: reduces what is left and unpins the chunks."""
+        self._reduce_rest()
         for slot in self.slots:
             slot.awaiting_grad = False
             if slot.state is TensorState.COMPUTE:
@@ -514,9 +407,3 @@ class Engine(EngineState):
             if chunk.resident:
                 chunk.gather(async_op=False)
                 chunk.fresh = True
-
-    def zero_grad(self) -> None:
-        self.drain_grads()
-        for chunk in self.chunks:
-            chunk.grad.zero_()
-        self.used.zero_()

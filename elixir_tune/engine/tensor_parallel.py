@@ -20,31 +20,28 @@ the chunk stages. A parameter replicated over the tensor group whose input was s
 (the norms) gets a partial-sum gradient, which ``local_grad`` sums over the tensor group first.
 The global gradient norm counts a piece held alike by several tensor ranks once
 (``TensorSplit.norm_share``).
+
+Importing this module loads no DTensor code (about half a second per process): the accessors ask
+``comm.is_dtensor``, and the tensor-parallel APIs and the family tables (tp_adapters.py, tp_grid.py)
+are imported when a model is split.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from elixir_tune.engine.comm import (
-    Comm,
-    DeviceMesh,
-    DTensor,
-    Mesh,
-    Partial,
-    Shard,
-    grid_device_mesh,
-    loss_parallel,
-    parallelize_module,
-)
+from elixir_tune.engine.comm import Comm, Mesh, grid_device_mesh, is_dtensor
 from elixir_tune.engine.materialize import WeightSource, materialize_replicated
-from elixir_tune.engine.tp_adapters import Layout, TensorParallelError, family_plan, mesh_coords
-from elixir_tune.engine.tp_grid import grid_plan
+from elixir_tune.engine.tp_layout import Layout, TensorParallelError, mesh_coords
 from elixir_tune.plan import Plan
+
+if TYPE_CHECKING:
+    from elixir_tune.engine.comm import DeviceMesh
 
 __all__ = [
     "TensorSplit",
@@ -61,19 +58,19 @@ __all__ = [
 
 def local_data(param: torch.Tensor) -> torch.Tensor:
     """The tensor holding this rank's values of ``param`` (its DTensor local tensor, or ``.data``)."""
-    if isinstance(param, DTensor):
+    if is_dtensor(param):
         return param._local_tensor
     return param.data
 
 
 def plain(tensor: torch.Tensor) -> torch.Tensor:
     """An ordinary tensor: a replicated DTensor (a vocabulary-parallel loss) made whole, else ``tensor``."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return tensor.full_tensor() if is_dtensor(tensor) else tensor
 
 
 def set_local_data(param: torch.Tensor, value: torch.Tensor) -> None:
     """Points ``param``'s values (a DTensor's local tensor, else ``.data``) at ``value``."""
-    if isinstance(param, DTensor):
+    if is_dtensor(param):
         param._local_tensor = value
     else:
         param.data = value
@@ -81,9 +78,11 @@ def set_local_data(param: torch.Tensor, value: torch.Tensor) -> None:
 
 def local_grad(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """This rank's piece of a gradient, summed over the tensor group where it is a partial sum."""
-    if not isinstance(grad, DTensor):
+    if not is_dtensor(grad):
         return grad
-    if isinstance(param, DTensor) and tuple(grad.placements) != tuple(param.placements):
+    from elixir_tune.engine.comm import Partial  # loaded already: a DTensor exists
+
+    if is_dtensor(param) and tuple(grad.placements) != tuple(param.placements):
         grad = grad.redistribute(param.device_mesh, param.placements)
     elif any(isinstance(p, Partial) for p in grad.placements):
         raise TensorParallelError(f"a gradient with placements {grad.placements} for a plain parameter")
@@ -119,6 +118,8 @@ class TensorSplit:
 
     def loss_context(self):
         """``loss_parallel()`` when the logits stay split by vocabulary, else a no-op context."""
+        from elixir_tune.engine.comm import loss_parallel
+
         return loss_parallel() if self.vocab_parallel_loss else contextlib.nullcontext()
 
     def layout(self, param: torch.Tensor) -> Layout:
@@ -189,6 +190,10 @@ def apply_tensor_parallel(
     Raises:
         TensorParallelError: unsupported family or sizes not divisible by the degree, or a meta model.
     """
+    from elixir_tune.engine.comm import DTensor, Shard, parallelize_module
+    from elixir_tune.engine.tp_adapters import family_plan
+    from elixir_tune.engine.tp_grid import grid_plan
+
     degree = tensor.world_size
     if any(p.is_meta for p in model.parameters()):
         raise TensorParallelError(

@@ -25,6 +25,8 @@ FORBIDDEN = {
         "elixir_tune.cli",
         "click",
         "rich",
+        # DTensor costs about 0.5 s to import: comm.py loads it when tensor parallelism is used
+        "torch.distributed.tensor",
     ],
     "elixir_tune.launcher": [
         "elixir_tune.search",

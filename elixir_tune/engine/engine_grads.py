@@ -1,0 +1,176 @@
+"""The engine's gradient path: staging each parameter's gradient in its chunk and reducing full chunks.
+
+A mixin of ``Engine`` (engine.py). Each parameter's post-accumulate-grad hook (``_on_grad``) copies
+its gradient into its chunk's staging buffer, taken from a bounded pool (staging.py); a chunk whose
+gradients are all staged starts its reduce-scatter (asynchronous) into the fp32 shard gradient, and
+an offloaded chunk's reduced shard drains to the host gradient meanwhile (``GradDrain``). At the end
+of backward the chunks left incomplete are reduced in chunk order (``_reduce_rest``); the device-side
+reductions finish there, host-side ones when the optimizer or the next backward's need for a staging
+buffer waits for them (``drain_grads``). No-sync over several backward passes (a pipeline step's):
+``hold_grads`` / ``end_held_grads``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from elixir_tune.engine.staging import GradDrain, StagingBuffer, StagingPool
+from elixir_tune.engine.states import transition
+from elixir_tune.engine.tensor_parallel import local_grad
+
+if TYPE_CHECKING:
+    from elixir_tune.engine.chunk import Chunk, ParamSlot
+    from elixir_tune.engine.comm import Comm
+    from elixir_tune.plan import Plan
+
+
+class EngineGrads:
+    """Gradient staging and reduction of an ``Engine`` (its attributes are declared here for them)."""
+
+    plan: Plan
+    comm: Comm
+    device: torch.device
+    compute_dtype: torch.dtype
+    chunks: list[Chunk]
+    slots: list[ParamSlot]
+    slot_of: dict[int, ParamSlot]
+    in_backward: bool
+    reduce_scatters: int
+    _queue_end_of_backward: Callable[[], None]
+    _end_backward: Callable[[], None]
+
+    def _init_grads(self, landing: bool) -> None:
+        """The staging pool, the host drain and the bookkeeping of reductions in flight.
+
+        Args:
+            landing: some chunks are offloaded: the pool also holds host landing buffers for their shards.
+        """
+        self.grad_passes = 1  # backward passes per gradient reduction (no-sync: hold_grads)
+        self._held: dict[int, int] = {}  # id(slot) -> passes whose gradient is held in param.grad
+        self.used = torch.zeros(len(self.slots), dtype=torch.bool)  # got a gradient since zero_grad (host)
+        self._slot_index = {id(slot): i for i, slot in enumerate(self.slots)}
+        self.staging = StagingPool(
+            self.plan.memory.staging_buffers,
+            self.plan.memory.chunk_size,
+            self.comm.rank,
+            self.comm.world_size,
+            self.compute_dtype,
+            self.device,
+            landing=landing,
+        )
+        self.drain = GradDrain(self.device)
+        self._filling: list[Chunk] = []  # chunks holding a staging buffer, not yet reducing, oldest first
+        self._reducing: deque[Chunk] = deque()  # reductions in flight, oldest first
+
+    def _acquire_staging(self) -> StagingBuffer:
+        """A free staging buffer; when the pool is empty the oldest reduction in flight is finished
+        (or, with none in flight, the chunk that has held its buffer longest is reduced as far as
+        its gradients have arrived; the rest follows in a second reduction)."""
+        while True:
+            buffer = self.staging.acquire()
+            if buffer is not None:
+                return buffer
+            if not self._reducing:
+                self._start_reduce(self._filling[0])
+            self._finish_oldest()
+
+    def _start_reduce(self, chunk: Chunk) -> None:
+        self._filling.remove(chunk)
+        chunk.start_reduce(self.drain)
+        self.reduce_scatters += 1
+        self._reducing.append(chunk)
+
+    def _finish_oldest(self) -> None:
+        chunk = self._reducing.popleft()
+        self.staging.release(chunk.finish_reduce())
+
+    def drain_grads(self) -> None:
+        """Completes every reduction in flight (host gradients included): the shard gradients are final."""
+        while self._reducing:
+            self._finish_oldest()
+
+    def _drop_staged(self) -> None:
+        """A backward stopped by an exception: finish what it reduces, drop what it staged."""
+        self.drain_grads()
+        for chunk in self._filling:
+            assert chunk.staging is not None  # a filling chunk holds its staging buffer
+            self.staging.release(chunk.staging)
+            chunk.staging, chunk.staged = None, 0
+        self._filling.clear()
+
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        self._queue_end_of_backward()
+        slot = self.slot_of[id(param)]
+        if self.grad_passes > 1 and self._hold_grad(slot):
+            return
+        self._stage_grad(slot, param)
+
+    def _hold_grad(self, slot: ParamSlot) -> bool:
+        """No-sync over a step's backward passes (a pipeline's): the gradient stays in ``param.grad``,
+        where autograd keeps accumulating it, until the parameter's last pass of the step."""
+        held = self._held.get(id(slot), 0) + 1
+        if held < self.grad_passes:
+            self._held[id(slot)] = held
+            return True
+        self._held.pop(id(slot), None)
+        return False
+
+    def hold_grads(self, passes: int) -> None:
+        """Reduce each gradient once per ``passes`` backward passes (``end_held_grads`` ends it)."""
+        self.grad_passes = passes
+
+    def end_held_grads(self, flush: bool = True) -> None:
+        """Ends no-sync: gradients still held (parameters used in fewer passes) are staged and reduced
+        now (``flush``), or dropped (a step that failed)."""
+        self.grad_passes = 1
+        held = [slot for slot in self.slots if id(slot) in self._held]
+        self._held.clear()
+        if not flush:
+            for slot in held:
+                slot.param.grad = None
+            return
+        if held:
+            self.in_backward = True
+            for slot in held:
+                self._stage_grad(slot, slot.param)
+            self._end_backward()
+
+    def _stage_grad(self, slot: ParamSlot, param: torch.nn.Parameter) -> None:
+        chunk = slot.chunk
+        if chunk.staging is None:
+            chunk.staging = self._acquire_staging()
+            self._filling.append(chunk)
+        assert param.grad is not None  # the post-accumulate-grad hook runs with the gradient set
+        grad = local_grad(param, param.grad)
+        chunk.staging.full[slot.offset : slot.offset + slot.numel].copy_(grad.reshape(-1))
+        param.grad = None
+        slot.state = transition(slot.state, "grad")
+        slot.awaiting_grad = False
+        chunk.staged += 1
+        chunk.received += 1
+        self.used[self._slot_index[id(slot)]] = True
+        if chunk.reduce_ready():
+            self._start_reduce(chunk)
+
+    def _reduce_rest(self) -> None:
+        """End of backward: reduces the chunks left incomplete and finishes the device-side reductions."""
+        # Deterministic order on every rank: incomplete chunks in chunk order.
+        for chunk in self.chunks:
+            if chunk.staging is not None:
+                self._start_reduce(chunk)
+            chunk.received = 0
+        # Device-side reductions finish here; host ones go on draining into the host gradients
+        # (the optimizer step or the next backward's need for a buffer waits for them).
+        for chunk in [chunk for chunk in self._reducing if not chunk.offload]:
+            self._reducing.remove(chunk)
+            self.staging.release(chunk.finish_reduce())
+
+    def zero_grad(self) -> None:
+        self.drain_grads()
+        for chunk in self.chunks:
+            chunk.grad.zero_()
+        self.used.zero_()
