@@ -23,7 +23,9 @@ What each rank does:
   over the pipeline group; the engine's hooks gather chunks and reduce gradients inside each
   stage's forward and backward exactly as without a pipeline. The loss of micro-batch k is the
   model's own (or ``loss_fn``'s) divided by the micro-batch count; the step's mean loss is
-  broadcast from the last stage, so every rank returns it.
+  broadcast from the last stage, so every rank returns it. Gradients are reduced once per step
+  (no-sync, ``Engine.hold_grads``): each stays whole in ``param.grad`` from its parameter's first
+  micro-batch's backward to its last, which ``held_grad_bytes`` counts for the memory report.
 * **Tied parameters**: both stages that use a shared chunk hold it, with the same shard layout;
   after the schedule the step's gradient of each such chunk is summed over the two ranks (a group
   of the stages that share it at the same data and tensor index, as Megatron's embedding group),
