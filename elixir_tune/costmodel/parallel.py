@@ -316,8 +316,8 @@ def held_grad_numel(profile: ModelProfile, layout: Layout, stage: int, local_num
     search's schedule; torch's ``ScheduleLoopedBFS``) a rank runs the backwards of its virtual stages
     one after the other, all micro-batches of each, so the gradients of one virtual stage are held at
     a time: the peak is the largest virtual stage's trainable elements. ``gpipe`` and ``1f1b`` run one
-    virtual stage per rank: the same formula. (``interleaved_1f1b`` with more micro-batches than
-    stages holds every virtual stage's at once; the search never picks it.)
+    virtual stage per rank: the same formula. (``interleaved_1f1b`` with N >= 2P micro-batches holds
+    every virtual stage's at once; the search never picks it, the engine reports it.)
 
     Block parameters go with their block's virtual stage, the others with the first virtual stage
     (used before the blocks: embeddings) or the last (final norm, head); a tied one before the blocks

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from elixir_tune.engine.chunk import ParamSlot
 from elixir_tune.engine.comm import Comm, Mesh, gather_objects, pipelining, subgroup
 from elixir_tune.engine.engine import Engine
 from elixir_tune.engine.hooks import install_grad_hooks
@@ -296,9 +297,9 @@ class Pipeline:
             return sum(slot.numel for slot in every.values()) * item
         return max((sum(slot.numel for slot in slots) * item for slots in self._held_slots), default=0)
 
-    def _chunked_params(self, index: int) -> list:
+    def _chunked_params(self, index: int) -> list[ParamSlot]:
         """The chunk slots of the parameters virtual stage ``index`` runs, each once."""
-        slots = {}
+        slots: dict[int, ParamSlot] = {}
         for module in _virtual_stage_modules(self.adapter, self.layout.virtual, index):
             for param in module.parameters():
                 if id(param) in self.engine.slot_of:
