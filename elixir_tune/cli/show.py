@@ -177,7 +177,10 @@ def _memory_table(plan: Plan, states: dict[str, int]) -> Table:
         device_states += states[key]
     prediction = plan.prediction
     if prediction is not None:
-        rest = prediction.peak_gpu_bytes - device_states
+        held = prediction.transient_bytes.get("held_grad_bytes", 0)
+        if held:
+            table.add_row("gradients a pipeline step holds (no-sync)", f"{held:,}", human_bytes(held))
+        rest = prediction.peak_gpu_bytes - device_states - held
         table.add_row("activations, frozen params, buffers, gradient staging", f"{rest:,}", human_bytes(rest))
         table.add_row("[bold]peak per GPU[/]", f"{prediction.peak_gpu_bytes:,}", human_bytes(prediction.peak_gpu_bytes))
     table.add_row(

@@ -10,7 +10,9 @@ byte, because the engine reports the same keys and a test compares them:
 
 The engine's other buffers follow ``elixir_tune.plan.memory`` (TRANSIENT_KEYS), also to the byte:
 the gradient staging pool on the device; the compute-dtype upload copies of offloaded shards and
-the landing buffers of their gradients on the host, pinned (rounded to a power of two) on cuda.
+the landing buffers of their gradients on the host, pinned (rounded to a power of two) on cuda; on a
+pipeline rank with several micro-batches per step, the gradients its no-sync step holds unsharded
+in compute dtype (``parallel.held_grad_numel``).
 
 The rest of the device peak is frozen parameters, activations at the micro-batch size (a line
 from the profile, interpolated by blocks for every-k checkpointing), model buffers, and the
@@ -25,6 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from elixir_tune.costmodel.parallel import StageProfile
 from elixir_tune.plan.memory import DEVICE_TRANSIENT_KEYS, HOST_TRANSIENT_KEYS, transient_bytes
 from elixir_tune.plan.schema import DTYPE_BYTES, SHARD_BYTES_PER_ELEMENT
 from elixir_tune.profiler.schema import ModelProfile
@@ -184,7 +187,8 @@ class MemoryEstimate:
             "cache": states["cache_bytes"],
             "resident chunks": states["resident_bytes"],
             "optimizer shards": states["device_shard_bytes"],
-            "gradient staging": sum(self.transient_bytes.get(key, 0) for key in DEVICE_TRANSIENT_KEYS),
+            "gradient staging": self.transient_bytes.get("staging_bytes", 0),
+            "held gradients (pipeline)": self.transient_bytes.get("held_grad_bytes", 0),
             "frozen params": self.frozen_bytes,
             "activations": self.activation_bytes,
             "buffers": self.buffer_bytes,
@@ -218,7 +222,8 @@ def estimate_memory(
     """Device and host peaks of one candidate.
 
     Args:
-        profile: the model profile.
+        profile: the model profile (a pipeline rank's ``StageProfile`` says what its no-sync step
+            holds).
         chunk_size: elements per chunk.
         world_size: data-parallel size.
         gpus_per_node: ranks per node (they share the host).
@@ -239,7 +244,9 @@ def estimate_memory(
             before they are staged).
         activation_copies: micro-batches whose activations are held at once (layered accumulation
             keeps all of a step's: their block boundaries, and in backward the recomputed blocks of
-            every micro-batch side by side).
+            every micro-batch side by side). More than one on a pipeline rank (whose schedule runs
+            breadth-first, layered: the search's pipeline shapes with several micro-batches) also
+            means its step holds the stage's gradients unsharded.
         communicators: communication groups of the rank (``margin_bytes``).
 
     Returns:
@@ -248,7 +255,11 @@ def estimate_memory(
     states = model_state_bytes(
         chunk_size, world_size, dtype, cache_blocks, num_resident, num_chunks - num_offloaded, num_offloaded
     )
-    transients = transient_bytes(chunk_size, world_size, dtype, staging_buffers, num_offloaded, pinned=device == "cuda")
+    # A pipeline step with several micro-batches holds gradients until each parameter's last one.
+    held_numel = profile.held_grad_numel if isinstance(profile, StageProfile) and activation_copies > 1 else 0
+    transients = transient_bytes(
+        chunk_size, world_size, dtype, staging_buffers, num_offloaded, device == "cuda", held_numel
+    )
     dtype_bytes = DTYPE_BYTES[dtype]
     frozen = frozen_numel * dtype_bytes
     activations = activation_copies * activation_bytes(profile, micro_batch_size, every, dtype)

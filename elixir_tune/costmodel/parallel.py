@@ -31,11 +31,12 @@ Sources of the formulas:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import cast
 
 from elixir_tune.plan.schema import PipelineAssignment, TensorMode
 from elixir_tune.plan.stages import assign_stages, stage_of_block
+from elixir_tune.plan.stages import virtual_stages as stage_runs
 from elixir_tune.plan.tensor_layout import local_shape, supported_model_types
 from elixir_tune.profiler.schema import ActivationLine, BlockInfo, ModelProfile
 
@@ -293,6 +294,68 @@ def tied_params(profile: ModelProfile, layout: Layout) -> list[int]:
     return [i for i in _stage_params(profile, layout, layout.pipeline - 1) if i in first]
 
 
+@dataclass
+class StageProfile(ModelProfile):
+    """One rank's profile under a pipeline or tensor layout (``rank_profile``), with what a pipeline
+    step holds beside what the profile describes.
+
+    Attributes:
+        held_grad_numel: gradient elements the rank holds unsharded at the step's peak when a step
+            runs several micro-batches (``held_grad_numel``); 0 without a pipeline.
+    """
+
+    held_grad_numel: int = 0
+
+
+def held_grad_numel(profile: ModelProfile, layout: Layout, stage: int, local_numel: dict[int, int]) -> int:
+    """Gradient elements one rank of pipeline stage ``stage`` holds unsharded at a step's peak.
+
+    The engine's pipeline step is no-sync (``engine/pipeline.py``): each parameter's gradient stays
+    in ``param.grad``, in compute dtype and whole (not sharded), from its first micro-batch's
+    backward until its last one's, when it is staged and reduce-scattered. Under ``looped_bfs`` (the
+    search's schedule; torch's ``ScheduleLoopedBFS``) a rank runs the backwards of its virtual stages
+    one after the other, all micro-batches of each, so the gradients of one virtual stage are held at
+    a time: the peak is the largest virtual stage's trainable elements. ``gpipe`` and ``1f1b`` run one
+    virtual stage per rank: the same formula. (``interleaved_1f1b`` with N >= 2P micro-batches holds
+    every virtual stage's at once; the search never picks it, the engine reports it.)
+
+    Block parameters go with their block's virtual stage, the others with the first virtual stage
+    (used before the blocks: embeddings) or the last (final norm, head); a tied one before the blocks
+    (GPT-2's ``wte``, also the head) with both, where this stage runs them.
+
+    Args:
+        profile: the whole model's profile.
+        layout: the parallel layout.
+        stage: the pipeline stage, 0..P-1.
+        local_numel: profile parameter index -> its elements on this rank (tensor-parallel local
+            shape), for the parameters the stage holds.
+
+    Returns:
+        Elements (0 with one stage).
+    """
+    if layout.pipeline <= 1 or not profile.blocks:
+        return 0
+    runs = stage_runs(len(profile.blocks), layout.pipeline, layout.assignment)
+    run_of_block = {block: run for run, (_, blocks) in enumerate(runs) for block in blocks}
+    block_of = {i: b.index for b in profile.blocks for i in range(b.first_param, b.first_param + b.num_params)}
+    first_block_param = min(block_of, default=len(profile.params))
+    first_run, last_run = 0, len(runs) - 1
+    held = {run: 0 for run, (run_stage, _) in enumerate(runs) if run_stage == stage}
+    for index, numel in local_numel.items():
+        param = profile.params[index]
+        if not param.requires_grad:
+            continue
+        if index in block_of:
+            targets = {run_of_block[block_of[index]]}
+        elif index < first_block_param:
+            targets = {first_run, last_run} if param.shared else {first_run}
+        else:
+            targets = {last_run}
+        for run in targets & held.keys():
+            held[run] += numel
+    return max(held.values(), default=0)
+
+
 def _scaled_line(line: ActivationLine, per_sample: float) -> ActivationLine:
     return ActivationLine(fixed_bytes=line.fixed_bytes, per_sample_bytes=max(0, int(per_sample)))
 
@@ -313,7 +376,7 @@ def rank_profile(profile: ModelProfile, layout: Layout, stage: int) -> ModelProf
         stage: the pipeline stage, 0..P-1.
 
     Returns:
-        The rank's profile (``profile`` itself when the layout has neither P nor T).
+        The rank's profile, a ``StageProfile`` (``profile`` itself when the layout has neither P nor T).
     """
     if layout.pipeline <= 1 and layout.tensor <= 1:
         return profile
@@ -387,7 +450,8 @@ def rank_profile(profile: ModelProfile, layout: Layout, stage: int) -> ModelProf
             boundary_factor,
             one_block,
         )
-    return replace(
+    held = held_grad_numel(profile, layout, stage, {old: p.numel for old, p in zip(keep, params, strict=True)})
+    stage_profile = replace(
         profile,
         num_params=max(1, sum(p.numel for p in params)),
         params=params,
@@ -402,6 +466,7 @@ def rank_profile(profile: ModelProfile, layout: Layout, stage: int) -> ModelProf
         activation=activation,
         activation_checkpointed=checkpointed,
     )
+    return StageProfile(**{f.name: getattr(stage_profile, f.name) for f in fields(ModelProfile)}, held_grad_numel=held)
 
 
 def critical_stage(profile: ModelProfile, layout: Layout) -> int:

@@ -7,7 +7,7 @@ take no part in a step.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,6 +41,7 @@ class EngineState:
     reduce_scatters: int
     tensor_parallel: TensorSplit | None
     after_step: Callable[[], None]
+    pipeline: Any  # engine/pipeline.py's Pipeline on a pipeline plan, else None
 
     @torch.no_grad()
     def gathered_chunks(self, all_ranks: bool = False):
@@ -124,7 +125,9 @@ class EngineState:
         Computed from the buffers the engine allocated: cache slots (capacity: cache_blocks chunk
         payloads in compute dtype), resident payloads, master + gradient + optimizer-state bytes of
         device and host shards; the staging pool, the upload copies and the landing buffers
-        (pinned blocks as the CUDA host allocator rounds them).
+        (pinned blocks as the CUDA host allocator rounds them); on a pipeline plan, the gradients its
+        no-sync step holds at its peak, from this rank's virtual stages and the schedule
+        (``memory_stats()["peak_held_grad_bytes"]`` measures them).
         """
         item = DTYPE_BYTES[self.plan.training.dtype]
         report = dict.fromkeys(MODEL_STATE_KEYS, 0)
@@ -139,6 +142,7 @@ class EngineState:
         report["staging_bytes"] = self.staging.device_bytes()
         report["host_copy_bytes"] = pinned_bytes(upload, self.pinned) - masters_inside
         report["landing_bytes"] = pinned_bytes(self.staging.landing_nbytes(), self.pinned)
+        report["held_grad_bytes"] = self.pipeline.held_grad_bytes() if self.pipeline is not None else 0
         return report
 
     def memory_stats(self) -> dict[str, int]:
@@ -150,4 +154,5 @@ class EngineState:
             "reduce_scatters": self.reduce_scatters,
             "held_cache_bytes": sum(c.payload_bytes() for c in self.cache.held.values()),
             "peak_staging_buffers": self.staging.peak_live,
+            "peak_held_grad_bytes": self.pipeline.peak_held_grad_bytes if self.pipeline is not None else 0,
         }

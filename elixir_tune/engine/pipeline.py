@@ -23,7 +23,9 @@ What each rank does:
   over the pipeline group; the engine's hooks gather chunks and reduce gradients inside each
   stage's forward and backward exactly as without a pipeline. The loss of micro-batch k is the
   model's own (or ``loss_fn``'s) divided by the micro-batch count; the step's mean loss is
-  broadcast from the last stage, so every rank returns it.
+  broadcast from the last stage, so every rank returns it. Gradients are reduced once per step
+  (no-sync, ``Engine.hold_grads``): each stays whole in ``param.grad`` from its parameter's first
+  micro-batch's backward to its last, which ``held_grad_bytes`` counts for the memory report.
 * **Tied parameters**: both stages that use a shared chunk hold it, with the same shard layout;
   after the schedule the step's gradient of each such chunk is summed over the two ranks (a group
   of the stages that share it at the same data and tensor index, as Megatron's embedding group),
@@ -41,28 +43,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from elixir_tune.engine.chunk import ParamSlot
 from elixir_tune.engine.comm import Comm, Mesh, gather_objects, pipelining, subgroup
 from elixir_tune.engine.engine import Engine
+from elixir_tune.engine.hooks import install_grad_hooks
 from elixir_tune.engine.materialize import WeightSource
 from elixir_tune.engine.pipeline_adapters import StageAdapter, adapter_for
 from elixir_tune.plan import Plan
-from elixir_tune.plan.stages import stage_of_block
+from elixir_tune.plan.stages import virtual_stages
 
 MULTI_STAGE_SCHEDULES = {"looped_bfs": "ScheduleLoopedBFS", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
 SINGLE_STAGE_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
-
-
-def virtual_stages(num_blocks: int, stages: int, assignment: str) -> list[tuple[int, list[int]]]:
-    """The pipeline's virtual stages in order: (stage that runs it, its blocks), each a maximal run of
-    consecutive blocks on one stage."""
-    result: list[tuple[int, list[int]]] = []
-    for block in range(num_blocks):
-        stage = stage_of_block(block, num_blocks, stages, assignment)
-        if result and result[-1][0] == stage:
-            result[-1][1].append(block)
-        else:
-            result.append((stage, [block]))
-    return result
 
 
 class Elsewhere(nn.Module):
@@ -100,17 +91,22 @@ class StageLayout:
     elsewhere_tensors: set[int]
 
 
+def _virtual_stage_modules(adapter: StageAdapter, virtual: list[tuple[int, list[int]]], index: int) -> list[nn.Module]:
+    """The modules virtual stage ``index`` runs: its blocks, with the embeddings first and the final norm
+    and head last."""
+    modules = [adapter.blocks[i] for i in virtual[index][1]]
+    if index == 0:
+        modules += adapter.first_modules
+    if index == len(virtual) - 1:
+        modules += adapter.last_modules
+    return modules
+
+
 def _users(adapter: StageAdapter, virtual: list[tuple[int, list[int]]]) -> dict[int, set[int]]:
     """id(parameter) -> the stages whose modules use it."""
     users: dict[int, set[int]] = {}
-    last = len(virtual) - 1
-    for index, (stage, blocks) in enumerate(virtual):
-        modules = [adapter.blocks[i] for i in blocks]
-        if index == 0:
-            modules += adapter.first_modules
-        if index == last:
-            modules += adapter.last_modules
-        for module in modules:
+    for index, (stage, _) in enumerate(virtual):
+        for module in _virtual_stage_modules(adapter, virtual, index):
             for param in module.parameters():
                 users.setdefault(id(param), set()).add(stage)
     return users
@@ -243,6 +239,14 @@ class Pipeline:
             for chunk_id, chunk_users in layout.shared.items():
                 if chunk_users == users and comm is not None:
                     self.shared.append((by_id[chunk_id], comm))
+        # No-sync leaves each gradient in param.grad until its last micro-batch: the chunked parameters of
+        # each of this rank's virtual stages, and what the step has held at most (measured by a hook that
+        # runs after the engine's, which stages a gradient and clears param.grad on its last pass).
+        self._held_slots = [self._chunked_params(index) for index in self.mine]
+        self._held: dict[int, int] = {}  # id(param) -> bytes of its held gradient
+        self._held_now = 0
+        self.peak_held_grad_bytes = 0
+        self._handles = install_grad_hooks([slot.param for slot in engine.slots], self._track_held)
         owner = {chunk.id: chunk.stage for chunk in self.plan.memory.chunks}
         # The norm counts a shared chunk once: on the stage the plan puts it on.
         engine.norm_skip = {chunk.id for chunk, _ in self.shared if owner[chunk.id] != self.stage}
@@ -265,6 +269,51 @@ class Pipeline:
             for t in range(tensor):
                 lists.append([(index * stages + s) * tensor + t for s in users])
         return subgroup(world, lists)
+
+    # --- gradients held through a step (no-sync) ----------------------------------------------
+
+    def held_grad_bytes(self, micro_batches: int | None = None) -> int:
+        """Bytes of gradients a step holds unsharded at its peak: no-sync keeps each parameter's gradient
+        in ``param.grad`` (compute dtype, whole) from its first micro-batch's backward to its last.
+
+        ``looped_bfs`` runs this rank's virtual stages' backwards one after the other, all micro-batches
+        of each (torch's ``ScheduleLoopedBFS``), ``gpipe`` and ``1f1b`` have one virtual stage per rank:
+        the largest virtual stage's gradients. ``interleaved_1f1b`` runs rounds of micro-batches
+        (``max(1, N // P)`` of them) through every virtual stage in turn: with two or more, every
+        virtual stage's gradients are held at once, from the first round to the last.
+
+        Args:
+            micro_batches: per step (default: the plan's ``grad_accum_steps``); with one, nothing is held.
+
+        Returns:
+            Bytes (``memory_stats()["peak_held_grad_bytes"]`` is what steps have held).
+        """
+        count = self.full_plan.training.grad_accum_steps if micro_batches is None else micro_batches
+        if count <= 1:
+            return 0
+        item = self.engine.compute_dtype.itemsize
+        if self.schedule_name == "interleaved_1f1b" and count // self.stages > 1:
+            every = {id(slot): slot for slots in self._held_slots for slot in slots}
+            return sum(slot.numel for slot in every.values()) * item
+        return max((sum(slot.numel for slot in slots) * item for slots in self._held_slots), default=0)
+
+    def _chunked_params(self, index: int) -> list[ParamSlot]:
+        """The chunk slots of the parameters virtual stage ``index`` runs, each once."""
+        slots: dict[int, ParamSlot] = {}
+        for module in _virtual_stage_modules(self.adapter, self.layout.virtual, index):
+            for param in module.parameters():
+                if id(param) in self.engine.slot_of:
+                    slots[id(param)] = self.engine.slot_of[id(param)]
+        return list(slots.values())
+
+    def _track_held(self, param: nn.Parameter) -> None:
+        """After the engine's gradient hook: the gradient no-sync left in ``param.grad``, if any."""
+        grad = param.grad
+        nbytes = 0 if grad is None else grad.nbytes
+        self._held_now += nbytes - self._held.pop(id(param), 0)
+        if nbytes:
+            self._held[id(param)] = nbytes
+        self.peak_held_grad_bytes = max(self.peak_held_grad_bytes, self._held_now)
 
     # --- a step --------------------------------------------------------------------------------
 
@@ -375,6 +424,8 @@ class Pipeline:
             raise
         finally:
             self._batches, self._loss_fn = (), None
+            self._held.clear()  # the engine stages (or drops) what is left, without hooks
+            self._held_now = 0
         engine.end_held_grads()
         if training:
             self._sum_shared(before)

@@ -11,6 +11,11 @@ them. Sizes are per rank.
     landing_bytes    host: ``staging_buffers`` shards in compute dtype that reduced gradients of
                      offloaded chunks land in before they are added into the fp32 host gradient;
                      pinned on cuda, in one block
+    held_grad_bytes  device, pipeline plans with several micro-batches per step: the gradients a
+                     stage holds unsharded in compute dtype (no-sync, ``param.grad``) from a
+                     parameter's first micro-batch backward to its last, at the step's peak: under
+                     ``looped_bfs`` (the search's schedule) the largest virtual stage's trainable
+                     parameters (``engine/pipeline.py`` ``Pipeline.held_grad_bytes`` for every schedule)
 
 Pinned blocks come from the CUDA host caching allocator, which rounds each block up to a power of
 two (``pinned_bytes``).
@@ -23,7 +28,7 @@ from typing import get_args
 from elixir_tune.plan.schema import DTYPE_BYTES, TransientKey
 
 TRANSIENT_KEYS: tuple[str, ...] = get_args(TransientKey)
-DEVICE_TRANSIENT_KEYS = ("staging_bytes",)
+DEVICE_TRANSIENT_KEYS = ("staging_bytes", "held_grad_bytes")
 HOST_TRANSIENT_KEYS = ("host_copy_bytes", "landing_bytes")
 
 
@@ -35,7 +40,13 @@ def pinned_bytes(nbytes: int, pinned: bool) -> int:
 
 
 def transient_bytes(
-    chunk_size: int, world_size: int, dtype: str, staging_buffers: int, num_offloaded: int, pinned: bool
+    chunk_size: int,
+    world_size: int,
+    dtype: str,
+    staging_buffers: int,
+    num_offloaded: int,
+    pinned: bool,
+    held_grad_numel: int = 0,
 ) -> dict[str, int]:
     """The engine's buffers beside the model states, keys ``TRANSIENT_KEYS``.
 
@@ -46,6 +57,8 @@ def transient_bytes(
         staging_buffers: the plan's gradient staging pool size.
         num_offloaded: chunks whose shard lives on the host.
         pinned: host buffers are pinned (the device is cuda).
+        held_grad_numel: gradient elements a pipeline stage holds unsharded at the step's peak (0
+            without a pipeline or with one micro-batch per step).
 
     Returns:
         Bytes per key.
@@ -60,6 +73,7 @@ def transient_bytes(
         "staging_bytes": staging_buffers * (chunk_size + out_numel) * item,
         "host_copy_bytes": pinned_bytes(host_copy, pinned) - masters_inside,
         "landing_bytes": pinned_bytes(landing, pinned),
+        "held_grad_bytes": held_grad_numel * item,
     }
 
 

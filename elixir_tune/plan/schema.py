@@ -54,7 +54,7 @@ PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
 TENSOR_MODES: tuple[str, ...] = get_args(TensorMode)
 MODEL_STATE_KEYS: tuple[str, ...] = get_args(ModelStateKey)
 # What the engine holds beside the model states (plan/memory.py has the formula).
-TransientKey = Literal["staging_bytes", "host_copy_bytes", "landing_bytes"]
+TransientKey = Literal["staging_bytes", "host_copy_bytes", "landing_bytes", "held_grad_bytes"]
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 # Bytes per element of this rank's shard of model states, for a chunk, by optimizer: fp32 master

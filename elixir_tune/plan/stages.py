@@ -34,6 +34,19 @@ def stage_of_block(block_index: int, num_blocks: int, stages: int, assignment: s
     raise ValueError(f"unknown pipeline assignment {assignment!r} (expected modular or contiguous)")
 
 
+def virtual_stages(num_blocks: int, stages: int, assignment: str) -> list[tuple[int, list[int]]]:
+    """The pipeline's virtual stages in order: (stage that runs it, its blocks), each a maximal run of
+    consecutive blocks on one stage (modular: every block is one; contiguous: one per stage)."""
+    result: list[tuple[int, list[int]]] = []
+    for block in range(num_blocks):
+        stage = stage_of_block(block, num_blocks, stages, assignment)
+        if result and result[-1][0] == stage:
+            result[-1][1].append(block)
+        else:
+            result.append((stage, [block]))
+    return result
+
+
 def block_index_of(param_name: str, block_list: str) -> int | None:
     """The block a parameter belongs to (``<block_list>.<i>.<...>``), or None outside the blocks."""
     prefix = block_list + "."

@@ -67,6 +67,7 @@ def test_show_an_invalid_plan_exits_1(tmp_path):
     ("fixed", "texts"),
     [
         (["pipeline=2"], ("world 8 = data 4 x pipeline 2 x tensor 1", "bubble (P-1)/(N v + P-1)")),
+        (["pipeline=2", "micro_batch_size=1"], ("world 8 = data 4 x pipeline 2 x tensor 1", "pipeline step holds")),
         (["tensor=2"], ("world 8 = data 4 x pipeline 1 x tensor 2", "tensor-parallel collectives")),
     ],
 )
@@ -84,3 +85,5 @@ def test_show_explains_a_pipeline_or_tensor_plan(tmp_path, fixed, texts):
         assert data["parallel"]["virtual_stages_per_rank"] == 2  # 4 blocks, 2 stages, modular
         assert data["parallel"]["bubble_fraction"] == round(1 / (accum * 2 + 1), 4)
         assert sum(data["parallel"]["chunks_per_stage"]) == len(plan.memory.chunks)
+        # No-sync's held gradients get their own memory row when a step runs several micro-batches.
+        assert ("gradients a pipeline step holds" in result.output) == (accum > 1)

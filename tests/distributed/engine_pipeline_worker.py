@@ -7,6 +7,7 @@ Run by ``engine_launch.py`` as N = stages x data processes. Each case is a dict:
     arch: gpt2 | llama | llama_tied | opt (proj: OPT-350m's projections)     stages     assignment: modular | contiguous
     schedule: looped_bfs | interleaved_1f1b | gpipe | 1f1b     chunk_size     cache ("all" | "min")
     offload (fraction)     checkpoint (every)     accum     steps     clip (max norm, 0: none)
+    predict: also the cost model's held gradient bytes for the rank's stage
 
 Rank 0 (stage 0, data index 0) also trains the plain-PyTorch reference (fp32) and reports the largest
 differences of the losses, the clipped norms and the weights (``model.state_dict()`` merges every
@@ -133,7 +134,15 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
         errors["extra_keys"] = _error(lambda: model.forward_backward(with_mask))
         errors["save_pretrained"] = _error(lambda: save_pretrained(model, "unused-directory"))
     full = model.state_dict()  # a collective: every rank calls it
+    # No-sync's gradients held through a step: the engine's figure (its virtual stages and schedule),
+    # what the steps measured, and (predict) the cost model's for this rank's stage.
+    held = {
+        "report": model.memory_report()["held_grad_bytes"],
+        "peak": model.engine.memory_stats()["peak_held_grad_bytes"],
+        "predicted": predicted_held_grad_bytes(case, world, mesh.stage) if case.get("predict") else None,
+    }
     return {
+        "held": held,
         "counts": counts,
         "virtual_chunk_pairs": virtual_chunk_pairs(model.engine, BLOCK_LIST[case["arch"]]),
         "others_on_meta": others_on_meta,
@@ -149,6 +158,30 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
         "shared": [chunk.id for chunk, _ in model.engine.pipeline.shared],
         "elsewhere": sorted(model.engine.pipeline.layout.elsewhere),
     }
+
+
+def predicted_held_grad_bytes(case: dict, world: int, stage: int) -> int:
+    """The cost model's ``held_grad_bytes`` for this stage: the case's model profiled (on the meta
+    device), a layered shape of the case's micro-batches, as the search makes pipeline shapes."""
+    from elixir_tune.costmodel.model import CostModel, Shape
+    from elixir_tune.costmodel.parallel import Layout
+    from elixir_tune.hardware import load_hardware
+    from elixir_tune.profiler import profile_model
+    from elixir_tune.profiler.source import ModelSource
+
+    def example(batch: int, seq: int) -> dict:
+        ids = torch.zeros(batch, seq, dtype=torch.long)
+        return {"input_ids": ids, "labels": ids}
+
+    source = ModelSource(
+        name=case["arch"], source="engine_pipeline_worker", _build=lambda: build(case)[0], _batch=example
+    )
+    dtype = case.get("dtype", "fp32")
+    profile = profile_model(source, batch_size=MICRO, seq_len=SEQ, dtype=dtype)
+    layout = Layout(pipeline=case["stages"], assignment=case.get("assignment", "modular"))
+    cost = CostModel(profile, load_hardware("cpu"), gpus_per_node=world, dtype=dtype, layout=layout, stage=stage)
+    shape = Shape(case["chunk_size"], 1, 0, 0, case.get("checkpoint", 0), MICRO, case["accum"], layered=True)
+    return cost.memory(shape).transient_bytes["held_grad_bytes"]
 
 
 def virtual_chunk_pairs(engine, block_list: str) -> int:
@@ -200,6 +233,7 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
         "errors": engine["errors"],
         "others_on_meta": engine["others_on_meta"],
         "counts": engine["counts"],
+        "held": engine["held"],
         "virtual_chunk_pairs": engine["virtual_chunk_pairs"],
         "eval_loss": engine["eval_loss"],
         "engine_s": time.perf_counter() - start,

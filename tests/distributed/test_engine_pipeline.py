@@ -24,12 +24,12 @@ NORM_REL = 1e-5
 WEIGHT_ABS = 1e-5
 BASE = dict(stages=2, chunk_size=4096, accum=4, steps=10)
 WORLD2 = [
-    dict(BASE, arch="gpt2", clip=1.0, errors=True),
+    dict(BASE, arch="gpt2", clip=1.0, errors=True, predict=True),
     dict(BASE, arch="llama", clip=1.0),
     dict(BASE, arch="gpt2", offload=1.0, checkpoint=1, cache="min"),
     dict(BASE, arch="llama", schedule="interleaved_1f1b", offload=0.5, checkpoint=1),
     dict(BASE, arch="llama_tied", assignment="contiguous", schedule="1f1b", clip=1.0),
-    dict(BASE, arch="gpt2", assignment="contiguous", schedule="gpipe", cache="min"),
+    dict(BASE, arch="gpt2", assignment="contiguous", schedule="gpipe", cache="min", predict=True),
     # Built on the meta device: each stage initializes its own shards, the same weights as at P = 1.
     dict(BASE, arch="gpt2", meta=True),
     # OPT: tied head, learned positions; and OPT-350m's shape (project_in on the first stage,
@@ -81,6 +81,12 @@ def _check(per_rank: list[dict]) -> None:
     for result in per_rank:
         assert result["others_on_meta"], result["case"]
         assert result["counts"]["reduce_scatters"] == result["virtual_chunk_pairs"], (result["case"], result["counts"])
+        # No-sync holds gradients unsharded through the step: the engine's figure (from its virtual stages
+        # and schedule) is what the steps held at their peak, and, where asked, what the cost model predicts.
+        held = result["held"]
+        assert held["report"] > 0 and held["report"] == held["peak"], (result["case"], held)
+        if held["predicted"] is not None:
+            assert held["predicted"] == held["report"], (result["case"], held)
         peers = [r for r in per_rank if r["data_rank"] == result["data_rank"]]
         assert all(r["losses"] == result["losses"] for r in peers)
 

@@ -116,7 +116,12 @@ def test_cpu_device_pins_nothing_and_keeps_a_cpu_sized_margin():
     )  # fmt: skip
     memory = estimate_memory(profile, **common)
     # fp32: the offloaded master is what goes up (no copy); landing 2 x 60 x 4, not rounded.
-    assert memory.transient_bytes == {"staging_bytes": 2 * 180 * 4, "host_copy_bytes": 0, "landing_bytes": 480}
+    assert memory.transient_bytes == {
+        "staging_bytes": 2 * 180 * 4,
+        "host_copy_bytes": 0,
+        "landing_bytes": 480,
+        "held_grad_bytes": 0,
+    }
     # 5% of 16 GiB, plus gloo's gather buffers (prefetch 1 + 2) x 120 x 4.
     assert memory.margin_bytes == int(0.05 * (16 << 30)) + 3 * 480
 

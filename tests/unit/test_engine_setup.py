@@ -90,6 +90,7 @@ def test_memory_report_equals_the_plan_formulas():
         "staging_bytes": 2 * plan.memory.chunk_size * 4,  # two staging buffers, no separate output at world 1
         "host_copy_bytes": 0,  # fp32: the offloaded masters are what goes up
         "landing_bytes": 2 * shard * 4,
+        "held_grad_bytes": 0,  # no pipeline: every gradient is staged as it arrives
     }
     train_step(model, opt, batches(1, 2, 8)[0])
     assert model.memory_report() == report  # optimizer state is preallocated: no growth at the first step

@@ -1,0 +1,100 @@
+"""The gradients a pipeline step holds unsharded (no-sync) in the cost model: ``parallel.held_grad_numel``
+against numbers worked by hand, and the term in ``CostModel.memory`` and in the search's prediction."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from elixir_tune.costmodel.memory import estimate_memory
+from elixir_tune.costmodel.model import CostModel, Shape
+from elixir_tune.costmodel.parallel import DATA_ONLY, Layout, StageProfile, rank_profile
+from elixir_tune.costmodel.synthetic import example_hardware, gpt2_profile
+from elixir_tune.profiler.schema import ModelProfile
+from elixir_tune.search import search
+
+H, LAYERS, VOCAB, POSITIONS = 64, 4, 256, 32
+# One GPT-2 block: c_attn 3h^2 + 3h, attn c_proj h^2 + h, c_fc 4h^2 + 4h, mlp c_proj 4h^2 + h, two
+# layer norms 4h: 12 h^2 + 13 h = 49,984.
+BLOCK = 12 * H * H + 13 * H
+WTE, WPE, LN_F = VOCAB * H, POSITIONS * H, 2 * H
+
+
+@pytest.fixture(scope="module")
+def profile():
+    return gpt2_profile("p", hidden=H, layers=LAYERS, heads=4, vocab=VOCAB, positions=POSITIONS, seq_len=POSITIONS)
+
+
+def held(profile, stages: int, assignment: str, stage: int) -> int:
+    rank = rank_profile(profile, Layout(pipeline=stages, assignment=assignment), stage)
+    return rank.held_grad_numel if isinstance(rank, StageProfile) else 0
+
+
+def test_held_gradients_are_the_largest_virtual_stage(profile):
+    assert BLOCK == 49_984
+    # Modular, 2 stages: stage 0 runs virtual stages [block 0 + wte + wpe] and [block 2]; stage 1 runs
+    # [block 1] and [block 3 + ln_f + the tied head, wte]. looped_bfs holds one virtual stage at a time.
+    assert held(profile, 2, "modular", 0) == BLOCK + WTE + WPE == 68_416
+    assert held(profile, 2, "modular", 1) == BLOCK + LN_F + WTE == 66_496
+    # Contiguous: one virtual stage per rank, the whole stage (two blocks).
+    assert held(profile, 2, "contiguous", 0) == 2 * BLOCK + WTE + WPE == 118_400
+    assert held(profile, 2, "contiguous", 1) == 2 * BLOCK + LN_F + WTE == 116_480
+    # 4 stages of one block: the middle ones hold a block, not the tied embedding.
+    assert [held(profile, 4, "modular", s) for s in range(4)] == [BLOCK + WTE + WPE, BLOCK, BLOCK, BLOCK + LN_F + WTE]
+    # No pipeline, nothing held: the data-parallel profile is the model's own, a tensor-only rank's holds 0.
+    assert rank_profile(profile, Layout(), 0) is profile
+    tensor_only = rank_profile(profile, Layout(tensor=2), 0)
+    assert isinstance(tensor_only, StageProfile) and tensor_only.held_grad_numel == 0
+
+
+def test_frozen_parameters_hold_no_gradient(profile):
+    frozen = dataclasses.replace(
+        profile,
+        params=[dataclasses.replace(p, requires_grad=p.name != "transformer.wte.weight") for p in profile.params],
+    )
+    assert held(frozen, 2, "modular", 0) == BLOCK + WPE
+    assert held(frozen, 2, "modular", 1) == BLOCK + LN_F
+
+
+def test_memory_adds_the_held_gradients_when_a_step_runs_several_micro_batches(profile):
+    hardware = example_hardware(gpus_per_node=2)
+    model = CostModel(profile, hardware, gpus_per_node=2, dtype="fp32", layout=Layout(pipeline=2))
+    assert model.stage == 0  # the critical stage: 2 blocks + wte + wpe against 2 blocks + ln_f + wte
+    chunk = 1 << 16
+    several = Shape(chunk, 1, 0, 0, 0, 1, 4, layered=True)
+    memory = model.memory(several)
+    assert memory.transient_bytes["held_grad_bytes"] == (BLOCK + WTE + WPE) * 4
+    # The same estimate from a plain profile of the same rank has everything else, and no held term.
+    stage = model.profile
+    plain = ModelProfile(**{f.name: getattr(stage, f.name) for f in dataclasses.fields(ModelProfile)})
+    arguments = dict(
+        chunk_size=chunk, world_size=1, gpus_per_node=2, dtype="fp32", cache_blocks=1,
+        num_resident=model.layout(chunk).num_resident, num_chunks=model.layout(chunk).num_chunks, num_offloaded=0,
+        frozen_numel=0, micro_batch_size=1, every=0, allocator_overhead_bytes=0, activation_copies=4,
+    )  # fmt: skip
+    with_held = estimate_memory(stage, **arguments)
+    without = estimate_memory(plain, **arguments)
+    assert without.transient_bytes["held_grad_bytes"] == 0
+    assert with_held.peak_gpu_bytes - without.peak_gpu_bytes == (BLOCK + WTE + WPE) * 4
+    assert with_held.device_parts()["held gradients (pipeline)"] == (BLOCK + WTE + WPE) * 4
+    # One micro-batch per step: every gradient is staged as it arrives.
+    assert model.memory(Shape(chunk, 1, 0, 0, 0, 1, 1)).transient_bytes["held_grad_bytes"] == 0
+    # Data parallelism only: never.
+    data_only = CostModel(profile, hardware, gpus_per_node=2, dtype="fp32", layout=DATA_ONLY)
+    assert data_only.memory(several).transient_bytes["held_grad_bytes"] == 0
+
+
+def test_the_search_prediction_carries_the_held_gradients(profile):
+    result = search(
+        profile,
+        example_hardware(gpus_per_node=2),
+        gpus_per_node=2,
+        global_batch_size=8,
+        fixed=["pipeline=2", "micro_batch_size=2", "dtype=fp32"],
+    )
+    plan = result.plan
+    assert plan.training.grad_accum_steps == 4 and plan.training.accumulation == "layered"
+    assert plan.prediction is not None
+    # The plan's model states and transients are its critical stage's (stage 0: 2 blocks + wte + wpe).
+    assert plan.prediction.transient_bytes["held_grad_bytes"] == (BLOCK + WTE + WPE) * 4
