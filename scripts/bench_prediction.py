@@ -142,6 +142,35 @@ def reports_match(report: dict | None, prediction) -> bool:
     return report is not None and all(report.get(key) == value for key, value in expected.items())
 
 
+def rank_predictions(profile, hardware, plan) -> list:
+    """Each rank's predicted memory: the plan's own prediction (the critical stage's), except that a
+    pipeline rank is compared with the cost model of its own stage (stages hold different chunks)."""
+    from elixir_tune.costmodel.model import CostModel, Shape
+    from elixir_tune.costmodel.parallel import Layout
+
+    pipeline, tensor = plan.parallel.pipeline, plan.parallel.tensor
+    if pipeline.stages == 1:
+        return [plan.prediction] * plan.world_size
+    layout = Layout(pipeline.stages, tensor.degree, tensor.mode, pipeline.assignment, tensor.sequence_parallel)
+    memory, training = plan.memory, plan.training
+    by_stage = []
+    for stage in range(pipeline.stages):
+        model = CostModel(profile, hardware, WORLD, dtype=training.dtype, layout=layout, stage=stage)
+        shape = Shape(
+            memory.chunk_size,
+            memory.cache_blocks,
+            sum(c.offload for c in memory.chunks if c.stage == stage),
+            memory.prefetch,
+            training.activation_checkpointing.every,
+            training.micro_batch_size,
+            training.grad_accum_steps,
+            layered=training.accumulation == "layered",
+        )
+        by_stage.append(model.memory(shape))
+    # rank = (data index x P + stage) x T + tensor index
+    return [by_stage[(rank // tensor.degree) % pipeline.stages] for rank in range(plan.world_size)]
+
+
 def run_shape(name: str, plan, workdir: Path, args, extra_env: dict | None = None) -> dict:
     """Trains one plan with elixir-run; returns measured step times and per-rank memory."""
     from elixir_tune.plan import save_plan
@@ -365,7 +394,10 @@ def main() -> int:
         measured = pool(runs[name], args.warmup)
         pred = plan.prediction
         engine_reports = [r.get("memory_report") for r in measured["ranks"]]
-        states_match = bool(engine_reports) and all(reports_match(rep, pred) for rep in engine_reports)
+        expected = rank_predictions(profile, hardware, plan)
+        states_match = bool(engine_reports) and all(
+            reports_match(rep, want) for rep, want in zip(engine_reports, expected, strict=False)
+        )
         # On the CPU the "device" and the "host" are the same RAM: a worker holds its device part and its
         # share of the node's host part.
         pred_worker_bytes = pred.peak_gpu_bytes + pred.peak_host_bytes // WORLD
