@@ -126,9 +126,17 @@ def _loaded_latency_s(device: torch.device, shape: tuple[int, int, int, int], bu
         compute()
         _all_gather_tensor(full, shard)
 
+    # Every rank must run the same number of collectives: the count comes from the slowest rank's
+    # first pair, agreed by all (a count from each rank's own clock once left one rank in a barrier
+    # while the other was already past it, and gloo aborted).
+    begin = time.perf_counter()
+    compute()
+    compute_then_gather()
+    pair_s = torch.tensor([time.perf_counter() - begin], dtype=torch.float64)
+    dist.all_reduce(pair_s, op=dist.ReduceOp.MAX)
+    pairs = int(min(200, max(5, budget_s / pair_s.item())))
     times: dict[str, list[float]] = {"alone": [], "gather": []}
-    deadline = time.perf_counter() + budget_s
-    while len(times["alone"]) < 5 or (time.perf_counter() < deadline and len(times["alone"]) < 200):
+    for _ in range(pairs):
         for name, fn in (("alone", compute), ("gather", compute_then_gather)):
             dist.barrier()
             begin = time.perf_counter()
