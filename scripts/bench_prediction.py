@@ -151,22 +151,12 @@ def rank_predictions(profile, hardware, plan) -> list:
     pipeline, tensor = plan.parallel.pipeline, plan.parallel.tensor
     if pipeline.stages == 1:
         return [plan.prediction] * plan.world_size
-    layout = Layout(pipeline.stages, tensor.degree, tensor.mode, pipeline.assignment, tensor.sequence_parallel)
-    memory, training = plan.memory, plan.training
+    layout = Layout.of_plan(plan.parallel)
     by_stage = []
     for stage in range(pipeline.stages):
-        model = CostModel(profile, hardware, WORLD, dtype=training.dtype, layout=layout, stage=stage)
-        shape = Shape(
-            memory.chunk_size,
-            memory.cache_blocks,
-            sum(c.offload for c in memory.chunks if c.stage == stage),
-            memory.prefetch,
-            training.activation_checkpointing.every,
-            training.micro_batch_size,
-            training.grad_accum_steps,
-            layered=training.accumulation == "layered",
-        )
-        by_stage.append(model.memory(shape))
+        model = CostModel(profile, hardware, WORLD, dtype=plan.training.dtype, layout=layout, stage=stage)
+        offloaded = sum(c.offload for c in plan.memory.chunks if c.stage == stage)
+        by_stage.append(model.memory(Shape.of_plan(plan, offloaded)))
     # rank = (data index x P + stage) x T + tensor index
     return [by_stage[(rank // tensor.degree) % pipeline.stages] for rank in range(plan.world_size)]
 

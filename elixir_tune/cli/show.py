@@ -251,12 +251,11 @@ def _draw(plan: Plan, path: str, profile_path: str, hardware_ref: str | None) ->
             f"{plan.model.fingerprint})",
             hint="pass the profile the plan was searched from with --profile",
         )
-    pipeline, tensor = plan.parallel.pipeline, plan.parallel.tensor
-    layout = Layout(pipeline.stages, tensor.degree, tensor.mode, pipeline.assignment, tensor.sequence_parallel)
+    layout = Layout.of_plan(plan.parallel)
     model = CostModel(
         profile, hardware, plan.cluster.gpus_per_node, plan.cluster.nodes, plan.training.dtype, layout=layout
     )
-    memory, training = plan.memory, plan.training
+    memory = plan.memory
     # The search's critical stage is the one drawn (with one stage: every chunk); its chunks are
     # matched to the cost model's packing by their first parameter.
     planned = {chunk.params[0]: chunk for chunk in memory.chunks if chunk.stage == model.stage}
@@ -269,17 +268,7 @@ def _draw(plan: Plan, path: str, profile_path: str, hardware_ref: str | None) ->
             hint="search the plan again, e.g. elixir-tune search --fix chunk_size=...",
         )
     offloaded = tuple(i for i, name in enumerate(first_names) if name in planned and planned[name].offload)
-    shape = Shape(
-        memory.chunk_size,
-        memory.cache_blocks,
-        len(offloaded),
-        memory.prefetch,
-        training.activation_checkpointing.every,
-        training.micro_batch_size,
-        training.grad_accum_steps,
-        offloaded=offloaded,
-        layered=training.accumulation == "layered",
-    )
+    shape = Shape.of_plan(plan, len(offloaded), offloaded)
     estimate = model.step_time(shape)
     title = shape_title("this plan", shape, estimate.step_time_s, model.memory(shape).peak_gpu_bytes)
     try:

@@ -25,7 +25,7 @@ from elixir_tune.costmodel.timeline import (
 )
 from elixir_tune.costmodel.trace import ChunkTrace, chunk_trace
 from elixir_tune.hardware.spec import HardwareSpec
-from elixir_tune.plan.schema import Accumulation
+from elixir_tune.plan.schema import Accumulation, Plan
 from elixir_tune.profiler.schema import ModelProfile
 
 
@@ -59,6 +59,30 @@ class Shape:
     offloaded: tuple[int, ...] | None = None
     staging_buffers: int = STAGING_BUFFERS
     layered: bool = False
+
+    @classmethod
+    def of_plan(cls, plan: Plan, num_offloaded: int, offloaded: tuple[int, ...] | None = None) -> Shape:
+        """The shape a plan's memory and training sections describe.
+
+        Args:
+            plan: the plan.
+            num_offloaded: offloaded chunks of the modelled rank (a pipeline stage holds only its own).
+            offloaded: their ids in the cost model's packing, when known (else the first of
+                ``CostModel.offload_order``).
+        """
+        memory, training = plan.memory, plan.training
+        return cls(
+            memory.chunk_size,
+            memory.cache_blocks,
+            num_offloaded,
+            memory.prefetch,
+            training.activation_checkpointing.every,
+            training.micro_batch_size,
+            training.grad_accum_steps,
+            offloaded=offloaded,
+            staging_buffers=memory.staging_buffers,
+            layered=training.accumulation == "layered",
+        )
 
     @property
     def accumulation(self) -> Accumulation:

@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass, fields, replace
 from typing import cast
 
-from elixir_tune.plan.schema import PipelineAssignment, TensorMode
+from elixir_tune.plan.schema import ParallelPlan, PipelineAssignment, TensorMode
 from elixir_tune.plan.stages import assign_stages, stage_of_block
 from elixir_tune.plan.stages import virtual_stages as stage_runs
 from elixir_tune.plan.tensor_layout import local_shape, supported_model_types
@@ -73,6 +73,12 @@ class Layout:
     tensor_mode: TensorMode = "1d"
     assignment: PipelineAssignment = "modular"
     sequence_parallel: bool = True
+
+    @classmethod
+    def of_plan(cls, parallel: ParallelPlan) -> Layout:
+        """The layout a plan's ``parallel`` section describes."""
+        pipeline, tensor = parallel.pipeline, parallel.tensor
+        return cls(pipeline.stages, tensor.degree, tensor.mode, pipeline.assignment, tensor.sequence_parallel)
 
     @property
     def model_parallel(self) -> int:

@@ -110,6 +110,16 @@ def block_note(shapes: list[tuple[int, int, int, int]], how: str) -> str:
     )
 
 
+def block_sources(curve_note: str, pointwise_how: str) -> dict[str, str]:
+    """Where the block-rate fields of a probe come from (``sources`` entries)."""
+    return {
+        "block_tflops_curves": curve_note,
+        "model_tflops": "measured: the block rate at the largest shape (block_tflops_curves)",
+        "block_call_overhead_s": OVERHEAD_NOTE,
+        "pointwise_gbps": POINTWISE_NOTE + pointwise_how,
+    }
+
+
 def run_collectives(
     device: str,
     procs: int,

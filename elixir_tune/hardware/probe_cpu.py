@@ -16,12 +16,11 @@ from elixir_tune.hardware.bench_threads import thread_handoff_s
 from elixir_tune.hardware.probe_common import (
     CPU_BLOCKS,
     HANDOFF_NOTE,
-    OVERHEAD_NOTE,
-    POINTWISE_NOTE,
     ProbeError,
     Progress,
     asymptotic_note,
     block_note,
+    block_sources,
     inter_node_gbps,
     measure_block_curves,
     run_collectives,
@@ -162,12 +161,8 @@ def probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
             ratio = tflops / matmul["fp32"]
             block_curves[dtype_name] = {numel: rate * ratio for numel, rate in block_curves["fp32"].items()}
     model_rates = {dtype: curve[max(curve)] for dtype, curve in block_curves.items()}
-    sources["block_tflops_curves"] = (
-        block_note(block_shapes, block_how) + "; fp32 measured, other dtypes x their matmul rate / fp32's"
-    )
-    sources["model_tflops"] = "measured: the block rate at the largest shape (block_tflops_curves)"
-    sources["block_call_overhead_s"] = OVERHEAD_NOTE
-    sources["pointwise_gbps"] = POINTWISE_NOTE + f", {block_how}"
+    curve_note = block_note(block_shapes, block_how) + "; fp32 measured, other dtypes x their matmul rate / fp32's"
+    sources.update(block_sources(curve_note, f", {block_how}"))
     sources["thread_handoff_s"] = HANDOFF_NOTE
     node_adam = adam * procs
     sources["cpu_adam_node_elems_per_s"] = "cpu_adam_elems_per_s x processes (measured all at once)"

@@ -15,11 +15,10 @@ from elixir_tune.hardware.bench_copy import (
 )
 from elixir_tune.hardware.probe_common import (
     CUDA_BLOCKS,
-    OVERHEAD_NOTE,
-    POINTWISE_NOTE,
     Progress,
     asymptotic_note,
     block_note,
+    block_sources,
     inter_node_gbps,
     measure_block_curves,
     run_collectives,
@@ -71,10 +70,7 @@ def probe_cuda(quick: bool, progress: Progress) -> HardwareSpec:
         gpu, ["bf16", "fp16", "fp32"], shapes, 2 * budget, progress
     )
     model_rates = {dtype: curve[max(curve)] for dtype, curve in block_curves.items()}
-    sources["block_tflops_curves"] = block_note(shapes, how)
-    sources["model_tflops"] = "measured: the block rate at the largest shape (block_tflops_curves)"
-    sources["block_call_overhead_s"] = OVERHEAD_NOTE
-    sources["pointwise_gbps"] = POINTWISE_NOTE + " (the first dtype the GPU runs)"
+    sources.update(block_sources(block_note(shapes, how), " (the first dtype the GPU runs)"))
 
     say(progress, "HBM copy bandwidth")
     copy_bytes = 256 * MiB if quick else GiB
