@@ -7,11 +7,13 @@ The public API is small and imports torch only when used:
     model, optimizer = elixir_tune.setup(model, optimizer, plan=plan)
     elixir_tune.save_checkpoint("ckpt", model, optimizer, step)   # resume: elixir_tune.load_checkpoint
     elixir_tune.save_pretrained(model, "out")                      # Hugging Face layout
+    elixir_tune.data_rank(), elixir_tune.data_size()               # this process's share of the data
 """
 
 __version__ = "0.1.0"
 
 from elixir_tune.plan import load_plan, save_plan, validate  # noqa: E402  (torch-free)
+from elixir_tune.ranks import data_rank, data_size  # noqa: E402  (torch-free)
 
 
 def setup(model, optimizer, plan=None, weights=None, seed=None, find_unused_parameters=None, vocab_parallel_loss=False):
@@ -55,6 +57,8 @@ def load_checkpoint(path, model, optimizer) -> dict:
 
 __all__ = [
     "__version__",
+    "data_rank",
+    "data_size",
     "load_checkpoint",
     "load_plan",
     "save_checkpoint",

@@ -131,7 +131,9 @@ def plan_for(profile, hardware, accum: int, mode: str, chunk_size: int, micro: i
         "pipeline=1",
         "tensor=1",
     ]
-    result = search(profile, hardware, WORLD, global_batch_size=micro * accum * WORLD, fixed=pins)
+    result = search(
+        profile, hardware, WORLD, global_batch_size=micro * accum * WORLD, fixed=pins, loop="forward_backward"
+    )
     plan = result.plan
     shape = Shape(
         plan.memory.chunk_size,
@@ -271,7 +273,9 @@ def gpu_part() -> list[dict]:
         }
         for label, kwargs in runs.items():
             try:
-                result = search(profile, hardware, GPU_COUNT, global_batch_size=GPU_BATCH, **kwargs)
+                result = search(
+                    profile, hardware, GPU_COUNT, global_batch_size=GPU_BATCH, **kwargs, loop="forward_backward"
+                )
             except ValueError as error:  # e.g. infeasible
                 rows.append({"model": name, "search": label, "error": str(error)[:200]})
                 continue

@@ -53,7 +53,14 @@ def run_gpu(args, config: dict) -> dict:
         profile = profile_model(source, batch_size=args.batch, seq_len=args.seq, dtype=args.dtype, checkpointing="all")
         hardware = load_hardware(args.hardware)
         fixed = list(args.fix) + [f"dtype={args.dtype}"]
-        result = search(profile, hardware, gpus_per_node=1, global_batch_size=args.batch * args.accum, fixed=fixed)
+        result = search(
+            profile,
+            hardware,
+            gpus_per_node=1,
+            global_batch_size=args.batch * args.accum,
+            fixed=fixed,
+            loop="forward_backward",
+        )
         plan = result.plan
         torch.manual_seed(0)
         model, optimizer = _setup(source, plan)

@@ -260,7 +260,7 @@ def world1_reference(profile, hardware, best_plan, workdir: Path, args) -> dict:
         "micro_batch_size": training.micro_batch_size,
         "checkpointing": 0,
     }
-    result = search(profile, hardware, 1, global_batch_size=GLOBAL_BATCH // WORLD, fixed=pins)
+    result = search(profile, hardware, 1, global_batch_size=GLOBAL_BATCH // WORLD, fixed=pins, loop="forward_backward")
     say(
         f"world-1 engine reference: {describe(shape_of(result.plan))}: predicted "
         f"{ms(result.plan.prediction.step_time_s)} ms; running"

@@ -37,7 +37,13 @@ def layout_shapes(profile, hardware):
         ("pipeline-2", {"pipeline": 2}),
         ("tensor-2", {"tensor": 2}),
     ):
-        shapes.append((name, pins, search(profile, hardware, WORLD, global_batch_size=GLOBAL_BATCH, fixed=pins)))
+        shapes.append(
+            (
+                name,
+                pins,
+                search(profile, hardware, WORLD, global_batch_size=GLOBAL_BATCH, fixed=pins, loop="forward_backward"),
+            )
+        )
     return shapes
 
 
@@ -48,7 +54,7 @@ def make_shapes(profile, hardware, say):
 
     # The chunk engine's data-parallel path: no pipeline or tensor layout.
     data_only = {"pipeline": 1, "tensor": 1}
-    best = search(profile, hardware, WORLD, global_batch_size=GLOBAL_BATCH, fixed=data_only)
+    best = search(profile, hardware, WORLD, global_batch_size=GLOBAL_BATCH, fixed=data_only, loop="forward_backward")
     b = shape_of(best.plan)
     base = {
         **data_only,
@@ -73,11 +79,15 @@ def make_shapes(profile, hardware, say):
     for name, change in variants:
         pins = {**base, **change}
         try:
-            result = search(profile, hardware, WORLD, global_batch_size=GLOBAL_BATCH, fixed=pins)
+            result = search(
+                profile, hardware, WORLD, global_batch_size=GLOBAL_BATCH, fixed=pins, loop="forward_backward"
+            )
         except ValueError:
             # The best's cache or prefetch may not suit the changed choice: pin only chunk size and the change.
             pins = {"chunk_size": base["chunk_size"], **data_only, **change}
-            result = search(profile, hardware, WORLD, global_batch_size=GLOBAL_BATCH, fixed=pins)
+            result = search(
+                profile, hardware, WORLD, global_batch_size=GLOBAL_BATCH, fixed=pins, loop="forward_backward"
+            )
         if shape_of(result.plan) in seen:
             say(f"{name}: same plan shape as an earlier one, skipped")
             continue

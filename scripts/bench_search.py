@@ -49,7 +49,7 @@ def get_profile(name: str, synthetic: bool):
 def time_search(profile, hardware, gpus: int, nodes: int, repeats: int) -> dict:
     runs = []
     for _ in range(repeats):
-        result = search(profile, hardware, gpus_per_node=gpus, nodes=nodes)
+        result = search(profile, hardware, gpus_per_node=gpus, nodes=nodes, loop="forward_backward")
         runs.append(result)
     elapsed = [r.elapsed_s for r in runs]
     best = runs[-1].candidates[0]

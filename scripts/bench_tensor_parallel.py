@@ -48,7 +48,15 @@ def run_variant(profile, hardware, gpus: int, nodes: int, batch: int, fixed: lis
     """The best plan of one pinned layout, or why there is none."""
     started = time.perf_counter()
     try:
-        result = search(profile, hardware, gpus_per_node=gpus, nodes=nodes, global_batch_size=batch, fixed=fixed)
+        result = search(
+            profile,
+            hardware,
+            gpus_per_node=gpus,
+            nodes=nodes,
+            global_batch_size=batch,
+            fixed=fixed,
+            loop="forward_backward",
+        )
     except InfeasibleError as error:
         return {"infeasible": str(error).split("; try:")[0], "search_s": round(time.perf_counter() - started, 2)}
     except ValueError as error:

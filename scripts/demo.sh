@@ -34,8 +34,10 @@ section "2/5 probe this machine (quick)"
 "$BIN/elixir-tune" probe --quick --out "$OUT/hardware.yaml"
 
 section "3/5 search a plan for 2 processes"
+# train_gpt2.py runs model.forward_backward(micro_batches) on elixir_tune.data_rank()'s slice, so the
+# search may also offer pipeline, tensor and layered plans (--loop forward_backward).
 "$BIN/elixir-tune" search --gpus 2 --profile "$OUT/profile.yaml" --hardware "$OUT/hardware.yaml" \
-    --global-batch-size 16 --out "$OUT/plan.yaml"
+    --global-batch-size 16 --loop forward_backward --out "$OUT/plan.yaml"
 
 section "4/5 the plan"
 "$BIN/elixir-tune" show "$OUT/plan.yaml"

@@ -245,7 +245,7 @@ def train(
     micro, accum = training.micro_batch_size, training.grad_accum_steps
     per_rank = micro * accum
     # Each data-parallel index trains on its slice; the ranks of one pipeline (or tensor) group share it.
-    data_rank = model.engine.mesh.data_rank
+    data_rank = elixir_tune.data_rank()
     tokens_per_step = training.global_batch_size * training.seq_len
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 10)
     header = {

@@ -163,6 +163,16 @@ def candidates_table(rows: list[dict], title: str) -> Table:
     "pipeline=<stages>, tensor=<degree>, tensor_mode=1d|2d.",
 )
 @click.option(
+    "--loop",
+    type=click.Choice(["plain", "forward_backward"]),
+    default="plain",
+    show_default=True,
+    help="What the training script runs each step. plain: model(**batch) and optimizer.backward(loss) per "
+    "micro-batch (data parallelism, standard accumulation); forward_backward: "
+    "loss = model.forward_backward(micro_batches) on the data slice of elixir_tune.data_rank(), which also "
+    "allows pipeline, tensor and layered plans (the shipped scripts run it).",
+)
+@click.option(
     "--top",
     "top_k",
     type=click.IntRange(min=1),
@@ -201,6 +211,7 @@ def search_command(
     global_batch_size: int | None,
     host_memory: str | None,
     fixes: tuple[str, ...],
+    loop: str,
     top_k: int,
     strategy: str,
     out_path: str,
@@ -208,6 +219,10 @@ def search_command(
     as_json: bool,
 ) -> None:
     """Search chunking, caching, offload, checkpointing, batching and pipeline/tensor parallelism; write plan.yaml.
+
+    The plan is a contract with the training script: by default (--loop plain) only plans
+    that a plain DDP-style loop runs; --loop forward_backward when the script runs
+    model.forward_backward(micro_batches) on the slice of elixir_tune.data_rank().
 
     Every candidate is scored by the step time a timeline simulation predicts
     (compute, collectives, host<->GPU copies, CPU Adam) with the hardware's
@@ -219,7 +234,7 @@ def search_command(
         elixir-tune search --gpus 4 --profile profile.yaml --hardware a100-40gb-pcie
         elixir-tune search --gpus 2 --hardware cpu --fix offload=0.5 --fix cache_blocks=all
         elixir-tune search --gpus 4 --hardware a100-40gb-pcie --timeline step.svg
-        elixir-tune search --gpus 8 --nodes 2 --hardware h100-80gb-sxm --fix tensor=2 --fix pipeline=2
+        elixir-tune search --gpus 8 --nodes 2 --hardware h100-80gb-sxm --loop forward_backward --fix tensor=2
     """
     from elixir_tune.search import InfeasibleError, search
 
@@ -243,6 +258,7 @@ def search_command(
                 top_k=top_k,
                 strategy=strategy,
                 hardware_id=hardware_ref,
+                loop=loop,
             )
     except InfeasibleError as error:
         message, _, hint = str(error).partition("; try: ")

@@ -7,6 +7,7 @@ import click
 from elixir_tune.cli.console import Table, console, fail, print_json, print_wide
 from elixir_tune.costmodel.memory import model_state_bytes
 from elixir_tune.plan import Plan, PlanError, load_plan
+from elixir_tune.plan.capabilities import LOOP_CONTRACT, plan_loop
 from elixir_tune.units import human_bytes
 
 _STATE_LABELS = {
@@ -150,6 +151,7 @@ def _summary(plan: Plan) -> dict:
         "training": {
             **{k: v for k, v in vars(plan.training).items() if k != "activation_checkpointing"},
             "checkpointing_every": plan.training.activation_checkpointing.every,
+            "loop": plan_loop(plan),
         },
         "memory": {
             "chunk_size": plan.memory.chunk_size,
@@ -335,6 +337,9 @@ def show_command(
         f"checkpointing {'none' if every == 0 else 'all blocks' if every == 1 else f'every {every} blocks'}",
         soft_wrap=True,
     )
+    loop = plan_loop(plan)
+    also = "; model.forward_backward(micro_batches) runs it too" if loop == "plain" else ""
+    console.print(f"[bold]training script:[/] runs {LOOP_CONTRACT[loop]} (training.loop: {loop}){also}", soft_wrap=True)
     layout_line = parallel_line(plan)
     if layout_line:
         console.print(f"[bold]parallel:[/] {layout_line}", soft_wrap=True)

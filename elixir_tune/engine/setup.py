@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from elixir_tune import ranks
 from elixir_tune.engine.comm import init_mesh
 from elixir_tune.engine.engine import Engine
 from elixir_tune.engine.materialize import make_source
@@ -126,6 +127,7 @@ def setup(
         pipeline=parallel.pipeline.stages,
         tensor=parallel.tensor.degree,
     )
+    ranks.use_plan(plan, mesh.world.rank)
     source = make_source(model, weights, agreed_seed(mesh.world, seed))
     tensor_parallel = split_for_plan(model, optimizer, plan, mesh, source, vocab_parallel_loss)
     if tensor_parallel is not None:

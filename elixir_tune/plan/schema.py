@@ -32,6 +32,11 @@ Backend = Literal["nccl", "gloo"]
 # How the micro-batches of a step run: one after the other (standard), or block by block for all of
 # them (layered gradient accumulation, Lamy-Poirier 2021: each chunk fetched once per pass per step).
 Accumulation = Literal["standard", "layered"]
+# What the training script runs each step (plan/capabilities.py): the plain loop of a DDP/FSDP script
+# (model(**batch) + optimizer.backward per micro-batch), or model.forward_backward(micro_batches).
+Loop = Literal["plain", "forward_backward"]
+# Layouts a model may be unable to use (plan/capabilities.py unsupported_layouts).
+LayoutName = Literal["pipeline", "tensor"]
 # Pipeline stages: block i goes to stage i mod P (modular: each rank holds several non-contiguous
 # blocks, Lamy-Poirier 2021) or to stage i // (N / P) (contiguous, GPipe style).
 PipelineAssignment = Literal["modular", "contiguous"]
@@ -49,6 +54,7 @@ DTYPES: tuple[str, ...] = get_args(Dtype)
 DEVICES: tuple[str, ...] = get_args(Device)
 BACKENDS: tuple[str, ...] = get_args(Backend)
 ACCUMULATIONS: tuple[str, ...] = get_args(Accumulation)
+LOOPS: tuple[str, ...] = get_args(Loop)
 PIPELINE_ASSIGNMENTS: tuple[str, ...] = get_args(PipelineAssignment)
 PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
 TENSOR_MODES: tuple[str, ...] = get_args(TensorMode)
@@ -81,6 +87,9 @@ class ModelInfo:
             when unknown); tensor parallelism picks its per-family layout by it.
         num_heads: attention heads per block (0 when unknown).
         num_kv_heads: key/value heads per block (grouped-query attention; 0 when unknown).
+        unsupported_layouts: the parallel layouts the engine cannot run for this model, each with
+            the reason (``plan/capabilities.py``; from the profile); ``validate`` refuses a plan
+            that uses one.
     """
 
     source: str
@@ -92,6 +101,7 @@ class ModelInfo:
     model_type: str = ""
     num_heads: NonNegativeInt = 0
     num_kv_heads: NonNegativeInt = 0
+    unsupported_layouts: dict[LayoutName, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -145,6 +155,11 @@ class TrainingInfo:
         accumulation: ``standard`` runs the micro-batches one after the other; ``layered`` runs
             each block for all micro-batches before the next (``ElixirModel.forward_backward``),
             so every chunk is gathered once per forward and once per backward per step.
+        loop: what the training script runs each step: ``plain`` (``model(**batch)`` and
+            ``optimizer.backward(loss)`` per micro-batch) or ``forward_backward``
+            (``model.forward_backward(micro_batches)`` on the slice of ``elixir_tune.data_rank()``).
+            Pipeline, tensor and layered plans need ``forward_backward`` (``plan/capabilities.py``);
+            None in plans written before it was recorded (the loop their layout needs).
     """
 
     dtype: Dtype
@@ -154,6 +169,7 @@ class TrainingInfo:
     seq_len: PositiveInt
     activation_checkpointing: Checkpointing = field(default_factory=Checkpointing)
     accumulation: Accumulation = "standard"
+    loop: Loop | None = None
 
 
 @dataclass

@@ -12,11 +12,11 @@ import dataclasses
 import math
 from typing import Any
 
+from elixir_tune.plan.capabilities import LOOP_CONTRACT, layout_reasons_of_type, needs_forward_backward
 from elixir_tune.plan.fields import check_fields, is_required, section_type
 from elixir_tune.plan.memory import ALIGN_ELEMENTS
 from elixir_tune.plan.schema import SCHEMA_VERSION, Plan
 from elixir_tune.plan.stages import assign_stages
-from elixir_tune.plan.tensor_layout import supported_model_types
 
 _SECTIONS = [field for field in dataclasses.fields(Plan) if field.name != "schema_version"]
 
@@ -92,12 +92,6 @@ def _check_tensor(tensor: dict, model: dict, training: dict, errors: list[str]) 
                 f"parallel.tensor.degree: {split} does not divide model.{key} {heads}; "
                 "each tensor rank needs whole attention heads"
             )
-    model_type = model.get("model_type", "")
-    if model_type and model_type not in supported_model_types():
-        errors.append(
-            f"parallel.tensor.degree: no tensor-parallel layout for model.model_type {model_type!r} (supported: "
-            f"{', '.join(supported_model_types())}); use tensor degree 1 for this model"
-        )
     micro = training.get("micro_batch_size")
     if mode == "2d" and isinstance(micro, int) and micro % parts:
         errors.append(
@@ -110,6 +104,35 @@ def _check_tensor(tensor: dict, model: dict, training: dict, errors: list[str]) 
             f"training.seq_len: {seq_len} is not a multiple of the tensor degree {degree}; sequence parallelism "
             "splits every sample's tokens over the tensor ranks (set parallel.tensor.sequence_parallel: false, "
             "or pick a seq_len that divides)"
+        )
+
+
+def _check_contract(parallel: dict, model: dict, training: dict, errors: list[str]) -> None:
+    """The plan as a contract (plan/capabilities.py): layouts the engine runs for this model, and the
+    loop the training script runs."""
+    degrees = {
+        "pipeline": (parallel.get("pipeline", {}).get("stages", 1), "parallel.pipeline.stages"),
+        "tensor": (parallel.get("tensor", {}).get("degree", 1), "parallel.tensor.degree"),
+    }
+    model_type = model.get("model_type", "")
+    # The profile's record when the plan carries it; the family's otherwise (a plan written before it).
+    reasons = model.get("unsupported_layouts") or (layout_reasons_of_type(model_type) if model_type else {})
+    for layout, (degree, path) in degrees.items():
+        if isinstance(degree, int) and degree > 1 and layout in reasons:
+            errors.append(
+                f"{path}: {degree}, but the engine cannot run {layout} parallelism for this model: "
+                f"{reasons[layout]}; set it to 1 (search again without --fix {layout}={degree})"
+            )
+    loop = training.get("loop")
+    stages, tensor_degree = degrees["pipeline"][0], degrees["tensor"][0]
+    if loop != "plain" or not isinstance(stages, int) or not isinstance(tensor_degree, int):
+        return
+    needs = needs_forward_backward(stages, tensor_degree, training.get("accumulation", "standard"))
+    if needs:
+        errors.append(
+            f"training.loop: plain ({LOOP_CONTRACT['plain']}), but {'; '.join(needs)} need a script that runs "
+            f"{LOOP_CONTRACT['forward_backward']}; if the script does, set training.loop: forward_backward "
+            "(elixir-tune search --loop forward_backward), otherwise search again without these"
         )
 
 
@@ -200,6 +223,7 @@ def validate_dict(raw: Any) -> list[str]:
         world_size = cluster["nodes"] * cluster["gpus_per_node"]
     data_size = _check_parallel(sections.get("parallel", {}), world_size, model, errors)
     _check_tensor(sections.get("parallel", {}).get("tensor", {}), model, training, errors)
+    _check_contract(sections.get("parallel", {}), model, training, errors)
     if data_size and all(k in training for k in ("global_batch_size", "micro_batch_size", "grad_accum_steps")):
         product = training["micro_batch_size"] * training["grad_accum_steps"] * data_size
         if product != training["global_batch_size"]:

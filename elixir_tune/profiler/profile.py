@@ -18,8 +18,9 @@ from torch import nn
 
 from elixir_tune.dtypes import DTYPE_ALIASES, TORCH_DTYPES, dtype_name
 from elixir_tune.kv_cache import disable_kv_cache
+from elixir_tune.plan.capabilities import unsupported_layouts
 from elixir_tune.plan.fingerprint import model_fingerprint
-from elixir_tune.plan.schema import Dtype
+from elixir_tune.plan.schema import Dtype, LayoutName
 from elixir_tune.profiler.arch import model_arch
 from elixir_tune.profiler.blocks import checkpointed, find_block_list
 from elixir_tune.profiler.meta_kernels import FusedKernelsOnMeta
@@ -136,6 +137,7 @@ def profile_model(
     activation_ckpt = _line(ckpt, sizes) if ckpt else None
     num_params = sum(p.numel for p in param_infos)
     buffers_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    arch = model_arch(model)
     profile = ModelProfile(
         name=source.name,
         source=source.source,
@@ -158,7 +160,10 @@ def profile_model(
         ),
         activation_checkpointed=activation_ckpt,
         buffers_bytes=buffers_bytes,
-        arch=model_arch(model),
+        arch=arch,
+        unsupported_layouts=cast(
+            "dict[LayoutName, str]", unsupported_layouts(arch.model_type, is_causal_lm=hasattr(model, "lm_head"))
+        ),
     )
     profile.summary = summarize(profile)
     return profile

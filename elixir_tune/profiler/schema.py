@@ -15,8 +15,9 @@ from pathlib import Path
 
 import yaml
 
+from elixir_tune.plan.capabilities import layout_reasons_of_type
 from elixir_tune.plan.fields import NonNegativeFloat, NonNegativeInt, PositiveInt, build, check_fields
-from elixir_tune.plan.schema import Dtype
+from elixir_tune.plan.schema import Dtype, LayoutName
 
 PROFILE_VERSION = 1
 
@@ -134,6 +135,9 @@ class ModelProfile:
         buffers_bytes: bytes of the model's buffers (not trained, kept on the device).
         summary: one-line human description.
         arch: the architecture numbers of its HF config (all zero for other models).
+        unsupported_layouts: the parallel layouts (pipeline, tensor) the engine cannot run for this
+            model, each with the reason (``plan/capabilities.py``); None in profiles made before it
+            was recorded (``layout_reasons`` then derives it from the family).
     """
 
     name: str
@@ -157,7 +161,14 @@ class ModelProfile:
     buffers_bytes: NonNegativeInt = 0
     summary: str = ""
     arch: ModelArch = field(default_factory=ModelArch)
+    unsupported_layouts: dict[LayoutName, str] | None = None
     version: int = PROFILE_VERSION
+
+    def layout_reasons(self) -> dict[str, str]:
+        """The layouts the engine cannot run for this model, each with the reason."""
+        if self.unsupported_layouts is not None:
+            return {str(layout): why for layout, why in self.unsupported_layouts.items()}
+        return layout_reasons_of_type(self.arch.model_type)
 
     @property
     def flops_per_token(self) -> float:

@@ -9,6 +9,7 @@ from typing import Any
 from elixir_tune.costmodel.model import CostModel
 from elixir_tune.costmodel.parallel import DATA_ONLY, Layout
 from elixir_tune.hardware.spec import HardwareSpec
+from elixir_tune.plan.capabilities import LOOP_CONTRACT, LOOPS, needs_forward_backward
 from elixir_tune.plan.schema import Plan
 from elixir_tune.profiler.schema import ModelProfile
 from elixir_tune.search.candidate import Candidate, score
@@ -247,6 +248,31 @@ def explain_winner(
     return line
 
 
+def _pins_of_loop(pinned: dict[str, Any], loop: str) -> dict[str, Any]:
+    """The pins the search runs with: the user's, plus what the script's loop rules out.
+
+    Raises:
+        ValueError: an unknown loop, or a pin the plain loop cannot run (says what to pass).
+    """
+    if loop not in LOOPS:
+        raise ValueError(f"unknown loop {loop!r} (known: {', '.join(LOOPS)})")
+    if loop == "forward_backward":
+        return pinned
+    needs = needs_forward_backward(pinned.get("pipeline", 1), pinned.get("tensor", 1), pinned.get("accumulation", ""))
+    if needs or pinned.get("tensor_mode") == "2d":
+        shown = ", ".join(
+            f"--fix {key}={pinned[key]}"
+            for key in ("pipeline", "tensor", "tensor_mode", "accumulation")
+            if key in pinned
+        )
+        raise ValueError(
+            f"{shown}: needs a training script that runs {LOOP_CONTRACT['forward_backward']}; if yours does, add "
+            f"--loop forward_backward (the plain loop, {LOOP_CONTRACT['plain']}, runs data parallelism with "
+            "standard accumulation only)"
+        )
+    return {**pinned, "pipeline": 1, "tensor": 1, "accumulation": "standard"}
+
+
 def search(
     profile: ModelProfile,
     hardware: HardwareSpec,
@@ -258,6 +284,7 @@ def search(
     top_k: int = 5,
     strategy: str = "joint",
     hardware_id: str | None = None,
+    loop: str = "plain",
 ) -> SearchResult:
     """Finds the fastest plan that fits.
 
@@ -272,6 +299,9 @@ def search(
         top_k: how many of the best candidates to keep.
         strategy: "joint" (our search) or "elixir" (Elixir's rule, scored by our cost model).
         hardware_id: what the plan records as ``cluster.hardware`` (default: the spec's name).
+        loop: what the training script runs each step (``plan/capabilities.py``): ``plain``
+            (``model(**batch)`` + ``optimizer.backward``) limits the search to data parallelism with
+            standard accumulation; ``forward_backward`` also tries pipeline, tensor and layered plans.
 
     Returns:
         The result; ``result.plan`` passes ``validate``.
@@ -286,6 +316,7 @@ def search(
         raise ValueError("gpus_per_node and nodes must be positive")
     started = time.perf_counter()
     pinned = parse_fixed(fixed)
+    searched = _pins_of_loop(pinned, loop)
     world = gpus_per_node * nodes
     global_batch = global_batch_size or DEFAULT_BATCH_PER_GPU * world
     if strategy == "elixir":
@@ -295,7 +326,7 @@ def search(
             raise ValueError("--strategy elixir: Elixir's rule has no pipeline or tensor parallelism; drop those pins")
         layouts = [DATA_ONLY]
     else:
-        layouts = layout_choices(profile, gpus_per_node, nodes, global_batch, pinned)
+        layouts = layout_choices(profile, gpus_per_node, nodes, global_batch, searched)
     models = {
         layout: CostModel(profile, hardware, gpus_per_node, nodes, dtype=pinned.get("dtype"), layout=layout)
         for layout in layouts
@@ -307,19 +338,24 @@ def search(
     )
     by_layout: dict[Layout, Candidate] = {}
     if strategy == "joint":
-        found = explore(list(models.values()), budget, pinned, top_k)
+        found = explore(list(models.values()), budget, searched, top_k)
         if not found.best:
             raise _infeasible(found.min_gpu_bytes, found.min_host_bytes, budget.usable_gpu_bytes, host_bytes, pinned)
         candidates, num_scored, by_layout = found.best, found.num_scored, found.best_by_layout
         model = models[candidates[0].layout]
     else:
-        shape, memory = fitted_elixir_shape(model, global_batch // world, budget.usable_gpu_bytes, pinned)
+        shape, memory = fitted_elixir_shape(model, global_batch // world, budget.usable_gpu_bytes, searched)
         if memory.required_gpu_bytes > budget.usable_gpu_bytes or memory.peak_host_bytes > host_bytes:
             raise _infeasible(
                 memory.required_gpu_bytes, memory.peak_host_bytes, budget.usable_gpu_bytes, host_bytes, pinned
             )
         candidates, num_scored = [score(model, shape, memory, global_batch)], 1
     why = explain_winner(candidates, pinned, device=hardware.device, by_layout=by_layout, layouts_tried=len(models))
+    if loop == "plain" and strategy == "joint" and len(profile.layout_reasons()) < 2:
+        why += (
+            "; the plain loop runs data parallelism with standard accumulation only (--loop forward_backward "
+            "also tries pipeline, tensor and layered plans)"
+        )
     elapsed = time.perf_counter() - started
     plan = build_plan(
         model,
@@ -330,6 +366,7 @@ def search(
         elapsed_s=elapsed,
         num_scored=num_scored,
         alternatives=candidates[1:],
+        loop=loop,
     )
     return SearchResult(
         plan=plan,

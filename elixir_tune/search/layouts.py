@@ -10,9 +10,14 @@ Rules (docs/DESIGN.md section 7.1):
 * pipeline degree P: divisors of world / T up to the number of blocks, modular assignment and the
   looped breadth-first schedule;
 * the data degree world / (P x T) must divide the global batch;
-* pipeline and tensor parallelism one at a time: the engine does not compose the two yet.
+* pipeline and tensor parallelism one at a time: the engine does not compose the two yet;
+* only the layouts the engine can run for this model (``ModelProfile.layout_reasons``, from
+  ``plan/capabilities.py``): a family without a stage adapter gets no pipeline, one without a
+  tensor layout table no tensor parallelism, and a pin of either is refused with the reason.
 
 ``--fix pipeline=P``, ``--fix tensor=T`` and ``--fix tensor_mode=1d|2d`` pin them (checked here).
+Whether the training script's loop allows these layouts at all is the driver's question
+(``search(loop=...)``).
 """
 
 from __future__ import annotations
@@ -41,8 +46,14 @@ def tensor_choices(profile: ModelProfile, gpus_per_node: int, fixed: dict) -> li
     Raises:
         ValueError: a pinned degree or mode the model or the node does not allow (says why).
     """
-    allowed = [(t, m) for t, m in tensor_degrees(profile, gpus_per_node) if t == 1 or _splits(profile, t, m)]
     pinned_t, pinned_mode = fixed.get("tensor"), fixed.get("tensor_mode")
+    cannot = profile.layout_reasons().get("tensor")
+    if cannot:  # the engine cannot split this model: data (and pipeline) parallelism only
+        if (pinned_t or 1) > 1 or pinned_mode == "2d":
+            shown = f"--fix tensor={pinned_t}" if pinned_t else "--fix tensor_mode=2d"
+            raise ValueError(f"{shown}: not possible for {profile.name}: {cannot}; drop the pin")
+        return [(1, "1d")]
+    allowed = [(t, m) for t, m in tensor_degrees(profile, gpus_per_node) if t == 1 or _splits(profile, t, m)]
     if pinned_mode == "2d" and pinned_t is None:
         chosen: list[tuple[int, TensorMode]] = [(t, m) for t, m in allowed if m == "2d"]
         if not chosen:
@@ -94,11 +105,16 @@ def layout_choices(
     """
     world = gpus_per_node * nodes
     num_blocks = len(profile.blocks)
+    cannot_pipeline = profile.layout_reasons().get("pipeline")
+    if cannot_pipeline and fixed.get("pipeline", 1) > 1:
+        raise ValueError(
+            f"--fix pipeline={fixed['pipeline']}: not possible for {profile.name}: {cannot_pipeline}; drop the pin"
+        )
     layouts = []
     for degree, mode in tensor_choices(profile, gpus_per_node, fixed):
         if world % degree:
             continue
-        stage_choices = pipeline_degrees(world, degree, num_blocks)
+        stage_choices = [1] if cannot_pipeline else pipeline_degrees(world, degree, num_blocks)
         if "pipeline" in fixed:
             stage_choices = [fixed["pipeline"]] if fixed["pipeline"] in stage_choices else []
         for stages in stage_choices:

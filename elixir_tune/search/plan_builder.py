@@ -22,6 +22,8 @@ from elixir_tune.plan.schema import (
     ClusterInfo,
     Device,
     Dtype,
+    LayoutName,
+    Loop,
     MemoryPlan,
     ModelInfo,
     ModelStateKey,
@@ -125,6 +127,7 @@ def build_plan(
     elapsed_s: float,
     num_scored: int,
     alternatives: list[Candidate],
+    loop: str = "plain",
 ) -> Plan:
     """The plan of one candidate, with its prediction and how it was found.
 
@@ -137,6 +140,7 @@ def build_plan(
         elapsed_s: search wall time.
         num_scored: candidates scored.
         alternatives: the runners-up, best first.
+        loop: the training script's loop (``training.loop``: plain or forward_backward).
 
     Returns:
         The plan.
@@ -173,6 +177,7 @@ def build_plan(
             model_type=arch.model_type,
             num_heads=arch.num_heads,
             num_kv_heads=arch.num_kv_heads,
+            unsupported_layouts=cast("dict[LayoutName, str]", profile.layout_reasons()),
         ),
         cluster=ClusterInfo(
             hardware=hardware_id,
@@ -195,6 +200,7 @@ def build_plan(
             seq_len=profile.seq_len,
             activation_checkpointing=Checkpointing(every=shape.every),
             accumulation=shape.accumulation,
+            loop=cast(Loop, loop),  # checked by the driver against LOOPS
         ),
         memory=MemoryPlan(
             chunk_size=shape.chunk_size,

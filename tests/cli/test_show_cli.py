@@ -73,7 +73,7 @@ def test_show_an_invalid_plan_exits_1(tmp_path):
 )
 def test_show_explains_a_pipeline_or_tensor_plan(tmp_path, fixed, texts):
     profile = gpt2_profile("p", hidden=256, layers=4, heads=4, vocab=1024, positions=128, seq_len=128)
-    plan = search(profile, load_hardware("h100-80gb-sxm"), gpus_per_node=8, fixed=fixed).plan
+    plan = search(profile, load_hardware("h100-80gb-sxm"), gpus_per_node=8, fixed=fixed, loop="forward_backward").plan
     save_plan(plan, tmp_path / "plan.yaml")
     result = CliRunner().invoke(cli, ["show", str(tmp_path / "plan.yaml")])
     assert result.exit_code == 0, result.output

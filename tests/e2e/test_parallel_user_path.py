@@ -38,6 +38,8 @@ def _train(profile: Path, tmp_path: Path, name: str, pins: list[str]) -> list[fl
             profile,
             "--global-batch-size",
             "8",
+            "--loop",
+            "forward_backward",
             *fixes,
             "--out",
             plan,

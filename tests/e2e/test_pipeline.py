@@ -164,6 +164,7 @@ def test_a_layered_plan_trains_through_train_gpt2(cpu_plan, tmp_path):
     args = ["search", "--gpus", "2", "--profile", work / "profile.yaml", "--hardware", "cpu"]
     args += ["--global-batch-size", "16", "--fix", "accumulation=layered", "--fix", "micro_batch_size=2"]
     args += ["--fix", "pipeline=1", "--fix", "tensor=1"]  # the chunk engine's layered path
+    args += ["--loop", "forward_backward"]  # train_gpt2.py runs model.forward_backward
     tune([*args, "--out", plan])
     assert "accumulation: layered" in plan.read_text()
     shown = tune(["show", plan])

@@ -105,9 +105,13 @@ def test_search_choices_and_the_pin():
 def test_pinned_layered_search_writes_it_into_the_plan():
     profile = gpt2_profile("gpt2-tiny", hidden=128, layers=2, heads=2, vocab=1024, positions=128, seq_len=128)
     node = example_hardware(gpus_per_node=2)
-    result = search(profile, node, gpus_per_node=2, global_batch_size=16, fixed=["accumulation=layered"])
+    result = search(
+        profile, node, gpus_per_node=2, global_batch_size=16, fixed=["accumulation=layered"], loop="forward_backward"
+    )
     assert result.plan.training.accumulation == "layered"
     assert result.plan.training.grad_accum_steps > 1
     assert "layer by layer" in result.why
-    standard = search(profile, node, gpus_per_node=2, global_batch_size=16, fixed=["accumulation=standard"])
+    standard = search(
+        profile, node, gpus_per_node=2, global_batch_size=16, fixed=["accumulation=standard"], loop="forward_backward"
+    )
     assert standard.plan.training.accumulation == "standard"

@@ -92,6 +92,7 @@ def test_the_search_prediction_carries_the_held_gradients(profile):
         gpus_per_node=2,
         global_batch_size=8,
         fixed=["pipeline=2", "micro_batch_size=2", "dtype=fp32"],
+        loop="forward_backward",
     )
     plan = result.plan
     assert plan.training.grad_accum_steps == 4 and plan.training.accumulation == "layered"

@@ -186,6 +186,7 @@ def key_of(candidate):
 # allocator overhead), plus NCCL's buffers (NCCL_BUFFER_BYTES) with 2 GPUs, so 1030-1038 (plus
 # those) leave 6-14 MiB for a model whose states take about 14 MiB (offload is forced), 1200
 # leaves room for everything.
+LOOP = "forward_backward"
 SPACES = [
     (gpus, usable_mib, fixed)
     for gpus in (1, 2)
@@ -203,7 +204,10 @@ def test_pruned_search_finds_the_exhaustive_best(small_profile, gpus, usable_mib
     global_batch = 4 * gpus
     pinned = parse_fixed(fixed)
     # top_k=1: the bounds are checked against the best so far, the most pruning they can do.
-    result = search(small_profile, node, gpus_per_node=gpus, global_batch_size=global_batch, fixed=fixed, top_k=1)
+    # forward_backward: the whole space, layered accumulation included (the plain loop pins it standard).
+    result = search(
+        small_profile, node, gpus_per_node=gpus, global_batch_size=global_batch, fixed=fixed, top_k=1, loop=LOOP
+    )
     (best_key, best), scored = exhaustive_best(small_profile, node, gpus, global_batch, pinned)
     assert key_of(result.candidates[0]) == best_key, (result.candidates[0].shape, best.shape)
     # The pruning never scores more than every candidate (in the tightest spaces it may skip none).
@@ -215,9 +219,15 @@ def test_pruned_search_finds_the_exhaustive_best(small_profile, gpus, usable_mib
         expected, _ = exhaustive_best(small_profile, tight, gpus, global_batch, pinned)
         if expected is None:
             with pytest.raises(InfeasibleError):
-                search(small_profile, tight, gpus_per_node=gpus, global_batch_size=global_batch, fixed=fixed)
+                search(small_profile, tight, gpus_per_node=gpus, global_batch_size=global_batch, fixed=fixed, loop=LOOP)
         else:
             found = search(
-                small_profile, tight, gpus_per_node=gpus, global_batch_size=global_batch, fixed=fixed, top_k=1
+                small_profile,
+                tight,
+                gpus_per_node=gpus,
+                global_batch_size=global_batch,
+                fixed=fixed,
+                top_k=1,
+                loop=LOOP,
             )
             assert key_of(found.candidates[0]) == expected[0], (found.candidates[0].shape, expected[1].shape)

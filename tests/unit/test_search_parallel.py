@@ -41,7 +41,7 @@ def h100():
     ],
 )
 def test_pins_are_honoured(small, fixed, layout):
-    result = search(small, example_hardware(gpus_per_node=4), gpus_per_node=4, fixed=fixed)
+    result = search(small, example_hardware(gpus_per_node=4), gpus_per_node=4, fixed=fixed, loop="forward_backward")
     plan = result.plan
     assert (plan.parallel.pipeline.stages, plan.parallel.tensor.degree, plan.parallel.tensor.mode) == layout
     assert all(c.layout == result.candidates[0].layout for c in result.candidates)
@@ -64,16 +64,18 @@ def test_pins_are_honoured(small, fixed, layout):
 )
 def test_bad_pins_say_why(small, fixed, message):
     with pytest.raises(ValueError, match=message):
-        search(small, example_hardware(gpus_per_node=4), gpus_per_node=4, fixed=fixed)
+        search(small, example_hardware(gpus_per_node=4), gpus_per_node=4, fixed=fixed, loop="forward_backward")
 
 
 def test_sequence_parallelism_needs_the_degree_to_divide_the_tokens():
     odd_seq = profile_of(256, 4, 4, 126, vocab=1024)
     with pytest.raises(ValueError, match="126 tokens of a sample by T, and 4 does not divide them"):
-        search(odd_seq, example_hardware(gpus_per_node=4), gpus_per_node=4, fixed=["tensor=4"])
+        search(odd_seq, example_hardware(gpus_per_node=4), gpus_per_node=4, fixed=["tensor=4"], loop="forward_backward")
     allowed = {
         (layout.tensor, layout.tensor_mode)
-        for layout in search(odd_seq, example_hardware(gpus_per_node=4), gpus_per_node=4).models
+        for layout in search(
+            odd_seq, example_hardware(gpus_per_node=4), gpus_per_node=4, loop="forward_backward"
+        ).models
     }
     assert (2, "1d") in allowed and (4, "1d") not in allowed and (4, "2d") in allowed
 
@@ -81,8 +83,10 @@ def test_sequence_parallelism_needs_the_degree_to_divide_the_tokens():
 def test_models_without_a_tensor_layout_get_no_tensor_parallelism(small):
     odd_vocab = profile_of(256, 4, 4, 128, vocab=1023)  # the vocabulary does not split by 2
     with pytest.raises(ValueError, match="does not split evenly"):
-        search(odd_vocab, example_hardware(gpus_per_node=4), gpus_per_node=4, fixed=["tensor=2"])
-    result = search(odd_vocab, example_hardware(gpus_per_node=4), gpus_per_node=4)
+        search(
+            odd_vocab, example_hardware(gpus_per_node=4), gpus_per_node=4, fixed=["tensor=2"], loop="forward_backward"
+        )
+    result = search(odd_vocab, example_hardware(gpus_per_node=4), gpus_per_node=4, loop="forward_backward")
     assert all(layout.tensor == 1 for layout in result.models)
 
 
@@ -99,7 +103,7 @@ def test_models_without_a_tensor_layout_get_no_tensor_parallelism(small):
 )
 def test_a_parallel_layout_only_when_faster(h100, hidden, layers, heads, seq, batch, fixed, winner):
     profile = profile_of(hidden, layers, heads, seq)
-    result = search(profile, h100, gpus_per_node=8, global_batch_size=batch, fixed=fixed)
+    result = search(profile, h100, gpus_per_node=8, global_batch_size=batch, fixed=fixed, loop="forward_backward")
     best = result.candidates[0]
     assert best.layout == winner
     others = {layout: c.step_time_s for layout, c in result.best_by_layout.items() if layout != winner}
@@ -111,13 +115,19 @@ def test_a_parallel_layout_only_when_faster(h100, hidden, layers, heads, seq, ba
 
 def test_pipeline_and_tensor_pins_together_are_refused(small):
     with pytest.raises(ValueError, match="not both at once yet"):
-        search(small, example_hardware(gpus_per_node=8), gpus_per_node=8, fixed=["pipeline=2", "tensor=2"])
+        search(
+            small,
+            example_hardware(gpus_per_node=8),
+            gpus_per_node=8,
+            fixed=["pipeline=2", "tensor=2"],
+            loop="forward_backward",
+        )
 
 
 @pytest.mark.parametrize(("stages", "tensor"), [(2, 1), (1, 2)])
 def test_plan_packs_each_stage_at_local_sizes(small, stages, tensor):
     fixed = [f"pipeline={stages}", f"tensor={tensor}"]
-    result = search(small, example_hardware(gpus_per_node=8), gpus_per_node=8, fixed=fixed)
+    result = search(small, example_hardware(gpus_per_node=8), gpus_per_node=8, fixed=fixed, loop="forward_backward")
     plan = result.plan
     assert validate(plan) == []
     assert plan.model.model_type == "gpt2" and plan.model.num_heads == 4 and plan.model.num_kv_heads == 4
@@ -136,7 +146,13 @@ def test_plan_packs_each_stage_at_local_sizes(small, stages, tensor):
 
 
 def test_plans_without_parallelism_read_as_before(small):
-    plan = search(small, example_hardware(gpus_per_node=2), gpus_per_node=2, fixed=["pipeline=1", "tensor=1"]).plan
+    plan = search(
+        small,
+        example_hardware(gpus_per_node=2),
+        gpus_per_node=2,
+        fixed=["pipeline=1", "tensor=1"],
+        loop="forward_backward",
+    ).plan
     text = dump_plan(plan)
     assert "stage:" not in text and "parallel:" not in text
 
@@ -145,4 +161,11 @@ def test_elixir_baseline_has_neither(small):
     result = search(small, example_hardware(gpus_per_node=4), gpus_per_node=4, strategy="elixir")
     assert result.plan.parallel.is_default()
     with pytest.raises(ValueError, match="Elixir's rule has no pipeline"):
-        search(small, example_hardware(gpus_per_node=4), gpus_per_node=4, strategy="elixir", fixed=["tensor=2"])
+        search(
+            small,
+            example_hardware(gpus_per_node=4),
+            gpus_per_node=4,
+            strategy="elixir",
+            fixed=["tensor=2"],
+            loop="forward_backward",
+        )

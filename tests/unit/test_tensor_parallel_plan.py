@@ -35,8 +35,9 @@ from tests.unit.test_plan_parallel import _with
         ),
         (
             {"parallel__tensor__degree": 2, "model__model_type": "bloom", "training__global_batch_size": 8},
-            "parallel.tensor.degree: no tensor-parallel layout for model.model_type 'bloom' (supported: gpt2, "
-            "llama, mistral, qwen2); use tensor degree 1 for this model",
+            "parallel.tensor.degree: 2, but the engine cannot run tensor parallelism for this model: model type "
+            "'bloom' has no tensor layout table (tensor parallelism runs the families gpt2, llama, mistral, qwen2); "
+            "set it to 1 (search again without --fix tensor=2)",
         ),
     ],
 )  # fmt: skip

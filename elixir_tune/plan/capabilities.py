@@ -1,0 +1,107 @@
+"""What the engine can run for a model, and what a plan asks of the training script.
+
+One place answers both questions (docs/DESIGN.md section 8.2), so that the profiler, the search,
+``validate``, ``elixir-run``'s checks and the engine agree:
+
+* **layouts**: pipeline stages need a stage adapter for the model's family
+  (``engine/pipeline_adapters.py``), tensor parallelism a layout table (``plan/tensor_layout.py``)
+  and the engine's parallel plan for that family (``engine/tp_adapters.py``); both run transformers
+  causal LMs only. ``unsupported_layouts`` gives, per layout the model cannot use, the reason; the
+  profiler records it, the plan carries it, the search never offers those layouts and ``validate``
+  refuses them.
+* **the loop**: a data-parallel plan with standard accumulation runs under the plain loop a DDP or
+  FSDP user writes (``model(**batch)`` then ``optimizer.backward(loss)`` per micro-batch, each rank
+  reading its own share of the data). Pipeline stages, tensor parallelism and layered accumulation
+  need ``loss = model.forward_backward(micro_batches)``, with every rank of one data index fed the
+  same micro-batches (``elixir_tune.data_rank()``). ``training.loop`` in the plan says which loop
+  the script runs; the search offers the second kind only when told the script runs
+  ``forward_backward``.
+
+Imports no torch.
+"""
+
+from __future__ import annotations
+
+from typing import get_args
+
+from elixir_tune.plan.schema import LOOPS, LayoutName, Plan
+from elixir_tune.plan.tensor_layout import supported_model_types
+
+# The families engine/pipeline_adapters.py has a stage adapter for (a unit test keeps the two equal).
+PIPELINE_MODEL_TYPES: tuple[str, ...] = ("gpt2", "llama", "mistral", "opt", "qwen2")
+LAYOUTS: tuple[str, ...] = get_args(LayoutName)
+__all__ = ["LAYOUTS", "LOOPS", "LOOP_CONTRACT", "PIPELINE_MODEL_TYPES"]
+
+# What the script must do under each loop: the sentence the errors and `show` print.
+LOOP_CONTRACT = {
+    "plain": "model(**batch) and optimizer.backward(loss) for each micro-batch",
+    "forward_backward": "loss = model.forward_backward(micro_batches), with the data slice of "
+    "elixir_tune.data_rank() / elixir_tune.data_size()",
+}
+
+
+def unsupported_layouts(model_type: str, is_causal_lm: bool) -> dict[str, str]:
+    """The layouts the engine cannot run for a model, each with the reason.
+
+    Args:
+        model_type: the model's family (a transformers ``config.model_type``; "" for other models).
+        is_causal_lm: the model is a transformers causal LM (it has an ``lm_head``).
+
+    Returns:
+        ``{"pipeline": why, "tensor": why}`` for those it cannot run (empty when it runs both).
+    """
+    what = f"model type {model_type!r}" if model_type else "a model without a transformers config"
+    reasons: dict[str, str] = {}
+    if model_type not in PIPELINE_MODEL_TYPES:
+        reasons["pipeline"] = (
+            f"{what} has no pipeline stage adapter (stages run transformers causal LMs of the families "
+            f"{', '.join(PIPELINE_MODEL_TYPES)})"
+        )
+    elif not is_causal_lm:
+        reasons["pipeline"] = f"pipeline stages run {model_type} causal LMs (with an lm_head) only"
+    if model_type not in supported_model_types():
+        reasons["tensor"] = (
+            f"{what} has no tensor layout table (tensor parallelism runs the families "
+            f"{', '.join(supported_model_types())})"
+        )
+    elif not is_causal_lm:
+        reasons["tensor"] = f"tensor parallelism runs {model_type} causal LMs (with an lm_head) only"
+    return reasons
+
+
+def layout_reasons_of_type(model_type: str) -> dict[str, str]:
+    """``unsupported_layouts`` for a record that has only the family (an older profile or plan):
+    a supported family is taken to be its causal LM, as the profiles of that time were."""
+    return unsupported_layouts(model_type, is_causal_lm=True)
+
+
+def needs_forward_backward(stages: int, tensor_degree: int, accumulation: str) -> list[str]:
+    """What in a layout needs the ``forward_backward`` loop (empty: the plain loop runs it).
+
+    Args:
+        stages: pipeline stages.
+        tensor_degree: tensor degree.
+        accumulation: ``standard`` or ``layered``.
+
+    Returns:
+        One phrase per reason, e.g. ``["pipeline stages 2"]``.
+    """
+    reasons = []
+    if stages > 1:
+        reasons.append(f"pipeline stages {stages} (the schedule runs the micro-batches through the stages)")
+    if tensor_degree > 1:
+        reasons.append(f"tensor degree {tensor_degree} (the ranks of a tensor group share each micro-batch)")
+    if accumulation == "layered":
+        reasons.append("layered accumulation (each block runs for all micro-batches of a step at once)")
+    return reasons
+
+
+def plan_loop(plan: Plan) -> str:
+    """The loop the plan's training script runs: ``training.loop``, or for a plan written before it
+    was recorded, the loop its layout needs."""
+    if plan.training.loop is not None:
+        return plan.training.loop
+    needs = needs_forward_backward(
+        plan.parallel.pipeline.stages, plan.parallel.tensor.degree, plan.training.accumulation
+    )
+    return "forward_backward" if needs else "plain"

@@ -1,0 +1,180 @@
+"""The plan as a contract (plan/capabilities.py): the layouts the engine runs for a model and the
+training loop a plan needs, as the profiler records them, the search honours them and ``validate``
+enforces them; and the data slice a script takes (elixir_tune.data_rank / data_size)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+import elixir_tune
+from elixir_tune.hardware import load_hardware
+from elixir_tune.plan import PipelineParallel, load_plan, save_plan, validate, validate_dict
+from elixir_tune.plan.capabilities import PIPELINE_MODEL_TYPES, plan_loop, unsupported_layouts
+from elixir_tune.plan.tensor_layout import supported_model_types
+from elixir_tune.profiler import profile_model
+from elixir_tune.search import search
+
+MODELS = Path(__file__).parent / "models"
+# Tiny transformers configs of families with and without adapters: (architecture, config fields).
+FAMILIES = {
+    "gpt2": {"n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 128, "n_positions": 32},
+    "qwen2": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+              "intermediate_size": 64, "vocab_size": 128},
+    "qwen3": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+              "intermediate_size": 64, "vocab_size": 128, "head_dim": 16},
+    "gpt_neox": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
+                 "vocab_size": 128},
+    "opt": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "ffn_dim": 64, "vocab_size": 128,
+            "word_embed_proj_dim": 32},
+}  # fmt: skip
+
+
+def _profile(tmp_path: Path, family: str):
+    import yaml
+
+    path = tmp_path / f"{family}.yaml"
+    path.write_text(yaml.safe_dump({"name": f"{family}-tiny", "architecture": family, "config": FAMILIES[family]}))
+    return profile_model(str(path), batch_size=2, seq_len=16)
+
+
+@pytest.fixture(scope="module")
+def profiles(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("families")
+    found = {family: _profile(tmp, family) for family in FAMILIES}
+    found["t5"] = profile_model(f"{MODELS}/families.py:build_t5", batch_size=2, seq_len=8)
+    found["mlp"] = profile_model(f"{MODELS}/tiny_mlp.py", batch_size=2, seq_len=8)
+    return found
+
+
+def test_the_lists_are_the_engines():
+    from elixir_tune.engine.pipeline_adapters import ADAPTERS
+    from elixir_tune.engine.tp_adapters import FAMILY_PLANS
+
+    assert set(PIPELINE_MODEL_TYPES) == set(ADAPTERS)
+    assert set(supported_model_types()) == set(FAMILY_PLANS)
+
+
+def test_reasons_name_the_model_and_what_runs():
+    assert unsupported_layouts("llama", is_causal_lm=True) == {}
+    assert set(unsupported_layouts("opt", is_causal_lm=True)) == {"tensor"}
+    reasons = unsupported_layouts("t5", is_causal_lm=False)
+    assert "model type 't5' has no pipeline stage adapter" in reasons["pipeline"]
+    assert "model type 't5' has no tensor layout table" in reasons["tensor"]
+    assert "causal LMs (with an lm_head) only" in unsupported_layouts("gpt2", is_causal_lm=False)["pipeline"]
+    assert "without a transformers config" in unsupported_layouts("", is_causal_lm=False)["tensor"]
+
+
+def test_the_profile_records_what_the_engine_runs(profiles):
+    assert profiles["gpt2"].unsupported_layouts == {}
+    assert profiles["qwen2"].unsupported_layouts == {}
+    assert set(profiles["opt"].unsupported_layouts) == {"tensor"}
+    for family in ("qwen3", "gpt_neox", "t5", "mlp"):
+        assert set(profiles[family].unsupported_layouts) == {"pipeline", "tensor"}, family
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "t5", "mlp"])
+def test_the_default_search_emits_a_plain_loop_plan(profiles, family):
+    result = search(profiles[family], load_hardware("cpu"), gpus_per_node=2, global_batch_size=8)
+    plan = result.plan
+    assert plan.parallel.is_default() and plan.training.accumulation == "standard"
+    assert plan.training.loop == "plain" and validate(plan) == []
+    assert plan.model.unsupported_layouts == profiles[family].layout_reasons()
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "t5", "mlp"])
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_forward_backward_plans_use_only_layouts_the_model_runs(profiles, family, gpus):
+    profile = profiles[family]
+    plan = search(profile, load_hardware("h100-80gb-sxm"), gpus_per_node=gpus, loop="forward_backward").plan
+    reasons = profile.layout_reasons()
+    assert plan.training.loop == "forward_backward" and validate(plan) == []
+    assert plan.parallel.pipeline.stages == 1 or "pipeline" not in reasons
+    assert plan.parallel.tensor.degree == 1 or "tensor" not in reasons
+
+
+@pytest.mark.parametrize("pin", ["pipeline=2", "tensor=2"])
+def test_a_pinned_layout_the_model_cannot_run_is_refused_with_the_reason(profiles, pin):
+    hardware = load_hardware("cpu")
+    with pytest.raises(ValueError, match=f"--fix {pin}: not possible for qwen3-tiny: model type 'qwen3' has no"):
+        search(profiles["qwen3"], hardware, gpus_per_node=2, global_batch_size=8, fixed=[pin], loop="forward_backward")
+
+
+@pytest.mark.parametrize("pin", ["pipeline=2", "tensor=2", "accumulation=layered"])
+def test_the_plain_loop_refuses_pins_that_need_forward_backward(profiles, pin):
+    with pytest.raises(
+        ValueError, match=f"--fix {pin}: needs a training script that runs loss = model.forward_backward"
+    ):
+        search(profiles["gpt2"], load_hardware("cpu"), gpus_per_node=2, global_batch_size=8, fixed=[pin])
+    with pytest.raises(ValueError, match="unknown loop 'manual'"):
+        search(profiles["gpt2"], load_hardware("cpu"), gpus_per_node=2, loop="manual")
+
+
+def _pipeline_plan(profiles, tmp_path):
+    plan = search(
+        profiles["gpt2"], load_hardware("cpu"), gpus_per_node=2, global_batch_size=8, fixed=["pipeline=2"],
+        loop="forward_backward",
+    ).plan  # fmt: skip
+    assert plan.parallel.pipeline.stages == 2
+    return plan
+
+
+def test_validate_refuses_a_plain_loop_with_a_layout_that_needs_forward_backward(profiles, tmp_path):
+    raw = _pipeline_plan(profiles, tmp_path).to_dict()
+    raw["training"]["loop"] = "plain"
+    problems = validate_dict(raw)
+    assert len(problems) == 1 and problems[0].startswith("training.loop: plain (model(**batch) and optimizer"), problems
+    assert "pipeline stages 2" in problems[0] and "--loop forward_backward" in problems[0]
+    del raw["training"]["loop"]  # a plan written before the loop was recorded: its layout's loop
+    assert validate_dict(raw) == []
+    plan = load_plan(_saved(raw, tmp_path))
+    assert plan.training.loop is None and plan_loop(plan) == "forward_backward"
+
+
+def test_validate_refuses_a_layout_the_model_cannot_run(profiles, tmp_path):
+    raw = _pipeline_plan(profiles, tmp_path).to_dict()
+    raw["model"]["unsupported_layouts"] = {"pipeline": "no adapter here"}
+    assert validate_dict(raw) == [
+        "parallel.pipeline.stages: 2, but the engine cannot run pipeline parallelism for this model: no adapter "
+        "here; set it to 1 (search again without --fix pipeline=2)"
+    ]
+    raw["model"]["unsupported_layouts"] = {}
+    raw["model"]["model_type"] = "qwen3"  # an older plan without the record: its family decides
+    assert "model type 'qwen3' has no pipeline stage adapter" in " ".join(validate_dict(raw))
+
+
+def _saved(raw: dict, tmp_path: Path) -> Path:
+    import yaml
+
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_data_rank_and_size_follow_the_plan(profiles, tmp_path, monkeypatch):
+    from elixir_tune import ranks
+
+    monkeypatch.setattr(ranks, "_active", None)
+    monkeypatch.delenv("ELIXIR_TUNE_PLAN", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert (elixir_tune.data_rank(), elixir_tune.data_size()) == (0, 1)
+
+    plan = search(
+        profiles["gpt2"], load_hardware("cpu"), gpus_per_node=4, global_batch_size=8, fixed=["pipeline=2"],
+        loop="forward_backward",
+    ).plan  # fmt: skip
+    save_plan(plan, tmp_path / "pp.yaml")
+    monkeypatch.setenv("ELIXIR_TUNE_PLAN", str(tmp_path / "pp.yaml"))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    seen = []
+    for rank in range(4):  # rank = (data x P + stage) x T + tensor: ranks 0, 1 are data 0; 2, 3 data 1
+        monkeypatch.setenv("RANK", str(rank))
+        seen.append((elixir_tune.data_rank(), elixir_tune.data_size()))
+    assert seen == [(0, 2), (0, 2), (1, 2), (1, 2)]
+
+    data_only = dataclasses.replace(plan, parallel=dataclasses.replace(plan.parallel, pipeline=PipelineParallel()))
+    ranks.use_plan(data_only, 3)  # what setup records wins over the environment
+    assert (elixir_tune.data_rank(), elixir_tune.data_size()) == (3, 4)
