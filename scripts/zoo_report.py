@@ -5,6 +5,7 @@ search chose for each training loop, and whether each loop matched plain PyTorch
     .venv/bin/python scripts/zoo_report.py                 # every model, about a minute on 2 cores
     .venv/bin/python scripts/zoo_report.py gpt2 mamba      # some of them
     .venv/bin/python scripts/zoo_report.py --errors        # also each failure's message
+    .venv/bin/python scripts/zoo_report.py mamba --fix chunk_size=4096 --fix cache_blocks=2   # more search pins
 
 Each model is profiled on the meta device and searched at world 2 on the ``cpu`` preset (global
 batch 8) once per loop (tests/zoo/harness.py ``zoo_plan``); one launch of two gloo processes trains
@@ -70,11 +71,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("models", nargs="*", help=f"zoo models (default all: {', '.join(ZOO)})")
     parser.add_argument("--errors", action="store_true", help="print each failure's message")
+    parser.add_argument("--fix", action="append", default=[], metavar="KEY=VALUE", help="pin a search choice")
     args = parser.parse_args()
     unknown = [name for name in args.models if name not in ZOO]
     if unknown:
         parser.error(f"unknown zoo models {unknown}; known: {', '.join(ZOO)}")
-    results, wall_s = run_zoo(args.models or None)
+    results, wall_s = run_zoo(args.models or None, tuple(args.fix))
     print(table(results))
     passed = sum(result.ok for result in results)
     print(f"\n{passed}/{len(results)} model x loop cases pass; the zoo took {wall_s:.0f} s")

@@ -24,11 +24,16 @@ WEIGHT_ABS = 1e-5
 WORKER = Path(__file__).resolve().parent / "zoo_worker.py"
 
 
-def zoo_plan(profile, loop: str):
+def zoo_plan(profile, loop: str, pins: tuple[str, ...] = ()):
     """The default search for ``loop`` ("plain" or "forward_backward") at world 2 on the cpu preset.
 
     Today the search has no notion of the loop: "plain" pins the data-parallel layout (the only one
     a plain loop can run) and "forward_backward" searches freely.
+
+    Args:
+        profile: the model's profile.
+        loop: the training script's loop.
+        pins: more ``KEY=VALUE`` search pins (scripts/zoo_report.py ``--fix``; none in the test).
 
     Returns:
         The search's plan.
@@ -36,7 +41,7 @@ def zoo_plan(profile, loop: str):
     from elixir_tune.hardware import load_hardware
     from elixir_tune.search import search
 
-    fixed = [f"micro_batch_size={MICRO_BATCH}"]
+    fixed = [f"micro_batch_size={MICRO_BATCH}", *pins]
     if loop == "plain":
         fixed += ["pipeline=1", "tensor=1"]
     result = search(profile, load_hardware("cpu"), gpus_per_node=WORLD, global_batch_size=GLOBAL_BATCH, fixed=fixed)
@@ -88,8 +93,11 @@ def layout_of(plan) -> str:
     )
 
 
-def plan_cases(names: list[str], directory: str) -> tuple[list[dict], dict[tuple[str, str], ZooResult]]:
-    """Profiles each model and searches a plan per loop; writes the plans under ``directory``.
+def plan_cases(
+    names: list[str], directory: str, pins: tuple[str, ...] = ()
+) -> tuple[list[dict], dict[tuple[str, str], ZooResult]]:
+    """Profiles each model and searches a plan per loop (``pins``: see ``zoo_plan``); writes the
+    plans under ``directory``.
 
     Returns:
         The worker's cases (one per model and loop with a plan) and a result per model and loop
@@ -110,7 +118,7 @@ def plan_cases(names: list[str], directory: str) -> tuple[list[dict], dict[tuple
             continue
         for loop in LOOPS:
             try:
-                plan = zoo_plan(profile, loop)
+                plan = zoo_plan(profile, loop, pins)
             except Exception as exc:
                 results[name, loop] = ZooResult(name, loop, error=f"search: {type(exc).__name__}: {exc}")
                 continue
@@ -121,8 +129,11 @@ def plan_cases(names: list[str], directory: str) -> tuple[list[dict], dict[tuple
     return cases, results
 
 
-def run_zoo(names: list[str] | None = None, timeout_s: float = 420.0) -> tuple[list[ZooResult], float]:
-    """The whole zoo: plans here, then one launch of ``WORLD`` processes.
+def run_zoo(
+    names: list[str] | None = None, pins: tuple[str, ...] = (), timeout_s: float = 420.0
+) -> tuple[list[ZooResult], float]:
+    """The whole zoo (or the models ``names``): plans here (``pins``: see ``zoo_plan``), then one
+    launch of ``WORLD`` processes.
 
     Returns:
         A result per model and loop (in registry order), and the wall time in seconds.
@@ -132,7 +143,7 @@ def run_zoo(names: list[str] | None = None, timeout_s: float = 420.0) -> tuple[l
     started = time.perf_counter()
     names = list(ZOO) if names is None else names
     with tempfile.TemporaryDirectory() as tmp:
-        cases, results = plan_cases(names, tmp)
+        cases, results = plan_cases(names, tmp, pins)
         try:
             per_rank = launch(str(WORKER), cases, WORLD, timeout_s=timeout_s) if cases else []
         except RuntimeError as exc:  # a rank died or the launch timed out: every launched case failed

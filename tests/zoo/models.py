@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from elixir_tune.profiler.source import ModelSource
-from tests.unit.models import families, vit_tiny
 from tests.zoo import handmade
 
 VOCAB = 128
@@ -71,6 +70,24 @@ def _causal_lm(config_class: str, model_class: str, **fields) -> Callable[[], nn
 def _tuple_loss(output, batch: dict) -> torch.Tensor:
     """``(logits, loss)``: the loss is the second entry."""
     return output[1]
+
+
+def _t5() -> nn.Module:
+    from tests.unit.models import families  # imports transformers: only when a model is built
+
+    return families.build_t5()
+
+
+def _bart() -> nn.Module:
+    from tests.unit.models import families
+
+    return families.build_bart()
+
+
+def _vit() -> nn.Module:
+    from tests.unit.models import vit_tiny
+
+    return vit_tiny.build_model()
 
 
 def _roberta() -> nn.Module:
@@ -142,11 +159,11 @@ _MODELS = [
     ZooModel("mixtral", "mixture of experts (Mixtral, fused)", _causal_lm(
         "MixtralConfig", "MixtralForCausalLM", **DECODER, intermediate_size=64, num_key_value_heads=2, head_dim=8,
         num_local_experts=4, num_experts_per_tok=2, **NO_DROPOUT)),
-    ZooModel("t5", "encoder-decoder (T5)", families.build_t5, inputs="seq2seq"),
-    ZooModel("bart", "encoder-decoder (BART)", families.build_bart, inputs="seq2seq"),
+    ZooModel("t5", "encoder-decoder (T5)", _t5, inputs="seq2seq"),
+    ZooModel("bart", "encoder-decoder (BART)", _bart, inputs="seq2seq"),
     ZooModel("roberta", "encoder masked LM (RoBERTa)", _roberta, inputs="masked"),
     ZooModel("mamba", "state space (Mamba)", _mamba),
-    ZooModel("vit", "vision classifier (ViT)", vit_tiny.build_model, inputs="image"),
+    ZooModel("vit", "vision classifier (ViT)", _vit, inputs="image"),
     ZooModel("tied_lm", "hand-written, tied head (.loss)", lambda: handmade.TiedLM(VOCAB)),
     ZooModel("nanogpt", "hand-written, (logits, loss) wrapper", lambda: handmade.GPTWrapper(VOCAB),
              loss_of=lambda output: output[1], loss_fn=_tuple_loss,
@@ -169,6 +186,8 @@ def make_batch(name: str, size: int, generator: torch.Generator | None = None) -
     """One batch of ``size`` samples for the zoo model ``name``."""
     inputs = ZOO[name].inputs
     if inputs == "image":
+        from tests.unit.models import vit_tiny
+
         return {
             "pixel_values": torch.randn(size, 3, vit_tiny.IMAGE, vit_tiny.IMAGE, generator=generator),
             "labels": torch.randint(0, vit_tiny.CLASSES, (size,), generator=generator),
