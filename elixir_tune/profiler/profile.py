@@ -18,6 +18,7 @@ from torch import nn
 
 from elixir_tune.dtypes import DTYPE_ALIASES, TORCH_DTYPES, dtype_name
 from elixir_tune.kv_cache import disable_kv_cache
+from elixir_tune.model_output import find_loss
 from elixir_tune.plan.capabilities import unsupported_layouts
 from elixir_tune.plan.fingerprint import model_fingerprint
 from elixir_tune.plan.schema import Dtype, LayoutName
@@ -298,15 +299,13 @@ class _Tracer:
 
 def _loss_of(source: ModelSource, model: nn.Module, batch: dict) -> torch.Tensor:
     out = model(**batch)  # what it raises is located and explained by the caller
-    loss = out if isinstance(out, torch.Tensor) else getattr(out, "loss", None)
-    if loss is None and isinstance(out, dict):
-        loss = out.get("loss")
+    loss = find_loss(out)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         got = f"shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ModelSourceError(
             f"{source.source}: the forward did not return a loss (model(**batch) gave {type(out).__name__}, "
-            f"loss {got}); return a scalar loss tensor or an object with .loss (for transformers models, "
-            "pass labels in example_batch)"
+            f"loss {got}); return a scalar loss tensor, an object with .loss or a tuple with one scalar loss "
+            "(for transformers models, pass labels in example_batch)"
         )
     if not loss.requires_grad:
         raise ModelSourceError(f"{source.source}: the loss does not require grad (are all parameters frozen?)")

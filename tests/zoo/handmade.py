@@ -113,11 +113,3 @@ class GPTWrapper(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor):
         return self.gpt(input_ids, labels)
-
-
-class GPTWrapperLoss(GPTWrapper):
-    """The same parameters (so the same plan fingerprint), with the loss as the output: what the
-    profiler traces, since it reads ``.loss`` or a scalar and cannot know which tuple entry is the loss."""
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor):
-        return super().forward(input_ids, labels)[1]

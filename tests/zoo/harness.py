@@ -25,10 +25,8 @@ WORKER = Path(__file__).resolve().parent / "zoo_worker.py"
 
 
 def zoo_plan(profile, loop: str, pins: tuple[str, ...] = ()):
-    """The default search for ``loop`` ("plain" or "forward_backward") at world 2 on the cpu preset.
-
-    Today the search has no notion of the loop: "plain" pins the data-parallel layout (the only one
-    a plain loop can run) and "forward_backward" searches freely.
+    """The default search for ``loop`` ("plain" or "forward_backward") at world 2 on the cpu preset:
+    the plan the search promises the script can run (plan/capabilities.py).
 
     Args:
         profile: the model's profile.
@@ -42,16 +40,16 @@ def zoo_plan(profile, loop: str, pins: tuple[str, ...] = ()):
     from elixir_tune.search import search
 
     fixed = [f"micro_batch_size={MICRO_BATCH}", *pins]
-    if loop == "plain":
-        fixed += ["pipeline=1", "tensor=1"]
-    result = search(profile, load_hardware("cpu"), gpus_per_node=WORLD, global_batch_size=GLOBAL_BATCH, fixed=fixed)
+    hardware = load_hardware("cpu")
+    result = search(profile, hardware, gpus_per_node=WORLD, global_batch_size=GLOBAL_BATCH, fixed=fixed, loop=loop)
     return result.plan
 
 
 def data_index(model) -> tuple[int, int]:
-    """This process's data-parallel index and the data-parallel degree, from the engine's mesh."""
-    mesh = model.engine.mesh
-    return mesh.data_rank, mesh.data.world_size
+    """This process's data-parallel index and the data-parallel degree, as a user's script takes them."""
+    import elixir_tune
+
+    return elixir_tune.data_rank(), elixir_tune.data_size()
 
 
 @dataclass

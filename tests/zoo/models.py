@@ -43,7 +43,6 @@ class ZooModel:
             "masked" (input_ids with masked positions, labels only there) or "image".
         loss_of: the plain loop's loss from the model's output.
         loss_fn: what ``forward_backward(..., loss_fn=)`` gets (None: the output's ``.loss``).
-        profile_build: the module the profiler traces, when it is not ``build`` (same parameters).
     """
 
     name: str
@@ -52,7 +51,6 @@ class ZooModel:
     inputs: str = "causal"
     loss_of: Callable[[Any], torch.Tensor] = field(default=lambda output: output.loss)
     loss_fn: Callable[[Any, dict], torch.Tensor] | None = None
-    profile_build: Callable[[], nn.Module] | None = None
 
 
 def _causal_lm(config_class: str, model_class: str, **fields) -> Callable[[], nn.Module]:
@@ -166,8 +164,7 @@ _MODELS = [
     ZooModel("vit", "vision classifier (ViT)", _vit, inputs="image"),
     ZooModel("tied_lm", "hand-written, tied head (.loss)", lambda: handmade.TiedLM(VOCAB)),
     ZooModel("nanogpt", "hand-written, (logits, loss) wrapper", lambda: handmade.GPTWrapper(VOCAB),
-             loss_of=lambda output: output[1], loss_fn=_tuple_loss,
-             profile_build=lambda: handmade.GPTWrapperLoss(VOCAB)),
+             loss_of=lambda output: output[1], loss_fn=_tuple_loss),
 ]  # fmt: skip
 
 ZOO: dict[str, ZooModel] = {model.name: model for model in _MODELS}
@@ -210,9 +207,9 @@ def global_batches(name: str, steps: int, size: int, seed: int = 1) -> list[dict
 
 
 def model_source(name: str) -> ModelSource:
-    """What the profiler takes for the zoo model ``name`` (its ``profile_build`` where it has one)."""
-    entry = ZOO[name]
-    builder = entry.profile_build or entry.build
+    """What the profiler takes for the zoo model ``name`` (the model itself: a ``(logits, loss)``
+    tuple is read by ``elixir_tune.model_output.find_loss``)."""
+    builder = ZOO[name].build
 
     def build_for_profile() -> nn.Module:
         torch.manual_seed(0)
