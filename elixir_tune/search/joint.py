@@ -336,7 +336,9 @@ def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, f
                             key = model.parallel_layout
                             kept = found.best_by_layout.get(key)
                             if stages > 1:
-                                if candidate.step_time_s >= min(top.threshold_s, kept.step_time_s if kept else math.inf):
+                                if candidate.step_time_s >= min(
+                                    top.threshold_s, kept.step_time_s if kept else math.inf
+                                ):
                                     continue  # the critical stage's step is a lower bound of the pipeline's
                                 whole = scorer.whole(
                                     candidate, budget.global_batch_size, budget.usable_gpu_bytes, budget.host_bytes
