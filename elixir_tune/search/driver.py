@@ -17,7 +17,7 @@ from elixir_tune.search.joint import Budget, explore
 from elixir_tune.search.layouts import layout_choices
 from elixir_tune.search.plan_builder import build_plan
 from elixir_tune.search.space import parse_fixed
-from elixir_tune.units import gib
+from elixir_tune.units import gib, human_bytes
 
 STRATEGIES = ("joint", "elixir")
 DEFAULT_BATCH_PER_GPU = 8
@@ -104,6 +104,11 @@ class _Pools:
     offload_pinned: bool = False
 
 
+def _size(num_bytes: int) -> str:
+    """Sizes in the errors: GiB with two decimals (they compare), or smaller units below 1 GiB."""
+    return gib(num_bytes) if num_bytes >= 2**30 else human_bytes(num_bytes)
+
+
 def _infeasible(required_gpu: int | None, required_host: int | None, pools: _Pools, fixed: dict) -> InfeasibleError:
     """The error for no fitting configuration, naming the pool that is short and by how much."""
     usable, host = pools.usable_gpu_bytes, pools.host_bytes
@@ -119,9 +124,9 @@ def _infeasible(required_gpu: int | None, required_host: int | None, pools: _Poo
             else "every shard on the host"
         )
         message = (
-            f"nothing fits the device: the smallest configuration needs {gib(required_gpu)} of {device} per "
+            f"nothing fits the device: the smallest configuration needs {_size(required_gpu)} of {device} per "
             f"rank ({offload}, the smallest cache, chunk and micro-batch, activation checkpointing unless "
-            f"pinned off), but only {gib(usable)} is usable"
+            f"pinned off), but only {_size(usable)} is usable"
         )
         if pools.offload_pinned:
             suggestions.append("a larger --fix offload share, or drop the pin")
@@ -138,8 +143,8 @@ def _infeasible(required_gpu: int | None, required_host: int | None, pools: _Poo
             else "for offloaded shards and their copy buffers"
         )
         message = (
-            f"nothing fits the host: the configurations that fit the device need {gib(required_host or 0)} "
-            f"of host memory per node {what}, but only {gib(host)} is available"
+            f"nothing fits the host: the configurations that fit the device need {_size(required_host or 0)} "
+            f"of host memory per node {what}, but only {_size(host)} is available"
         )
         suggestions.append("more host memory (--host-memory BYTES if the machine has it)")
         suggestions.append("more GPUs (--gpus / --nodes): fewer shards offloaded per node")
