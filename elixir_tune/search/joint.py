@@ -343,7 +343,11 @@ def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, f
                                 whole = scorer.whole(
                                     candidate, budget.global_batch_size, budget.usable_gpu_bytes, budget.host_bytes
                                 )
-                                if whole is None:
+                                if (
+                                    whole is None
+                                    or one_pool
+                                    and _one_pool_bytes(whole.memory, model) > budget.host_bytes
+                                ):
                                     continue  # another stage does not fit
                                 candidate = whole
                             top.add(candidate)
