@@ -48,6 +48,23 @@ def parse_bytes(text: str) -> int:
         raise click.BadParameter(f"{text!r}: expected bytes, e.g. 549755813888 or 512GiB") from None
 
 
+def _bytes_option(text: str | None, option: str) -> int | None:
+    """A memory size option (None when not given).
+
+    Raises:
+        click.BadParameter: not a size, or not positive (names the option).
+    """
+    if text is None:
+        return None
+    try:
+        value = parse_bytes(text)
+    except click.BadParameter as error:
+        raise click.BadParameter(error.message, param_hint=option) from None
+    if value <= 0:
+        raise click.BadParameter(f"{text!r}: expected a positive size, e.g. 40GiB", param_hint=option)
+    return value
+
+
 def _load_inputs(profile_path: str, hardware_ref: str | None):
     from elixir_tune.hardware import load_hardware
     from elixir_tune.profiler.schema import load_profile
@@ -154,6 +171,12 @@ def candidates_table(rows: list[dict], title: str) -> Table:
     help="Host memory per node to plan with, bytes or with a unit (512GiB) [default: the hardware's].",
 )
 @click.option(
+    "--device-memory",
+    "device_memory",
+    default=None,
+    help="Cap on the device memory a rank may fill, bytes or with a unit (40GiB) [default: the hardware's usable].",
+)
+@click.option(
     "--fix",
     "fixes",
     multiple=True,
@@ -210,6 +233,7 @@ def search_command(
     hardware_ref: str | None,
     global_batch_size: int | None,
     host_memory: str | None,
+    device_memory: str | None,
     fixes: tuple[str, ...],
     loop: str,
     top_k: int,
@@ -238,12 +262,8 @@ def search_command(
     """
     from elixir_tune.search import InfeasibleError, search
 
-    host_bytes = None
-    if host_memory is not None:
-        try:
-            host_bytes = parse_bytes(host_memory)
-        except click.BadParameter as error:
-            raise click.BadParameter(error.message, param_hint="--host-memory") from None
+    host_bytes = _bytes_option(host_memory, "--host-memory")
+    device_bytes = _bytes_option(device_memory, "--device-memory")
     profile, hardware, hardware_ref = _load_inputs(profile_path, hardware_ref)
     try:
         with err_console.status(f"searching plans for {profile.name} on {nodes} x {gpus} x {hardware.name} ..."):
@@ -259,6 +279,8 @@ def search_command(
                 strategy=strategy,
                 hardware_id=hardware_ref,
                 loop=loop,
+                device_memory_bytes=device_bytes,
+                profile_path=str(Path(profile_path).resolve()),
             )
     except InfeasibleError as error:
         message, _, hint = str(error).partition("; try: ")
@@ -295,7 +317,7 @@ def search_command(
     )
     save_plan(plan, out_path, header=header)
     if timeline_path:
-        _draw(timeline_path, result, hardware.usable_memory_bytes)
+        _draw(timeline_path, result, result.usable_gpu_bytes)
     rows = [c.row() for c in result.candidates]
     if as_json:
         print_json(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from elixir_tune.cli.console import Table, console, fail, print_json, print_wide
@@ -169,7 +171,10 @@ def _summary(plan: Plan) -> dict:
 
 
 def _memory_table(plan: Plan, states: dict[str, int]) -> Table:
-    table = Table(title=f"memory per device (rank) and per node, {plan.training.dtype}")
+    of_rank = "per device (rank)"
+    if plan.parallel.pipeline.stages > 1:  # the prediction's memory figures are all of one stage
+        of_rank = "per device (rank) of the pipeline stage that needs the most"
+    table = Table(title=f"memory {of_rank} and per node, {plan.training.dtype}")
     table.add_column("part")
     table.add_column("bytes", justify="right")
     table.add_column("size", justify="right")
@@ -224,6 +229,7 @@ def _placement_table(plan: Plan) -> Table:
             f"chunk placement: {len(chunks)} chunks of {memory.chunk_size:,} elements, "
             f"{memory.cache_blocks} of {cacheable} cacheable held at once, prefetch {memory.prefetch}, "
             f"{sum(1 for c in chunks if c.offload)} shards on the host"
+            + (" (all stages)" if plan.parallel.pipeline.stages > 1 else "")
         )
     )
     for name in ("chunks", "count", "placement", "elements", "parameters"):
@@ -237,6 +243,28 @@ def _placement_table(plan: Plan) -> Table:
         )
         table.add_row(ids, str(run["count"]), run["placement"], f"{run['numel']:,}", params)
     return table
+
+
+def _profile_of(plan: Plan, plan_path: str, given: str | None) -> str:
+    """The profile to simulate a plan from: the one given, else the one the plan names, else
+    ``profile.yaml`` here; a clear error when none is there."""
+    if given is not None:
+        return given
+    named = plan.search.profile if plan.search is not None else ""
+    if named:
+        if not Path(named).is_file():
+            fail(
+                f"{plan_path} was searched from the profile {named}, which is gone, and --timeline needs it",
+                hint=f"profile the model again (elixir-tune profile MODEL --out {named}) or pass --profile FILE",
+            )
+        return named
+    if not Path("profile.yaml").is_file():
+        fail(
+            f"{plan_path} does not name its profile (written before plans recorded it) and there is no "
+            "profile.yaml here; --timeline needs the profile the plan was searched from",
+            hint="pass it with --profile FILE",
+        )
+    return "profile.yaml"
 
 
 def _draw(plan: Plan, path: str, profile_path: str, hardware_ref: str | None) -> None:
@@ -291,10 +319,10 @@ def _draw(plan: Plan, path: str, profile_path: str, hardware_ref: str | None) ->
 @click.option(
     "--profile",
     "profile_path",
-    default="profile.yaml",
-    show_default=True,
+    default=None,
     type=click.Path(dir_okay=False),
-    help="With --timeline: the profile the plan was searched from.",
+    help="With --timeline: the profile the plan was searched from [default: the one the plan names "
+    "(search.profile), else profile.yaml].",
 )
 @click.option(
     "--hardware",
@@ -304,7 +332,7 @@ def _draw(plan: Plan, path: str, profile_path: str, hardware_ref: str | None) ->
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def show_command(
-    plan_path: str, timeline_path: str | None, profile_path: str, hardware_ref: str | None, as_json: bool
+    plan_path: str, timeline_path: str | None, profile_path: str | None, hardware_ref: str | None, as_json: bool
 ) -> None:
     """Explain a plan: memory breakdown, predicted timeline, chunk placement.
 
@@ -322,7 +350,7 @@ def show_command(
             hint=f"check it with `elixir-tune validate {plan_path}`",
         )
     if timeline_path:
-        _draw(plan, timeline_path, profile_path, hardware_ref)
+        _draw(plan, timeline_path, _profile_of(plan, plan_path, profile_path), hardware_ref)
     summary = _summary(plan)
     if as_json:
         print_json({"plan": plan_path, **summary})

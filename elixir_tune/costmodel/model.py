@@ -16,9 +16,12 @@ from elixir_tune.costmodel.memory import STAGING_BUFFERS, MemoryEstimate, checkp
 from elixir_tune.costmodel.parallel import DATA_ONLY, Layout, critical_stage, rank_profile
 from elixir_tune.costmodel.parallel_time import ParallelTimes
 from elixir_tune.costmodel.timeline import (
+    LEFTOVER_ZERO,
+    MicroBatchTime,
     TransferCosts,
     combine_step,
     issue_steps,
+    micro_batches,
     simulate_micro_batch,
     step_blocks,
     transfer_costs,
@@ -367,8 +370,8 @@ class CostModel:
         Returns:
             The step time and its breakdown.
         """
-        cold_blocks: list[tuple[str, float, float, int]] | None = [] if record is not None else None
-        steady_blocks: list[tuple[str, float, float, int]] | None = [] if record is not None else None
+        # What each distinct simulated micro-batch recorded (for a picture of the step).
+        records: list[list[tuple[str, float, float, int]]] = []
         # Layered with recomputation: each block recomputes once per micro-batch (engine/layered.py).
         traced = shape.grad_accum_steps if shape.layered and shape.every > 0 else 1
         trace, reduce_after = self._trace(shape.chunk_size, shape.every, traced)
@@ -383,39 +386,36 @@ class CostModel:
         pass_compute = mb_compute * accum / passes
         step_compute = [share * pass_compute for share in trace.flops_share]
         on_cpu = self.hardware.device == "cpu"
-        first = simulate_micro_batch(
-            step_compute,
-            cold,
-            issue_steps(cold, shape.prefetch),
-            reduce_after,
-            offloaded,
-            costs,
-            shared_compute=on_cpu,
-            shared_link=self.shared_link,
-            record=cold_blocks,
-        )
-        steady = None
-        if passes > 1:
-            steady = simulate_micro_batch(
+
+        def simulate(
+            fetches: list[tuple[int, int, int]], busy_s: tuple[float, float, float, float] = LEFTOVER_ZERO
+        ) -> MicroBatchTime:
+            blocks: list[tuple[str, float, float, int]] | None = None
+            if record is not None:
+                blocks = []
+                records.append(blocks)
+            return simulate_micro_batch(
                 step_compute,
-                sim.steady,
-                issue_steps(sim.steady, shape.prefetch),
+                fetches,
+                issue_steps(fetches, shape.prefetch),
                 reduce_after,
                 offloaded,
                 costs,
                 shared_compute=on_cpu,
                 shared_link=self.shared_link,
-                record=steady_blocks,
+                record=blocks,
+                busy_s=busy_s,
             )
+
+        # Later micro-batches start from the steady cache, and with what the one before left busy.
+        parts = micro_batches(simulate(cold), passes, lambda busy: simulate(sim.steady, busy))
         shard_numel = shape.chunk_size // self.data_size
         host_shards = shape.num_offloaded
         device_shards = len(offloaded) - host_shards
         gpu_adam = device_shards * shard_numel / self.hardware.gpu_adam_elems_per_s
         cpu_adam = host_shards * shard_numel / self.cpu_adam_elems_per_s
         step_time, breakdown = combine_step(
-            first,
-            steady,
-            passes,
+            parts,
             costs,
             gpu_adam,
             cpu_adam,
@@ -439,8 +439,6 @@ class CostModel:
             extra = self.parallel_costs.pipeline_s(mb_compute * accum, shape.micro_batch_size, accum)
             step_time += sum(extra.values())
             breakdown.update(extra)
-        if record is not None and cold_blocks is not None:
-            record += step_blocks(
-                first, cold_blocks, steady, steady_blocks or [], passes, costs, gpu_adam, cpu_adam, on_cpu
-            )
+        if record is not None:
+            record += step_blocks(parts, records, costs, gpu_adam, cpu_adam, on_cpu)
         return StepEstimate(step_time_s=step_time, breakdown=breakdown)

@@ -24,14 +24,19 @@ talks TCP on them), so they do not overlap: ``shared_compute`` puts them on the 
 Measured on 2 cores (benchmarks/results/prediction-cpu.md), the overlapped model predicted steps
 1.25-1.91x too fast; the serial sum came within 1.00-1.30x.
 
-The first micro-batch starts from a cold cache, the later ones from the steady state, so the step
-is simulated as one cold and one steady micro-batch, the steady one repeated. After the last
-micro-batch: the gradient-norm all-reduce, then Adam on the device shards (GPU) and on the host
-shards (CPU) in parallel; the step ends with the slower.
+The first micro-batch starts from a cold cache, the later ones from the steady state. Micro-batch
+k starts when the compute of micro-batch k-1 ends, and what k-1 left on the links (reduce-scatters,
+device->host copies, host additions still queued) keeps them busy into k: every resource carries
+over (``MicroBatchTime.leftover_s``), so no resource is ever busy longer than the step. Steady
+micro-batches are simulated one after the other until one starts with the same leftover as the one
+before it; from there each repeats exactly (the timeline only shifts), so the rest are copies of it.
+After the last micro-batch: the gradient-norm all-reduce, then Adam on the device shards (GPU) and
+on the host shards (CPU) in parallel; the step ends with the slower.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from elixir_tune.hardware.spec import HardwareSpec
@@ -133,11 +138,16 @@ def issue_steps(fetches: list[tuple[int, int, int]], prefetch: int) -> list[int]
 class MicroBatchTime:
     """One simulated micro-batch.
 
+    Times count from the micro-batch's start (the end of the previous one's compute).
+
     Attributes:
         compute_end_s: when its last compute step ends.
-        drained_s: when its last reduce-scatter / device->host copy ends.
+        drained_s: when its last reduce-scatter / device->host copy / host addition ends.
         exposed_fetch_s: time the compute stream waited for fetches.
         allgather_s, reduce_scatter_s, h2d_s, d2h_s: busy time of each resource.
+        leftover_s: how long after ``compute_end_s`` the collective stream, the host->device and
+            device->host links and the CPU stay busy (``LEFTOVER_ZERO`` when all are free): the
+            next micro-batch starts with them busy.
     """
 
     compute_end_s: float
@@ -147,6 +157,11 @@ class MicroBatchTime:
     reduce_scatter_s: float
     h2d_s: float
     d2h_s: float
+    leftover_s: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+
+
+# Nothing left busy: (collective stream, host->device link, device->host link, CPU).
+LEFTOVER_ZERO = (0.0, 0.0, 0.0, 0.0)
 
 
 def simulate_micro_batch(
@@ -159,6 +174,7 @@ def simulate_micro_batch(
     shared_compute: bool = False,
     shared_link: bool = False,
     record: list[tuple[str, float, float, int]] | None = None,
+    busy_s: tuple[float, float, float, float] = LEFTOVER_ZERO,
 ) -> MicroBatchTime:
     """Runs one micro-batch's timeline.
 
@@ -174,6 +190,8 @@ def simulate_micro_batch(
         record: when given, every block of work is appended to it as (lane, start_s, end_s, what):
             ``what`` is the step index on the compute lane, the chunk id on the others (lanes of
             ``costmodel.picture.LANES``).
+        busy_s: how long the collective stream, the host->device and device->host links and the
+            CPU are still busy when it starts (the previous micro-batch's ``leftover_s``).
 
     Returns:
         The micro-batch's times.
@@ -185,7 +203,7 @@ def simulate_micro_batch(
     needed = [0.0] * num_steps
     h2d_s, gather_s, rs_s, d2h_s = costs.h2d_s, costs.allgather_s, costs.reduce_scatter_s, costs.d2h_s
     # h2d_free / d2h_free: the inbound / outbound host link of this GPU.
-    coll_free = h2d_free = d2h_free = host_free = 0.0
+    coll_free, h2d_free, d2h_free, host_free = busy_s
     end = exposed = 0.0
     h2d_count = d2h_count = gathers = reduces = 0
     for step in range(num_steps):
@@ -238,19 +256,55 @@ def simulate_micro_batch(
                         record.append(("cpu optimizer", host_free - costs.host_add_s, host_free, chunk))
     return MicroBatchTime(
         compute_end_s=end,
-        drained_s=max(end, coll_free, d2h_free, host_free),
+        drained_s=max(end, coll_free, h2d_free, d2h_free, host_free),
         exposed_fetch_s=exposed,
         allgather_s=gathers * gather_s,
         reduce_scatter_s=reduces * rs_s,
         h2d_s=h2d_count * h2d_s,
         d2h_s=d2h_count * d2h_s,
+        leftover_s=(
+            max(0.0, coll_free - end),
+            max(0.0, h2d_free - end),
+            max(0.0, d2h_free - end),
+            max(0.0, host_free - end),
+        ),
     )
 
 
-def combine_step(
+def micro_batches(
     cold: MicroBatchTime,
-    steady: MicroBatchTime | None,
-    grad_accum_steps: int,
+    passes: int,
+    simulate_steady: Callable[[tuple[float, float, float, float]], MicroBatchTime],
+) -> list[MicroBatchTime]:
+    """Every micro-batch (pass) of a step, each started with what the one before left busy.
+
+    Args:
+        cold: the first, simulated from a cold cache and free resources.
+        passes: micro-batches (passes) of the step.
+        simulate_steady: simulates a steady micro-batch that starts with the given ``busy_s``.
+
+    Returns:
+        ``passes`` micro-batches in order: once a steady one starts with the same leftover as the
+        one before it, the rest are the same object repeated (their timelines are shifts of it).
+    """
+    parts = [cold]
+    started_with: tuple[float, float, float, float] | None = None
+    while len(parts) < passes:
+        busy = parts[-1].leftover_s
+        if (
+            len(parts) > 1
+            and started_with is not None
+            and all(abs(a - b) <= 1e-12 * (1.0 + abs(b)) for a, b in zip(busy, started_with, strict=True))
+        ):
+            parts += [parts[-1]] * (passes - len(parts))
+            break
+        started_with = busy
+        parts.append(simulate_steady(busy))
+    return parts
+
+
+def combine_step(
+    parts: list[MicroBatchTime],
     costs: TransferCosts,
     gpu_adam_s: float,
     cpu_adam_s: float,
@@ -258,12 +312,10 @@ def combine_step(
     recompute_s: float,
     serial_optimizers: bool = False,
 ) -> tuple[float, dict[str, float]]:
-    """Step time from the cold and steady micro-batches, plus the optimizer.
+    """Step time from its micro-batches, plus the optimizer.
 
     Args:
-        cold: the first micro-batch.
-        steady: a later micro-batch (None when there is only one).
-        grad_accum_steps: micro-batches per step.
+        parts: every micro-batch (pass) of the step in order (``micro_batches``).
         costs: per-chunk operation times.
         gpu_adam_s: Adam over the device shards.
         cpu_adam_s: Adam over the host shards.
@@ -274,11 +326,7 @@ def combine_step(
     Returns:
         (step_time_s, breakdown).
     """
-    parts = [cold] + [steady] * (grad_accum_steps - 1) if steady is not None else [cold]
-    if steady is None or len(parts) == 1:
-        backward_done = cold.drained_s
-    else:
-        backward_done = cold.compute_end_s + steady.compute_end_s * (len(parts) - 2) + steady.drained_s
+    backward_done = sum(p.compute_end_s for p in parts[:-1]) + parts[-1].drained_s
     optimizer_s = gpu_adam_s + cpu_adam_s if serial_optimizers else max(gpu_adam_s, cpu_adam_s)
     step_time = backward_done + costs.grad_norm_s + optimizer_s
     breakdown = {
@@ -298,11 +346,8 @@ def combine_step(
 
 
 def step_blocks(
-    cold: MicroBatchTime,
-    cold_blocks: list[tuple[str, float, float, int]],
-    steady: MicroBatchTime | None,
-    steady_blocks: list[tuple[str, float, float, int]],
-    grad_accum_steps: int,
+    parts: list[MicroBatchTime],
+    records: list[list[tuple[str, float, float, int]]],
     costs: TransferCosts,
     gpu_adam_s: float,
     cpu_adam_s: float,
@@ -310,27 +355,28 @@ def step_blocks(
 ) -> list[tuple[str, float, float, str, int]]:
     """Every block of work of the step, placed as ``combine_step`` places the micro-batches.
 
-    Micro-batch k starts when the compute of micro-batch k-1 ends; after the last one drains come
-    the gradient-norm all-reduce and the two optimizers.
+    Micro-batch k starts when the compute of micro-batch k-1 ends (what k-1 left busy runs on into
+    it); after the last one drains come the gradient-norm all-reduce and the two optimizers.
 
     Args:
-        cold, cold_blocks: the first micro-batch and what ``simulate_micro_batch`` recorded of it.
-        steady, steady_blocks: a later micro-batch and its record (None / empty with one micro-batch).
-        grad_accum_steps, costs, gpu_adam_s, cpu_adam_s, serial_optimizers: as for ``combine_step``.
+        parts: every micro-batch of the step (``micro_batches``).
+        records: what ``simulate_micro_batch`` recorded of each distinct simulated one, in order
+            (a repeated last one reuses the last record).
+        costs, gpu_adam_s, cpu_adam_s, serial_optimizers: as for ``combine_step``.
 
     Returns:
         (lane, start_s, end_s, what, index) per block: what is "step" (index: the step), "chunk"
         (index: the chunk id), "norm" or "adam" (index: the micro-batch count).
     """
     out: list[tuple[str, float, float, str, int]] = []
-    offset_s = 0.0
-    for micro in range(grad_accum_steps if steady is not None else 1):
-        part, blocks = (cold, cold_blocks) if micro == 0 else (steady, steady_blocks)
-        assert part is not None
+    offset_s = backward_done_s = 0.0
+    for micro, part in enumerate(parts):
+        blocks = records[min(micro, len(records) - 1)]
         for lane, start_s, end_s, index in blocks:
             out.append((lane, offset_s + start_s, offset_s + end_s, "step" if lane == "compute" else "chunk", index))
         backward_done_s = offset_s + part.drained_s
         offset_s += part.compute_end_s
+    grad_accum_steps = len(parts)
     norm_start_s = backward_done_s
     optimizer_start_s = norm_start_s + costs.grad_norm_s
     if costs.grad_norm_s > 0:

@@ -316,12 +316,15 @@ class SearchInfo:
         candidates: candidates scored.
         elapsed_s: wall time of the search.
         alternatives: the next best candidates, each a flat mapping of choices and predictions.
+        profile: absolute path of the profile searched from ("" when unknown); ``show --timeline``
+            reads it when no ``--profile`` is given.
     """
 
     strategy: str
     candidates: NonNegativeInt
     elapsed_s: NonNegativeFloat
     alternatives: list[dict[str, Any]] = field(default_factory=list)
+    profile: str = ""
 
 
 @dataclass

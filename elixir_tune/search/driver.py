@@ -18,7 +18,7 @@ from elixir_tune.search.joint import Budget, explore
 from elixir_tune.search.layouts import layout_choices
 from elixir_tune.search.plan_builder import build_plan
 from elixir_tune.search.space import parse_fixed
-from elixir_tune.units import gib
+from elixir_tune.units import gib, human_bytes
 
 STRATEGIES = ("joint", "elixir")
 DEFAULT_BATCH_PER_GPU = 8
@@ -66,6 +66,7 @@ class SearchResult:
         model: the cost model of the winner's parallel layout (for explaining other candidates).
         models: the cost model of every parallel layout searched.
         best_by_layout: the fastest candidate scored of each parallel layout (joint search).
+        usable_gpu_bytes: the device memory a rank could fill (the hardware's, or ``device_memory_bytes``).
     """
 
     plan: Plan
@@ -76,6 +77,7 @@ class SearchResult:
     model: CostModel
     models: dict[Layout, CostModel] = field(default_factory=dict)
     best_by_layout: dict[Layout, Candidate] = field(default_factory=dict)
+    usable_gpu_bytes: int = 0
 
     def model_of(self, candidate: Candidate) -> CostModel:
         """The cost model a candidate was scored with."""
@@ -86,19 +88,49 @@ class SearchResult:
         return self.num_scored / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
 
-def _infeasible(
-    required_gpu: int | None, required_host: int | None, usable: int, host: int, fixed: dict
-) -> InfeasibleError:
+@dataclass
+class _Pools:
+    """The memory limits a search ran under, for its error when nothing fits.
+
+    Attributes:
+        usable_gpu_bytes: device memory a rank may fill.
+        host_bytes: host memory of a node.
+        one_pool: the device is the CPU, so its memory is the host's.
+        offload_pinned: ``--fix offload`` was given (the device need is at that share).
+    """
+
+    usable_gpu_bytes: int
+    host_bytes: int
+    one_pool: bool = False
+    offload_pinned: bool = False
+
+
+def _size(num_bytes: int) -> str:
+    """Sizes in the errors: GiB with two decimals (they compare), or smaller units below 1 GiB."""
+    return gib(num_bytes) if num_bytes >= 2**30 else human_bytes(num_bytes)
+
+
+def _infeasible(required_gpu: int | None, required_host: int | None, pools: _Pools, fixed: dict) -> InfeasibleError:
+    """The error for no fitting configuration, naming the pool that is short and by how much."""
+    usable, host = pools.usable_gpu_bytes, pools.host_bytes
+    device = "device memory (CPU RAM share)" if pools.one_pool else "device memory"
     suggestions: list[str] = []
     if required_gpu is None:
         message = "the pinned choices (--fix) leave no possible configuration"
         suggestions.append("pin fewer choices with --fix, or pick values the model allows")
     elif required_gpu > usable:
-        message = (
-            f"nothing fits: the smallest configuration needs {gib(required_gpu)} of device memory per GPU "
-            f"(every shard on the host, the smallest cache, chunk and micro-batch, activation checkpointing "
-            f"unless pinned off), but only {gib(usable)} is usable"
+        offload = (
+            f"the pinned offload share {fixed['offload']:g} of the shards on the host"
+            if pools.offload_pinned
+            else "every shard on the host"
         )
+        message = (
+            f"nothing fits the device: the smallest configuration needs {_size(required_gpu)} of {device} per "
+            f"rank ({offload}, the smallest cache, chunk and micro-batch, activation checkpointing unless "
+            f"pinned off), but only {_size(usable)} is usable"
+        )
+        if pools.offload_pinned:
+            suggestions.append("a larger --fix offload share, or drop the pin")
         suggestions.append("more GPUs (--gpus / --nodes): shards shrink with the world size")
         suggestions.append("a smaller batch (--global-batch-size, or --fix micro_batch_size=1)")
         if fixed.get("checkpointing", 1) != 1:  # unpinned, the search already tried it
@@ -106,9 +138,14 @@ def _infeasible(
         if fixed:
             suggestions.append("fewer --fix pins (let the search choose chunk size and cache)")
     else:
+        what = (
+            "for every rank's share of the device and the offloaded shards (a CPU device is host memory)"
+            if pools.one_pool
+            else "for offloaded shards and their copy buffers"
+        )
         message = (
-            f"nothing fits: the configurations that fit the device need {gib(required_host or 0)} "
-            f"of host memory per node for offloaded shards, but only {gib(host)} is available"
+            f"nothing fits the host: the configurations that fit the device need {_size(required_host or 0)} "
+            f"of host memory per node {what}, but only {_size(host)} is available"
         )
         suggestions.append("more host memory (--host-memory BYTES if the machine has it)")
         suggestions.append("more GPUs (--gpus / --nodes): fewer shards offloaded per node")
@@ -285,6 +322,8 @@ def search(
     strategy: str = "joint",
     hardware_id: str | None = None,
     loop: str = "plain",
+    device_memory_bytes: int | None = None,
+    profile_path: str = "",
 ) -> SearchResult:
     """Finds the fastest plan that fits.
 
@@ -302,6 +341,8 @@ def search(
         loop: what the training script runs each step (``plan/capabilities.py``): ``plain``
             (``model(**batch)`` + ``optimizer.backward``) limits the search to data parallelism with
             standard accumulation; ``forward_backward`` also tries pipeline, tensor and layered plans.
+        device_memory_bytes: caps the device memory a rank may fill (default: the spec's usable).
+        profile_path: the profile's file, recorded in the plan (``search.profile``) for ``show``.
 
     Returns:
         The result; ``result.plan`` passes ``validate``.
@@ -333,22 +374,25 @@ def search(
     }
     model = next(iter(models.values()))
     host_bytes = host_memory_bytes if host_memory_bytes is not None else hardware.host_memory_bytes
-    budget = Budget(
-        usable_gpu_bytes=hardware.usable_memory_bytes, host_bytes=host_bytes, global_batch_size=global_batch
-    )
+    usable = hardware.usable_memory_bytes
+    if device_memory_bytes is not None:
+        usable = min(usable, device_memory_bytes)
+    budget = Budget(usable_gpu_bytes=usable, host_bytes=host_bytes, global_batch_size=global_batch)
+    pools = _Pools(budget.usable_gpu_bytes, host_bytes, hardware.device == "cpu", "offload" in pinned)
     by_layout: dict[Layout, Candidate] = {}
     if strategy == "joint":
         found = explore(list(models.values()), budget, searched, top_k)
         if not found.best:
-            raise _infeasible(found.min_gpu_bytes, found.min_host_bytes, budget.usable_gpu_bytes, host_bytes, pinned)
+            raise _infeasible(found.min_gpu_bytes, found.min_host_bytes, pools, pinned)
         candidates, num_scored, by_layout = found.best, found.num_scored, found.best_by_layout
         model = models[candidates[0].layout]
     else:
         shape, memory = fitted_elixir_shape(model, global_batch // world, budget.usable_gpu_bytes, searched)
-        if memory.required_gpu_bytes > budget.usable_gpu_bytes or memory.peak_host_bytes > host_bytes:
-            raise _infeasible(
-                memory.required_gpu_bytes, memory.peak_host_bytes, budget.usable_gpu_bytes, host_bytes, pinned
-            )
+        host_need = memory.peak_host_bytes
+        if pools.one_pool:
+            host_need += memory.required_gpu_bytes * gpus_per_node
+        if memory.required_gpu_bytes > budget.usable_gpu_bytes or host_need > host_bytes:
+            raise _infeasible(memory.required_gpu_bytes, host_need, pools, pinned)
         candidates, num_scored = [score(model, shape, memory, global_batch)], 1
     why = explain_winner(candidates, pinned, device=hardware.device, by_layout=by_layout, layouts_tried=len(models))
     if loop == "plain" and strategy == "joint" and len(profile.layout_reasons()) < 2:
@@ -367,6 +411,8 @@ def search(
         num_scored=num_scored,
         alternatives=candidates[1:],
         loop=loop,
+        usable_gpu_bytes=budget.usable_gpu_bytes,
+        profile_path=profile_path,
     )
     return SearchResult(
         plan=plan,
@@ -377,4 +423,5 @@ def search(
         model=model,
         models=models,
         best_by_layout=by_layout,
+        usable_gpu_bytes=budget.usable_gpu_bytes,
     )

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, field
 
 from elixir_tune.costmodel.layout import largest_trainable_numel
-from elixir_tune.costmodel.memory import SHARD_BYTES
+from elixir_tune.costmodel.memory import SHARD_BYTES, MemoryEstimate
 from elixir_tune.costmodel.model import CostModel, Shape
 from elixir_tune.costmodel.parallel import Layout
 from elixir_tune.plan.memory import ALIGN_ELEMENTS, chunk_size_multiple
@@ -34,6 +34,7 @@ from elixir_tune.search.space import (
     chunk_size_grid,
     divisors,
 )
+from elixir_tune.search.stages import StageScorer
 
 
 @dataclass
@@ -58,10 +59,10 @@ class Exploration:
     Attributes:
         best: the best candidates, fastest first.
         num_scored: candidates whose step was simulated.
-        min_gpu_bytes: the least device memory any configuration needs (everything offloaded;
-            None when the pinned choices allow no configuration at all).
+        min_gpu_bytes: the least device memory any configuration needs (everything offloaded, or
+            the pinned offload share; None when the pinned choices allow no configuration at all).
         min_host_bytes: the least host memory a configuration that fits the device needs
-            (None when none fits the device).
+            (None when none fits the device; on a CPU device, device and host parts together).
         best_by_layout: the fastest candidate scored of each parallel layout (to say why one won).
     """
 
@@ -222,6 +223,12 @@ def offload_choices(num_chunks: int, smallest: int, fixed: dict) -> list[int]:
     return sorted({smallest} | {count for count in grid if count >= smallest})
 
 
+def _one_pool_bytes(memory: MemoryEstimate, model: CostModel) -> int:
+    """On a CPU device, what a node's RAM holds: every rank's device part (with its margin) and the
+    host part (offloaded shards and their buffers)."""
+    return memory.required_gpu_bytes * model.gpus_per_node + memory.peak_host_bytes
+
+
 def explore(model: CostModel | list[CostModel], budget: Budget, fixed: dict, top_k: int) -> Exploration:
     """Runs the joint search over one cost model or several (one per parallel layout, data-only first).
 
@@ -260,12 +267,15 @@ def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, f
     stages = model.parallel_layout.pipeline
     tensor = model.parallel_layout
     grid_rows = math.isqrt(tensor.tensor) if tensor.tensor_mode == "2d" else 1
+    scorer = StageScorer(model)
+    one_pool = hardware.device == "cpu"
     for chunk_size in chunk_sizes(model, fixed):
         layout = model.layout(chunk_size)
         num_chunks, cacheable = layout.num_chunks, layout.num_cacheable
         shard_state_bytes = chunk_size // world * SHARD_BYTES
         shard_numel = chunk_size // world
         costs = model.costs(chunk_size)
+        most_offloaded = max(offload_choices(num_chunks, 0, fixed))
         for every in checkpointing_choices(model, fixed):
             minimum = model.min_cache_blocks(chunk_size, every)
             for micro_batch, layered in micro_batch_accumulation_choices(per_rank, fixed, stages):
@@ -278,18 +288,22 @@ def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, f
                     for prefetch in prefetch_choices(cache_blocks, minimum, cacheable, fixed):
                         shape = Shape(chunk_size, cache_blocks, 0, prefetch, every, micro_batch, accum, layered=layered)
                         base = model.memory(shape)
-                        need_all_offloaded = base.required_gpu_bytes - num_chunks * shard_state_bytes
-                        if found.min_gpu_bytes is None or need_all_offloaded < found.min_gpu_bytes:
-                            found.min_gpu_bytes = need_all_offloaded
+                        # The least device memory of this shape: every shard it may offload on the host.
+                        need_least = base.required_gpu_bytes - most_offloaded * shard_state_bytes
+                        if found.min_gpu_bytes is None or need_least < found.min_gpu_bytes:
+                            found.min_gpu_bytes = need_least
                         over = base.required_gpu_bytes - budget.usable_gpu_bytes  # the margin stays free
                         smallest = max(0, -(-over // shard_state_bytes))
                         if smallest > num_chunks:
                             continue
-                        host_need = model.memory(
+                        if smallest > most_offloaded:
+                            continue  # does not fit the device at the pinned offload share
+                        fitting = model.memory(
                             Shape(
                                 chunk_size, cache_blocks, smallest, prefetch, every, micro_batch, accum, layered=layered
                             )
-                        ).peak_host_bytes
+                        )
+                        host_need = _one_pool_bytes(fitting, model) if one_pool else fitting.peak_host_bytes
                         if found.min_host_bytes is None or host_need < found.min_host_bytes:
                             found.min_host_bytes = host_need
                         if compute_s >= top.threshold_s:
@@ -315,14 +329,29 @@ def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, f
                             memory = model.memory(shape)
                             if memory.peak_host_bytes > budget.host_bytes:
                                 break
+                            if one_pool and _one_pool_bytes(memory, model) > budget.host_bytes:
+                                break  # a CPU device: its memory is the host's
                             candidate = score(model, shape, memory, budget.global_batch_size)
                             found.num_scored += 1
-                            top.add(candidate)
                             key = model.parallel_layout
-                            if (
-                                key not in found.best_by_layout
-                                or candidate.step_time_s < found.best_by_layout[key].step_time_s
-                            ):
+                            kept = found.best_by_layout.get(key)
+                            if stages > 1:
+                                if candidate.step_time_s >= min(
+                                    top.threshold_s, kept.step_time_s if kept else math.inf
+                                ):
+                                    continue  # the critical stage's step is a lower bound of the pipeline's
+                                whole = scorer.whole(
+                                    candidate, budget.global_batch_size, budget.usable_gpu_bytes, budget.host_bytes
+                                )
+                                if (
+                                    whole is None
+                                    or one_pool
+                                    and _one_pool_bytes(whole.memory, model) > budget.host_bytes
+                                ):
+                                    continue  # another stage does not fit
+                                candidate = whole
+                            top.add(candidate)
+                            if kept is None or candidate.step_time_s < kept.step_time_s:
                                 found.best_by_layout[key] = candidate
                             worse = worse + 1 if candidate.step_time_s > previous else 0
                             if worse >= 2:

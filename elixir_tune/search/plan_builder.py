@@ -2,18 +2,16 @@
 
 With a pipeline, each stage's parameters are packed into chunks of their own (``ChunkPlan.stage``;
 chunks never cross stages), at the tensor-parallel local sizes when there is tensor parallelism.
-The search scored the critical stage (``costmodel.parallel.critical_stage``); every other stage
-gets the same chunk size, cache and offload share (its cache capped to its chunks, more offloaded
-if it would not fit), and the plan's prediction is the slowest stage's step and the largest peaks.
+The search scored every stage (``search/stages.py``: the critical stage's chunk size, cache and
+offload share carried over, more offloaded where a stage would not fit); the plan's prediction is
+the slowest stage's step and the memory of the stage that needs the most device memory.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import replace
 from typing import cast
 
-from elixir_tune.costmodel.model import CostModel, Shape
+from elixir_tune.costmodel.model import CostModel
 from elixir_tune.costmodel.parallel import tied_params
 from elixir_tune.plan.schema import (
     Backend,
@@ -36,56 +34,21 @@ from elixir_tune.plan.schema import (
     TrainingInfo,
     TransientKey,
 )
-from elixir_tune.search.candidate import Candidate, score
+from elixir_tune.search.candidate import Candidate
+from elixir_tune.search.stages import PipelineCandidate, StageScorer
 
 BACKEND_OF_DEVICE: dict[str, Backend] = {"cuda": "nccl", "cpu": "gloo"}
 
 
-def stage_shape(stage_model: CostModel, shape: Shape, critical_chunks: int, usable_gpu_bytes: int) -> Shape:
-    """The critical stage's shape carried over to another stage of the same layout.
-
-    Args:
-        stage_model: the cost model of that stage.
-        shape: the critical stage's shape.
-        critical_chunks: chunks of the critical stage (for the offload share).
-        usable_gpu_bytes: device memory a rank may fill.
-
-    Returns:
-        The stage's shape: cache capped to its chunks (never under its minimum), the same offload
-        share rounded up, more offloaded while it does not fit.
-    """
-    layout = stage_model.layout(shape.chunk_size)
-    minimum = stage_model.min_cache_blocks(shape.chunk_size, shape.every)
-    cache = max(min(shape.cache_blocks, layout.num_cacheable), minimum)
-    room = cache - minimum if cache < layout.num_cacheable else cache - 1
-    count = min(layout.num_chunks, math.ceil(shape.num_offloaded / max(1, critical_chunks) * layout.num_chunks))
-    out = replace(shape, cache_blocks=cache, prefetch=max(0, min(shape.prefetch, room)), num_offloaded=count)
-    while count < layout.num_chunks and stage_model.memory(out).required_gpu_bytes > usable_gpu_bytes:
-        count += 1
-        out = replace(out, num_offloaded=count)
-    return out
-
-
 def stage_candidates(
-    model: CostModel, candidate: Candidate, global_batch_size: int
+    model: CostModel, candidate: Candidate, global_batch_size: int, usable_gpu_bytes: int | None = None
 ) -> list[tuple[CostModel, Candidate]]:
-    """(cost model, scored candidate) of every pipeline stage, the critical one as searched."""
-    layout = model.parallel_layout
-    if layout.pipeline == 1:
-        return [(model, candidate)]
-    out = []
-    critical_chunks = model.layout(candidate.shape.chunk_size).num_chunks
-    usable = model.hardware.usable_memory_bytes
-    for stage in range(layout.pipeline):
-        if stage == model.stage:
-            out.append((model, candidate))
-            continue
-        other = CostModel(
-            model.full_profile, model.hardware, model.gpus_per_node, model.nodes, model.dtype, layout, stage=stage
-        )
-        shape = stage_shape(other, candidate.shape, critical_chunks, usable)
-        out.append((other, score(other, shape, other.memory(shape), global_batch_size)))
-    return out
+    """(cost model, scored candidate) of every pipeline stage, the critical one as searched (the
+    search's own when it scored them, ``stages.PipelineCandidate``)."""
+    if isinstance(candidate, PipelineCandidate) and candidate.stages:
+        return list(candidate.stages)
+    usable = model.hardware.usable_memory_bytes if usable_gpu_bytes is None else usable_gpu_bytes
+    return StageScorer(model).stages(candidate, global_batch_size, usable)
 
 
 def _chunks(stages: list[tuple[CostModel, Candidate]]) -> list[ChunkPlan]:
@@ -128,6 +91,8 @@ def build_plan(
     num_scored: int,
     alternatives: list[Candidate],
     loop: str = "plain",
+    usable_gpu_bytes: int | None = None,
+    profile_path: str = "",
 ) -> Plan:
     """The plan of one candidate, with its prediction and how it was found.
 
@@ -141,26 +106,30 @@ def build_plan(
         num_scored: candidates scored.
         alternatives: the runners-up, best first.
         loop: the training script's loop (``training.loop``: plain or forward_backward).
+        usable_gpu_bytes: device memory a rank may fill (default: the hardware's).
+        profile_path: the profile searched from, recorded in ``search.profile`` (for ``show --timeline``).
 
     Returns:
         The plan.
     """
     profile = model.full_profile
     shape = candidate.shape
-    stages = stage_candidates(model, candidate, global_batch_size)
+    stages = stage_candidates(model, candidate, global_batch_size, usable_gpu_bytes)
     slowest = max((c for _, c in stages), key=lambda c: c.step_time_s)
-    peak_gpu = max(c.memory.peak_gpu_bytes for _, c in stages)
+    # Every memory figure of the prediction is one stage's: the one that needs the most device memory
+    # (so that its parts add up to its peak); the host peak is the largest of any stage.
+    largest = max((c for _, c in stages), key=lambda c: c.memory.required_gpu_bytes).memory
     peak_host = max(c.memory.peak_host_bytes for _, c in stages)
     prediction = Prediction(
         step_time_s=round(slowest.step_time_s, 6),
         tokens_per_s=round(slowest.tokens_per_s, 3),
         tflops_per_gpu=round(slowest.tflops_per_gpu, 4),
         mfu=round(slowest.mfu, 4),
-        peak_gpu_bytes=int(peak_gpu),
+        peak_gpu_bytes=int(largest.peak_gpu_bytes),
         peak_host_bytes=int(peak_host),
         # The cost model's keys are MODEL_STATE_KEYS by construction (costmodel.memory.model_state_bytes).
-        model_state_bytes=cast("dict[ModelStateKey, int]", dict(candidate.memory.model_state_bytes)),
-        transient_bytes=cast("dict[TransientKey, int]", dict(candidate.memory.transient_bytes)),
+        model_state_bytes=cast("dict[ModelStateKey, int]", dict(largest.model_state_bytes)),
+        transient_bytes=cast("dict[TransientKey, int]", dict(largest.transient_bytes)),
         breakdown={key: round(value, 6) for key, value in slowest.estimate.breakdown.items()},
     )
     device = model.hardware.device
@@ -215,5 +184,6 @@ def build_plan(
             candidates=num_scored,
             elapsed_s=round(elapsed_s, 3),
             alternatives=[alt.row() for alt in alternatives],
+            profile=profile_path,
         ),
     )

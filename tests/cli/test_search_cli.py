@@ -95,3 +95,36 @@ def test_missing_profile_tells_to_profile(workdir):
 def test_bad_host_memory_is_a_usage_error(workdir):
     result = invoke("--gpus", "2", "--hardware", "a100-40gb-pcie", "--host-memory", "lots")
     assert result.exit_code == 2
+
+
+def test_host_memory_is_honoured_on_a_cpu_device(workdir):
+    # On a CPU device the device's memory is the host's: 1 MiB holds no plan (before: a plan was written).
+    save_profile(gpt2_profile("tiny", hidden=64, layers=2, heads=2, vocab=256, positions=32, seq_len=32), "tiny.yaml")
+    result = invoke("--gpus", "2", "--profile", "tiny.yaml", "--hardware", "cpu", "--host-memory", "1MiB")
+    assert result.exit_code == 1, result.output
+    assert "nothing fits the host" in result.output and "host memory per node" in result.output
+    assert not (workdir / "plan.yaml").exists()
+    assert invoke("--gpus", "2", "--profile", "tiny.yaml", "--hardware", "cpu").exit_code == 0
+
+
+def test_device_memory_caps_what_a_rank_may_fill(workdir):
+    result = invoke("--gpus", "2", "--hardware", "a100-40gb-pcie", "--device-memory", "2GiB")
+    assert result.exit_code == 1, result.output
+    assert "nothing fits the device" in result.output and "device memory" in result.output
+    roomy = invoke("--gpus", "2", "--hardware", "a100-40gb-pcie", "--device-memory", "30GiB", "--json")
+    assert roomy.exit_code == 0, roomy.output
+    assert json.loads(roomy.output)["prediction"]["peak_gpu_bytes"] <= 30 * 2**30
+    assert invoke("--gpus", "2", "--hardware", "a100-40gb-pcie", "--device-memory", "lots").exit_code == 2
+
+
+def test_a_pinned_offload_that_does_not_fit_names_the_device(workdir):
+    # gpt2-20b on one 24 GB card with every shard kept on it: short of device memory, not host memory.
+    result = invoke("--gpus", "1", "--profile", "big.yaml", "--hardware", "l4-24gb", "--fix", "offload=0")
+    assert result.exit_code == 1
+    assert "nothing fits the device" in result.output and "pinned offload share 0" in result.output
+    assert "host memory per node" not in result.output
+
+
+def test_the_plan_names_its_profile(workdir):
+    assert invoke("--gpus", "2", "--hardware", "a100-40gb-pcie").exit_code == 0
+    assert load_plan(workdir / "plan.yaml").search.profile == str(workdir / "profile.yaml")

@@ -18,7 +18,9 @@ EXAMPLE = str(paths.CONFIGS_DIR / "plans" / "example.yaml")
 
 
 def test_show_a_searched_plan(tmp_path):
-    plan = search(gpt2_profile("gpt2-10b"), load_hardware("a100-40gb-pcie"), gpus_per_node=1).plan
+    plan = search(
+        gpt2_profile("gpt2-10b"), load_hardware("a100-40gb-pcie"), gpus_per_node=1, loop="forward_backward"
+    ).plan
     save_plan(plan, tmp_path / "plan.yaml")
     result = CliRunner().invoke(cli, ["show", str(tmp_path / "plan.yaml")])
     assert result.exit_code == 0, result.output
@@ -35,7 +37,9 @@ def test_show_a_searched_plan(tmp_path):
 
 
 def test_show_json_of_a_searched_plan(tmp_path):
-    plan = search(gpt2_profile("gpt2-4b"), load_hardware("a100-40gb-pcie"), gpus_per_node=2).plan
+    plan = search(
+        gpt2_profile("gpt2-4b"), load_hardware("a100-40gb-pcie"), gpus_per_node=2, loop="forward_backward"
+    ).plan
     save_plan(plan, tmp_path / "plan.yaml")
     result = CliRunner().invoke(cli, ["show", str(tmp_path / "plan.yaml"), "--json"])
     assert result.exit_code == 0, result.output
@@ -87,3 +91,49 @@ def test_show_explains_a_pipeline_or_tensor_plan(tmp_path, fixed, texts):
         assert sum(data["parallel"]["chunks_per_stage"]) == len(plan.memory.chunks)
         # No-sync's held gradients get their own memory row when a step runs several micro-batches.
         assert ("gradients a pipeline step holds" in result.output) == (accum > 1)
+
+
+def test_show_timeline_reads_the_profile_the_plan_names(tmp_path, monkeypatch):
+    from elixir_tune.profiler.schema import save_profile
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    save_profile(gpt2_profile("gpt2-4b"), tmp_path / "a" / "model.yaml")
+    monkeypatch.chdir(tmp_path / "a")
+    searched = CliRunner().invoke(
+        cli, ["search", "--gpus", "2", "--hardware", "a100-40gb-pcie", "--profile", "model.yaml", "--out", "p.yaml"]
+    )
+    assert searched.exit_code == 0, searched.output
+    monkeypatch.chdir(tmp_path / "b")  # no profile.yaml here
+    plan_path = str(tmp_path / "a" / "p.yaml")
+    result = CliRunner().invoke(cli, ["show", plan_path, "--timeline", "step.svg"])
+    assert result.exit_code == 0, result.output
+    assert "<svg" in (tmp_path / "b" / "step.svg").read_text()
+    (tmp_path / "a" / "model.yaml").unlink()
+    gone = CliRunner().invoke(cli, ["show", plan_path, "--timeline", "step.svg"])
+    assert gone.exit_code == 1
+    assert "model.yaml" in gone.output and "gone" in gone.output and "--profile" in gone.output
+
+
+def test_show_of_a_pipeline_plan_reports_one_stage_consistently(tmp_path):
+    # Every memory figure of the prediction is one stage's: its host shards are that stage's chunks.
+    profile = gpt2_profile("p", hidden=256, layers=4, heads=4, vocab=1024, positions=128, seq_len=128)
+    plan = search(
+        profile,
+        load_hardware("h100-80gb-sxm"),
+        gpus_per_node=8,
+        fixed=["pipeline=2", "offload=0.5"],
+        loop="forward_backward",
+    ).plan
+    assert plan.prediction is not None
+    states = plan.prediction.model_state_bytes
+    shard_bytes = plan.memory.chunk_size // plan.data_parallel_size * 16
+    per_stage = [sum(1 for c in plan.memory.chunks if c.stage == s and c.offload) for s in range(2)]
+    assert states["host_shard_bytes"] in [count * shard_bytes for count in per_stage]
+    held = plan.prediction.transient_bytes.get("held_grad_bytes", 0)
+    device_states = states["cache_bytes"] + states["resident_bytes"] + states["device_shard_bytes"]
+    assert plan.prediction.peak_gpu_bytes > device_states + held
+    save_plan(plan, tmp_path / "plan.yaml")
+    result = CliRunner().invoke(cli, ["show", str(tmp_path / "plan.yaml")])
+    assert result.exit_code == 0, result.output
+    assert "stage that needs the most" in result.output and "(all stages)" in result.output

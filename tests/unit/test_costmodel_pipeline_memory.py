@@ -97,5 +97,13 @@ def test_the_search_prediction_carries_the_held_gradients(profile):
     plan = result.plan
     assert plan.training.grad_accum_steps == 4 and plan.training.accumulation == "layered"
     assert plan.prediction is not None
-    # The plan's model states and transients are its critical stage's (stage 0: 2 blocks + wte + wpe).
-    assert plan.prediction.transient_bytes["held_grad_bytes"] == (BLOCK + WTE + WPE) * 4
+    # The search scored both stages; the plan's model states and transients are those of the stage
+    # that needs the most device memory, all of one stage (so that show's parts add up to its peak).
+    stages = result.candidates[0].stages
+    assert [model.stage for model, _ in stages] == [0, 1]
+    largest = max((c.memory for _, c in stages), key=lambda memory: memory.required_gpu_bytes)
+    assert plan.prediction.transient_bytes == largest.transient_bytes
+    assert plan.prediction.model_state_bytes == largest.model_state_bytes
+    assert plan.prediction.peak_gpu_bytes == largest.peak_gpu_bytes
+    # Stage 0 holds 2 blocks + wte + wpe unsharded at its peak.
+    assert stages[0][1].memory.transient_bytes["held_grad_bytes"] == (BLOCK + WTE + WPE) * 4

@@ -9,6 +9,7 @@ from elixir_tune.costmodel.timeline import (
     TransferCosts,
     combine_step,
     issue_steps,
+    micro_batches,
     simulate_micro_batch,
     transfer_costs,
 )
@@ -45,11 +46,13 @@ def test_prefetch_waits_for_the_evicted_block():
 def test_step_adds_accumulation_and_optimizer():
     cold = simulate_micro_batch([1.0, 1.0], FETCHES, [0, 1], REDUCE_AFTER, [False, True], COSTS)
     steady = simulate_micro_batch([1.0, 1.0], [], [], REDUCE_AFTER, [False, True], COSTS)
-    step, parts = combine_step(cold, steady, 3, COSTS, gpu_adam_s=0.3, cpu_adam_s=0.7, compute_s=6.0, recompute_s=0.0)
+    step, parts = combine_step(
+        [cold, steady, steady], COSTS, gpu_adam_s=0.3, cpu_adam_s=0.7, compute_s=6.0, recompute_s=0.0
+    )
     # cold compute 3.1, one steady compute 2.0, last steady drained 2.0+0.5+0.2, norm 0.01, slower Adam 0.7
     assert step == pytest.approx(3.1 + 2.0 + 2.7 + 0.01 + 0.7)
     assert parts["grad_drain_s"] == pytest.approx(0.7)
-    serial, _ = combine_step(cold, None, 1, COSTS, 0.3, 0.7, 2.0, 0.0, serial_optimizers=True)
+    serial, _ = combine_step([cold], COSTS, 0.3, 0.7, 2.0, 0.0, serial_optimizers=True)
     assert serial == pytest.approx(3.8 + 0.01 + 1.0)
 
 
@@ -77,3 +80,40 @@ def test_on_a_cpu_device_collectives_do_not_overlap_compute():
     assert run.drained_s == pytest.approx(3.8)
     overlapped = simulate_micro_batch([1.0, 1.0], FETCHES, issue, REDUCE_AFTER, [False, True], COSTS)
     assert overlapped.drained_s < run.drained_s
+
+
+def _reduce_bound_step(num_micro: int, step_s: float) -> tuple[float, dict[str, float], int]:
+    """A step whose micro-batches each compute ``2 x step_s`` and then reduce two chunks (0.25 s
+    each, nothing fetched): (step time, breakdown, micro-batches actually simulated)."""
+    simulated = []
+
+    def steady(busy):
+        run = simulate_micro_batch([step_s, step_s], [], [], REDUCE_AFTER, [False, False], COSTS, busy_s=busy)
+        simulated.append(run)
+        return run
+
+    cold = simulate_micro_batch([step_s, step_s], [], [], REDUCE_AFTER, [False, False], COSTS)
+    parts = micro_batches(cold, num_micro, steady)
+    assert len(parts) == num_micro
+    step, breakdown = combine_step(parts, COSTS, 0.0, 0.0, 2 * step_s * num_micro, 0.0)
+    return step, breakdown, 1 + len(simulated)
+
+
+def test_reductions_left_by_one_micro_batch_keep_the_link_busy_into_the_next():
+    # Each micro-batch computes 0.2 s and then reduces for 0.5 s: the reductions queue up on the
+    # collective stream (0.2-0.7, 0.7-1.2, 1.2-1.7, 1.7-2.2) while the compute runs ahead, so the step
+    # ends when the last one drains: 2.2 s + the norm. Starting each micro-batch with free links would
+    # predict 0.6 + 0.7 = 1.3 s, less than the 2.0 s the reductions alone take.
+    step, breakdown, simulated = _reduce_bound_step(4, 0.1)
+    assert breakdown["reduce_scatter_s"] == pytest.approx(2.0)
+    assert step == pytest.approx(2.2 + COSTS.grad_norm_s)
+    assert step >= breakdown["reduce_scatter_s"]
+    assert simulated == 4  # the backlog grows every micro-batch: never periodic
+
+
+def test_a_periodic_micro_batch_is_simulated_once_and_repeated():
+    # Compute 2 s, reductions 0.5 s after it: each micro-batch starts with the same leftover (the
+    # previous one's 0.5 s of reductions), so the second is simulated and the rest are copies of it.
+    step, _breakdown, simulated = _reduce_bound_step(10, 1.0)
+    assert simulated == 2
+    assert step == pytest.approx(10 * 2.0 + 0.5 + COSTS.grad_norm_s)

@@ -28,6 +28,7 @@ from elixir_tune.search.joint import (
     prefetch_choices,
 )
 from elixir_tune.search.layouts import layout_choices
+from elixir_tune.search.stages import StageScorer
 
 MIB = 2**20
 
@@ -162,6 +163,7 @@ def exhaustive_best(profile, hardware, gpus: int, global_batch: int, fixed: dict
 
 
 def _best_of_layout(model: CostModel, hardware, global_batch: int, fixed: dict, best, scored: int):
+    scorer = StageScorer(model)
     for shape in every_shape(model, global_batch // model.data_size, fixed):
         memory = model.memory(shape)
         # required = the peak plus the margin the search keeps free (costmodel.memory.margin_bytes)
@@ -171,8 +173,13 @@ def _best_of_layout(model: CostModel, hardware, global_batch: int, fixed: dict, 
         ):
             continue
         candidate = score(model, shape, memory, global_batch)
+        # A pipeline runs at its slowest stage's pace and fits only if every stage fits.
+        whole = scorer.whole(candidate, global_batch, hardware.usable_memory_bytes, hardware.host_memory_bytes)
+        if whole is None:
+            continue
+        candidate = whole
         scored += 1
-        key = (candidate.step_time_s, memory.peak_gpu_bytes, memory.peak_host_bytes)
+        key = (candidate.step_time_s, candidate.memory.peak_gpu_bytes, candidate.memory.peak_host_bytes)
         if best is None or key < best[0]:
             best = (key, candidate)
     return best, scored

@@ -95,8 +95,9 @@ def test_models_without_a_tensor_layout_get_no_tensor_parallelism(small):
     [
         # compute-bound: data parallelism alone wins, the pipelines it tried are slower
         (1024, 8, 16, 4096, 64, [], DATA_ONLY),
-        # short sequences, many micro-batches: modular pipeline 2 halves each rank's chunk traffic
-        (1024, 8, 16, 1024, 64, [], Layout(pipeline=2)),
+        # short sequences, many micro-batches: modular pipeline 2 halves each rank's chunk traffic, but
+        # its last stage also runs the 50304-word head and loss, and the step waits for the slowest stage
+        (1024, 8, 16, 1024, 64, [], DATA_ONLY),
         # long sequences of a wide model: tensor 2 halves the activations (less recomputation)
         (8192, 4, 64, 8192, 8, ["pipeline=1"], Layout(tensor=2)),
     ],

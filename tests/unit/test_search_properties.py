@@ -1,0 +1,105 @@
+"""The search is right about itself, over presets x worlds x models.
+
+For every case the default (free) search's plan passes ``validate``; its predicted device peak, with
+the margin the search keeps free, fits the device it was made for (every pipeline stage's), and its
+host peak the host; no resource of its predicted timeline is busy longer than the step; the
+prediction's memory figures are one stage's (``show`` reports them as such); and its step is no
+slower than the best the search finds with each parallel layout it allows pinned.
+
+Each case runs for both training loops the search knows (``search(loop=...)``): under the plain loop
+every plan is data-parallel with standard accumulation, under ``forward_backward`` every layout the
+model runs is in play.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from elixir_tune.costmodel.memory import SHARD_BYTES
+from elixir_tune.costmodel.synthetic import gpt2_profile
+from elixir_tune.hardware import load_hardware
+from elixir_tune.paths import MODEL_CONFIGS_DIR
+from elixir_tune.plan import validate
+from elixir_tune.search import InfeasibleError, search
+
+PRESETS = ("cpu", "a100-40gb-pcie", "h100-80gb-sxm")
+WORLDS = ((1, 1), (1, 2), (1, 8), (2, 8))  # (nodes, GPUs per node)
+# The multi-billion model takes seconds per case (many chunk sizes and layouts): slow.
+MODELS = ("gpt2-tiny", "llama-tiny", "opt-125m", pytest.param("gpt2-4b", marks=pytest.mark.slow))
+LOOPS: tuple[str | None, ...] = ("plain", "forward_backward")
+# Slack for float rounding in the comparisons of predicted seconds.
+EPS_S = 1e-9
+
+
+@functools.cache
+def profile_of(name: str):
+    """A model profile: the real profiler's for the config YAMLs (meta device, seconds), the
+    synthetic GPT-2 for the multi-billion model (its memory does not fit every preset)."""
+    if name == "gpt2-4b":
+        return gpt2_profile("gpt2-4b")
+    from elixir_tune.profiler.profile import profile_model
+
+    return profile_model(str(MODEL_CONFIGS_DIR / f"{name}.yaml"), seq_len=128)
+
+
+def run_search(profile, hardware, nodes: int, gpus: int, loop: str | None, fixed: list[str] | None = None):
+    extra = {"loop": loop} if loop is not None else {}
+    return search(profile, hardware, gpus_per_node=gpus, nodes=nodes, fixed=fixed, **extra)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("model_name", MODELS)
+@pytest.mark.parametrize("world", WORLDS, ids=[f"{n}x{g}" for n, g in WORLDS])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_plan_validates_fits_and_is_the_search_best(preset, world, model_name, loop):
+    nodes, gpus = world
+    hardware = load_hardware(preset)
+    profile = profile_of(model_name)
+    try:
+        result = run_search(profile, hardware, nodes, gpus, loop)
+    except InfeasibleError:
+        return  # nothing fits (the error path has its own tests)
+    plan, best = result.plan, result.candidates[0]
+    assert validate(plan) == []
+    if loop == "plain":
+        assert plan.parallel.is_default() and plan.training.accumulation == "standard"
+    prediction = plan.prediction
+    assert prediction is not None
+
+    # Memory: every stage fits its device with the margin, the node's host holds the host part.
+    stages = getattr(best, "stages", ()) or ((result.model, best),)
+    for _model, stage in stages:
+        assert stage.memory.required_gpu_bytes <= hardware.usable_memory_bytes
+    assert prediction.peak_gpu_bytes <= hardware.usable_memory_bytes
+    assert prediction.peak_host_bytes <= hardware.host_memory_bytes
+    if hardware.device == "cpu":  # one pool: the ranks' device parts and the host part share the RAM
+        used = max(s.memory.required_gpu_bytes for _, s in stages) * gpus + prediction.peak_host_bytes
+        assert used <= hardware.host_memory_bytes
+
+    # The prediction's memory figures are one stage's: its host shards are that stage's chunks.
+    shard_bytes = plan.memory.chunk_size // plan.data_parallel_size * SHARD_BYTES
+    offloaded = [
+        sum(1 for c in plan.memory.chunks if c.stage == s and c.offload) for s in range(plan.parallel.pipeline.stages)
+    ]
+    assert prediction.model_state_bytes["host_shard_bytes"] in [count * shard_bytes for count in offloaded]
+
+    # Timeline: no resource busy longer than the step.
+    step_s, parts = prediction.step_time_s, prediction.breakdown
+    tolerance = 1e-5 * step_s + 2e-6  # the plan rounds its seconds to 6 decimals
+    assert parts["allgather_s"] + parts["reduce_scatter_s"] <= step_s + tolerance
+    for key in ("compute_s", "h2d_s", "d2h_s", "optimizer_cpu_s", "optimizer_gpu_s"):
+        assert parts[key] <= step_s + tolerance, key
+
+    # The search's own best: no slower than what it finds with any layout it allows pinned.
+    for layout in result.models:
+        pins = [f"pipeline={layout.pipeline}", f"tensor={layout.tensor}"]
+        if layout.tensor > 1:
+            pins.append(f"tensor_mode={layout.tensor_mode}")
+        try:
+            pinned = run_search(profile, hardware, nodes, gpus, loop, fixed=pins)
+        except (InfeasibleError, ValueError):
+            continue
+        assert best.step_time_s <= pinned.candidates[0].step_time_s + EPS_S, layout.describe()
+        assert prediction.step_time_s <= pinned.plan.prediction.step_time_s + EPS_S, layout.describe()
