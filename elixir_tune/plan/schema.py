@@ -65,6 +65,21 @@ DEFAULT_STAGING_BUFFERS = 2
 
 
 @dataclass
+class ForeignRead:
+    """Parameters one module reads in its own forward although it does not own them (a parent
+    reading a child's ``.weight``, a functional call on a sibling's parameters). The engine
+    gathers their chunks for this module, forward, backward and recomputation alike.
+
+    Attributes:
+        module: qualified name of the reading module ("" for the model itself).
+        params: names of the parameters it reads that no running module owns.
+    """
+
+    module: str
+    params: list[str]
+
+
+@dataclass
 class ModelInfo:
     """Which model the plan is for.
 
@@ -81,6 +96,8 @@ class ModelInfo:
             when unknown); tensor parallelism picks its per-family layout by it.
         num_heads: attention heads per block (0 when unknown).
         num_kv_heads: key/value heads per block (grouped-query attention; 0 when unknown).
+        foreign_reads: parameters read outside their own module's forward, by reading module
+            (``elixir-tune profile`` finds them; empty for most models and for older plans).
     """
 
     source: str
@@ -92,6 +109,7 @@ class ModelInfo:
     model_type: str = ""
     num_heads: NonNegativeInt = 0
     num_kv_heads: NonNegativeInt = 0
+    foreign_reads: list[ForeignRead] = field(default_factory=list)
 
 
 @dataclass

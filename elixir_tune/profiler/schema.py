@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from elixir_tune.plan.fields import NonNegativeFloat, NonNegativeInt, PositiveInt, build, check_fields
-from elixir_tune.plan.schema import Dtype
+from elixir_tune.plan.schema import Dtype, ForeignRead
 
 PROFILE_VERSION = 1
 
@@ -134,6 +134,9 @@ class ModelProfile:
         buffers_bytes: bytes of the model's buffers (not trained, kept on the device).
         summary: one-line human description.
         arch: the architecture numbers of its HF config (all zero for other models).
+        foreign_reads: trainable parameters a module reads in its forward while none of their
+            owning modules runs (Mamba's mixer reads ``conv1d.weight``), by reading module; the
+            trace counts them in the reader's steps. Empty in profiles made before they were found.
     """
 
     name: str
@@ -157,6 +160,7 @@ class ModelProfile:
     buffers_bytes: NonNegativeInt = 0
     summary: str = ""
     arch: ModelArch = field(default_factory=ModelArch)
+    foreign_reads: list[ForeignRead] = field(default_factory=list)
     version: int = PROFILE_VERSION
 
     @property

@@ -173,6 +173,7 @@ def build_plan(
             model_type=arch.model_type,
             num_heads=arch.num_heads,
             num_kv_heads=arch.num_kv_heads,
+            foreign_reads=[replace(read, params=list(read.params)) for read in profile.foreign_reads],
         ),
         cluster=ClusterInfo(
             hardware=hardware_id,
