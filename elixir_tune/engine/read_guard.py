@@ -72,7 +72,7 @@ class ReadGuard(TorchDispatchMode):
 
     def _fail(self, func, what: str) -> None:
         running = self._running()
-        where = f"in the forward of {running[-1]!r}" if running else "outside every module that owns parameters"
+        where = f"inside the forward of {running[-1]!r}" if running else "outside every module that owns parameters"
         raise UngatheredRead(
             f"{what} was read by {func} {where} while the engine had not gathered it for that module "
             f"(running: {', '.join(repr(name) for name in running) or 'none'}). The engine gathers a chunk "
