@@ -34,13 +34,13 @@ from elixir_tune.engine.engine_grads import EngineGrads
 from elixir_tune.engine.engine_state import EngineState
 from elixir_tune.engine.hooks import install_grad_hooks, install_module_hooks, wrap_checkpointed
 from elixir_tune.engine.layered import Baton
-from elixir_tune.engine.read_guard import ReadGuard
 from elixir_tune.engine.materialize import (
     MaterializeError,
     WeightSource,
     materialize_replicated,
     swap_meta_for_placeholders,
 )
+from elixir_tune.engine.read_guard import ReadGuard
 from elixir_tune.engine.states import GRAD_STAGED, TensorState, transition
 from elixir_tune.engine.tensor_parallel import TensorSplit, local_data, set_local_data
 from elixir_tune.engine.weights import WeightsError

@@ -53,9 +53,10 @@ def _check_foreign_reads(model: dict, chunks: list[dict], errors: list[str]) -> 
             continue  # not a mapping: already reported
         path = f"model.foreign_reads[{index}]"
         module = read.get("module")
-        if module in seen:
-            errors.append(f"{path}.module: {module!r} is listed twice; list each reading module once")
-        seen.add(module)
+        if isinstance(module, str):
+            if module in seen:
+                errors.append(f"{path}.module: {module!r} is listed twice; list each reading module once")
+            seen.add(module)
         params = [name for name in read.get("params", []) if isinstance(name, str)]
         if "params" in read and not read["params"]:
             errors.append(f"{path}.params: empty; list the parameters the module reads, or drop the entry")

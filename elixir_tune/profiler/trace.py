@@ -104,9 +104,7 @@ class AccessRecorder:
             block_index = block_of.get(id(module), -1)
             self._handles.append(module.register_forward_pre_hook(self._on_forward(block_index, owned)))
             self._handles.append(module.register_forward_hook(self._on_output(block_index)))
-        self.meter.param_storages = {
-            p.untyped_storage()._cdata: self.param_pos[id(p)] for p in self.model.parameters()
-        }
+        self.meter.param_storages = {p.untyped_storage()._cdata: self.param_pos[id(p)] for p in self.model.parameters()}
         self.meter.on_param_read = self._on_read
 
     def remove(self) -> None:

@@ -152,7 +152,9 @@ def test_a_plan_without_the_record_fails_clearly_at_the_first_step(profile):
     model, opt = build()
     model, opt = elixir_tune.setup(model, opt, plan=plan)
     batch = batches()[0]
-    with pytest.raises(UngatheredRead, match=r"'blocks\.0\.mixer\.conv\.weight'.*model\.foreign_reads.*elixir-tune profile"):
+    with pytest.raises(
+        UngatheredRead, match=r"'blocks\.0\.mixer\.conv\.weight'.*model\.foreign_reads.*elixir-tune profile"
+    ):
         model(**batch)
 
 
