@@ -28,7 +28,10 @@ Rules a plan must follow beyond validate():
       of enclosing modules that own parameters directly (they stay gathered while their children
       run); setup raises ValueError naming the module and the minimum otherwise;
     * every rank runs the same modules in the same order (no data-dependent control flow), as
-      with FSDP: the collectives are issued by the hooks.
+      with FSDP: the collectives are issued by the hooks;
+    * a module that reads parameters it does not own (model.foreign_reads, found by the profiler)
+      has their chunks gathered for it; any other read of a chunked parameter outside its modules
+      raises UngatheredRead in the forwards before the first backward (elixir_tune.engine.read_guard).
 
 Access order for eviction and prefetch: recorded at run time during the first micro-batch
 (forward, recomputation, backward); before that, the plan's chunk order (ascending in forward,
@@ -42,6 +45,7 @@ from elixir_tune.engine.materialize import MaterializeError
 from elixir_tune.engine.model import ElixirModel
 from elixir_tune.engine.optimizer import ShardedOptimizer
 from elixir_tune.engine.pretrained import save_pretrained
+from elixir_tune.engine.read_guard import UngatheredRead
 from elixir_tune.engine.setup import check_plan_matches, model_fingerprint, setup
 from elixir_tune.engine.states import TensorState
 from elixir_tune.engine.weights import WeightsError
@@ -53,6 +57,7 @@ __all__ = [
     "MaterializeError",
     "ShardedOptimizer",
     "TensorState",
+    "UngatheredRead",
     "check_plan_matches",
     "load_checkpoint",
     "model_fingerprint",

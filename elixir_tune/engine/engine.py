@@ -40,6 +40,7 @@ from elixir_tune.engine.materialize import (
     materialize_replicated,
     swap_meta_for_placeholders,
 )
+from elixir_tune.engine.read_guard import ReadGuard
 from elixir_tune.engine.states import GRAD_STAGED, TensorState, transition
 from elixir_tune.engine.tensor_parallel import TensorSplit, local_data, set_local_data
 from elixir_tune.engine.weights import WeightsError
@@ -133,14 +134,24 @@ class Engine(EngineGrads, EngineState):
         self.module_names: dict[torch.nn.Module, str] = {}
         self.module_chunks: dict[torch.nn.Module, list[Chunk]] = {}
         self.module_slots: dict[torch.nn.Module, list[ParamSlot]] = {}
+        foreign = self._foreign_slots(named)
         for name, module in model.named_modules():
             slots = [self.slot_of[id(p)] for p in module.parameters(recurse=False) if id(p) in self.slot_of]
+            owned = {id(slot) for slot in slots}
+            slots += [slot for slot in foreign.get(module, []) if id(slot) not in owned]
             if slots:
                 chunks = list(dict.fromkeys(slot.chunk for slot in slots))
                 self.module_names[module] = name or "<model>"
                 self.module_chunks[module] = [c for c in chunks if not c.resident]
                 self.module_slots[module] = slots
         self.module_ancestors = self._hooked_ancestors()
+        # A module that shares parameters with a running ancestor (it reads them too, or owns what the
+        # ancestor reads) must not mark them idle when it returns: the ancestor may read them again.
+        slot_ids = {module: {id(slot) for slot in slots} for module, slots in self.module_slots.items()}
+        self._sharing_ancestors = {
+            module: [a for a in ancestors if slot_ids[a] & slot_ids[module]]
+            for module, ancestors in self.module_ancestors.items()
+        }
         self._check_cache_fits()
         self._handles = install_module_hooks(
             self.module_names, self._pre_forward, self._post_forward, self._pre_backward
@@ -209,6 +220,31 @@ class Engine(EngineGrads, EngineState):
             for name, buffer in list(module.named_buffers(recurse=False)):
                 if buffer is not None and buffer.device != self.device and id(buffer) not in self.elsewhere:
                     module._buffers[name] = buffer.to(self.device)
+
+    def _foreign_slots(self, named: dict[str, torch.nn.Parameter]) -> dict[torch.nn.Module, list[ParamSlot]]:
+        """The plan's ``model.foreign_reads``: reading module -> slots of the chunked parameters it reads.
+
+        Raises:
+            ValueError: a reading module or parameter the model does not have (a plan for another model).
+        """
+        out: dict[torch.nn.Module, list[ParamSlot]] = {}
+        for read in self.plan.model.foreign_reads:
+            try:
+                module = self.model.get_submodule(read.module)
+            except AttributeError as error:
+                raise ValueError(
+                    f"the plan's model.foreign_reads names module {read.module!r}, which this model does not have "
+                    "(a plan for another model?); search a plan for this model"
+                ) from error
+            missing = [name for name in read.params if name not in named]
+            if missing:
+                raise ValueError(
+                    f"the plan's model.foreign_reads lists {missing[:3]} for module {read.module!r}, parameters "
+                    "this model does not have (a plan for another model?); search a plan for this model"
+                )
+            # Parameters of another pipeline stage or frozen ones have no slot here: nothing to gather.
+            out[module] = [self.slot_of[id(named[name])] for name in read.params if id(named[name]) in self.slot_of]
+        return out
 
     def _hooked_ancestors(self) -> dict[torch.nn.Module, list[torch.nn.Module]]:
         """For each module owning chunked parameters, its ancestors that own some too."""
@@ -308,6 +344,19 @@ class Engine(EngineGrads, EngineState):
         self._recomputed.clear()
         self._callback_queued = self.in_backward = False
 
+    def read_check(self) -> contextlib.AbstractContextManager:
+        """The context of a forward: until the first backward has completed, a ``ReadGuard`` that
+        raises when an operation reads a chunked parameter the engine did not gather (read_guard.py);
+        afterwards nothing."""
+        if self.backward_passes:
+            return contextlib.nullcontext()
+        return ReadGuard(self.slots, self._nan, self._running_names)
+
+    def _running_names(self) -> list[str]:
+        """Names of the hooked modules running now, outermost first."""
+        running = [self.module_names[m] for m, count in self._running.items() if count > 0]
+        return sorted(running, key=lambda name: (name.count("."), name))
+
     def _layer_boundary(self) -> None:
         """Layered step: the other micro-batches run up to here first (engine/layered.py)."""
         if self.baton is not None:
@@ -334,6 +383,9 @@ class Engine(EngineGrads, EngineState):
         if self._running[module] > 0:
             return  # layered: another micro-batch is still inside this module (an ancestor of the others)
         self._set_state(module, "done")
+        for ancestor in self._sharing_ancestors.get(module, ()):
+            if self._running.get(ancestor):
+                self._set_state(ancestor, "use")
         if self.in_backward and module is self._bwd_module:
             self._set_state(module, "use")
 

@@ -37,7 +37,9 @@ class ElixirModel(torch.nn.Module):
                 "with loss = model.forward_backward(micro_batches), not model(...)"
             )
         self.engine.begin_forward()
-        with self.engine.loss_context():  # a vocabulary-parallel loss (tensor parallelism) runs inside it
+        # A vocabulary-parallel loss (tensor parallelism) runs inside loss_context; the first step's
+        # forward runs under the engine's read check.
+        with self.engine.loss_context(), self.engine.read_check():
             return self.module(*args, **kwargs)
 
     def forward_backward(self, micro_batches: Sequence[dict], loss_fn: LossFn | None = None) -> torch.Tensor:
@@ -103,7 +105,8 @@ class ElixirModel(torch.nn.Module):
             losses = []
             for index in range(count):
                 self.engine.begin_forward()
-                loss = scaled_loss(index)
+                with self.engine.read_check():
+                    loss = scaled_loss(index)
                 loss.backward()
                 losses.append(loss.detach())
         return losses

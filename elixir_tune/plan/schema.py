@@ -71,6 +71,21 @@ DEFAULT_STAGING_BUFFERS = 2
 
 
 @dataclass
+class ForeignRead:
+    """Parameters one module reads in its own forward although it does not own them (a parent
+    reading a child's ``.weight``, a functional call on a sibling's parameters). The engine
+    gathers their chunks for this module, forward, backward and recomputation alike.
+
+    Attributes:
+        module: qualified name of the reading module ("" for the model itself).
+        params: names of the parameters it reads that no running module owns.
+    """
+
+    module: str
+    params: list[str]
+
+
+@dataclass
 class ModelInfo:
     """Which model the plan is for.
 
@@ -90,6 +105,8 @@ class ModelInfo:
         unsupported_layouts: the parallel layouts the engine cannot run for this model, each with
             the reason (``plan/capabilities.py``; from the profile); ``validate`` refuses a plan
             that uses one.
+        foreign_reads: parameters read outside their own module's forward, by reading module
+            (``elixir-tune profile`` finds them; empty for most models and for older plans).
     """
 
     source: str
@@ -102,6 +119,7 @@ class ModelInfo:
     num_heads: NonNegativeInt = 0
     num_kv_heads: NonNegativeInt = 0
     unsupported_layouts: dict[LayoutName, str] = field(default_factory=dict)
+    foreign_reads: list[ForeignRead] = field(default_factory=list)
 
 
 @dataclass

@@ -44,6 +44,30 @@ def _check_chunks(chunks: list[dict | None], chunk_size: int | None, path: str, 
             errors.append(f"{chunk_path}.params: a chunk must hold at least one parameter")
 
 
+def _check_foreign_reads(model: dict, chunks: list[dict], errors: list[str]) -> None:
+    """``model.foreign_reads``: each module once, each parameter a chunked one of this plan."""
+    chunked = {name for chunk in chunks for name in chunk.get("params", []) if isinstance(name, str)}
+    seen: set[str] = set()
+    for index, read in enumerate(model.get("foreign_reads", [])):
+        if not isinstance(read, dict):
+            continue  # not a mapping: already reported
+        path = f"model.foreign_reads[{index}]"
+        module = read.get("module")
+        if isinstance(module, str):
+            if module in seen:
+                errors.append(f"{path}.module: {module!r} is listed twice; list each reading module once")
+            seen.add(module)
+        params = [name for name in read.get("params", []) if isinstance(name, str)]
+        if "params" in read and not read["params"]:
+            errors.append(f"{path}.params: empty; list the parameters the module reads, or drop the entry")
+        unknown = [name for name in params if chunks and name not in chunked]
+        if unknown:
+            errors.append(
+                f"{path}.params: {unknown[:3]} are in none of memory.chunks (only trainable, chunked parameters "
+                "are listed); run `elixir-tune profile` and `elixir-tune search` again"
+            )
+
+
 def _check_parallel(parallel: dict, world_size: int | None, model: dict, errors: list[str]) -> int | None:
     """Rules of the ``parallel`` section; returns the data-parallel size (None when unknown)."""
     stages = parallel.get("pipeline", {}).get("stages", 1)
@@ -248,6 +272,7 @@ def validate_dict(raw: Any) -> list[str]:
     _check_chunks(memory.get("chunks", []), memory.get("chunk_size"), "memory.chunks", errors)
     chunks = [chunk for chunk in memory.get("chunks", []) if chunk is not None]
     _check_chunk_stages(chunks, sections.get("parallel", {}).get("pipeline", {}), model, errors)
+    _check_foreign_reads(model, chunks, errors)
     if "chunks" in memory and not memory["chunks"]:
         errors.append("memory.chunks: empty; a plan needs at least one chunk")
     cacheable = sum(1 for chunk in chunks if not chunk.get("resident", False))

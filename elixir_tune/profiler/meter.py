@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import weakref
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch.utils import flop_counter
@@ -41,6 +41,9 @@ class LiveMemoryMeter(TorchDispatchMode):
         block: index of the block whose forward runs now (set by the recorder), or None.
         in_backward: True once backward started (forward ops then are recomputation).
         block_fwd_flops: FLOPs of each block's first (not recomputed) forward.
+        param_storages: storage key -> parameter position, of the parameters whose reads are reported.
+        on_param_read: called with the position of each such parameter an op takes as an argument
+            (itself or a view of it), before the op runs; None: nothing is reported.
     """
 
     def __init__(self, existing: Iterable[torch.Tensor] = (), op_cache: MetaOpCache | None = None) -> None:
@@ -58,9 +61,13 @@ class LiveMemoryMeter(TorchDispatchMode):
         self.block_fwd_flops: dict[int, float] = defaultdict(float)
         self._registry = getattr(flop_counter, "flop_registry", {})
         self._bool_of: dict[int, bool] = {}
+        self.param_storages: dict[int, int] = {}
+        self.on_param_read: Callable[[int], None] | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.on_param_read is not None:
+            self._report_param_reads((*args, *kwargs.values()))
         if func is _SCALAR and args[0].is_meta:
             return self._assumed_scalar(args[0])
         key = self._op_cache.key(func, args, kwargs)
@@ -87,6 +94,17 @@ class LiveMemoryMeter(TorchDispatchMode):
                 if isinstance(tensor, torch.Tensor):
                     self._track(tensor)
         return out
+
+    def _report_param_reads(self, values: tuple) -> None:
+        """Reports the parameters among an op's arguments (tensor lists included), by storage."""
+        assert self.on_param_read is not None  # checked by the caller
+        for value in values:
+            items = value if isinstance(value, (list, tuple)) else (value,)
+            for item in items:
+                if isinstance(item, torch.Tensor) and item.layout == torch.strided:
+                    pos = self.param_storages.get(item.untyped_storage()._cdata)
+                    if pos is not None:
+                        self.on_param_read(pos)
 
     def _flops(self, func, args, kwargs, out) -> float:
         formula = self._registry.get(func._overloadpacket)

@@ -21,7 +21,7 @@ from elixir_tune.kv_cache import disable_kv_cache
 from elixir_tune.model_output import find_loss
 from elixir_tune.plan.capabilities import unsupported_layouts
 from elixir_tune.plan.fingerprint import model_fingerprint
-from elixir_tune.plan.schema import Dtype, LayoutName
+from elixir_tune.plan.schema import Dtype, ForeignRead, LayoutName
 from elixir_tune.profiler.arch import model_arch
 from elixir_tune.profiler.blocks import checkpointed, find_block_list
 from elixir_tune.profiler.meta_kernels import FusedKernelsOnMeta
@@ -45,6 +45,7 @@ class _Pass:
     block_fwd_flops: dict[int, float]
     blocks: list[BlockStats]
     pointwise_bytes: int
+    foreign: dict[nn.Module, dict[int, None]]
 
 
 def profile_model(
@@ -120,7 +121,8 @@ def profile_model(
     new_index = {pos: rank for rank, pos in enumerate(order)}
 
     def trace_of(result: _Pass) -> list[list[int]]:
-        return [[new_index[p] for p in step.params] for step in ordered_trace(result.steps)]
+        steps = [step for step in result.steps if step.params]  # modules that touch no parameter
+        return [[new_index[p] for p in step.params] for step in ordered_trace(steps)]
 
     param_infos = [
         ParamInfo(
@@ -165,6 +167,7 @@ def profile_model(
         unsupported_layouts=cast(
             "dict[LayoutName, str]", unsupported_layouts(arch.model_type, is_causal_lm=hasattr(model, "lm_head"))
         ),
+        foreign_reads=_foreign_reads(model, [*plain, *ckpt], [named[pos][0] for pos in order], new_index),
     )
     profile.summary = summarize(profile)
     return profile
@@ -294,6 +297,7 @@ class _Tracer:
             dict(meter.block_fwd_flops),
             recorder.blocks,
             meter.pointwise_bytes,
+            recorder.foreign,
         )
 
 
@@ -321,6 +325,22 @@ def _to_meta(value, dtype: torch.dtype):
         return value
     value = value.to("meta")
     return value.to(dtype) if value.is_floating_point() else value
+
+
+def _foreign_reads(
+    model: nn.Module, passes: list[_Pass], names: list[str], new_index: dict[int, int]
+) -> list[ForeignRead]:
+    """The foreign reads of every pass, by reading module (in model order), parameters in profile order."""
+    module_names = {module: name for name, module in model.named_modules()}
+    found: dict[nn.Module, set[int]] = {}
+    for result in passes:
+        for reader, positions in result.foreign.items():
+            found.setdefault(reader, set()).update(new_index[pos] for pos in positions)
+    return [
+        ForeignRead(module=name, params=[names[index] for index in sorted(found[module])])
+        for module, name in module_names.items()
+        if module in found
+    ]
 
 
 def _first_use_order(steps: list[Step], num_params: int) -> list[int]:

@@ -17,7 +17,7 @@ import yaml
 
 from elixir_tune.plan.capabilities import layout_reasons_of_type
 from elixir_tune.plan.fields import NonNegativeFloat, NonNegativeInt, PositiveInt, build, check_fields
-from elixir_tune.plan.schema import Dtype, LayoutName
+from elixir_tune.plan.schema import Dtype, ForeignRead, LayoutName
 
 PROFILE_VERSION = 1
 
@@ -138,6 +138,9 @@ class ModelProfile:
         unsupported_layouts: the parallel layouts (pipeline, tensor) the engine cannot run for this
             model, each with the reason (``plan/capabilities.py``); None in profiles made before it
             was recorded (``layout_reasons`` then derives it from the family).
+        foreign_reads: trainable parameters a module reads in its forward while none of their
+            owning modules runs (Mamba's mixer reads ``conv1d.weight``), by reading module; the
+            trace counts them in the reader's steps. Empty in profiles made before they were found.
     """
 
     name: str
@@ -162,6 +165,7 @@ class ModelProfile:
     summary: str = ""
     arch: ModelArch = field(default_factory=ModelArch)
     unsupported_layouts: dict[LayoutName, str] | None = None
+    foreign_reads: list[ForeignRead] = field(default_factory=list)
     version: int = PROFILE_VERSION
 
     def layout_reasons(self) -> dict[str, str]:

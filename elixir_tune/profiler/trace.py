@@ -4,6 +4,12 @@ Granularity is what the engine hooks: one step per call of a module that owns pa
 (``module.parameters(recurse=False)``), at its pre-forward, and one when the gradient of its output
 arrives in backward (just before its backward ops run). Forward calls made during backward are
 the recomputation of checkpointed blocks.
+
+A module may also read parameters it does not own (a parent reading a child's ``.weight``, a
+functional call on a sibling's parameters, as Mamba's mixer does with its ``conv1d`` and
+``dt_proj``): every op's parameter arguments are seen by the meter, and a read while none of the
+parameter's owners runs is a foreign read of the innermost running module. Its step lists the
+parameter as well (the engine gathers it there), and the recorder keeps the pair for the profile.
 """
 
 from __future__ import annotations
@@ -50,11 +56,22 @@ class BlockStats:
 class AccessRecorder:
     """Installs the hooks that record steps and block statistics for one pass; remove() after.
 
+    Every module call is followed (a stack of running modules), so that each parameter the meter
+    sees an op read is attributed: to a running module that owns it directly (the usual case), or
+    else, as a foreign read, to the innermost running module, whose step then lists it too.
+
     Args:
         model: the model being traced.
         param_pos: id(parameter) -> position in unique named_parameters() order.
         block_modules: the repeated blocks, in order (may be empty).
-        meter: the live memory meter of this pass (block attribution is set on it).
+        meter: the live memory meter of this pass (block attribution is set on it, and it reports
+            the parameters each op reads).
+
+    Attributes:
+        steps: the recorded steps, in order (steps of modules that touch no parameter are empty).
+        blocks: per block, its first forward's statistics.
+        foreign: reading module -> positions of trainable parameters it read while none of their
+            owners ran (in first-read order).
     """
 
     model: nn.Module
@@ -63,8 +80,12 @@ class AccessRecorder:
     meter: LiveMemoryMeter
     steps: list[Step] = field(default_factory=list)
     blocks: list[BlockStats] = field(default_factory=list)
+    foreign: dict[nn.Module, dict[int, None]] = field(default_factory=dict)
     _handles: list = field(default_factory=list)
     _entry_live_bytes: int = 0
+    _running: list[tuple[nn.Module, Step]] = field(default_factory=list)
+    _owners: dict[int, set[int]] = field(default_factory=dict)
+    _trainable: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.blocks = [BlockStats() for _ in self.block_modules]
@@ -76,38 +97,65 @@ class AccessRecorder:
             self._handles.append(block.register_forward_hook(self._block_exit(index)))
         for module in self.model.modules():
             owned = tuple(self.param_pos[id(p)] for p in module.parameters(recurse=False))
-            if owned:
-                block_index = block_of.get(id(module), -1)
-                self._handles.append(module.register_forward_pre_hook(self._on_forward(block_index, owned)))
-                self._handles.append(module.register_forward_hook(self._on_output(block_index, owned)))
+            for pos, param in zip(owned, module.parameters(recurse=False), strict=True):
+                self._owners.setdefault(pos, set()).add(id(module))
+                if param.requires_grad:
+                    self._trainable.add(pos)
+            block_index = block_of.get(id(module), -1)
+            self._handles.append(module.register_forward_pre_hook(self._on_forward(block_index, owned)))
+            self._handles.append(module.register_forward_hook(self._on_output(block_index)))
+        self.meter.param_storages = {p.untyped_storage()._cdata: self.param_pos[id(p)] for p in self.model.parameters()}
+        self.meter.on_param_read = self._on_read
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self.meter.on_param_read = None
 
     def _on_forward(self, block: int, owned: tuple[int, ...]):
         def hook(module, args):
-            self.steps.append(Step(RECOMPUTE if self.meter.in_backward else FORWARD, block, owned))
+            step = Step(RECOMPUTE if self.meter.in_backward else FORWARD, block, owned)
+            self.steps.append(step)
+            self._running.append((module, step))
 
         return hook
 
-    def _on_output(self, block: int, owned: tuple[int, ...]):
+    def _on_output(self, block: int):
         def hook(module, args, output):
-            if self.meter.in_backward:
-                return  # a recomputed output: its graph is only read for saved tensors
+            step = None
+            while self._running:  # normally the top; a module left by an exception is dropped too
+                running, step = self._running.pop()
+                if running is module:
+                    break
+            if self.meter.in_backward or step is None or not step.params:
+                return  # a recomputed output (its graph is only read for saved tensors), or no parameters
+            params = step.params  # complete now: its foreign reads are known
             tensors = [t for t in _tensors(output) if t.requires_grad and t.grad_fn is not None]
             fired = [False]
 
             def on_grad(grad):
                 if not fired[0]:
                     fired[0] = True
-                    self.steps.append(Step(BACKWARD, block, owned))
+                    self.steps.append(Step(BACKWARD, block, params))
 
             for tensor in tensors:
                 tensor.register_hook(on_grad)
 
         return hook
+
+    def _on_read(self, pos: int) -> None:
+        """An op read parameter ``pos`` (or a view of it)."""
+        if not self._running:
+            return  # backward reading a saved view, or code outside the model's forward
+        owners = self._owners.get(pos, set())
+        if any(id(module) in owners for module, _ in self._running):
+            return  # its owner (or an owner of a shared parameter) runs: the engine gathers it there
+        reader, step = self._running[-1]
+        if pos not in step.params:
+            step.params = (*step.params, pos)
+        if pos in self._trainable:
+            self.foreign.setdefault(reader, {})[pos] = None
 
     def _block_enter(self, index: int):
         def hook(module, args, kwargs):

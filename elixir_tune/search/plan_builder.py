@@ -9,6 +9,7 @@ the slowest stage's step and the memory of the stage that needs the most device 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import cast
 
 from elixir_tune.costmodel.model import CostModel
@@ -147,6 +148,7 @@ def build_plan(
             num_heads=arch.num_heads,
             num_kv_heads=arch.num_kv_heads,
             unsupported_layouts=cast("dict[LayoutName, str]", profile.layout_reasons()),
+            foreign_reads=[replace(read, params=list(read.params)) for read in profile.foreign_reads],
         ),
         cluster=ClusterInfo(
             hardware=hardware_id,
