@@ -96,3 +96,42 @@ def pack_chunks(profile: ModelProfile, chunk_size: int) -> ChunkLayout:
         chunks[current].numel = align_up(chunks[current].numel) + param.numel
         chunk_of_param[index] = current
     return ChunkLayout(chunk_size=chunk_size, chunks=chunks, chunk_of_param=chunk_of_param, frozen_numel=frozen_numel)
+
+
+def max_module_chunks(profile: ModelProfile, layout: ChunkLayout) -> int:
+    """The most non-resident chunks one module holds gathered while it runs.
+
+    A module's chunks are those of the parameters it owns directly and of those it reads without
+    owning them (``ModelProfile.foreign_reads``); while it runs, every enclosing module that owns
+    parameters is running too and keeps its chunks gathered. The engine refuses a plan whose cache
+    is smaller than this (``Engine._check_cache_fits``), so no plan may have fewer cache blocks.
+
+    Args:
+        profile: the model profile (parameter names give the module tree).
+        layout: the chunk layout of one chunk size.
+
+    Returns:
+        The largest count over the modules.
+    """
+    index_of = {param.name: index for index, param in enumerate(profile.params)}
+    owned: dict[str, set[int]] = {}
+
+    def add(module: str, index: int | None) -> None:
+        chunk = layout.chunk_of_param[index] if index is not None else -1
+        if chunk >= 0 and not layout.chunks[chunk].resident:
+            owned.setdefault(module, set()).add(chunk)
+
+    for index, param in enumerate(profile.params):
+        add(param.name.rpartition(".")[0], index)
+    for read in profile.foreign_reads:
+        for name in read.params:
+            add(read.module, index_of.get(name))
+    worst = 0
+    for module, chunks in owned.items():
+        held = set(chunks)
+        enclosing = module
+        while enclosing:  # "a.b.c" -> "a.b" -> "a" -> "" (the model itself)
+            enclosing = enclosing.rpartition(".")[0]
+            held |= owned.get(enclosing, set())
+        worst = max(worst, len(held))
+    return worst

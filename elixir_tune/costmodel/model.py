@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from elixir_tune.costmodel.cache import CacheSim, simulate_cache
-from elixir_tune.costmodel.layout import ChunkLayout, largest_trainable_numel, pack_chunks
+from elixir_tune.costmodel.layout import ChunkLayout, largest_trainable_numel, max_module_chunks, pack_chunks
 from elixir_tune.costmodel.memory import STAGING_BUFFERS, MemoryEstimate, checkpointed_blocks, estimate_memory
 from elixir_tune.costmodel.parallel import DATA_ONLY, Layout, critical_stage, rank_profile
 from elixir_tune.costmodel.parallel_time import ParallelTimes
@@ -167,6 +167,7 @@ class CostModel:
         # PCIe-only GPUs: collectives and host copies share each GPU's link (world 1 has no collectives).
         self.shared_link = hardware.shared_host_link and self.world_size > 1 and hardware.device != "cpu"
         self.parallel_costs = ParallelTimes(profile, hardware, gpus_per_node, layout, self.stage, self.dtype)
+        self._module_chunks: dict[int, int] = {}
         self._layouts: dict[int, ChunkLayout] = {}
         self._traces: dict[tuple[int, int, int], tuple[ChunkTrace, list[tuple[int, ...]]]] = {}
         self._sims: dict[tuple[int, int, int, int], tuple[CacheSim, list[tuple[int, int, int]]]] = {}
@@ -200,8 +201,13 @@ class CostModel:
         return self._traces[key]
 
     def min_cache_blocks(self, chunk_size: int, every: int) -> int:
-        """The fewest cache blocks any step can run with (no prefetch)."""
-        return max(self.trace(chunk_size, every).max_step_chunks, 1 if self.layout(chunk_size).num_cacheable else 0)
+        """The fewest cache blocks any step can run with (no prefetch): the most chunks one traced
+        operation needs, or one module with the modules enclosing it (the engine's own minimum)."""
+        layout = self.layout(chunk_size)
+        if chunk_size not in self._module_chunks:
+            self._module_chunks[chunk_size] = max_module_chunks(self.profile, layout)
+        needed = max(self.trace(chunk_size, every).max_step_chunks, self._module_chunks[chunk_size])
+        return max(needed, 1 if layout.num_cacheable else 0)
 
     def cache_sim(
         self, chunk_size: int, every: int, cache_blocks: int, micro_batches: int = 1

@@ -63,7 +63,7 @@ def search_plan(case: dict, world: int):
         "chunk_size": CHUNK_SIZE,
         "offload": 0.5,
         "checkpointing": case["checkpointing"],
-        "cache_blocks": min_cache + 1,
+        "cache_blocks": min_cache,  # the smallest the search allows: setup must accept it
         "prefetch": 0,
         "micro_batch_size": 2,
         "pipeline": 1,

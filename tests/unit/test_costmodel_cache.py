@@ -80,3 +80,24 @@ def test_steady_state_is_warm():
 def test_step_needing_more_chunks_than_blocks_is_refused():
     with pytest.raises(ValueError):
         belady([(0, 1, 2)], 2)
+
+
+def test_the_minimum_cache_holds_a_module_with_its_enclosing_modules_and_its_reads():
+    # A parent that owns a parameter keeps its chunk gathered while its children run; a module that
+    # reads another's parameter holds that chunk too (engine/engine.py _check_cache_fits).
+    import dataclasses
+
+    from elixir_tune.costmodel.layout import max_module_chunks, pack_chunks
+    from elixir_tune.plan.schema import ForeignRead
+    from elixir_tune.profiler.schema import ActivationLine, ModelProfile, ParamInfo
+
+    names = ["mixer.A", "mixer.conv.weight", "mixer.proj.weight", "head.weight"]
+    params = [ParamInfo(name=name, shape=[8], dtype="fp32", numel=8) for name in names]
+    profile = ModelProfile(
+        name="m", source="m.py", fingerprint="f", num_params=32, dtype="fp32", batch_size=1, seq_len=1,
+        params=params, trace=[[0], [1], [2], [3]], flops_per_sample=1.0, activation=ActivationLine(0, 0),
+    )  # fmt: skip
+    layout = pack_chunks(profile, 8)  # one parameter per chunk
+    assert max_module_chunks(profile, layout) == 2  # mixer.conv (or mixer.proj) with mixer's own A
+    reading = dataclasses.replace(profile, foreign_reads=[ForeignRead("mixer", ["mixer.conv.weight"])])
+    assert max_module_chunks(reading, layout) == 3  # mixer.proj runs while mixer holds A and conv
