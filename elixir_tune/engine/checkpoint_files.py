@@ -40,7 +40,7 @@ STEP_PATTERN = re.compile(r"^step-(\d+)$")
 TEMPORARY_PATTERN = re.compile(r"^\.step-(\d+)\.(tmp|old)$")
 _READ_BLOCK_BYTES = 1 << 20
 # Each file of a save may need up to this much beyond its tensors (pickled structure, zip records).
-FILE_OVERHEAD_BYTES = 1 << 20
+FILE_OVERHEAD_BYTES = 64 << 10
 
 
 class CheckpointError(ValueError):
@@ -140,9 +140,11 @@ def read_tensors(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
+        found = re.search(r"GLOBAL (\S+)", str(error))
         raise CheckpointError(
-            f"{path} holds objects other than tensors and plain values; refused: loading it could run code "
-            f"stored in the file ({_one_line(error, 160)})"
+            f"{path} holds objects other than tensors and plain values"
+            + (f" (it names {found.group(1)})" if found else "")
+            + "; refused: loading it could run code stored in the file"
         ) from error
     except Exception as error:  # noqa: BLE001  (zip, pickle and storage errors all mean a damaged file)
         raise CheckpointError(f"{path} cannot be read: {_one_line(error)}") from error
