@@ -103,9 +103,11 @@ def _agree(comm: Comm, error: str | None, prefix: str = "") -> None:
         raise CheckpointError(prefix + "; ".join(distinct))
 
 
-def _note(notes: list[str]) -> None:
-    for note in notes:
-        warnings.warn(f"checkpoint: {note}", stacklevel=3)
+def _note(comm: Comm, notes: list[str]) -> None:
+    """Warns once per job (rank 0): every rank found the same, or only rank 0 looked."""
+    if comm.rank == 0:
+        for note in notes:
+            warnings.warn(f"checkpoint: {note}", stacklevel=3)
 
 
 def lock_checkpoint_dir(path: str | os.PathLike, model) -> None:
@@ -126,7 +128,7 @@ def lock_checkpoint_dir(path: str | os.PathLike, model) -> None:
         except CheckpointError as failure:
             error = str(failure)
     _agree(comm, error)
-    _note(notes)
+    _note(comm, notes)
 
 
 def _non_finite(engine, optimizer) -> str | None:
@@ -146,7 +148,6 @@ def _non_finite(engine, optimizer) -> str | None:
     return None
 
 
-@torch.no_grad()
 def save_checkpoint(
     path: str | os.PathLike,
     model,
@@ -194,7 +195,7 @@ def save_checkpoint(
         except OSError as failure:
             error = f"cannot write checkpoints to {root}: {failure}"
     _agree(comm, error)
-    _note(notes)
+    _note(comm, notes)
 
     # 2. What would be written, checked on every rank before anything is.
     full = model.state_dict()  # collective: rank 0 gathers the full weights (the others get {}) and writes them
@@ -293,7 +294,7 @@ def save_checkpoint(
             shutil.rmtree(temporary, ignore_errors=True)
             error = f"{refused}{failure}"
     _agree(comm, error)  # nobody returns before the checkpoint is in place
-    _note(notes)
+    _note(comm, notes)
     return final
 
 
@@ -314,7 +315,6 @@ def read_meta(path: str | os.PathLike) -> dict:
     return files.read_meta(directory / META_NAME)
 
 
-@torch.no_grad()
 def load_checkpoint(path: str | os.PathLike, model, optimizer) -> dict:
     """Restores a checkpoint saved by :func:`save_checkpoint` (every rank calls it).
 
@@ -356,7 +356,7 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer) -> dict:
     except CheckpointError as failure:
         error = str(failure)
     _agree(comm, error)
-    _note(notes)
+    _note(comm, notes)
     if meta.get("fingerprint") != plan.model.fingerprint:
         raise ValueError(
             f"checkpoint {directory} was saved for another model: its fingerprint is {meta.get('fingerprint')}, "
@@ -365,7 +365,7 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer) -> dict:
     records = meta.get("files")
     if not isinstance(records, dict):
         records = None
-        _note([f"{directory} has no checksums (saved by an older elixir-tune): its files cannot be verified"])
+        _note(comm, [f"{directory} has no checksums (saved by an older elixir-tune): its files cannot be verified"])
     same_layout = meta.get("layout") == plan_layout(plan) and meta.get("world_size") == comm.world_size
     same_optimizer = meta.get("optimizer") == optimizer.optimizer_class.__name__
     cannot = f"cannot resume from {directory}: "
@@ -399,7 +399,8 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer) -> dict:
     except CheckpointError as failure:
         error = str(failure)
     _agree(comm, error, prefix=cannot)
-    model.load_state_dict(full)
+    with torch.no_grad():
+        model.load_state_dict(full)
     meta["exact"] = False
     meta["directory"] = str(directory)
     return meta
@@ -434,6 +435,7 @@ def _world_and_plan(engine):
     return engine.mesh.world, pipeline.full_plan if pipeline is not None else engine.plan
 
 
+@torch.no_grad()
 def _load_shards(shard: dict, engine, optimizer) -> None:
     masters = shard["masters"]
     engine.cache.wait_all()  # no gather in flight may read a master while it is written

@@ -73,11 +73,16 @@ class _HashingWriter:
         self.file = file
         self.digest = hashlib.sha256()
         self.size_bytes = 0
+        self.error: OSError | None = None  # torch reports a failed write as "unexpected pos ...": keep the cause
 
     def write(self, data) -> int:
         self.digest.update(data)
         self.size_bytes += len(data)
-        return self.file.write(data)
+        try:
+            return self.file.write(data)
+        except OSError as error:
+            self.error = error
+            raise
 
     def flush(self) -> None:
         self.file.flush()
@@ -89,6 +94,7 @@ def write_tensors(obj: Any, path: Path) -> dict:
     Raises:
         CheckpointError: the file could not be written (disk full, file size limit, permissions).
     """
+    writer = None
     try:
         with open(path, "wb") as file:
             writer = _HashingWriter(file)
@@ -96,7 +102,8 @@ def write_tensors(obj: Any, path: Path) -> dict:
             writer.flush()
             os.fsync(file.fileno())
     except (OSError, RuntimeError) as error:
-        raise CheckpointError(f"could not write {path}: {_one_line(error)}") from error
+        cause = writer.error if writer is not None and writer.error is not None else error
+        raise CheckpointError(f"could not write {path}: {_one_line(cause)}") from error
     return {"size_bytes": writer.size_bytes, "sha256": writer.digest.hexdigest()}
 
 
