@@ -241,6 +241,8 @@ def train(
     plan_path = os.environ.get(elixir_tune.plan.PLAN_ENV_VAR, "")
     training = plan.training
     start_step = 0
+    if args.keep < 0:
+        raise SystemExit(f"--keep must be 0 (keep every checkpoint) or more, not {args.keep}")
     try:  # a second job saving to the same directory is refused before it trains
         if args.save:
             elixir_tune.lock_checkpoint_dir(args.save, model)

@@ -83,10 +83,10 @@ def test_damage_is_found_and_named_on_every_rank(results, harm, expected):
 
 
 def test_a_checkpoint_without_checksums_still_loads_with_a_note(results):
-    for result in results["old_format"]:
+    for rank, result in enumerate(results["old_format"]):
         error, caught, loaded = result["load"]
         assert error == "" and loaded == {"step": 1, "exact": True, "finite": True}
-        assert any("no checksums" in w for w in caught), caught
+        assert any("no checksums" in w for w in caught) == (rank == 0), caught  # noted once, by rank 0
 
 
 def test_non_finite_weights_are_not_saved(results):
