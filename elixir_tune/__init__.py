@@ -41,11 +41,19 @@ def save_pretrained(model, directory, max_shard_size="5GB", dtype=None):
     return engine_save_pretrained(model, directory, max_shard_size=max_shard_size, dtype=dtype)
 
 
-def save_checkpoint(path, model, optimizer, step: int, extra: dict | None = None):
-    """Saves a sharded checkpoint (every rank calls it); see elixir_tune.engine.checkpoint."""
+def save_checkpoint(path, model, optimizer, step: int, extra: dict | None = None, keep: int | None = 2):
+    """Saves a sharded checkpoint as ``path/step-NNNNNN``, keeping the newest ``keep`` (every rank
+    calls it); see elixir_tune.engine.checkpoint."""
     from elixir_tune.engine import save_checkpoint as engine_save
 
-    return engine_save(path, model, optimizer, step, extra=extra)
+    return engine_save(path, model, optimizer, step, extra=extra, keep=keep)
+
+
+def lock_checkpoint_dir(path, model) -> None:
+    """Makes this job the only writer of the checkpoint root ``path`` (every rank calls it)."""
+    from elixir_tune.engine import lock_checkpoint_dir as engine_lock
+
+    engine_lock(path, model)
 
 
 def load_checkpoint(path, model, optimizer) -> dict:
@@ -61,6 +69,7 @@ __all__ = [
     "data_size",
     "load_checkpoint",
     "load_plan",
+    "lock_checkpoint_dir",
     "save_checkpoint",
     "save_plan",
     "save_pretrained",

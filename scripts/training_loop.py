@@ -15,6 +15,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import elixir_tune
+from elixir_tune.engine.checkpoint_files import LATEST_NAME, CheckpointError
 
 
 def add_training_args(parser: argparse.ArgumentParser, lr: float = 3e-3) -> None:
@@ -40,7 +42,16 @@ def add_training_args(parser: argparse.ArgumentParser, lr: float = 3e-3) -> None
         help="checkpoint directory: saved at the end, every --save-every steps and on SIGINT/SIGTERM",
     )
     parser.add_argument("--save-every", type=int, default=0, metavar="N", help="also save every N steps (0: never)")
-    parser.add_argument("--resume", default=None, metavar="DIR", help="continue from this checkpoint's step")
+    parser.add_argument(
+        "--keep",
+        type=int,
+        default=2,
+        metavar="N",
+        help="keep the newest N checkpoints in --save (DIR/step-NNNNNN, DIR/latest names the newest; 0: all)",
+    )
+    parser.add_argument(
+        "--resume", default=None, metavar="DIR", help="continue from this checkpoint (a --save DIR: its latest)"
+    )
     parser.add_argument(
         "--stop-at",
         type=int,
@@ -200,6 +211,13 @@ class Reporter:
         partial.replace(self.log_path)  # readers never see a half-written log
 
 
+def checkpoint_failed(error: CheckpointError, rank: int) -> int:
+    """Prints a checkpoint error once (rank 0; every rank has it) and returns the exit status 1."""
+    if rank == 0:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    return 1
+
+
 def train(
     args: argparse.Namespace,
     model,
@@ -223,8 +241,15 @@ def train(
     plan_path = os.environ.get(elixir_tune.plan.PLAN_ENV_VAR, "")
     training = plan.training
     start_step = 0
+    if args.keep < 0:
+        raise SystemExit(f"--keep must be 0 (keep every checkpoint) or more, not {args.keep}")
+    try:  # a second job saving to the same directory is refused before it trains
+        if args.save:
+            elixir_tune.lock_checkpoint_dir(args.save, model)
+        meta = elixir_tune.load_checkpoint(args.resume, model, optimizer) if args.resume else {}
+    except CheckpointError as error:  # every rank has the same one-line error
+        return checkpoint_failed(error, rank)
     if args.resume:
-        meta = elixir_tune.load_checkpoint(args.resume, model, optimizer)
         start_step = int(meta["step"])
         saved = meta.get("extra", {})
         if rank == 0:
@@ -289,9 +314,11 @@ def train(
     }
 
     def save(steps_done: int) -> None:
-        elixir_tune.save_checkpoint(args.save, model, optimizer, step=steps_done, extra=checkpoint_extra)
+        directory = elixir_tune.save_checkpoint(
+            args.save, model, optimizer, step=steps_done, extra=checkpoint_extra, keep=args.keep or None
+        )
         if reporter:
-            reporter.progress.console.print(f"saved checkpoint {args.save} at step {steps_done}")
+            reporter.progress.console.print(f"saved checkpoint {directory} at step {steps_done}")
 
     # With --save, a signal only raises a flag: every rank finishes the step, they agree on the flag
     # (one all-reduce with the loss) and save together; a collective save cannot start mid-step.
@@ -366,9 +393,13 @@ def train(
         if reporter:
             reporter.write(status="interrupted")
             reporter.console.print(f"interrupted at step {step}; log so far: {reporter.log_path}")
-            if args.save and (Path(args.save) / "meta.json").exists():
+            if args.save and (Path(args.save) / LATEST_NAME).exists():
                 reporter.console.print(f"continue with --resume {args.save} (same --steps, --seed and --lr)")
         return 130
+    except CheckpointError as error:  # a refused save (non-finite weights, disk full): the old ones stay
+        if reporter:
+            reporter.write(status="failed")
+        return checkpoint_failed(error, rank)
     if reporter:
         reporter.write(status="finished")
         summary = reporter.record.get("summary", {})

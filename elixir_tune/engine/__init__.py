@@ -16,8 +16,9 @@ Public names:
         .param_groups (the user's groups: LR schedulers work), .loss_scale, .skipped_steps,
         .state_dict() / .load_state_dict() (this rank's shard state).
     model_fingerprint(model) -> the fingerprint a plan for this model carries.
-    save_checkpoint(path, model, optimizer, step, extra=None) / load_checkpoint(path, model, optimizer)
-        -> meta: sharded checkpoints (elixir_tune.engine.checkpoint); exact resume on the same plan layout.
+    save_checkpoint(root, model, optimizer, step, extra=None, keep=2) / load_checkpoint(path, model, optimizer)
+        -> meta: sharded checkpoints in root/step-NNNNNN (elixir_tune.engine.checkpoint); exact resume on
+        the same plan layout; lock_checkpoint_dir(root, model); errors: CheckpointError (a ValueError).
 
 Pipeline plans (parallel.pipeline.stages > 1, elixir_tune.engine.pipeline): GPT-2, Llama-family and
 OPT causal LMs; each rank holds its stage's chunks (and the tied embedding's), other stages' modules
@@ -39,7 +40,8 @@ descending in backward).
 """
 
 from elixir_tune.engine.cache import CacheTooSmall
-from elixir_tune.engine.checkpoint import load_checkpoint, save_checkpoint
+from elixir_tune.engine.checkpoint import load_checkpoint, lock_checkpoint_dir, save_checkpoint
+from elixir_tune.engine.checkpoint_files import CheckpointError
 from elixir_tune.engine.engine import Engine
 from elixir_tune.engine.materialize import MaterializeError
 from elixir_tune.engine.model import ElixirModel
@@ -52,6 +54,7 @@ from elixir_tune.engine.weights import WeightsError
 
 __all__ = [
     "CacheTooSmall",
+    "CheckpointError",
     "ElixirModel",
     "Engine",
     "MaterializeError",
@@ -60,6 +63,7 @@ __all__ = [
     "UngatheredRead",
     "check_plan_matches",
     "load_checkpoint",
+    "lock_checkpoint_dir",
     "model_fingerprint",
     "save_checkpoint",
     "save_pretrained",

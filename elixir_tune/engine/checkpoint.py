@@ -1,19 +1,28 @@
 """Sharded checkpoints: every rank saves its own master shards and optimizer state; resume is exact.
 
-A checkpoint is a directory:
+``save_checkpoint(root, ...)`` writes one checkpoint directory ``root/step-NNNNNN/``, points
+``root/latest`` at it and keeps the newest ``keep`` of them (``checkpoint_files.py`` has the layout):
 
-    meta.json         plan fingerprint and layout, world size, chunk size, dtype, step, extra, torch version
+    meta.json         plan fingerprint and layout, world size, chunk size, dtype, step, extra, torch
+                      version, and each file's size and sha256
     rank-00000.pt     rank 0's fp32 master shards, optimizer state (step counts included), loss scaler,
     rank-00001.pt     skipped steps, replicated tensors (frozen parameters, buffers) and RNG state
     model.pt          the full fp32 state dict with the original names (rank 0), for plain-model loading
 
-It is written to a hidden sibling directory first and renamed into place by rank 0 after a barrier,
-with ``meta.json`` written last: an interrupted save leaves no directory that looks complete.
-Ranks must see the same filesystem (the usual shared checkpoint directory).
+What a save promises: it is refused, before anything is written, when this process cannot own the
+root (another live job holds its lock), when a rank's weights or optimizer state are not finite, or
+when the filesystem has less free space than the checkpoint needs; the files go to a hidden
+``.step-NNNNNN.tmp`` first, renamed into place by rank 0 with ``meta.json`` written last, and a failed
+write removes it: the previous checkpoints are never touched by a save that fails. Loading uses
+``torch.load(weights_only=True)`` only (nothing in a file can run) and checks every file it reads
+against meta.json. The ranks agree on every outcome before any of them raises: each raises the same
+one-line :class:`CheckpointError`, none waits in a collective for a rank that gave up. Ranks must
+see the same filesystem (the usual shared checkpoint directory).
 """
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import os
@@ -23,16 +32,15 @@ from pathlib import Path
 
 import torch
 
+from elixir_tune.engine import checkpoint_files as files
+from elixir_tune.engine.checkpoint_files import META_NAME, MODEL_NAME, CheckpointError, rank_file_name
+from elixir_tune.engine.comm import Comm, gather_objects
 from elixir_tune.engine.tensor_parallel import refuse_tensor_parallel
 from elixir_tune.plan import Plan
 
-FORMAT_VERSION = 1
-META_NAME = "meta.json"
-MODEL_NAME = "model.pt"
-
-
-def rank_file_name(rank: int) -> str:
-    return f"rank-{rank:05d}.pt"
+# 2: meta.json records each file's size and sha256 (1: no checksums; still loaded, with a note).
+FORMAT_VERSION = 2
+DEFAULT_KEEP = 2
 
 
 def plan_layout(plan: Plan) -> str:
@@ -60,14 +68,6 @@ def _to_cpu(obj):
     return obj
 
 
-def _load(path: Path):
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:  # noqa: BLE001  (a user's param group may hold a non-primitive value)
-        # Our own file format, written by save_checkpoint: full unpickling is what it needs then.
-        return torch.load(path, map_location="cpu", weights_only=False)
-
-
 def _rng_state(device: torch.device) -> dict:
     state = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
@@ -91,31 +91,114 @@ def _replicated(engine) -> dict[str, torch.Tensor]:
     }
 
 
-@torch.no_grad()
-def save_checkpoint(path: str | os.PathLike, model, optimizer, step: int, extra: dict | None = None) -> Path:
-    """Saves a sharded checkpoint (a collective: every rank calls it with the same ``path``).
+def _agree(comm: Comm, error: str | None, prefix: str = "") -> None:
+    """Every rank learns every rank's error; when there is one, all raise the same CheckpointError.
+
+    A rank that raised alone would leave the others waiting in their next collective (gloo then
+    reports "Connection closed" on a rank that did nothing wrong).
+    """
+    errors = gather_objects(comm, error, all_ranks=True) or [error]
+    distinct = list(dict.fromkeys(e for e in errors if e))
+    if distinct:
+        raise CheckpointError(prefix + "; ".join(distinct))
+
+
+def _note(comm: Comm, notes: list[str]) -> None:
+    """Warns once per job (rank 0): every rank found the same, or only rank 0 looked."""
+    if comm.rank == 0:
+        for note in notes:
+            warnings.warn(f"checkpoint: {note}", stacklevel=3)
+
+
+def lock_checkpoint_dir(path: str | os.PathLike, model) -> None:
+    """Makes this job the only writer of the checkpoint root ``path`` until it ends (a collective).
+
+    save_checkpoint takes the lock too; a training script calls this at start so that a second job
+    is refused before it trains rather than at its first save.
+
+    Raises:
+        CheckpointError: another live job holds the lock (on every rank; names its host, pid, start time).
+    """
+    comm, _ = _world_and_plan(model.engine)
+    root = Path(path).absolute()
+    notes, error = [], None
+    if comm.rank == 0:
+        try:
+            notes = files.acquire_lock(root)
+        except CheckpointError as failure:
+            error = str(failure)
+    _agree(comm, error)
+    _note(comm, notes)
+
+
+def _non_finite(engine, optimizer) -> str | None:
+    """What in this rank's shards is NaN or infinite (its first such tensor), or None."""
+    for chunk in engine.chunks:
+        if not bool(torch.isfinite(chunk.master).all()):
+            return f"the weights of chunk {chunk.id}"
+    for inner, _ in getattr(optimizer, "_inner", []):
+        for state in inner.state.values():
+            for name, value in state.items():
+                if (
+                    isinstance(value, torch.Tensor)
+                    and value.is_floating_point()
+                    and not bool(torch.isfinite(value).all())
+                ):
+                    return f"the optimizer's {name!r}"
+    return None
+
+
+def save_checkpoint(
+    path: str | os.PathLike,
+    model,
+    optimizer,
+    step: int,
+    extra: dict | None = None,
+    keep: int | None = DEFAULT_KEEP,
+) -> Path:
+    """Saves a sharded checkpoint as ``path/step-NNNNNN`` (a collective: every rank calls it with the same ``path``).
 
     Args:
-        path: the checkpoint directory; an existing one is replaced (only once the new one is complete).
+        path: the checkpoint root; created if missing; this job becomes its only writer.
         model: the ElixirModel from ``elixir_tune.setup``.
         optimizer: its ShardedOptimizer.
-        step: optimizer steps done (training resumes at this step).
+        step: optimizer steps done (training resumes at this step); names the directory.
         extra: JSON-serialisable data kept in meta.json (e.g. the LR schedule's settings).
+        keep: how many checkpoints to keep in ``path``, this one included (None: all).
 
     Returns:
-        The checkpoint directory.
+        The new checkpoint's directory.
+
+    Raises:
+        CheckpointError: on every rank, with nothing replaced: another job owns ``path``, a rank's
+            weights are not finite, not enough free space, or a file could not be written.
     """
+    if keep is not None and keep < 1:
+        raise ValueError(f"keep must be at least 1 (or None to keep every checkpoint), not {keep}")
     engine = model.engine
     refuse_tensor_parallel(engine, "save_checkpoint")  # not yet tested with tensor-parallel pieces
     comm, plan = _world_and_plan(engine)
-    final = Path(path).absolute()
-    tmp = final.parent / f".{final.name}.tmp"
-    full = model.state_dict()  # collective: rank 0 gathers the full weights (the others get {}) and writes them
+    root = Path(path).absolute()
+    final = root / files.step_dir_name(step)
+    temporary = root / f".{final.name}.tmp"
+    refused = f"the checkpoint of step {step} was not saved to {root}: "
+
+    # 1. This job owns the root; what a dead job's save left there goes.
+    notes: list[str] = []
+    error = None
     if comm.rank == 0:
-        if tmp.exists():
-            shutil.rmtree(tmp)  # a save that was interrupted earlier
-        tmp.mkdir(parents=True)
-    comm.barrier()
+        try:
+            notes = files.acquire_lock(root)
+            notes += files.remove_temporaries(root)
+        except CheckpointError as failure:
+            error = str(failure)
+        except OSError as failure:
+            error = f"cannot write checkpoints to {root}: {failure}"
+    _agree(comm, error)
+    _note(comm, notes)
+
+    # 2. What would be written, checked on every rank before anything is.
+    full = model.state_dict()  # collective: rank 0 gathers the full weights (the others get {}) and writes them
     shard = {
         "format": FORMAT_VERSION,
         "rank": comm.rank,
@@ -126,10 +209,63 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer, step: int, extra:
         "replicated": _replicated(engine),
         "rng": _rng_state(engine.device),
     }
-    torch.save(shard, tmp / rank_file_name(comm.rank))
+    error = None
+    try:
+        files.check_loadable(shard["optimizer"], "the optimizer state")
+    except CheckpointError as failure:
+        error = str(failure)
+    need_bytes = files.tensor_bytes(shard) + files.FILE_OVERHEAD_BYTES
     if comm.rank == 0:
-        torch.save(full, tmp / MODEL_NAME)
-    comm.barrier()  # every rank file is on disk
+        need_bytes += files.tensor_bytes(full) + 2 * files.FILE_OVERHEAD_BYTES
+    reports = gather_objects(comm, (_non_finite(engine, optimizer), error, need_bytes), all_ranks=True)
+    assert reports is not None
+    bad = [f"rank {rank}: {what}" for rank, (what, _, _) in enumerate(reports) if what]
+    if bad:
+        raise CheckpointError(
+            f"refusing to save the checkpoint of step {step} to {root}: NaN or infinite values in "
+            f"{'; '.join(bad)}; the training diverged (lower the learning rate, check the data for bad "
+            "values); the checkpoints already there are kept"
+        )
+    _agree(comm, next((e for _, e, _ in reports if e), None), prefix=refused)
+    need_total = sum(n for _, _, n in reports)
+    error = None
+    if comm.rank == 0:
+        free = files.free_bytes(root)
+        if need_total > free:
+            error = (
+                f"not enough space on {root}: need {files.human_bytes(need_total)}, have {files.human_bytes(free)} "
+                f"(the checkpoint of step {step} was not written; the checkpoints already there are kept)"
+            )
+        else:
+            try:
+                if temporary.exists():
+                    shutil.rmtree(temporary)
+                temporary.mkdir(parents=True)
+            except OSError as failure:
+                error = f"{refused}cannot create {temporary}: {failure}"
+    _agree(comm, error)
+
+    # 3. The files, into the temporary directory; any failure removes it.
+    records, error = {}, None
+    try:
+        records[rank_file_name(comm.rank)] = files.write_tensors(shard, temporary / rank_file_name(comm.rank))
+        if comm.rank == 0:
+            records[MODEL_NAME] = files.write_tensors(full, temporary / MODEL_NAME)
+    except CheckpointError as failure:
+        error = f"rank {comm.rank}: {failure}"
+    written = gather_objects(comm, (error, records), all_ranks=True)
+    assert written is not None
+    errors = [e for e, _ in written if e]
+    if errors:
+        if comm.rank == 0:
+            shutil.rmtree(temporary, ignore_errors=True)
+        raise CheckpointError(
+            f"{refused}{'; '.join(errors)} (free on that filesystem: {_free_text(root)}); the checkpoints "
+            "already there are kept"
+        )
+
+    # 4. meta.json last (it marks the directory complete), then rename, point latest, rotate.
+    error, notes = None, []
     if comm.rank == 0:
         meta = {
             "format": FORMAT_VERSION,
@@ -142,68 +278,109 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer, step: int, extra:
             "step": int(step),
             "extra": extra or {},
             "torch_version": torch.__version__,
+            "saved_at": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "files": {name: record for _, part in written for name, record in sorted(part.items())},
         }
-        (tmp / META_NAME).write_text(json.dumps(meta, indent=1))  # last: marks the directory complete
-        old = final.parent / f".{final.name}.old"
-        if old.exists():
-            shutil.rmtree(old)
-        if final.exists():
-            final.rename(old)
-        tmp.rename(final)
-        if old.exists():
-            shutil.rmtree(old)
-    comm.barrier()  # nobody returns before the checkpoint is in place
+        try:
+            files.write_json_atomically(temporary / META_NAME, meta)
+            files.publish(temporary, final)
+            files.rotate(root, keep, final)
+            if (root / META_NAME).is_file():
+                notes.append(
+                    f"{root} also holds an older single checkpoint at its top level; it is kept as it is "
+                    "(not rotated); --resume of the directory now takes its latest step-* checkpoint"
+                )
+        except (OSError, CheckpointError) as failure:
+            shutil.rmtree(temporary, ignore_errors=True)
+            error = f"{refused}{failure}"
+    _agree(comm, error)  # nobody returns before the checkpoint is in place
+    _note(comm, notes)
     return final
 
 
+def _free_text(root: Path) -> str:
+    try:
+        return files.human_bytes(files.free_bytes(root))
+    except OSError:
+        return "unknown"
+
+
 def read_meta(path: str | os.PathLike) -> dict:
-    """The ``meta.json`` of a checkpoint directory.
+    """The ``meta.json`` of a checkpoint (a checkpoint directory, or a root: its latest checkpoint's).
 
     Raises:
-        FileNotFoundError: ``path`` is not a complete checkpoint.
+        CheckpointError: ``path`` is not a complete checkpoint, or its meta.json is damaged.
     """
-    meta_path = Path(path) / META_NAME
-    if not meta_path.is_file():
-        raise FileNotFoundError(f"{path} is not a complete elixir-tune checkpoint (no {META_NAME})")
-    return json.loads(meta_path.read_text())
+    directory, _ = files.resolve(Path(path))
+    return files.read_meta(directory / META_NAME)
 
 
-@torch.no_grad()
 def load_checkpoint(path: str | os.PathLike, model, optimizer) -> dict:
     """Restores a checkpoint saved by :func:`save_checkpoint` (every rank calls it).
 
     The same plan layout (world size, chunk size, chunk packing) restores this rank's shards,
     optimizer state, loss scaler, skipped steps and RNG state exactly: training continues bitwise as
     if never stopped. Another layout restores only the weights (from ``model.pt``) and warns that
-    the optimizer state starts afresh.
+    the optimizer state starts afresh. Every file read is checked against the size and sha256 that
+    meta.json records, and loaded with ``weights_only=True``: nothing stored in it can run.
 
     Args:
-        path: the checkpoint directory.
+        path: a checkpoint root (its ``latest`` checkpoint is loaded) or one checkpoint directory.
         model: the ElixirModel from ``elixir_tune.setup``.
         optimizer: its ShardedOptimizer.
 
     Returns:
         The checkpoint's meta (``step``, ``extra``, ``world_size``, ...), plus ``exact``: whether
-        optimizer state was restored.
+        optimizer state was restored, and ``directory``: the checkpoint loaded.
 
     Raises:
-        FileNotFoundError: not a complete checkpoint.
+        CheckpointError: on every rank, before any state changes: not a complete checkpoint, a
+            damaged meta.json, a missing, truncated, corrupt or unsafe file (named), or a shard that
+            does not fit this plan.
         ValueError: the checkpoint belongs to another model (fingerprint differs).
     """
     engine = model.engine
     comm, plan = _world_and_plan(engine)
-    directory = _complete_directory(Path(path))
-    meta = read_meta(directory)
+    error: str | None = None
+    notes: list[str] = []
+    meta: dict = {}
+    directory = Path(path)
+    try:
+        directory, notes = files.resolve(Path(path))
+        meta = files.read_meta(directory / META_NAME)
+        if not isinstance(meta["format"], int) or meta["format"] > FORMAT_VERSION:
+            raise CheckpointError(
+                f"{directory / META_NAME} has format {meta['format']!r}; this elixir-tune reads formats up to "
+                f"{FORMAT_VERSION}: upgrade elixir-tune"
+            )
+    except CheckpointError as failure:
+        error = str(failure)
+    _agree(comm, error)
+    _note(comm, notes)
     if meta.get("fingerprint") != plan.model.fingerprint:
         raise ValueError(
             f"checkpoint {directory} was saved for another model: its fingerprint is {meta.get('fingerprint')}, "
             f"this model's plan has {plan.model.fingerprint} (parameter names, shapes or dtypes differ)"
         )
+    records = meta.get("files")
+    if not isinstance(records, dict):
+        records = None
+        _note(comm, [f"{directory} has no checksums (saved by an older elixir-tune): its files cannot be verified"])
     same_layout = meta.get("layout") == plan_layout(plan) and meta.get("world_size") == comm.world_size
     same_optimizer = meta.get("optimizer") == optimizer.optimizer_class.__name__
+    cannot = f"cannot resume from {directory}: "
     if same_layout and same_optimizer:
-        _load_shards(directory, engine, optimizer)
+        shard, error = None, None
+        try:
+            shard = _read_checked(directory, rank_file_name(comm.rank), records)
+            _check_shard(shard, engine, directory / rank_file_name(comm.rank))
+        except CheckpointError as failure:
+            error = str(failure)
+        _agree(comm, error, prefix=cannot)
+        assert shard is not None  # every rank read its shard (_agree raised otherwise)
+        _load_shards(shard, engine, optimizer)
         meta["exact"] = True
+        meta["directory"] = str(directory)
         return meta
     why = (
         f"it was saved with world size {meta.get('world_size')} and chunk size {meta.get('chunk_size')}, "
@@ -216,25 +393,39 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer) -> dict:
         "(moments, step counts, loss scale) could NOT be restored and starts afresh",
         stacklevel=2,
     )
-    model.load_state_dict(_load(directory / MODEL_NAME))
+    full, error = None, None
+    try:
+        full = _read_checked(directory, MODEL_NAME, records)
+    except CheckpointError as failure:
+        error = str(failure)
+    _agree(comm, error, prefix=cannot)
+    with torch.no_grad():
+        model.load_state_dict(full)
     meta["exact"] = False
+    meta["directory"] = str(directory)
     return meta
 
 
-def _complete_directory(directory: Path) -> Path:
-    """``directory``, or, when a save died between its two renames, the complete copy it left beside it."""
-    if (directory / META_NAME).is_file():
-        return directory
-    # meta.json is written after every rank file: a directory holding it is complete. The new copy
-    # (.tmp) wins over the one it was replacing (.old).
-    for suffix in ("tmp", "old"):
-        sibling = directory.parent / f".{directory.name}.{suffix}"
-        if (sibling / META_NAME).is_file():
-            warnings.warn(
-                f"{directory} is missing (a save was interrupted while renaming): using {sibling}", stacklevel=3
-            )
-            return sibling
-    return directory
+def _read_checked(directory: Path, name: str, records: dict | None):
+    """The tensors of ``directory/name``, after checking it against meta.json's record of it."""
+    if records is not None and name not in records:
+        raise CheckpointError(f"{directory / META_NAME} records no checksum for {name}: the metadata is damaged")
+    files.verify_file(directory / name, records[name] if records is not None else None)
+    return files.read_tensors(directory / name)
+
+
+def _check_shard(shard, engine, path: Path) -> None:
+    masters = shard.get("masters") if isinstance(shard, dict) else None
+    if (
+        not isinstance(masters, list)
+        or len(masters) != len(engine.chunks)
+        or any(
+            not isinstance(m, torch.Tensor) or m.shape != c.master.shape
+            for m, c in zip(masters, engine.chunks, strict=True)
+        )
+        or "optimizer" not in shard
+    ):
+        raise CheckpointError(f"{path} does not match this plan's chunks (another plan's shard, or a damaged file)")
 
 
 def _world_and_plan(engine):
@@ -244,14 +435,9 @@ def _world_and_plan(engine):
     return engine.mesh.world, pipeline.full_plan if pipeline is not None else engine.plan
 
 
-def _load_shards(directory: Path, engine, optimizer) -> None:
-    rank = engine.mesh.world.rank
-    shard = _load(directory / rank_file_name(rank))
+@torch.no_grad()
+def _load_shards(shard: dict, engine, optimizer) -> None:
     masters = shard["masters"]
-    if len(masters) != len(engine.chunks) or any(
-        m.shape != c.master.shape for m, c in zip(masters, engine.chunks, strict=True)
-    ):
-        raise ValueError(f"{directory / rank_file_name(rank)} does not match this plan's chunks")
     engine.cache.wait_all()  # no gather in flight may read a master while it is written
     for chunk, master in zip(engine.chunks, masters, strict=True):
         chunk.init_master(master)

@@ -74,9 +74,10 @@ def run_case(case: dict, rank: int, world: int, directory: Path, extras: bool) -
 
     model, opt = setup(case, world)
     first, first_skipped = train(model, opt, case, rank, world, 0, half)
-    if rank == 0:  # the leftovers of an interrupted save must not matter
-        Path(directory.parent, f".{directory.name}.tmp").mkdir(parents=True, exist_ok=True)
-    elixir_tune.save_checkpoint(directory, model, opt, step=half, extra={"note": "half"})
+    if rank == 0:  # the leftovers of a save whose job died must not matter (and are removed)
+        Path(directory, ".step-000099.tmp").mkdir(parents=True, exist_ok=True)
+        Path(directory, ".step-000099.tmp", "rank-00000.pt").write_bytes(b"partial")
+    saved = elixir_tune.save_checkpoint(directory, model, opt, step=half, extra={"note": "half"})
     saved_state = model.state_dict(all_ranks=True)
     del model, opt
 
@@ -92,8 +93,10 @@ def run_case(case: dict, rank: int, world: int, directory: Path, extras: bool) -
         "skipped": [straight_skipped, first_skipped + second_skipped],
         "scales": [straight_scale, opt.loss_scale],
         "same_weights": same_state(straight_state, model.state_dict(all_ranks=True)),
-        "files": sorted(p.name for p in directory.iterdir()),
-        "leftovers": sorted(p.name for p in directory.parent.iterdir() if p.name.startswith(f".{directory.name}")),
+        "saved": str(saved.relative_to(directory)),
+        "latest": (directory / "latest").read_text().strip(),
+        "files": sorted(p.name for p in saved.iterdir()),
+        "leftovers": sorted(p.name for p in directory.iterdir() if p.name not in ("latest", ".lock", saved.name)),
     }
     if extras:
         # Another chunk size: weights only, with a warning.
@@ -104,7 +107,7 @@ def run_case(case: dict, rank: int, world: int, directory: Path, extras: bool) -
         result["fallback_exact"] = meta["exact"]
         result["fallback_warning"] = " ".join(str(w.message) for w in caught)
         result["fallback_weights"] = same_state(saved_state, model.state_dict(all_ranks=True))
-        torch_loaded = torch.load(directory / "model.pt", weights_only=True)
+        torch_loaded = torch.load(saved / "model.pt", weights_only=True)
         result["model_pt_weights"] = same_state(saved_state, torch_loaded)
         # Another model: a clear error.
         other = "tied" if case["model"] == "gpt2" else "gpt2"
@@ -117,20 +120,21 @@ def run_case(case: dict, rank: int, world: int, directory: Path, extras: bool) -
         try:
             elixir_tune.load_checkpoint(directory.parent / "missing", model, opt)
             result["missing_error"] = ""
-        except FileNotFoundError as error:
+        except elixir_tune.engine.CheckpointError as error:
             result["missing_error"] = str(error)
         # A save that died between its renames: the complete copy beside the directory is used.
         import torch.distributed as dist
 
         dist.barrier()
         if rank == 0:
-            directory.rename(directory.parent / f".{directory.name}.tmp")
+            saved.rename(directory / f".{saved.name}.tmp")
         dist.barrier()
         model, opt = setup(case, world)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             meta = elixir_tune.load_checkpoint(directory, model, opt)
-        result["renamed_exact"] = meta["exact"] and "interrupted" in " ".join(str(w.message) for w in caught)
+        noted = "interrupted" in " ".join(str(w.message) for w in caught)
+        result["renamed_exact"] = meta["exact"] and noted == (rank == 0)  # the note comes once, from rank 0
         result["renamed_weights"] = same_state(saved_state, model.state_dict(all_ranks=True))
     return result
 

@@ -42,8 +42,9 @@ def test_resume_is_exact_and_fallbacks_are_clear():
             assert result["same_weights"], (rank, case)
             assert result["skipped"][0] == result["skipped"][1]
             assert result["scales"][0] == result["scales"][1]
+            assert result["saved"] == f"step-{case['steps'] // 2:06d}" == result["latest"]
             assert result["files"] == ["meta.json", "model.pt", "rank-00000.pt", "rank-00001.pt"]
-            assert result["leftovers"] == []  # no temporary or old directory left behind
+            assert result["leftovers"] == []  # no temporary or old directory left behind, the stale one removed
         fp16 = results[1]
         assert sum(fp16["skipped"][0]) == 1  # the planted overflow happened before the save
         first = results[0]

@@ -74,7 +74,7 @@ def test_a_pipeline_plan_trains_like_data_parallel_and_resumes(tmp_path):
         [pipeline, *common, "--stop-at", 3, "--save", checkpoint, "--log", tmp_path / "a.json"], timeout_s=240
     )
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    assert sorted(p.name for p in checkpoint.glob("rank-*.pt")) == ["rank-00000.pt", "rank-00001.pt"]
+    assert sorted(p.name for p in checkpoint.glob("step-000003/rank-*.pt")) == ["rank-00000.pt", "rank-00001.pt"]
     second = run_elixir([pipeline, *common, "--resume", checkpoint, "--log", tmp_path / "b.json"], timeout_s=240)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "weights only" not in second.stdout + second.stderr

@@ -78,9 +78,15 @@ def test_sigint_saves_and_resume_continues_exactly(tmp_path):
     record = json.loads(log_b.read_text())
     assert record["summary"]["status"] == "interrupted"
     interrupted = _steps(log_b)
-    meta = json.loads((checkpoint / "meta.json").read_text())
+    saved = checkpoint / (checkpoint / "latest").read_text().strip()  # checkpoint/step-NNNNNN
+    meta = json.loads((saved / "meta.json").read_text())
     assert meta["step"] == len(interrupted) and 1 <= meta["step"] < STEPS, (meta, output[-2000:])
     assert meta["world_size"] == 2 and meta["extra"]["steps"] == 200
+    assert saved.name == f"step-{meta['step']:06d}" and set(meta["files"]) == {
+        "model.pt",
+        "rank-00000.pt",
+        "rank-00001.pt",
+    }
 
     resumed = run_elixir([*common, "--stop-at", STEPS, "--resume", checkpoint, "--log", tmp_path / "c.json"])
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
