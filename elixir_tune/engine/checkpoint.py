@@ -106,6 +106,7 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer, step: int, extra:
         The checkpoint directory.
     """
     engine = model.engine
+    model.check_finite()  # a NaN step never overwrites a good checkpoint (NonFiniteError; engine/finite.py)
     refuse_tensor_parallel(engine, "save_checkpoint")  # not yet tested with tensor-parallel pieces
     comm, plan = _world_and_plan(engine)
     final = Path(path).absolute()
@@ -199,6 +200,7 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer) -> dict:
             f"checkpoint {directory} was saved for another model: its fingerprint is {meta.get('fingerprint')}, "
             f"this model's plan has {plan.model.fingerprint} (parameter names, shapes or dtypes differ)"
         )
+    optimizer.steps_done = int(meta.get("step", 0))  # a NonFiniteError names steps as the whole run counts them
     same_layout = meta.get("layout") == plan_layout(plan) and meta.get("world_size") == comm.world_size
     same_optimizer = meta.get("optimizer") == optimizer.optimizer_class.__name__
     if same_layout and same_optimizer:

@@ -9,6 +9,7 @@ import torch
 
 from elixir_tune.engine.engine import Engine
 from elixir_tune.engine.layered import MicroBatchThreads, run_layer_major
+from elixir_tune.engine.pipeline import pipeline_call_message
 from elixir_tune.engine.tensor_parallel import plain
 
 LossFn = Callable[[Any, dict], torch.Tensor]
@@ -32,10 +33,7 @@ class ElixirModel(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         if self.engine.pipeline is not None:
-            raise RuntimeError(
-                "this plan splits the model into pipeline stages (parallel.pipeline.stages > 1): run each step "
-                "with loss = model.forward_backward(micro_batches), not model(...)"
-            )
+            raise RuntimeError(pipeline_call_message(self.engine.plan.parallel.pipeline.stages))
         self.engine.begin_forward()
         with self.engine.loss_context():  # a vocabulary-parallel loss (tensor parallelism) runs inside it
             return self.module(*args, **kwargs)
@@ -71,6 +69,8 @@ class ElixirModel(torch.nn.Module):
                     f"micro-batch {index} is a {type(batch).__name__}; forward_backward takes a list of dicts of "
                     "the model's keyword arguments (e.g. input_ids, labels)"
                 )
+        if self.engine.finite_guard is not None and self.engine.finite_guard.failed is not None:
+            raise self.engine.finite_guard.failed  # known already: the run stopped at that step
         if self.engine.pipeline is not None:
             return self.engine.pipeline.forward_backward(micro_batches, loss_fn)
         count = len(micro_batches)
@@ -91,6 +91,8 @@ class ElixirModel(torch.nn.Module):
         layered = self.engine.plan.training.accumulation == "layered" and count > 1 and torch.is_grad_enabled()
         with self.engine.loss_context():
             losses = self._run(scaled_loss, count, layered)
+        for loss in losses:
+            self.engine.note_loss(loss)
         return torch.stack([plain(loss.detach()) for loss in losses]).sum() / (scale * count)
 
     def _run(self, scaled_loss: Callable[[int], torch.Tensor], count: int, layered: bool) -> list[torch.Tensor]:
@@ -148,6 +150,7 @@ class ElixirModel(torch.nn.Module):
         Returns:
             The weights by name (empty on ranks other than 0 unless ``all_ranks``).
         """
+        self.check_finite()
         state = (self.engine.pipeline or self.engine).full_state_dict(all_ranks=all_ranks)
         if prefix:
             state = {prefix + name: value for name, value in state.items()}
@@ -155,6 +158,12 @@ class ElixirModel(torch.nn.Module):
             return state
         destination.update(state)
         return destination
+
+    def check_finite(self) -> None:
+        """Raises ``NonFiniteError`` if a step of this fp32/bf16 run was not finite (engine/finite.py):
+        on a GPU the last step's check is read here, before its weights are written anywhere."""
+        if self.engine.finite_guard is not None:
+            self.engine.finite_guard.check()
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Loads full weights (original names, as ``state_dict`` returns) into the shards."""
