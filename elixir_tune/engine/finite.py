@@ -89,10 +89,14 @@ class FiniteGuard:
 
     def message(self, step: int, norm: float, bad_losses: int) -> str:
         what = "a micro-batch loss not finite" if bad_losses else "the losses finite"
+        dtype_hint = {
+            "bf16": "bf16 has fp32's range but an 8-bit mantissa: run it in fp32 to see whether the dtype is the cause",
+            "fp32": "fp32 overflows only near 3e38: the learning rate or the data is the likelier cause",
+        }.get(self.dtype, self.dtype)
         return (
             f"optimizer step {step} (counted from 1) is not finite in {self.dtype}: gradient norm {norm}, {what} "
-            f"over all ranks. Its update was skipped and the weights are those before it; the run stops here, "
-            "without saving. Check: the learning rate (too high diverges; lower it or warm up longer), the data "
-            "(a NaN/inf input, out-of-range token ids, labels that are all ignored), and the dtype "
-            f"({self.dtype}: fp16 needs its loss scaling, bf16 has a short mantissa; try fp32 to tell them apart)"
+            "(over all ranks). Its update was skipped and the weights are those before it; the run stops here "
+            "(save_checkpoint, save_pretrained and state_dict refuse from now on). Check the learning rate (too high diverges: lower it or warm up longer), the data "
+            "(a NaN/inf input, token ids outside the vocabulary, a micro-batch whose labels are all ignored) and "
+            f"the dtype ({dtype_hint})"
         )
