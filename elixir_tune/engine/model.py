@@ -7,6 +7,7 @@ from typing import Any, TypeVar, overload
 
 import torch
 
+from elixir_tune.engine.contract import check_shared_inputs
 from elixir_tune.engine.engine import Engine
 from elixir_tune.engine.layered import MicroBatchThreads, run_layer_major
 from elixir_tune.engine.pipeline import pipeline_call_message
@@ -30,10 +31,17 @@ class ElixirModel(torch.nn.Module):
         self.module = module
         object.__setattr__(self, "engine", engine)  # not a submodule: keep it out of modules()
         self._micro_batch_threads = MicroBatchThreads()  # layered accumulation's, kept across steps
+        self._inputs_checked = False  # the data contract, compared once over the ranks (engine/contract.py)
+
+    def _check_inputs_once(self, micro_batches: Sequence[Any]) -> None:
+        if not self._inputs_checked:
+            self._inputs_checked = True
+            check_shared_inputs(self.engine.mesh, micro_batches)
 
     def forward(self, *args, **kwargs):
         if self.engine.pipeline is not None:
             raise RuntimeError(pipeline_call_message(self.engine.plan.parallel.pipeline.stages))
+        self._check_inputs_once([dict(kwargs, **{f"arg{i}": a for i, a in enumerate(args)})])
         self.engine.begin_forward()
         with self.engine.loss_context():  # a vocabulary-parallel loss (tensor parallelism) runs inside it
             return self.module(*args, **kwargs)
@@ -59,6 +67,9 @@ class ElixirModel(torch.nn.Module):
 
         Raises:
             ValueError: no micro-batches, or a micro-batch is not a dict.
+            ContractError: at the first step, ranks of one data index (a tensor or pipeline group) were
+                fed different micro-batches (engine/contract.py).
+            NonFiniteError: an fp32/bf16 step was not finite (engine/finite.py); the run has stopped.
             AttributeError: no ``loss_fn`` and the output has no ``loss``.
         """
         if not micro_batches:
@@ -71,6 +82,7 @@ class ElixirModel(torch.nn.Module):
                 )
         if self.engine.finite_guard is not None and self.engine.finite_guard.failed is not None:
             raise self.engine.finite_guard.failed  # known already: the run stopped at that step
+        self._check_inputs_once(micro_batches)
         if self.engine.pipeline is not None:
             return self.engine.pipeline.forward_backward(micro_batches, loss_fn)
         count = len(micro_batches)
