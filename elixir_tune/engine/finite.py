@@ -23,7 +23,17 @@ from typing import Any
 
 import torch
 
+from elixir_tune.engine.comm import is_dtensor
 from elixir_tune.errors import NonFiniteError
+
+
+def nonfinite_count(loss: torch.Tensor) -> torch.Tensor:
+    """How many of ``loss``'s values are not finite, a float tensor on its device. A vocabulary-parallel
+    loss (a DTensor) is read on this rank alone: no collective, and every rank counts its own."""
+    local = loss.detach()
+    if is_dtensor(local):
+        local = local.to_local()
+    return (~torch.isfinite(local.float())).float().sum()
 
 
 class FiniteGuard:
@@ -46,7 +56,7 @@ class FiniteGuard:
     def note_loss(self, loss: torch.Tensor) -> None:
         """Counts a loss of this step that is not finite (on the device; under no_grad nothing)."""
         if torch.is_grad_enabled():
-            self.loss_flags += (~torch.isfinite(loss.detach().float())).float().sum().to(self.device)
+            self.loss_flags += nonfinite_count(loss).to(self.device)
 
     def record(self, step: int, norm: torch.Tensor, loss_flags: torch.Tensor) -> None:
         """The step's global gradient norm and non-finite loss count (both all-reduced).

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from elixir_tune.engine.engine import Engine
-from elixir_tune.engine.finite import FiniteGuard
+from elixir_tune.engine.finite import FiniteGuard, nonfinite_count
 from elixir_tune.engine.host_memory import zeros_on_demand
 from elixir_tune.engine.scaler import DynamicLossScaler
 
@@ -193,7 +193,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.finite_guard is not None:
             self.finite_guard.note_loss(loss)
         elif torch.is_grad_enabled():
-            self._loss_flags += (~torch.isfinite(loss.detach().float())).float().sum().to(self._loss_flags.device)
+            self._loss_flags += nonfinite_count(loss).to(self._loss_flags.device)
 
     @property
     def loss_scale(self) -> float:
