@@ -19,6 +19,7 @@ Every rank reads the same all-reduced values at the same call, so all ranks rais
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -92,7 +93,7 @@ class FiniteGuard:
         if event is not None:
             event.synchronize()
         norm, loss_flags = (float(v) for v in values.tolist())
-        if loss_flags == 0 and torch.isfinite(torch.tensor(norm)):
+        if loss_flags == 0 and math.isfinite(norm):
             return
         self.failed = NonFiniteError(self.message(step, norm, int(loss_flags)))
         raise self.failed
