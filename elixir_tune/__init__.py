@@ -12,6 +12,7 @@ The public API is small and imports torch only when used:
 
 __version__ = "0.1.0"
 
+from elixir_tune.errors import ContractError, NonFiniteError  # noqa: E402  (torch-free)
 from elixir_tune.plan import load_plan, save_plan, validate  # noqa: E402  (torch-free)
 from elixir_tune.ranks import data_rank, data_size  # noqa: E402  (torch-free)
 
@@ -64,6 +65,8 @@ def load_checkpoint(path, model, optimizer) -> dict:
 
 
 __all__ = [
+    "ContractError",
+    "NonFiniteError",
     "__version__",
     "data_rank",
     "data_size",

@@ -236,7 +236,8 @@ def train(
     """Runs the training steps of ``args`` (resume, schedule, logging, checkpoints).
 
     Returns:
-        0 when the steps are done, 130 when interrupted (after saving with --save).
+        0 when the steps are done, 130 when interrupted (after saving with --save), 1 when a step's loss or
+        gradient norm was not finite (``NonFiniteError``; nothing is saved after it).
     """
     plan_path = os.environ.get(elixir_tune.plan.PLAN_ENV_VAR, "")
     training = plan.training
@@ -389,6 +390,11 @@ def train(
                     save(steps_done)
             if args.save and steps_done > start_step:
                 save(steps_done)
+    except elixir_tune.NonFiniteError as error:  # fp32/bf16: a NaN/inf step; every save refuses after it
+        if reporter:
+            reporter.write(status="non-finite")
+            reporter.console.print(f"[bold red]error[/]: {error}", soft_wrap=True)
+        return 1
     except KeyboardInterrupt:
         if reporter:
             reporter.write(status="interrupted")

@@ -176,6 +176,7 @@ def save_checkpoint(
     if keep is not None and keep < 1:
         raise ValueError(f"keep must be at least 1 (or None to keep every checkpoint), not {keep}")
     engine = model.engine
+    model.check_finite()  # a NaN step never overwrites a good checkpoint (NonFiniteError; engine/finite.py)
     refuse_tensor_parallel(engine, "save_checkpoint")  # not yet tested with tensor-parallel pieces
     comm, plan = _world_and_plan(engine)
     root = Path(path).absolute()
@@ -362,6 +363,7 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer) -> dict:
             f"checkpoint {directory} was saved for another model: its fingerprint is {meta.get('fingerprint')}, "
             f"this model's plan has {plan.model.fingerprint} (parameter names, shapes or dtypes differ)"
         )
+    optimizer.steps_done = int(meta.get("step", 0))  # a NonFiniteError names steps as the whole run counts them
     records = meta.get("files")
     if not isinstance(records, dict):
         records = None

@@ -161,6 +161,10 @@ class Engine(EngineGrads, EngineState):
         self._recomputed: set[torch.nn.Module] = set()  # checkpointed blocks recomputed in this backward
         self._apply_checkpointing()
         self.scaler: Any = None  # the optimizer's fp16 loss scaler, attached by ShardedOptimizer
+        # The optimizer's non-finite check (engine/finite.py; None for fp16) and its count of a step's
+        # non-finite losses, attached by ShardedOptimizer.
+        self.finite_guard: Any = None
+        self.note_loss: Any = lambda loss: None
         self.baton: Baton | None = None  # set while a layered step's forwards run (engine/layered.py)
         self._running: dict[torch.nn.Module, int] = {}  # forwards inside each module (several when layered)
 

@@ -7,8 +7,10 @@ from typing import Any, TypeVar, overload
 
 import torch
 
+from elixir_tune.engine.contract import check_shared_inputs
 from elixir_tune.engine.engine import Engine
 from elixir_tune.engine.layered import MicroBatchThreads, run_layer_major
+from elixir_tune.engine.pipeline import pipeline_call_message
 from elixir_tune.engine.tensor_parallel import plain
 
 LossFn = Callable[[Any, dict], torch.Tensor]
@@ -29,13 +31,17 @@ class ElixirModel(torch.nn.Module):
         self.module = module
         object.__setattr__(self, "engine", engine)  # not a submodule: keep it out of modules()
         self._micro_batch_threads = MicroBatchThreads()  # layered accumulation's, kept across steps
+        self._inputs_checked = False  # the data contract, compared once over the ranks (engine/contract.py)
+
+    def _check_inputs_once(self, micro_batches: Sequence[Any]) -> None:
+        if not self._inputs_checked:
+            self._inputs_checked = True
+            check_shared_inputs(self.engine.mesh, micro_batches)
 
     def forward(self, *args, **kwargs):
         if self.engine.pipeline is not None:
-            raise RuntimeError(
-                "this plan splits the model into pipeline stages (parallel.pipeline.stages > 1): run each step "
-                "with loss = model.forward_backward(micro_batches), not model(...)"
-            )
+            raise RuntimeError(pipeline_call_message(self.engine.plan.parallel.pipeline.stages))
+        self._check_inputs_once([dict(kwargs, **{f"arg{i}": a for i, a in enumerate(args)})])
         self.engine.begin_forward()
         # A vocabulary-parallel loss (tensor parallelism) runs inside loss_context; the first step's
         # forward runs under the engine's read check.
@@ -63,6 +69,9 @@ class ElixirModel(torch.nn.Module):
 
         Raises:
             ValueError: no micro-batches, or a micro-batch is not a dict.
+            ContractError: at the first step, ranks of one data index (a tensor or pipeline group) were
+                fed different micro-batches (engine/contract.py).
+            NonFiniteError: an fp32/bf16 step was not finite (engine/finite.py); the run has stopped.
             AttributeError: no ``loss_fn`` and the output has no ``loss``.
         """
         if not micro_batches:
@@ -73,6 +82,9 @@ class ElixirModel(torch.nn.Module):
                     f"micro-batch {index} is a {type(batch).__name__}; forward_backward takes a list of dicts of "
                     "the model's keyword arguments (e.g. input_ids, labels)"
                 )
+        if self.engine.finite_guard is not None and self.engine.finite_guard.failed is not None:
+            raise self.engine.finite_guard.failed  # known already: the run stopped at that step
+        self._check_inputs_once(micro_batches)
         if self.engine.pipeline is not None:
             return self.engine.pipeline.forward_backward(micro_batches, loss_fn)
         count = len(micro_batches)
@@ -93,6 +105,8 @@ class ElixirModel(torch.nn.Module):
         layered = self.engine.plan.training.accumulation == "layered" and count > 1 and torch.is_grad_enabled()
         with self.engine.loss_context():
             losses = self._run(scaled_loss, count, layered)
+        for loss in losses:
+            self.engine.note_loss(loss)
         return torch.stack([plain(loss.detach()) for loss in losses]).sum() / (scale * count)
 
     def _run(self, scaled_loss: Callable[[int], torch.Tensor], count: int, layered: bool) -> list[torch.Tensor]:
@@ -151,6 +165,7 @@ class ElixirModel(torch.nn.Module):
         Returns:
             The weights by name (empty on ranks other than 0 unless ``all_ranks``).
         """
+        self.check_finite()
         state = (self.engine.pipeline or self.engine).full_state_dict(all_ranks=all_ranks)
         if prefix:
             state = {prefix + name: value for name, value in state.items()}
@@ -158,6 +173,12 @@ class ElixirModel(torch.nn.Module):
             return state
         destination.update(state)
         return destination
+
+    def check_finite(self) -> None:
+        """Raises ``NonFiniteError`` if a step of this fp32/bf16 run was not finite (engine/finite.py):
+        on a GPU the last step's check is read here, before its weights are written anywhere."""
+        if self.engine.finite_guard is not None:
+            self.engine.finite_guard.check()
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Loads full weights (original names, as ``state_dict`` returns) into the shards."""

@@ -10,9 +10,11 @@ host shards: the host one steps on the CPU), fused where torch has a fused imple
 Adam's and SGD-momentum's state is preallocated as one flat buffer per chunk shard (so a shard
 costs exactly 16, resp. 12, bytes per element) and handed to torch as views.
 
-A default step does not wait for the device: the norm, the clip coefficient and the fp16 overflow
-flag stay device tensors (the fused optimizers take the flag as ``found_inf``). The host side
-waits only for its own gradients (the drain's per-chunk events).
+A default step does not wait for the device: the norm, the clip coefficient and the overflow flag
+stay device tensors (the fused optimizers take the flag as ``found_inf``). The host side waits
+only for its own gradients (the drain's per-chunk events). Every step all-reduces the global
+gradient norm with a count of the step's non-finite losses (one collective): fp16 skips such a step
+and lowers its loss scale; fp32 and bf16 skip it too and stop the run (``finite.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from elixir_tune.engine.engine import Engine
+from elixir_tune.engine.finite import FiniteGuard, nonfinite_count
 from elixir_tune.engine.host_memory import zeros_on_demand
 from elixir_tune.engine.scaler import DynamicLossScaler
 
@@ -41,8 +44,9 @@ class _ShardParam:
 @dataclass
 class _GradStats:
     backward_passes: int
-    found_inf: torch.Tensor | None  # fp16: 1.0 on the device when some gradient overflowed
-    norm: torch.Tensor | None = None
+    found_inf: torch.Tensor  # 1.0 on the device when the norm or a loss of the step is not finite
+    norm: torch.Tensor
+    bad_losses: torch.Tensor  # non-finite micro-batch losses over all ranks
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -60,6 +64,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         device = engine.comm.device
         self.scaler = DynamicLossScaler(device) if engine.plan.training.dtype == "fp16" else None
         engine.scaler = self.scaler  # ElixirModel.forward_backward scales its losses by it
+        # fp32 / bf16: a non-finite step stops the run (fp16's scaler skips it and recovers).
+        self.finite_guard = FiniteGuard(device, engine.plan.training.dtype) if self.scaler is None else None
+        engine.finite_guard = self.finite_guard  # the model's forward_backward, state_dict and saves check it
+        engine.note_loss = self.note_loss  # forward_backward's micro-batch losses count in the step's check
+        self.steps_done = 0  # optimizer steps, restored ones included: the step a NonFiniteError names
+        self._loss_flags = torch.zeros((), dtype=torch.float32, device=device)  # fp16: non-finite losses
         self._skipped = torch.zeros((), dtype=torch.int64, device=device)
         # None: learn it at the first step (one all-reduce); True: all-reduce the used flags every
         # step (parameters unused on every rank are skipped, as torch skips grad None); False:
@@ -172,10 +182,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, scaled by the loss scale for fp16."""
+        self.note_loss(loss)
         if self.scaler is not None:
             loss = loss * self.scaler.scale_tensor
         with self.engine.loss_context():  # a vocabulary-parallel loss's backward runs inside loss_parallel
             loss.backward()
+
+    def note_loss(self, loss: torch.Tensor) -> None:
+        """Counts a micro-batch loss that is not finite (on the device) into this step's check."""
+        if self.finite_guard is not None:
+            self.finite_guard.note_loss(loss)
+        elif torch.is_grad_enabled():
+            self._loss_flags += nonfinite_count(loss).to(self._loss_flags.device)
 
     @property
     def loss_scale(self) -> float:
@@ -196,8 +214,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         chunks = [c for c in self.engine.chunks if not (for_norm and c.id in self.engine.norm_skip)]
         return [c.grad for c in chunks if not c.offload], [c.grad for c in chunks if c.offload]
 
-    def _grad_stats(self, need_norm: bool = False, norm_type: float = 2.0) -> _GradStats:
-        """Unscales (fp16), checks overflow and (when asked) the global norm; all-reduced once.
+    def _grad_stats(self, norm_type: float = 2.0) -> _GradStats:
+        """Unscales (fp16), then the global norm and whether the step is finite (its norm and the
+        losses ``note_loss`` counted); one all-reduce per step (reused by ``step`` after a clip).
 
         Everything stays on the device: the overflow flag is a tensor that the fused optimizers
         and the loss scaler read there. Host gradients (offloaded chunks) are complete first.
@@ -206,7 +225,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         engine.drain_grads()
         passes = engine.backward_passes
         stats = self._stats
-        if stats is not None and stats.backward_passes == passes and (stats.norm is not None or not need_norm):
+        if stats is not None and stats.backward_passes == passes:
             return stats
         device_grads, host_grads = self._split_grads()
         if self.scaler is not None and self._unscaled_at != passes:
@@ -214,9 +233,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             _mul_(device_grads, inverse)
             _mul_(host_grads, inverse)
             self._unscaled_at = passes
-        if not need_norm and self.scaler is None:
-            self._stats = _GradStats(passes, None)
-            return self._stats
         device = engine.comm.device
         inf = math.isinf(norm_type)
         parts = [_norm_part(grads, norm_type).to(device) for grads in self._split_grads(for_norm=True) if grads]
@@ -225,14 +241,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not inf:
             for share, grads in self._norm_shares:
                 local = local - (1.0 - share) * _norm_part(grads, norm_type).to(device)
+        flags = self.finite_guard.loss_flags if self.finite_guard is not None else self._loss_flags
+        local = torch.cat([local, flags.reshape(1).to(device)])  # and the step's non-finite losses
         # Over every rank: data shards, tensor pieces and pipeline stages hold different gradients.
         if inf:
             engine.mesh.world.all_reduce_max(local)
         else:
             engine.mesh.world.all_reduce_sum(local)
         norm = local[0] if inf else local[0] ** (1.0 / norm_type)
-        found_inf = (~torch.isfinite(norm)).float() if self.scaler is not None else None
-        self._stats = _GradStats(passes, found_inf, norm)
+        found_inf = (~torch.isfinite(norm) | (local[1] > 0)).float()
+        self._stats = _GradStats(passes, found_inf, norm, local[1])
         return self._stats
 
     @torch.no_grad()
@@ -251,8 +269,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         if norm_type not in (2.0, math.inf):
             raise ValueError(f"clip_grad_norm supports norm_type 2 and inf, got {norm_type}")
-        norm = self._grad_stats(need_norm=True, norm_type=norm_type).norm
-        assert norm is not None  # need_norm=True computes it
+        norm = self._grad_stats(norm_type=norm_type).norm
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
         device_grads, host_grads = self._split_grads()
@@ -295,8 +312,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.finite_guard is not None:
+            self.finite_guard.check()  # the previous step's (GPU: read one step late, without waiting)
+        self.steps_done += 1
         self.engine.cache.wait_all()  # no gather may read a master while it is written
-        found_inf = self._grad_stats().found_inf if self.scaler is not None else None
+        stats = self._grad_stats()
+        found_inf = stats.found_inf
         self._mark_used()
         for (inner, group_ids), on_host in zip(self._inner, self._on_host, strict=True):
             for inner_group, gi in zip(inner.param_groups, group_ids, strict=True):
@@ -305,9 +326,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         inner_group[key] = value
             if on_host:
                 self.engine.drain_grads()
-            if found_inf is None:
-                inner.step()
-            elif inner.param_groups[0].get("fused"):
+            if inner.param_groups[0].get("fused"):
                 inner.found_inf = found_inf.to("cpu" if on_host else found_inf.device)
                 inner.grad_scale = None
                 inner.step()
@@ -319,8 +338,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.scaler is not None:
             self.scaler.update(found_inf)
             self._skipped += found_inf.to(torch.int64)
+            self._loss_flags.zero_()
         self.engine.after_step()
         self._stats = None
+        if self.finite_guard is not None:  # CPU: raises now; GPU: at the next step or save
+            self.finite_guard.record(self.steps_done, stats.norm, stats.bad_losses)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

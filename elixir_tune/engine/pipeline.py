@@ -17,13 +17,13 @@ What each rank does:
   device they stay there; real ones are moved to meta) and they are replaced in the module tree by
   ``Elsewhere`` stubs that raise if called.
 * **A step** (``forward_backward``): one ``PipelineStage`` of torch's pipelining package per
-  virtual stage (static shapes: nothing is traced) and the plan's schedule (``looped_bfs`` ->
-  ``ScheduleLoopedBFS``, ``interleaved_1f1b`` -> ``ScheduleInterleaved1F1B`` for modular plans;
-  ``gpipe`` / ``1f1b`` for contiguous ones) move activations and their gradients between stages
+  virtual stage (static shapes: nothing is traced) and the plan's schedule (``pipeline_schedule.py``:
+  ``looped_bfs`` for any split, uneven modular ones included; ``interleaved_1f1b`` for splits that
+  give every rank as many virtual stages; ``gpipe`` / ``1f1b`` for one per rank) move activations and their gradients between stages
   over the pipeline group; the engine's hooks gather chunks and reduce gradients inside each
   stage's forward and backward exactly as without a pipeline. The loss of micro-batch k is the
   model's own (or ``loss_fn``'s) divided by the micro-batch count; the step's mean loss is
-  broadcast from the last stage, so every rank returns it. Gradients are reduced once per step
+  broadcast from the stage running the last virtual stage, so every rank returns it. Gradients are reduced once per step
   (no-sync, ``Engine.hold_grads``): each stays whole in ``param.grad`` from its parameter's first
   micro-batch's backward to its last, which ``held_grad_bytes`` counts for the memory report.
 * **Tied parameters**: both stages that use a shared chunk hold it, with the same shard layout;
@@ -49,25 +49,34 @@ from elixir_tune.engine.engine import Engine
 from elixir_tune.engine.hooks import install_grad_hooks
 from elixir_tune.engine.materialize import WeightSource
 from elixir_tune.engine.pipeline_adapters import StageAdapter, adapter_for
+from elixir_tune.engine.pipeline_schedule import make_schedule
 from elixir_tune.plan import Plan
-from elixir_tune.plan.stages import virtual_stages
+from elixir_tune.plan.stages import schedule_problem, virtual_stages
 
-MULTI_STAGE_SCHEDULES = {"looped_bfs": "ScheduleLoopedBFS", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
-SINGLE_STAGE_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+
+def pipeline_call_message(stages: int, where: str = "") -> str:
+    """What to change when a pipeline plan's model is called as ``model(...)``: each rank holds only its
+    stage's blocks, so a step runs through ``forward_backward``."""
+    return (
+        f"model(...) cannot run under this plan{where}: it splits the model over {stages} pipeline stages "
+        "(parallel.pipeline.stages) and this rank holds only its stage's blocks. Replace the step's per-micro-batch "
+        "loop (`loss = model(**batch).loss; optimizer.backward(loss / n)` for each batch) by one call per step: "
+        "`loss = model.forward_backward(micro_batches)` (micro_batches: this rank's list of dicts with input_ids "
+        "and labels; it returns the mean loss), then optimizer.step() and optimizer.zero_grad() as before; "
+        "or search a plan without a pipeline (`elixir-tune search` without --loop forward_backward)"
+    )
 
 
 class Elsewhere(nn.Module):
     """Stands in for a module that runs on another pipeline stage."""
 
-    def __init__(self, name: str, stage: int):
+    def __init__(self, name: str, stage: int, stages: int):
         super().__init__()
-        self.where = f"{name} (pipeline stage {stage})"
+        self.where = f"{name}, pipeline stage {stage}"
+        self.stages = stages
 
     def forward(self, *args, **kwargs):
-        raise RuntimeError(
-            f"{self.where} runs on another pipeline stage: a pipeline plan's model is called through "
-            "model.forward_backward(micro_batches), not model(...)"
-        )
+        raise RuntimeError(pipeline_call_message(self.stages, f" ({self.where} runs on another stage)"))
 
 
 @dataclasses.dataclass
@@ -348,21 +357,13 @@ class Pipeline:
                     group=self.mesh.pipeline.group,
                 )
             )
-        name = self.schedule_name
-        if name in MULTI_STAGE_SCHEDULES:
-            schedule = getattr(torch_pipelining, MULTI_STAGE_SCHEDULES[name])(
-                stages, count, loss_fn=self._stage_loss, scale_grads=False
-            )
-        else:
-            if len(stages) != 1:
-                raise ValueError(
-                    f"parallel.pipeline.schedule {name} runs one virtual stage per rank, but this plan's "
-                    f"{self.plan.parallel.pipeline.assignment} assignment gives stage {self.stage} {len(stages)}; "
-                    "use looped_bfs or interleaved_1f1b"
-                )
-            schedule = getattr(torch_pipelining, SINGLE_STAGE_SCHEDULES[name])(
-                stages[0], count, loss_fn=self._stage_loss, scale_grads=False
-            )
+        pipeline = self.plan.parallel.pipeline
+        problem = schedule_problem(
+            len(self.adapter.blocks), self.stages, pipeline.assignment, self.schedule_name, count
+        )
+        if problem:
+            raise ValueError(f"parallel.pipeline.schedule: {problem} (this step has {count} micro-batches)")
+        schedule = make_schedule(self.schedule_name, stages, count, self._stage_loss)
         self._schedules[key] = schedule
         return schedule
 
@@ -430,9 +431,13 @@ class Pipeline:
         if training:
             self._sum_shared(before)
         total = torch.zeros((), dtype=torch.float32, device=engine.device)
+        for loss in losses if training else ():  # on the stage with the last block
+            engine.note_loss(loss)
         if losses:
             total = (torch.stack([loss.detach().float() for loss in losses]).sum() / (self._scale * count)).reshape(())
-        self.mesh.pipeline.broadcast(total, src=self.stages - 1)
+        # From the stage that runs the last virtual stage (the last block's: stage P - 1 unless a modular
+        # split is uneven, e.g. 3 blocks on 2 stages end on stage 0).
+        self.mesh.pipeline.broadcast(total, src=self.layout.virtual[-1][0])
         return total
 
     def _sum_shared(self, before: list[torch.Tensor]) -> None:
@@ -475,7 +480,7 @@ def drop_elsewhere(model: nn.Module, layout: StageLayout) -> None:
             if not param.is_meta:
                 meta = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"), param.requires_grad)
                 torch.utils.swap_tensors(param, meta)
-        parent._modules[child] = Elsewhere(name, stage)
+        parent._modules[child] = Elsewhere(name, stage, layout.plan.parallel.pipeline.stages)
 
 
 def build_engine(model: nn.Module, plan: Plan, mesh: Mesh, source: WeightSource | None) -> Engine:

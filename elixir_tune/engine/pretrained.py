@@ -190,6 +190,7 @@ def save_pretrained(
         NotImplementedError: a pipeline plan (each rank holds one stage's weights; not streamed yet).
     """
     engine = model.engine
+    model.check_finite()  # NonFiniteError before anything is written (engine/finite.py)
     if engine.pipeline is not None:
         raise NotImplementedError(
             "save_pretrained does not stream a pipeline plan's stages yet: save a checkpoint "

@@ -47,6 +47,64 @@ def virtual_stages(num_blocks: int, stages: int, assignment: str) -> list[tuple[
     return result
 
 
+def schedule_problem(
+    num_blocks: int, stages: int, assignment: str, schedule: str, micro_batches: int | None = None
+) -> str | None:
+    """Why ``schedule`` cannot run this split of the blocks (None: it can), one rule for plan
+    validation and the engine.
+
+    A rank runs one virtual stage (``virtual_stages``) after another; rank ``r`` holds virtual stages
+    r, r + P, r + 2P, ... (modular: block b on rank b mod P, one virtual stage each; contiguous: one
+    per rank). ``looped_bfs`` runs any such split, uneven ones included (modular, 3 blocks on 2
+    stages: rank 0 holds blocks 0 and 2, rank 1 block 1). ``gpipe`` and ``1f1b`` run one virtual
+    stage per rank; ``interleaved_1f1b`` (torch's) needs the same number on every rank. ``1f1b``
+    needs at least P micro-batches per step; ``interleaved_1f1b`` runs rounds of ``max(1, M // P)``
+    micro-batches and needs M to be a multiple of the number of rounds.
+
+    Args:
+        num_blocks: blocks in the model's block list.
+        stages: pipeline degree P.
+        assignment: ``modular`` or ``contiguous``.
+        schedule: ``looped_bfs``, ``interleaved_1f1b``, ``gpipe`` or ``1f1b``.
+        micro_batches: per step (``training.grad_accum_steps``), when known.
+
+    Returns:
+        The reason with what to change, or None.
+    """
+    if stages <= 1 or not 0 < stages <= num_blocks:
+        return None  # nothing to split, or a stage without blocks (reported on its own)
+    counts = [0] * stages
+    for stage, _ in virtual_stages(num_blocks, stages, assignment):
+        counts[stage] += 1
+    split = f"{assignment} assignment of {num_blocks} blocks to {stages} stages"
+    if schedule in ("gpipe", "1f1b") and max(counts) > 1:
+        return (
+            f"{schedule} runs one virtual stage per rank, but the {split} gives stage {counts.index(max(counts))} "
+            f"{max(counts)} non-contiguous runs of blocks; use looped_bfs, or assignment contiguous"
+        )
+    if schedule == "interleaved_1f1b" and len(set(counts)) > 1:
+        return (
+            f"interleaved_1f1b needs the same number of virtual stages on every rank, but the {split} gives the "
+            f"stages {counts}; use looped_bfs (it runs uneven splits), assignment contiguous, or a block count "
+            f"that is a multiple of {stages}"
+        )
+    if micro_batches is None:
+        return None
+    if schedule == "1f1b" and micro_batches < stages:
+        return (
+            f"1f1b needs at least as many micro-batches per step as stages ({stages}), got {micro_batches}; "
+            "raise training.grad_accum_steps or use gpipe or looped_bfs"
+        )
+    rounds = max(1, micro_batches // stages)
+    if schedule == "interleaved_1f1b" and micro_batches % rounds:
+        return (
+            f"interleaved_1f1b runs rounds of micro-batches ({rounds} rounds for {micro_batches} micro-batches on "
+            f"{stages} stages), and {micro_batches} is not a multiple of {rounds}; make training.grad_accum_steps a "
+            f"multiple of {stages} or less than {2 * stages}, or use looped_bfs"
+        )
+    return None
+
+
 def block_index_of(param_name: str, block_list: str) -> int | None:
     """The block a parameter belongs to (``<block_list>.<i>.<...>``), or None outside the blocks."""
     prefix = block_list + "."

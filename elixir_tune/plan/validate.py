@@ -16,7 +16,7 @@ from elixir_tune.plan.capabilities import LOOP_CONTRACT, layout_reasons_of_type,
 from elixir_tune.plan.fields import check_fields, is_required, section_type
 from elixir_tune.plan.memory import ALIGN_ELEMENTS
 from elixir_tune.plan.schema import SCHEMA_VERSION, Plan
-from elixir_tune.plan.stages import assign_stages
+from elixir_tune.plan.stages import assign_stages, schedule_problem
 
 _SECTIONS = [field for field in dataclasses.fields(Plan) if field.name != "schema_version"]
 
@@ -160,19 +160,19 @@ def _check_contract(parallel: dict, model: dict, training: dict, errors: list[st
         )
 
 
-def _check_chunk_stages(chunks: list[dict], pipeline: dict, model: dict, errors: list[str]) -> None:
+def _check_chunk_stages(chunks: list[dict], pipeline: dict, model: dict, training: dict, errors: list[str]) -> None:
     """A pipeline plan's chunks: each on one stage, the one ``plan/stages.py`` gives its parameters,
-    and a schedule that fits the assignment."""
+    and a schedule that runs the split and the micro-batches (``schedule_problem``)."""
     stages = pipeline.get("stages", 1)
     assignment = pipeline.get("assignment", "modular")
     num_blocks = model.get("num_blocks", 0)
     schedule = pipeline.get("schedule", "looped_bfs")
-    if stages > 1 and schedule in ("gpipe", "1f1b") and assignment == "modular" and num_blocks > stages:
-        errors.append(
-            f"parallel.pipeline.schedule: {schedule} runs one stage module per rank, but modular assignment puts "
-            f"{num_blocks} blocks on {stages} stages non-contiguously; use looped_bfs or interleaved_1f1b, or "
-            "assignment contiguous"
-        )
+    micro_batches = training.get("grad_accum_steps")
+    problem = schedule_problem(
+        num_blocks, stages, assignment, schedule, micro_batches if isinstance(micro_batches, int) else None
+    )
+    if problem:
+        errors.append(f"parallel.pipeline.schedule: {problem}")
     for index, chunk in enumerate(chunks):
         stage = chunk.get("stage", 0)
         if isinstance(stage, int) and stage >= stages:
@@ -271,7 +271,7 @@ def validate_dict(raw: Any) -> list[str]:
         )
     _check_chunks(memory.get("chunks", []), memory.get("chunk_size"), "memory.chunks", errors)
     chunks = [chunk for chunk in memory.get("chunks", []) if chunk is not None]
-    _check_chunk_stages(chunks, sections.get("parallel", {}).get("pipeline", {}), model, errors)
+    _check_chunk_stages(chunks, sections.get("parallel", {}).get("pipeline", {}), model, training, errors)
     _check_foreign_reads(model, chunks, errors)
     if "chunks" in memory and not memory["chunks"]:
         errors.append("memory.chunks: empty; a plan needs at least one chunk")

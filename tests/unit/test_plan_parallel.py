@@ -7,7 +7,7 @@ import pytest
 from elixir_tune.paths import CONFIGS_DIR
 from elixir_tune.plan import ParallelPlan, load_plan, plan_from_dict, read_plan_dict, validate_dict
 from elixir_tune.plan.io import dump_plan
-from elixir_tune.plan.stages import assign_stages, block_index_of, stage_of_block
+from elixir_tune.plan.stages import assign_stages, block_index_of, schedule_problem, stage_of_block, virtual_stages
 from elixir_tune.plan.tensor_layout import is_norm_param, local_shape, split_dim, tensor_style
 
 EXAMPLE = CONFIGS_DIR / "plans" / "example.yaml"  # tiny GPT-2, world 2, 2 blocks
@@ -76,14 +76,54 @@ def _pipeline(**sections) -> dict:
         ),
         (
             {"parallel__pipeline__schedule": "gpipe", "model__num_blocks": 4},
-            "parallel.pipeline.schedule: gpipe runs one stage module per rank, but modular assignment puts 4 blocks "
-            "on 2 stages non-contiguously; use looped_bfs or interleaved_1f1b, or assignment contiguous",
+            "parallel.pipeline.schedule: gpipe runs one virtual stage per rank, but the modular assignment of 4 "
+            "blocks to 2 stages gives stage 0 2 non-contiguous runs of blocks; use looped_bfs, or assignment contiguous",
+        ),
+        (
+            {"parallel__pipeline__schedule": "interleaved_1f1b", "model__num_blocks": 3},
+            "parallel.pipeline.schedule: interleaved_1f1b needs the same number of virtual stages on every rank, but "
+            "the modular assignment of 3 blocks to 2 stages gives the stages [2, 1]; use looped_bfs (it runs uneven "
+            "splits), assignment contiguous, or a block count that is a multiple of 2",
+        ),
+        (
+            {"parallel__pipeline__schedule": "1f1b", "training__grad_accum_steps": 1},
+            "parallel.pipeline.schedule: 1f1b needs at least as many micro-batches per step as stages (2), got 1; "
+            "raise training.grad_accum_steps or use gpipe or looped_bfs",
+        ),
+        (
+            {"parallel__pipeline__schedule": "interleaved_1f1b", "training__grad_accum_steps": 5},
+            "parallel.pipeline.schedule: interleaved_1f1b runs rounds of micro-batches (2 rounds for 5 micro-batches "
+            "on 2 stages), and 5 is not a multiple of 2; make training.grad_accum_steps a multiple of 2 or less "
+            "than 4, or use looped_bfs",
         ),
     ],
 )
 def test_bad_pipeline_chunks_are_reported_with_their_field_paths(sections, expected):
     problems = validate_dict(_pipeline(**sections))
     assert expected in problems, problems
+
+
+@pytest.mark.parametrize(
+    ("blocks", "stages"), [(blocks, stages) for blocks in range(2, 8) for stages in (2, 3, 4) if stages <= blocks]
+)
+def test_looped_bfs_runs_every_split_and_the_other_schedules_refuse_only_what_they_cannot_run(blocks, stages):
+    for assignment in ("modular", "contiguous"):
+        counts = [
+            sum(1 for stage, _ in virtual_stages(blocks, stages, assignment) if stage == s) for s in range(stages)
+        ]
+        # Rank r holds virtual stages r, r + P, ...: the order torch's looped schedules assume.
+        order = [stage for stage, _ in virtual_stages(blocks, stages, assignment)]
+        assert order == [index % stages for index in range(len(order))]
+        for micro_batches in (1, 2, 3, 4, 8):
+            assert schedule_problem(blocks, stages, assignment, "looped_bfs", micro_batches) is None
+            assert schedule_problem(blocks, stages, assignment, "gpipe", micro_batches) is None or max(counts) > 1
+            one_each = schedule_problem(blocks, stages, assignment, "1f1b", micro_batches) is None
+            assert one_each == (max(counts) == 1 and micro_batches >= stages)
+            rounds = max(1, micro_batches // stages)
+            even = schedule_problem(blocks, stages, assignment, "interleaved_1f1b", micro_batches) is None
+            assert even == (len(set(counts)) == 1 and micro_batches % rounds == 0)
+        if assignment == "contiguous":
+            assert counts == [1] * stages
 
 
 @pytest.mark.parametrize(
