@@ -197,23 +197,36 @@ def roll_call(
     me = f"{socket.gethostname()} pid {os.getpid()}"
     call.store.set(_key(rdzv_id, node_rank), me)
     last_report = started - report_every_s if nnodes > 1 else started
+    present: list[int] = [node_rank]
+    names: dict[int, str] = {node_rank: me}
     while True:
-        present = [rank for rank in range(nnodes) if call.store.check([_key(rdzv_id, rank)])]
-        holder = call.store.get(_key(rdzv_id, node_rank)).decode()
-        if holder != me:
+        missing = [rank for rank in range(nnodes) if rank not in present]
+        missing_text = ", ".join(f"node {rank}" for rank in missing)
+        joined = ", ".join(f"node {rank} ({names.get(rank, '?')})" for rank in present)
+        try:
+            present = [rank for rank in range(nnodes) if call.store.check([_key(rdzv_id, rank)])]
+            names = {rank: call.store.get(_key(rdzv_id, rank)).decode() for rank in present}
+        except Exception:  # noqa: BLE001 - the serving node ended (it gave up, or was stopped)
             raise RendezvousWaitError(
-                f"rendezvous at {endpoint}: another elixir-run ({holder}) also joined as node {node_rank}",
+                f"rendezvous at {endpoint}: the store closed while waiting (the node serving it ended); "
+                f"missing: {missing_text} (joined: {joined})",
+                hint="see that node's output; start every node with the same --nnodes, --rdzv-endpoint "
+                "and --rdzv-id, each with its own --node-rank",
+            ) from None
+        if names.get(node_rank) != me:
+            raise RendezvousWaitError(
+                f"rendezvous at {endpoint}: another elixir-run ({names.get(node_rank)}) also joined as node {node_rank}",
                 hint=f"give each node its own --node-rank, 0 to {nnodes - 1}",
             )
         missing = [rank for rank in range(nnodes) if rank not in present]
+        missing_text = ", ".join(f"node {rank}" for rank in missing)
+        joined = ", ".join(f"node {rank} ({names[rank]})" for rank in present)
         elapsed = time.monotonic() - started
         if not missing:
             if nnodes > 1:
                 say(f"all {nnodes} nodes joined the rendezvous at {endpoint} ({elapsed:.0f} s)")
             call.waited_s = elapsed
             return call
-        joined = ", ".join(f"node {rank} ({call.store.get(_key(rdzv_id, rank)).decode()})" for rank in present)
-        missing_text = ", ".join(f"node {rank}" for rank in missing)
         if elapsed > timeout_s:
             raise RendezvousWaitError(
                 f"rendezvous at {endpoint}: {len(present)} of {nnodes} nodes joined within {timeout_s:g} s; "
