@@ -205,6 +205,14 @@ def run_torchrun(spec: LaunchSpec, watch: WorkerWatch | None = None) -> LaunchOu
         return LaunchOutcome(128 + signal.SIGINT, "interrupted by SIGINT before the workers started")
     except RendezvousError as error:
         endpoint = getattr(args, "rdzv_endpoint", "") or "this node"
+        if watch is not None and watch.workers():
+            # The workers had started: the store went away mid-job, with the node that served it.
+            return LaunchOutcome(
+                1,
+                f"lost the rendezvous store at {endpoint} during the job ({type(error).__name__}): the node "
+                "serving it (node 0) ended or became unreachable; this node's workers were stopped",
+                hint="see node 0's output for why it ended",
+            )
         detail = str(error).strip() or (
             f"not all {args.nnodes} nodes joined within the join timeout (600 s unless "
             "--rdzv-conf join_timeout=SECONDS)"

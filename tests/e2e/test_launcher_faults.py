@@ -170,3 +170,34 @@ def test_a_node_that_never_comes_is_named_by_every_waiting_node(tmp_path):
         outputs[1]
     )
     assert not list(out.iterdir()), "workers started without every node"
+
+
+def test_kill_9_of_node_0s_elixir_run_ends_the_job_on_every_node(tmp_path):
+    """Two nodes on loopback: node 0's workers die with their launcher; node 1's lose their peers
+    and the rendezvous store, and node 1's elixir-run ends the job there with a message."""
+    from tests.e2e.launch_helpers import write_plan
+
+    plan = write_plan(tmp_path / "plan.yaml", {"cluster.nodes": 2, "training.global_batch_size": 32})
+    out = tmp_path / "out"
+    out.mkdir()
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [
+        _start(
+            ["--nnodes", 2, "--node-rank", rank, "--rdzv-endpoint", endpoint, plan, ALLREDUCE_WORKER]
+            + ["--out", out, "--iterations", 0]
+        )
+        for rank in (0, 1)
+    ]
+    pids: list[int] = []
+    try:
+        pids = [record["pid"] for record in wait_for_ranks(out, 4, timeout_s=120)]
+        nodes[0].kill()
+        assert _gone_within(pids, 10), "workers outlived node 0's SIGKILLed elixir-run by 10 s"
+        output = _finish(nodes[1], timeout_s=60)
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+        assert not kill_leftovers(pids)
+    assert nodes[1].returncode != 0, output
+    assert "error: " in output
