@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
+from pathlib import Path
 
 import click
 
@@ -33,6 +36,9 @@ from elixir_tune.launcher import (
     torchrun_option_arity,
     worker_env,
 )
+from elixir_tune.launcher.env import COLLECTIVE_TIMEOUT_ENV, bootstrap_env
+from elixir_tune.launcher.rendezvous import RendezvousWaitError, roll_call
+from elixir_tune.launcher.watch import WorkerWatch
 from elixir_tune.plan import PlanError, load_plan
 
 _MARK = {True: "[green]ok[/]", False: "[red]FAIL[/]"}
@@ -76,6 +82,33 @@ _MARK = {True: "[green]ok[/]", False: "[red]FAIL[/]"}
     show_default=True,
     help="Restarts of the worker group after a failure.",
 )
+@click.option(
+    "--rdzv-timeout",
+    "rdzv_timeout_s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=300,
+    show_default=True,
+    metavar="SECONDS",
+    help="With several nodes (or --rdzv-endpoint): how long to wait for every node at the rendezvous; "
+    "then elixir-run names the missing nodes and stops. It prints a line every 10 s while it waits.",
+)
+@click.option(
+    "--collective-timeout",
+    "collective_timeout_s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=300,
+    show_default=True,
+    envvar=COLLECTIVE_TIMEOUT_ENV,
+    metavar="SECONDS",
+    help="How long a worker's collective waits for the other ranks before it fails, and how long a "
+    "worker may stay stopped before elixir-run kills it; the job then ends naming the rank that "
+    f"stopped answering (also ${COLLECTIVE_TIMEOUT_ENV}).",
+)
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Run a plan whose predicted host or GPU memory exceeds this node's (a warning instead of a refusal).",
+)
 @click.option("--dry-run", is_flag=True, help="Print the checks and the exact torchrun command; start nothing.")
 @click.option("--json", "as_json", is_flag=True, help="With --dry-run: print the checks and command as JSON.")
 @click.argument(
@@ -87,6 +120,9 @@ def run_command(
     rdzv_endpoint: str | None,
     rdzv_id: str | None,
     max_restarts: int,
+    rdzv_timeout_s: float,
+    collective_timeout_s: float,
+    force: bool,
     dry_run: bool,
     as_json: bool,
     command_line: tuple[str, ...],
@@ -98,10 +134,18 @@ def run_command(
     --redirects 3, --log-dir DIR) go after elixir-run's own options and before PLAN. The exit
     status is the job's: 0, the failed worker's code, or 128 + the signal that killed it.
 
+    Faults end the job with a message, never a silent wait: a plan that needs more memory than this
+    node has is refused (--force runs it anyway); a rendezvous port held by another program is
+    reported at once; a node missing at the rendezvous is named after --rdzv-timeout; a rank that
+    stops answering is named after --collective-timeout; the workers die with elixir-run (even
+    when it is killed with SIGKILL).
+
     \b
     Examples:
         elixir-run plan.yaml scripts/train_gpt2.py --steps 20
         elixir-run --dry-run plan.yaml scripts/train_gpt2.py
+        # give up on a missing node after 2 minutes, on a silent rank after 10
+        elixir-run --rdzv-timeout 120 --collective-timeout 600 plan.yaml train.py
         # two nodes: the same command on each, --node-rank 0 and 1
         elixir-run --nnodes 2 --node-rank 0 --rdzv-endpoint 10.0.0.1:29400 plan.yaml train.py
         # inside a SLURM allocation, once per node: nodes, rank and endpoint come from SLURM
@@ -122,7 +166,9 @@ def run_command(
         plan = load_plan(plan_path)
     except PlanError as error:
         fail(
-            f"{plan_path} is not a usable plan ({len(error.problems)} problem(s)):\n"
+            f"{plan_path} is not a usable plan: {error.problems[0]}"
+            if len(error.problems) == 1
+            else f"{plan_path} is not a usable plan ({len(error.problems)} problem(s)):\n"
             + "\n".join(f"  - {problem}" for problem in error.problems),
             hint=f"`elixir-tune validate {plan_path}` lists the problems; `elixir-tune search ... --out "
             f"{plan_path}` writes a fresh plan",
@@ -144,7 +190,7 @@ def run_command(
     nnodes = plan.cluster.nodes if nnodes is None else nnodes
     node_rank = 0 if node_rank is None else node_rank
     facts = observe_machine()
-    checks = check_launch(plan, facts, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
+    checks = check_launch(plan, facts, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, force=force)
     spec = LaunchSpec(
         nproc_per_node=plan.cluster.gpus_per_node,
         script=script,
@@ -155,9 +201,11 @@ def run_command(
         max_restarts=max_restarts,
         rdzv_id=rdzv_id or f"elixir-{plan.model.fingerprint[:12]}",
         torchrun_options=torchrun_options,
+        bootstrap=True,
+        rdzv_timeout_s=rdzv_timeout_s,
     )
     argv = compose_torchrun_argv(spec)
-    env = worker_env(plan, plan_path, facts.cpu_cores, os.environ)
+    env = worker_env(plan, plan_path, facts.cpu_cores, os.environ, collective_timeout_s=collective_timeout_s)
     command = format_command(argv, env)
     problems = failed(checks)
 
@@ -191,9 +239,38 @@ def run_command(
     if dry_run:
         raise SystemExit(EXIT_OK)
 
+    if force and failed(checks, fatal=False):
+        say("--force: running although the plan does not fit this node (see the warnings above)")
+    _launch(spec, env, plan, rdzv_timeout_s, collective_timeout_s)
+
+
+def say(text: str) -> None:
+    """One progress line from elixir-run itself (stderr: unbuffered, apart from the workers' output)."""
+    err_console.print(f"elixir-run: {text}", markup=False, soft_wrap=True)
+
+
+def _launch(spec: LaunchSpec, env: dict[str, str], plan, rdzv_timeout_s: float, collective_timeout_s: float) -> None:
+    """Meets the other nodes, runs torchrun with the watch over the workers, and exits with the job's status."""
+    roll = None
+    if spec.nnodes > 1 or spec.rdzv_endpoint:
+        say(f"joining the rendezvous at {spec.rdzv_endpoint} as node {spec.node_rank} of {spec.nnodes}")
+        try:
+            # Kept until the job ends: on node 0 it serves the store that torchrun's agent shares.
+            roll = roll_call(str(spec.rdzv_endpoint), spec.rdzv_id, spec.nnodes, spec.node_rank, rdzv_timeout_s, say)
+        except RendezvousWaitError as error:
+            fail(str(error), hint=error.hint)
+    run_dir = Path(tempfile.mkdtemp(prefix="elixir-run-"))
+    env = {**env, **bootstrap_env(run_dir)}
     os.environ.update(env)
+    say(f"starting {spec.nproc_per_node} worker(s) on this node")
     sys.stdout.flush()
-    outcome = run_torchrun(spec)
+    watch = WorkerWatch(run_dir, collective_timeout_s, say).start()
+    try:
+        outcome = run_torchrun(spec, watch)
+    finally:
+        watch.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
+        del roll
     if outcome.exit_code:
         fail(outcome.message, hint=outcome.hint, code=outcome.exit_code)
     console.print(f"[green]elixir-run: job finished[/] ({plan.world_size} worker(s))")

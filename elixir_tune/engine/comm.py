@@ -367,7 +367,12 @@ def grid_device_mesh(mesh: Mesh, rows: int) -> Any:
 
 
 def init_mesh(
-    world_size: int, device_type: str, backend: str, pipeline: int = 1, tensor: int = 1, timeout_s: float = 600.0
+    world_size: int,
+    device_type: str,
+    backend: str,
+    pipeline: int = 1,
+    tensor: int = 1,
+    timeout_s: float | None = None,
 ) -> Mesh:
     """Joins (or starts) the process group the plan needs and splits it into the plan's mesh.
 
@@ -377,7 +382,7 @@ def init_mesh(
         backend: ``nccl`` or ``gloo``.
         pipeline: pipeline degree P.
         tensor: tensor degree T.
-        timeout_s: collective timeout.
+        timeout_s: collective timeout; None: ``collective_timeout_s()``.
 
     Returns:
         This rank's Mesh.
@@ -395,7 +400,30 @@ def init_mesh(
     return _mesh_of(init_comm(world_size, device_type, backend, timeout_s), pipeline, tensor)
 
 
-def init_comm(world_size: int, device_type: str, backend: str, timeout_s: float = 600.0) -> Comm:
+COLLECTIVE_TIMEOUT_ENV = "ELIXIR_TUNE_COLLECTIVE_TIMEOUT_S"
+DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
+
+
+def collective_timeout_s() -> float:
+    """How long a collective may wait for the other ranks before it fails: $ELIXIR_TUNE_COLLECTIVE_TIMEOUT_S
+    (elixir-run's --collective-timeout sets it), else 300 s.
+
+    Raises:
+        ValueError: the variable is not a positive number.
+    """
+    text = os.environ.get(COLLECTIVE_TIMEOUT_ENV, "").strip()
+    if not text:
+        return DEFAULT_COLLECTIVE_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise ValueError(f"${COLLECTIVE_TIMEOUT_ENV}={text!r}: expected a positive number of seconds")
+    return value
+
+
+def init_comm(world_size: int, device_type: str, backend: str, timeout_s: float | None = None) -> Comm:
     """Joins (or starts) the process group the plan needs.
 
     Uses an existing default process group, else the torchrun environment (RANK, WORLD_SIZE,
@@ -405,7 +433,8 @@ def init_comm(world_size: int, device_type: str, backend: str, timeout_s: float 
         world_size: every process of the run.
         device_type: ``cuda`` or ``cpu``.
         backend: ``nccl`` or ``gloo``.
-        timeout_s: collective timeout.
+        timeout_s: how long a collective waits for the other ranks before it raises (gloo's and
+            nccl's watchdog); None: ``collective_timeout_s()``.
 
     Returns:
         The Comm of this rank over the whole world (``init_mesh`` splits it by the plan's degrees).
@@ -424,6 +453,7 @@ def init_comm(world_size: int, device_type: str, backend: str, timeout_s: float 
             )
         return Comm(0, 1, "local", device)
     if not dist.is_initialized() and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        timeout_s = collective_timeout_s() if timeout_s is None else timeout_s
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
         # A gloo group left alive at interpreter exit can abort the process ("terminate called
         # without an active exception"): the group we started, we also end.

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from elixir_tune import paths
+from elixir_tune.files import problem
 from elixir_tune.hardware.spec import HardwareSpec, load_hardware_file
 
 DEVICES = ("cuda", "cpu")
@@ -75,7 +76,7 @@ def load_hardware(name_or_path: str) -> HardwareSpec:
     spec = load_hardware_file(path)
     problems = spec_problems(spec)
     if problems:
-        raise ValueError(f"{path}: invalid hardware spec:\n  - " + "\n  - ".join(problems))
+        raise problem(path, problems, "hardware spec", "fix the field or write it again with `elixir-tune probe`")
     return spec
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import yaml
 
+from elixir_tune.files import InputFileError, load_yaml_mapping
+
 
 @dataclass
 class HardwareSpec:
@@ -174,15 +176,26 @@ def load_hardware_file(path: str | Path) -> HardwareSpec:
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: the file does not describe a HardwareSpec (message says which field).
+        InputFileError: (a ValueError) the file is unreadable, not YAML, truncated or does not describe
+            a HardwareSpec; one line naming the file and what is wrong.
     """
     path = Path(path)
-    if not path.is_file():
+    if not path.is_file() and not path.is_dir():
         raise FileNotFoundError(f"{path}: no such hardware file")
-    raw = yaml.safe_load(path.read_text())
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: expected a mapping of hardware fields")
+    hint = "write it again with `elixir-tune probe --out FILE` or use a preset id"
+    raw = load_yaml_mapping(path, "hardware spec", hint)
+    known = {f.name for f in dataclasses.fields(HardwareSpec)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise InputFileError(path, f"unknown hardware field(s): {', '.join(unknown)}", hint)
+    missing = [
+        f.name
+        for f in dataclasses.fields(HardwareSpec)
+        if f.name not in raw and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise InputFileError(path, f"incomplete hardware spec (truncated?): missing {', '.join(missing)}", hint)
     try:
         return HardwareSpec.from_dict(raw)
-    except TypeError as error:
-        raise ValueError(f"{path}: {error}") from None
+    except (TypeError, ValueError) as error:
+        raise InputFileError(path, str(error), hint) from None

@@ -58,6 +58,10 @@ class LaunchSpec:
         rdzv_id: job id shared by all nodes of one job.
         max_restarts: how often torchrun restarts the worker group after a failure.
         torchrun_options: other torchrun options, passed through before the script.
+        bootstrap: start each worker through ``elixir_tune.launcher.worker_main``, which ties its
+            life to this process, then runs the script (not with ``--no-python``).
+        rdzv_timeout_s: how long the c10d rendezvous waits for every node (torchrun's
+            ``join_timeout``) unless the user's ``--rdzv-conf`` sets one; None: torchrun's default.
     """
 
     nproc_per_node: int
@@ -69,6 +73,8 @@ class LaunchSpec:
     rdzv_id: str = "elixir-tune"
     max_restarts: int = 0
     torchrun_options: Sequence[str] = field(default_factory=tuple)
+    bootstrap: bool = False
+    rdzv_timeout_s: float | None = None
 
 
 def compose_torchrun_argv(spec: LaunchSpec) -> list[str]:
@@ -85,6 +91,7 @@ def compose_torchrun_argv(spec: LaunchSpec) -> list[str]:
         torchrun's argv, without the program name.
     """
     argv = [f"--nproc-per-node={spec.nproc_per_node}"]
+    options = list(spec.torchrun_options)
     if spec.nnodes == 1 and not spec.rdzv_endpoint:
         argv.append("--standalone")
     else:
@@ -96,11 +103,44 @@ def compose_torchrun_argv(spec: LaunchSpec) -> list[str]:
             f"--rdzv-endpoint={spec.rdzv_endpoint}",
             f"--rdzv-id={spec.rdzv_id}",
         ]
+        if spec.rdzv_timeout_s is not None:
+            options = _with_join_timeout(options, spec.rdzv_timeout_s)
     argv.append(f"--max-restarts={spec.max_restarts}")
-    argv += list(spec.torchrun_options)
-    argv.append(spec.script)
-    argv += list(spec.script_args)
+    script, script_args = spec.script, list(spec.script_args)
+    if spec.bootstrap and not any(option_name(token) in ("--no-python", "--no_python") for token in options):
+        module_flags = [token for token in options if token in ("-m", "--module")]
+        options = [token for token in options if token not in module_flags]
+        script_args = (["-m"] if module_flags else []) + [script, *script_args]
+        script = WORKER_MAIN
+        options.append("-m")
+    argv += options
+    argv.append(script)
+    argv += script_args
     return argv
+
+
+WORKER_MAIN = "elixir_tune.launcher.worker_main"
+
+
+def _with_join_timeout(options: list[str], timeout_s: float) -> list[str]:
+    """Adds ``join_timeout`` to torchrun's --rdzv-conf (a new one, or the user's) unless the user set it."""
+    setting = f"join_timeout={timeout_s:g}"
+    result = list(options)
+    for index, token in enumerate(result):
+        name = option_name(token)
+        if name not in ("--rdzv-conf", "--rdzv_conf"):
+            continue
+        inline = "=" in token
+        value = token.split("=", 1)[1] if inline else (result[index + 1] if index + 1 < len(result) else "")
+        if "join_timeout" in value:
+            return result
+        merged = f"{value},{setting}" if value else setting
+        if inline:
+            result[index] = f"{name}={merged}"
+        else:
+            result[index + 1] = merged
+        return result
+    return [*result, f"--rdzv-conf={setting}"]
 
 
 def format_command(argv: Sequence[str], env: Mapping[str, str] | None = None) -> str:

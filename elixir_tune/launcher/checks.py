@@ -109,7 +109,12 @@ def parse_endpoint(endpoint: str) -> tuple[str, int] | None:
 
 
 def check_launch(
-    plan: Plan, facts: MachineFacts, nnodes: int, node_rank: int = 0, rdzv_endpoint: str | None = None
+    plan: Plan,
+    facts: MachineFacts,
+    nnodes: int,
+    node_rank: int = 0,
+    rdzv_endpoint: str | None = None,
+    force: bool = False,
 ) -> list[Check]:
     """Checks a plan against the launch settings and this machine.
 
@@ -119,6 +124,8 @@ def check_launch(
         nnodes: nodes in this launch.
         node_rank: this node's rank.
         rdzv_endpoint: HOST:PORT of the rendezvous, or None on one node.
+        force: a plan whose predicted memory exceeds this node's (host or GPU) only warns instead
+            of stopping the launch.
 
     Returns:
         Every check in order, passed or not.
@@ -184,7 +191,7 @@ def check_launch(
         checks.append(Check("rendezvous", True, "this node only (torchrun --standalone)"))
 
     if cluster.device == "cuda":
-        checks += _cuda_checks(plan, facts)
+        checks += _cuda_checks(plan, facts, force)
     else:
         ok = procs <= facts.cpu_cores
         checks.append(
@@ -206,15 +213,16 @@ def check_launch(
                 "host memory",
                 ok,
                 f"plan needs {gib(prediction.peak_host_bytes)} per node, node has {gib(facts.host_memory_bytes)}",
-                hint="the job may be killed when host memory runs out; search with this "
-                "machine's hardware (elixir-tune probe)",
-                fatal=False,
+                hint="search with this machine's hardware (elixir-tune probe, then elixir-tune search "
+                "--hardware hardware.yaml), or pass --force to run anyway (the job may then be killed "
+                "when host memory runs out)",
+                fatal=not force,
             )
         )
     return checks
 
 
-def _cuda_checks(plan: Plan, facts: MachineFacts) -> list[Check]:
+def _cuda_checks(plan: Plan, facts: MachineFacts, force: bool) -> list[Check]:
     procs = plan.cluster.gpus_per_node
     if not facts.cuda_available:
         return [
@@ -245,7 +253,8 @@ def _cuda_checks(plan: Plan, facts: MachineFacts) -> list[Check]:
                 need <= smallest,
                 f"plan needs {gib(need)} per GPU, the smallest of this node's GPUs has {gib(smallest)}",
                 hint="search with this machine's hardware: elixir-tune probe, then "
-                "elixir-tune search --hardware hardware.yaml",
+                "elixir-tune search --hardware hardware.yaml; or pass --force to run anyway",
+                fatal=not force,
             )
         )
     return checks

@@ -7,8 +7,22 @@ from collections.abc import Mapping
 
 from elixir_tune.plan import PLAN_ENV_VAR, Plan
 
+# For the workers' bootstrap (worker_main): elixir-run's pid, and the job's run directory.
+LAUNCHER_PID_ENV = "ELIXIR_TUNE_LAUNCHER_PID"
+RUN_DIR_ENV = "ELIXIR_TUNE_RUN_DIR"
 
-def worker_env(plan: Plan, plan_path: str | os.PathLike, cpu_cores: int, current: Mapping[str, str]) -> dict[str, str]:
+# Read by engine/comm.py (collective_timeout_s), which keeps its own copy of the name: the engine
+# does not import the launcher.
+COLLECTIVE_TIMEOUT_ENV = "ELIXIR_TUNE_COLLECTIVE_TIMEOUT_S"
+
+
+def worker_env(
+    plan: Plan,
+    plan_path: str | os.PathLike,
+    cpu_cores: int,
+    current: Mapping[str, str],
+    collective_timeout_s: float | None = None,
+) -> dict[str, str]:
     """Variables to export before torchrun starts the workers (they inherit them).
 
     Args:
@@ -17,6 +31,8 @@ def worker_env(plan: Plan, plan_path: str | os.PathLike, cpu_cores: int, current
             directory still finds it.
         cpu_cores: cores of this node.
         current: the current environment; a variable the user already set is kept.
+        collective_timeout_s: how long a collective waits for the other ranks (the engine's
+            process-group timeout); None leaves the engine's default.
 
     Returns:
         Only the variables to set.
@@ -26,4 +42,12 @@ def worker_env(plan: Plan, plan_path: str | os.PathLike, cpu_cores: int, current
     # optimizer for offloaded chunks there. torchrun's own default (1 thread) starves both.
     if "OMP_NUM_THREADS" not in current:
         env["OMP_NUM_THREADS"] = str(max(1, cpu_cores // plan.cluster.gpus_per_node))
+    if collective_timeout_s is not None:
+        env[COLLECTIVE_TIMEOUT_ENV] = f"{collective_timeout_s:g}"
     return env
+
+
+def bootstrap_env(run_dir: str | os.PathLike) -> dict[str, str]:
+    """What only a real launch exports, for the workers' bootstrap (worker_main): this process's pid
+    (the workers die with it) and the job's run directory (their pids and errors, for the watch)."""
+    return {LAUNCHER_PID_ENV: str(os.getpid()), RUN_DIR_ENV: str(run_dir)}

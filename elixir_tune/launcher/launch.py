@@ -14,6 +14,7 @@ import signal
 from dataclasses import dataclass, field
 
 from elixir_tune.launcher.argv import LaunchSpec, compose_torchrun_argv
+from elixir_tune.launcher.watch import WorkerWatch, is_timeout
 
 _HANDLED_SIGNALS = tuple(
     getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name)
@@ -39,6 +40,7 @@ class WorkerFailure:
     pid: int
     exit_code: int
     message: str = ""
+    note: str = ""  # what elixir-run's watch found out about it
 
     @property
     def signal_name(self) -> str:
@@ -51,7 +53,9 @@ class WorkerFailure:
 
     def describe(self) -> str:
         how = f"was killed by {self.signal_name}" if self.exit_code < 0 else f"exited with code {self.exit_code}"
-        return f"rank {self.rank} (local rank {self.local_rank}, pid {self.pid}) {how}"
+        return f"rank {self.rank} (local rank {self.local_rank}, pid {self.pid}) {how}" + (
+            f" ({self.note})" if self.note else ""
+        )
 
 
 @dataclass
@@ -77,11 +81,13 @@ def exit_code_of(failure: WorkerFailure) -> int:
 
 
 def order_failures(failures: list[WorkerFailure]) -> list[WorkerFailure]:
-    """Root cause first: a worker killed by a signal the agent does not send (SIGKILL, SIGSEGV,
-    ...), then workers that exited with an error, then those the agent stopped (SIGTERM, SIGINT);
-    torchrun's order (first observed) within each group."""
+    """Root cause first: a worker the watch found stopped answering, a worker killed by a signal
+    the agent does not send (SIGKILL, SIGSEGV, ...), then workers that exited with an error, then
+    those the agent stopped (SIGTERM, SIGINT); torchrun's order (first observed) within each group."""
 
     def group(failure: WorkerFailure) -> int:
+        if failure.note:  # elixir-run's watch found it stopped answering
+            return -1
         if failure.exit_code >= 0:
             return 1
         return 2 if -failure.exit_code in _AGENT_STOP_SIGNALS else 0
@@ -98,6 +104,33 @@ def describe_failures(failures: list[WorkerFailure]) -> str:
     if len(ordered) > 1:
         text += "; then " + "; ".join(failure.describe() for failure in ordered[1:])
     return text
+
+
+def add_watch_findings(failures: list[WorkerFailure], watch: WorkerWatch) -> list[WorkerFailure]:
+    """Fills in what the watch knows and puts the rank that stopped answering first.
+
+    A rank the watch killed for being stopped is the root cause. Otherwise, when some ranks timed
+    out in a collective (their error says so) and others did not fail by themselves (the agent
+    stopped them afterwards), those others are the ones that stopped answering.
+    """
+    errors = watch.errors()
+    for failure in failures:
+        if not failure.message and failure.rank in errors:
+            failure.message = errors[failure.rank]
+        failure.note = watch.notes.get(failure.rank, "")
+    killed = [failure for failure in failures if failure.note]
+    waiters = [failure for failure in failures if is_timeout(failure.message)]
+    silent = [
+        failure
+        for failure in failures
+        if not failure.note and failure.exit_code < 0 and -failure.exit_code in _AGENT_STOP_SIGNALS
+    ]
+    if not killed and waiters and silent:
+        waited = ", ".join(str(failure.rank) for failure in waiters)
+        for failure in silent:
+            failure.note = f"it stopped answering: rank(s) {waited} timed out waiting for it in a collective"
+        killed = silent
+    return killed + [failure for failure in failures if failure not in killed]
 
 
 def _failures_from(error) -> list[WorkerFailure]:
@@ -119,7 +152,7 @@ def _failures_from(error) -> list[WorkerFailure]:
     return order_failures(failures)
 
 
-def run_torchrun(spec: LaunchSpec) -> LaunchOutcome:
+def run_torchrun(spec: LaunchSpec, watch: WorkerWatch | None = None) -> LaunchOutcome:
     """Runs `torch.distributed.run` in this process as ``spec`` says and waits for the job.
 
     The current environment is the workers' environment (torchrun copies it). torchrun's parser
@@ -129,6 +162,8 @@ def run_torchrun(spec: LaunchSpec) -> LaunchOutcome:
 
     Args:
         spec: the launch (see compose_torchrun_argv).
+        watch: elixir-run's watch over the workers (started by the caller), whose findings go
+            into the failure report.
 
     Returns:
         The outcome; never raises for a failed job, a signal or a failed rendezvous.
@@ -139,18 +174,26 @@ def run_torchrun(spec: LaunchSpec) -> LaunchOutcome:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
     args = torchrun.parse_args(compose_torchrun_argv(dataclasses.replace(spec, script_args=())))
-    args.training_script_args = list(spec.script_args)
+    # With the bootstrap, the parsed arguments already hold the script (worker_main's first argument).
+    args.training_script_args = [*args.training_script_args, *spec.script_args]
     saved_handlers = {sig: signal.getsignal(sig) for sig in _HANDLED_SIGNALS}
     try:
         torchrun.run(args)
         return LaunchOutcome(0)
     except ChildFailedError as error:
         failures = _failures_from(error)
+        if watch is not None:
+            failures = add_watch_findings(failures, watch)
         if not failures:
             return LaunchOutcome(1, f"the job failed: {error}")
         root = failures[0]
         hint = "the worker's output above shows why"
-        if root.exit_code == -signal.SIGKILL:
+        if root.note:
+            hint = (
+                "a rank that stops answering (stopped, hung, or waiting on something else) makes the others "
+                "time out after the collective timeout (--collective-timeout)"
+            )
+        elif root.exit_code == -signal.SIGKILL:
             hint += "; a worker killed by SIGKILL that nobody killed is often the out-of-memory killer (see dmesg)"
         return LaunchOutcome(
             exit_code_of(root), f"the job failed: {describe_failures(failures)}", hint=hint, failures=failures
@@ -162,6 +205,14 @@ def run_torchrun(spec: LaunchSpec) -> LaunchOutcome:
         return LaunchOutcome(128 + signal.SIGINT, "interrupted by SIGINT before the workers started")
     except RendezvousError as error:
         endpoint = getattr(args, "rdzv_endpoint", "") or "this node"
+        if watch is not None and watch.workers():
+            # The workers had started: the store went away mid-job, with the node that served it.
+            return LaunchOutcome(
+                1,
+                f"lost the rendezvous store at {endpoint} during the job ({type(error).__name__}): the node "
+                "serving it (node 0) ended or became unreachable; this node's workers were stopped",
+                hint="see node 0's output for why it ended",
+            )
         detail = str(error).strip() or (
             f"not all {args.nnodes} nodes joined within the join timeout (600 s unless "
             "--rdzv-conf join_timeout=SECONDS)"

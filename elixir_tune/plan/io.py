@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from elixir_tune.files import InputFileError, load_yaml
 from elixir_tune.plan.fields import build
 from elixir_tune.plan.schema import Plan
 from elixir_tune.plan.validate import validate_dict
@@ -40,20 +41,16 @@ def read_plan_dict(path: str | os.PathLike) -> Any:
         The parsed document, not yet validated.
 
     Raises:
-        PlanError: the file is missing or is not well-formed YAML (with line and column).
+        PlanError: the file is missing, unreadable, binary, not UTF-8 or not well-formed YAML (with
+            line and column).
     """
     path = Path(path)
-    if not path.is_file():
+    if not path.is_file() and not path.is_dir():
         raise PlanError(path, [f"file not found; write one with `elixir-tune search --out {path}`"])
     try:
-        return yaml.safe_load(path.read_text())
-    except yaml.MarkedYAMLError as error:
-        mark = error.problem_mark
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
-        return_problem = f"YAML syntax error at {where}: {error.problem}"
-        raise PlanError(path, [return_problem]) from None
-    except yaml.YAMLError as error:
-        raise PlanError(path, [f"YAML error: {error}"]) from None
+        return load_yaml(path, "plan")
+    except InputFileError as error:
+        raise PlanError(path, [error.problem]) from None
 
 
 def plan_from_dict(raw: dict) -> Plan:

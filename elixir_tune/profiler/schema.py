@@ -15,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from elixir_tune.files import InputFileError, load_yaml_mapping, problem
 from elixir_tune.plan.capabilities import layout_reasons_of_type
 from elixir_tune.plan.fields import NonNegativeFloat, NonNegativeInt, PositiveInt, build, check_fields
 from elixir_tune.plan.schema import Dtype, ForeignRead, LayoutName
@@ -215,16 +216,27 @@ def load_profile(path: str | Path) -> ModelProfile:
 
     Raises:
         FileNotFoundError: no such file (run `elixir-tune profile MODEL` first).
-        ValueError: the file is not a profile of this version.
+        InputFileError: (a ValueError) the file is unreadable, not YAML, truncated or not a profile of
+            this version; one line naming the file and the first problem.
     """
     path = Path(path)
-    if not path.is_file():
+    if not path.is_file() and not path.is_dir():
         raise FileNotFoundError(f"{path}: no profile; run `elixir-tune profile MODEL --out {path}` first")
-    raw = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-    if not isinstance(raw, dict) or raw.get("version") != PROFILE_VERSION:
-        raise ValueError(f"{path}: not a version-{PROFILE_VERSION} profile; run `elixir-tune profile` again")
+    hint = "run `elixir-tune profile MODEL` again to rewrite it"
+    raw = load_yaml_mapping(path, "profile", hint)
+    if "version" not in raw:
+        raise InputFileError(path, "not a profile: it has no version field (a truncated or different file)", hint)
+    if raw["version"] != PROFILE_VERSION:
+        raise InputFileError(
+            path, f"profile version {raw['version']!r}; this elixir-tune reads version {PROFILE_VERSION}", hint
+        )
     problems = profile_problems(raw)
     if problems:
-        listed = "".join(f"\n  - {problem}" for problem in problems)
-        raise ValueError(f"{path}: {len(problems)} problem(s){listed}\nrun `elixir-tune profile` again to rewrite it")
+        missing = [
+            f.name
+            for f in dataclasses.fields(ModelProfile)
+            if f.name not in raw and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
+        kind = f"profile (incomplete, truncated?: {len(missing)} required field(s) missing)" if missing else "profile"
+        raise problem(path, problems, kind, hint)
     return build(ModelProfile, raw)

@@ -60,7 +60,10 @@ def test_help_lists_options_and_example():
     assert code == 0
     for option in ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--max-restarts", "--dry-run"):
         assert option in output
+    for option in ("--rdzv-timeout", "--collective-timeout", "--force"):
+        assert option in output
     assert "elixir-run plan.yaml scripts/train_gpt2.py" in output
+    assert "elixir-run --rdzv-timeout 120 --collective-timeout 600 plan.yaml train.py" in output
 
 
 def test_help_through_the_console_script():
@@ -83,6 +86,9 @@ def test_dry_run_prints_checks_and_the_exact_command(out_dir):
         "--standalone",
         "--max-restarts=1",
         "--monitor-interval=0.5",
+        # the bootstrap that ties each worker to elixir-run, then runs the script
+        "-m",
+        "elixir_tune.launcher.worker_main",
         str(WORKER),
         "--out",
         str(out_dir),

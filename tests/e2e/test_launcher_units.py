@@ -244,3 +244,71 @@ def test_launcher_imports_no_cli_click_rich_or_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]"
+
+
+def test_bootstrap_starts_the_script_or_module_through_worker_main():
+    from torch.distributed.run import parse_args
+
+    script = compose_torchrun_argv(LaunchSpec(nproc_per_node=2, script="train.py", bootstrap=True))
+    assert script[-3:] == ["-m", "elixir_tune.launcher.worker_main", "train.py"]
+    module = compose_torchrun_argv(
+        LaunchSpec(nproc_per_node=2, script="pkg.train", bootstrap=True, torchrun_options=["-m"])
+    )
+    args = parse_args(module)
+    assert (args.module, args.training_script, args.training_script_args) == (
+        True,
+        "elixir_tune.launcher.worker_main",
+        ["-m", "pkg.train"],
+    )
+    # an executable (--no-python) cannot be bootstrapped: it is started as it is
+    binary = compose_torchrun_argv(
+        LaunchSpec(nproc_per_node=2, script="./a.out", bootstrap=True, torchrun_options=["--no-python"])
+    )
+    assert binary[-2:] == ["--no-python", "./a.out"]
+
+
+def test_rdzv_timeout_becomes_join_timeout_unless_the_user_set_one():
+    def conf(options):
+        spec = LaunchSpec(
+            nproc_per_node=1, script="t.py", nnodes=2, rdzv_endpoint="h:1", rdzv_timeout_s=30, torchrun_options=options
+        )
+        from torch.distributed.run import parse_args
+
+        return parse_args(compose_torchrun_argv(spec)).rdzv_conf
+
+    assert conf([]) == "join_timeout=30"
+    assert conf(["--rdzv-conf", "read_timeout=9"]) == "read_timeout=9,join_timeout=30"
+    assert conf(["--rdzv-conf=join_timeout=5"]) == "join_timeout=5"
+
+
+def test_the_engine_reads_the_timeout_elixir_run_exports(monkeypatch):
+    from elixir_tune.engine import comm
+    from elixir_tune.launcher.env import COLLECTIVE_TIMEOUT_ENV
+
+    assert comm.COLLECTIVE_TIMEOUT_ENV == COLLECTIVE_TIMEOUT_ENV
+    monkeypatch.setenv(COLLECTIVE_TIMEOUT_ENV, "12.5")
+    assert comm.collective_timeout_s() == 12.5
+    monkeypatch.delenv(COLLECTIVE_TIMEOUT_ENV)
+    assert comm.collective_timeout_s() == comm.DEFAULT_COLLECTIVE_TIMEOUT_S == 300
+    monkeypatch.setenv(COLLECTIVE_TIMEOUT_ENV, "soon")
+    with pytest.raises(ValueError, match="positive number of seconds"):
+        comm.collective_timeout_s()
+
+
+def test_worker_main_runs_a_script_as_main_with_its_arguments(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "s.py"
+    script.write_text(
+        "import os, sys\nprint(__name__, sys.argv, sys.path[0] == os.path.dirname(os.path.abspath(__file__)))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "elixir_tune.launcher.worker_main", str(script), "--x", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"__main__ {[str(script), '--x', '1']} True"
+    assert "RuntimeWarning" not in result.stderr

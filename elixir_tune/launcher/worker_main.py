@@ -1,0 +1,101 @@
+"""The first code of every worker elixir-run starts: ties the worker's life to elixir-run, then runs
+the user's script as ``python script.py`` would.
+
+    python -m elixir_tune.launcher.worker_main SCRIPT [SCRIPT_ARGS...]
+    python -m elixir_tune.launcher.worker_main -m MODULE [ARGS...]
+
+elixir-run runs torchrun's agent in its own process, so the workers are its children. Before the
+script runs, each worker asks Linux to SIGKILL it when that parent dies (``PR_SET_PDEATHSIG``):
+a ``kill -9`` of elixir-run, which no handler can see, then ends every worker at once instead of
+leaving them training and saving without a launcher. Where prctl does not exist, a thread polls
+the parent instead. The worker also writes its pid (for elixir-run's watchdog) and, if the script
+raises, the exception's last line (for elixir-run's failure report) into ``$ELIXIR_TUNE_RUN_DIR``.
+Imports no torch: the script's own imports come first. The launcher package does not import this
+module (python -m would warn that it was imported before it ran).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import runpy
+import signal
+import sys
+import threading
+import time
+
+from elixir_tune.launcher.env import LAUNCHER_PID_ENV, RUN_DIR_ENV
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(launcher_pid: int) -> str:
+    """Makes this process end when its parent (elixir-run) ends.
+
+    Args:
+        launcher_pid: elixir-run's pid, as it exported it; 0 when unknown.
+
+    Returns:
+        How: ``prctl`` or ``poll``.
+    """
+    how = "poll"
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0:
+                how = "prctl"
+        except (OSError, AttributeError):
+            pass
+    # The parent may have died between our fork and the prctl call: then nothing would fire.
+    if launcher_pid and os.getppid() != launcher_pid:
+        os._exit(128 + signal.SIGKILL)
+    if how == "poll":
+        parent = os.getppid()
+
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(1.0)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=watch, name="elixir-parent-watch", daemon=True).start()
+    return how
+
+
+def _write(run_dir: str, name: str, text: str) -> None:
+    try:
+        with open(os.path.join(run_dir, name), "w") as file:
+            file.write(text)
+    except OSError:
+        pass  # the report is a courtesy; the job must not fail for it
+
+
+def main(argv: list[str]) -> None:
+    """Runs the script (``argv[0]``) or module (``-m NAME``) with the rest as its arguments."""
+    if not argv or argv[:1] == ["-m"] and len(argv) < 2:
+        sys.exit("usage: python -m elixir_tune.launcher.worker_main (SCRIPT | -m MODULE) [ARGS...]")
+    die_with_parent(int(os.environ.get(LAUNCHER_PID_ENV, "0") or 0))
+    run_dir = os.environ.get(RUN_DIR_ENV, "")
+    rank = os.environ.get("RANK", "0")
+    if run_dir:
+        _write(run_dir, f"rank{rank}.pid", str(os.getpid()))
+    try:
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            script = argv[0]
+            sys.argv = list(argv)
+            # As `python script.py`: the script's directory first on the path, not ours.
+            sys.path[0] = os.path.dirname(os.path.abspath(script))
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit:
+        raise
+    except BaseException as error:
+        if run_dir:
+            text = str(error).strip().splitlines()
+            _write(run_dir, f"rank{rank}.error", f"{type(error).__name__}: {text[-1] if text else ''}".strip())
+        raise
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
