@@ -191,27 +191,26 @@ def prepare(model: nn.Module, plan: Plan, stage: int) -> tuple[StageAdapter, Sta
 
 
 class VirtualStage(nn.Module):
-    """One virtual stage's forward: [embeddings], its blocks, [final norm and head] (the model's own modules)."""
+    """One virtual stage's forward: [embeddings], its blocks, [final norm and head], through the model's own
+    forward (``StageAdapter.run``); ``micro_batch`` (the schedule passes it to every stage) picks the
+    micro-batch's padding mask, which every rank of the pipeline has (it was fed the same micro-batches)."""
 
-    def __init__(self, adapter: StageAdapter, blocks: list[int], first: bool, last: bool):
+    def __init__(
+        self, adapter: StageAdapter, blocks: list[int], first: bool, last: bool, masks: Callable[[], Sequence[Any]]
+    ):
         super().__init__()
         self.adapter = adapter  # not a module: the model's modules stay registered in the model only
         self.block_indices = blocks
         self.first, self.last = first, last
+        self.masks = masks
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        adapter = self.adapter
-        if self.first:
-            hidden = adapter.embed(hidden)
-        context = adapter.context(hidden)
-        for index in self.block_indices:
-            hidden = adapter.block(adapter.blocks[index], hidden, context)
-        if self.last:
-            hidden = adapter.head(hidden)
-        return hidden
+    def forward(self, inputs: torch.Tensor, micro_batch: torch.Tensor) -> torch.Tensor:
+        mask = self.masks()[int(micro_batch.reshape(-1)[0])]
+        return self.adapter.run(inputs, self.block_indices, self.first, self.last, mask)
 
 
 LossFn = Callable[[Any, dict], torch.Tensor]
+MAX_SCHEDULES = 8  # schedules kept, one per (micro-batch count, padded input shape)
 
 
 class Pipeline:
@@ -238,6 +237,7 @@ class Pipeline:
         self.mine = [i for i, (stage, _) in enumerate(layout.virtual) if stage == self.stage]
         self._schedules: dict[tuple, Any] = {}
         self._batches: Sequence[dict] = ()
+        self._masks: list[torch.Tensor | None] = []  # the step's padding masks, one per micro-batch
         self._loss_fn: LossFn | None = None
         self._scale: Any = 1.0
         # Shared (tied) chunks: one group per set of stages sharing chunks, at this data/tensor index.
@@ -330,6 +330,8 @@ class Pipeline:
         key = (count, input_shape)
         if key in self._schedules:
             return self._schedules[key]
+        if len(self._schedules) >= MAX_SCHEDULES:  # steps of many lengths: drop the oldest shape's
+            del self._schedules[next(iter(self._schedules))]
         torch_pipelining = pipelining()
         engine = self.engine
         device = engine.device
@@ -345,7 +347,7 @@ class Pipeline:
         last = len(virtual) - 1
         stages = []
         for index in self.mine:
-            module = VirtualStage(self.adapter, virtual[index][1], index == 0, index == last)
+            module = VirtualStage(self.adapter, virtual[index][1], index == 0, index == last, lambda: self._masks)
             stages.append(
                 torch_pipelining.PipelineStage(
                     module,
@@ -368,8 +370,10 @@ class Pipeline:
         return schedule
 
     def _stage_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The schedule's loss: ``target`` is the micro-batch's index, the loss the model's (or loss_fn's)."""
+        """The schedule's loss: ``target`` is the micro-batch's index, the loss the model's (or loss_fn's) on
+        the micro-batch's own length (a shorter one was padded at the end to the step's longest)."""
         batch = self._batches[int(target.reshape(-1)[0])]
+        logits = logits[:, : batch["input_ids"].shape[1]]
         labels = batch.get("labels")
         output = SimpleNamespace(
             logits=logits, loss=self.adapter.loss(logits, labels.to(logits.device)) if labels is not None else None
@@ -384,47 +388,71 @@ class Pipeline:
             loss = output.loss
         return loss * self._scale
 
-    def forward_backward(self, micro_batches: Sequence[dict], loss_fn: LossFn | None) -> torch.Tensor:
-        """All micro-batches of a step through the pipeline; the mean loss on every rank."""
-        shapes = {tuple(batch["input_ids"].shape) if "input_ids" in batch else None for batch in micro_batches}
-        if None in shapes or len(shapes) != 1:
+    def _step_inputs(self, micro_batches: Sequence[dict], loss_fn: LossFn | None) -> tuple[torch.Tensor, list]:
+        """The step's ``input_ids`` (micro-batches one after the other, each padded at the end to the longest)
+        and each micro-batch's padding mask (None for all when none has one and all have one length)."""
+        shapes = [tuple(batch["input_ids"].shape) if "input_ids" in batch else None for batch in micro_batches]
+        if None in shapes or any(len(shape) != 2 for shape in shapes if shape) or len({s[0] for s in shapes if s}) != 1:
             raise ValueError(
-                "a pipeline plan's micro-batches each need input_ids, all of the same shape (the stages exchange "
-                f"fixed-shape activations); got shapes {sorted(map(str, shapes))}"
+                "a pipeline plan's micro-batches each need input_ids of shape (batch, length), the same batch size "
+                f"in all (the stages exchange activations of one shape); got shapes {[str(s) for s in shapes]}"
             )
-        extra = sorted({key for batch in micro_batches for key in batch} - {"input_ids", "labels"})
+        extra = sorted({key for batch in micro_batches for key in batch} - {"input_ids", "labels", "attention_mask"})
         if extra and loss_fn is None:
             raise ValueError(
-                f"a pipeline plan feeds only input_ids to the model (causal mask, positions 0..n-1); the micro-batches "
-                f"also have {extra}: drop them, or read them in forward_backward(..., loss_fn=...)"
+                f"a pipeline plan feeds input_ids and attention_mask to the model; the micro-batches also have "
+                f"{extra}: drop them, or read them in forward_backward(..., loss_fn=...)"
             )
+        for index, batch in enumerate(micro_batches):
+            mask = batch.get("attention_mask")
+            if mask is not None and tuple(mask.shape) != tuple(batch["input_ids"].shape):
+                raise ValueError(
+                    f"micro-batch {index}: attention_mask has shape {tuple(mask.shape)}, input_ids "
+                    f"{tuple(batch['input_ids'].shape)}; a padding mask has one entry per token"
+                )
+        longest = max(shape[1] for shape in shapes if shape)
+        padded = any(shape[1] != longest for shape in shapes if shape)
+        device = self.engine.device
+        ids, masks = [], []
+        for batch in micro_batches:
+            batch_ids = batch["input_ids"].to(device)
+            mask = batch.get("attention_mask")
+            if mask is None and padded:
+                mask = torch.ones_like(batch_ids)
+            pad = longest - batch_ids.shape[1]
+            ids.append(torch.nn.functional.pad(batch_ids, (0, pad)) if pad else batch_ids)
+            # The padded tail is masked: no real token attends to it, and its logits are cut off before the loss.
+            masks.append(None if mask is None else torch.nn.functional.pad(mask.to(device), (0, pad)))
+        return torch.cat(ids), masks
+
+    def forward_backward(self, micro_batches: Sequence[dict], loss_fn: LossFn | None) -> torch.Tensor:
+        """All micro-batches of a step through the pipeline; the mean loss on every rank."""
+        ids, masks = self._step_inputs(micro_batches, loss_fn)
         engine = self.engine
         count = len(micro_batches)
-        input_shape = shapes.pop()
-        assert input_shape is not None
-        schedule = self._schedule(count, input_shape)
-        self._batches, self._loss_fn = micro_batches, loss_fn
+        schedule = self._schedule(count, (ids.shape[0] // count, ids.shape[1]))
+        self._batches, self._loss_fn, self._masks = micro_batches, loss_fn, masks
         self._scale = engine.loss_scale() / count
         before = [chunk.grad.clone() for chunk, _ in self.shared]
         engine.begin_forward()
         losses: list[torch.Tensor] = []
-        args: tuple[torch.Tensor, ...] = ()
-        if 0 in self.mine:
-            args = (torch.cat([batch["input_ids"] for batch in micro_batches]).to(engine.device),)
+        args: tuple[torch.Tensor, ...] = (ids,) if 0 in self.mine else ()
+        # Every stage gets the micro-batch's index (to find its padding mask); the schedule splits it.
+        index = torch.arange(count, device=engine.device)
         training = torch.is_grad_enabled()
         # No-sync: every parameter's gradient is reduced over the data group once per step (after its
         # last micro-batch's backward), not after each of the schedule's backward passes.
         engine.hold_grads(count if training else 1)
         try:
             if training:
-                schedule.step(*args, target=torch.arange(count), losses=losses, return_outputs=False)
+                schedule.step(*args, target=torch.arange(count), losses=losses, return_outputs=False, micro_batch=index)
             else:  # evaluation: forwards only, the same losses
-                schedule.eval(*args, target=torch.arange(count), losses=losses)
+                schedule.eval(*args, target=torch.arange(count), losses=losses, micro_batch=index)
         except BaseException:
             engine.end_held_grads(flush=False)
             raise
         finally:
-            self._batches, self._loss_fn = (), None
+            self._batches, self._loss_fn, self._masks = (), None, []
             self._held.clear()  # the engine stages (or drops) what is left, without hooks
             self._held_now = 0
         engine.end_held_grads()

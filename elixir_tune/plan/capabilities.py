@@ -3,8 +3,9 @@
 One place answers both questions (docs/DESIGN.md section 8.2), so that the profiler, the search,
 ``validate``, ``elixir-run``'s checks and the engine agree:
 
-* **layouts**: pipeline stages need a stage adapter for the model's family
-  (``engine/pipeline_adapters.py``), tensor parallelism a layout table (``plan/tensor_layout.py``)
+* **layouts**: pipeline stages need a stage plan for the model (``elixir_tune/stage_plans.py``:
+  transformers' ``config.base_model_pp_plan``, or our table for GPT-2 and OPT; the profiler, which
+  has the model, records the answer), tensor parallelism a layout table (``plan/tensor_layout.py``)
   and the engine's parallel plan for that family (``engine/tp_adapters.py``); both run transformers
   causal LMs only. ``unsupported_layouts`` gives, per layout the model cannot use, the reason; the
   profiler records it, the plan carries it, the search never offers those layouts and ``validate``
@@ -27,8 +28,16 @@ from typing import get_args
 from elixir_tune.plan.schema import LOOPS, LayoutName, Plan
 from elixir_tune.plan.tensor_layout import supported_model_types
 
-# The families engine/pipeline_adapters.py has a stage adapter for (a unit test keeps the two equal).
-PIPELINE_MODEL_TYPES: tuple[str, ...] = ("gpt2", "llama", "mistral", "opt", "qwen2")
+# Families whose causal LMs run on pipeline stages (stage_plans.py: transformers' base_model_pp_plan,
+# or our table for gpt2 and opt), each tested against plain PyTorch. A profile records the answer for
+# its own model (``pipeline_problem``); this list answers for records made before it did, and a unit
+# test builds each family and checks stage_plans.py accepts it.
+PIPELINE_MODEL_TYPES: tuple[str, ...] = (
+    "deepseek_v3", "gemma2", "gpt2", "gpt_neox", "gptj", "granite", "llama", "mistral", "mixtral", "olmo2", "opt",
+    "phi3", "qwen2", "qwen3", "qwen3_moe",
+)  # fmt: skip
+# ``unsupported_layouts(pipeline_problem=...)`` left out: the family list above decides.
+FROM_FAMILY = "from the family"
 LAYOUTS: tuple[str, ...] = get_args(LayoutName)
 __all__ = ["LAYOUTS", "LOOPS", "LOOP_CONTRACT", "PIPELINE_MODEL_TYPES"]
 
@@ -40,22 +49,30 @@ LOOP_CONTRACT = {
 }
 
 
-def unsupported_layouts(model_type: str, is_causal_lm: bool) -> dict[str, str]:
+def unsupported_layouts(
+    model_type: str, is_causal_lm: bool, pipeline_problem: str | None = FROM_FAMILY
+) -> dict[str, str]:
     """The layouts the engine cannot run for a model, each with the reason.
 
     Args:
         model_type: the model's family (a transformers ``config.model_type``; "" for other models).
         is_causal_lm: the model is a transformers causal LM (it has an ``lm_head``).
+        pipeline_problem: why the model itself cannot run pipeline stages (``stage_plans.pipeline_problem``,
+            None: it can), as the profiler finds it on the model; left out, ``PIPELINE_MODEL_TYPES`` decides.
 
     Returns:
         ``{"pipeline": why, "tensor": why}`` for those it cannot run (empty when it runs both).
     """
     what = f"model type {model_type!r}" if model_type else "a model without a transformers config"
     reasons: dict[str, str] = {}
-    if model_type not in PIPELINE_MODEL_TYPES:
+    if pipeline_problem != FROM_FAMILY:
+        if pipeline_problem is not None:
+            reasons["pipeline"] = pipeline_problem
+    elif model_type not in PIPELINE_MODEL_TYPES:
         reasons["pipeline"] = (
-            f"{what} has no pipeline stage adapter (stages run transformers causal LMs of the families "
-            f"{', '.join(PIPELINE_MODEL_TYPES)})"
+            f"{what} has no pipeline plan known to run (stages run transformers causal LMs of the families "
+            f"{', '.join(PIPELINE_MODEL_TYPES)}, and of other families whose base_model_pp_plan the profile "
+            "accepted)"
         )
     elif not is_causal_lm:
         reasons["pipeline"] = f"pipeline stages run {model_type} causal LMs (with an lm_head) only"

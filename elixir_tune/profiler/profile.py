@@ -29,6 +29,7 @@ from elixir_tune.profiler.meter import LiveMemoryMeter, MetaOpCache
 from elixir_tune.profiler.schema import ActivationLine, BlockInfo, ModelProfile, ParamInfo
 from elixir_tune.profiler.source import ModelSource, ModelSourceError, load_model_source, quiet_transformers
 from elixir_tune.profiler.trace import FORWARD, AccessRecorder, BlockStats, Step, ordered_trace
+from elixir_tune.stage_plans import pipeline_problem
 from elixir_tune.units import gib
 
 CHECKPOINTING = ("none", "all")
@@ -165,7 +166,10 @@ def profile_model(
         buffers_bytes=buffers_bytes,
         arch=arch,
         unsupported_layouts=cast(
-            "dict[LayoutName, str]", unsupported_layouts(arch.model_type, is_causal_lm=hasattr(model, "lm_head"))
+            "dict[LayoutName, str]",
+            unsupported_layouts(
+                arch.model_type, is_causal_lm=hasattr(model, "lm_head"), pipeline_problem=pipeline_problem(model)
+            ),
         ),
         foreign_reads=_foreign_reads(model, [*plain, *ckpt], [named[pos][0] for pos in order], new_index),
     )

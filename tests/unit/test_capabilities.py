@@ -29,6 +29,7 @@ FAMILIES = {
                  "vocab_size": 128},
     "opt": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "ffn_dim": 64, "vocab_size": 128,
             "word_embed_proj_dim": 32},
+    "falcon": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "vocab_size": 128},
 }  # fmt: skip
 
 
@@ -50,29 +51,58 @@ def profiles(tmp_path_factory) -> dict:
 
 
 def test_the_lists_are_the_engines():
-    from elixir_tune.engine.pipeline_adapters import ADAPTERS
     from elixir_tune.engine.tp_adapters import FAMILY_PLANS
 
-    assert set(PIPELINE_MODEL_TYPES) == set(ADAPTERS)
     assert set(supported_model_types()) == set(FAMILY_PLANS)
+
+
+def test_the_pipeline_families_are_those_whose_stage_plan_the_engine_accepts():
+    """The torch-free fallback list equals the families of stage_families.py whose tiny causal LM
+    stage_plans.py accepts (the profile's record and the engine's check); the others are refused
+    with the reason. Our own tables cover only families that ship no plan."""
+    from elixir_tune.profiler.source import quiet_transformers
+    from elixir_tune.stage_plans import HAND_PLANS, pipeline_problem, resolve_stage_plan
+    from tests.unit.models import stage_families
+
+    accepted, sources = set(), {}
+    for family in stage_families.FAMILIES:
+        with quiet_transformers():
+            model = stage_families.build(family, meta=True)
+        problem = pipeline_problem(model)
+        if problem is None:
+            accepted.add(family)
+            sources[family] = resolve_stage_plan(model).source  # type: ignore[union-attr]
+        else:
+            assert problem.startswith(f"model type {family!r} has no pipeline plan"), problem
+    assert accepted == set(PIPELINE_MODEL_TYPES)
+    assert {f for f, source in sources.items() if source == "elixir-tune table"} == set(HAND_PLANS) == {"gpt2", "opt"}
+    with quiet_transformers():
+        moe = stage_families.build("mixtral", meta=True)
+    moe.config.output_router_logits = True
+    assert "auxiliary loss (config.output_router_logits)" in str(pipeline_problem(moe))
 
 
 def test_reasons_name_the_model_and_what_runs():
     assert unsupported_layouts("llama", is_causal_lm=True) == {}
     assert set(unsupported_layouts("opt", is_causal_lm=True)) == {"tensor"}
     reasons = unsupported_layouts("t5", is_causal_lm=False)
-    assert "model type 't5' has no pipeline stage adapter" in reasons["pipeline"]
+    assert "model type 't5' has no pipeline plan known to run" in reasons["pipeline"]
     assert "model type 't5' has no tensor layout table" in reasons["tensor"]
     assert "causal LMs (with an lm_head) only" in unsupported_layouts("gpt2", is_causal_lm=False)["pipeline"]
     assert "without a transformers config" in unsupported_layouts("", is_causal_lm=False)["tensor"]
+    # What the profiler found on the model wins over the family list.
+    assert "pipeline" not in unsupported_layouts("glm4", is_causal_lm=True, pipeline_problem=None)
+    assert unsupported_layouts("llama", is_causal_lm=True, pipeline_problem="why")["pipeline"] == "why"
 
 
 def test_the_profile_records_what_the_engine_runs(profiles):
     assert profiles["gpt2"].unsupported_layouts == {}
     assert profiles["qwen2"].unsupported_layouts == {}
     assert set(profiles["opt"].unsupported_layouts) == {"tensor"}
-    for family in ("qwen3", "gpt_neox", "t5", "mlp"):
-        assert set(profiles[family].unsupported_layouts) == {"pipeline", "tensor"}, family
+    for family in ("qwen3", "gpt_neox"):  # transformers' base_model_pp_plan
+        assert "pipeline" not in profiles[family].layout_reasons(), family
+    for family in ("falcon", "t5", "mlp"):
+        assert "has no pipeline plan" in profiles[family].layout_reasons()["pipeline"], family
 
 
 @pytest.mark.parametrize("family", [*FAMILIES, "t5", "mlp"])
@@ -98,8 +128,9 @@ def test_forward_backward_plans_use_only_layouts_the_model_runs(profiles, family
 @pytest.mark.parametrize("pin", ["pipeline=2", "tensor=2"])
 def test_a_pinned_layout_the_model_cannot_run_is_refused_with_the_reason(profiles, pin):
     hardware = load_hardware("cpu")
-    with pytest.raises(ValueError, match=f"--fix {pin}: not possible for qwen3-tiny: model type 'qwen3' has no"):
-        search(profiles["qwen3"], hardware, gpus_per_node=2, global_batch_size=8, fixed=[pin], loop="forward_backward")
+    family = "falcon" if pin == "pipeline=2" else "qwen3"
+    with pytest.raises(ValueError, match=f"--fix {pin}: not possible for {family}-tiny: model type '{family}' has no"):
+        search(profiles[family], hardware, gpus_per_node=2, global_batch_size=8, fixed=[pin], loop="forward_backward")
 
 
 @pytest.mark.parametrize("pin", ["pipeline=2", "tensor=2", "accumulation=layered"])
@@ -141,8 +172,8 @@ def test_validate_refuses_a_layout_the_model_cannot_run(profiles, tmp_path):
         "here; set it to 1 (search again without --fix pipeline=2)"
     ]
     raw["model"]["unsupported_layouts"] = {}
-    raw["model"]["model_type"] = "qwen3"  # an older plan without the record: its family decides
-    assert "model type 'qwen3' has no pipeline stage adapter" in " ".join(validate_dict(raw))
+    raw["model"]["model_type"] = "falcon"  # an older plan without the record: its family decides
+    assert "model type 'falcon' has no pipeline plan known to run" in " ".join(validate_dict(raw))
 
 
 def _saved(raw: dict, tmp_path: Path) -> Path:
