@@ -373,7 +373,9 @@ class Pipeline:
         """The schedule's loss: ``target`` is the micro-batch's index, the loss the model's (or loss_fn's) on
         the micro-batch's own length (a shorter one was padded at the end to the step's longest)."""
         batch = self._batches[int(target.reshape(-1)[0])]
-        logits = logits[:, : batch["input_ids"].shape[1]]
+        length = batch["input_ids"].shape[1]
+        if length < logits.shape[1]:  # the loss views the logits flat
+            logits = logits[:, :length].contiguous()
         labels = batch.get("labels")
         output = SimpleNamespace(
             logits=logits, loss=self.adapter.loss(logits, labels.to(logits.device)) if labels is not None else None

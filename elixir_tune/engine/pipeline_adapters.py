@@ -120,7 +120,7 @@ class StageAdapter:
         stand_ins: list[nn.Module] = [_Entry(inputs) for _ in range(start)]
         stand_ins += [self.blocks[i] for i in block_indices]
         stand_ins += [_Exit() for _ in range(end + 1, count)]
-        swapped = {self.stage_plan.blocks: nn.ModuleList(stand_ins)}
+        swapped: dict[str, nn.Module] = {self.stage_plan.blocks: nn.ModuleList(stand_ins)}
         if not first:
             swapped.update({name: _Zero() for name in self._weighted_first})
         originals = {name: self.body._modules[name] for name in swapped}
