@@ -83,8 +83,9 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
         model, opt = build(case["family"])
         stage_plan = resolve_stage_plan(model)
         assert not isinstance(stage_plan, str), stage_plan
+        chunk_size = max(4096, max(p.numel() for p in model.parameters()))  # the fused experts' tensors
         plan = make_plan(
-            model, world, 4096, block_list=stage_plan.block_list, micro_batch_size=MICRO, grad_accum_steps=ACCUM,
+            model, world, chunk_size, block_list=stage_plan.block_list, micro_batch_size=MICRO, grad_accum_steps=ACCUM,
             seq_len=SEQ, stages=2,
         )  # fmt: skip
         model, opt = elixir_tune.setup(model, opt, plan=plan)
