@@ -6,7 +6,9 @@ block 0 and block 2 with the head; stage 1 block 1 between them), trained throug
 Each case is a dict: ``family``, ``steps``, and ``padded``: the micro-batches then have different
 lengths and padding masks (the pipeline pads them at the end to the step's longest and cuts the logits
 back before the loss); the reference runs each micro-batch unpadded, its loss over the count, as a
-plain accumulation loop does. Without ``padded`` the reference is one forward of the global batch.
+plain accumulation loop does. Without ``padded`` the reference is one forward of the global batch, or
+with ``reference``: ``micro`` the same micro-batch loop, ``reversed`` that loop with the backwards in
+reverse (the pipeline's order of summing each gradient).
 
 Rank 0 also trains the plain-PyTorch reference (fp32) and reports the largest differences of the
 losses and the weights (``model.state_dict()`` merges every stage's weights onto it).
@@ -60,15 +62,22 @@ def step_batches(case: dict) -> list[list[dict]]:
     return steps
 
 
-def plain_micro_training(model, opt, steps: list[list[dict]]) -> dict:
-    """Plain PyTorch, micro-batch by micro-batch (each unpadded), the mean loss over the micro-batches."""
+def plain_micro_training(model, opt, steps: list[list[dict]], reverse: bool = False) -> dict:
+    """Plain PyTorch, micro-batch by micro-batch (each unpadded), the mean loss over the micro-batches;
+    ``reverse``: every forward first, then the backwards from the last micro-batch to the first, the
+    order in which the looped breadth-first schedule sums each parameter's gradient."""
     losses = []
     for micro in steps:
         total = 0.0
+        micro_losses = []
         for batch in micro:
             loss = model(**batch).loss / len(micro)
-            loss.backward()
+            if not reverse:
+                loss.backward()
+            micro_losses.append(loss)
             total += float(loss.detach())
+        for loss in reversed(micro_losses) if reverse else ():
+            loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(total)
@@ -109,8 +118,9 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
     if rank == 0:
         with quiet_transformers():
             reference_model, reference_opt = build(case["family"])
-            if case.get("padded"):
-                reference = plain_micro_training(reference_model, reference_opt, steps)
+            if case.get("padded") or case.get("reference") in ("micro", "reversed"):
+                reverse = case.get("reference") == "reversed"
+                reference = plain_micro_training(reference_model, reference_opt, steps, reverse)
             else:
                 whole = [{key: torch.cat([b[key] for b in micro]) for key in micro[0]} for micro in steps]
                 reference = plain_training(reference_model, reference_opt, whole)
