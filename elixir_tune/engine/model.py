@@ -57,8 +57,9 @@ class ElixirModel(torch.nn.Module):
         shards afterwards, ready for ``optimizer.clip_grad_norm`` and ``optimizer.step``. On a
         pipeline plan (``parallel.pipeline.stages`` > 1) the plan's pipeline schedule runs them
         through the stages (engine/pipeline.py): every rank passes the micro-batches of its data
-        index (``input_ids`` of one shape, and ``labels``) and gets the mean loss; ``loss_fn``
-        then sees an output with ``logits`` and ``loss``.
+        index (``input_ids`` of one batch size, an optional ``attention_mask``, and ``labels``;
+        lengths may differ) and gets the mean loss; ``loss_fn`` then sees an output with ``logits``
+        (at the micro-batch's length) and ``loss``.
 
         Args:
             micro_batches: one dict of keyword arguments of the model per micro-batch.
