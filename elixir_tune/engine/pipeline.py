@@ -518,7 +518,7 @@ def build_engine(model: nn.Module, plan: Plan, mesh: Mesh, source: WeightSource 
     """This rank's chunk engine for a pipeline plan, with its ``Pipeline`` attached (``engine.pipeline``).
 
     Raises:
-        ValueError: no stage adapter for the model, or the plan's stages do not match it.
+        ValueError: no stage plan for the model, or the plan's stages do not match it.
     """
     adapter, layout = prepare(model, plan, mesh.stage)
     engine = Engine(model, layout.plan, mesh.data, source, mesh, elsewhere=layout.elsewhere_tensors)

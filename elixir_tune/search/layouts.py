@@ -12,7 +12,7 @@ Rules (docs/DESIGN.md section 7.1):
 * the data degree world / (P x T) must divide the global batch;
 * pipeline and tensor parallelism one at a time: the engine does not compose the two yet;
 * only the layouts the engine can run for this model (``ModelProfile.layout_reasons``, from
-  ``plan/capabilities.py``): a family without a stage adapter gets no pipeline, one without a
+  ``plan/capabilities.py``): a model without a stage plan gets no pipeline, one without a
   tensor layout table no tensor parallelism, and a pin of either is refused with the reason.
 
 ``--fix pipeline=P``, ``--fix tensor=T`` and ``--fix tensor_mode=1d|2d`` pin them (checked here).
