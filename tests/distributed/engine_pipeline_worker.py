@@ -130,8 +130,8 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
                 model.forward_backward([local_micro(first, mesh.data_rank, data, accum, k) for k in range(accum)])
             )
         errors = {"call": _error(lambda: model(**micro_batches[0]))}
-        with_mask = [dict(b, attention_mask=torch.ones_like(b["input_ids"])) for b in micro_batches]
-        errors["extra_keys"] = _error(lambda: model.forward_backward(with_mask))
+        with_extra = [dict(b, token_type_ids=torch.zeros_like(b["input_ids"])) for b in micro_batches]
+        errors["extra_keys"] = _error(lambda: model.forward_backward(with_extra))
         errors["save_pretrained"] = _error(lambda: save_pretrained(model, "unused-directory"))
     full = model.state_dict()  # a collective: every rank calls it
     # No-sync's gradients held through a step: the engine's figure (its virtual stages and schedule),

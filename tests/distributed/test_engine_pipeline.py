@@ -128,5 +128,5 @@ def test_a_pipeline_model_is_called_through_forward_backward(world2):
     assert abs(first["eval_loss"] - first["ref_eval_loss"]) <= LOSS_REL * first["ref_eval_loss"]
     errors = first["errors"]
     assert "model.forward_backward(micro_batches)" in errors["call"]
-    assert "attention_mask" in errors["extra_keys"]
+    assert "token_type_ids" in errors["extra_keys"]
     assert "save_checkpoint" in errors["save_pretrained"]  # refused (not streamed per stage yet), not half-written
