@@ -35,7 +35,7 @@ from dataclasses import dataclass, fields, replace
 from typing import cast
 
 from elixir_tune.plan.schema import ParallelPlan, PipelineAssignment, TensorMode
-from elixir_tune.plan.stages import assign_stages, stage_of_block
+from elixir_tune.plan.stages import assign_stages, last_stage, stage_of_block
 from elixir_tune.plan.stages import virtual_stages as stage_runs
 from elixir_tune.plan.tensor_layout import local_shape, supported_model_types
 from elixir_tune.profiler.schema import ActivationLine, BlockInfo, ModelProfile
@@ -284,7 +284,7 @@ def _stage_params(profile: ModelProfile, layout: Layout, stage: int) -> list[int
     names = [p.name for p in params]
     stage_of = assign_stages(names, profile.block_list, len(profile.blocks), layout.pipeline, layout.assignment)
     in_block = {i for b in profile.blocks for i in range(b.first_param, b.first_param + b.num_params)}
-    last = layout.pipeline - 1
+    last = last_stage(len(profile.blocks), layout.pipeline, layout.assignment)
     return [
         i
         for i, p in enumerate(params)
@@ -297,7 +297,10 @@ def tied_params(profile: ModelProfile, layout: Layout) -> list[int]:
     if layout.pipeline <= 1:
         return []
     first = set(_stage_params(profile, layout, 0))
-    return [i for i in _stage_params(profile, layout, layout.pipeline - 1) if i in first]
+    last = last_stage(len(profile.blocks), layout.pipeline, layout.assignment)
+    if last == 0:  # both users on stage 0 (an uneven modular split): nothing to sum between stages
+        return []
+    return [i for i in _stage_params(profile, layout, last) if i in first]
 
 
 @dataclass
@@ -402,7 +405,7 @@ def rank_profile(profile: ModelProfile, layout: Layout, stage: int) -> ModelProf
         steps = [[new_index[i] for i in step if i in new_index] for step in trace]
         return [step for step in steps if step]
 
-    is_last = stage == layout.pipeline - 1
+    is_last = stage == last_stage(len(profile.blocks), layout.pipeline, layout.assignment)
     num_blocks = len(profile.blocks)
     mine = [
         b for b in profile.blocks if stage_of_block(b.index, num_blocks, layout.pipeline, layout.assignment) == stage
