@@ -2,7 +2,8 @@
 
 Run by ``engine_launch.py`` as N processes (gloo, CPU). Each case is a dict:
 
-    model: llama (grouped-query attention) | gpt2      tensor: tensor degree T (world = data x T)
+    model: llama (grouped-query attention) | gpt2 | zoo:NAME (a zoo model, tests/zoo/models.py, with
+        its batches)      tensor: tensor degree T (world = data x T)
     mode: 1d | 2d      sp: sequence parallelism (1d)    chunk_size, cache, offload (fraction)
     attn: the attention implementation (default sdpa; eager builds a per-sample mask)
     vocab_loss: the logits stay split by vocabulary, the loss runs under loss_parallel
@@ -34,7 +35,11 @@ META_SEED = 7
 def build(case: dict, materialize: bool = False):
     """The case's model and optimizer; ``meta`` cases build it on the meta device (``materialize``:
     then give it the initializer's values for META_SEED, what setup(seed=META_SEED) makes)."""
-    if case.get("meta"):
+    if case["model"].startswith("zoo:"):
+        from tests.zoo.models import build as build_zoo
+
+        model = build_zoo(case["model"].removeprefix("zoo:"))
+    elif case.get("meta"):
         with torch.device("meta"):
             model = tiny_llama_gqa() if case["model"] == "llama" else tiny_gpt2()
         if materialize:
@@ -48,11 +53,20 @@ def build(case: dict, materialize: bool = False):
 
 
 def block_list(case: dict) -> str:
+    if case["model"].startswith("zoo:"):
+        from elixir_tune.profiler.blocks import find_block_list
+
+        return find_block_list(build(case)[0])[0]
     return "model.layers" if case["model"] == "llama" else "transformer.h"
 
 
 def global_batches(case: dict, data: int) -> list[dict]:
-    return batches(case.get("steps", 10), case.get("micro", 2) * case.get("accum", 1) * data, SEQ)
+    size = case.get("micro", 2) * case.get("accum", 1) * data
+    if case["model"].startswith("zoo:"):
+        from tests.zoo.models import global_batches as zoo_batches
+
+        return zoo_batches(case["model"].removeprefix("zoo:"), case.get("steps", 10), size)
+    return batches(case.get("steps", 10), size, SEQ)
 
 
 def run_engine(case: dict, rank: int, world: int) -> dict:
@@ -82,7 +96,8 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
     mismatches = [
         (name, list(local_data(p).shape))
         for name, p in model.module.named_parameters()
-        if list(local_data(p).shape) != local_shape(name, list(p.shape), model_type, tensor, mode)
+        if list(local_data(p).shape)
+        != local_shape(name, list(p.shape), model_type, tensor, mode, plan.model.tensor_layout)
     ]
     accum = case.get("accum", 1)
     losses, norms = [], []
