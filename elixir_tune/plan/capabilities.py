@@ -68,7 +68,8 @@ def unsupported_layouts(model_type: str, is_causal_lm: bool, tensor_problem: str
     elif tensor_problem is None and model_type not in supported_model_types():
         reasons["tensor"] = (
             f"{what}: no tensor table is recorded for it (tensor parallelism needs a tensor plan for the "
-            "model's family: profile the model again to read its config.base_model_tp_plan)"
+            "model's family, read from its config.base_model_tp_plan when the model is profiled; built-in "
+            f"tables: {', '.join(supported_model_types())})"
         )
     elif not is_causal_lm:
         reasons["tensor"] = f"tensor parallelism runs {model_type} causal LMs (with an lm_head) only"
