@@ -4,10 +4,9 @@ enforces them; and the data slice a script takes (elixir_tune.data_rank / data_s
 
 from __future__ import annotations
 
-from unittest.mock import ANY
-
 import dataclasses
 from pathlib import Path
+from unittest.mock import ANY
 
 import pytest
 
