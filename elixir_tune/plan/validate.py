@@ -141,7 +141,8 @@ def _check_contract(parallel: dict, model: dict, training: dict, errors: list[st
     }
     model_type = model.get("model_type", "")
     # The profile's record when the plan carries it; the family's otherwise (a plan written before it).
-    table = model.get("tensor_layout") if isinstance(model.get("tensor_layout"), dict) else {}
+    recorded = model.get("tensor_layout")
+    table: dict[str, str] = recorded if isinstance(recorded, dict) else {}
     reasons = model.get("unsupported_layouts") or (layout_reasons_of_type(model_type, table) if model_type else {})
     unknown = unknown_styles(table)
     if unknown:
