@@ -37,7 +37,7 @@ from typing import cast
 from elixir_tune.plan.schema import ParallelPlan, PipelineAssignment, TensorMode
 from elixir_tune.plan.stages import assign_stages, last_stage, stage_of_block
 from elixir_tune.plan.stages import virtual_stages as stage_runs
-from elixir_tune.plan.tensor_layout import local_shape, supported_model_types
+from elixir_tune.plan.tensor_layout import has_table, local_shape
 from elixir_tune.profiler.schema import ActivationLine, BlockInfo, ModelProfile
 
 # Collectives per layer and micro-batch of 1D tensor parallelism with sequence parallelism: forward
@@ -247,11 +247,11 @@ def tensor_degrees(profile: ModelProfile, gpus_per_node: int) -> list[tuple[int,
     T divides the GPUs of a node (tensor traffic stays on the node's links), the attention heads
     and the key/value heads; 1D (with sequence parallelism) needs T to divide the sequence length,
     2D a square T of at least 4 (and, in the search, micro-batches that split over its q rows). Models whose family has no tensor
-    layout table (``plan/tensor_layout.py``), or whose profile has no head counts, get T = 1 only.
+    table (``plan/tensor_layout.py``), or whose profile has no head counts, get T = 1 only.
     """
     arch = profile.arch
     out: list[tuple[int, TensorMode]] = [(1, "1d")]
-    if arch.model_type not in supported_model_types() or not arch.num_heads:
+    if not has_table(arch.model_type, arch.tensor_layout) or not arch.num_heads:
         return out
     kv_heads = arch.num_kv_heads or arch.num_heads
     for degree in range(2, gpus_per_node + 1):
@@ -397,7 +397,7 @@ def rank_profile(profile: ModelProfile, layout: Layout, stage: int) -> ModelProf
     for old in keep:
         param = profile.params[old]
         if degree > 1:
-            shape = local_shape(param.name, list(param.shape), arch.model_type, degree, mode)
+            shape = local_shape(param.name, list(param.shape), arch.model_type, degree, mode, arch.tensor_layout)
             param = replace(param, shape=shape, numel=math.prod(shape))
         params.append(param)
 

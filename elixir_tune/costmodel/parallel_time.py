@@ -118,6 +118,7 @@ class ParallelTimes:
                         arch.model_type,
                         layout.tensor,
                         layout.tensor_mode,
+                        arch.tensor_layout,
                     )
                     if layout.tensor > 1
                     else full.params[i].shape
@@ -140,7 +141,11 @@ class ParallelTimes:
 
         def allreduce_s(indices) -> float:
             ring = 2 * (layout.tensor - 1) / layout.tensor  # all-reduce = reduce-scatter + all-gather
-            norms = [full.params[i] for i in indices if is_norm_param(full.params[i].name, full.arch.model_type)]
+            norms = [
+                full.params[i]
+                for i in indices
+                if is_norm_param(full.params[i].name, full.arch.model_type, full.arch.tensor_layout)
+            ]
             return sum(self.latency_s + p.numel * self.dtype_bytes * ring / self.intra_bps for p in norms)
 
         return allreduce_s(sorted(first_block)), allreduce_s(i for i in range(len(full.params)) if i not in in_blocks)

@@ -29,6 +29,7 @@ from elixir_tune.profiler.meter import LiveMemoryMeter, MetaOpCache
 from elixir_tune.profiler.schema import ActivationLine, BlockInfo, ModelProfile, ParamInfo
 from elixir_tune.profiler.source import ModelSource, ModelSourceError, load_model_source, quiet_transformers
 from elixir_tune.profiler.trace import FORWARD, AccessRecorder, BlockStats, Step, ordered_trace
+from elixir_tune.tensor_table import model_tensor_table
 from elixir_tune.units import gib
 
 CHECKPOINTING = ("none", "all")
@@ -141,6 +142,7 @@ def profile_model(
     num_params = sum(p.numel for p in param_infos)
     buffers_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
     arch = model_arch(model)
+    arch.tensor_layout, tensor_problem = model_tensor_table(model)
     profile = ModelProfile(
         name=source.name,
         source=source.source,
@@ -165,7 +167,7 @@ def profile_model(
         buffers_bytes=buffers_bytes,
         arch=arch,
         unsupported_layouts=cast(
-            "dict[LayoutName, str]", unsupported_layouts(arch.model_type, is_causal_lm=hasattr(model, "lm_head"))
+            "dict[LayoutName, str]", unsupported_layouts(arch.model_type, hasattr(model, "lm_head"), tensor_problem)
         ),
         foreign_reads=_foreign_reads(model, [*plain, *ckpt], [named[pos][0] for pos in order], new_index),
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from unittest.mock import ANY
 
 import pytest
 
@@ -58,11 +59,15 @@ def test_the_lists_are_the_engines():
 
 
 def test_reasons_name_the_model_and_what_runs():
-    assert unsupported_layouts("llama", is_causal_lm=True) == {}
+    assert unsupported_layouts("llama", is_causal_lm=True, tensor_problem="") == {}  # its table was made
+    assert unsupported_layouts("gpt2", is_causal_lm=True) == {}  # a built-in table
+    # Without the model at hand, a family without a built-in table is not taken to split.
+    assert "no tensor table is recorded" in unsupported_layouts("llama", is_causal_lm=True)["tensor"]
     assert set(unsupported_layouts("opt", is_causal_lm=True)) == {"tensor"}
+    assert unsupported_layouts("mixtral", True, "uses moe styles") == {"pipeline": ANY, "tensor": "uses moe styles"}
     reasons = unsupported_layouts("t5", is_causal_lm=False)
     assert "model type 't5' has no pipeline stage adapter" in reasons["pipeline"]
-    assert "model type 't5' has no tensor layout table" in reasons["tensor"]
+    assert "model type 't5': no tensor table is recorded" in reasons["tensor"]
     assert "causal LMs (with an lm_head) only" in unsupported_layouts("gpt2", is_causal_lm=False)["pipeline"]
     assert "without a transformers config" in unsupported_layouts("", is_causal_lm=False)["tensor"]
 
@@ -71,7 +76,11 @@ def test_the_profile_records_what_the_engine_runs(profiles):
     assert profiles["gpt2"].unsupported_layouts == {}
     assert profiles["qwen2"].unsupported_layouts == {}
     assert set(profiles["opt"].unsupported_layouts) == {"tensor"}
-    for family in ("qwen3", "gpt_neox", "t5", "mlp"):
+    assert "ships no tensor plan" in profiles["opt"].unsupported_layouts["tensor"]
+    for family in ("qwen3", "gpt_neox"):  # tensor parallelism from their transformers tensor plans
+        assert set(profiles[family].unsupported_layouts) == {"pipeline"}, family
+        assert profiles[family].arch.tensor_layout, family
+    for family in ("t5", "mlp"):
         assert set(profiles[family].unsupported_layouts) == {"pipeline", "tensor"}, family
 
 
@@ -95,11 +104,14 @@ def test_forward_backward_plans_use_only_layouts_the_model_runs(profiles, family
     assert plan.parallel.tensor.degree == 1 or "tensor" not in reasons
 
 
-@pytest.mark.parametrize("pin", ["pipeline=2", "tensor=2"])
-def test_a_pinned_layout_the_model_cannot_run_is_refused_with_the_reason(profiles, pin):
+@pytest.mark.parametrize(
+    ("family", "pin", "why"),
+    [("qwen3", "pipeline=2", "has no"), ("opt", "tensor=2", "ships no tensor plan")],
+)
+def test_a_pinned_layout_the_model_cannot_run_is_refused_with_the_reason(profiles, family, pin, why):
     hardware = load_hardware("cpu")
-    with pytest.raises(ValueError, match=f"--fix {pin}: not possible for qwen3-tiny: model type 'qwen3' has no"):
-        search(profiles["qwen3"], hardware, gpus_per_node=2, global_batch_size=8, fixed=[pin], loop="forward_backward")
+    with pytest.raises(ValueError, match=f"--fix {pin}: not possible for {family}-tiny: model type '{family}' {why}"):
+        search(profiles[family], hardware, gpus_per_node=2, global_batch_size=8, fixed=[pin], loop="forward_backward")
 
 
 @pytest.mark.parametrize("pin", ["pipeline=2", "tensor=2", "accumulation=layered"])

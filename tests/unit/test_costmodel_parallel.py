@@ -154,9 +154,10 @@ def test_tensor_collectives_are_on_the_step(profile):
         hardware.allgather_gbps * 1e9
     )
     assert layer_s == pytest.approx(expected) and forward_share == 0.5
-    # Sequence parallelism: each norm parameter (ln_1, ln_2 weight and bias per block, ln_f's two) has
-    # a partial gradient, all-reduced once per micro-batch: 2 (T-1)/T of its bf16 bytes on the wire.
-    norms_s = (4 * LAYERS + 2) * (hardware.collective_latency_s + HIDDEN * 2 * 1.0 / (hardware.allgather_gbps * 1e9))
+    # Sequence parallelism: each norm parameter (ln_1, ln_2 weight and bias per block, ln_f's two) and
+    # each row-parallel bias (attn.c_proj, mlp.c_proj per block) has a partial gradient, all-reduced
+    # once per micro-batch: 2 (T-1)/T of its bf16 bytes on the wire.
+    norms_s = (6 * LAYERS + 2) * (hardware.collective_latency_s + HIDDEN * 2 * 1.0 / (hardware.allgather_gbps * 1e9))
     edges_s = 4 * tensor.parallel_costs.latency_s + 4 * SEQ * HIDDEN * 2 / 2 / (hardware.allgather_gbps * 1e9)
     assert tensor.tensor_comm_s(1, 0) == pytest.approx(LAYERS * layer_s + edges_s + norms_s)
     no_sp = CostModel(profile, hardware, gpus_per_node=2, layout=Layout(tensor=2, sequence_parallel=False))
