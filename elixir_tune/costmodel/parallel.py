@@ -319,7 +319,7 @@ class StageProfile(ModelProfile):
 def held_grad_numel(profile: ModelProfile, layout: Layout, stage: int, local_numel: dict[int, int]) -> int:
     """Gradient elements one rank of pipeline stage ``stage`` holds unsharded at a step's peak.
 
-    The engine's pipeline step is no-sync (``engine/pipeline.py``): each parameter's gradient stays
+    The engine's pipeline step is no-sync (``engine/parallel/pipeline.py``): each parameter's gradient stays
     in ``param.grad``, in compute dtype and whole (not sharded), from its first micro-batch's
     backward until its last one's, when it is staged and reduce-scattered. Under ``looped_bfs`` (the
     search's schedule; torch's ``ScheduleLoopedBFS``) a rank runs the backwards of its virtual stages

@@ -4,7 +4,7 @@ One place answers both questions (docs/DESIGN.md section 8.2), so that the profi
 ``validate``, ``elixir-run``'s checks and the engine agree:
 
 * **layouts**: pipeline stages need a stage adapter for the model's family
-  (``engine/pipeline_adapters.py``), tensor parallelism a tensor table (``plan/tensor_layout.py``:
+  (``engine/parallel/pipeline_adapters.py``), tensor parallelism a tensor table (``plan/tensor_layout.py``:
   translated from the model's ``config.base_model_tp_plan`` when every style in it is one the engine
   runs, else the family's built-in table); both run transformers causal LMs only. ``unsupported_layouts`` gives, per layout the model cannot use, the reason; the
   profiler records it, the plan carries it, the search never offers those layouts and ``validate``
@@ -28,7 +28,7 @@ from typing import get_args
 from elixir_tune.plan.schema import LOOPS, LayoutName, Plan
 from elixir_tune.plan.tensor_layout import supported_model_types
 
-# The families engine/pipeline_adapters.py has a stage adapter for (a unit test keeps the two equal).
+# The families engine/parallel/pipeline_adapters.py has a stage adapter for (a unit test keeps the two equal).
 PIPELINE_MODEL_TYPES: tuple[str, ...] = ("gpt2", "llama", "mistral", "opt", "qwen2")
 LAYOUTS: tuple[str, ...] = get_args(LayoutName)
 __all__ = ["LAYOUTS", "LOOPS", "LOOP_CONTRACT", "PIPELINE_MODEL_TYPES"]

@@ -89,7 +89,7 @@ def pack_stages(
     family (OPT registers its final norm before the blocks), so the embeddings the stage adapter runs
     first come first, then the blocks, then the rest.
     """
-    from elixir_tune.engine.pipeline_adapters import adapter_for
+    from elixir_tune.engine.parallel.pipeline_adapters import adapter_for
     from elixir_tune.plan.stages import assign_stages, block_index_of
 
     adapter = adapter_for(model, block_list)

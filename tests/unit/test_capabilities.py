@@ -51,8 +51,8 @@ def profiles(tmp_path_factory) -> dict:
 
 
 def test_the_lists_are_the_engines():
-    from elixir_tune.engine.pipeline_adapters import ADAPTERS
-    from elixir_tune.engine.tp_adapters import FAMILY_PLANS
+    from elixir_tune.engine.parallel.pipeline_adapters import ADAPTERS
+    from elixir_tune.engine.parallel.tp_adapters import FAMILY_PLANS
 
     assert set(PIPELINE_MODEL_TYPES) == set(ADAPTERS)
     assert set(supported_model_types()) == set(FAMILY_PLANS)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elixir_tune.engine.tp_layout import Layout, mesh_coords
+from elixir_tune.engine.parallel.tp_layout import Layout, mesh_coords
 from elixir_tune.plan import validate_dict
 from tests.unit.test_plan_parallel import _with
 

@@ -51,8 +51,8 @@ if TYPE_CHECKING:  # the lazy names below, for type checkers
         parallelize_module,
     )
 
-# DTensor and tensor-parallel APIs, for engine/tensor_parallel.py, engine/tp_adapters.py and
-# engine/tp_grid.py (this package stays the engine's only torch.distributed user). They are imported
+# DTensor and tensor-parallel APIs, for engine/parallel/tensor_parallel.py, engine/parallel/tp_adapters.py and
+# engine/parallel/tp_grid.py (this package stays the engine's only torch.distributed user). They are imported
 # on first use (``__getattr__``): loading torch.distributed.tensor takes about half a second, which
 # a plan without tensor parallelism need not pay in every process.
 _LAZY_MODULES = {

@@ -42,7 +42,7 @@ from elixir_tune.engine.comm import (
     Shard,
     distribute_module,
 )
-from elixir_tune.engine.tp_layout import Layout, TensorParallelError
+from elixir_tune.engine.parallel.tp_layout import Layout, TensorParallelError
 from elixir_tune.plan.tensor_layout import MODULE_STYLES, TensorTable, local_shape, module_style, unknown_styles
 from elixir_tune.tensor_table import model_tensor_table
 
