@@ -36,7 +36,7 @@ def setup(model, optimizer, plan=None, weights=None, seed=None, find_unused_para
 
 def save_pretrained(model, directory, max_shard_size="5GB", dtype=None):
     """Writes Hugging Face sharded safetensors + config from rank 0, streamed (every rank calls it);
-    see elixir_tune.engine.pretrained."""
+    see elixir_tune.engine.io.pretrained."""
     from elixir_tune.engine import save_pretrained as engine_save_pretrained
 
     return engine_save_pretrained(model, directory, max_shard_size=max_shard_size, dtype=dtype)
@@ -44,7 +44,7 @@ def save_pretrained(model, directory, max_shard_size="5GB", dtype=None):
 
 def save_checkpoint(path, model, optimizer, step: int, extra: dict | None = None, keep: int | None = 2):
     """Saves a sharded checkpoint as ``path/step-NNNNNN``, keeping the newest ``keep`` (every rank
-    calls it); see elixir_tune.engine.checkpoint."""
+    calls it); see elixir_tune.engine.io.checkpoint."""
     from elixir_tune.engine import save_checkpoint as engine_save
 
     return engine_save(path, model, optimizer, step, extra=extra, keep=keep)
@@ -58,7 +58,7 @@ def lock_checkpoint_dir(path, model) -> None:
 
 
 def load_checkpoint(path, model, optimizer) -> dict:
-    """Restores a checkpoint and returns its meta (``step``, ``extra``); see elixir_tune.engine.checkpoint."""
+    """Restores a checkpoint and returns its meta (``step``, ``extra``); see elixir_tune.engine.io.checkpoint."""
     from elixir_tune.engine import load_checkpoint as engine_load
 
     return engine_load(path, model, optimizer)

@@ -14,7 +14,7 @@ starts small (the interpreter, torch and transformers: "RSS at start"), compared
 half the fp32 model + 1 GiB. The optimizer is AdamW: ``setup`` allocates the fp32 gradient shard
 and Adam's two moments (3 x the master shard) in host memory here, because the device is the CPU;
 they read as zeros and become resident when training first writes them
-(``engine/host_memory.py``), so the peak is the weights' way in: the master shard plus what
+(``engine/chunks/host_memory.py``), so the peak is the weights' way in: the master shard plus what
 materializing it costs (for the old path, the whole model built before setup, too).
 
 Results go to benchmarks/results/setup-memory.json and .md, with the machine's load.

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import elixir_tune
-from elixir_tune.engine.checkpoint_files import LATEST_NAME, CheckpointError
+from elixir_tune.engine.io.checkpoint_files import LATEST_NAME, CheckpointError
 
 
 def add_training_args(parser: argparse.ArgumentParser, lr: float = 3e-3) -> None:

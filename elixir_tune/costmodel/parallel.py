@@ -35,9 +35,9 @@ from dataclasses import dataclass, fields, replace
 from typing import cast
 
 from elixir_tune.plan.schema import ParallelPlan, PipelineAssignment, TensorMode
-from elixir_tune.plan.stages import assign_stages, stage_of_block
+from elixir_tune.plan.stages import assign_stages, last_stage, stage_of_block
 from elixir_tune.plan.stages import virtual_stages as stage_runs
-from elixir_tune.plan.tensor_layout import local_shape, supported_model_types
+from elixir_tune.plan.tensor_layout import has_table, local_shape
 from elixir_tune.profiler.schema import ActivationLine, BlockInfo, ModelProfile
 
 # Collectives per layer and micro-batch of 1D tensor parallelism with sequence parallelism: forward
@@ -247,11 +247,11 @@ def tensor_degrees(profile: ModelProfile, gpus_per_node: int) -> list[tuple[int,
     T divides the GPUs of a node (tensor traffic stays on the node's links), the attention heads
     and the key/value heads; 1D (with sequence parallelism) needs T to divide the sequence length,
     2D a square T of at least 4 (and, in the search, micro-batches that split over its q rows). Models whose family has no tensor
-    layout table (``plan/tensor_layout.py``), or whose profile has no head counts, get T = 1 only.
+    table (``plan/tensor_layout.py``), or whose profile has no head counts, get T = 1 only.
     """
     arch = profile.arch
     out: list[tuple[int, TensorMode]] = [(1, "1d")]
-    if arch.model_type not in supported_model_types() or not arch.num_heads:
+    if not has_table(arch.model_type, arch.tensor_layout) or not arch.num_heads:
         return out
     kv_heads = arch.num_kv_heads or arch.num_heads
     for degree in range(2, gpus_per_node + 1):
@@ -284,7 +284,7 @@ def _stage_params(profile: ModelProfile, layout: Layout, stage: int) -> list[int
     names = [p.name for p in params]
     stage_of = assign_stages(names, profile.block_list, len(profile.blocks), layout.pipeline, layout.assignment)
     in_block = {i for b in profile.blocks for i in range(b.first_param, b.first_param + b.num_params)}
-    last = layout.pipeline - 1
+    last = last_stage(len(profile.blocks), layout.pipeline, layout.assignment)
     return [
         i
         for i, p in enumerate(params)
@@ -297,7 +297,10 @@ def tied_params(profile: ModelProfile, layout: Layout) -> list[int]:
     if layout.pipeline <= 1:
         return []
     first = set(_stage_params(profile, layout, 0))
-    return [i for i in _stage_params(profile, layout, layout.pipeline - 1) if i in first]
+    last = last_stage(len(profile.blocks), layout.pipeline, layout.assignment)
+    if last == 0:  # both users on stage 0 (an uneven modular split): nothing to sum between stages
+        return []
+    return [i for i in _stage_params(profile, layout, last) if i in first]
 
 
 @dataclass
@@ -316,7 +319,7 @@ class StageProfile(ModelProfile):
 def held_grad_numel(profile: ModelProfile, layout: Layout, stage: int, local_numel: dict[int, int]) -> int:
     """Gradient elements one rank of pipeline stage ``stage`` holds unsharded at a step's peak.
 
-    The engine's pipeline step is no-sync (``engine/pipeline.py``): each parameter's gradient stays
+    The engine's pipeline step is no-sync (``engine/parallel/pipeline.py``): each parameter's gradient stays
     in ``param.grad``, in compute dtype and whole (not sharded), from its first micro-batch's
     backward until its last one's, when it is staged and reduce-scattered. Under ``looped_bfs`` (the
     search's schedule; torch's ``ScheduleLoopedBFS``) a rank runs the backwards of its virtual stages
@@ -394,7 +397,7 @@ def rank_profile(profile: ModelProfile, layout: Layout, stage: int) -> ModelProf
     for old in keep:
         param = profile.params[old]
         if degree > 1:
-            shape = local_shape(param.name, list(param.shape), arch.model_type, degree, mode)
+            shape = local_shape(param.name, list(param.shape), arch.model_type, degree, mode, arch.tensor_layout)
             param = replace(param, shape=shape, numel=math.prod(shape))
         params.append(param)
 
@@ -402,7 +405,7 @@ def rank_profile(profile: ModelProfile, layout: Layout, stage: int) -> ModelProf
         steps = [[new_index[i] for i in step if i in new_index] for step in trace]
         return [step for step in steps if step]
 
-    is_last = stage == layout.pipeline - 1
+    is_last = stage == last_stage(len(profile.blocks), layout.pipeline, layout.assignment)
     num_blocks = len(profile.blocks)
     mine = [
         b for b in profile.blocks if stage_of_block(b.index, num_blocks, layout.pipeline, layout.assignment) == stage

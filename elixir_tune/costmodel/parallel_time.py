@@ -41,6 +41,7 @@ from elixir_tune.costmodel.parallel import (
 )
 from elixir_tune.hardware.spec import HardwareSpec
 from elixir_tune.plan.schema import DTYPE_BYTES
+from elixir_tune.plan.stages import last_stage
 from elixir_tune.plan.tensor_layout import is_norm_param, local_shape
 from elixir_tune.profiler.schema import ModelProfile
 
@@ -100,7 +101,8 @@ class ParallelTimes:
         # narrower matrices follow the documented rule.
         has_curve = bool(hardware.block_tflops_curves.get(dtype) or hardware.block_tflops_curves.get("fp32"))
         self.rate_factor = 1.0 if has_curve else tp_efficiency(self.hidden, layout.tensor, layout.tensor_mode)
-        edges = (stage == 0) + (stage == layout.pipeline - 1)
+        self.last_stage = last_stage(len(full.blocks), layout.pipeline, layout.assignment)
+        edges = (stage == 0) + (stage == self.last_stage)
         self.edge_collectives = TP_EDGE_COLLECTIVES * edges if layout.tensor > 1 else 0
         boundaries = [b.boundary_bytes_per_sample for b in full.blocks]
         boundary = sum(boundaries) / len(boundaries) if boundaries else 0.0
@@ -116,6 +118,7 @@ class ParallelTimes:
                         arch.model_type,
                         layout.tensor,
                         layout.tensor_mode,
+                        arch.tensor_layout,
                     )
                     if layout.tensor > 1
                     else full.params[i].shape
@@ -138,7 +141,11 @@ class ParallelTimes:
 
         def allreduce_s(indices) -> float:
             ring = 2 * (layout.tensor - 1) / layout.tensor  # all-reduce = reduce-scatter + all-gather
-            norms = [full.params[i] for i in indices if is_norm_param(full.params[i].name, full.arch.model_type)]
+            norms = [
+                full.params[i]
+                for i in indices
+                if is_norm_param(full.params[i].name, full.arch.model_type, full.arch.tensor_layout)
+            ]
             return sum(self.latency_s + p.numel * self.dtype_bytes * ring / self.intra_bps for p in norms)
 
         return allreduce_s(sorted(first_block)), allreduce_s(i for i in range(len(full.params)) if i not in in_blocks)
@@ -178,7 +185,7 @@ class ParallelTimes:
         degree = self.layout.tensor
         edge_bytes = micro_batch_size * self.full.seq_len * self.hidden * self.dtype_bytes * (degree - 1) / degree
         edges_s = self.edge_collectives * (self.latency_s + edge_bytes / self.intra_bps)
-        norms_s = blocks * self.block_norms_s + (self.edge_norms_s if self.stage == self.layout.pipeline - 1 else 0.0)
+        norms_s = blocks * self.block_norms_s + (self.edge_norms_s if self.stage == self.last_stage else 0.0)
         return blocks * layer_s + recomputed_blocks * layer_s * forward_share + edges_s + norms_s
 
     def pipeline_s(self, stage_compute_s: float, micro_batch_size: int, micro_batches: int) -> dict[str, float]:

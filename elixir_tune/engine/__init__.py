@@ -3,10 +3,10 @@
 Public names:
     setup(model, optimizer, plan=None, weights=None, seed=None) -> (ElixirModel, ShardedOptimizer);
         plan: Plan, path, or None for $ELIXIR_TUNE_PLAN; the model may be on the meta device
-        (elixir_tune.engine.materialize); weights: safetensors file / index / HF directory
-        (elixir_tune.engine.weights); errors: MaterializeError, WeightsError (ValueErrors).
+        (elixir_tune.engine.io.materialize); weights: safetensors file / index / HF directory
+        (elixir_tune.engine.io.weights); errors: MaterializeError, WeightsError (ValueErrors).
     save_pretrained(model, dir, max_shard_size="5GB", dtype=None): Hugging Face layout, streamed
-        from rank 0 (elixir_tune.engine.pretrained).
+        from rank 0 (elixir_tune.engine.io.pretrained).
     ElixirModel: call like the model; .state_dict(all_ranks=False) (collective: full fp32 weights,
         original names, on rank 0; {} elsewhere), .load_state_dict(full), .memory_report() (model-state bytes, keys
         elixir_tune.plan.MODEL_STATE_KEYS), .engine (Engine; .engine.memory_stats() for measured
@@ -17,10 +17,10 @@ Public names:
         .state_dict() / .load_state_dict() (this rank's shard state).
     model_fingerprint(model) -> the fingerprint a plan for this model carries.
     save_checkpoint(root, model, optimizer, step, extra=None, keep=2) / load_checkpoint(path, model, optimizer)
-        -> meta: sharded checkpoints in root/step-NNNNNN (elixir_tune.engine.checkpoint); exact resume on
+        -> meta: sharded checkpoints in root/step-NNNNNN (elixir_tune.engine.io.checkpoint); exact resume on
         the same plan layout; lock_checkpoint_dir(root, model); errors: CheckpointError (a ValueError).
 
-Pipeline plans (parallel.pipeline.stages > 1, elixir_tune.engine.pipeline): GPT-2, Llama-family and
+Pipeline plans (parallel.pipeline.stages > 1, elixir_tune.engine.parallel.pipeline): GPT-2, Llama-family and
 OPT causal LMs; each rank holds its stage's chunks (and the tied embedding's), other stages' modules
 stay on meta; run steps with model.forward_backward(micro_batches) (model(...) raises).
 
@@ -39,18 +39,18 @@ Access order for eviction and prefetch: recorded at run time during the first mi
 descending in backward).
 """
 
-from elixir_tune.engine.cache import CacheTooSmall
-from elixir_tune.engine.checkpoint import load_checkpoint, lock_checkpoint_dir, save_checkpoint
-from elixir_tune.engine.checkpoint_files import CheckpointError
+from elixir_tune.engine.chunks.cache import CacheTooSmall
+from elixir_tune.engine.chunks.states import TensorState
 from elixir_tune.engine.engine import Engine
-from elixir_tune.engine.materialize import MaterializeError
+from elixir_tune.engine.io.checkpoint import load_checkpoint, lock_checkpoint_dir, save_checkpoint
+from elixir_tune.engine.io.checkpoint_files import CheckpointError
+from elixir_tune.engine.io.materialize import MaterializeError
+from elixir_tune.engine.io.pretrained import save_pretrained
+from elixir_tune.engine.io.weights import WeightsError
 from elixir_tune.engine.model import ElixirModel
 from elixir_tune.engine.optimizer import ShardedOptimizer
-from elixir_tune.engine.pretrained import save_pretrained
 from elixir_tune.engine.read_guard import UngatheredRead
 from elixir_tune.engine.setup import check_plan_matches, model_fingerprint, setup
-from elixir_tune.engine.states import TensorState
-from elixir_tune.engine.weights import WeightsError
 
 __all__ = [
     "CacheTooSmall",

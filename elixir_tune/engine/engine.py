@@ -27,23 +27,23 @@ from typing import Any
 
 import torch
 
-from elixir_tune.engine.cache import ChunkCache
-from elixir_tune.engine.chunk import Chunk, ParamSlot
+from elixir_tune.engine.chunks.cache import ChunkCache
+from elixir_tune.engine.chunks.chunk import Chunk, ParamSlot
+from elixir_tune.engine.chunks.states import GRAD_STAGED, TensorState, transition
 from elixir_tune.engine.comm import Comm, Mesh
 from elixir_tune.engine.engine_grads import EngineGrads
 from elixir_tune.engine.engine_state import EngineState
 from elixir_tune.engine.hooks import install_grad_hooks, install_module_hooks, wrap_checkpointed
-from elixir_tune.engine.layered import Baton
-from elixir_tune.engine.materialize import (
+from elixir_tune.engine.io.materialize import (
     MaterializeError,
     WeightSource,
     materialize_replicated,
     swap_meta_for_placeholders,
 )
+from elixir_tune.engine.io.weights import WeightsError
+from elixir_tune.engine.layered import Baton
+from elixir_tune.engine.parallel.tensor_parallel import TensorSplit, local_data, set_local_data
 from elixir_tune.engine.read_guard import ReadGuard
-from elixir_tune.engine.states import GRAD_STAGED, TensorState, transition
-from elixir_tune.engine.tensor_parallel import TensorSplit, local_data, set_local_data
-from elixir_tune.engine.weights import WeightsError
 from elixir_tune.kv_cache import disable_kv_cache
 from elixir_tune.plan import Plan
 
@@ -61,7 +61,7 @@ class Engine(EngineGrads, EngineState):
             on the meta device); None: the model's own weights, rank 0's.
         mesh: every process group of the run (default: the data group alone).
         elsewhere: ids of tensors of modules that run on other pipeline stages: left as they are
-            (never materialized, moved or broadcast; engine/pipeline.py).
+            (never materialized, moved or broadcast; engine/parallel/pipeline.py).
         tensor_parallel: the model's tensor-parallel split (``apply_tensor_parallel``), whose
             parameters' local pieces the chunks hold; None without tensor parallelism.
     """
@@ -77,12 +77,16 @@ class Engine(EngineGrads, EngineState):
         tensor_parallel: TensorSplit | None = None,
     ):
         self.model = model
-        self.tensor_parallel = tensor_parallel  # the model's split over mesh.tensor (engine/tensor_parallel.py)
+        self.tensor_parallel = (
+            tensor_parallel  # the model's split over mesh.tensor (engine/parallel/tensor_parallel.py)
+        )
         self.plan = plan
         self.comm = comm
         self.mesh = mesh if mesh is not None else Mesh.data_only(comm)
         self.elsewhere = elsewhere or set()
-        self.pipeline: Any = None  # engine/pipeline.py's Pipeline on a pipeline plan (it drives forward_backward)
+        self.pipeline: Any = (
+            None  # engine/parallel/pipeline.py's Pipeline on a pipeline plan (it drives forward_backward)
+        )
         self.norm_skip: set[int] = set()  # chunk ids the gradient norm leaves out (a shared chunk counted elsewhere)
         self.device = comm.device
         self.compute_dtype = COMPUTE_DTYPES[plan.training.dtype]

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from elixir_tune.engine.staging import GradDrain, StagingBuffer, StagingPool
-from elixir_tune.engine.states import transition
-from elixir_tune.engine.tensor_parallel import local_grad
+from elixir_tune.engine.chunks.staging import GradDrain, StagingBuffer, StagingPool
+from elixir_tune.engine.chunks.states import transition
+from elixir_tune.engine.parallel.tensor_parallel import local_grad
 
 if TYPE_CHECKING:
-    from elixir_tune.engine.chunk import Chunk, ParamSlot
+    from elixir_tune.engine.chunks.chunk import Chunk, ParamSlot
     from elixir_tune.engine.comm import Comm
     from elixir_tune.plan import Plan
 

@@ -11,16 +11,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from elixir_tune.engine.tensor_parallel import local_data
+from elixir_tune.engine.parallel.tensor_parallel import local_data
 from elixir_tune.plan import DTYPE_BYTES, MODEL_STATE_KEYS
 from elixir_tune.plan.memory import pinned_bytes
 
 if TYPE_CHECKING:
-    from elixir_tune.engine.cache import ChunkCache
-    from elixir_tune.engine.chunk import Chunk, ParamSlot
+    from elixir_tune.engine.chunks.cache import ChunkCache
+    from elixir_tune.engine.chunks.chunk import Chunk, ParamSlot
+    from elixir_tune.engine.chunks.staging import StagingPool
     from elixir_tune.engine.comm import Comm
-    from elixir_tune.engine.staging import StagingPool
-    from elixir_tune.engine.tensor_parallel import TensorSplit
+    from elixir_tune.engine.parallel.tensor_parallel import TensorSplit
     from elixir_tune.plan import Plan
 
 
@@ -41,7 +41,7 @@ class EngineState:
     reduce_scatters: int
     tensor_parallel: TensorSplit | None
     after_step: Callable[[], None]
-    pipeline: Any  # engine/pipeline.py's Pipeline on a pipeline plan, else None
+    pipeline: Any  # engine/parallel/pipeline.py's Pipeline on a pipeline plan, else None
 
     @torch.no_grad()
     def gathered_chunks(self, all_ranks: bool = False):

@@ -10,8 +10,8 @@ import torch
 from elixir_tune.engine.contract import check_shared_inputs
 from elixir_tune.engine.engine import Engine
 from elixir_tune.engine.layered import MicroBatchThreads, run_layer_major
-from elixir_tune.engine.pipeline import pipeline_call_message
-from elixir_tune.engine.tensor_parallel import plain
+from elixir_tune.engine.parallel.pipeline import pipeline_call_message
+from elixir_tune.engine.parallel.tensor_parallel import plain
 
 LossFn = Callable[[Any, dict], torch.Tensor]
 
@@ -56,7 +56,7 @@ class ElixirModel(torch.nn.Module):
         backward. Either way the gradients of the mean loss are accumulated and reduced into the
         shards afterwards, ready for ``optimizer.clip_grad_norm`` and ``optimizer.step``. On a
         pipeline plan (``parallel.pipeline.stages`` > 1) the plan's pipeline schedule runs them
-        through the stages (engine/pipeline.py): every rank passes the micro-batches of its data
+        through the stages (engine/parallel/pipeline.py): every rank passes the micro-batches of its data
         index (``input_ids`` of one batch size, an optional ``attention_mask``, and ``labels``;
         lengths may differ) and gets the mean loss; ``loss_fn`` then sees an output with ``logits``
         (at the micro-batch's length) and ``loss``.

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
+from elixir_tune.engine.chunks.host_memory import zeros_on_demand
 from elixir_tune.engine.engine import Engine
 from elixir_tune.engine.finite import FiniteGuard, nonfinite_count
-from elixir_tune.engine.host_memory import zeros_on_demand
 from elixir_tune.engine.scaler import DynamicLossScaler
 
 _IMPLEMENTATION_KEYS = ("fused", "foreach", "params")

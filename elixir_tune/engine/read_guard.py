@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from elixir_tune.engine.states import TensorState
+from elixir_tune.engine.chunks.states import TensorState
 
 if TYPE_CHECKING:
-    from elixir_tune.engine.chunk import ParamSlot
+    from elixir_tune.engine.chunks.chunk import ParamSlot
 
 
 class UngatheredRead(RuntimeError):

@@ -9,10 +9,10 @@ import torch
 from elixir_tune import ranks
 from elixir_tune.engine.comm import init_mesh
 from elixir_tune.engine.engine import Engine
-from elixir_tune.engine.materialize import make_source
+from elixir_tune.engine.io.materialize import make_source
 from elixir_tune.engine.model import ElixirModel
 from elixir_tune.engine.optimizer import ShardedOptimizer
-from elixir_tune.engine.tensor_parallel import split_for_plan
+from elixir_tune.engine.parallel.tensor_parallel import split_for_plan
 from elixir_tune.plan import PLAN_ENV_VAR, Plan, PlanError, fingerprint, load_plan, validate
 
 
@@ -135,7 +135,7 @@ def setup(
     # The chunks are sharded over the data-parallel group; pipeline and tensor parallelism read the
     # rest of the mesh from engine.mesh.
     if parallel.pipeline.stages > 1:
-        from elixir_tune.engine.pipeline import build_engine
+        from elixir_tune.engine.parallel.pipeline import build_engine
 
         engine = build_engine(model, plan, mesh, source)
     else:

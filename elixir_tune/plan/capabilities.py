@@ -4,10 +4,11 @@ One place answers both questions (docs/DESIGN.md section 8.2), so that the profi
 ``validate``, ``elixir-run``'s checks and the engine agree:
 
 * **layouts**: pipeline stages need a stage plan for the model (``elixir_tune/stage_plans.py``:
-  transformers' ``config.base_model_pp_plan``, or our table for GPT-2 and OPT; the profiler, which
-  has the model, records the answer), tensor parallelism a layout table (``plan/tensor_layout.py``)
-  and the engine's parallel plan for that family (``engine/tp_adapters.py``); both run transformers
-  causal LMs only. ``unsupported_layouts`` gives, per layout the model cannot use, the reason; the
+  transformers' ``config.base_model_pp_plan``, or our table for GPT-2 and OPT), tensor parallelism a
+  tensor table (``plan/tensor_layout.py``: translated from the model's ``config.base_model_tp_plan``
+  when every style in it is one the engine runs, else the family's built-in table); both run
+  transformers causal LMs only, and the profiler, which has the model, records the answer.
+  ``unsupported_layouts`` gives, per layout the model cannot use, the reason; the
   profiler records it, the plan carries it, the search never offers those layouts and ``validate``
   refuses them.
 * **the loop**: a data-parallel plan with standard accumulation runs under the plain loop a DDP or
@@ -23,6 +24,7 @@ Imports no torch.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import get_args
 
 from elixir_tune.plan.schema import LOOPS, LayoutName, Plan
@@ -50,7 +52,10 @@ LOOP_CONTRACT = {
 
 
 def unsupported_layouts(
-    model_type: str, is_causal_lm: bool, pipeline_problem: str | None = FROM_FAMILY
+    model_type: str,
+    is_causal_lm: bool,
+    tensor_problem: str | None = None,
+    pipeline_problem: str | None = FROM_FAMILY,
 ) -> dict[str, str]:
     """The layouts the engine cannot run for a model, each with the reason.
 
@@ -76,20 +81,24 @@ def unsupported_layouts(
         )
     elif not is_causal_lm:
         reasons["pipeline"] = f"pipeline stages run {model_type} causal LMs (with an lm_head) only"
-    if model_type not in supported_model_types():
+    if tensor_problem:
+        reasons["tensor"] = tensor_problem
+    elif tensor_problem is None and model_type not in supported_model_types():
         reasons["tensor"] = (
-            f"{what} has no tensor layout table (tensor parallelism runs the families "
-            f"{', '.join(supported_model_types())})"
+            f"{what}: no tensor table is recorded for it (tensor parallelism needs a tensor plan for the "
+            "model's family, read from its config.base_model_tp_plan when the model is profiled; built-in "
+            f"tables: {', '.join(supported_model_types())})"
         )
     elif not is_causal_lm:
         reasons["tensor"] = f"tensor parallelism runs {model_type} causal LMs (with an lm_head) only"
     return reasons
 
 
-def layout_reasons_of_type(model_type: str) -> dict[str, str]:
+def layout_reasons_of_type(model_type: str, tensor_layout: Mapping[str, str] | None = None) -> dict[str, str]:
     """``unsupported_layouts`` for a record that has only the family (an older profile or plan):
-    a supported family is taken to be its causal LM, as the profiles of that time were."""
-    return unsupported_layouts(model_type, is_causal_lm=True)
+    a supported family is taken to be its causal LM, as the profiles of that time were; a recorded
+    tensor table (``tensor_layout``) says tensor parallelism can run."""
+    return unsupported_layouts(model_type, is_causal_lm=True, tensor_problem="" if tensor_layout else None)
 
 
 def needs_forward_backward(stages: int, tensor_degree: int, accumulation: str) -> list[str]:

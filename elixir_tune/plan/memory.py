@@ -15,7 +15,7 @@ them. Sizes are per rank.
                      stage holds unsharded in compute dtype (no-sync, ``param.grad``) from a
                      parameter's first micro-batch backward to its last, at the step's peak: under
                      ``looped_bfs`` (the search's schedule) the largest virtual stage's trainable
-                     parameters (``engine/pipeline.py`` ``Pipeline.held_grad_bytes`` for every schedule)
+                     parameters (``engine/parallel/pipeline.py`` ``Pipeline.held_grad_bytes`` for every schedule)
 
 Pinned blocks come from the CUDA host caching allocator, which rounds each block up to a power of
 two (``pinned_bytes``).

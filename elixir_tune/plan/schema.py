@@ -107,6 +107,9 @@ class ModelInfo:
             that uses one.
         foreign_reads: parameters read outside their own module's forward, by reading module
             (``elixir-tune profile`` finds them; empty for most models and for older plans).
+        tensor_layout: the model's tensor table (``plan/tensor_layout.py``: module pattern ->
+            style), from the profile; empty in older plans (the family's built-in table, or the
+            engine reads it from the model).
     """
 
     source: str
@@ -120,6 +123,7 @@ class ModelInfo:
     num_kv_heads: NonNegativeInt = 0
     unsupported_layouts: dict[LayoutName, str] = field(default_factory=dict)
     foreign_reads: list[ForeignRead] = field(default_factory=list)
+    tensor_layout: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

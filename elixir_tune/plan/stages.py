@@ -34,6 +34,14 @@ def stage_of_block(block_index: int, num_blocks: int, stages: int, assignment: s
     raise ValueError(f"unknown pipeline assignment {assignment!r} (expected modular or contiguous)")
 
 
+def last_stage(num_blocks: int, stages: int, assignment: str) -> int:
+    """The stage that runs the last block, and so the final norm, the head and the loss (and holds a
+    tied embedding's second copy): P - 1 unless a modular split is uneven (3 blocks on 2 stages: 0)."""
+    if num_blocks < 1:
+        return stages - 1
+    return stage_of_block(num_blocks - 1, num_blocks, stages, assignment)
+
+
 def virtual_stages(num_blocks: int, stages: int, assignment: str) -> list[tuple[int, list[int]]]:
     """The pipeline's virtual stages in order: (stage that runs it, its blocks), each a maximal run of
     consecutive blocks on one stage (modular: every block is one; contiguous: one per stage)."""

@@ -1,101 +1,152 @@
-"""Tensor-parallel layout per model family: which parameters split, along which dimension.
+"""Tensor-parallel layout of a model: which modules split, along which dimension (no torch).
 
-One small table per family (Megatron's 1D roles: column-parallel linears split their outputs,
-row-parallel linears their inputs, embeddings and the output head split the vocabulary, the rest is
-replicated). The engine parallelizes modules from these roles and the search packs each tensor
-rank's local pieces into chunks, so both read the same table; it imports no torch.
+A model's **tensor table** maps module path patterns (``*`` stands for one path component, the layer
+index) to a style, in the order they are tried (docs/DESIGN.md 9.5):
+
+* ``colwise``: a column-parallel linear (its outputs split; weight dim 0 and bias split);
+* ``colwise_gather``: the same, with its output gathered whole afterwards (transformers'
+  ``colwise_gather_output``: the code after it needs every head, e.g. a fused q | k | v of unequal
+  widths, or a norm over all heads);
+* ``rowwise``: a row-parallel linear (its inputs split; weight dim 1; bias replicated);
+* ``rowwise_split``: the same, fed a whole input that each rank cuts to its columns
+  (``rowwise_split_input``, the partner of ``colwise_gather``);
+* ``vocab``: the input embedding or the output head, split by vocabulary rows;
+* ``head_norm``: a norm inside the attention that runs on this rank's heads (``q_norm``, ``k_norm``;
+  transformers' ``replicated_with_grad_allreduce``): replicated, gradient summed over the tensor group;
+* ``norm``: a norm on the residual stream: replicated; with sequence parallelism it runs on sequence
+  shards and its gradient is summed over the tensor group.
+
+Modules not in the table are replicated. The table comes from the model's own
+``config.base_model_tp_plan`` (translated by ``tensor_table``; the profiler records the result, the
+plan carries it), or, for a family that ships none, from ``BUILTIN_TABLES`` here in the same format
+(GPT-2). The search, the cost model, ``validate`` and the engine read the same table.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import re
+from collections.abc import Iterable, Mapping
+from functools import lru_cache
+from typing import Literal, get_args
 
 TensorStyle = Literal["colwise", "rowwise", "vocab", "replicate"]
+ModuleStyle = Literal["colwise", "colwise_gather", "rowwise", "rowwise_split", "vocab", "head_norm", "norm"]
+MODULE_STYLES: tuple[str, ...] = get_args(ModuleStyle)
+TensorTable = Mapping[str, str]
 
-# (name suffix, style); the first suffix that matches wins, anything else is replicated.
-# transformers' GPT-2 uses Conv1D, whose weight is [in, out]: the split dimension is swapped.
-_LLAMA: tuple[tuple[str, TensorStyle], ...] = (
-    ("self_attn.q_proj.weight", "colwise"),
-    ("self_attn.q_proj.bias", "colwise"),
-    ("self_attn.k_proj.weight", "colwise"),
-    ("self_attn.k_proj.bias", "colwise"),
-    ("self_attn.v_proj.weight", "colwise"),
-    ("self_attn.v_proj.bias", "colwise"),
-    ("self_attn.o_proj.weight", "rowwise"),
-    ("mlp.gate_proj.weight", "colwise"),
-    ("mlp.up_proj.weight", "colwise"),
-    ("mlp.down_proj.weight", "rowwise"),
-    ("embed_tokens.weight", "vocab"),
-    ("lm_head.weight", "vocab"),
-)
-_TABLES: dict[str, tuple[tuple[str, TensorStyle], ...]] = {
-    "llama": _LLAMA,
-    "mistral": _LLAMA,
-    "qwen2": _LLAMA,
-    "gpt2": (
-        ("attn.c_attn.weight", "colwise"),
-        ("attn.c_attn.bias", "colwise"),
-        ("attn.c_proj.weight", "rowwise"),
-        ("mlp.c_fc.weight", "colwise"),
-        ("mlp.c_fc.bias", "colwise"),
-        ("mlp.c_proj.weight", "rowwise"),
-        ("wte.weight", "vocab"),
-        ("lm_head.weight", "vocab"),
-    ),
+# GPT-2 ships no tensor plan: ours, in the same format. Its linears are transformers' Conv1D (weight
+# [in, out]: the split dimension is swapped) and c_attn fuses q | k | v (the engine splits each by heads).
+BUILTIN_TABLES: dict[str, dict[str, str]] = {
+    "gpt2": {
+        "transformer.h.*.attn.c_attn": "colwise",
+        "transformer.h.*.attn.c_proj": "rowwise",
+        "transformer.h.*.mlp.c_fc": "colwise",
+        "transformer.h.*.mlp.c_proj": "rowwise",
+        "transformer.wte": "vocab",
+        "lm_head": "vocab",
+        "transformer.h.*.ln_1": "norm",
+        "transformer.h.*.ln_2": "norm",
+        "transformer.ln_f": "norm",
+    },
 }
-# The norms' parameters, replicated: under sequence parallelism a norm runs on sequence shards, so
-# its gradient is a partial sum over the tensor group.
-_LLAMA_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "norm.weight")
-_NORMS: dict[str, tuple[str, ...]] = {
-    "llama": _LLAMA_NORMS,
-    "mistral": _LLAMA_NORMS,
-    "qwen2": _LLAMA_NORMS,
-    "gpt2": ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "ln_f.weight", "ln_f.bias"),
-}
-# OPT is left out until the engine has its tensor-parallel adapter (engine/tp_adapters.py): the
-# search must never pick a layout the engine refuses.
 # Families whose linears store their weight as [in, out] (transformers' Conv1D).
 _IN_OUT_WEIGHTS = {"gpt2"}
 
+# transformers' tp-plan styles this engine runs, and ours for each.
+HF_STYLES: dict[str, ModuleStyle] = {
+    "colwise": "colwise",
+    "rowwise": "rowwise",
+    "colwise_gather_output": "colwise_gather",
+    "rowwise_split_input": "rowwise_split",
+    "embedding_rowwise": "vocab",
+    "replicated_with_grad_allreduce": "head_norm",
+}
+
 
 def supported_model_types() -> tuple[str, ...]:
-    """The model families tensor parallelism has a layout for."""
-    return tuple(sorted(_TABLES))
+    """The families with a built-in table (they ship no ``base_model_tp_plan``); every other family
+    runs tensor parallelism from its own plan (``tensor_table``)."""
+    return tuple(sorted(BUILTIN_TABLES))
 
 
-def tensor_style(param_name: str, model_type: str) -> TensorStyle:
+def has_table(model_type: str, recorded: TensorTable | None = None) -> bool:
+    """Whether a model has a tensor table: a recorded one, or its family's built-in one."""
+    return bool(recorded) or model_type in BUILTIN_TABLES
+
+
+def table_for(model_type: str, recorded: TensorTable | None = None) -> TensorTable:
+    """The tensor table to use: the recorded one (from the model's plan), else the family's built-in one.
+
+    Raises:
+        ValueError: neither exists (the message says what to do).
+    """
+    if recorded:
+        return recorded
+    if model_type in BUILTIN_TABLES:
+        return BUILTIN_TABLES[model_type]
+    raise ValueError(
+        f"no tensor-parallel table for model type {model_type!r}: its profile or plan records none "
+        f"(built-in tables: {', '.join(supported_model_types())}); profile the model again with this "
+        "version, or use tensor degree 1"
+    )
+
+
+@lru_cache(maxsize=256)
+def _pattern(pattern: str) -> re.Pattern[str]:
+    return re.compile("\\.".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split(".")))
+
+
+def module_style(module_path: str, table: TensorTable) -> str | None:
+    """The style of the module at ``module_path`` (None: not in the table, replicated)."""
+    for pattern, style in table.items():
+        if _pattern(pattern).fullmatch(module_path):
+            return style
+    return None
+
+
+def _param_role(param_name: str, table: TensorTable) -> tuple[TensorStyle, bool]:
+    """(the parameter's split role, whether its gradient is summed over the tensor group)."""
+    module, _, attr = param_name.rpartition(".")
+    style = module_style(module, table)
+    if style in ("colwise", "colwise_gather", "vocab"):
+        return ("vocab" if style == "vocab" else "colwise"), False
+    if style in ("rowwise", "rowwise_split"):
+        # A row-parallel bias is added once after the reduction; with sequence parallelism its
+        # gradient, like a norm's, is a partial sum over the sequence shards.
+        return ("rowwise", False) if attr == "weight" else ("replicate", True)
+    return "replicate", style in ("norm", "head_norm")
+
+
+def tensor_style(param_name: str, model_type: str, table: TensorTable | None = None) -> TensorStyle:
     """The 1D tensor-parallel role of a parameter.
 
     Args:
         param_name: the parameter's dotted name.
         model_type: the model family (``ModelInfo.model_type``).
+        table: the model's tensor table (empty or None: the family's built-in one).
 
     Returns:
         ``colwise``, ``rowwise``, ``vocab`` or ``replicate``.
 
     Raises:
-        ValueError: no layout for this family.
+        ValueError: no table for this model.
     """
-    if model_type not in _TABLES:
-        raise ValueError(
-            f"no tensor-parallel layout for model type {model_type!r} "
-            f"(supported: {', '.join(supported_model_types())}); use tensor degree 1 for this model"
-        )
-    for suffix, style in _TABLES[model_type]:
-        if param_name.endswith(suffix):
-            return style
-    return "replicate"
+    return _param_role(param_name, table_for(model_type, table))[0]
 
 
-def is_norm_param(param_name: str, model_type: str) -> bool:
-    """Whether a parameter belongs to a norm (replicated; with sequence parallelism its gradient is a
-    partial sum that is all-reduced over the tensor group once per micro-batch)."""
-    return param_name.endswith(_NORMS.get(model_type, ()))
+def is_norm_param(param_name: str, model_type: str, table: TensorTable | None = None) -> bool:
+    """Whether a parameter is replicated with a gradient summed over the tensor group (the norms and
+    row-parallel biases: with sequence parallelism, one all-reduce over the tensor group per
+    micro-batch). False for a model without a table."""
+    try:
+        return _param_role(param_name, table_for(model_type, table))[1]
+    except ValueError:
+        return False
 
 
-def split_dim(param_name: str, shape: list[int], model_type: str) -> int | None:
+def split_dim(param_name: str, shape: list[int], model_type: str, table: TensorTable | None = None) -> int | None:
     """The dimension 1D tensor parallelism splits a parameter along (None: replicated)."""
-    style = tensor_style(param_name, model_type)
+    style = tensor_style(param_name, model_type, table)
     if style == "replicate":
         return None
     if style == "vocab" or len(shape) == 1:
@@ -107,7 +158,14 @@ def split_dim(param_name: str, shape: list[int], model_type: str) -> int | None:
     return 0 if in_out else 1
 
 
-def local_shape(param_name: str, shape: list[int], model_type: str, degree: int, mode: str = "1d") -> list[int]:
+def local_shape(
+    param_name: str,
+    shape: list[int],
+    model_type: str,
+    degree: int,
+    mode: str = "1d",
+    table: TensorTable | None = None,
+) -> list[int]:
     """The shape of one tensor rank's piece of a parameter.
 
     Args:
@@ -118,22 +176,24 @@ def local_shape(param_name: str, shape: list[int], model_type: str, degree: int,
         mode: ``1d`` splits the role's dimension by T; ``2d`` splits every dimension of a split
             parameter by q = sqrt(T), and the hidden dimension of replicated ones by q (Optimus
             keeps no full copy of a layer's weights on any rank).
+        table: the model's tensor table (empty or None: the family's built-in one).
 
     Returns:
         The local shape.
 
     Raises:
-        ValueError: the split dimension does not divide by the degree.
+        ValueError: the split dimension does not divide by the degree, or no table for this model.
     """
     if degree == 1:
         return list(shape)
     local = list(shape)
     if mode == "1d":
-        dims = [] if (dim := split_dim(param_name, shape, model_type)) is None else [dim]
+        dims = [] if (dim := split_dim(param_name, shape, model_type, table)) is None else [dim]
         parts = degree
     else:
         parts = int(round(degree**0.5))
-        dims = list(range(len(shape))) if tensor_style(param_name, model_type) != "replicate" else [len(shape) - 1]
+        split = tensor_style(param_name, model_type, table) != "replicate"
+        dims = list(range(len(shape))) if split else [len(shape) - 1]
     for dim in dims:
         if local[dim] % parts:
             raise ValueError(
@@ -142,3 +202,79 @@ def local_shape(param_name: str, shape: list[int], model_type: str, degree: int,
             )
         local[dim] //= parts
     return local
+
+
+def unknown_styles(table: TensorTable) -> list[str]:
+    """``pattern: style`` for each entry of a table whose style is not one of ``MODULE_STYLES``."""
+    return [f"{pattern}: {style}" for pattern, style in table.items() if style not in MODULE_STYLES]
+
+
+def _generic(path: str) -> str:
+    """A module path with its numeric components (layer indices) as ``*``."""
+    return ".".join("*" if part.isdigit() else part for part in path.split("."))
+
+
+def tensor_table(
+    model_type: str,
+    tp_plan: Mapping[str, str] | None,
+    base_prefix: str,
+    modules: Iterable[tuple[str, str, bool]],
+    embeddings: tuple[str, str],
+) -> tuple[dict[str, str], str]:
+    """A model's tensor table, translated from its transformers ``base_model_tp_plan``.
+
+    The plan names the base model's linears (patterns relative to it); this adds the base prefix,
+    the vocabulary split of the input embedding and the output head (transformers keeps those in the
+    causal LM's own plan), and the norms on the residual stream (which sequence parallelism runs on
+    sequence shards). A style this engine does not run (the mixture-of-experts styles, packed or
+    local ones, ...) makes the whole table unusable: a half-split model is never offered.
+
+    Args:
+        model_type: the model's family.
+        tp_plan: ``type(config).base_model_tp_plan`` (None when the family ships none).
+        base_prefix: the base model's attribute in the causal LM (``model``; "" for a base model).
+        modules: (path, class name, has own parameters) of every module of the model.
+        embeddings: the paths of the input embedding and of the output head ("" when none).
+
+    Returns:
+        (the table, "") or ({}, why tensor parallelism cannot run this model).
+    """
+    if not tp_plan:
+        if model_type in BUILTIN_TABLES:
+            return dict(BUILTIN_TABLES[model_type]), ""
+        return {}, (
+            f"model type {model_type!r} ships no tensor plan (config.base_model_tp_plan) and has no built-in "
+            "table: tensor parallelism needs a tensor plan for the model's family"
+        )
+    refused = sorted({f"{style} ({pattern})" for pattern, style in tp_plan.items() if style not in HF_STYLES})
+    if refused:
+        return {}, (
+            f"model type {model_type!r}: its tensor plan uses styles the engine does not run yet: {', '.join(refused)}"
+        )
+    prefix = f"{base_prefix}." if base_prefix else ""
+    table: dict[str, str] = {f"{prefix}{pattern}": HF_STYLES[style] for pattern, style in tp_plan.items()}
+    input_embedding, output_head = embeddings
+    for path in (input_embedding, output_head):
+        if path and module_style(path, table) is None:
+            table[path] = "vocab"
+    modules = list(modules)
+    # The regions whose input is gathered whole: the parents of the column-parallel linears.
+    regions = {
+        path.rpartition(".")[0] for path, _, _ in modules if module_style(path, table) in ("colwise", "colwise_gather")
+    }
+    loose = []
+    for path, class_name, has_params in modules:
+        if not has_params or module_style(path, table) is not None:
+            continue
+        if any(path.startswith(f"{region}.") for region in regions):
+            continue  # replicated inside an attention or MLP: the plan said when its gradient needs a sum
+        if "norm" in class_name.lower():
+            table.setdefault(_generic(path), "norm")
+        else:
+            loose.append(f"{path} ({class_name})")
+    if loose:
+        return {}, (
+            f"model type {model_type!r}: modules on the residual stream that its tensor plan does not place: "
+            f"{', '.join(sorted(loose)[:3])}"
+        )
+    return table, ""

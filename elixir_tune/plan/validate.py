@@ -17,6 +17,7 @@ from elixir_tune.plan.fields import check_fields, is_required, section_type
 from elixir_tune.plan.memory import ALIGN_ELEMENTS
 from elixir_tune.plan.schema import SCHEMA_VERSION, Plan
 from elixir_tune.plan.stages import assign_stages, schedule_problem
+from elixir_tune.plan.tensor_layout import MODULE_STYLES, unknown_styles
 
 _SECTIONS = [field for field in dataclasses.fields(Plan) if field.name != "schema_version"]
 
@@ -140,7 +141,15 @@ def _check_contract(parallel: dict, model: dict, training: dict, errors: list[st
     }
     model_type = model.get("model_type", "")
     # The profile's record when the plan carries it; the family's otherwise (a plan written before it).
-    reasons = model.get("unsupported_layouts") or (layout_reasons_of_type(model_type) if model_type else {})
+    recorded = model.get("tensor_layout")
+    table: dict[str, str] = recorded if isinstance(recorded, dict) else {}
+    reasons = model.get("unsupported_layouts") or (layout_reasons_of_type(model_type, table) if model_type else {})
+    unknown = unknown_styles(table)
+    if unknown:
+        errors.append(
+            f"model.tensor_layout: unknown styles {', '.join(unknown)} (known: {', '.join(MODULE_STYLES)}); "
+            "profile the model and search again"
+        )
     for layout, (degree, path) in degrees.items():
         if isinstance(degree, int) and degree > 1 and layout in reasons:
             errors.append(

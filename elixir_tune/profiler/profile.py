@@ -30,6 +30,7 @@ from elixir_tune.profiler.schema import ActivationLine, BlockInfo, ModelProfile,
 from elixir_tune.profiler.source import ModelSource, ModelSourceError, load_model_source, quiet_transformers
 from elixir_tune.profiler.trace import FORWARD, AccessRecorder, BlockStats, Step, ordered_trace
 from elixir_tune.stage_plans import pipeline_problem
+from elixir_tune.tensor_table import model_tensor_table
 from elixir_tune.units import gib
 
 CHECKPOINTING = ("none", "all")
@@ -142,6 +143,7 @@ def profile_model(
     num_params = sum(p.numel for p in param_infos)
     buffers_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
     arch = model_arch(model)
+    arch.tensor_layout, tensor_problem = model_tensor_table(model)
     profile = ModelProfile(
         name=source.name,
         source=source.source,
@@ -168,7 +170,10 @@ def profile_model(
         unsupported_layouts=cast(
             "dict[LayoutName, str]",
             unsupported_layouts(
-                arch.model_type, is_causal_lm=hasattr(model, "lm_head"), pipeline_problem=pipeline_problem(model)
+                arch.model_type,
+                hasattr(model, "lm_head"),
+                tensor_problem,
+                pipeline_problem=pipeline_problem(model),
             ),
         ),
         foreign_reads=_foreign_reads(model, [*plain, *ckpt], [named[pos][0] for pos in order], new_index),

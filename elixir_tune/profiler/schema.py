@@ -96,6 +96,9 @@ class ModelArch:
         intermediate_size: width of the MLP's inner layer.
         vocab_size: vocabulary size.
         num_layers: transformer layers.
+        tensor_layout: the model's tensor table (``plan/tensor_layout.py``: module pattern ->
+            style), from its transformers ``base_model_tp_plan`` or the family's built-in table;
+            empty when tensor parallelism cannot run it, or in profiles made before it was recorded.
     """
 
     model_type: str = ""
@@ -105,6 +108,7 @@ class ModelArch:
     intermediate_size: NonNegativeInt = 0
     vocab_size: NonNegativeInt = 0
     num_layers: NonNegativeInt = 0
+    tensor_layout: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -173,7 +177,7 @@ class ModelProfile:
         """The layouts the engine cannot run for this model, each with the reason."""
         if self.unsupported_layouts is not None:
             return {str(layout): why for layout, why in self.unsupported_layouts.items()}
-        return layout_reasons_of_type(self.arch.model_type)
+        return layout_reasons_of_type(self.arch.model_type, self.arch.tensor_layout)
 
     @property
     def flops_per_token(self) -> float:

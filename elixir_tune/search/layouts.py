@@ -5,15 +5,15 @@ Rules (docs/DESIGN.md section 7.1):
 * tensor degree T: divisors of the GPUs of one node (tensor traffic is per layer and latency-bound,
   so it stays on the node's links) that divide the attention heads and the key/value heads, and
   whose local shapes exist for every parameter (a vocabulary of 50257 does not split by 2);
-  mode 1d for each, and 2d where T is a square q x q >= 4; only for model families with a tensor
-  layout table (``plan/tensor_layout.py``);
+  mode 1d for each, and 2d where T is a square q x q >= 4; only for models with a tensor table
+  (``plan/tensor_layout.py``: from the model's transformers tensor plan, recorded in the profile);
 * pipeline degree P: divisors of world / T up to the number of blocks, modular assignment and the
   looped breadth-first schedule;
 * the data degree world / (P x T) must divide the global batch;
 * pipeline and tensor parallelism one at a time: the engine does not compose the two yet;
 * only the layouts the engine can run for this model (``ModelProfile.layout_reasons``, from
   ``plan/capabilities.py``): a model without a stage plan gets no pipeline, one without a
-  tensor layout table no tensor parallelism, and a pin of either is refused with the reason.
+  tensor table no tensor parallelism, and a pin of either is refused with the reason.
 
 ``--fix pipeline=P``, ``--fix tensor=T`` and ``--fix tensor_mode=1d|2d`` pin them (checked here).
 Whether the training script's loop allows these layouts at all is the driver's question
@@ -34,7 +34,9 @@ def _splits(profile: ModelProfile, degree: int, mode: str) -> bool:
     """Whether every parameter has a local shape at this tensor degree and mode."""
     try:
         for param in profile.params:
-            local_shape(param.name, list(param.shape), profile.arch.model_type, degree, mode)
+            local_shape(
+                param.name, list(param.shape), profile.arch.model_type, degree, mode, profile.arch.tensor_layout
+            )
     except ValueError:
         return False
     return True
@@ -79,7 +81,7 @@ def tensor_choices(profile: ModelProfile, gpus_per_node: int, fixed: dict) -> li
     elif mode == "1d" and profile.seq_len % pinned_t:
         why = f"sequence parallelism splits the {profile.seq_len} tokens of a sample by T, and {pinned_t} does not divide them"
     elif not any(t > 1 for t, _ in tensor_degrees(profile, gpus_per_node)):
-        why = f"model type {arch.model_type!r} has no tensor layout table"
+        why = f"model type {arch.model_type!r} has no tensor table (tensor parallelism needs a tensor plan for its family)"
     else:
         why = "a parameter does not split evenly (e.g. the vocabulary size)"
     raise ValueError(f"--fix tensor={pinned_t} (mode {mode}): not possible for {profile.name}: {why}")

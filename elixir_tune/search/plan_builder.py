@@ -149,6 +149,7 @@ def build_plan(
             num_kv_heads=arch.num_kv_heads,
             unsupported_layouts=cast("dict[LayoutName, str]", profile.layout_reasons()),
             foreign_reads=[replace(read, params=list(read.params)) for read in profile.foreign_reads],
+            tensor_layout=dict(arch.tensor_layout),
         ),
         cluster=ClusterInfo(
             hardware=hardware_id,

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import elixir_tune
 from elixir_tune.engine import CheckpointError
-from elixir_tune.engine import checkpoint_files as files
+from elixir_tune.engine.io import checkpoint_files as files
 from tests.distributed.engine_checkpoint_worker import setup, train
 
 CASE = dict(model="gpt2", chunk_size=4096, cache="all", steps=4)
@@ -178,7 +178,7 @@ def run_case(case: dict, rank: int, world: int, root: Path) -> dict:
 _HOLD_LOCK = """
 import sys, time
 from pathlib import Path
-from elixir_tune.engine.checkpoint_files import acquire_lock
+from elixir_tune.engine.io.checkpoint_files import acquire_lock
 print(acquire_lock(Path(sys.argv[1])) and "noted" or "locked", flush=True)
 time.sleep(120)
 """

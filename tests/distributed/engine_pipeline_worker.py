@@ -24,7 +24,13 @@ import elixir_tune
 from elixir_tune.engine import save_pretrained
 from tests.distributed.engine_archs_worker import arch_config
 from tests.distributed.engine_plans import batches, make_plan, param_groups, tiny_gpt2_config
-from tests.distributed.engine_worker import compare, local_micro, mean_over_ranks, plain_training
+from tests.distributed.engine_worker import (
+    compare,
+    local_micro,
+    mean_over_ranks,
+    plain_accumulated_training,
+    plain_training,
+)
 
 SEQ = 8
 MICRO = 2
@@ -68,7 +74,7 @@ def build_reference(case: dict):
     model's initializer gives for ``META_SEED`` (what the engine made, whatever the world)."""
     model, opt = build(case)
     if case.get("meta"):
-        from elixir_tune.engine.materialize import Initializer
+        from elixir_tune.engine.io.materialize import Initializer
 
         meta_model, _ = build(case, meta=True)
         initializer = Initializer(meta_model, META_SEED)
@@ -248,6 +254,16 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
                 with torch.no_grad():
                     first = batches(1, engine["global_batch"], SEQ)[0]
                     result["ref_eval_loss"] = float(model(**first).loss)
+            if case.get("control"):  # plain PyTorch against itself, accumulated: the fp32 floor for this case
+                model, opt = build_reference(case)
+                control = plain_accumulated_training(
+                    model,
+                    opt,
+                    batches(case["steps"], engine["global_batch"], SEQ),
+                    case["accum"],
+                    case.get("clip", 0.0),
+                )
+                result["control_weight_abs"] = compare(control, reference, control["losses"])["weight_abs"]
         result.update(compare(engine, reference, result["world_losses"]))
         result["ref_losses"] = reference["losses"]
     return result

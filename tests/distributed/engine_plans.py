@@ -28,6 +28,7 @@ from elixir_tune.plan import (
     validate,
 )
 from elixir_tune.plan.memory import align_up, chunk_size_multiple, padded_offsets
+from elixir_tune.tensor_table import model_tensor_table
 
 
 def model_fingerprint(model: nn.Module) -> str:
@@ -44,10 +45,12 @@ def pack(model: nn.Module, chunk_size: int, tensor: int = 1, mode: str = "1d") -
     """
     from elixir_tune.plan.tensor_layout import local_shape
 
+    table = model_tensor_table(model)[0] if tensor > 1 else {}
+
     def numel(name: str, param: nn.Parameter) -> int:
         if tensor == 1:
             return param.numel()
-        return math.prod(local_shape(name, list(param.shape), model.config.model_type, tensor, mode))
+        return math.prod(local_shape(name, list(param.shape), model.config.model_type, tensor, mode, table))
 
     trainable = [(name, numel(name, p)) for name, p in model.named_parameters() if p.requires_grad]
     return _pack_in_order(trainable, chunk_size)
@@ -86,7 +89,7 @@ def pack_stages(
     family (OPT registers its final norm before the blocks), so the embeddings the stage adapter runs
     first come first, then the blocks, then the rest.
     """
-    from elixir_tune.engine.pipeline_adapters import adapter_for
+    from elixir_tune.engine.parallel.pipeline_adapters import adapter_for
     from elixir_tune.plan.stages import assign_stages, block_index_of
 
     adapter = adapter_for(model, block_list)
@@ -214,6 +217,7 @@ def make_plan(
             model_type=str(getattr(config, "model_type", "") or ""),
             num_heads=getattr(config, "num_attention_heads", 0) or 0,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", 0) or 0,
+            tensor_layout=model_tensor_table(model)[0] if tensor > 1 else {},
         ),
         cluster=ClusterInfo(
             hardware="test",

@@ -2,7 +2,8 @@
 
 Run by ``engine_launch.py`` as N processes (gloo, CPU). Each case is a dict:
 
-    model: llama (grouped-query attention) | gpt2      tensor: tensor degree T (world = data x T)
+    model: llama (grouped-query attention) | gpt2 | zoo:NAME (a zoo model, tests/zoo/models.py, with
+        its batches)      tensor: tensor degree T (world = data x T)
     mode: 1d | 2d      sp: sequence parallelism (1d)    chunk_size, cache, offload (fraction)
     attn: the attention implementation (default sdpa; eager builds a per-sample mask)
     vocab_loss: the logits stay split by vocabulary, the loss runs under loss_parallel
@@ -17,10 +18,11 @@ also trains plain PyTorch on each step's whole global batch and reports the larg
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 import elixir_tune
-from elixir_tune.engine.materialize import Initializer, InitSource, materialize_replicated
-from elixir_tune.engine.tensor_parallel import TensorParallelError, local_data
+from elixir_tune.engine.io.materialize import Initializer, InitSource, materialize_replicated
+from elixir_tune.engine.parallel.tensor_parallel import TensorParallelError, local_data
 from elixir_tune.plan.tensor_layout import local_shape
 from tests.distributed.engine_plans import batches, make_plan, param_groups, tiny_gpt2, tiny_llama_gqa
 from tests.distributed.engine_worker import compare, local_micro, mean_over_ranks
@@ -34,7 +36,11 @@ META_SEED = 7
 def build(case: dict, materialize: bool = False):
     """The case's model and optimizer; ``meta`` cases build it on the meta device (``materialize``:
     then give it the initializer's values for META_SEED, what setup(seed=META_SEED) makes)."""
-    if case.get("meta"):
+    if case["model"].startswith("zoo:"):
+        from tests.zoo.models import build as build_zoo
+
+        model = build_zoo(case["model"].removeprefix("zoo:"))
+    elif case.get("meta"):
         with torch.device("meta"):
             model = tiny_llama_gqa() if case["model"] == "llama" else tiny_gpt2()
         if materialize:
@@ -48,11 +54,20 @@ def build(case: dict, materialize: bool = False):
 
 
 def block_list(case: dict) -> str:
+    if case["model"].startswith("zoo:"):
+        from elixir_tune.profiler.blocks import find_block_list
+
+        return find_block_list(build(case)[0])[0]
     return "model.layers" if case["model"] == "llama" else "transformer.h"
 
 
 def global_batches(case: dict, data: int) -> list[dict]:
-    return batches(case.get("steps", 10), case.get("micro", 2) * case.get("accum", 1) * data, SEQ)
+    size = case.get("micro", 2) * case.get("accum", 1) * data
+    if case["model"].startswith("zoo:"):
+        from tests.zoo.models import global_batches as zoo_batches
+
+        return zoo_batches(case["model"].removeprefix("zoo:"), case.get("steps", 10), size)
+    return batches(case.get("steps", 10), size, SEQ)
 
 
 def run_engine(case: dict, rank: int, world: int) -> dict:
@@ -82,7 +97,8 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
     mismatches = [
         (name, list(local_data(p).shape))
         for name, p in model.module.named_parameters()
-        if list(local_data(p).shape) != local_shape(name, list(p.shape), model_type, tensor, mode)
+        if list(local_data(p).shape)
+        != local_shape(name, list(p.shape), model_type, tensor, mode, plan.model.tensor_layout)
     ]
     accum = case.get("accum", 1)
     losses, norms = [], []
@@ -128,18 +144,39 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
     }
 
 
-def run_reference(case: dict, data: int) -> dict:
+def _split_rows(module, inputs, output):
+    """A row-parallel linear's product summed over two halves of its input, as tensor 2 sums it."""
+    x, half = inputs[0], inputs[0].shape[-1] // 2
+    return F.linear(x[..., :half], module.weight[:, :half]) + F.linear(x[..., half:], module.weight[:, half:])
+
+
+def run_reference(case: dict, data: int, halves: int = 1, split_rows: bool = False) -> dict:
+    """Plain PyTorch on each step's whole global batch. The control (``halves``, ``split_rows``)
+    computes the same function in another summation order, the ones tensor x data parallelism uses:
+    the global batch as ``halves`` parts whose gradients add up, the row-parallel products (o_proj,
+    down_proj) as two halves of their input dimension."""
     model, opt = build(case, materialize=True)
+    if split_rows:
+        for name, module in model.named_modules():
+            if name.endswith(("o_proj", "down_proj")):
+                module.register_forward_hook(_split_rows)
     losses, norms = [], []
     for batch in global_batches(case, data):
-        loss = model(**batch).loss
-        loss.backward()
+        size = len(batch["input_ids"]) // halves
+        parts = [{k: v[i * size : (i + 1) * size] for k, v in batch.items()} for i in range(halves)]
+        loss = sum(_backward_part(model, part, halves) for part in parts)
         if case.get("clip"):
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"])))
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss.detach()))
+        losses.append(float(loss))
     return {"losses": losses, "norms": norms, "state": {k: v.tolist() for k, v in model.state_dict().items()}}
+
+
+def _backward_part(model, part: dict, parts: int) -> torch.Tensor:
+    loss = model(**part).loss / parts
+    loss.backward()
+    return loss.detach()
 
 
 def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> dict:
@@ -164,6 +201,11 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
         reference = run_reference(case, world // case["tensor"])
         result.update(compare(engine, reference, world_losses))
         result["ref_losses"] = reference["losses"]
+        if case.get("control"):  # plain PyTorch against itself, reordered: the fp32 floor for this case
+            controls = [
+                run_reference(case, world // case["tensor"], halves, rows) for halves, rows in ((2, False), (2, True))
+            ]
+            result["control_weight_abs"] = max(compare(c, reference, c["losses"])["weight_abs"] for c in controls)
     return result
 
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import elixir_tune
-from elixir_tune.engine import materialize
+from elixir_tune.engine.io import materialize
 from tests.distributed.engine_launch import worker_main
 from tests.distributed.engine_plans import make_plan, tiny_gpt2_config
 

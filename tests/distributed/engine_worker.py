@@ -84,6 +84,25 @@ def plain_training(model, opt, global_batches: list[dict], clip: float = 0.0) ->
     return {"losses": losses, "norms": norms, "state": {k: v.tolist() for k, v in model.state_dict().items()}}
 
 
+def plain_accumulated_training(model, opt, global_batches: list[dict], accum: int, clip: float = 0.0) -> dict:
+    """The control for ``plain_training``: the same steps in plain PyTorch with each global batch run
+    as ``accum`` micro-batches (loss / accum, gradients accumulated), the same mathematics in another
+    fp32 summation order. How far its weights drift from the reference is plain PyTorch's own floor."""
+    losses, norms = [], []
+    for batch in global_batches:
+        total = 0.0
+        for k in range(accum):
+            loss = model(**local_micro(batch, 0, 1, accum, k)).loss / accum
+            loss.backward()
+            total += float(loss.detach())
+        if clip:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return {"losses": losses, "norms": norms, "state": {k: v.tolist() for k, v in model.state_dict().items()}}
+
+
 def train_steps(model, opt, global_batches: list[dict], rank: int, world: int, accum: int) -> list[float]:
     """Plain training steps through the engine's API; this rank's loss of each step."""
     losses = []

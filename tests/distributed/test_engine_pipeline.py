@@ -22,10 +22,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 LOSS_REL = 1e-5
 NORM_REL = 1e-5
 WEIGHT_ABS = 1e-5
+CONTROL_FACTOR = 2.0  # a case with a control: within twice plain PyTorch's own reordering difference
 BASE = dict(stages=2, chunk_size=4096, accum=4, steps=10)
 WORLD2 = [
     dict(BASE, arch="gpt2", clip=1.0, errors=True, predict=True),
-    dict(BASE, arch="llama", clip=1.0),
+    # For this Llama the fp32 summation order alone moves weights by about 1e-5 over 10 steps (AdamW
+    # amplifies near-zero gradients): the control, plain PyTorch accumulating the same 4 micro-batches,
+    # differs from the whole-batch reference by 9.4e-6, the engine by 1.19e-5 (2-vCPU Xeon); the bound is
+    # twice the control's.
+    dict(BASE, arch="llama", clip=1.0, control=True),
     dict(BASE, arch="gpt2", offload=1.0, checkpoint=1, cache="min"),
     dict(BASE, arch="llama", schedule="interleaved_1f1b", offload=0.5, checkpoint=1),
     dict(BASE, arch="llama_tied", assignment="contiguous", schedule="1f1b", clip=1.0),
@@ -73,7 +78,11 @@ def _check(per_rank: list[dict]) -> None:
     first = per_rank[0]
     assert first["loss_rel"] <= LOSS_REL, (first["case"], first["loss_rel"])
     assert first["norm_rel"] <= NORM_REL, (first["case"], first["norm_rel"])
-    assert first["weight_abs"] <= WEIGHT_ABS, (first["case"], first["weight_abs"])
+    bound = WEIGHT_ABS
+    if first["case"].get("control"):
+        assert 0 < first["control_weight_abs"] < WEIGHT_ABS  # plain PyTorch's own reordering
+        bound = max(bound, CONTROL_FACTOR * first["control_weight_abs"])
+    assert first["weight_abs"] <= bound, (first["case"], first["weight_abs"], first.get("control_weight_abs"))
     # Every rank returns the step's loss (broadcast from the last stage): the same within a data index.
     # Parameters of the other stages' modules hold no memory (meta) on every rank.
     # No-sync: each chunk is reduce-scattered over the data group once per step per virtual stage it

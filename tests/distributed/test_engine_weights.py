@@ -74,7 +74,7 @@ INIT_CASES = [
 
 
 def run_in_process(cases: list[dict]) -> list[dict]:
-    from elixir_tune.engine import materialize
+    from elixir_tune.engine.io import materialize
 
     saved, materialize.UNIT_NUMEL = materialize.UNIT_NUMEL, worker.SMALL_UNIT_NUMEL
     try:

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from elixir_tune.engine.checkpoint import read_meta  # the latest step directory
+from elixir_tune.engine.io.checkpoint import read_meta  # the latest step directory
 from tests.e2e.launch_helpers import run_elixir
 from tests.e2e.test_resume import TRAIN, _runnable_plan
 

@@ -51,7 +51,7 @@ def profiles(tmp_path_factory) -> dict:
 
 
 def test_the_lists_are_the_engines():
-    from elixir_tune.engine.tp_adapters import FAMILY_PLANS
+    from elixir_tune.engine.parallel.tp_adapters import FAMILY_PLANS
 
     assert set(supported_model_types()) == set(FAMILY_PLANS)
 
@@ -83,11 +83,15 @@ def test_the_pipeline_families_are_those_whose_stage_plan_the_engine_accepts():
 
 
 def test_reasons_name_the_model_and_what_runs():
-    assert unsupported_layouts("llama", is_causal_lm=True) == {}
+    assert unsupported_layouts("llama", is_causal_lm=True, tensor_problem="") == {}  # its table was made
+    assert unsupported_layouts("gpt2", is_causal_lm=True) == {}  # a built-in table
+    # Without the model at hand, a family without a built-in table is not taken to split.
+    assert "no tensor table is recorded" in unsupported_layouts("llama", is_causal_lm=True)["tensor"]
     assert set(unsupported_layouts("opt", is_causal_lm=True)) == {"tensor"}
+    assert unsupported_layouts("mixtral", True, "uses moe styles") == {"tensor": "uses moe styles"}  # stages run it
     reasons = unsupported_layouts("t5", is_causal_lm=False)
     assert "model type 't5' has no pipeline plan known to run" in reasons["pipeline"]
-    assert "model type 't5' has no tensor layout table" in reasons["tensor"]
+    assert "model type 't5': no tensor table is recorded" in reasons["tensor"]
     assert "causal LMs (with an lm_head) only" in unsupported_layouts("gpt2", is_causal_lm=False)["pipeline"]
     assert "without a transformers config" in unsupported_layouts("", is_causal_lm=False)["tensor"]
     # What the profiler found on the model wins over the family list.
@@ -99,8 +103,10 @@ def test_the_profile_records_what_the_engine_runs(profiles):
     assert profiles["gpt2"].unsupported_layouts == {}
     assert profiles["qwen2"].unsupported_layouts == {}
     assert set(profiles["opt"].unsupported_layouts) == {"tensor"}
-    for family in ("qwen3", "gpt_neox"):  # transformers' base_model_pp_plan
-        assert "pipeline" not in profiles[family].layout_reasons(), family
+    assert "ships no tensor plan" in profiles["opt"].unsupported_layouts["tensor"]
+    for family in ("qwen3", "gpt_neox"):  # both layouts from their transformers plans
+        assert profiles[family].unsupported_layouts == {}, family
+        assert profiles[family].arch.tensor_layout, family
     for family in ("falcon", "t5", "mlp"):
         assert "has no pipeline plan" in profiles[family].layout_reasons()["pipeline"], family
 
@@ -125,11 +131,13 @@ def test_forward_backward_plans_use_only_layouts_the_model_runs(profiles, family
     assert plan.parallel.tensor.degree == 1 or "tensor" not in reasons
 
 
-@pytest.mark.parametrize("pin", ["pipeline=2", "tensor=2"])
-def test_a_pinned_layout_the_model_cannot_run_is_refused_with_the_reason(profiles, pin):
+@pytest.mark.parametrize(
+    ("family", "pin", "why"),
+    [("falcon", "pipeline=2", "has no pipeline plan"), ("opt", "tensor=2", "ships no tensor plan")],
+)
+def test_a_pinned_layout_the_model_cannot_run_is_refused_with_the_reason(profiles, family, pin, why):
     hardware = load_hardware("cpu")
-    family = "falcon" if pin == "pipeline=2" else "qwen3"
-    with pytest.raises(ValueError, match=f"--fix {pin}: not possible for {family}-tiny: model type '{family}' has no"):
+    with pytest.raises(ValueError, match=f"--fix {pin}: not possible for {family}-tiny: model type '{family}' {why}"):
         search(profiles[family], hardware, gpus_per_node=2, global_batch_size=8, fixed=[pin], loop="forward_backward")
 
 

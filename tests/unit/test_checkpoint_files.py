@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from elixir_tune.engine import checkpoint_files as files
-from elixir_tune.engine.checkpoint_files import CheckpointError
+from elixir_tune.engine.io import checkpoint_files as files
+from elixir_tune.engine.io.checkpoint_files import CheckpointError
 
 
 def _fake_checkpoint(directory, step: int, mtime: float) -> None:
@@ -67,7 +67,7 @@ def test_writing_records_what_is_on_disk_and_reading_refuses_objects(tmp_path):
 def test_a_live_holder_refuses_and_a_dead_ones_lock_is_taken_over(tmp_path):
     root = tmp_path / "ckpt"
     code = (
-        "import sys, time; from pathlib import Path; from elixir_tune.engine.checkpoint_files import acquire_lock; "
+        "import sys, time; from pathlib import Path; from elixir_tune.engine.io.checkpoint_files import acquire_lock; "
         "acquire_lock(Path(sys.argv[1])); print('locked', flush=True); time.sleep(60)"
     )
     holder = subprocess.Popen([sys.executable, "-c", code, str(root)], stdout=subprocess.PIPE, text=True)

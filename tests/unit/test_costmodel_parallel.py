@@ -154,9 +154,10 @@ def test_tensor_collectives_are_on_the_step(profile):
         hardware.allgather_gbps * 1e9
     )
     assert layer_s == pytest.approx(expected) and forward_share == 0.5
-    # Sequence parallelism: each norm parameter (ln_1, ln_2 weight and bias per block, ln_f's two) has
-    # a partial gradient, all-reduced once per micro-batch: 2 (T-1)/T of its bf16 bytes on the wire.
-    norms_s = (4 * LAYERS + 2) * (hardware.collective_latency_s + HIDDEN * 2 * 1.0 / (hardware.allgather_gbps * 1e9))
+    # Sequence parallelism: each norm parameter (ln_1, ln_2 weight and bias per block, ln_f's two) and
+    # each row-parallel bias (attn.c_proj, mlp.c_proj per block) has a partial gradient, all-reduced
+    # once per micro-batch: 2 (T-1)/T of its bf16 bytes on the wire.
+    norms_s = (6 * LAYERS + 2) * (hardware.collective_latency_s + HIDDEN * 2 * 1.0 / (hardware.allgather_gbps * 1e9))
     edges_s = 4 * tensor.parallel_costs.latency_s + 4 * SEQ * HIDDEN * 2 / 2 / (hardware.allgather_gbps * 1e9)
     assert tensor.tensor_comm_s(1, 0) == pytest.approx(LAYERS * layer_s + edges_s + norms_s)
     no_sp = CostModel(profile, hardware, gpus_per_node=2, layout=Layout(tensor=2, sequence_parallel=False))
@@ -166,3 +167,21 @@ def test_tensor_collectives_are_on_the_step(profile):
     assert tensor.tensor_comm_s(1, 1) == pytest.approx(tensor.tensor_comm_s(1, 0) + LAYERS * layer_s / 2)
     assert plain.tensor_comm_s(1, 1) == 0.0
     assert math.isclose(plain.parallel_costs.rate_factor, 1.0)
+
+
+def test_an_uneven_modular_split_puts_the_head_with_the_last_block():
+    # 3 blocks on 2 stages: blocks 0 and 2 on stage 0, so the final norm, the head, the loss and the
+    # tied embedding all live on stage 0 (the engine's placement); stage 1 holds block 1 only.
+    from elixir_tune.costmodel.parallel import tied_params
+
+    three = gpt2_profile("p3", hidden=HIDDEN, layers=3, heads=HEADS, vocab=VOCAB, positions=SEQ, seq_len=SEQ)
+    layout = Layout(pipeline=2)
+    stage0, stage1 = rank_profile(three, layout, 0), rank_profile(three, layout, 1)
+    assert [b.index for b in stage0.blocks] == [0, 2] and [b.index for b in stage1.blocks] == [1]
+    assert {"transformer.ln_f.weight", "transformer.wte.weight"} <= {p.name for p in stage0.params}
+    assert not {"transformer.ln_f.weight", "transformer.wte.weight"} & {p.name for p in stage1.params}
+    block_fwd = three.blocks[0].fwd_flops_per_sample
+    head = three.flops_per_sample - 3 * 3 * block_fwd
+    assert stage0.flops_per_sample == pytest.approx(3 * 2 * block_fwd + head)
+    assert stage1.flops_per_sample == pytest.approx(3 * block_fwd)
+    assert tied_params(three, layout) == []  # both users of the tied embedding on one stage

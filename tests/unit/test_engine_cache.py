@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from elixir_tune.engine.cache import CacheTooSmall, ChunkCache
-from elixir_tune.engine.chunk import Chunk
+from elixir_tune.engine.chunks.cache import CacheTooSmall, ChunkCache
+from elixir_tune.engine.chunks.chunk import Chunk
 from elixir_tune.engine.comm import Comm
 
 LOCAL = Comm(0, 1, "local", torch.device("cpu"))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import elixir_tune
-from elixir_tune.engine.checkpoint import read_meta  # the latest step directory
+from elixir_tune.engine.io.checkpoint import read_meta  # the latest step directory
 from tests.distributed.engine_plans import batches, make_plan, tiny_gpt2
 
 MICRO = 2

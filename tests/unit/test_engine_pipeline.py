@@ -1,4 +1,4 @@
-"""What a pipeline rank holds, decided before any process group exists (engine/pipeline.py ``prepare``):
+"""What a pipeline rank holds, decided before any process group exists (engine/parallel/pipeline.py ``prepare``):
 virtual stages, this stage's and the shared chunks, the modules of other stages; and the errors for
 plans or models the pipeline engine cannot run."""
 
@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from elixir_tune.engine.pipeline import prepare, virtual_stages
-from elixir_tune.engine.pipeline_adapters import adapter_for
+from elixir_tune.engine.parallel.pipeline import prepare, virtual_stages
+from elixir_tune.engine.parallel.pipeline_adapters import adapter_for
 from tests.distributed.engine_plans import make_plan, tied_net, tiny_gpt2_config
 
 

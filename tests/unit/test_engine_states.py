@@ -2,8 +2,8 @@
 
 import pytest
 
-from elixir_tune.engine.states import TensorState as S
-from elixir_tune.engine.states import transition
+from elixir_tune.engine.chunks.states import TensorState as S
+from elixir_tune.engine.chunks.states import transition
 
 
 def test_forward_backward_cycle():

@@ -187,31 +187,53 @@ def test_assign_stages_puts_embeddings_first_and_the_head_with_the_last_block():
     assert block_index_of("h.12.attn.weight", "h") == 12 and block_index_of("hx.1.w", "h") is None
 
 
+# Llama's table as the profiler records it (tests/unit/test_tensor_tables.py translates the real one).
+LLAMA = {
+    "model.layers.*.self_attn.q_proj": "colwise",
+    "model.layers.*.self_attn.k_proj": "colwise",
+    "model.layers.*.self_attn.v_proj": "colwise",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+    "model.embed_tokens": "vocab",
+    "lm_head": "vocab",
+    "model.layers.*.input_layernorm": "norm",
+    "model.layers.*.post_attention_layernorm": "norm",
+    "model.norm": "norm",
+}
+
+
 def test_tensor_layout_llama_gqa_and_gpt2_conv1d():
-    assert tensor_style("model.layers.0.self_attn.k_proj.weight", "llama") == "colwise"
-    assert tensor_style("model.layers.0.input_layernorm.weight", "llama") == "replicate"
+    assert tensor_style("model.layers.0.self_attn.k_proj.weight", "llama", LLAMA) == "colwise"
+    assert tensor_style("model.layers.0.input_layernorm.weight", "llama", LLAMA) == "replicate"
+    assert tensor_style("model.layers.0.self_attn.o_proj.bias", "llama", LLAMA) == "replicate"  # rowwise bias
     # nn.Linear [out, in]: column-parallel splits dim 0, row-parallel dim 1.
-    assert local_shape("model.layers.0.self_attn.k_proj.weight", [64, 256], "llama", 2) == [32, 256]
-    assert local_shape("model.layers.0.mlp.down_proj.weight", [256, 688], "llama", 2) == [256, 344]
-    assert local_shape("lm_head.weight", [1000, 256], "llama", 4) == [250, 256]
-    # Conv1D [in, out]: swapped.
+    assert local_shape("model.layers.0.self_attn.k_proj.weight", [64, 256], "llama", 2, table=LLAMA) == [32, 256]
+    assert local_shape("model.layers.0.self_attn.k_proj.bias", [64], "llama", 2, table=LLAMA) == [32]
+    assert local_shape("model.layers.0.mlp.down_proj.weight", [256, 688], "llama", 2, table=LLAMA) == [256, 344]
+    assert local_shape("lm_head.weight", [1000, 256], "llama", 4, table=LLAMA) == [250, 256]
+    # `*` is one path component: a longer or shorter path does not match.
+    assert tensor_style("model.layers.0.x.self_attn.q_proj.weight", "llama", LLAMA) == "replicate"
+    # Conv1D [in, out]: swapped (GPT-2's built-in table).
     assert split_dim("transformer.h.0.attn.c_attn.weight", [64, 192], "gpt2") == 1
     assert local_shape("transformer.h.0.mlp.c_proj.weight", [256, 64], "gpt2", 2) == [128, 64]
     assert local_shape("transformer.h.0.attn.c_proj.bias", [64], "gpt2", 2) == [64]
     # 2d over 2 x 2: matrices split on both dimensions, replicated vectors on their last.
-    assert local_shape("model.layers.0.mlp.up_proj.weight", [688, 256], "llama", 4, "2d") == [344, 128]
-    assert local_shape("model.norm.weight", [256], "llama", 4, "2d") == [128]
+    assert local_shape("model.layers.0.mlp.up_proj.weight", [688, 256], "llama", 4, "2d", LLAMA) == [344, 128]
+    assert local_shape("model.norm.weight", [256], "llama", 4, "2d", LLAMA) == [128]
     with pytest.raises(ValueError, match="does not divide by 4"):
-        local_shape("lm_head.weight", [1002, 256], "llama", 4)
-    with pytest.raises(ValueError, match="no tensor-parallel layout"):
+        local_shape("lm_head.weight", [1002, 256], "llama", 4, table=LLAMA)
+    with pytest.raises(ValueError, match="no tensor-parallel table for model type 'bloom'"):
         tensor_style("x.weight", "bloom")
 
 
 def test_norm_parameters_by_family():
     assert is_norm_param("transformer.h.3.ln_2.bias", "gpt2") and is_norm_param("transformer.ln_f.weight", "gpt2")
-    assert not is_norm_param("transformer.h.3.attn.c_proj.bias", "gpt2")  # replicated, but not a norm
-    assert is_norm_param("model.layers.0.input_layernorm.weight", "llama") and is_norm_param(
-        "model.norm.weight", "qwen2"
-    )
-    assert not is_norm_param("model.layers.0.mlp.down_proj.weight", "mistral")
-    assert not is_norm_param("model.decoder.final_layer_norm.weight", "opt")  # no tensor-parallel layout
+    # A row-parallel bias: replicated, added after the reduction; its gradient is summed like a norm's.
+    assert is_norm_param("transformer.h.3.attn.c_proj.bias", "gpt2")
+    assert not is_norm_param("transformer.h.3.attn.c_attn.bias", "gpt2")  # split
+    assert is_norm_param("model.layers.0.input_layernorm.weight", "llama", LLAMA)
+    assert is_norm_param("model.norm.weight", "qwen2", LLAMA)
+    assert not is_norm_param("model.layers.0.mlp.down_proj.weight", "mistral", LLAMA)
+    assert not is_norm_param("model.decoder.final_layer_norm.weight", "opt")  # no tensor table

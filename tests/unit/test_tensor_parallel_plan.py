@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elixir_tune.engine.tp_layout import Layout, mesh_coords
+from elixir_tune.engine.parallel.tp_layout import Layout, mesh_coords
 from elixir_tune.plan import validate_dict
 from tests.unit.test_plan_parallel import _with
 
@@ -36,8 +36,14 @@ from tests.unit.test_plan_parallel import _with
         (
             {"parallel__tensor__degree": 2, "model__model_type": "bloom", "training__global_batch_size": 8},
             "parallel.tensor.degree: 2, but the engine cannot run tensor parallelism for this model: model type "
-            "'bloom' has no tensor layout table (tensor parallelism runs the families gpt2, llama, mistral, qwen2); "
+            "'bloom': no tensor table is recorded for it (tensor parallelism needs a tensor plan for the model's "
+            "family, read from its config.base_model_tp_plan when the model is profiled; built-in tables: gpt2); "
             "set it to 1 (search again without --fix tensor=2)",
+        ),
+        (
+            {"model__tensor_layout": {"transformer.h.*.attn.c_attn": "packed_colwise"}},
+            "model.tensor_layout: unknown styles transformer.h.*.attn.c_attn: packed_colwise (known: colwise, "
+            "colwise_gather, rowwise, rowwise_split, vocab, head_norm, norm); profile the model and search again",
         ),
     ],
 )  # fmt: skip

@@ -32,10 +32,10 @@ from pathlib import Path
 
 import torch
 
-from elixir_tune.engine import checkpoint_files as files
-from elixir_tune.engine.checkpoint_files import META_NAME, MODEL_NAME, CheckpointError, rank_file_name
 from elixir_tune.engine.comm import Comm, gather_objects
-from elixir_tune.engine.tensor_parallel import refuse_tensor_parallel
+from elixir_tune.engine.io import checkpoint_files as files
+from elixir_tune.engine.io.checkpoint_files import META_NAME, MODEL_NAME, CheckpointError, rank_file_name
+from elixir_tune.engine.parallel.tensor_parallel import refuse_tensor_parallel
 from elixir_tune.plan import Plan
 
 # 2: meta.json records each file's size and sha256 (1: no checksums; still loaded, with a note).

@@ -17,7 +17,7 @@ from __future__ import annotations
 import bisect
 import math
 
-from elixir_tune.engine.chunk import Chunk
+from elixir_tune.engine.chunks.chunk import Chunk
 from elixir_tune.engine.comm import Handle
 
 

@@ -1,8 +1,8 @@
 """Tensor parallelism (1D Megatron with sequence parallelism, 2D Optimus) under the chunk engine.
 
 ``apply_tensor_parallel`` turns an unmodified transformers model into its tensor-parallel form on
-this rank's tensor group (``engine/tp_adapters.py`` holds the per-family 1D tables,
-``engine/tp_grid.py`` the 2D ones; docs/DESIGN.md 9.5 describes both): the split
+this rank's tensor group (``engine/parallel/tp_adapters.py`` builds the 1D styles from the model's tensor
+table, ``plan/tensor_layout.py``; ``engine/parallel/tp_grid.py`` holds the 2D ones; docs/DESIGN.md 9.5 describes both): the split
 parameters become DTensors whose local tensors hold this rank's piece. The chunk engine then packs
 those LOCAL pieces into its chunks and shards them over the data-parallel group, as FSDP2 composes
 with tensor parallelism.
@@ -36,8 +36,8 @@ import torch
 from torch import nn
 
 from elixir_tune.engine.comm import Comm, Mesh, grid_device_mesh, is_dtensor
-from elixir_tune.engine.materialize import WeightSource, materialize_replicated
-from elixir_tune.engine.tp_layout import Layout, TensorParallelError, mesh_coords
+from elixir_tune.engine.io.materialize import WeightSource, materialize_replicated
+from elixir_tune.engine.parallel.tp_layout import Layout, TensorParallelError, mesh_coords
 from elixir_tune.plan import Plan
 
 if TYPE_CHECKING:
@@ -167,6 +167,7 @@ def apply_tensor_parallel(
     mode: str = "1d",
     sequence_parallel: bool = True,
     vocab_parallel_loss: bool = False,
+    table: dict[str, str] | None = None,
 ) -> TensorSplit:
     """Splits ``model`` over this rank's tensor group, in place.
 
@@ -174,15 +175,16 @@ def apply_tensor_parallel(
     split parameter (no other traffic). The optimizer's groups are pointed at the new parameters.
 
     Args:
-        model: a transformers model of a supported family (``tp_adapters.FAMILY_PLANS``), real weights.
+        model: a transformers model with a tensor table (``plan/tensor_layout.py``), real weights.
         optimizer: the user's optimizer over ``model.parameters()``, or None.
         mesh: the DeviceMesh of the tensor group: 1-D, or the q x q grid for ``mode`` 2d.
         tensor: the tensor group.
         world: every rank (the weights are broadcast from its rank 0).
-        mode: ``1d`` (Megatron) or ``2d`` (Optimus, engine/tp_grid.py).
+        mode: ``1d`` (Megatron) or ``2d`` (Optimus, engine/parallel/tp_grid.py).
         sequence_parallel: 1d: run norms and dropout on sequence shards.
         vocab_parallel_loss: 1d: keep the logits split by vocabulary and compute the model's loss
             under ``loss_parallel`` (ElixirModel's forward and the optimizer's ``backward`` enter it).
+        table: 1d: the model's tensor table from the plan (empty or None: read from the model).
 
     Returns:
         The TensorSplit layout.
@@ -191,8 +193,8 @@ def apply_tensor_parallel(
         TensorParallelError: unsupported family or sizes not divisible by the degree, or a meta model.
     """
     from elixir_tune.engine.comm import DTensor, Shard, parallelize_module
-    from elixir_tune.engine.tp_adapters import family_plan
-    from elixir_tune.engine.tp_grid import grid_plan
+    from elixir_tune.engine.parallel.tp_adapters import family_plan
+    from elixir_tune.engine.parallel.tp_grid import grid_plan
 
     degree = tensor.world_size
     if any(p.is_meta for p in model.parameters()):
@@ -205,7 +207,7 @@ def apply_tensor_parallel(
             raise TensorParallelError("the vocabulary-parallel loss is for 1d tensor parallelism only")
         plan = grid_plan(model, degree)
     else:
-        plan = family_plan(model, degree, sequence_parallel, vocab_parallel_loss)
+        plan = family_plan(model, degree, sequence_parallel, vocab_parallel_loss, table)
     with torch.no_grad():
         for param in model.parameters():
             world.broadcast(param.data, src=0)
@@ -274,6 +276,7 @@ def split_for_plan(
         tensor.mode,
         tensor.sequence_parallel,
         vocab_parallel_loss,
+        plan.model.tensor_layout,
     )
 
 

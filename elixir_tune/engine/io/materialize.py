@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from elixir_tune.engine.weights import WeightsReader
+from elixir_tune.engine.io.weights import WeightsReader
 
 UNIT_NUMEL = 1 << 26  # elements initialized at once (256 MiB in fp32): bounds host memory, not values
 _KEEP_UNITS = 2  # a unit straddling two chunks is initialized once

@@ -44,13 +44,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from elixir_tune.engine.chunk import ParamSlot
+from elixir_tune.engine.chunks.chunk import ParamSlot
 from elixir_tune.engine.comm import Comm, Mesh, gather_objects, pipelining, subgroup
 from elixir_tune.engine.engine import Engine
 from elixir_tune.engine.hooks import install_grad_hooks
-from elixir_tune.engine.materialize import WeightSource
-from elixir_tune.engine.pipeline_adapters import StageAdapter, adapter_for
-from elixir_tune.engine.pipeline_schedule import make_schedule
+from elixir_tune.engine.io.materialize import WeightSource
+from elixir_tune.engine.parallel.pipeline_adapters import StageAdapter, adapter_for
+from elixir_tune.engine.parallel.pipeline_schedule import make_schedule
 from elixir_tune.plan import Plan
 from elixir_tune.plan.stages import schedule_problem, virtual_stages
 

@@ -27,14 +27,14 @@ import torch
 from torch import nn
 
 from elixir_tune.engine.comm import DeviceMesh, DTensor, ParallelStyle, Replicate, Shard, distribute_module
-from elixir_tune.engine.tp_adapters import (
+from elixir_tune.engine.parallel.tp_adapters import (
     FamilyPlan,
     blocks_of,
     check_splittable,
     distribute_params,
     gpt2_local_heads,
 )
-from elixir_tune.engine.tp_layout import TensorParallelError
+from elixir_tune.engine.parallel.tp_layout import TensorParallelError
 
 # The residual stream between blocks: batch over the grid rows, hidden over the grid columns.
 RESIDUAL = (Shard(0), Shard(2))

@@ -21,8 +21,8 @@ from typing import Any, BinaryIO
 
 import torch
 
-from elixir_tune.engine.tensor_parallel import refuse_tensor_parallel
-from elixir_tune.engine.weights import INDEX_NAME, WEIGHTS_NAME
+from elixir_tune.engine.io.weights import INDEX_NAME, WEIGHTS_NAME
+from elixir_tune.engine.parallel.tensor_parallel import refuse_tensor_parallel
 
 _SAFETENSORS_DTYPES = {
     torch.float64: "F64",

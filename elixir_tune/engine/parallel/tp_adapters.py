@@ -1,11 +1,13 @@
-"""Per-family tensor-parallel plans for unmodified transformers models (1-D, Megatron style).
+"""Tensor-parallel plans for unmodified transformers models (1-D, Megatron style).
 
-Each family has one small table: which module is column- or row-parallel, which norms run
-sequence-parallel, where activations change layout. The styles are ``parallelize_module``'s
-(``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``, ``PrepareModuleInput``) plus two
-for GPT-2's ``Conv1D`` (weights stored ``[in, out]``, which torch's styles do not take) and a
-per-head split of GPT-2's fused ``c_attn`` (q | k | v in one matrix): each rank keeps its own heads
-of q, k and v, so its local piece is ``[q_r | k_r | v_r]``, not a contiguous third of the columns.
+Every family runs from its tensor table (``plan/tensor_layout.py``: module pattern -> colwise,
+rowwise, vocab, norm, ...; translated from the model's own ``config.base_model_tp_plan`` and
+carried by the plan): ``table_plan`` turns it into ``parallelize_module``'s styles
+(``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``) plus ``RegionInput``, which gathers
+the input of each attention and MLP once. GPT-2 keeps a hand-written plan (``_gpt2_plan``) for its
+``Conv1D`` (weights stored ``[in, out]``, which torch's styles do not take) and the per-head split
+of its fused ``c_attn`` (q | k | v in one matrix): each rank keeps its own heads of q, k and v, so
+its local piece is ``[q_r | k_r | v_r]``, not a contiguous third of the columns.
 
 With sequence parallelism (the default) the residual stream between blocks is a DTensor sharded
 on the sequence dimension: norms and dropout run on ``S / T`` tokens, each block all-gathers its
@@ -24,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
+import torch
 from torch import nn
 
 from elixir_tune.engine.comm import (
@@ -39,7 +42,9 @@ from elixir_tune.engine.comm import (
     Shard,
     distribute_module,
 )
-from elixir_tune.engine.tp_layout import Layout, TensorParallelError
+from elixir_tune.engine.parallel.tp_layout import Layout, TensorParallelError
+from elixir_tune.plan.tensor_layout import MODULE_STYLES, TensorTable, local_shape, module_style, unknown_styles
+from elixir_tune.tensor_table import model_tensor_table
 
 # --- GPT-2's Conv1D -----------------------------------------------------------------------------------
 
@@ -161,39 +166,81 @@ def _sequence(sp: bool):
     return (Shard(1), False) if sp else (Replicate(), True)
 
 
-def _llama_plan(model: nn.Module, degree: int, sp: bool) -> FamilyPlan:
-    base = model.base_model_prefix
+class RegionInput(ParallelStyle):
+    """The input of an attention or MLP (the parent of column-parallel linears) as a replicated
+    DTensor: gathered from sequence shards with sequence parallelism. The column-parallel layers'
+    input gradients (partial sums) then add up before ONE reduction, instead of one per q, k, v
+    (gate, up) as with a plain input. The input is the first positional argument, else the
+    ``hidden_states`` keyword (families call their attention either way).
+    """
+
+    def __init__(self, between):
+        super().__init__()
+        self.between = between
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        between = self.between
+
+        def to_replicated(tensor):
+            if not isinstance(tensor, DTensor):
+                tensor = DTensor.from_local(tensor, device_mesh, (between,), run_check=False)
+            return tensor.redistribute(device_mesh, (Replicate(),))
+
+        def hook(_module, args, kwargs):
+            if args and torch.is_tensor(args[0]):
+                return (to_replicated(args[0]), *args[1:]), kwargs
+            if torch.is_tensor(kwargs.get("hidden_states")):
+                return args, {**kwargs, "hidden_states": to_replicated(kwargs["hidden_states"])}
+            raise TensorParallelError(
+                f"{type(_module).__name__}: its tensor plan splits linears inside it, but its input is neither "
+                "the first argument nor `hidden_states`; use tensor degree 1 for this model"
+            )
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+def table_plan(model: nn.Module, table: TensorTable, sp: bool, vocab_parallel_loss: bool) -> FamilyPlan:
+    """The 1-D plan of a model with ``nn.Linear`` layers from its tensor table (every family with a
+    transformers tensor plan; plan/tensor_layout.py describes the styles)."""
     between, local_out = _sequence(sp)
-    styles: dict[str, ParallelStyle] = {
-        f"{base}.embed_tokens": RowwiseParallel(
-            input_layouts=Replicate(), output_layouts=between, use_local_output=local_out
-        ),
-    }
-    for i in range(len(blocks_of(model, f"{base}.layers"))):
-        layer = f"{base}.layers.{i}"
-        for proj in ("q_proj", "k_proj", "v_proj"):
-            styles[f"{layer}.self_attn.{proj}"] = ColwiseParallel()
-        styles[f"{layer}.self_attn.o_proj"] = RowwiseParallel(output_layouts=between, use_local_output=local_out)
-        for proj in ("gate_proj", "up_proj"):
-            styles[f"{layer}.mlp.{proj}"] = ColwiseParallel()
-        styles[f"{layer}.mlp.down_proj"] = RowwiseParallel(output_layouts=between, use_local_output=local_out)
-        # The block input as a replicated DTensor (gathered from sequence shards with SP): the column-
-        # parallel layers' input gradients (partial sums) then add up before ONE reduction, instead of
-        # one all-reduce per q, k, v (gate, up) as with a plain input.
-        styles[f"{layer}.self_attn"] = PrepareModuleInput(
-            input_kwarg_layouts={"hidden_states": between},
-            desired_input_kwarg_layouts={"hidden_states": Replicate()},
-        )
-        styles[f"{layer}.mlp"] = PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),))
-        if sp:
-            styles[f"{layer}.input_layernorm"] = SequenceParallel()
-            styles[f"{layer}.post_attention_layernorm"] = SequenceParallel()
-    if sp:
-        styles[f"{base}.norm"] = SequenceParallel()
-    styles["lm_head"] = ColwiseParallel(input_layouts=between, output_layouts=Replicate())
+    styles: dict[str, ParallelStyle] = {}
+    regions = set()
+    for path, module in model.named_modules():
+        style = module_style(path, table) if path else None
+        if style is None:
+            continue
+        if style in ("colwise", "colwise_gather"):
+            gathered = style == "colwise_gather"
+            styles[path] = ColwiseParallel(output_layouts=Replicate()) if gathered else ColwiseParallel()
+            regions.add(path.rpartition(".")[0])
+        elif style in ("rowwise", "rowwise_split"):
+            whole = {"input_layouts": Replicate()} if style == "rowwise_split" else {}
+            styles[path] = RowwiseParallel(output_layouts=between, use_local_output=local_out, **whole)
+        elif style == "vocab" and isinstance(module, nn.Embedding):
+            styles[path] = RowwiseParallel(
+                input_layouts=Replicate(), output_layouts=between, use_local_output=local_out
+            )
+        elif style == "vocab":  # the output head: logits split by vocabulary, gathered unless the loss is parallel
+            logits = Shard(-1) if vocab_parallel_loss else Replicate()
+            styles[path] = ColwiseParallel(
+                input_layouts=between, output_layouts=logits, use_local_output=not vocab_parallel_loss
+            )
+        elif style == "head_norm":  # on this rank's heads: [..., heads, head_dim], split by heads
+            styles[path] = SequenceParallel(sequence_dim=-2, use_local_output=True)
+        elif style == "norm" and sp:
+            styles[path] = SequenceParallel()
+    for region in regions:
+        styles[region] = RegionInput(between)
+    # Tied parameters (the output head's weight is the input embedding's): re-tied after the split.
+    owners: dict[int, str] = {}
     tied = []
-    if getattr(model.config, "tie_word_embeddings", False):
-        tied.append(("lm_head", "weight", f"{base}.embed_tokens.weight"))
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in owners:
+            path, _, attr = name.rpartition(".")
+            tied.append((path, attr, owners[id(param)]))
+        else:
+            owners[id(param)] = name
     return FamilyPlan(styles, {}, [], tied)
 
 
@@ -233,25 +280,27 @@ def _gpt2_plan(model: nn.Module, degree: int, sp: bool) -> FamilyPlan:
     return FamilyPlan(styles, fused, attrs, tied)
 
 
-FAMILY_PLANS: dict[str, Callable[[nn.Module, int, bool], FamilyPlan]] = {
-    "gpt2": _gpt2_plan,
-    "llama": _llama_plan,
-    "mistral": _llama_plan,
-    "qwen2": _llama_plan,
-}
+# Families whose engine plan is written by hand (their linears are not nn.Linear); every other family
+# runs ``table_plan`` from its tensor table.
+FAMILY_PLANS: dict[str, Callable[[nn.Module, int, bool], FamilyPlan]] = {"gpt2": _gpt2_plan}
 
 
-def check_splittable(model: nn.Module, parts: int, families) -> str:
-    """The model's family, after checking that heads and vocabulary split into ``parts``.
+def check_splittable(model: nn.Module, parts: int, families=None, table: TensorTable | None = None) -> str:
+    """The model's family, after checking that heads, vocabulary and every split parameter divide
+    into ``parts``.
+
+    Args:
+        families: the families allowed (None: any with a tensor table).
+        table: the model's tensor table, whose ``local_shape`` each parameter must have (None: not checked).
 
     Raises:
-        TensorParallelError: an unsupported family, or heads / vocabulary not divisible.
+        TensorParallelError: an unsupported family, or heads / vocabulary / a split dimension not divisible.
     """
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", "")
-    if model_type not in families:
+    if families is not None and model_type not in families:
         raise TensorParallelError(
-            f"tensor parallelism supports the transformers families {sorted(families)}; this model is "
+            f"this tensor-parallel mode supports the transformers families {sorted(families)}; this model is "
             f"{type(model).__name__} (model_type {model_type!r}); set parallel.tensor.degree: 1 for it"
         )
     heads = getattr(config, "num_attention_heads", 0)
@@ -263,22 +312,44 @@ def check_splittable(model: nn.Module, parts: int, families) -> str:
             f"the tensor split into {parts} parts must divide the model's {', '.join(problems)}; "
             "choose a tensor degree that divides them"
         )
+    if table is not None:
+        for name, param in model.named_parameters():
+            try:
+                local_shape(name, list(param.shape), model_type, parts, "1d", table)
+            except ValueError as error:
+                raise TensorParallelError(str(error)) from None
     return model_type
 
 
 def family_plan(
-    model: nn.Module, degree: int, sequence_parallel: bool, vocab_parallel_loss: bool = False
+    model: nn.Module,
+    degree: int,
+    sequence_parallel: bool,
+    vocab_parallel_loss: bool = False,
+    table: TensorTable | None = None,
 ) -> FamilyPlan:
-    """The 1-D tensor-parallel plan of ``model`` (a transformers model of a supported family).
+    """The 1-D tensor-parallel plan of ``model`` from its tensor table.
 
     Args:
         vocab_parallel_loss: the logits stay split by vocabulary (a DTensor) for ``loss_parallel``;
             otherwise they are gathered whole before the model's loss.
+        table: the plan's record of the model's tensor table (empty or None: read from the model).
 
     Raises:
-        TensorParallelError: an unsupported family, or heads / vocabulary not divisible by ``degree``.
+        TensorParallelError: no tensor table for the model, or sizes not divisible by ``degree``.
     """
-    model_type = check_splittable(model, degree, FAMILY_PLANS)
+    if not table:
+        table, why = model_tensor_table(model)
+        if why:
+            raise TensorParallelError(f"tensor parallelism cannot run this model: {why}; set parallel.tensor.degree: 1")
+    problems = unknown_styles(table)
+    if problems:
+        raise TensorParallelError(
+            f"model.tensor_layout: unknown styles {', '.join(problems)} (known: {', '.join(MODULE_STYLES)})"
+        )
+    model_type = check_splittable(model, degree, None, table)
+    if model_type not in FAMILY_PLANS:
+        return table_plan(model, table, sequence_parallel, vocab_parallel_loss)
     plan = FAMILY_PLANS[model_type](model, degree, sequence_parallel)
     if vocab_parallel_loss:
         between, _ = _sequence(sequence_parallel)

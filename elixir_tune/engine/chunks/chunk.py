@@ -27,11 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
+from elixir_tune.engine.chunks.host_memory import zeros_on_demand
+from elixir_tune.engine.chunks.staging import GradDrain, StagingBuffer
+from elixir_tune.engine.chunks.states import GRAD_STAGED, TensorState, transition
 from elixir_tune.engine.comm import DONE, Comm, Handle
-from elixir_tune.engine.host_memory import zeros_on_demand
-from elixir_tune.engine.staging import GradDrain, StagingBuffer
-from elixir_tune.engine.states import GRAD_STAGED, TensorState, transition
-from elixir_tune.engine.tensor_parallel import local_data, set_local_data
+from elixir_tune.engine.parallel.tensor_parallel import local_data, set_local_data
 from elixir_tune.plan.memory import padded_offsets
 
 

@@ -1,0 +1,157 @@
+"""This rank's place in the world: the data x pipeline x tensor mesh and its groups."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from elixir_tune.engine.comm.collectives import Comm
+from elixir_tune.engine.comm.process_group import init_comm
+
+
+@dataclass
+class Mesh:
+    """This rank's place in the world: data x pipeline x tensor.
+
+    Ranks are laid out row-major over (data, pipeline, tensor): ``rank = (data_index * P + stage) *
+    T + tensor_index``. Tensor groups are consecutive ranks (their traffic is the heaviest and stays
+    within a node); data is outermost.
+
+    Attributes:
+        world: every rank.
+        data: this rank's data-parallel group; the chunk engine shards over it.
+        pipeline: this rank's pipeline group (its rank is the stage).
+        tensor: this rank's tensor-parallel group.
+        device_mesh: torch's DeviceMesh with dimensions ("data", "pipeline", "tensor") for DTensor
+            and pipelining; built only when pipeline or tensor degree is above 1, else None.
+    """
+
+    world: Comm
+    data: Comm
+    pipeline: Comm
+    tensor: Comm
+    device_mesh: Any = None
+
+    @classmethod
+    def data_only(cls, data: Comm) -> Mesh:
+        """The mesh of a plan without pipeline or tensor parallelism: the world is the data group."""
+        return cls(data, data, _single(data), _single(data))
+
+    @property
+    def stage(self) -> int:
+        return self.pipeline.rank
+
+    @property
+    def tensor_rank(self) -> int:
+        return self.tensor.rank
+
+    @property
+    def data_rank(self) -> int:
+        return self.data.rank
+
+
+MESH_DIMS = ("data", "pipeline", "tensor")
+
+
+def _single(world: Comm) -> Comm:
+    """A group of one: this rank alone (collectives are local copies)."""
+    return Comm(0, 1, "local", world.device, global_ranks=[world.global_ranks[world.rank]])
+
+
+def _mesh_of(world: Comm, pipeline: int, tensor: int) -> Mesh:
+    if pipeline * tensor == 1:
+        return Mesh.data_only(world)
+    from torch.distributed.device_mesh import init_device_mesh  # only runs with a process group
+
+    data = world.world_size // (pipeline * tensor)
+    device_mesh = init_device_mesh(world.device.type, (data, pipeline, tensor), mesh_dim_names=MESH_DIMS)
+    comms = []
+    for name in MESH_DIMS:
+        group = device_mesh.get_group(name)
+        ranks = dist.get_process_group_ranks(group)
+        if len(ranks) == 1:
+            comms.append(_single(world))
+        else:
+            comms.append(Comm(ranks.index(world.rank), len(ranks), world.backend, world.device, group, ranks))
+    return Mesh(world, comms[0], comms[1], comms[2], device_mesh)
+
+
+def grid_device_mesh(mesh: Mesh, rows: int) -> Any:
+    """This rank's tensor group as a ``rows x (T / rows)`` DeviceMesh (Optimus's 2D grid), tensor ranks
+    row-major; a collective (every rank of the world calls it).
+
+    Args:
+        mesh: the world's mesh.
+        rows: grid rows q.
+
+    Returns:
+        The 2D DeviceMesh with dimensions ("tensor_row", "tensor_col").
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    tensor, pipeline = mesh.tensor.world_size, mesh.pipeline.world_size
+    data = mesh.world.world_size // (tensor * pipeline)
+    full = init_device_mesh(
+        mesh.world.device.type,
+        (data, pipeline, rows, tensor // rows),
+        mesh_dim_names=("data", "pipeline", "tensor_row", "tensor_col"),
+    )
+    return full["tensor_row", "tensor_col"]
+
+
+def init_mesh(
+    world_size: int,
+    device_type: str,
+    backend: str,
+    pipeline: int = 1,
+    tensor: int = 1,
+    timeout_s: float | None = None,
+) -> Mesh:
+    """Joins (or starts) the process group the plan needs and splits it into the plan's mesh.
+
+    Args:
+        world_size: every process of the run (data x pipeline x tensor).
+        device_type: ``cuda`` or ``cpu``.
+        backend: ``nccl`` or ``gloo``.
+        pipeline: pipeline degree P.
+        tensor: tensor degree T.
+        timeout_s: collective timeout; None: ``collective_timeout_s()``.
+
+    Returns:
+        This rank's Mesh.
+
+    Raises:
+        RuntimeError: the group's size differs from the plan's, or a multi-process plan was not
+            started by a launcher.
+        ValueError: P x T does not divide the world size.
+    """
+    if world_size % (pipeline * tensor):
+        raise ValueError(
+            f"pipeline {pipeline} x tensor {tensor} does not divide the world size {world_size}; "
+            "search the plan again or fix its parallel section"
+        )
+    return _mesh_of(init_comm(world_size, device_type, backend, timeout_s), pipeline, tensor)
+
+
+def subgroup(world: Comm, rank_lists: list[list[int]]) -> Comm | None:
+    """Process groups over given global ranks; this rank's, or None when it is in none.
+
+    A collective over the world: every rank calls it with the same lists, in the same order (torch
+    requires every rank to take part in creating every group).
+
+    Args:
+        world: the Comm of every rank.
+        rank_lists: disjoint lists of global ranks, one per group.
+    """
+    mine: Comm | None = None
+    for ranks in rank_lists:
+        group = dist.new_group(ranks) if world.distributed else None
+        if world.global_ranks[world.rank] in ranks:
+            if len(ranks) == 1:
+                mine = _single(world)
+            else:
+                me = world.global_ranks[world.rank]
+                mine = Comm(ranks.index(me), len(ranks), world.backend, world.device, group, list(ranks))
+    return mine

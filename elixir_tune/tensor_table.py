@@ -1,0 +1,53 @@
+"""A model's tensor table read from the model itself: shared by the profiler (which records it) and
+the engine (which uses the plan's record, or this for a plan written before it was recorded).
+
+The translation is ``plan/tensor_layout.py`` ``tensor_table``; this only collects what it needs from
+the model (duck-typed: no torch import).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from elixir_tune.plan.tensor_layout import tensor_table
+
+
+def _path_of(model: Any, target: Any) -> str:
+    if target is None:
+        return ""
+    return next((path for path, module in model.named_modules() if module is target), "")
+
+
+def model_tensor_table(model: Any) -> tuple[dict[str, str], str]:
+    """The tensor table of ``model`` from its ``config.base_model_tp_plan`` (or the built-in one).
+
+    Args:
+        model: an ``nn.Module``; transformers models carry a ``config``.
+
+    Returns:
+        (the table, "") or ({}, why tensor parallelism cannot run this model).
+    """
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", "") if config is not None else ""
+    if not isinstance(model_type, str) or not model_type:
+        return {}, "a model without a transformers config has no tensor plan"
+    if not hasattr(model, "lm_head"):
+        return {}, f"tensor parallelism runs {model_type} causal LMs (with an lm_head) only"
+    # The class attribute: an instance's ``base_model_tp_plan`` may be emptied when no tensor
+    # parallelism was asked of transformers itself.
+    tp_plan = getattr(type(config), "base_model_tp_plan", None) or getattr(config, "base_model_tp_plan", None)
+    get_input = getattr(model, "get_input_embeddings", None)
+    get_output = getattr(model, "get_output_embeddings", None)
+    embeddings = (
+        _path_of(model, get_input() if callable(get_input) else None),
+        _path_of(model, get_output() if callable(get_output) else None),
+    )
+    modules = [
+        (path, type(module).__name__, any(True for _ in module.parameters(recurse=False)))
+        for path, module in model.named_modules()
+        if path
+    ]
+    base_prefix = getattr(model, "base_model_prefix", "") or ""
+    if base_prefix and not hasattr(model, base_prefix):
+        base_prefix = ""
+    return tensor_table(model_type, tp_plan, base_prefix, modules, embeddings)
