@@ -112,3 +112,37 @@ def tune(args: list, cwd: Path = REPO_DIR, timeout_s: float = 180) -> subprocess
     )
     assert result.returncode == 0, f"elixir-tune {args[0]} failed:\n{result.stdout}\n{result.stderr}"
     return result
+
+
+def start_elixir(args: list) -> subprocess.Popen:
+    """``elixir-run ARGS`` in its own session (a test can signal its whole process group), output piped."""
+    return subprocess.Popen(
+        [console_script("elixir-run"), *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=job_env(),
+        start_new_session=True,
+    )
+
+
+def finish_elixir(process: subprocess.Popen, timeout_s: float) -> str:
+    """The output of an ``elixir-run`` started by ``start_elixir``; fails the test if it outlives ``timeout_s``."""
+    try:
+        output, _ = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        output, _ = process.communicate()
+        pytest.fail(f"elixir-run did not end within {timeout_s} s:\n{output}")
+    return output
+
+
+def finish_all(processes: list[subprocess.Popen], timeout_s: float) -> list[str]:
+    """The outputs of several ``elixir-run`` processes (one per node); any still running after a failure
+    is killed, so no test leaves a node behind."""
+    try:
+        return [finish_elixir(process, timeout_s) for process in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()

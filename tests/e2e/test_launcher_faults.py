@@ -18,38 +18,18 @@ from tests.e2e.launch_helpers import (
     EXAMPLE_PLAN,
     WORKERS_DIR,
     alive,
-    console_script,
+    finish_all,
+    finish_elixir,
     free_port,
-    job_env,
     kill_leftovers,
     run_elixir,
+    start_elixir,
     wait_for_ranks,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 COMM_WORKER = WORKERS_DIR / "engine_comm_worker.py"
-
-
-def _start(args: list) -> subprocess.Popen:
-    return subprocess.Popen(
-        [console_script("elixir-run"), *map(str, args)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=job_env(),
-        start_new_session=True,
-    )
-
-
-def _finish(process: subprocess.Popen, timeout_s: float) -> str:
-    try:
-        output, _ = process.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        output, _ = process.communicate()
-        pytest.fail(f"elixir-run did not end within {timeout_s} s:\n{output}")
-    return output
 
 
 def _started(process: subprocess.Popen, out_dir, ranks: int) -> list[dict]:
@@ -72,7 +52,7 @@ def _gone_within(pids: list[int], timeout_s: float) -> bool:
 
 
 def test_kill_9_of_elixir_run_ends_every_worker(tmp_path):
-    process = _start([EXAMPLE_PLAN, ALLREDUCE_WORKER, "--out", tmp_path, "--iterations", "0"])
+    process = start_elixir([EXAMPLE_PLAN, ALLREDUCE_WORKER, "--out", tmp_path, "--iterations", "0"])
     pids: list[int] = []
     try:
         pids = [record["pid"] for record in _started(process, tmp_path, 2)]
@@ -104,7 +84,7 @@ def test_a_rendezvous_port_held_by_another_program_is_an_error_at_once(tmp_path)
 
 def test_a_stopped_worker_is_named_and_the_job_ends(tmp_path):
     timeout_s = 4
-    process = _start(["--collective-timeout", timeout_s, EXAMPLE_PLAN, COMM_WORKER, "--out", tmp_path])
+    process = start_elixir(["--collective-timeout", timeout_s, EXAMPLE_PLAN, COMM_WORKER, "--out", tmp_path])
     pids: list[int] = []
     try:
         records = _started(process, tmp_path, 2)
@@ -112,7 +92,7 @@ def test_a_stopped_worker_is_named_and_the_job_ends(tmp_path):
         assert [record["timeout_s"] for record in records] == [timeout_s, timeout_s]
         stopped_at = time.monotonic()
         os.kill(pids[1], signal.SIGSTOP)
-        output = _finish(process, timeout_s=60)
+        output = finish_elixir(process, timeout_s=60)
         ended_s = time.monotonic() - stopped_at
     finally:
         if process.poll() is None:
@@ -127,14 +107,14 @@ def test_a_stopped_worker_is_named_and_the_job_ends(tmp_path):
 
 def test_a_hung_worker_is_named_after_the_collective_timeout(tmp_path):
     timeout_s = 4
-    process = _start(
+    process = start_elixir(
         ["--collective-timeout", timeout_s, EXAMPLE_PLAN, COMM_WORKER, "--out", tmp_path, "--hang-rank", "1"]
     )
     pids: list[int] = []
     try:
         pids = [record["pid"] for record in _started(process, tmp_path, 2)]
         started = time.monotonic()
-        output = _finish(process, timeout_s=90)
+        output = finish_elixir(process, timeout_s=90)
         ended_s = time.monotonic() - started
     finally:
         if process.poll() is None:
@@ -158,18 +138,13 @@ def test_a_node_that_never_comes_is_named_by_every_waiting_node(tmp_path):
     out.mkdir()
     endpoint = f"127.0.0.1:{free_port()}"
     nodes = [
-        _start(
+        start_elixir(
             ["--nnodes", 4, "--node-rank", rank, "--rdzv-endpoint", endpoint, "--rdzv-timeout", 4]
             + [plan, ALLREDUCE_WORKER, "--out", out]
         )
         for rank in (0, 1)
     ]
-    try:
-        outputs = [_finish(node, timeout_s=90) for node in nodes]
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                node.kill()
+    outputs = finish_all(nodes, timeout_s=90)
     assert [node.returncode for node in nodes] == [1, 1], outputs
     # On loopback either node may serve the store (the first to bind the port); the server gives up
     # after --rdzv-timeout, the other then too, or when it sees the store close.
@@ -189,7 +164,7 @@ def test_kill_9_of_node_0s_elixir_run_ends_the_job_on_every_node(tmp_path):
     out.mkdir()
     endpoint = f"127.0.0.1:{free_port()}"
     nodes = [
-        _start(
+        start_elixir(
             ["--nnodes", 2, "--node-rank", rank, "--rdzv-endpoint", endpoint, plan, ALLREDUCE_WORKER]
             + ["--out", out, "--iterations", 0]
         )
@@ -200,7 +175,7 @@ def test_kill_9_of_node_0s_elixir_run_ends_the_job_on_every_node(tmp_path):
         pids = [record["pid"] for record in _started(nodes[1], out, 4)]
         nodes[0].kill()
         assert _gone_within(pids, 10), "workers outlived node 0's SIGKILLed elixir-run by 10 s"
-        output = _finish(nodes[1], timeout_s=60)
+        output = finish_elixir(nodes[1], timeout_s=60)
     finally:
         for node in nodes:
             if node.poll() is None:

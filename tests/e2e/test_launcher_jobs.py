@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 
 import pytest
@@ -15,37 +14,17 @@ from elixir_tune.launcher.checks import cpu_cores
 from tests.e2e.launch_helpers import (
     ALLREDUCE_WORKER,
     EXAMPLE_PLAN,
-    console_script,
+    finish_all,
+    finish_elixir,
     free_port,
-    job_env,
     kill_leftovers,
     run_elixir,
+    start_elixir,
     wait_for_ranks,
     write_plan,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]  # torchrun with several worker processes
-
-
-def _start(args: list) -> subprocess.Popen:
-    return subprocess.Popen(
-        [console_script("elixir-run"), *map(str, args)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=job_env(),
-        start_new_session=True,
-    )
-
-
-def _finish(process: subprocess.Popen, timeout_s: float) -> str:
-    try:
-        output, _ = process.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        output, _ = process.communicate()
-        pytest.fail(f"elixir-run did not end within {timeout_s} s:\n{output}")
-    return output
 
 
 def test_job_runs_with_the_plans_world_and_environment(tmp_path):
@@ -70,13 +49,13 @@ def test_the_failed_workers_exit_code_is_the_jobs(tmp_path):
 
 
 def test_sigkill_of_one_worker_ends_the_job(tmp_path):
-    process = _start([EXAMPLE_PLAN, ALLREDUCE_WORKER, "--out", tmp_path, "--iterations", "0"])
+    process = start_elixir([EXAMPLE_PLAN, ALLREDUCE_WORKER, "--out", tmp_path, "--iterations", "0"])
     try:
         records = wait_for_ranks(tmp_path, 2, timeout_s=90)
         pids = [record["pid"] for record in records]
         killed_at = time.monotonic()
         os.kill(pids[1], signal.SIGKILL)
-        output = _finish(process, timeout_s=60)
+        output = finish_elixir(process, timeout_s=60)
         ended_s = time.monotonic() - killed_at
     finally:
         if process.poll() is None:
@@ -90,13 +69,13 @@ def test_sigkill_of_one_worker_ends_the_job(tmp_path):
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_to_elixir_run_stops_the_job_cleanly(tmp_path, sig):
-    process = _start([EXAMPLE_PLAN, ALLREDUCE_WORKER, "--out", tmp_path, "--iterations", "0"])
+    process = start_elixir([EXAMPLE_PLAN, ALLREDUCE_WORKER, "--out", tmp_path, "--iterations", "0"])
     try:
         pids = [record["pid"] for record in wait_for_ranks(tmp_path, 2, timeout_s=90)]
         sent_at = time.monotonic()
         # Ctrl-C (SIGINT) reaches only elixir-run: torchrun starts the workers in their own sessions.
         process.send_signal(sig)
-        output = _finish(process, timeout_s=60)
+        output = finish_elixir(process, timeout_s=60)
         ended_s = time.monotonic() - sent_at
     finally:
         if process.poll() is None:
@@ -114,7 +93,7 @@ def test_two_nodes_on_loopback(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     nodes = [
-        _start(
+        start_elixir(
             [
                 "--nnodes",
                 "2",
@@ -132,12 +111,7 @@ def test_two_nodes_on_loopback(tmp_path):
         )
         for rank in (0, 1)
     ]
-    try:
-        outputs = [_finish(node, timeout_s=120) for node in nodes]
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                node.kill()
+    outputs = finish_all(nodes, timeout_s=120)
     assert [node.returncode for node in nodes] == [0, 0], outputs
     records = wait_for_ranks(out, 4, timeout_s=1)
     assert sorted(record["rank"] for record in records) == [0, 1, 2, 3]
