@@ -28,7 +28,7 @@ import re
 import shutil
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -69,13 +69,13 @@ def human_bytes(count: float) -> str:
 class _HashingWriter:
     """A write-only file object that hashes what passes through it (one pass over the bytes)."""
 
-    def __init__(self, file):
+    def __init__(self, file: BinaryIO) -> None:
         self.file = file
         self.digest = hashlib.sha256()
         self.size_bytes = 0
         self.error: OSError | None = None  # torch reports a failed write as "unexpected pos ...": keep the cause
 
-    def write(self, data) -> int:
+    def write(self, data: bytes) -> int:
         self.digest.update(data)
         self.size_bytes += len(data)
         try:
