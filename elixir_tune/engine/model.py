@@ -10,7 +10,7 @@ import torch
 from elixir_tune.engine.contract import check_shared_inputs
 from elixir_tune.engine.engine import Engine
 from elixir_tune.engine.layered import MicroBatchThreads, run_layer_major
-from elixir_tune.engine.parallel.pipeline import pipeline_call_message
+from elixir_tune.engine.parallel.pipeline_stages import pipeline_call_message
 from elixir_tune.engine.parallel.tensor_parallel import plain
 
 LossFn = Callable[[Any, dict], torch.Tensor]

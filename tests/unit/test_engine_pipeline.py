@@ -9,8 +9,9 @@ import dataclasses
 import pytest
 import torch
 
-from elixir_tune.engine.parallel.pipeline import prepare, virtual_stages
 from elixir_tune.engine.parallel.pipeline_adapters import adapter_for
+from elixir_tune.engine.parallel.pipeline_stages import prepare
+from elixir_tune.plan.stages import virtual_stages
 from tests.distributed.engine_plans import make_plan, tied_net, tiny_gpt2_config
 
 
