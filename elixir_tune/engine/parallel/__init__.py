@@ -1,5 +1,7 @@
-"""Pipeline and tensor parallelism around the chunk engine: pipeline stages (pipeline.py, who holds
-what in pipeline_stages.py, per-family
-stage adapters in pipeline_adapters.py, the looped breadth-first schedule in pipeline_schedule.py)
-and tensor parallelism on DTensor (tensor_parallel.py, tp_adapters.py, 2D grid in tp_grid.py,
-tp_layout.py)."""
+"""Pipeline and tensor parallelism around the chunk engine.
+
+Pipeline stages: pipeline_stages.py (which modules and chunks each rank holds), pipeline_adapters.py
+(running a stage through the model's own forward), pipeline_schedule.py (the looped breadth-first
+schedule), pipeline.py (the step). Tensor parallelism on DTensor: tensor_parallel.py, tp_adapters.py
+(styles from the model's tensor table), tp_grid.py (2D), tp_layout.py.
+"""
