@@ -11,7 +11,7 @@ from elixir_tune.plan import PLAN_ENV_VAR, Plan
 LAUNCHER_PID_ENV = "ELIXIR_TUNE_LAUNCHER_PID"
 RUN_DIR_ENV = "ELIXIR_TUNE_RUN_DIR"
 
-# Read by engine/comm/ (collective_timeout_s), which keeps its own copy of the name: the engine
+# Read by engine/worker.py (collective_timeout_s), which keeps its own copy of the name: the engine
 # does not import the launcher.
 COLLECTIVE_TIMEOUT_ENV = "ELIXIR_TUNE_COLLECTIVE_TIMEOUT_S"
 

@@ -282,7 +282,7 @@ def test_rdzv_timeout_becomes_join_timeout_unless_the_user_set_one():
 
 
 def test_the_engine_reads_the_timeout_elixir_run_exports(monkeypatch):
-    from elixir_tune.engine import comm
+    from elixir_tune.engine import worker as comm  # what the engine's process group reads
     from elixir_tune.launcher.env import COLLECTIVE_TIMEOUT_ENV
 
     assert comm.COLLECTIVE_TIMEOUT_ENV == COLLECTIVE_TIMEOUT_ENV

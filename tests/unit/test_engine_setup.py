@@ -209,7 +209,7 @@ def test_optimizer_state_dict_round_trip_keeps_training_identical():
 
 
 def test_device_follows_local_rank_and_visible_devices(monkeypatch):
-    from elixir_tune.engine.comm import pick_device
+    from elixir_tune.engine.worker import pick_device
 
     assert pick_device("cpu") == torch.device("cpu")
     monkeypatch.setenv("LOCAL_RANK", "2")

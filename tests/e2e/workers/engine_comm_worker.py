@@ -1,4 +1,4 @@
-"""A worker whose process group is the engine's (engine/comm/ init_comm, with its collective
+"""A worker whose process group is the engine's (engine/comm.py init_comm, with its collective
 timeout): all-reduces forever so that a test can stop, hang or kill one rank.
 
 Each rank writes ``rank<R>.json`` (pid, rank, the timeout it was given) into --out once the group
@@ -13,7 +13,8 @@ import time
 
 import torch
 
-from elixir_tune.engine.comm import collective_timeout_s, init_comm
+from elixir_tune.engine.comm import init_comm
+from elixir_tune.engine.worker import collective_timeout_s
 
 
 def main() -> None:
