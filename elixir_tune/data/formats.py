@@ -186,12 +186,31 @@ def check_records(path: str, dataset: datasets.Dataset, format: str) -> None:
             expected = "a string"
         if not ok:
             raise DataError(f"{path}: field {name!r} holds {kind}, format {format} needs {expected} in every record")
+        if format == "messages" and ok:
+            _check_assistant_turns(path, column)
         if column.null_count:
             first = next(i for i, value in enumerate(column.is_null().to_pylist()) if value)
             raise DataError(
                 f"{path}: record {first} has no {name!r} ({column.null_count} records lack it): every record "
                 f"needs the fields of format {format}; do the records mix formats?"
             )
+
+
+def _check_assistant_turns(path: str, column: Any) -> None:
+    """Every conversation has an assistant turn: without one a record has nothing to learn from."""
+    import pyarrow as pa
+    import pyarrow.compute as pc  # type: ignore[import-untyped]
+
+    messages = pa.concat_arrays(column.chunks) if column.num_chunks != 1 else column.chunk(0)
+    roles = pc.struct_field(pc.list_flatten(messages), "role")
+    owners = pc.list_parent_indices(messages)
+    with_assistant = set(pc.filter(owners, pc.equal(roles, "assistant")).to_pylist())
+    lacking = [record for record in range(len(messages)) if record not in with_assistant and messages[record].is_valid]
+    if lacking:
+        raise DataError(
+            f"{path}: record {lacking[0]} has no assistant turn ({len(lacking)} records have none), so nothing to "
+            "learn from it: remove those records"
+        )
 
 
 def _is_message_struct(kind: Any) -> bool:
