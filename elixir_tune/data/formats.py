@@ -191,8 +191,8 @@ def check_records(path: str, dataset: datasets.Dataset, format: str) -> None:
         if column.null_count:
             first = next(i for i, value in enumerate(column.is_null().to_pylist()) if value)
             raise DataError(
-                f"{path}: record {first} has no {name!r} ({column.null_count} records lack it): every record "
-                f"needs the fields of format {format}; do the records mix formats?"
+                f"{path}: record {first} has no {name!r} ({column.null_count} records lack it or leave it empty): "
+                f"every record needs the fields of format {format}"
             )
 
 

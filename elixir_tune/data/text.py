@@ -62,8 +62,9 @@ def encode_text(tokenizer: Any, text: str) -> Tokens:
     if tokenizer is None:
         return list(text.encode())
     ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
+    eos = tokenizer.eos_token_id
+    if eos is not None and (not ids or ids[-1] != eos):  # some tokenizers end every text with EOS already
+        ids.append(eos)
     return ids
 
 
@@ -81,9 +82,13 @@ def pack_windows(tokenizer: Any, documents: list[str], seq_len: int) -> list[Tok
     if tokenizer is None:
         stream = [byte for document in documents for byte in document.encode()]
     else:
+        eos = tokenizer.eos_token_id
         encoded = tokenizer(documents, add_special_tokens=True)["input_ids"]
-        eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-        stream = [token for ids in encoded for token in (list(ids) + eos)]
+        stream = [
+            token
+            for ids in encoded
+            for token in (list(ids) + ([eos] if eos is not None and (not ids or ids[-1] != eos) else []))
+        ]
     if len(stream) <= seq_len:
         return [stream] if stream else []
     return [stream[start : start + seq_len] for start in range(0, len(stream) - seq_len + 1, seq_len)]

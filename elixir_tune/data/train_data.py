@@ -117,7 +117,8 @@ class TrainData:
         if self._stats is None:
             encoded = [self.train.encode(i) for i in range(len(self.train))]
             lengths = [len(ids) for ids, _ in encoded]
-            loss_tokens = sum(1 for _, labels in encoded for label in labels[: self.seq_len] if label != IGNORE)
+            # the tokens the shifted loss predicts: a row's first label never counts
+            loss_tokens = sum(1 for _, labels in encoded for label in labels[1 : self.seq_len] if label != IGNORE)
             self._stats = {
                 "samples": len(lengths),
                 "tokens": sum(min(length, self.seq_len) for length in lengths),

@@ -67,6 +67,14 @@ def test_truncation_and_right_padding(files, tokenizer):
         assert bool((batch["labels"][row, length:] == -100).all())
 
 
+def test_describe_counts_the_tokens_the_loss_predicts(files, tokenizer):
+    data = load_data(DataSpec(str(files["messages_jsonl"])), tokenizer, 64)
+    batch = data.batch(0, data.num_samples(), 0, 1)
+    tokens = int(batch["attention_mask"].sum())
+    predicted = int((batch["labels"][:, 1:] != -100).sum())
+    assert f"{tokens:,} tokens ({predicted:,} with loss), 0 truncated to 64" in data.describe()
+
+
 def test_prompt_tokens_have_no_labels_and_the_completion_ends_with_eos(tokenizer):
     from elixir_tune.data.prompt_completion import encode_prompt_completion
 

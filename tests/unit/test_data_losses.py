@@ -85,21 +85,23 @@ def test_assistant_only_loss_equals_plain_pytorch(llama):
     assert float(loss) == pytest.approx(total / count, rel=1e-6, abs=1e-6)
 
 
-def packed_and_alone(model, data, batch, **inputs):
-    """Per-token losses of the packed rows, and of each row's samples run alone, in the same order."""
+def packed_losses(model, data, batch, **inputs) -> torch.Tensor:
+    """Per-token losses of the packed rows, where the labels are not -100, row by row."""
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], use_cache=False, **inputs).logits
-    packed, alone = [], []
-    for row in range(len(batch["input_ids"])):
-        members = data.rows[data._order.sample_at(row)]
-        labels = batch["labels"][row, 1:]
-        keep = labels != -100
-        packed.append(torch.nn.functional.cross_entropy(logits[row, :-1][keep], labels[keep], reduction="none"))
-        for index in members:
-            ids, sample_labels = data.train.encode(index)
-            losses = token_losses(model, ids)
-            alone.append(losses[torch.tensor(sample_labels[1:]) != -100])
-    return torch.cat(packed), torch.cat(alone)
+    labels = batch["labels"][:, 1:]
+    keep = labels != -100
+    return torch.nn.functional.cross_entropy(logits[:, :-1][keep], labels[keep], reduction="none")
+
+
+def alone_losses(model, data, rows: int) -> torch.Tensor:
+    """Per-token losses of the same samples, each run alone, in the order they sit in the rows."""
+    losses = []
+    for row in range(rows):
+        for index in data.rows[data._order.sample_at(row)]:
+            ids, labels = data.train.encode(index)
+            losses.append(token_losses(model, ids)[torch.tensor(labels[1:]) != -100])
+    return torch.cat(losses)
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
@@ -109,15 +111,16 @@ def test_a_packed_row_gives_each_sample_its_losses_alone(llama, attention):
     data = load_data(DataSpec(str(files["prompt_completion_jsonl"]), packing=True), tokenizer, 64)
     batch = data.batch(0, data.num_samples(), 0, 1)
     assert any(len(row) > 1 for row in data.rows)
+    alone = alone_losses(model, data, data.num_samples())
     # transformers builds the block-diagonal mask from the restarting position_ids (with no key/value
     # cache, as in training: the engine turns it off)
-    packed, alone = packed_and_alone(model, data, batch, position_ids=batch["position_ids"])
+    packed = packed_losses(model, data, batch, position_ids=batch["position_ids"])
     assert torch.allclose(packed, alone, rtol=1e-5, atol=1e-5)
     # the same with the 4D mask passed explicitly
     mask = block_causal_mask(batch["position_ids"], torch.float32)
-    explicit, _ = packed_and_alone(model, data, batch, position_ids=batch["position_ids"], attention_mask=mask)
+    explicit = packed_losses(model, data, batch, position_ids=batch["position_ids"], attention_mask=mask)
     assert torch.allclose(explicit, alone, rtol=1e-5, atol=1e-5)
     # and the check can fail: with a plain 2D mask the samples attend to each other
     ones = torch.ones_like(batch["input_ids"])
-    leaky, _ = packed_and_alone(model, data, batch, position_ids=batch["position_ids"], attention_mask=ones)
+    leaky = packed_losses(model, data, batch, position_ids=batch["position_ids"], attention_mask=ones)
     assert not torch.allclose(leaky, alone, rtol=1e-3, atol=1e-3)
