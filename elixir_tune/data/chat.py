@@ -97,7 +97,7 @@ def _by_prefixes(tokenizer: Any, messages: list[dict], record: int) -> tuple[lis
         spans.append((len(before), len(after)))
     if not getattr(tokenizer, "is_fast", False):
         raise DataError("format messages with a template without {% generation %} needs a fast tokenizer")
-    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
     labels = []
     for token, (start, _end) in zip(encoded["input_ids"], encoded["offset_mapping"], strict=True):
         inside = any(first <= start < last for first, last in spans)

@@ -23,10 +23,10 @@ def encode_prompt_completion(tokenizer: Any, prompt: str, completion: str) -> tu
     Returns:
         (input ids, labels), of equal length.
     """
-    prompt_ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    prompt_ids = list(tokenizer(prompt, add_special_tokens=True, verbose=False)["input_ids"])
     if prompt_ids and tokenizer.eos_token_id is not None and prompt_ids[-1] == tokenizer.eos_token_id:
         prompt_ids.pop()  # a tokenizer that ends every text with EOS: the completion follows the prompt
-    completion_ids = list(tokenizer(completion, add_special_tokens=False)["input_ids"])
+    completion_ids = list(tokenizer(completion, add_special_tokens=False, verbose=False)["input_ids"])
     if tokenizer.eos_token_id is not None:
         completion_ids.append(tokenizer.eos_token_id)
     return prompt_ids + completion_ids, [IGNORE] * len(prompt_ids) + completion_ids

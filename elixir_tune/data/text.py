@@ -10,7 +10,9 @@ then makes the samples:
     line       one sample per non-empty line
     paragraph  one sample per blank-line separated paragraph
 
-Without a tokenizer the text's UTF-8 bytes are the tokens (no EOS).
+Without a tokenizer the text's UTF-8 bytes are the tokens (no EOS). The tokenizer is called with
+``verbose=False``: texts longer than the model's maximum are cut to seq_len here, and transformers'
+warning about them would otherwise repeat on every rank.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def encode_text(tokenizer: Any, text: str) -> Tokens:
     """
     if tokenizer is None:
         return list(text.encode())
-    ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    ids = list(tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"])
     eos = tokenizer.eos_token_id
     if eos is not None and (not ids or ids[-1] != eos):  # some tokenizers end every text with EOS already
         ids.append(eos)
@@ -83,7 +85,7 @@ def pack_windows(tokenizer: Any, documents: list[str], seq_len: int) -> list[Tok
         stream = [byte for document in documents for byte in document.encode()]
     else:
         eos = tokenizer.eos_token_id
-        encoded = tokenizer(documents, add_special_tokens=True)["input_ids"]
+        encoded = tokenizer(documents, add_special_tokens=True, verbose=False)["input_ids"]
         stream = [
             token
             for ids in encoded
