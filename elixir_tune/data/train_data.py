@@ -61,6 +61,11 @@ class TrainData:
         self._order = EpochOrder(self.num_samples(), spec.seed)
         self._stats: dict[str, int] | None = None
 
+    @property
+    def packed(self) -> bool:
+        """Whether rows hold several samples (then batches carry position_ids and no attention_mask)."""
+        return self.rows is not None
+
     def num_samples(self) -> int:
         """Training rows a global batch draws from: samples, or packed rows with ``packing``."""
         return len(self.rows) if self.rows is not None else len(self.train)

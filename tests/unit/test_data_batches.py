@@ -182,7 +182,7 @@ def test_best_fit_puts_every_sample_in_exactly_one_row_that_fits():
 
 def test_packed_rows_restart_positions_and_keep_labels_per_sample(files, tokenizer):
     data = load_data(DataSpec(str(files["prompt_completion_jsonl"]), packing=True), tokenizer, 64)
-    assert data.num_samples() < 6 and "packed into" in data.describe()
+    assert data.packed and data.num_samples() < 6 and "packed into" in data.describe()
     batch = data.batch(0, data.num_samples(), 0, 1)
     assert "attention_mask" not in batch and set(batch) == {"input_ids", "labels", "position_ids"}
     placed = 0

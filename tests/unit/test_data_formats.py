@@ -89,6 +89,21 @@ def test_bad_files_give_one_line_errors(tmp_path):
     assert "not a saved dataset" in one_line_error(DataSpec(str(tmp_path / "plain_dir")))
 
 
+def test_a_saved_dataset_dict_gives_its_train_split(tmp_path):
+    import datasets
+
+    splits = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_list([{"text": "a"}, {"text": "b"}]),
+            "test": datasets.Dataset.from_list([{"text": "c"}]),
+        }
+    )
+    splits.save_to_disk(str(tmp_path / "with_train"))
+    assert inspect_data(DataSpec(str(tmp_path / "with_train"))).num_records == 2
+    datasets.DatasetDict({"test": splits["test"]}).save_to_disk(str(tmp_path / "no_train"))
+    assert "splits ['test'] but no 'train'" in one_line_error(DataSpec(str(tmp_path / "no_train")))
+
+
 def write_jsonl(path, records):
     path.write_text("".join(json.dumps(record) + "\n" for record in records))
     return str(path)
