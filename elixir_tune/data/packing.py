@@ -31,6 +31,10 @@ Encoded = tuple[list[int], list[int]]  # (input ids, labels)
 def best_fit_bins(lengths: list[int], capacity: int) -> list[list[int]]:
     """Sample indices grouped into rows of at most ``capacity`` tokens (best-fit decreasing).
 
+    Each sample, longest first, goes into the row with the least free space that still fits it.
+    The rows are kept in buckets by free space, and the distinct free spaces (at most capacity + 1
+    of them) in a sorted list: a sample costs a bisection, also for 10^5 samples and more.
+
     Args:
         lengths: each sample's length (at most ``capacity``).
         capacity: the row length (seq_len).
@@ -40,17 +44,31 @@ def best_fit_bins(lengths: list[int], capacity: int) -> list[list[int]]:
         exactly one row.
     """
     rows: list[list[int]] = []
-    free: list[tuple[int, int]] = []  # (free tokens, row) sorted: the tightest fitting row is found by bisect
+    spaces: list[int] = []  # the distinct free spaces of the open rows, sorted
+    buckets: dict[int, list[int]] = {}  # free space -> rows with that much free
+
+    def put(row: int, space: int) -> None:
+        if space <= 0:
+            return  # a full row takes nothing more
+        if space not in buckets:
+            buckets[space] = []
+            bisect.insort(spaces, space)
+        buckets[space].append(row)
+
     for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         length = lengths[index]
-        slot = bisect.bisect_left(free, (length, -1))
-        if slot < len(free):
-            space, row = free.pop(slot)
-            rows[row].append(index)
-            bisect.insort(free, (space - length, row))
-        else:
+        slot = bisect.bisect_left(spaces, length)
+        if slot == len(spaces):
             rows.append([index])
-            bisect.insort(free, (capacity - length, len(rows) - 1))
+            put(len(rows) - 1, capacity - length)
+            continue
+        space = spaces[slot]
+        row = buckets[space].pop()
+        if not buckets[space]:
+            del buckets[space]
+            spaces.pop(slot)
+        rows[row].append(index)
+        put(row, space - length)
     return rows
 
 
