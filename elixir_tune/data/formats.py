@@ -133,6 +133,10 @@ def read_data(path: str, format: str, text_mode: str) -> tuple[DataInfo, dataset
     Raises:
         DataError: as ``inspect_data``.
     """
+    if _is_plain_text(Path(path)) and format not in ("auto", "text"):
+        raise DataError(
+            f"{path} is plain text, not format {format}: give a JSON, JSONL, Parquet or CSV file of records"
+        )
     dataset = read_records(Path(path))
     fields = [] if _is_plain_text(Path(path)) else list(dataset.column_names)
     detected = "text" if not fields else detect_format(path, fields, format)
@@ -283,22 +287,31 @@ def _load_saved(path: Path, datasets: Any) -> datasets.Dataset:
 
 
 def _json_error(path: Path) -> str | None:
-    """Where a JSON or JSON-lines file stops parsing, as the standard parser says (line and column)."""
+    """Where a JSON or JSON-lines file stops parsing, as the standard parser says (line and column).
+
+    A .json file is tried as one document first; a file whose first line is a whole JSON value is
+    read as JSON lines, one value per line.
+    """
     import json
 
     text = path.read_text(errors="replace")
-    try:
-        if path.suffix.lower() == ".json" and not text.lstrip().startswith('{"'):
+    lines = text.splitlines()
+    if path.suffix.lower() == ".json":
+        try:
             json.loads(text)
             return None
-        for number, line in enumerate(text.splitlines(), start=1):
-            if line.strip():
-                try:
-                    json.loads(line)
-                except json.JSONDecodeError as error:
-                    return f"line {number}: {error.msg} (column {error.colno})"
-    except json.JSONDecodeError as error:
-        return f"line {error.lineno}: {error.msg} (column {error.colno})"
+        except json.JSONDecodeError as error:
+            whole = f"line {error.lineno}: {error.msg} (column {error.colno})"
+        try:
+            json.loads(lines[0] if lines else "")
+        except json.JSONDecodeError:
+            return whole
+    for number, line in enumerate(lines, start=1):
+        if line.strip():
+            try:
+                json.loads(line)
+            except json.JSONDecodeError as error:
+                return f"line {number}: {error.msg} (column {error.colno})"
     return None
 
 

@@ -133,6 +133,7 @@ def test_records_of_the_wrong_shape_are_named(tmp_path, tokenizer):
 
 
 def test_options_and_tokenizers_that_do_not_fit(files, tokenizer):
+    assert "is plain text, not format messages" in one_line_error(DataSpec(str(files["txt"]), format="messages"))
     assert "format 'chat'" in one_line_error(DataSpec(str(files["txt"]), format="chat"))
     assert "text mode 'lines'" in one_line_error(DataSpec(str(files["txt"]), text_mode="lines"))
     assert "outside [0, 1)" in one_line_error(DataSpec(str(files["txt"]), eval_fraction=1.0))
