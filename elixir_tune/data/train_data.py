@@ -98,21 +98,42 @@ class TrainData:
         """The fractional epoch reached after ``step`` steps of ``global_batch_size`` rows."""
         return step * global_batch_size / self.num_samples()
 
-    def eval_batches(self, batch_size: int) -> Iterator[dict[str, Any]] | None:
-        """The whole eval split in order, ``batch_size`` padded rows at a time (the last may be fewer).
+    def eval_batches(self, batch_size: int, data_rank: int = 0, data_size: int = 1) -> Iterator[dict[str, Any]] | None:
+        """The eval split in order, ``batch_size`` padded rows at a time, or this data rank's share of it.
+
+        With ``data_size`` > 1 rank r takes the r-th of ``data_size`` contiguous, equal shares; the
+        last shares are filled up with blank rows (one pad token, no labels) so that every rank runs
+        the same number of batches of the same size (the engine's collectives need that). Weight
+        each batch's loss by its loss tokens, ``(labels[:, 1:] != -100).sum()``: a batch of blank
+        rows has none (and the model's mean loss over none is NaN).
+
+        Args:
+            batch_size: rows per batch (the last batch may be fewer).
+            data_rank: this rank's data-parallel index.
+            data_size: the number of data-parallel ranks.
 
         Returns:
             An iterator of batches (keys as ``batch`` for padded rows), or None without an eval split.
+
+        Raises:
+            DataError: a batch size below 1, or a data rank outside [0, data_size).
         """
         if self.eval is None:
             return None
-        if batch_size < 1:
-            raise DataError(f"eval batch size {batch_size} must be positive")
+        if batch_size < 1 or data_size < 1 or not 0 <= data_rank < data_size:
+            raise DataError(
+                f"eval_batches(batch_size={batch_size}, data_rank={data_rank}, data_size={data_size}): need a "
+                "positive batch size and 0 <= data_rank < data_size"
+            )
         held_out = self.eval
+        share = -(-len(held_out) // data_size)
+        first = data_rank * share
+        blank: Encoded = ([self.pad_id], [IGNORE])
 
         def batches() -> Iterator[dict[str, Any]]:
-            for start in range(0, len(held_out), batch_size):
-                samples = [held_out.encode(i) for i in range(start, min(start + batch_size, len(held_out)))]
+            for start in range(first, first + share, batch_size):
+                indices = range(start, min(start + batch_size, first + share))
+                samples = [held_out.encode(i) if i < len(held_out) else blank for i in indices]
                 yield padded_rows(samples, self.seq_len, self.pad_id)
 
         return batches()

@@ -160,6 +160,20 @@ def test_the_eval_split_is_held_out_by_seed_and_read_in_order(files, tokenizer):
     assert load_data(DataSpec(str(files["txt"]), text_mode="line"), tokenizer, 64).eval_batches(4) is None
 
 
+def test_eval_shares_cover_the_split_once_with_equal_batches_on_every_rank(files, tokenizer):
+    data = load_data(DataSpec(str(files["txt"]), text_mode="line", eval_fraction=0.3), tokenizer, 64)
+    assert len(data.eval) % 3 != 0  # so that the last share needs blank rows
+    whole = torch.cat([b["input_ids"] for b in data.eval_batches(4)])
+    shares = [list(data.eval_batches(4, rank, 3)) for rank in range(3)]
+    assert len({len(batches) for batches in shares}) == 1
+    assert len({tuple(len(b["input_ids"]) for b in batches) for batches in shares}) == 1
+    rows = torch.cat([b["input_ids"] for batches in shares for b in batches])
+    labels = torch.cat([b["labels"] for batches in shares for b in batches])
+    real = rows[: len(whole)]
+    assert torch.equal(real, whole)
+    assert bool((labels[len(whole) :] == -100).all()) and bool((rows[len(whole) :] == tokenizer.pad_token_id).all())
+
+
 def test_an_eval_file_must_have_the_training_format(files, tokenizer, tmp_path):
     spec = DataSpec(str(files["prompt_completion_jsonl"]), eval_path=str(files["prompt_completion_csv"]))
     data = load_data(spec, tokenizer, 64)

@@ -124,3 +124,25 @@ def test_a_packed_row_gives_each_sample_its_losses_alone(llama, attention):
     ones = torch.ones_like(batch["input_ids"])
     leaky = packed_losses(model, data, batch, position_ids=batch["position_ids"], attention_mask=ones)
     assert not torch.allclose(leaky, alone, rtol=1e-3, atol=1e-3)
+
+
+def test_eval_shares_sum_to_the_whole_split_and_blank_rows_stay_finite(llama):
+    model_dir, tokenizer, files = llama
+    model = load_model(model_dir)
+    data = load_data(DataSpec(str(files["prompt_completion_jsonl"]), eval_fraction=0.5), tokenizer, 64)
+
+    def summed(batches) -> tuple[float, int]:
+        total, count = 0.0, 0
+        for batch in batches:
+            tokens = int((batch["labels"][:, 1:] != -100).sum())
+            with torch.no_grad():
+                output = model(**batch, use_cache=False)
+            assert bool(torch.isfinite(output.logits).all())
+            if tokens:
+                total, count = total + float(output.loss) * tokens, count + tokens
+        return total, count
+
+    whole_total, whole_count = summed(data.eval_batches(2))
+    shares = [summed(data.eval_batches(2, rank, 2)) for rank in range(2)]
+    assert len(data.eval) == 3 and sum(count for _, count in shares) == whole_count
+    assert sum(total for total, _ in shares) / whole_count == pytest.approx(whole_total / whole_count, rel=1e-6)
