@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from elixir_tune.engine.comm import DeviceMesh, DTensor, ParallelStyle, Partial, Replicate
-from elixir_tune.engine.parallel.tp_layout import TensorParallelError
+from elixir_tune.engine.comm import DeviceMesh, DTensor, ParallelStyle, Partial, Replicate, Shard
+from elixir_tune.engine.parallel.tp_layout import Layout, TensorParallelError
 from elixir_tune.plan.tensor_layout import PACKED_PARTS
 
 __all__ = ["ExpertsParallel", "MoeBlock"]
@@ -102,15 +102,22 @@ class ExpertsParallel(ParallelStyle):
         self.rowwise = rowwise
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        shapes = {name: param.ndim for name, param in module.named_parameters(recurse=False)}
-        dims: dict[str, tuple[int | None, ...]] = {
-            **{name: (shapes[name] - 2,) for name in self.packed},
-            **{name: (shapes[name] - 1,) for name in self.rowwise},
-        }
-        fused = {name: shapes[name] - 2 for name in self.packed}
-        from elixir_tune.engine.parallel.tp_adapters import distribute_params
-
-        distribute_params(module, device_mesh, dims, PACKED_PARTS, fused)
+        # Every rank holds the full weights already: it keeps its piece, no traffic.
+        for name, param in list(module.named_parameters(recurse=False)):
+            if name not in self.packed + self.rowwise:
+                raise TensorParallelError(
+                    f"{type(module).__name__}.{name}: the tensor table places the experts but not this tensor "
+                    "(a replicated one would be summed over the ranks); profile the model again, or use tensor degree 1"
+                )
+            out_dim, in_dim = param.ndim - 2, param.ndim - 1
+            packed = name in self.packed
+            layout = Layout(
+                (out_dim if packed else in_dim,), PACKED_PARTS if packed else 1, out_dim if packed else None
+            )
+            local = layout.local(param.detach(), (device_mesh.get_local_rank(),), (device_mesh.size(),)).contiguous()
+            placement = Shard(out_dim if packed else in_dim)
+            dtensor = DTensor.from_local(local, device_mesh, (placement,), run_check=False)
+            module.register_parameter(name, nn.Parameter(dtensor, requires_grad=param.requires_grad))
         forward = module.forward
 
         def local_forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs):
