@@ -198,6 +198,11 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
         }
     both = masks["engine"] & (masks["split"] | masks["accumulated"])
     report["engine_far_also_far_in_a_control"] = [int(both.sum()), int(masks["engine"].sum())]
+    # How far the engine is from each control (rather than from the whole-batch reference).
+    report["engine_vs_control_weight_abs"] = {
+        mode: max(f["max"] for f in far_elements(result["state"], runs[mode]["state"]).values())
+        for mode in ("accumulated", "split")
+    }
     return report
 
 
@@ -232,6 +237,7 @@ def main() -> None:
                 + f"; median over trained elements {emb['median_smallest_grad_all']:.1e}"
             )
         print("engine's far embedding elements also far in a control:", report["engine_far_also_far_in_a_control"])
+        print("engine against each control, largest weight difference:", report["engine_vs_control_weight_abs"])
     if args.json:
         args.json.write_text(json.dumps(reports, indent=1))
 
