@@ -27,7 +27,7 @@ from elixir_tune.plan.tensor_layout import PACKED_PARTS
 __all__ = ["ExpertsParallel", "MoeBlock"]
 
 
-def _whole(tensor: torch.Tensor, mesh: DeviceMesh, between) -> torch.Tensor:
+def _whole(tensor: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """``tensor`` (a DTensor in the between-block layout, or a plain replicated tensor) as an ordinary
     tensor holding every token, whose gradient is taken to be whole on every rank."""
     if not isinstance(tensor, DTensor):
@@ -58,9 +58,9 @@ class MoeBlock(ParallelStyle):
 
         def before(_module, args, kwargs):
             if args and torch.is_tensor(args[0]):
-                return (_whole(args[0], device_mesh, between), *args[1:]), kwargs
+                return (_whole(args[0], device_mesh), *args[1:]), kwargs
             if torch.is_tensor(kwargs.get("hidden_states")):
-                return args, {**kwargs, "hidden_states": _whole(kwargs["hidden_states"], device_mesh, between)}
+                return args, {**kwargs, "hidden_states": _whole(kwargs["hidden_states"], device_mesh)}
             raise TensorParallelError(
                 f"{type(_module).__name__}: its input is neither the first argument nor `hidden_states`; "
                 "use tensor degree 1 for this model"
