@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from elixir_tune.plan.tensor_layout import tensor_table
+from elixir_tune.plan.tensor_layout import module_style, tensor_table
 
 
 def _path_of(model: Any, target: Any) -> str:
@@ -50,4 +50,19 @@ def model_tensor_table(model: Any) -> tuple[dict[str, str], str]:
     base_prefix = getattr(model, "base_model_prefix", "") or ""
     if base_prefix and not hasattr(model, base_prefix):
         base_prefix = ""
-    return tensor_table(model_type, tp_plan, base_prefix, modules, embeddings)
+    table, why = tensor_table(model_type, tp_plan, base_prefix, modules, embeddings)
+    # The experts' tensors each need an entry of their own (a bias the plan leaves out would be
+    # added by every rank to its partial output).
+    unplaced = [
+        f"{path}.{name}"
+        for path, module in model.named_modules()
+        if path and module_style(path, table) == "experts"
+        for name, _ in module.named_parameters(recurse=False)
+        if module_style(f"{path}.{name}", table) not in ("packed_colwise", "rowwise")
+    ]
+    if unplaced:
+        return (
+            {},
+            f"model type {model_type!r}: expert tensors its tensor plan does not place: {', '.join(unplaced[:3])}",
+        )
+    return table, why

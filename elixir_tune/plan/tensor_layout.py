@@ -14,7 +14,13 @@ index) to a style, in the order they are tried (docs/DESIGN.md 9.5):
 * ``head_norm``: a norm inside the attention that runs on this rank's heads (``q_norm``, ``k_norm``;
   transformers' ``replicated_with_grad_allreduce``): replicated, gradient summed over the tensor group;
 * ``norm``: a norm on the residual stream: replicated; with sequence parallelism it runs on sequence
-  shards and its gradient is summed over the tensor group.
+  shards and its gradient is summed over the tensor group;
+* ``experts``: a mixture-of-experts module holding every expert's weights as 3-D tensors
+  (transformers' ``moe_tp_experts``): each rank runs its slice of every expert on all tokens and the
+  ranks' outputs are summed; its parameters have entries of their own (parameter paths):
+  ``packed_colwise`` (gate | up packed along the output dimension, each half split: a rank holds
+  ``[gate_r | up_r]``) and ``rowwise`` (split along the input dimension). The router beside it is
+  replicated.
 
 Modules not in the table are replicated. The table comes from the model's own
 ``config.base_model_tp_plan`` (translated by ``tensor_table``; the profiler records the result, the
@@ -30,7 +36,9 @@ from functools import lru_cache
 from typing import Literal, get_args
 
 TensorStyle = Literal["colwise", "rowwise", "vocab", "replicate"]
-ModuleStyle = Literal["colwise", "colwise_gather", "rowwise", "rowwise_split", "vocab", "head_norm", "norm"]
+ModuleStyle = Literal[
+    "colwise", "colwise_gather", "rowwise", "rowwise_split", "vocab", "head_norm", "norm", "experts", "packed_colwise"
+]
 MODULE_STYLES: tuple[str, ...] = get_args(ModuleStyle)
 TensorTable = Mapping[str, str]
 
@@ -60,7 +68,11 @@ HF_STYLES: dict[str, ModuleStyle] = {
     "rowwise_split_input": "rowwise_split",
     "embedding_rowwise": "vocab",
     "replicated_with_grad_allreduce": "head_norm",
+    "moe_tp_experts": "experts",
+    "packed_colwise": "packed_colwise",
 }
+# Packed parameters hold this many equal tensors along their split dimension (gate | up).
+PACKED_PARTS = 2
 
 
 def supported_model_types() -> tuple[str, ...]:
@@ -106,6 +118,9 @@ def module_style(module_path: str, table: TensorTable) -> str | None:
 
 def _param_role(param_name: str, table: TensorTable) -> tuple[TensorStyle, bool]:
     """(the parameter's split role, whether its gradient is summed over the tensor group)."""
+    own = module_style(param_name, table)  # an entry for the parameter itself (the experts' tensors)
+    if own in ("packed_colwise", "rowwise"):
+        return ("colwise" if own == "packed_colwise" else "rowwise"), False
     module, _, attr = param_name.rpartition(".")
     style = module_style(module, table)
     if style in ("colwise", "colwise_gather", "vocab"):
@@ -152,10 +167,17 @@ def split_dim(param_name: str, shape: list[int], model_type: str, table: TensorT
     if style == "vocab" or len(shape) == 1:
         return 0
     in_out = model_type in _IN_OUT_WEIGHTS
-    # nn.Linear weights are [out, in]: column-parallel splits out (dim 0), row-parallel in (dim 1).
+    # nn.Linear weights are [out, in] (the experts' [experts, out, in]): column-parallel splits out,
+    # row-parallel in.
+    out_dim, in_dim = len(shape) - 2, len(shape) - 1
     if style == "colwise":
-        return 1 if in_out else 0
-    return 0 if in_out else 1
+        return in_dim if in_out else out_dim
+    return out_dim if in_out else in_dim
+
+
+def packed_parts(param_name: str, table: TensorTable) -> int:
+    """How many equal tensors a parameter packs along its split dimension (1: not packed)."""
+    return PACKED_PARTS if module_style(param_name, table) == "packed_colwise" else 1
 
 
 def local_shape(
@@ -187,17 +209,19 @@ def local_shape(
     if degree == 1:
         return list(shape)
     local = list(shape)
+    packed = 1  # a packed parameter's halves are split each: its dimension divides by packed x parts
     if mode == "1d":
         dims = [] if (dim := split_dim(param_name, shape, model_type, table)) is None else [dim]
         parts = degree
+        packed = packed_parts(param_name, table_for(model_type, table))
     else:
         parts = int(round(degree**0.5))
         split = tensor_style(param_name, model_type, table) != "replicate"
         dims = list(range(len(shape))) if split else [len(shape) - 1]
     for dim in dims:
-        if local[dim] % parts:
+        if local[dim] % (parts * packed):
             raise ValueError(
-                f"{param_name}: dimension {dim} of shape {list(shape)} does not divide by {parts} "
+                f"{param_name}: dimension {dim} of shape {list(shape)} does not divide by {parts * packed} "
                 f"(tensor degree {degree}, mode {mode}); pick a tensor degree that divides it"
             )
         local[dim] //= parts
@@ -207,6 +231,41 @@ def local_shape(
 def unknown_styles(table: TensorTable) -> list[str]:
     """``pattern: style`` for each entry of a table whose style is not one of ``MODULE_STYLES``."""
     return [f"{pattern}: {style}" for pattern, style in table.items() if style not in MODULE_STYLES]
+
+
+def moe_blocks(table: TensorTable, paths: Iterable[str]) -> set[str]:
+    """The mixture-of-experts blocks among ``paths``: the parents of the modules of style ``experts``."""
+    return {path.rpartition(".")[0] for path in paths if module_style(path, table) == "experts"}
+
+
+def _moe_problem(model_type: str, table: TensorTable, modules: list[tuple[str, str, bool]], regions: set[str]) -> str:
+    """Why the engine cannot run a plan's mixture-of-experts entries ("" when it can, or has none).
+
+    It runs a block holding a router and the experts: the experts' packed and row-parallel tensors
+    (parameter entries under an ``experts`` entry); a packed style elsewhere, or split linears beside
+    the experts in the same block (shared experts, whose output would need its own reduction), are
+    refused.
+    """
+    experts = {pattern for pattern, style in table.items() if style == "experts"}
+    misplaced = [p for p, style in table.items() if style == "packed_colwise" and p.rpartition(".")[0] not in experts]
+    if misplaced:
+        return (
+            f"model type {model_type!r}: its tensor plan packs gate | up outside a mixture-of-experts module "
+            f"({', '.join(misplaced)}), which the engine does not run yet"
+        )
+    blocks = moe_blocks(table, (path for path, _, _ in modules))
+    beside = sorted(
+        path
+        for path, _, _ in modules
+        if module_style(path, table) in ("colwise", "colwise_gather", "rowwise", "rowwise_split")
+        and any(path.startswith(f"{block}.") for block in blocks)
+    )
+    if beside or blocks & regions:
+        return (
+            f"model type {model_type!r}: split linears beside the experts in a mixture-of-experts block "
+            f"({', '.join(beside[:3]) or ', '.join(sorted(blocks & regions)[:3])}; shared experts) are not run yet"
+        )
+    return ""
 
 
 def _generic(path: str) -> str:
@@ -258,10 +317,15 @@ def tensor_table(
         if path and module_style(path, table) is None:
             table[path] = "vocab"
     modules = list(modules)
-    # The regions whose input is gathered whole: the parents of the column-parallel linears.
+    # The regions whose input is gathered whole: the parents of the column-parallel linears, and the
+    # mixture-of-experts blocks (the parents of the experts, beside their replicated router).
     regions = {
         path.rpartition(".")[0] for path, _, _ in modules if module_style(path, table) in ("colwise", "colwise_gather")
     }
+    moe_problem = _moe_problem(model_type, table, modules, regions)
+    if moe_problem:
+        return {}, moe_problem
+    regions |= moe_blocks(table, (path for path, _, _ in modules))
     loose = []
     for path, class_name, has_params in modules:
         if not has_params or module_style(path, table) is not None:

@@ -9,7 +9,9 @@ head (GPT-NeoX), outputs gathered whole before the attention (Phi-3's fused q | 
 OLMo2's norm over all heads: ``colwise_gather`` / ``rowwise_split``), per-head norms with a gradient
 summed over the tensor group (Qwen3's q_norm / k_norm: ``head_norm``), four norms per block (Gemma2,
 whose head is tied to the embedding), a vocabulary-split embedding named in the plan (GPT-NeoX), an
-output head with a bias and a parallel residual (GPT-J), scaled residuals (Granite).
+output head with a bias and a parallel residual (GPT-J), scaled residuals (Granite), and the
+mixture-of-experts styles (Qwen3-MoE and Mixtral: ``experts`` with packed gate | up and row-parallel
+down, the router replicated; Qwen3-MoE for 6 steps, the other families 2).
 """
 
 from __future__ import annotations
@@ -22,8 +24,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 FP32_LOSS_REL = 1e-5
 FP32_WEIGHT_ABS = 1e-5
-FAMILIES = ["qwen3", "gemma2", "gpt_neox", "phi3", "olmo2", "granite", "gptj"]
-CASES = [dict(model=f"zoo:{name}", tensor=2, chunk_size=4096, clip=0.5, steps=2) for name in FAMILIES]
+FAMILIES = ["qwen3", "gemma2", "gpt_neox", "phi3", "olmo2", "granite", "gptj", "qwen3_moe", "mixtral"]
+STEPS = {"qwen3_moe": 6}
+CHUNK_SIZE = {"mixtral": 8192}  # its fused experts hold 8192 elements
+CASES = [
+    dict(model=f"zoo:{name}", tensor=2, chunk_size=CHUNK_SIZE.get(name, 4096), clip=0.5, steps=STEPS.get(name, 2))
+    for name in FAMILIES
+]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +47,7 @@ def test_family_tensor2_matches_torch(world2, index):
         assert result["round_trip"], rank
         assert result["losses"] == results[0]["losses"]  # one tensor group computes one loss
     first = results[0]
-    assert len(first["world_losses"]) == 2
+    assert len(first["world_losses"]) == CASES[index]["steps"]
     assert first["loss_rel"] <= FP32_LOSS_REL, (first["case"], first["loss_rel"])
     assert first["weight_abs"] <= FP32_WEIGHT_ABS, (first["case"], first["weight_abs"])
     assert first["norm_rel"] <= FP32_LOSS_REL, (first["case"], first["norm_rel"])

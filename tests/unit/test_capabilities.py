@@ -5,6 +5,7 @@ enforces them; and the data slice a script takes (elixir_tune.data_rank / data_s
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import elixir_tune
 from elixir_tune.hardware import load_hardware
 from elixir_tune.plan import PipelineParallel, load_plan, save_plan, validate, validate_dict
 from elixir_tune.plan.capabilities import PIPELINE_MODEL_TYPES, plan_loop, unsupported_layouts
-from elixir_tune.plan.tensor_layout import supported_model_types
+from elixir_tune.plan.tensor_layout import local_shape, supported_model_types
 from elixir_tune.profiler import profile_model
 from elixir_tune.search import search
 
@@ -217,3 +218,28 @@ def test_data_rank_and_size_follow_the_plan(profiles, tmp_path, monkeypatch):
     data_only = dataclasses.replace(plan, parallel=dataclasses.replace(plan.parallel, pipeline=PipelineParallel()))
     ranks.use_plan(data_only, 3)  # what setup records wins over the environment
     assert (elixir_tune.data_rank(), elixir_tune.data_size()) == (3, 4)
+
+
+def test_a_mixture_of_experts_profile_offers_tensor_parallelism(tmp_path):
+    """Qwen3-MoE's plan splits the fused experts: the profile records the table, the search's chunks
+    hold each rank's slice of every expert, and validate accepts the plan."""
+    import yaml
+
+    config = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "intermediate_size": 64, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+              "head_dim": 8, "vocab_size": 128}  # fmt: skip
+    path = tmp_path / "qwen3_moe.yaml"
+    path.write_text(yaml.safe_dump({"name": "qwen3-moe-tiny", "architecture": "qwen3_moe", "config": config}))
+    profile = profile_model(str(path), batch_size=2, seq_len=16)
+    assert profile.unsupported_layouts == {}
+    assert profile.arch.tensor_layout["model.layers.*.mlp.experts"] == "experts"
+    plan = search(
+        profile, load_hardware("cpu"), gpus_per_node=2, global_batch_size=8, fixed=["tensor=2"], loop="forward_backward"
+    ).plan
+    assert plan.parallel.tensor.degree == 2 and validate(plan) == []
+    # The chunks hold each rank's pieces: the experts' gate | up [4, 64, 32] and down [4, 32, 32] halved.
+    shapes = {p.name: list(p.shape) for p in profile.params}
+    local = {name: local_shape(name, shapes[name], "qwen3_moe", 2, table=plan.model.tensor_layout) for name in shapes}
+    assert local["model.layers.0.mlp.experts.gate_up_proj"] == [4, 32, 32]
+    assert local["model.layers.0.mlp.experts.down_proj"] == [4, 32, 16]
+    assert sum(chunk.numel for chunk in plan.memory.chunks) == sum(math.prod(shape) for shape in local.values())

@@ -41,9 +41,10 @@ from tests.unit.test_plan_parallel import _with
             "set it to 1 (search again without --fix tensor=2)",
         ),
         (
-            {"model__tensor_layout": {"transformer.h.*.attn.c_attn": "packed_colwise"}},
-            "model.tensor_layout: unknown styles transformer.h.*.attn.c_attn: packed_colwise (known: colwise, "
-            "colwise_gather, rowwise, rowwise_split, vocab, head_norm, norm); profile the model and search again",
+            {"model__tensor_layout": {"transformer.h.*.attn.c_attn": "local_colwise"}},
+            "model.tensor_layout: unknown styles transformer.h.*.attn.c_attn: local_colwise (known: colwise, "
+            "colwise_gather, rowwise, rowwise_split, vocab, head_norm, norm, experts, packed_colwise); profile the "
+            "model and search again",
         ),
     ],
 )  # fmt: skip

@@ -51,10 +51,30 @@ def test_the_translation_keeps_each_style():
     ]
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])
-def test_mixture_of_experts_styles_are_refused_whole(family):
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_mixture_of_experts_tables_split_each_expert(family):
     table, why = _table(family)
-    assert table == {} and "moe_tp_experts" in why and "packed_colwise" in why
+    assert why == ""
+    assert module_style("model.layers.1.mlp.experts", table) == "experts"
+    assert module_style("model.layers.1.mlp.gate", table) is None  # the router: replicated
+    # gate | up [experts, 2 I, hidden]: each half split (a rank holds [gate_r | up_r]); down by its input.
+    assert local_shape("model.layers.0.mlp.experts.gate_up_proj", [4, 256, 64], family, 2, table=table) == [4, 128, 64]
+    assert local_shape("model.layers.0.mlp.experts.down_proj", [4, 64, 128], family, 2, table=table) == [4, 64, 64]
+    with pytest.raises(ValueError, match="does not divide by 4"):  # I = 3: the halves do not split
+        local_shape("model.layers.0.mlp.experts.gate_up_proj", [4, 6, 64], family, 2, table=table)
+
+
+def test_mixture_of_experts_plans_the_engine_cannot_run_are_refused_whole():
+    table, why = _table("deepseek_v3")  # latent attention: its plan leaves the attention's linears out
+    assert table == {} and "kv_a_proj_with_mqa" in why
+    modules = [("model.layers.0.mlp", "Moe", False), ("model.layers.0.mlp.experts", "Experts", True),
+               ("model.layers.0.mlp.shared.up", "Linear", True), ("model.layers.0.mlp.shared.down", "Linear", True)]  # fmt: skip
+    moe = {"layers.*.mlp.experts": "moe_tp_experts", "layers.*.mlp.experts.gate_up_proj": "packed_colwise"}
+    shared = {"layers.*.mlp.shared.up": "colwise", "layers.*.mlp.shared.down": "rowwise"}
+    table, why = tensor_table("x", {**moe, **shared}, "model", modules, ("", ""))
+    assert table == {} and "split linears beside the experts" in why and "model.layers.0.mlp.shared.up" in why
+    table, why = tensor_table("x", {"layers.*.mlp.up": "packed_colwise"}, "model", modules[:1], ("", ""))
+    assert table == {} and "packs gate | up outside a mixture-of-experts module" in why
 
 
 @pytest.mark.parametrize("family", ["opt", "falcon", "bloom", "stablelm"])

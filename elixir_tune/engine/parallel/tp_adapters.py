@@ -42,8 +42,17 @@ from elixir_tune.engine.comm import (
     Shard,
     distribute_module,
 )
+from elixir_tune.engine.parallel.tp_experts import ExpertsParallel, MoeBlock
 from elixir_tune.engine.parallel.tp_layout import Layout, TensorParallelError
-from elixir_tune.plan.tensor_layout import MODULE_STYLES, TensorTable, local_shape, module_style, unknown_styles
+from elixir_tune.plan.tensor_layout import (
+    MODULE_STYLES,
+    PACKED_PARTS,
+    TensorTable,
+    local_shape,
+    module_style,
+    moe_blocks,
+    unknown_styles,
+)
 from elixir_tune.tensor_table import model_tensor_table
 
 # --- GPT-2's Conv1D -----------------------------------------------------------------------------------
@@ -205,6 +214,7 @@ def table_plan(model: nn.Module, table: TensorTable, sp: bool, vocab_parallel_lo
     transformers tensor plan; plan/tensor_layout.py describes the styles)."""
     between, local_out = _sequence(sp)
     styles: dict[str, ParallelStyle] = {}
+    fused: dict[str, tuple[int, int]] = {}
     regions = set()
     for path, module in model.named_modules():
         style = module_style(path, table) if path else None
@@ -230,8 +240,17 @@ def table_plan(model: nn.Module, table: TensorTable, sp: bool, vocab_parallel_lo
             styles[path] = SequenceParallel(sequence_dim=-2, use_local_output=True)
         elif style == "norm" and sp:
             styles[path] = SequenceParallel()
+        elif style == "experts":
+            own = dict(module.named_parameters(recurse=False))
+            packed = tuple(n for n in own if module_style(f"{path}.{n}", table) == "packed_colwise")
+            styles[path] = ExpertsParallel(
+                packed, tuple(n for n in own if module_style(f"{path}.{n}", table) == "rowwise")
+            )
+            fused.update({f"{path}.{n}": (PACKED_PARTS, own[n].ndim - 2) for n in packed})
     for region in regions:
         styles[region] = RegionInput(between)
+    for block in moe_blocks(table, styles):
+        styles[block] = MoeBlock(between, local_out)
     # Tied parameters (the output head's weight is the input embedding's): re-tied after the split.
     owners: dict[int, str] = {}
     tied = []
@@ -241,7 +260,7 @@ def table_plan(model: nn.Module, table: TensorTable, sp: bool, vocab_parallel_lo
             tied.append((path, attr, owners[id(param)]))
         else:
             owners[id(param)] = name
-    return FamilyPlan(styles, {}, [], tied)
+    return FamilyPlan(styles, fused, [], tied)
 
 
 def _gpt2_plan(model: nn.Module, degree: int, sp: bool) -> FamilyPlan:
