@@ -19,9 +19,9 @@ materializing it costs (for the old path, the whole model built before setup, to
 
 Results go to benchmarks/results/setup-memory.json and .md, with the machine's load.
 
-Tensor parallelism (``--tensor 2``): a Llama of 346M parameters (1.29 GiB fp32; hidden 1024, 24
+Tensor parallelism (``--tensor 2``): a Llama of 349M parameters (1.30 GiB fp32; hidden 1024, 24
 layers, 16 heads with 8 key/value heads, vocabulary 32000, untied head), written once into
-``--weights-dir`` (default /tmp/elixir-bench-llama-346m), on a tensor-2 plan at world 2: the model
+``--weights-dir`` (default /tmp/elixir-bench-llama-349m), on a tensor-2 plan at world 2: the model
 is split on the meta device and each rank reads only its pieces of the file (``meta-weights``) or
 initializes only them (``meta-init``). The section is appended to setup-memory.md (results in
 setup-memory-tensor.json):
@@ -56,8 +56,8 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
 
 
-TP_MODEL = "llama-346m"
-TP_DEFAULT_DIR = "/tmp/elixir-bench-llama-346m"
+TP_MODEL = "llama-349m"
+TP_DEFAULT_DIR = "/tmp/elixir-bench-llama-349m"
 
 
 def build_model(name: str):

@@ -367,6 +367,9 @@ class FileSource(WeightSource):
         if self._piece is None or self._piece[0] != id(tensor):
             runs = self.split.layout(tensor).local_runs(tuple(tensor.shape), self.split.coords, self.split.sizes)
             self._piece = (id(tensor), self.reader.read_piece(self.reader.names[id(tensor)], runs).reshape(-1))
+            # A column split touches every page of the tensor in the file: unmap them now, not at the
+            # chunk's end (a chunk of pieces spans T times its size in the file).
+            self.reader.release()
         return self._piece[1]
 
     def read_range(self, param: torch.Tensor, begin: int, end: int) -> torch.Tensor:
