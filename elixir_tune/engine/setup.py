@@ -9,7 +9,7 @@ import torch
 from elixir_tune import ranks
 from elixir_tune.engine.comm import init_mesh
 from elixir_tune.engine.engine import Engine
-from elixir_tune.engine.io.materialize import make_source
+from elixir_tune.engine.io.materialize import has_meta, make_source
 from elixir_tune.engine.model import ElixirModel
 from elixir_tune.engine.optimizer import ShardedOptimizer
 from elixir_tune.engine.parallel.tensor_parallel import split_for_plan
@@ -95,7 +95,8 @@ def setup(
     The model may be built on the meta device (``with torch.device("meta"):``): the weights are then
     made chunk by chunk straight into this rank's shards, read from ``weights`` or produced by the
     model's own initializer (deterministic for a seed whatever the world size, chunk size and
-    offload), so no rank ever holds the whole model.
+    offload), so no rank ever holds the whole model. Under a tensor-parallel plan the model is split
+    on the meta device first, and each rank reads or initializes only its own pieces.
 
     Args:
         model: the user's module: real weights (rank 0's are used everywhere) or on the meta device.
@@ -128,10 +129,12 @@ def setup(
         tensor=parallel.tensor.degree,
     )
     ranks.use_plan(plan, mesh.world.rank)
-    source = make_source(model, weights, agreed_seed(mesh.world, seed))
-    tensor_parallel = split_for_plan(model, optimizer, plan, mesh, source, vocab_parallel_loss)
-    if tensor_parallel is not None:
-        source = None  # split_for_plan made the model whole from the source before splitting it
+    seed = agreed_seed(mesh.world, seed)
+    # Tensor parallelism splits the model first (on the meta device when it is there): the source
+    # then gives each rank its own pieces of the split parameters only.
+    fresh = weights is not None or has_meta(model)
+    tensor_parallel = split_for_plan(model, optimizer, plan, mesh, fresh, vocab_parallel_loss)
+    source = make_source(model, weights, seed, tensor_parallel)
     # The chunks are sharded over the data-parallel group; pipeline and tensor parallelism read the
     # rest of the mesh from engine.mesh.
     if parallel.pipeline.stages > 1:

@@ -230,7 +230,14 @@ def _from_raw(raw: dict, path: Path, spec: str) -> ModelSource:
         from transformers import AutoModelForCausalLM
 
         with quiet_transformers():
-            return AutoModelForCausalLM.from_config(make_config(), attn_implementation=attn_implementation)
+            try:
+                return AutoModelForCausalLM.from_config(make_config(), attn_implementation=attn_implementation)
+            except ValueError as exc:
+                # A model without attention (Mamba) refuses any implementation asked of it: when
+                # none was asked for, build it as transformers would by default.
+                if "attn_implementation" in raw or "attention implementation" not in str(exc):
+                    raise
+                return AutoModelForCausalLM.from_config(make_config())
 
     def batch(batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
         input_ids = torch.randint(0, vocab_size, (batch_size, seq_len))

@@ -71,7 +71,10 @@ def tensor_choices(profile: ModelProfile, gpus_per_node: int, fixed: dict) -> li
         return [(pinned_t, mode)]
     arch = profile.arch
     if pinned_t > 1 and not arch.num_heads:
-        why = "the profile has no head counts (profile it again from a transformers model)"
+        why = (
+            f"the profile records no attention heads for model type {arch.model_type!r} (the tensor degree must "
+            "divide them; a family without attention needs a tensor plan that splits what it has instead)"
+        )
     elif gpus_per_node % pinned_t:
         why = f"it does not divide the {gpus_per_node} GPUs of a node (tensor parallelism stays within a node)"
     elif arch.num_heads % pinned_t or (arch.num_kv_heads or arch.num_heads) % pinned_t:

@@ -128,3 +128,24 @@ def test_a_pinned_offload_that_does_not_fit_names_the_device(workdir):
 def test_the_plan_names_its_profile(workdir):
     assert invoke("--gpus", "2", "--hardware", "a100-40gb-pcie").exit_code == 0
     assert load_plan(workdir / "plan.yaml").search.profile == str(workdir / "profile.yaml")
+
+
+def test_a_model_without_attention_gets_a_plan_and_a_plain_tensor_refusal(tmp_path, monkeypatch):
+    """Mamba (no attention, no tensor plan in transformers): profiled from its Hugging Face directory,
+    searched with everything else; a tensor pin is refused for the real cause."""
+    from transformers import MambaConfig
+
+    monkeypatch.chdir(tmp_path)
+    MambaConfig(vocab_size=64, hidden_size=16, state_size=4, num_hidden_layers=2, expand=2).save_pretrained("hf")
+    profiled = CliRunner().invoke(cli, ["profile", "hf", "--batch-size", "2", "--seq-len", "8"])
+    assert profiled.exit_code == 0, profiled.output
+    result = invoke("--gpus", "2", "--hardware", "cpu", "--loop", "forward_backward")
+    assert result.exit_code == 0, result.output
+    plan = load_plan(tmp_path / "plan.yaml")
+    assert plan.parallel.tensor.degree == 1 and plan.world_size == 2
+    assert "tensor plan for the model's family" in plan.model.unsupported_layouts["tensor"]
+    pinned = invoke("--gpus", "2", "--hardware", "cpu", "--loop", "forward_backward", "--fix", "tensor=2")
+    assert pinned.exit_code != 0
+    assert "model type 'mamba' ships no tensor plan" in pinned.output
+    assert "tensor parallelism needs a tensor plan for the model's family" in pinned.output
+    assert "head counts" not in pinned.output

@@ -91,3 +91,34 @@ def test_fused_layout_gives_each_rank_its_own_heads_of_q_k_and_v():
     piece = Layout((1,), parts=3, fused_dim=1).local(full, (1,), (2,))
     # Rank 1 of 2 holds heads 2 and 3 of q, then of k, then of v.
     assert piece[0].tolist() == [2.0, 3.0, 3.0, 4.0, 4.0, 5.0]
+
+
+@pytest.mark.parametrize(
+    ("layout", "sizes"),
+    [
+        (Layout((0,)), (4,)),
+        (Layout((1,)), (2,)),  # a row-parallel weight: columns, from every row of the file
+        (Layout((1,), parts=3, fused_dim=1), (2,)),  # GPT-2's c_attn: three runs of columns
+        (Layout((1, 0)), (2, 2)),
+        (Layout((0, 1), parts=3, fused_dim=1), (2, 2)),
+        (Layout((None, 0)), (2, 2)),
+    ],
+)
+def test_a_rank_reads_its_piece_from_safetensors(tmp_path, layout, sizes):
+    """``Layout.local_runs`` + ``WeightsReader.read_piece`` (the meta-device start of a tensor plan)
+    give each rank exactly ``Layout.local`` of the file's tensor, converted to fp32."""
+    from safetensors.torch import save_file
+
+    from elixir_tune.engine.io.weights import WeightsReader
+
+    full = torch.arange(12 * 24, dtype=torch.float32).view(12, 24)
+    save_file({"weight": full.to(torch.bfloat16)}, str(tmp_path / "model.safetensors"))
+    model = torch.nn.Module()
+    model.register_parameter("weight", torch.nn.Parameter(torch.empty(12, 24, device="meta")))
+    reader = WeightsReader(tmp_path, model)
+    for rank in range(int(torch.tensor(sizes).prod())):
+        coords = mesh_coords(rank, sizes)
+        piece = reader.read_piece("weight", layout.local_runs((12, 24), coords, sizes))
+        assert piece.dtype == torch.float32
+        assert torch.equal(piece, layout.local(full.to(torch.bfloat16).float(), coords, sizes)), (rank, coords)
+    reader.release()

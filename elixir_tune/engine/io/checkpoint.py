@@ -35,7 +35,6 @@ import torch
 from elixir_tune.engine.comm import Comm, gather_objects
 from elixir_tune.engine.io import checkpoint_files as files
 from elixir_tune.engine.io.checkpoint_files import META_NAME, MODEL_NAME, CheckpointError, rank_file_name
-from elixir_tune.engine.parallel.tensor_parallel import refuse_tensor_parallel
 from elixir_tune.plan import Plan
 
 # 2: meta.json records each file's size and sha256 (1: no checksums; still loaded, with a note).
@@ -44,16 +43,22 @@ DEFAULT_KEEP = 2
 
 
 def plan_layout(plan: Plan) -> str:
-    """Hash of what decides each rank's shard contents: world size, chunk size, chunk packing, offload.
+    """Hash of what decides each rank's shard contents: world size, chunk size, chunk packing, offload,
+    and the tensor split.
 
     Offload matters too: device and host shards get separate inner optimizers, whose state_dict
-    order depends on the split.
+    order depends on the split. Under tensor parallelism the chunks hold each tensor rank's pieces,
+    so the tensor degree and mode are part of the layout (left out at degree 1: a data-parallel
+    plan's hash is what it was before tensor plans could save).
     """
-    layout = {
+    layout: dict = {
         "world_size": plan.world_size,
         "chunk_size": plan.memory.chunk_size,
         "chunks": [[chunk.id, list(chunk.params), bool(chunk.offload)] for chunk in plan.memory.chunks],
     }
+    tensor = plan.parallel.tensor
+    if tensor.degree > 1:
+        layout["tensor"] = [tensor.degree, tensor.mode]
     return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -177,7 +182,6 @@ def save_checkpoint(
         raise ValueError(f"keep must be at least 1 (or None to keep every checkpoint), not {keep}")
     engine = model.engine
     model.check_finite()  # a NaN step never overwrites a good checkpoint (NonFiniteError; engine/finite.py)
-    refuse_tensor_parallel(engine, "save_checkpoint")  # not yet tested with tensor-parallel pieces
     comm, plan = _world_and_plan(engine)
     root = Path(path).absolute()
     final = root / files.step_dir_name(step)
@@ -273,6 +277,7 @@ def save_checkpoint(
             "fingerprint": plan.model.fingerprint,
             "layout": plan_layout(plan),
             "world_size": comm.world_size,
+            "tensor_degree": plan.parallel.tensor.degree,
             "chunk_size": plan.memory.chunk_size,
             "dtype": plan.training.dtype,
             "optimizer": optimizer.optimizer_class.__name__,
@@ -386,7 +391,7 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer) -> dict:
         return meta
     why = (
         f"it was saved with world size {meta.get('world_size')} and chunk size {meta.get('chunk_size')}, "
-        f"this run has {comm.world_size} and {plan.memory.chunk_size}"
+        f"this run has {comm.world_size} and {plan.memory.chunk_size}{_tensor_note(meta, plan)}"
         if not same_layout
         else f"it was saved with {meta.get('optimizer')}, this run uses {optimizer.optimizer_class.__name__}"
     )
@@ -406,6 +411,15 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer) -> dict:
     meta["exact"] = False
     meta["directory"] = str(directory)
     return meta
+
+
+def _tensor_note(meta: dict, plan: Plan) -> str:
+    """The tensor degrees of the checkpoint and this run when they differ (pieces of another split)."""
+    saved = meta.get("tensor_degree", 1)
+    degree = plan.parallel.tensor.degree
+    if saved == degree:
+        return ""
+    return f" (tensor degree {saved} then, {degree} now: the shards hold pieces of another split)"
 
 
 def _read_checked(directory: Path, name: str, records: dict | None):

@@ -17,6 +17,13 @@ constructors do), then for a transformers model ``PreTrainedModel._init_weights`
 modules and on their ancestors (GPT-2 rescales ``c_proj`` from the parent module), tensors outside
 the unit stay on meta, where the initializers do nothing. A rank initializes only the units that
 overlap its shards. Tensors are pre-filled with NaN: one the initializers never wrote is an error.
+
+Under a tensor-parallel plan the model is split while still on the meta device (its parameters
+become DTensors with meta local pieces), and the source is told the split (``WeightSource.split``):
+it then gives each parameter's values as this rank's piece, a file source reading only that piece's
+slices (``Layout.local_runs``, ``WeightsReader.read_piece``), the initializer cutting the piece from
+the unit it initializes. Meta DTensors become real ones in place (``torch.utils.swap_tensors``: the
+parameter objects, and so the optimizer's references, stay).
 """
 
 from __future__ import annotations
@@ -24,12 +31,16 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from elixir_tune.engine.comm import is_dtensor
 from elixir_tune.engine.io.weights import WeightsReader
+
+if TYPE_CHECKING:
+    from elixir_tune.engine.comm import DTensor
 
 UNIT_NUMEL = 1 << 26  # elements initialized at once (256 MiB in fp32): bounds host memory, not values
 _KEEP_UNITS = 2  # a unit straddling two chunks is initialized once
@@ -282,7 +293,26 @@ class Initializer:
 
 
 class WeightSource:
-    """Gives the values of this rank's shard of each chunk, and of the replicated tensors."""
+    """Gives the values of this rank's shard of each chunk, and of the replicated tensors.
+
+    Attributes:
+        split: the model's tensor-parallel split (``TensorSplit``) when its parameters are DTensors:
+            a parameter's values are then this rank's piece (its ``_local_tensor``). None otherwise.
+    """
+
+    split: Any = None
+
+    def local(self, tensor: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of ``value``, the full value of ``tensor`` (``value`` itself unless split)."""
+        if is_dtensor(value):
+            return value._local_tensor
+        if self.split is None or not is_dtensor(tensor):
+            return value
+        return self.split.local_value(tensor, value)
+
+    def sharded(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is split over the tensor ranks (each holds a different piece)."""
+        return self.split is not None and is_dtensor(tensor) and self.split.layout(tensor).sharded
 
     def shard(self, chunk) -> torch.Tensor:
         """This rank's part of ``chunk``, fp32, ``chunk.shard_numel`` elements (padding zero)."""
@@ -315,10 +345,12 @@ class InitSource(WeightSource):
         self.initializer = initializer
 
     def read_range(self, param: torch.Tensor, begin: int, end: int) -> torch.Tensor:
-        return self.initializer.value(param).reshape(-1)[begin:end].float()
+        return self.local(param, self.initializer.value(param)).reshape(-1)[begin:end].float()
 
     def full(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        return self.initializer.value(tensor) if id(tensor) in self.initializer.meta else None
+        if id(tensor) not in self.initializer.meta:
+            return None
+        return self.local(tensor, self.initializer.value(tensor))
 
 
 class FileSource(WeightSource):
@@ -328,34 +360,76 @@ class FileSource(WeightSource):
     def __init__(self, reader: WeightsReader, initializer: Initializer | None):
         self.reader = reader
         self.initializer = initializer
+        self._piece: tuple[int, torch.Tensor] | None = None  # the last split parameter's piece, flat
+
+    def _read_piece(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a split tensor, fp32, flat; only its slices of the file are read."""
+        if self._piece is None or self._piece[0] != id(tensor):
+            runs = self.split.layout(tensor).local_runs(tuple(tensor.shape), self.split.coords, self.split.sizes)
+            self._piece = (id(tensor), self.reader.read_piece(self.reader.names[id(tensor)], runs).reshape(-1))
+            # A column split touches every page of the tensor in the file: unmap them now, not at the
+            # chunk's end (a chunk of pieces spans T times its size in the file).
+            self.reader.release()
+        return self._piece[1]
 
     def read_range(self, param: torch.Tensor, begin: int, end: int) -> torch.Tensor:
+        if self.sharded(param):
+            return self._read_piece(param)[begin:end]
         return self.reader.read_range(self.reader.names[id(param)], begin, end)
 
     def done_chunk(self) -> None:
         self.reader.release()  # unmap: the pages of this chunk leave the resident set
+        self._piece = None
 
     def full(self, tensor: torch.Tensor) -> torch.Tensor | None:
         name = self.reader.names.get(id(tensor))
         if name is not None:
+            if self.sharded(tensor):
+                return self._read_piece(tensor).view(_local_shape(tensor)).to(tensor.dtype)
             return self.reader.read_full(name).to(tensor.dtype)
         if self.initializer is not None and id(tensor) in self.initializer.meta:
-            return self.initializer.value(tensor)
+            return self.local(tensor, self.initializer.value(tensor))
         return None
 
 
-def make_source(model: nn.Module, weights, seed: int) -> WeightSource | None:
+def make_source(model: nn.Module, weights, seed: int, split: Any = None) -> WeightSource | None:
     """The source of the first weights: None means the model's own (real) weights, broadcast from rank 0.
+
+    Args:
+        model: the model (split already when ``split`` is given).
+        weights: a safetensors file, index or directory, or None.
+        seed: the seed every rank agrees on (for the initializer).
+        split: the model's TensorSplit under a tensor-parallel plan: values come as this rank's pieces.
 
     Raises:
         MaterializeError: meta tensors with no initializer.
         WeightsError: unusable weights (listed).
     """
     meta = has_meta(model)
+    source: WeightSource | None = None
     if weights is not None:
         reader = WeightsReader(weights, model)
-        return FileSource(reader, Initializer(model, seed, provided=set(reader.names)) if meta else None)
-    return InitSource(Initializer(model, seed)) if meta else None
+        source = FileSource(reader, Initializer(model, seed, provided=set(reader.names)) if meta else None)
+    elif meta:
+        source = InitSource(Initializer(model, seed))
+    if source is not None:
+        source.split = split
+    return source
+
+
+def _local_shape(tensor: torch.Tensor) -> torch.Size:
+    """The shape of this rank's piece (a DTensor's local tensor; a plain tensor's own)."""
+    return tensor._local_tensor.shape if is_dtensor(tensor) else tensor.shape
+
+
+def _real_dtensor(param: DTensor, local: torch.Tensor) -> nn.Parameter:
+    """A parameter holding the DTensor ``param`` (same mesh, placements, global shape) with ``local`` as its piece."""
+    from elixir_tune.engine.comm import DTensor  # loaded already: ``param`` is one
+
+    value = DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
+    return nn.Parameter(value, requires_grad=param.requires_grad)
 
 
 def materialize_replicated(model: nn.Module, chunked: set[int], source: WeightSource | None) -> None:
@@ -376,7 +450,9 @@ def materialize_replicated(model: nn.Module, chunked: set[int], source: WeightSo
         value = source.full(tensor)
         if value is None:
             continue
-        if isinstance(tensor, nn.Parameter):
+        if is_dtensor(tensor):  # a frozen split parameter: its piece, in place
+            torch.utils.swap_tensors(tensor, _real_dtensor(tensor, value.detach().clone()))
+        elif isinstance(tensor, nn.Parameter):
             replacement = nn.Parameter(value.detach().clone(), requires_grad=tensor.requires_grad)
             torch.utils.swap_tensors(tensor, replacement)
         else:
@@ -394,6 +470,10 @@ def swap_meta_for_placeholders(params: list[nn.Parameter], placeholder: torch.Te
     """Chunked parameters on the meta device become (same objects) expanded views of ``placeholder``:
     the engine points them at chunk payloads afterwards, which a meta tensor cannot be."""
     for param in params:
-        if param.is_meta:
+        if not param.is_meta:
+            continue
+        if is_dtensor(param):  # a split parameter: a real DTensor whose piece is the placeholder
+            replacement = _real_dtensor(param, placeholder.expand(_local_shape(param)))
+        else:
             replacement = nn.Parameter(placeholder.expand(param.shape), requires_grad=param.requires_grad)
-            torch.utils.swap_tensors(param, replacement)
+        torch.utils.swap_tensors(param, replacement)

@@ -7,6 +7,12 @@ holds more than one gathered chunk (plus one frozen tensor or buffer) at a time.
 ``model-0000i-of-0000n.safetensors`` names and ``model.safetensors.index.json``, one file is
 ``model.safetensors``, as transformers writes them; ``config.json`` and ``generation_config.json``
 come from the model's ``config`` / ``generation_config`` when it has them.
+
+Under a tensor-parallel plan a chunk holds each tensor rank's pieces: the chunk is gathered to the
+first rank of each data-parallel group (the ranks of world rank 0's tensor group), which then
+assemble each parameter from their pieces over the tensor group (``TensorSplit.full_state``) for
+rank 0 to write at its full shape. Rank 0 then holds one gathered chunk and one full parameter at
+a time.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from typing import Any, BinaryIO
 import torch
 
 from elixir_tune.engine.io.weights import INDEX_NAME, WEIGHTS_NAME
-from elixir_tune.engine.parallel.tensor_parallel import refuse_tensor_parallel
+from elixir_tune.engine.parallel.tensor_parallel import local_data
 
 _SAFETENSORS_DTYPES = {
     torch.float64: "F64",
@@ -82,7 +88,7 @@ def _entries(engine, dtype: torch.dtype | None) -> tuple[list[_Entry], dict[int,
     for chunk in engine.chunks:
         for slot in chunk.slots:
             if id(slot.param) in first_name and id(slot.param) not in by_tensor:
-                add(id(slot.param), slot.shape, torch.float32)
+                add(id(slot.param), slot.param.shape, torch.float32)  # the full shape (a DTensor's is global)
     for key, value in values.items():
         if key not in by_tensor:
             add(key, value.shape, torch.float32 if isinstance(value, torch.nn.Parameter) else value.dtype)
@@ -197,8 +203,8 @@ def save_pretrained(
             "(elixir_tune.save_checkpoint; its model.pt holds the full weights), or write "
             "model.state_dict() (merged on rank 0) with transformers' save_pretrained of a plain model"
         )
-    refuse_tensor_parallel(engine, "save_pretrained")
     directory = Path(directory)
+    split = engine.tensor_parallel
     entries, by_tensor = _entries(engine, dtype)
     files = _split(entries, parse_size(max_shard_size))
     rank0 = engine.comm.rank == 0
@@ -208,20 +214,31 @@ def save_pretrained(
         for old in list(directory.glob("model*.safetensors")) + [directory / INDEX_NAME]:
             old.unlink(missing_ok=True)
         writer = _Writer(directory, entries, files)
+
+    def whole(entry: _Entry, param: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
+        """The full value from this rank's piece (a collective over the tensor group when split)."""
+        if split is None:
+            return piece
+        return split.full_state({entry.name: piece}, {entry.name: param})[entry.name]
+
     try:
         for chunk, flat in engine.gathered_chunks(all_ranks=False):
-            if writer is None:
+            if flat is None:  # not the first rank of its data group: its tensor group does not write
                 continue
             for slot in chunk.slots:
                 entry = by_tensor.get(id(slot.param))
                 if entry is not None:
-                    writer.write(entry, flat[slot.offset : slot.offset + slot.numel])
-        if writer is not None:
+                    value = whole(entry, slot.param, flat[slot.offset : slot.offset + slot.numel].view(slot.shape))
+                    if writer is not None:
+                        writer.write(entry, value)
+        if engine.comm.rank == 0:
             chunked = {id(slot.param) for slot in engine.slots}
             for name, value in engine.model.state_dict(keep_vars=True).items():
                 entry = by_tensor.get(id(value))
                 if id(value) not in chunked and entry is not None and entry.name == name:
-                    writer.write(entry, value)
+                    value = whole(entry, value, local_data(value).detach().cpu())
+                    if writer is not None:
+                        writer.write(entry, value)
     finally:
         if writer is not None:
             writer.close()

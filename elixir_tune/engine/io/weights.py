@@ -15,6 +15,7 @@ of GPT-2) is one tensor with several names, and any of them in the file sets it;
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -220,3 +221,22 @@ class WeightsReader:
     def read_full(self, name: str) -> torch.Tensor:
         """The whole tensor ``name``, in its stored dtype."""
         return self._read(lambda: self._handle(name).get_tensor(name), name)
+
+    def read_piece(self, name: str, runs: list[list[tuple[int, int]]]) -> torch.Tensor:
+        """A tensor-parallel rank's piece of tensor ``name``, as fp32: the full tensor indexed by the
+        product of ``runs`` (per dimension, ``[begin, end)`` ranges in the piece's order; see
+        ``Layout.local_runs``). Each block is read with ``get_slice``: nothing outside the piece."""
+        shape = self.shapes[name]
+        if len(runs) != len(shape):
+            raise ValueError(f"{name}: {len(runs)} dimensions of runs for a tensor of shape {list(shape)}")
+        piece = torch.empty([sum(end - begin for begin, end in dim_runs) for dim_runs in runs], dtype=torch.float32)
+        starts = [list(itertools.accumulate([0] + [end - begin for begin, end in dim_runs])) for dim_runs in runs]
+        for block in itertools.product(*[range(len(dim_runs)) for dim_runs in runs]):
+            source = tuple(slice(*runs[axis][i]) for axis, i in enumerate(block))
+            target = tuple(slice(starts[axis][i], starts[axis][i + 1]) for axis, i in enumerate(block))
+
+            def read(source=source) -> torch.Tensor:
+                return self._handle(name).get_slice(name)[source]
+
+            piece[target] = self._read(read, name).float()
+        return piece

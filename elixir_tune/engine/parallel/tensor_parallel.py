@@ -36,7 +36,6 @@ import torch
 from torch import nn
 
 from elixir_tune.engine.comm import Comm, Mesh, grid_device_mesh, is_dtensor
-from elixir_tune.engine.io.materialize import WeightSource, materialize_replicated
 from elixir_tune.engine.parallel.tp_layout import Layout, TensorParallelError, mesh_coords
 from elixir_tune.plan import Plan
 
@@ -52,7 +51,6 @@ __all__ = [
     "plain",
     "set_local_data",
     "split_for_plan",
-    "refuse_tensor_parallel",
 ]
 
 
@@ -168,11 +166,14 @@ def apply_tensor_parallel(
     sequence_parallel: bool = True,
     vocab_parallel_loss: bool = False,
     table: dict[str, str] | None = None,
+    broadcast: bool = True,
 ) -> TensorSplit:
     """Splits ``model`` over this rank's tensor group, in place.
 
     Every rank first takes world rank 0's weights (as DDP does), then keeps its own piece of each
     split parameter (no other traffic). The optimizer's groups are pointed at the new parameters.
+    Without ``broadcast`` the values are left as they are (a model on the meta device stays there:
+    its pieces are meta DTensors that ``setup``'s weight source fills, each rank its own piece).
 
     Args:
         model: a transformers model with a tensor table (``plan/tensor_layout.py``), real weights.
@@ -185,22 +186,24 @@ def apply_tensor_parallel(
         vocab_parallel_loss: 1d: keep the logits split by vocabulary and compute the model's loss
             under ``loss_parallel`` (ElixirModel's forward and the optimizer's ``backward`` enter it).
         table: 1d: the model's tensor table from the plan (empty or None: read from the model).
+        broadcast: take world rank 0's weights first (False: the weights come later, from a source).
 
     Returns:
         The TensorSplit layout.
 
     Raises:
-        TensorParallelError: unsupported family or sizes not divisible by the degree, or a meta model.
+        TensorParallelError: unsupported family or sizes not divisible by the degree, or a meta
+            model to broadcast.
     """
     from elixir_tune.engine.comm import DTensor, Shard, parallelize_module
     from elixir_tune.engine.parallel.tp_adapters import family_plan
     from elixir_tune.engine.parallel.tp_grid import grid_plan
 
     degree = tensor.world_size
-    if any(p.is_meta for p in model.parameters()):
+    if broadcast and any(p.is_meta for p in model.parameters()):
         raise TensorParallelError(
-            "tensor parallelism starts from real weights (rank 0's); build the model on the CPU, or run with "
-            "parallel.tensor.degree: 1 to initialize it on the meta device"
+            "a model on the meta device has no weights to broadcast: pass it to elixir_tune.setup, which reads "
+            "each rank's pieces from weights=PATH or runs the model's initializer"
         )
     if mode == "2d":
         if vocab_parallel_loss:
@@ -208,9 +211,10 @@ def apply_tensor_parallel(
         plan = grid_plan(model, degree)
     else:
         plan = family_plan(model, degree, sequence_parallel, vocab_parallel_loss, table)
-    with torch.no_grad():
-        for param in model.parameters():
-            world.broadcast(param.data, src=0)
+    if broadcast:
+        with torch.no_grad():
+            for param in model.parameters():
+                world.broadcast(param.data, src=0)
     old = {name: param for name, param in model.named_parameters(remove_duplicate=False)}
     parallelize_module(model, mesh, plan.styles, src_data_rank=None)
     for path, attr, value in plan.local_attrs:
@@ -238,15 +242,15 @@ def split_for_plan(
     optimizer: torch.optim.Optimizer,
     plan: Plan,
     mesh: Mesh,
-    source: WeightSource | None = None,
+    fresh: bool = False,
     vocab_parallel_loss: bool = False,
 ) -> TensorSplit | None:
     """The plan's tensor parallelism applied to ``model`` (None when its tensor degree is 1).
 
-    A model on the meta device, or weights from a file (``source``), is first made whole on the CPU
-    from ``source`` (the initializer's values depend on the seed only, so every rank makes the same
-    ones, and they equal a plain model's of the same seed); then each rank keeps its pieces. Each
-    rank holds the whole model on the host meanwhile.
+    With ``fresh`` (the model is on the meta device, or its weights come from a file) the model is
+    split as it is, on the meta device for meta tensors, and ``setup`` then builds its weight source
+    over the split (``make_source(..., split=)``): each rank reads or initializes only its own pieces,
+    no rank ever holds the whole model. Otherwise every rank takes world rank 0's weights first.
 
     Raises:
         TensorParallelError: the model cannot be split as the plan says.
@@ -254,8 +258,6 @@ def split_for_plan(
     tensor = plan.parallel.tensor
     if tensor.degree == 1:
         return None
-    if source is not None:
-        materialize_replicated(model, set(), source)
     assert mesh.device_mesh is not None  # built whenever the tensor degree is above 1
     if tensor.mode == "2d":
         q = math.isqrt(tensor.degree)
@@ -277,18 +279,5 @@ def split_for_plan(
         tensor.sequence_parallel,
         vocab_parallel_loss,
         plan.model.tensor_layout,
+        broadcast=not fresh,
     )
-
-
-def refuse_tensor_parallel(engine, what: str) -> None:
-    """Raises TensorParallelError for a feature that does not handle tensor-parallel pieces yet.
-
-    Args:
-        engine: the Engine.
-        what: the feature, for the message.
-    """
-    if engine.tensor_parallel is not None:
-        raise TensorParallelError(
-            f"{what} does not support tensor parallelism yet (parallel.tensor.degree "
-            f"{engine.tensor_parallel.degree}): save the full weights with model.state_dict() on rank 0 instead"
-        )

@@ -53,6 +53,29 @@ class Layout:
                 piece = torch.cat([part.chunk(count, dim)[index] for part in piece.chunk(self.parts, dim)], dim)
         return piece
 
+    def local_runs(
+        self, shape: tuple[int, ...], coords: tuple[int, ...], sizes: tuple[int, ...]
+    ) -> list[list[tuple[int, int]]]:
+        """Where the piece at ``coords`` lies in the full tensor, dimension by dimension.
+
+        For each dimension of a tensor of ``shape``, the ``[begin, end)`` runs of full indices the
+        piece holds, in the piece's order (one run for an ordinary split, one per fused part for
+        GPT-2's q | k | v): the piece is the full tensor indexed by the product of the runs, what
+        :meth:`local` returns, so a reader can fetch just those slices of a file.
+        """
+        runs = []
+        for axis, length in enumerate(shape):
+            index = torch.arange(length)
+            for dim, coord, count in zip(self.dims, coords, sizes, strict=True):
+                if dim != axis:
+                    continue
+                if self.parts == 1 or dim != self.fused_dim:
+                    index = index.chunk(count)[coord]
+                else:
+                    index = torch.cat([part.chunk(count)[coord] for part in index.chunk(self.parts)])
+            runs.append(_runs(index.tolist()))
+        return runs
+
     def full(self, pieces: list[torch.Tensor], shape: torch.Size, sizes: tuple[int, ...]) -> torch.Tensor:
         """The full parameter of ``shape`` from every rank's piece (tensor ranks in row-major mesh order)."""
         if not self.sharded:
@@ -72,3 +95,14 @@ def mesh_coords(rank: int, sizes: tuple[int, ...]) -> tuple[int, ...]:
         coords.append(rank % size)
         rank //= size
     return tuple(reversed(coords))
+
+
+def _runs(indices: list[int]) -> list[tuple[int, int]]:
+    """Consecutive integers grouped: [0, 1, 2, 6, 7] -> [(0, 3), (6, 8)]."""
+    out: list[tuple[int, int]] = []
+    for value in indices:
+        if out and out[-1][1] == value:
+            out[-1] = (out[-1][0], value + 1)
+        else:
+            out.append((value, value + 1))
+    return out
