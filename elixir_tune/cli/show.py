@@ -199,6 +199,12 @@ def _memory_table(plan: Plan, states: dict[str, int]) -> Table:
         table.add_row(
             "[bold]peak host per node[/]", f"{prediction.peak_host_bytes:,}", human_bytes(prediction.peak_host_bytes)
         )
+        if plan.cluster.device == "cpu":
+            # One memory: the host part is the node's, shared by its workers; each byte counted once.
+            per_rank = prediction.peak_gpu_bytes + prediction.peak_host_bytes // plan.cluster.gpus_per_node
+            table.add_row(
+                "[bold]peak per worker (cpu: device and host are one memory)[/]", f"{per_rank:,}", human_bytes(per_rank)
+            )
     return table
 
 

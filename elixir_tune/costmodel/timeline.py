@@ -107,11 +107,21 @@ def transfer_costs(
     if hardware.device != "cpu":
         host_add_bps = hardware.cpu_adam_rate_per_rank(gpus_per_node) * ADAM_BYTES_PER_ELEMENT
         host_add_s = shard_numel * (8 + dtype_bytes) / host_add_bps
+    h2d_s = hardware.copy_latency_s + shard_numel * dtype_bytes / h2d_bps
+    d2h_s = hardware.copy_latency_s + shard_numel * dtype_bytes / d2h_bps
+    if hardware.device == "cpu":
+        # One memory: the reduced shard is added from the staging buffer (no copy down), and in fp32
+        # the upload copy is the master itself, written into the payload as a device shard's cast is
+        # (``gather_s`` prices that); in bf16/fp16 the compute-dtype host copy is read instead of
+        # casting the master, about the same bytes.
+        d2h_s = 0.0
+        if dtype_bytes == 4:
+            h2d_s = 0.0
     return TransferCosts(
-        h2d_s=hardware.copy_latency_s + shard_numel * dtype_bytes / h2d_bps,
+        h2d_s=h2d_s,
         allgather_s=gather_s,
         reduce_scatter_s=reduce_s,
-        d2h_s=hardware.copy_latency_s + shard_numel * dtype_bytes / d2h_bps,
+        d2h_s=d2h_s,
         grad_norm_s=norm_s,
         host_add_s=host_add_s,
     )

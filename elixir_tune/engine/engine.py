@@ -172,7 +172,9 @@ class Engine(EngineGrads, EngineState):
         self.baton: Baton | None = None  # set while a layered step's forwards run (engine/layered.py)
         self._running: dict[torch.nn.Module, int] = {}  # forwards inside each module (several when layered)
 
-        self._init_grads(landing=bool(offloaded))
+        # On a CPU device the reduced shard is added straight into the host gradient: device and host
+        # are one memory, a landing copy would only hold the same bytes twice.
+        self._init_grads(landing=bool(offloaded) and self.device.type != "cpu")
         self._callback_queued = False
         self._bwd_module: torch.nn.Module | None = None
         self._bwd_pins: list[torch.nn.Module] = []

@@ -10,7 +10,8 @@ them. Sizes are per rank.
                      themselves live in that block and are uploaded, so only its rounding counts here
     landing_bytes    host: ``staging_buffers`` shards in compute dtype that reduced gradients of
                      offloaded chunks land in before they are added into the fp32 host gradient;
-                     pinned on cuda, in one block
+                     pinned on cuda, in one block; none on a cpu device (one memory: the reduced
+                     shard is added from the staging buffer)
     held_grad_bytes  device, pipeline plans with several micro-batches per step: the gradients a
                      stage holds unsharded in compute dtype (no-sync, ``param.grad``) from a
                      parameter's first micro-batch backward to its last, at the step's peak: under
@@ -47,6 +48,7 @@ def transient_bytes(
     num_offloaded: int,
     pinned: bool,
     held_grad_numel: int = 0,
+    device_is_host: bool = False,
 ) -> dict[str, int]:
     """The engine's buffers beside the model states, keys ``TRANSIENT_KEYS``.
 
@@ -59,6 +61,7 @@ def transient_bytes(
         pinned: host buffers are pinned (the device is cuda).
         held_grad_numel: gradient elements a pipeline stage holds unsharded at the step's peak (0
             without a pipeline or with one micro-batch per step).
+        device_is_host: the device is the CPU (no landing buffers).
 
     Returns:
         Bytes per key.
@@ -68,7 +71,7 @@ def transient_bytes(
     out_numel = shard_numel if world_size > 1 else 0
     host_copy = num_offloaded * shard_numel * item
     masters_inside = host_copy if dtype == "fp32" else 0  # counted in host_shard_bytes
-    landing = staging_buffers * shard_numel * item if num_offloaded else 0
+    landing = staging_buffers * shard_numel * item if num_offloaded and not device_is_host else 0
     return {
         "staging_bytes": staging_buffers * (chunk_size + out_numel) * item,
         "host_copy_bytes": pinned_bytes(host_copy, pinned) - masters_inside,

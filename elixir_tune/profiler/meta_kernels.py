@@ -5,7 +5,11 @@ seq x seq attention matrix for backward. GPUs (flash / memory-efficient kernels)
 for CPU) keep only the output and a log-sum-exp per row, so the math path would overstate
 activation memory by far at seq 1024 and beyond. While profiling, calls on meta tensors go to
 the memory-efficient kernel's meta implementation instead: same outputs kept, same FLOPs counted
-by torch's flop formulas.
+by torch's flop formulas. The fused kernels take 4-D (batch, heads, seq, head dim) inputs with as
+many key/value heads as query heads, or fewer with ``enable_gqa``: a call outside that (Falcon's
+one key/value head broadcast over the query heads, without ``enable_gqa``) runs the math path on a
+real device, and is profiled on it too (checked against a real forward on the CPU:
+tests/unit/test_profiler_activations.py).
 
 Grouped matmuls (mixture-of-experts layers: each token's rows times its expert's matrix). torch's
 meta kernel for ``grouped_mm`` accepts bf16 only, while the model may be profiled in fp32 or fp16;
@@ -35,12 +39,29 @@ class FusedKernelsOnMeta(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in GROUPED_MM_FUNCTIONS and args and args[0].is_meta and len(args) > 1 and args[1].dim() == 3:
             return _grouped_mm_on_meta(args[0], args[1])
-        if func is F.scaled_dot_product_attention and self._fused_works and args and args[0].is_meta:
+        if (
+            func is F.scaled_dot_product_attention
+            and self._fused_works
+            and args
+            and args[0].is_meta
+            and _fused_kernel_takes(args, kwargs)
+        ):
             try:
                 return _efficient_attention(*args, **kwargs)
             except (RuntimeError, TypeError, NotImplementedError):
                 self._fused_works = False  # this torch has no meta kernel for it: keep the math path
         return func(*args, **kwargs)
+
+
+def _fused_kernel_takes(args: tuple, kwargs: dict) -> bool:
+    """Whether torch's fused attention kernels take these arguments (else it runs the math path)."""
+    tensors = [*args[:3], *(kwargs[name] for name in ("query", "key", "value")[len(args) :] if name in kwargs)]
+    if len(tensors) != 3 or not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in tensors):
+        return False
+    heads, key_heads, value_heads = (t.shape[-3] for t in tensors)
+    if key_heads == heads and value_heads == heads:
+        return True
+    return bool(kwargs.get("enable_gqa", False)) and heads % key_heads == 0 and key_heads == value_heads
 
 
 def _efficient_attention(

@@ -124,12 +124,14 @@ def _infeasible(required_gpu: int | None, required_host: int | None, pools: _Poo
             if pools.offload_pinned
             else "every shard on the host"
         )
+        if pools.one_pool:
+            offload = "no offload: offload frees nothing on a CPU device, whose host is its memory"
         message = (
             f"nothing fits the device: the smallest configuration needs {_size(required_gpu)} of {device} per "
             f"rank ({offload}, the smallest cache, chunk and micro-batch, activation checkpointing unless "
             f"pinned off), but only {_size(usable)} is usable"
         )
-        if pools.offload_pinned:
+        if pools.offload_pinned and not pools.one_pool:
             suggestions.append("a larger --fix offload share, or drop the pin")
         suggestions.append("more GPUs (--gpus / --nodes): shards shrink with the world size")
         suggestions.append("a smaller batch (--global-batch-size, or --fix micro_batch_size=1)")

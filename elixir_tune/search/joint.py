@@ -214,11 +214,17 @@ def prefetch_choices(cache_blocks: int, minimum: int, cacheable: int, fixed: dic
     return sorted({max(0, min(depth, room)) for depth in PREFETCH_CHOICES})
 
 
-def offload_choices(num_chunks: int, smallest: int, fixed: dict) -> list[int]:
-    """Offloaded chunk counts: the smallest that fits, then a grid of shares above it."""
+def offload_choices(num_chunks: int, smallest: int, fixed: dict, one_pool: bool = False) -> list[int]:
+    """Offloaded chunk counts: the smallest that fits, then a grid of shares above it.
+
+    On a CPU device (``one_pool``) offloading frees no memory and saves no time (the host is the
+    device), so only no offload is explored unless a share is pinned.
+    """
     if "offload" in fixed:
         count = int(fixed["offload"] * num_chunks + 0.5)  # half up: 0.5 of 5 chunks is 3
         return [count] if count >= smallest else []
+    if one_pool:
+        return [0] if smallest == 0 else []
     grid = {round(i * num_chunks / OFFLOAD_GRID) for i in range(OFFLOAD_GRID + 1)}
     return sorted({smallest} | {count for count in grid if count >= smallest})
 
@@ -275,7 +281,7 @@ def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, f
         shard_state_bytes = chunk_size // world * SHARD_BYTES
         shard_numel = chunk_size // world
         costs = model.costs(chunk_size)
-        most_offloaded = max(offload_choices(num_chunks, 0, fixed))
+        most_offloaded = max(offload_choices(num_chunks, 0, fixed, one_pool))
         for every in checkpointing_choices(model, fixed):
             minimum = model.min_cache_blocks(chunk_size, every)
             for micro_batch, layered in micro_batch_accumulation_choices(per_rank, fixed, stages):
@@ -288,12 +294,18 @@ def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, f
                     for prefetch in prefetch_choices(cache_blocks, minimum, cacheable, fixed):
                         shape = Shape(chunk_size, cache_blocks, 0, prefetch, every, micro_batch, accum, layered=layered)
                         base = model.memory(shape)
-                        # The least device memory of this shape: every shard it may offload on the host.
-                        need_least = base.required_gpu_bytes - most_offloaded * shard_state_bytes
+                        # The least device memory of this shape: every shard it may offload on the host
+                        # (on a CPU device an offloaded shard stays in the same memory).
+                        freed = 0 if one_pool else most_offloaded * shard_state_bytes
+                        need_least = base.required_gpu_bytes - freed
                         if found.min_gpu_bytes is None or need_least < found.min_gpu_bytes:
                             found.min_gpu_bytes = need_least
                         over = base.required_gpu_bytes - budget.usable_gpu_bytes  # the margin stays free
                         smallest = max(0, -(-over // shard_state_bytes))
+                        if one_pool:
+                            if over > 0:
+                                continue  # offloading would not make it fit: the host is the device
+                            smallest = 0
                         if smallest > num_chunks:
                             continue
                         if smallest > most_offloaded:
@@ -309,7 +321,7 @@ def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, f
                         if compute_s >= top.threshold_s:
                             continue
                         previous, worse = math.inf, 0
-                        for offloaded in offload_choices(num_chunks, smallest, fixed):
+                        for offloaded in offload_choices(num_chunks, smallest, fixed, one_pool):
                             optimizer_s = max(
                                 (num_chunks - offloaded) * shard_numel / hardware.gpu_adam_elems_per_s,
                                 offloaded * shard_numel / model.cpu_adam_elems_per_s,

@@ -36,6 +36,18 @@ def test_show_a_searched_plan(tmp_path):
         assert text in result.output
 
 
+def test_show_a_cpu_plan_counts_device_and_host_once_per_worker(tmp_path):
+    plan = search(
+        gpt2_profile("gpt2"), load_hardware("cpu"), gpus_per_node=2, fixed={"offload": 0.5}, loop="forward_backward"
+    ).plan
+    save_plan(plan, tmp_path / "plan.yaml")
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(cli, ["show", str(tmp_path / "plan.yaml")])
+    assert result.exit_code == 0, result.output
+    per_worker = plan.prediction.peak_gpu_bytes + plan.prediction.peak_host_bytes // 2
+    assert "device and host are one memory" in result.output
+    assert f"{per_worker:,}" in result.output
+
+
 def test_show_json_of_a_searched_plan(tmp_path):
     plan = search(
         gpt2_profile("gpt2-4b"), load_hardware("a100-40gb-pcie"), gpus_per_node=2, loop="forward_backward"

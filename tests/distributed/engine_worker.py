@@ -180,6 +180,7 @@ def expected_report(plan, case: dict, rank: int, world: int) -> dict:
             plan.memory.staging_buffers,
             sum(c.offload for c in chunks),
             pinned=False,
+            device_is_host=True,
         ),
     }
 

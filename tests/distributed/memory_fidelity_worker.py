@@ -1,8 +1,9 @@
 """Worker for the memory-fidelity test: a real profile and search per case, one warm-up step, then
 one measured step (``memory_probe``), and what the plan predicted for it.
 
-Each case: ``model`` (a config name), ``fixed`` (search pins; ``cache_blocks: "min"`` is the least
-the model can run with, plus room for the prefetch), ``micro_batch_size``, ``accum``, ``dtype``.
+Each case: ``model`` (a config name or YAML path), ``fixed`` (search pins; ``cache_blocks: "min"``
+is the least the model can run with, plus room for the prefetch), ``micro_batch_size``, ``accum``,
+``dtype``, and optionally ``chunk_size`` (default 16384; None leaves it to the search).
 Also reported: the engine's gathers and uploads in the measured step against the cost model's
 cache simulation of the same trace and plan (cold micro-batch, then steady ones).
 """
@@ -36,19 +37,21 @@ def profiled(name: str, dtype: str):
 def make_plan(case: dict, world: int):
     source, profile = profiled(case["model"], case["dtype"])
     hardware = load_hardware("cpu")
+    chunk_size = case.get("chunk_size", CHUNK_SIZE)  # None: the search's own choice
     # Standard accumulation: a layered step runs its forwards on threads that torch.profiler does not
     # follow, so memory_probe cannot see their activations on the CPU.
     fixed = dict(
         case["fixed"],
-        chunk_size=CHUNK_SIZE,
         micro_batch_size=case["micro_batch_size"],
         dtype=case["dtype"],
         accumulation=case.get("accumulation", "standard"),
     )
+    if chunk_size is not None:
+        fixed["chunk_size"] = chunk_size
     if fixed.get("cache_blocks") == "min":
         every = {"none": 0, "all": 1}[fixed["checkpointing"]]
         model = CostModel(profile, hardware, gpus_per_node=world, dtype=case["dtype"])
-        fixed["cache_blocks"] = model.min_cache_blocks(CHUNK_SIZE, every) + fixed.get("prefetch", 0)
+        fixed["cache_blocks"] = model.min_cache_blocks(chunk_size, every) + fixed.get("prefetch", 0)
     global_batch = case["micro_batch_size"] * case["accum"] * world
     fixed = {**fixed, "pipeline": 1, "tensor": 1}  # the chunk engine's data-parallel path
     result = search(profile, hardware, gpus_per_node=world, global_batch_size=global_batch, fixed=fixed)

@@ -5,9 +5,17 @@ cache against the cost model's simulated one (gathers and host->device uploads o
 On a CPU plan device and host are one pool: the prediction compared is the device peak plus this
 rank's share of the node's host peak. The prediction must never be under the measurement, and at
 most 15% over it.
+
+Issue 23's GPT-2 of 12.8M parameters (``gpt2_13m.yaml``, ``offload=1 cache_blocks=2 prefetch=1``,
+micro-batch 4, fp32, the search's chunk size) at offload 0, 0.5 and 1, in the same launch: on a CPU
+device an offloaded chunk holds what a device chunk holds (its fp32 master is its upload copy, its
+reduced gradient is added without a landing buffer), so the measured peak is the same at every
+offload share and must lie within 0.85-1.0x of the prediction.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -31,6 +39,13 @@ SHAPES = [
     shape(1.0, "all", 2, "none", mb=1, accum=4, dtype="bf16"),
 ]
 CASES = [dict(s, model=model) for model in ("gpt2-tiny", "llama-tiny") for s in SHAPES]
+GPT2_13M = str(Path(__file__).with_name("gpt2_13m.yaml"))
+OFFLOAD_SHARES = (0.0, 0.5, 1.0)
+CASES += [
+    dict(shape(offload, 2, 1, "none", mb=4, accum=1, dtype="fp32"), model=GPT2_13M, chunk_size=None)
+    for offload in OFFLOAD_SHARES
+]
+ONE_POOL_RANGE = (0.85, 1.0)  # measured / predicted, GPT-2 13M
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +54,8 @@ def results():
 
 
 def _label(case: dict) -> str:
-    return f"{case['model']} {case['dtype']} {case['fixed']} mb={case['micro_batch_size']} accum={case['accum']}"
+    model = Path(case["model"]).stem
+    return f"{model} {case['dtype']} {case['fixed']} mb={case['micro_batch_size']} accum={case['accum']}"
 
 
 @pytest.mark.slow
@@ -86,3 +102,35 @@ def test_live_cache_gathers_and_uploads_equal_the_simulation(results):
                 print("prefetch + recomputation, small cache:", _label(result["case"]), engine, simulated)
                 assert abs(engine["uploads"] - simulated["uploads"]) <= 0.1 * simulated["uploads"]
     assert not differ, "\n".join(map(str, differ))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_offload_costs_nothing_on_a_cpu_device_and_the_one_pool_is_predicted(results):
+    """GPT-2 13M at offload 0, 0.5 and 1: measured peak within 0.85-1.0x of the prediction (device
+    part plus this rank's host part), and offloading adds nothing, predicted or measured."""
+    low, high = ONE_POOL_RANGE
+    peaks: dict[float, list[int]] = {}
+    predictions: dict[float, list[int]] = {}
+    rows = []
+    for rank, per_case in enumerate(results):
+        for result in per_case:
+            case = result["case"]
+            if case["model"] != GPT2_13M:
+                continue
+            assert result["ok"], (rank, result.get("error"), result.get("trace"))
+            offload = case["fixed"]["offload"]
+            measured = result["measured"]["peak_bytes"]
+            predicted = result["predicted_gpu_bytes"] + result["predicted_host_bytes_per_rank"]
+            peaks.setdefault(offload, []).append(measured)
+            predictions.setdefault(offload, []).append(predicted)
+            rows.append(f"offload {offload} rank {rank}: measured {measured} predicted {predicted} "
+                        f"({measured / predicted:.3f}) plan {result['plan']}")  # fmt: skip
+    table = "\n".join(rows)
+    print(table)
+    assert sorted(peaks) == list(OFFLOAD_SHARES), table
+    pairs = [(m, p) for offload in peaks for m, p in zip(peaks[offload], predictions[offload], strict=True)]
+    assert all(low * p <= m <= high * p for m, p in pairs), table
+    assert len({p for ps in predictions.values() for p in ps}) == 1, table  # offload adds no predicted byte
+    fewest, most = min(min(v) for v in peaks.values()), max(max(v) for v in peaks.values())
+    assert most - fewest <= 4 << 20, table  # nor a measured one (4 MiB: allocator noise)

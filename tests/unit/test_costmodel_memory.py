@@ -115,11 +115,11 @@ def test_cpu_device_pins_nothing_and_keeps_a_cpu_sized_margin():
         prefetch=1, device="cpu", device_memory_bytes=16 << 30,
     )  # fmt: skip
     memory = estimate_memory(profile, **common)
-    # fp32: the offloaded master is what goes up (no copy); landing 2 x 60 x 4, not rounded.
+    # fp32: the offloaded master is what goes up (no copy); no landing buffers (one memory).
     assert memory.transient_bytes == {
         "staging_bytes": 2 * 180 * 4,
         "host_copy_bytes": 0,
-        "landing_bytes": 480,
+        "landing_bytes": 0,
         "held_grad_bytes": 0,
     }
     # 5% of 16 GiB, plus gloo's gather buffers (prefetch 1 + 2) x 120 x 4.

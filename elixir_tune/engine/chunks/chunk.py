@@ -6,12 +6,13 @@ before alignment existed (its parameters do not fit padded) is laid out back to 
 
 A chunk of ``chunk_size`` elements is cut into ``world_size`` equal shards; this rank owns
 ``[rank * shard, (rank + 1) * shard)``. The shard's fp32 master weights and gradient live on the
-device, or in host memory when the chunk is offloaded (the host path always uses its own buffers
-and explicit copies, also on a cpu device, so that CI exercises it).
-
+device, or in host memory when the chunk is offloaded (the host path uses its own buffers and
+explicit copies, also on a cpu device, so that CI exercises it).
 
 An offloaded shard also keeps a compute-dtype copy of its master in host memory: that copy, not
-the fp32 master, crosses the host->device link on every gather.
+the fp32 master, crosses the host->device link on every gather. In fp32 the copy is the master
+itself (one buffer, no second copy): on a cpu device, where device and host are one memory, an
+offloaded fp32 chunk then holds exactly what a device chunk holds.
 
 The gathered copy (the "payload", compute dtype, all ``chunk_size`` elements) has a storage of its
 own that is allocated when the chunk enters the cache and freed when it leaves (storage resize, as

@@ -8,8 +8,9 @@ reduction in flight, so staging never takes more than the plan says.
 Gradients of offloaded chunks go down to the host as they are reduced: the reduced shard is copied
 into a landing buffer of host memory (pinned on cuda, on a stream of its own, one event per chunk)
 and a worker thread adds it into the fp32 host gradient once the copy's event has fired, while
-backward goes on. On a cpu device the same path runs without streams (the copy is a plain copy),
-so CI exercises it.
+backward goes on. On a cpu device the same worker thread waits for the reduction and adds the
+reduced shard straight from the staging buffer into the host gradient: device and host are one
+memory, so there is no landing buffer (and nothing to copy into it).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class StagingBuffer:
         full: the chunk's gradients before reduction (compute dtype, device).
         out: this rank's reduced shard (a view of ``full`` with one rank).
         landing: host buffer the reduced shard of an offloaded chunk is copied into (None when no
-            chunk is offloaded).
+            chunk is offloaded, and on a cpu device, where the shard is added from ``out``).
     """
 
     full: torch.Tensor
@@ -125,10 +126,11 @@ class GradDrain:
             A future that completes when ``grad`` holds the addition.
         """
         landing = buffer.landing
-        assert landing is not None, "the grad drain needs a staging pool built with landing buffers"
         if self.stream is None:
-            # cpu: the collective is waited for in the worker, so that backward goes on meanwhile.
-            return self._worker().submit(_wait_copy_add, handle, buffer.out, landing, grad)
+            # cpu: the collective is waited for in the worker, so that backward goes on meanwhile;
+            # the staging buffer stays ours until finish_reduce has the future's result.
+            return self._worker().submit(_wait_add, handle, buffer.out, grad)
+        assert landing is not None, "the grad drain needs a staging pool built with landing buffers on cuda"
         with torch.cuda.stream(self.stream):
             handle.wait()  # the copy stream (not the compute stream) waits for the reduce-scatter
             landing.copy_(buffer.out, non_blocking=True)
@@ -142,10 +144,9 @@ class GradDrain:
             self._executor = None
 
 
-def _wait_copy_add(handle: Handle, out: torch.Tensor, landing: torch.Tensor, grad: torch.Tensor) -> None:
+def _wait_add(handle: Handle, out: torch.Tensor, grad: torch.Tensor) -> None:
     handle.wait()
-    landing.copy_(out)
-    grad.add_(landing)
+    grad.add_(out)
 
 
 def _sync_add(event, landing: torch.Tensor, grad: torch.Tensor) -> None:
