@@ -88,6 +88,8 @@ def test_a_plan_for_another_model_and_a_missing_eval_file(tmp_path: Path):
     assert code == 2, output
     errors = _errors(output)
     assert errors[0] == f"error: --eval-data {tmp_path / 'eval.txt'}: no such file"
-    assert errors[1].startswith(f"error: the plan was made for another model (fingerprint {plan['model']['fingerprint']}")
+    assert errors[1].startswith(
+        f"error: the plan was made for another model (fingerprint {plan['model']['fingerprint']}"
+    )
     assert errors[1].endswith(f"`elixir-tune profile {model_dir}` and search again")
     assert len(errors) == 2 and "starting" not in output

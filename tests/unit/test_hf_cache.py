@@ -43,7 +43,9 @@ def test_a_cached_name_resolves_to_its_snapshot_and_builds(hf_home: Path, monkey
     from huggingface_hub import scan_cache_dir
     from transformers import LlamaConfig
 
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=300)
+    config = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=300
+    )
     snapshot = cache_model(hf_home / "hub", "tiny-org/tiny-llama", {"config.json": config.to_json_string()})
     assert [repo.repo_id for repo in scan_cache_dir(hf_home / "hub").repos] == ["tiny-org/tiny-llama"]
     assert hub_cache_dir() == hf_home / "hub"
@@ -62,7 +64,9 @@ def test_a_name_not_in_the_cache_says_where_it_looked(hf_home: Path):
         cached_model_dir("meta-llama/Llama-2-7b-hf")
     message = str(caught.value)
     assert message.startswith("meta-llama/Llama-2-7b-hf: not a directory and not in the local Hugging Face cache")
-    assert str(hf_home / "hub") in message and "HF_HOME" in message and "hf download meta-llama/Llama-2-7b-hf" in message
+    assert (
+        str(hf_home / "hub") in message and "HF_HOME" in message and "hf download meta-llama/Llama-2-7b-hf" in message
+    )
     assert "\n" not in message
 
     from elixir_tune.profiler import ModelSourceError, load_model_source
