@@ -26,17 +26,6 @@ class EvalResult:
     tokens: int
 
 
-def eval_refusal(plan) -> str | None:
-    """Why evaluation cannot run under ``plan`` (None when it can)."""
-    if plan.parallel.pipeline.stages > 1:
-        return (
-            "evaluation needs a forward without backward, which a pipeline plan "
-            f"({plan.parallel.pipeline.stages} stages) does not run; search with --fix pipeline=1, or drop "
-            "--eval-every/--eval-fraction/--eval-data"
-        )
-    return None
-
-
 def predicted_tokens(batch: dict[str, torch.Tensor]) -> int:
     """How many tokens a causal LM's loss averages over: labels after the first position that are not -100."""
     return int((batch["labels"][:, 1:] != -100).sum())

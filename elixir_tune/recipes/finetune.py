@@ -29,6 +29,7 @@ from elixir_tune.recipes.options import (  # noqa: E402
     OptionsError,
     RecipeParser,
     add_training_args,
+    eval_refusal,
     parse_options,
     resolve_model_dir,
 )
@@ -95,6 +96,9 @@ def preflight(argv: list[str], plan_path: str) -> list[str]:
     import elixir_tune
 
     plan = elixir_tune.load_plan(plan_path)
+    refusal = eval_refusal(plan) if args.eval_fraction or args.eval_data else None
+    if refusal:
+        problems.append(refusal)
     try:
         model_dir = resolve_model_dir(args.model or plan.model.source, plan_path)
     except ValueError as error:

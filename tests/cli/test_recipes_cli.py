@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import yaml
 from click.testing import CliRunner
 
@@ -93,3 +94,14 @@ def test_a_plan_for_another_model_and_a_missing_eval_file(tmp_path: Path):
     )
     assert errors[1].endswith(f"`elixir-tune profile {model_dir}` and search again")
     assert len(errors) == 2 and "starting" not in output
+
+
+def test_a_logger_that_is_not_installed(tmp_path: Path):
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    code, output = _invoke([EXAMPLE_PLAN, "pretrain", "--model", "gpt2-tiny", "--wandb", "my-project"], tmp_path)
+    assert code == 2 and _errors(output) == [
+        "error: --wandb my-project logs to Weights & Biases: pip install wandb (and `wandb login`)"
+    ], output
