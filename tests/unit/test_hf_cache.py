@@ -79,3 +79,24 @@ def test_a_snapshot_without_config_is_refused(hf_home: Path):
     cache_model(hf_home / "hub", "tiny-org/weights-only", {"model.safetensors": "not really"})
     with pytest.raises(ModelNotCachedError, match="has no config.json"):
         cached_model_dir("tiny-org/weights-only")
+
+
+def test_the_recipes_and_profile_take_a_cached_name(hf_home: Path, tmp_path: Path, monkeypatch):
+    """`--model NAME` (and a plan's model.source) and `elixir-tune profile NAME`, from a directory with no model."""
+    from click.testing import CliRunner
+    from transformers import LlamaConfig
+
+    from elixir_tune.cli.main import cli
+    from elixir_tune.recipes.options import resolve_model_dir
+
+    config = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=300
+    )
+    snapshot = cache_model(hf_home / "hub", "tiny-org/tiny-llama", {"config.json": config.to_json_string()})
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model_dir("tiny-org/tiny-llama", str(tmp_path / "plan.yaml")) == snapshot
+    result = CliRunner().invoke(cli, ["profile", "tiny-org/tiny-llama", "--batch-size", "2", "--seq-len", "16"])
+    assert result.exit_code == 0, result.output
+    assert "source: tiny-org/tiny-llama" in (tmp_path / "profile.yaml").read_text()
+    result = CliRunner().invoke(cli, ["profile", "tiny-org/not-cached"])
+    assert result.exit_code != 0 and "not in the local Hugging Face cache" in result.output
