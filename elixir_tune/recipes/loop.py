@@ -93,6 +93,20 @@ def train(
 ) -> int:
     """Runs the training steps of ``args`` (length, resume, schedule, evaluation, logging, checkpoints).
 
+    Args:
+        args: the recipe's options (add_training_args); ``args.steps`` is set to the run's length.
+        model: the ElixirModel ``setup`` returned.
+        optimizer: its sharded optimizer.
+        plan: the plan the job runs.
+        data: the training data (text_data.py or the data interface): ``batch``, ``num_samples``, ``epoch``,
+            ``eval_batches``, ``describe``.
+        script: the recipe's name, for the log.
+        model_name: the model's name, for the log.
+        num_params: its parameter count (FLOPs per token).
+        device: where this rank computes.
+        rank: this process's global rank (0 reports).
+        world: the number of processes.
+
     Returns:
         0 when the steps are done, 130 when interrupted (after saving with --save), 1 when a step's loss or
         gradient norm was not finite (``NonFiniteError``; nothing is saved after it) or a checkpoint failed.
