@@ -196,13 +196,14 @@ def train(
         if reporter:
             reporter.say(f"saved checkpoint {directory} at step {steps_done}")
 
-    best_loss = [math.inf]
+    # The best evaluation so far travels in every checkpoint, so that a resumed run keeps --keep-best's record.
+    best_loss = [float(meta.get("extra", {}).get("best_eval_loss", math.inf))]
 
     def run_eval(steps_done: int) -> None:
         result = evaluate(model, eval_batches, data_rank, data_size, device)
         best = result.loss < best_loss[0]
         if best:
-            best_loss[0] = result.loss
+            best_loss[0] = checkpoint_extra["best_eval_loss"] = result.loss
         if reporter:
             reporter.evaluation(steps_done, result.loss, result.perplexity, result.tokens, best)
         if best and args.keep_best:
