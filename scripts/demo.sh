@@ -34,7 +34,7 @@ section "2/5 probe this machine (quick)"
 "$BIN/elixir-tune" probe --quick --out "$OUT/hardware.yaml"
 
 section "3/5 search a plan for 2 processes"
-# train_gpt2.py runs model.forward_backward(micro_batches) on elixir_tune.data_rank()'s slice, so the
+# the pretrain recipe runs model.forward_backward(micro_batches) on elixir_tune.data_rank()'s slice, so the
 # search may also offer pipeline, tensor and layered plans (--loop forward_backward).
 "$BIN/elixir-tune" search --gpus 2 --profile "$OUT/profile.yaml" --hardware "$OUT/hardware.yaml" \
     --global-batch-size 16 --loop forward_backward --out "$OUT/plan.yaml"
@@ -43,7 +43,7 @@ section "4/5 the plan"
 "$BIN/elixir-tune" show "$OUT/plan.yaml"
 
 section "5/5 train it with elixir-run: $STEPS steps on 2 CPU workers"
-"$BIN/elixir-run" "$OUT/plan.yaml" scripts/train_gpt2.py --steps "$STEPS" --log "$OUT/train.json"
+"$BIN/elixir-run" "$OUT/plan.yaml" pretrain --steps "$STEPS" --log "$OUT/train.json"
 
 section "done in $(( $(date +%s) - started )) s"
 "$BIN/python" - "$OUT/train.json" <<'EOF'

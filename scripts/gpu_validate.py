@@ -291,7 +291,7 @@ class Validation:
         out = self.work / f"plan-{name}-w{world}.yaml"
         command = [PY, "-m", "elixir_tune.cli.main", "search", "--gpus", str(world), "--profile", model["profile"]]
         command += ["--hardware", hardware, "--global-batch-size", str(model["per_rank_batch"] * world)]
-        command += ["--loop", "forward_backward"]  # elixir-run trains through train_gpt2.py's forward_backward
+        command += ["--loop", "forward_backward"]  # elixir-run trains through the pretrain recipe's forward_backward
         command += [arg for pin in pins for arg in ("--fix", pin)] + ["--strategy", strategy, "--out", str(out)]
         step = self.run(f"search {name} (world {world})", command, 120)
         row = {"name": name, "world": world, "pins": pins, "strategy": strategy, "search_command": step["command"]}

@@ -19,10 +19,10 @@ def cli() -> None:
 
     \b
     Typical flow:
-        elixir-tune profile configs/models/gpt2-tiny.yaml     # -> profile.yaml
+        elixir-tune profile gpt2-tiny                         # -> profile.yaml
         elixir-tune probe --quick                             # -> hardware.yaml
         elixir-tune search --gpus 2 --hardware hardware.yaml  # -> plan.yaml
-        elixir-run plan.yaml scripts/train_gpt2.py
+        elixir-run plan.yaml pretrain                         # or: finetune --model DIR --data FILE
     """
 
 

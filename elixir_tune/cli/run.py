@@ -40,6 +40,8 @@ from elixir_tune.launcher.env import COLLECTIVE_TIMEOUT_ENV, bootstrap_env
 from elixir_tune.launcher.rendezvous import RendezvousWaitError, roll_call
 from elixir_tune.launcher.watch import WorkerWatch
 from elixir_tune.plan import PlanError, load_plan
+from elixir_tune.recipes import RECIPES, UnknownRecipeError, is_recipe_name, recipe_module
+from elixir_tune.recipes import preflight as recipe_preflight
 
 _MARK = {True: "[green]ok[/]", False: "[red]FAIL[/]"}
 
@@ -129,8 +131,9 @@ def run_command(
 ) -> None:
     """Check a plan against this machine and run SCRIPT under torchrun as the plan says.
 
-    The plan decides the processes per node (cluster.gpus_per_node); SCRIPT reads the plan from
-    $ELIXIR_TUNE_PLAN (elixir_tune.setup does). Other torchrun options (e.g. --monitor-interval=1,
+    SCRIPT is a recipe shipped with elixir-tune (finetune, pretrain; its inputs are checked before any
+    worker starts) or the path of your own Python file. The plan decides the processes per node
+    (cluster.gpus_per_node); SCRIPT reads the plan from $ELIXIR_TUNE_PLAN (elixir_tune.setup does). Other torchrun options (e.g. --monitor-interval=1,
     --redirects 3, --log-dir DIR) go after elixir-run's own options and before PLAN. The exit
     status is the job's: 0, the failed worker's code, or 128 + the signal that killed it.
 
@@ -142,8 +145,9 @@ def run_command(
 
     \b
     Examples:
-        elixir-run plan.yaml scripts/train_gpt2.py --steps 20
-        elixir-run --dry-run plan.yaml scripts/train_gpt2.py
+        elixir-run plan.yaml pretrain --steps 20
+        elixir-run plan.yaml finetune --model path/to/model --data corpus.txt --epochs 1
+        elixir-run --dry-run plan.yaml pretrain
         # give up on a missing node after 2 minutes, on a silent rank after 10
         elixir-run --rdzv-timeout 120 --collective-timeout 600 plan.yaml train.py
         # two nodes: the same command on each, --node-rank 0 and 1
@@ -173,8 +177,13 @@ def run_command(
             hint=f"`elixir-tune validate {plan_path}` lists the problems; `elixir-tune search ... --out "
             f"{plan_path}` writes a fresh plan",
         )
-    if script_is_a_file(torchrun_options) and not os.path.isfile(script):
-        fail(f"training script not found: {script}", hint="give the path of a Python file, e.g. scripts/train_gpt2.py")
+    if script_is_a_file(torchrun_options) and is_recipe_name(script) and not os.path.isfile(script):
+        torchrun_options, script = _recipe(script, script_args, plan_path, torchrun_options)
+    elif script_is_a_file(torchrun_options) and not os.path.isfile(script):
+        fail(
+            f"training script not found: {script}",
+            hint="give the path of a Python file, or a recipe name: " + ", ".join(RECIPES),
+        )
 
     try:
         allocation = read_allocation(os.environ)
@@ -242,6 +251,24 @@ def run_command(
     if force and failed(checks, fatal=False):
         say("--force: running although the plan does not fit this node (see the warnings above)")
     _launch(spec, env, plan, rdzv_timeout_s, collective_timeout_s)
+
+
+def _recipe(name: str, script_args: list[str], plan_path: str, torchrun_options: list[str]) -> tuple[list[str], str]:
+    """A recipe name: its preflight in this process (one line per problem, nothing started), then its module."""
+    try:
+        module = recipe_module(name)
+    except UnknownRecipeError as error:
+        fail(str(error), code=EXIT_USAGE)
+    problems = recipe_preflight(name, list(script_args), plan_path)
+    if problems:
+        for problem in problems[:-1]:
+            err_console.print(f"[bold red]error: [/]{escape(problem)}", soft_wrap=True)
+        fail(
+            problems[-1],
+            hint=f"nothing was started; `elixir-run {plan_path} {name} --help` lists the options",
+            code=EXIT_USAGE,
+        )
+    return [*torchrun_options, "-m"], module
 
 
 def say(text: str) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from elixir_tune.cli.console import Table, console, err_console, fail, print_json, print_wide
+from elixir_tune.hf_cache import looks_like_hub_name
 from elixir_tune.plan import save_plan, validate
 from elixir_tune.units import gib
 
@@ -298,13 +299,15 @@ def search_command(
     )
     prediction = plan.prediction
     assert prediction is not None, "search always writes a prediction"
-    # A Hugging Face model directory is fine-tuned from its weights; other models train from scratch.
+    # A Hugging Face model (a directory or a cached Hub name) is fine-tuned from its weights; other models
+    # train from scratch. Recipe names work from any directory; the model path is made absolute for the same reason.
     source_dir = Path(str(profile.source))
-    run_script = (
-        f"scripts/finetune.py --model {profile.source} --data FILE"
-        if source_dir.is_dir() and (source_dir / "config.json").is_file()
-        else "scripts/train_gpt2.py"
-    )
+    if source_dir.is_dir() and (source_dir / "config.json").is_file():
+        run_script = f"finetune --model {shlex.quote(str(source_dir.resolve()))} --data FILE"
+    elif looks_like_hub_name(str(profile.source)):
+        run_script = f"finetune --model {shlex.quote(str(profile.source))} --data FILE"
+    else:
+        run_script = "pretrain"
     header = (
         f"Written by `{command}`\n"
         f"on {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} from profile {profile_path} ({profile.name}) "

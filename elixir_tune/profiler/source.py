@@ -7,7 +7,8 @@ dict[str, Tensor]``; ``file.py:other_builder`` names another builder. A model YA
 ``AutoModelForCausalLM.from_config``, so nothing is downloaded. A bare name such as ``gpt2-tiny``
 is looked up in ``configs/models/``. A directory with a ``config.json`` (a downloaded model, or one
 written by ``save_pretrained``) is built from that config the same way; its weights are loaded at
-training time (``elixir_tune.setup(..., weights=DIR)``).
+training time (``elixir_tune.setup(..., weights=DIR)``). A Hub name such as ``meta-llama/Llama-2-7b-hf``
+is that model's directory in the local Hugging Face cache (elixir_tune/hf_cache.py; never downloaded).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 import yaml
 from torch import nn
 
+from elixir_tune.hf_cache import ModelNotCachedError, cached_model_dir, looks_like_hub_name
 from elixir_tune.paths import MODEL_CONFIGS_DIR
 
 
@@ -95,14 +97,16 @@ def load_model_source(spec: str) -> ModelSource:
     """Resolves a model spec.
 
     Args:
-        spec: ``path.py``, ``path.py:builder``, a model YAML path, or a bare config name such as
-            ``gpt2-tiny`` (looked up as ``configs/models/<name>.yaml``).
+        spec: ``path.py``, ``path.py:builder``, a model YAML path, a bare config name such as
+            ``gpt2-tiny`` (looked up as ``configs/models/<name>.yaml``), a Hugging Face model directory,
+            or a Hub name (``owner/name``) in the local Hugging Face cache.
 
     Returns:
         The ModelSource; nothing is built yet.
 
     Raises:
-        ModelSourceError: missing file, no builder, unknown architecture, malformed YAML.
+        ModelSourceError: missing file, no builder, unknown architecture, malformed YAML, a Hub name
+            that is not in the local cache.
     """
     spec = str(spec)
     path_part, builder = spec, "build_model"
@@ -112,6 +116,11 @@ def load_model_source(spec: str) -> ModelSource:
     path = Path(path_part)
     if path.is_dir():
         return _load_hf_directory(path, spec)
+    if looks_like_hub_name(spec):  # owner/name: the local Hugging Face cache's snapshot, no network
+        try:
+            return _load_hf_directory(cached_model_dir(spec), spec, name=spec.rpartition("/")[2])
+        except ModelNotCachedError as error:
+            raise ModelSourceError(str(error)) from error
     if path.suffix in (".yaml", ".yml"):
         return _load_yaml(path, spec)
     if path.suffix == ".py":
@@ -158,7 +167,7 @@ def _load_python(path: Path, builder: str, spec: str) -> ModelSource:
     return ModelSource(name=path.stem, source=spec, _build=build, _batch=batch, _builder_name=builder)
 
 
-def _load_hf_directory(path: Path, spec: str) -> ModelSource:
+def _load_hf_directory(path: Path, spec: str, name: str | None = None) -> ModelSource:
     """A Hugging Face model directory: built from its config.json (the architecture is its model_type)."""
     config_path = path / "config.json"
     if not config_path.is_file():
@@ -173,7 +182,7 @@ def _load_hf_directory(path: Path, spec: str) -> ModelSource:
     if not isinstance(config, dict) or "model_type" not in config:
         raise ModelSourceError(f"{config_path}: no model_type; is this a transformers model directory?")
     fields = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "transformers_version")}
-    raw = {"name": path.resolve().name, "architecture": config["model_type"], "config": fields}
+    raw = {"name": name or path.resolve().name, "architecture": config["model_type"], "config": fields}
     # The engine keeps fp32 master weights (the plan says the compute dtype); training keeps no KV cache.
     for key in ("dtype", "torch_dtype", "use_cache"):
         fields.pop(key, None)

@@ -62,7 +62,7 @@ def test_help_lists_options_and_example():
         assert option in output
     for option in ("--rdzv-timeout", "--collective-timeout", "--force"):
         assert option in output
-    assert "elixir-run plan.yaml scripts/train_gpt2.py" in output
+    assert "elixir-run plan.yaml pretrain --steps 20" in output
     assert "elixir-run --rdzv-timeout 120 --collective-timeout 600 plan.yaml train.py" in output
 
 

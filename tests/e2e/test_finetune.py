@@ -1,98 +1,107 @@
-"""Fine-tuning a downloaded model, as the README tells it: a Hugging Face directory (a tiny GPT-2 with
-its own tokenizer, written by plain transformers) -> ``elixir-tune profile DIR`` -> ``search`` ->
-``elixir-run plan.yaml scripts/finetune.py --model DIR --data FILE --save-pretrained OUT`` on 2 CPU
-workers; OUT loads with plain ``from_pretrained`` and its weights moved from the pretrained ones.
-(That the weights loaded are the directory's, to 1e-6, is tests/distributed/test_engine_weights.py.)"""
+"""Fine-tuning a downloaded model as a user does it, from a directory that is not the repository: a Llama-style
+Hugging Face directory (weights, generation config, a tokenizer trained here with a chat template) ->
+``elixir-tune profile DIR`` -> ``search`` -> the command search prints, ``elixir-run plan.yaml finetune ...`` on 2
+CPU workers with an evaluation split, TensorBoard logs, the best checkpoint kept and ``--save-pretrained OUT``.
+
+One launch checks: the run length from ``--epochs``; the evaluation loss falls and its last value equals a plain
+transformers computation of the token-weighted mean loss over the same split with the saved weights; OUT loads
+with ``AutoModelForCausalLM`` and ``AutoTokenizer`` (chat template and generation config kept) and generates; the
+weights moved from the pretrained ones; LOGS has TensorBoard scalars; ``ckpt/best`` names the best evaluation."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from elixir_tune.paths import REPO_DIR
+from elixir_tune.recipes import BUNDLED_TEXT
+from tests.e2e.hf_model_dirs import make_llama_dir
 from tests.e2e.launch_helpers import run_elixir, tune
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-FINETUNE = REPO_DIR / "scripts" / "finetune.py"
-DATA = REPO_DIR / "data" / "public_domain.txt"
+EPOCHS, EVAL_FRACTION, EVAL_EVERY, GLOBAL_BATCH, SEQ_LEN = 0.25, 0.2, 4, 8, 32
 
 
-def make_model_dir(directory: Path) -> None:
-    """A tiny GPT-2 and a byte-level BPE tokenizer trained on the bundled text (nothing downloaded)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+def plain_eval_loss(model_dir: Path, data: Path) -> tuple[float, int, int]:
+    """(token-weighted mean loss over the split, its tokens, training samples), with plain transformers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    from tokenizers import decoders
+    from elixir_tune.recipes.text_data import load_training_data
 
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"])
-    tokenizer.train([str(DATA)], trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>")
-    fast.save_pretrained(directory)
-    config = GPT2Config(
-        n_embd=32, n_layer=2, n_head=2, vocab_size=len(fast), n_positions=64, bos_token_id=0, eos_token_id=0
-    )
-    torch.manual_seed(3)
-    GPT2LMHeadModel(config).save_pretrained(directory)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    args = argparse.Namespace(data=str(data), eval_fraction=EVAL_FRACTION, eval_data=None, seed=0)
+    split = load_training_data(args, tokenizer, SEQ_LEN, model.config.vocab_size)
+    weighted, tokens = 0.0, 0
+    with torch.no_grad():
+        for batch in split.eval_batches(3):  # another batch size than the run's: the mean must not depend on it
+            count = int((batch["labels"][:, 1:] != -100).sum())
+            weighted += float(model(**batch).loss) * count
+            tokens += count
+    return weighted / tokens, tokens, split.num_samples()
 
 
-def test_finetune_a_model_directory(tmp_path):
-    from transformers import AutoModelForCausalLM
+def test_finetune_from_outside_the_repository(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model_dir = tmp_path / "tiny-gpt2"
-    make_model_dir(model_dir)
-    tune(["profile", model_dir, "--batch-size", "4", "--seq-len", "32"], tmp_path)
-    # Data parallelism only: this path checks the chunk engine (pipeline/tensor plans are tested apart).
-    tune(
-        [
-            "search",
-            "--gpus",
-            "2",
-            "--hardware",
-            "cpu",
-            "--global-batch-size",
-            "8",
-            "--fix",
-            "pipeline=1",
-            "--fix",
-            "tensor=1",
-        ],
+    model_dir = make_llama_dir(tmp_path / "tiny-llama")
+    data = tmp_path / "corpus.txt"
+    data.write_text(BUNDLED_TEXT.read_text())
+    tune(["profile", model_dir, "--batch-size", "4", "--seq-len", str(SEQ_LEN)], tmp_path)
+    searched = tune(
+        ["search", "--loop", "plain", "--gpus", "2", "--hardware", "cpu", "--global-batch-size", str(GLOBAL_BATCH)],
         tmp_path,
     )
-    out, log = tmp_path / "out", tmp_path / "train.json"
+    printed = re.search(r"run it with `(elixir-run plan\.yaml finetune --model \S+ --data FILE)`", searched.stdout)
+    assert printed, searched.stdout[-1500:]
+    assert printed.group(1) == f"elixir-run plan.yaml finetune --model {model_dir} --data FILE"
+
+    out, logs, ckpt, log = tmp_path / "out", tmp_path / "logs", tmp_path / "ckpt", tmp_path / "train.json"
     result = run_elixir(
-        [
-            tmp_path / "plan.yaml",
-            FINETUNE,
-            "--model",
-            model_dir,
-            "--data",
-            DATA,
-            "--steps",
-            "6",
-            "--lr",
-            "3e-3",
-            "--log",
-            log,
-            "--save-pretrained",
-            out,
-        ],
-        timeout_s=300,
+        ["plan.yaml", "finetune", "--model", model_dir, "--data", "corpus.txt", "--epochs", EPOCHS]
+        + ["--eval-fraction", EVAL_FRACTION, "--eval-every", EVAL_EVERY, "--lr", "3e-3", "--log", log]
+        + ["--save", ckpt, "--keep-best", "--save-pretrained", out, "--log-dir", logs],
+        timeout_s=400,
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "(400 tokens)" in result.stdout, result.stdout[-2000:]  # the directory's tokenizer, not bytes
+    assert "step     1/" in result.stdout  # plain lines where the output is not a terminal
+
     record = json.loads(log.read_text())
-    assert record["script"] == "finetune.py" and record["summary"]["status"] == "finished"
-    assert len(record["steps"]) == 6
-    pretrained = AutoModelForCausalLM.from_pretrained(model_dir)
+    expected_loss, eval_tokens, train_samples = plain_eval_loss(out, data)
+    steps = math.ceil(EPOCHS * train_samples / GLOBAL_BATCH)
+    assert record["script"] == "finetune" and record["summary"]["status"] == "finished"
+    assert record["steps_planned"] == steps and len(record["steps"]) == steps
+    evals = record["evals"]
+    assert [e["step"] for e in evals] == [*range(EVAL_EVERY, steps, EVAL_EVERY), steps]
+    assert evals[-1]["loss"] < evals[0]["loss"], evals
+    # Both data ranks evaluated their share; the sums over ranks give the split's token-weighted mean.
+    assert evals[-1]["tokens"] == eval_tokens
+    assert evals[-1]["loss"] == pytest.approx(expected_loss, rel=1e-5)
+    assert evals[-1]["perplexity"] == pytest.approx(math.exp(expected_loss), rel=1e-5)
+    best = min(evals, key=lambda e: e["loss"])
+    assert (ckpt / "best" / "latest").read_text().strip() == f"step-{best['step']:06d}"
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
     tuned = AutoModelForCausalLM.from_pretrained(out)
+    assert tokenizer.chat_template and len(tokenizer) == 400
+    assert tuned.generation_config.max_new_tokens == 7  # the source's generation config, kept
+    prompt = tokenizer("Shall I compare thee", return_tensors="pt")
+    generated = tuned.generate(**prompt, do_sample=False)
+    assert generated.shape[1] == prompt["input_ids"].shape[1] + 7
+    pretrained = AutoModelForCausalLM.from_pretrained(model_dir)
     moved = max(float((tuned.state_dict()[k] - v).abs().max()) for k, v in pretrained.state_dict().items())
     assert moved > 1e-3, "fine-tuning changed the weights"
-    assert (out / "config.json").is_file()
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = logs.glob("events.out.tfevents.*")
+    scalars = EventAccumulator(str(events)).Reload().Tags()["scalars"]
+    assert {"train/loss", "train/lr", "train/tokens_per_s", "eval/loss", "eval/perplexity"} <= set(scalars)

@@ -1,4 +1,4 @@
-"""A diverging run stops instead of training on NaN: scripts/train_gpt2.py at lr 1e6 (fp32, the example
+"""A diverging run stops instead of training on NaN: the pretrain recipe at lr 1e6 (fp32, the example
 plan on 2 CPU workers, a checkpoint after every step) exits non-zero with the NonFiniteError's message
 naming the step, and the last checkpoint is the one before that step (never overwritten by NaN)."""
 

@@ -1,5 +1,5 @@
 """The user's path with pipeline and tensor parallelism: profile -> search --fix pipeline=2 (or tensor=2)
--> elixir-run scripts/train_gpt2.py on 2 CPU workers. Each searched plan trains with the same per-step
+-> elixir-run PLAN pretrain on 2 CPU workers. Each searched plan trains with the same per-step
 losses as the searched data-parallel plan of the same global batch (fp32, same seed and data)."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _train(profile: Path, tmp_path: Path, name: str, pins: list[str]) -> list[fl
         ]
     )
     log = tmp_path / f"{name}.json"
-    result = run_elixir([plan, "scripts/train_gpt2.py", "--steps", STEPS, "--seed", "5", "--log", log], timeout_s=240)
+    result = run_elixir([plan, "pretrain", "--steps", STEPS, "--seed", "5", "--log", log], timeout_s=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return [step["loss"] for step in json.loads(log.read_text())["steps"]]
 

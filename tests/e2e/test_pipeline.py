@@ -1,5 +1,5 @@
 """The user's whole path on the CPU: profile the tiny GPT-2 -> hardware preset -> search --gpus 2
--> elixir-run scripts/train_gpt2.py with 2 worker processes; the loss falls and the job exits 0.
+-> elixir-run PLAN pretrain with 2 worker processes; the loss falls and the job exits 0.
 Then the same plan started on another model: the worker's engine refuses it (fingerprint)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from tests.e2e.launch_helpers import console_script, free_port, job_env, run_eli
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]  # torchrun with several worker processes
 
-TRAIN = REPO_DIR / "scripts" / "train_gpt2.py"
+TRAIN = "pretrain"  # the recipe name: elixir-run runs elixir_tune/recipes/pretrain.py
 
 
 @pytest.fixture(scope="module")
@@ -156,15 +156,15 @@ def test_a_plan_for_another_model_is_refused_by_the_workers(cpu_plan, tmp_path):
     assert not (tmp_path / "t.json").exists()
 
 
-def test_a_layered_plan_trains_through_train_gpt2(cpu_plan, tmp_path):
-    """search --fix accumulation=layered -> show names it -> elixir-run train_gpt2.py (the shared
+def test_a_layered_plan_trains_through_the_pretrain_recipe(cpu_plan, tmp_path):
+    """search --fix accumulation=layered -> show names it -> elixir-run pretrain (the shared
     training loop steps through model.forward_backward) -> the loss falls."""
     plan = tmp_path / "plan-layered.yaml"
     work = cpu_plan.parent
     args = ["search", "--gpus", "2", "--profile", work / "profile.yaml", "--hardware", "cpu"]
     args += ["--global-batch-size", "16", "--fix", "accumulation=layered", "--fix", "micro_batch_size=2"]
     args += ["--fix", "pipeline=1", "--fix", "tensor=1"]  # the chunk engine's layered path
-    args += ["--loop", "forward_backward"]  # train_gpt2.py runs model.forward_backward
+    args += ["--loop", "forward_backward"]  # the pretrain recipe runs model.forward_backward
     tune([*args, "--out", plan])
     assert "accumulation: layered" in plan.read_text()
     shown = tune(["show", plan])

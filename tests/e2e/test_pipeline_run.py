@@ -1,10 +1,10 @@
-"""elixir-run launches a pipeline plan like any other: scripts/train_gpt2.py on 2 CPU workers with the
+"""elixir-run launches a pipeline plan like any other: the pretrain recipe on 2 CPU workers with the
 tiny GPT-2 split into 2 stages (pipeline 2 x data 1; the tied wte / lm_head on both) trains with the
 same per-step losses as a data-parallel plan of the same global batch (world 2, data 2), and a
 checkpoint saved mid-run resumes exactly.
 
 The plans are written by the test plan builder (tests/distributed/engine_plans.py ``make_plan``,
-``stages=2``: each stage's parameters packed apart), for the model train_gpt2.py builds.
+``stages=2``: each stage's parameters packed apart), for the model the pretrain recipe builds.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tests.e2e.launch_helpers import run_elixir
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]  # torchrun with several worker processes
 
-TRAIN = REPO_DIR / "scripts" / "train_gpt2.py"
+TRAIN = "pretrain"  # the recipe name: elixir-run runs elixir_tune/recipes/pretrain.py
 MODEL = REPO_DIR / "configs" / "models" / "gpt2-tiny.yaml"
 SEQ = 32
 STEPS = 6

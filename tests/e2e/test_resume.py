@@ -1,6 +1,6 @@
 """An interrupted elixir-run job loses nothing: Ctrl-C saves a sharded checkpoint, --resume goes on.
 
-Three real jobs of scripts/train_gpt2.py on 2 CPU workers (gloo) with the example plan made
+Three real jobs of the pretrain recipe on 2 CPU workers (gloo) with the example plan made
 runnable (the tiny GPT-2's real fingerprint): a straight run of 20 steps; a run with --save that
 gets SIGINT after its first logged step (every rank finishes the step, saves, exits 130); and a
 --resume run to step 20. The per-step losses and learning rates of interrupted + resumed equal the
@@ -22,7 +22,7 @@ from tests.e2e.launch_helpers import console_script, job_env, run_elixir, write_
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]  # torchrun with several worker processes
 
-TRAIN = REPO_DIR / "scripts" / "train_gpt2.py"
+TRAIN = "pretrain"  # the recipe name: elixir-run runs elixir_tune/recipes/pretrain.py
 MODEL = REPO_DIR / "configs" / "models" / "gpt2-tiny.yaml"
 STEPS = 20
 

@@ -1,0 +1,224 @@
+"""Fine-tune a causal language model (Hugging Face layout) on your text with elixir-tune.
+
+    elixir-tune profile path/to/model --seq-len 512           # or a cached name: meta-llama/Llama-2-7b-hf
+    elixir-tune search --gpus 4 --global-batch-size 32        # -> plan.yaml
+    elixir-run plan.yaml finetune --model path/to/model --data corpus.txt --epochs 2 \\
+        --eval-fraction 0.05 --eval-every 200 --save ckpt --keep-best --save-pretrained out/ --log-dir runs/tb
+
+The model is built on the meta device from its config.json and its weights are read from its safetensors
+straight into each rank's shards (``elixir_tune.setup(..., weights=DIR)``), so no rank ever holds the whole
+model. ``--model`` (default: the plan's model.source) is a directory or a Hub name in the local Hugging Face
+cache (never downloaded). Data: the text is cut into paragraphs (blank lines between them), each tokenized with
+the model's tokenizer (its bytes when it has none) and cut into pieces of up to seq_len, right-padded (mask 0,
+labels -100 on the padding). ``--save-pretrained OUT`` writes the weights, config, tokenizer files and
+generation config at the end: ``from_pretrained(OUT)`` loads the model and the tokenizer as they are.
+elixir-run calls ``preflight`` before any worker starts, so a wrong path is one line, not a traceback per rank.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # transformers' notices would repeat once per rank
+
+from elixir_tune.recipes import BUNDLED_TEXT  # noqa: E402
+from elixir_tune.recipes.options import (  # noqa: E402
+    OptionsError,
+    RecipeParser,
+    add_training_args,
+    eval_refusal,
+    parse_options,
+    resolve_model_dir,
+)
+
+SCRIPT_NAME = "finetune"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def build_parser() -> RecipeParser:
+    """The recipe's options."""
+    import argparse
+
+    parser = RecipeParser(
+        prog="elixir-run PLAN finetune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_training_args(parser, lr=1e-4)
+    parser.add_argument("--model", default=None, help="model directory or cached Hub name (default: plan's source)")
+    parser.add_argument("--data", default=str(BUNDLED_TEXT), help="text file to fine-tune on")
+    parser.add_argument(
+        "--from-scratch",
+        action="store_true",
+        help="start from the model's own initializer instead of its weights (the directory needs none then)",
+    )
+    parser.add_argument("--save-pretrained", default=None, metavar="DIR", help="write the weights here at the end")
+    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file --save-pretrained writes")
+    return parser
+
+
+def has_tokenizer(model_dir: Path) -> bool:
+    """Whether a model directory carries tokenizer files."""
+    return any((model_dir / name).is_file() for name in TOKENIZER_FILES)
+
+
+def load_tokenizer(model_dir: Path):
+    """The directory's tokenizer, or None when it has none (bytes are the tokens then)."""
+    if not has_tokenizer(model_dir):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def preflight(argv: list[str], plan_path: str) -> list[str]:
+    """The inputs checked in elixir-run's process before any worker starts: one line per problem.
+
+    Args:
+        argv: the recipe's arguments.
+        plan_path: the plan the job runs.
+
+    Returns:
+        Problems: options that do not parse, a model that does not resolve or has no config.json, a tokenizer
+        that does not load, a missing data file, a plan made for another model, a logger not installed.
+    """
+    from elixir_tune.recipes.metrics import metric_problems
+
+    try:
+        args = parse_options(build_parser(), argv, for_preflight=True)
+    except OptionsError as error:
+        return [f"finetune: {error}"]
+    problems = metric_problems(args)
+    for option, path in (("--data", args.data), ("--eval-data", args.eval_data)):
+        if path and not Path(path).is_file():
+            problems.append(f"{option} {path}: no such file" + (" (a directory)" if Path(path).is_dir() else ""))
+    import elixir_tune
+
+    plan = elixir_tune.load_plan(plan_path)
+    refusal = eval_refusal(plan) if args.eval_fraction or args.eval_data else None
+    if refusal:
+        problems.append(refusal)
+    try:
+        model_dir = resolve_model_dir(args.model or plan.model.source, plan_path)
+    except ValueError as error:
+        return [*problems, str(error)]
+    try:
+        load_tokenizer(model_dir)
+    except Exception as error:  # transformers raises many kinds; the user needs the first line
+        problems.append(f"{model_dir}: its tokenizer does not load: {str(error).strip().splitlines()[0][:200]}")
+    fit = plan_fit_problem(model_dir, plan)
+    if fit:
+        problems.append(fit)
+    return problems
+
+
+def plan_fit_problem(model_dir: Path, plan) -> str | None:
+    """Whether the plan was made for this model (its fingerprint: parameter names, shapes, dtypes), built on meta."""
+    import torch
+
+    from elixir_tune.plan import model_fingerprint
+    from elixir_tune.profiler import ModelSourceError, load_model_source
+
+    try:
+        with torch.device("meta"):
+            model = load_model_source(str(model_dir)).build_model()
+    except (ModelSourceError, ValueError, ImportError) as error:
+        return f"{model_dir}: cannot be built from its config.json: {error}"
+    found = model_fingerprint(model)
+    if found != plan.model.fingerprint:
+        return (
+            f"the plan was made for another model (fingerprint {plan.model.fingerprint}, {model_dir} has {found}): "
+            f"`elixir-tune profile {model_dir}` and search again"
+        )
+    return None
+
+
+def write_usable_dir(model, model_dir: Path, out: str, max_shard_size: str, rank: int) -> None:
+    """``--save-pretrained``: weights and config (collective), then the tokenizer files and generation config."""
+    import elixir_tune
+
+    elixir_tune.save_pretrained(model, out, max_shard_size=max_shard_size)
+    if rank != 0:
+        return
+    tokenizer = load_tokenizer(model_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    source_generation = model_dir / "generation_config.json"
+    if source_generation.is_file():  # the source's sampling defaults win over the one derived from config
+        shutil.copyfile(source_generation, Path(out) / "generation_config.json")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the recipe on this worker (elixir-run starts one per rank)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    import elixir_tune
+    from elixir_tune.profiler import load_model_source
+    from elixir_tune.recipes.loop import fail_once, train
+    from elixir_tune.recipes.metrics import metric_problems
+    from elixir_tune.recipes.options import plan_and_device
+    from elixir_tune.recipes.text_data import DataProblem, load_training_data
+
+    args = parse_options(build_parser(), sys.argv[1:] if argv is None else argv)
+    plan_path, plan, device = plan_and_device()  # $ELIXIR_TUNE_PLAN, set by elixir-run
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        model_dir = resolve_model_dir(args.model or plan.model.source, plan_path)
+    except ValueError as error:
+        return fail_once(str(error), rank)
+    if metric_problems(args):
+        return fail_once(metric_problems(args)[0], rank)
+
+    torch.manual_seed(args.seed)  # the initializer's seed with --from-scratch
+    source = load_model_source(str(model_dir))
+    with torch.device("meta"):  # shapes only: the weights go straight into the shards
+        model = source.build_model()
+    num_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    try:
+        model, optimizer = elixir_tune.setup(
+            model, optimizer, plan=plan, weights=None if args.from_scratch else model_dir, seed=args.seed
+        )
+    except ValueError as error:  # the plan or the weights do not fit this model
+        fail_once(f"elixir_tune.setup refused: {error}", rank)
+        ErrorHandler().record_exception(error)
+        return 1
+    world = dist.get_world_size() if dist.is_initialized() else 1
+
+    tokenizer = load_tokenizer(model_dir)
+    try:
+        data = load_training_data(args, tokenizer, plan.training.seq_len, source.vocab_size)
+    except DataProblem as error:
+        return fail_once(str(error), rank)
+    if rank == 0:
+        described = f"{type(tokenizer).__name__} ({len(tokenizer):,} tokens)" if tokenizer else "bytes (no tokenizer)"
+        print(f"data: {data.describe()}, tokenizer {described}", flush=True)
+    code = train(
+        args,
+        model,
+        optimizer,
+        plan,
+        data,
+        script=SCRIPT_NAME,
+        model_name=source.name,
+        num_params=num_params,
+        device=device,
+        rank=rank,
+        world=world,
+    )
+    if code == 0 and args.save_pretrained:
+        write_usable_dir(model, model_dir, args.save_pretrained, args.max_shard_size, rank)
+        if rank == 0:
+            print(f"wrote {args.save_pretrained} (load it with transformers' from_pretrained)", flush=True)
+    if code == 0 and dist.is_initialized():
+        dist.destroy_process_group()
+    return code
+
+
+if __name__ == "__main__":
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    sys.exit(record(main)())  # an unexpected error reaches elixir-run's failure report, not only this rank's output

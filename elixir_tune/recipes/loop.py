@@ -1,0 +1,306 @@
+"""The training loop every recipe shares.
+
+Everything after the model is set up: the run's length (``--steps``, or ``--epochs`` over the data's samples),
+resume, the LR schedule, the plan's micro-batches, evaluation every ``--eval-every`` steps and at the end (with
+``--keep-best``), rank 0's reporting (progress.py), checkpoints (every N steps, at the end, and on
+SIGINT/SIGTERM), and the final summary. The data (text_data.py, or the data interface) gives each data-parallel
+rank its rows of a step's global batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import elixir_tune
+from elixir_tune.engine.io.checkpoint_files import LATEST_NAME, CheckpointError
+from elixir_tune.recipes.evaluation import evaluate
+from elixir_tune.recipes.options import eval_refusal
+from elixir_tune.recipes.progress import Reporter
+
+BEST_DIR_NAME = "best"  # --keep-best: the best evaluation's checkpoint, a root of its own under --save
+
+
+def step_loss(output, batch: dict) -> torch.Tensor:
+    """A micro-batch's loss: the model output's ``loss`` (transformers), or the output itself."""
+    return output.loss if hasattr(output, "loss") else output
+
+
+def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
+    """Linear warm-up, then cosine decay to a tenth of the peak."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def memory_bytes(device: torch.device) -> int:
+    """Peak device memory on a GPU; resident memory of this process on the CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_steps(args: argparse.Namespace, data, global_batch_size: int) -> int:
+    """The run's length: ``--steps``, or ``--epochs`` x the data's samples / the global batch (rounded up), or 100."""
+    if args.epochs is not None:
+        return max(1, math.ceil(args.epochs * data.num_samples() / global_batch_size))
+    return args.steps if args.steps is not None else 100
+
+
+def sum_over_ranks(values: torch.Tensor, world: int) -> torch.Tensor:
+    """``values`` summed over every rank (in place; the tensor itself on one rank)."""
+    if world > 1:
+        dist.all_reduce(values)
+    return values
+
+
+def fail_once(message: str, rank: int) -> int:
+    """Prints an error every rank has once (rank 0) and returns the exit status 1."""
+    if rank == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    return 1
+
+
+def train(
+    args: argparse.Namespace,
+    model,
+    optimizer,
+    plan,
+    data,
+    *,
+    script: str,
+    model_name: str,
+    num_params: int,
+    device: torch.device,
+    rank: int,
+    world: int,
+) -> int:
+    """Runs the training steps of ``args`` (length, resume, schedule, evaluation, logging, checkpoints).
+
+    Args:
+        args: the recipe's options (add_training_args); ``args.steps`` is set to the run's length.
+        model: the ElixirModel ``setup`` returned.
+        optimizer: its sharded optimizer.
+        plan: the plan the job runs.
+        data: the training data (text_data.py or the data interface): ``batch``, ``num_samples``, ``epoch``,
+            ``eval_batches``, ``describe``.
+        script: the recipe's name, for the log.
+        model_name: the model's name, for the log.
+        num_params: its parameter count (FLOPs per token).
+        device: where this rank computes.
+        rank: this process's global rank (0 reports).
+        world: the number of processes.
+
+    Returns:
+        0 when the steps are done, 130 when interrupted (after saving with --save), 1 when a step's loss or
+        gradient norm was not finite (``NonFiniteError``; nothing is saved after it) or a checkpoint failed.
+    """
+    plan_path = os.environ.get(elixir_tune.plan.PLAN_ENV_VAR, "")
+    training = plan.training
+    steps = run_steps(args, data, training.global_batch_size)
+    args.steps = steps  # the schedule, checkpoints and resume notes speak of the computed length
+    eval_batches_iter = data.eval_batches(training.micro_batch_size)
+    eval_batches = list(eval_batches_iter) if eval_batches_iter is not None else []
+    if (args.eval_every or args.keep_best) and not eval_batches:
+        return fail_once(
+            "--eval-every/--keep-best need an evaluation split: add --eval-fraction F or --eval-data", rank
+        )
+    refusal = eval_refusal(plan) if eval_batches else None
+    if refusal:
+        return fail_once(refusal, rank)
+    start_step = 0
+    try:  # a second job saving to the same directory is refused before it trains
+        if args.save:
+            elixir_tune.lock_checkpoint_dir(args.save, model)
+        meta = elixir_tune.load_checkpoint(args.resume, model, optimizer) if args.resume else {}
+    except CheckpointError as error:  # every rank has the same one-line error
+        return fail_once(str(error), rank)
+    if args.resume:
+        start_step = int(meta["step"])
+        saved = meta.get("extra", {})
+        if rank == 0:
+            print(
+                f"resumed from {args.resume} at step {start_step}"
+                + ("" if meta.get("exact") else " (weights only: optimizer state restarts)"),
+                flush=True,
+            )
+            for key, value in (("steps", args.steps), ("seed", args.seed), ("lr", args.lr)):
+                if key in saved and saved[key] != value:
+                    print(
+                        f"note: the checkpoint was saved with --{key} {saved[key]}, this run uses {value}: "
+                        "the data or LR schedule differs from the original run",
+                        flush=True,
+                    )
+    stop_step = min(steps, args.stop_at) if args.stop_at is not None else steps
+
+    micro, accum = training.micro_batch_size, training.grad_accum_steps
+    # Each data-parallel index trains on its rows; the ranks of one pipeline (or tensor) group share them.
+    data_rank, data_size = elixir_tune.data_rank(), elixir_tune.data_size()
+    tokens_per_step = training.global_batch_size * training.seq_len
+    warmup = args.warmup_steps if args.warmup_steps is not None else max(1, steps // 10)
+    header = {
+        "script": script,
+        "plan": plan_path,
+        "model": model_name,
+        "num_params": num_params,
+        "world_size": world,
+        "device": plan.cluster.device,
+        "dtype": training.dtype,
+        "global_batch_size": training.global_batch_size,
+        "micro_batch_size": micro,
+        "grad_accum_steps": accum,
+        "seq_len": training.seq_len,
+        "data": data.describe(),
+        "lr": args.lr,
+        "seed": args.seed,
+        "steps_planned": steps,
+        "predicted_step_time_s": plan.prediction.step_time_s if plan.prediction else None,
+    }
+    if args.resume:
+        header["resumed_from"] = {"checkpoint": args.resume, "step": start_step}
+    reporter = Reporter(args, header, steps) if rank == 0 else None
+    if reporter and start_step:
+        reporter.progress.update(reporter.task, completed=start_step)
+    if reporter:
+        length = f"{steps} steps" + (f" ({args.epochs:g} epochs)" if args.epochs is not None else "")
+        reporter.say(
+            f"training {model_name} ({num_params:,} params) on {world} {plan.cluster.device} worker(s): "
+            f"{length} of {training.global_batch_size} x {training.seq_len} tokens "
+            f"(micro-batch {micro} x accumulation {accum} x data-parallel {plan.data_parallel_size}"
+            + (f"; {world} workers" if plan.data_parallel_size != world else "")
+            + f"), data: {data.describe()}"
+        )
+
+    checkpoint_extra = {"steps": steps, "seed": args.seed, "lr": args.lr, "warmup_steps": warmup, "data": args.data}
+
+    def save(steps_done: int, root: str | None = None, keep: int | None = None) -> None:
+        directory = elixir_tune.save_checkpoint(
+            root or args.save, model, optimizer, step=steps_done, extra=checkpoint_extra, keep=keep or args.keep or None
+        )
+        if reporter:
+            reporter.say(f"saved checkpoint {directory} at step {steps_done}")
+
+    # The best evaluation so far travels in every checkpoint, so that a resumed run keeps --keep-best's record.
+    best_loss = [float(meta.get("extra", {}).get("best_eval_loss", math.inf))]
+
+    def run_eval(steps_done: int) -> None:
+        result = evaluate(model, eval_batches, data_rank, data_size, device)
+        best = result.loss < best_loss[0]
+        if best:
+            best_loss[0] = checkpoint_extra["best_eval_loss"] = result.loss
+        if reporter:
+            reporter.evaluation(steps_done, result.loss, result.perplexity, result.tokens, best)
+        if best and args.keep_best:
+            save(steps_done, root=str(Path(args.save) / BEST_DIR_NAME), keep=1)
+
+    # With --save, a signal only raises a flag: every rank finishes the step, they agree on the flag
+    # (one all-reduce with the loss) and save together; a collective save cannot start mid-step.
+    stop_requested: list[int] = []
+    if args.save:
+
+        def request_stop(signum, frame):
+            if stop_requested:  # a second signal: stop now, without saving
+                raise KeyboardInterrupt
+            stop_requested.append(signum)
+
+        signal.signal(signal.SIGINT, request_stop)
+        signal.signal(signal.SIGTERM, request_stop)
+
+    step = start_step
+    steps_done = start_step
+    try:
+        with reporter or contextlib.nullcontext():
+            for step in range(start_step, stop_step):
+                lr = lr_at(step, steps, args.lr, warmup)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                started = time.perf_counter()
+                rows = data.batch(step, training.global_batch_size, data_rank, data_size)
+                micro_batches = [
+                    {k: v[begin : begin + micro].to(device, non_blocking=True) for k, v in rows.items()}
+                    for begin in range(0, micro * accum, micro)
+                ]
+                # All micro-batches as the plan says (standard or layered accumulation); the mean loss.
+                loss_sum = model.forward_backward(micro_batches, loss_fn=step_loss).float() * accum
+                grad_norm = optimizer.clip_grad_norm(args.clip) if args.clip > 0 else None
+                optimizer.step()
+                optimizer.zero_grad()
+                # The mean loss over all ranks' micro-batches (for the log), and the stop flag with it.
+                flagged = torch.stack([loss_sum, torch.tensor(float(bool(stop_requested)), device=device)])
+                loss_sum, stop_now = sum_over_ranks(flagged, world).unbind()
+                mean_loss = float(loss_sum) / (accum * world)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                step_time_s = time.perf_counter() - started
+                if reporter:
+                    reporter.step(
+                        {
+                            "step": step,
+                            "loss": mean_loss,
+                            "lr": lr,
+                            "epoch": data.epoch(step + 1, training.global_batch_size),
+                            "step_time_s": step_time_s,
+                            "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                            "tokens": tokens_per_step,
+                            "tokens_per_s": tokens_per_step / step_time_s,
+                            # model FLOPs: 6 per parameter per token (forward + backward), per worker
+                            "tflops_per_gpu": 6 * num_params * tokens_per_step / step_time_s / world / 1e12,
+                            "memory_bytes": memory_bytes(device),
+                        }
+                    )
+                steps_done = step + 1
+                if stop_now > 0:
+                    save(steps_done)
+                    raise KeyboardInterrupt
+                if eval_batches and args.eval_every and steps_done % args.eval_every == 0 and steps_done < stop_step:
+                    run_eval(steps_done)
+                if args.save and args.save_every and steps_done % args.save_every == 0 and steps_done < stop_step:
+                    save(steps_done)
+            if eval_batches and steps_done > start_step:
+                run_eval(steps_done)
+            if args.save and steps_done > start_step:
+                save(steps_done)
+    except elixir_tune.NonFiniteError as error:  # fp32/bf16: a NaN/inf step; every save refuses after it
+        if reporter:
+            reporter.write(status="non-finite")
+            reporter.say(f"[bold red]error[/]: {error}")
+        return 1
+    except KeyboardInterrupt:
+        if reporter:
+            reporter.write(status="interrupted")
+            reporter.say(f"interrupted at step {step}; log so far: {reporter.log_path}")
+            if args.save and (Path(args.save) / LATEST_NAME).exists():
+                reporter.say(f"continue with --resume {args.save} (same --steps, --seed and --lr)")
+        return 130
+    except CheckpointError as error:  # a refused save (non-finite weights, disk full): the old ones stay
+        if reporter:
+            reporter.write(status="failed")
+        return fail_once(str(error), rank)
+    if reporter:
+        reporter.write(status="finished")
+        summary = reporter.record.get("summary", {})
+        if summary:
+            reporter.say(
+                f"[bold green]done[/]: loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over "
+                f"{summary['steps_done']} steps, {summary['mean_tokens_per_s']:,.0f} tokens/s, "
+                f"{summary['mean_step_time_s'] * 1000:.1f} ms/step"
+                + (f"; best eval loss {summary['best_eval_loss']:.4f}" if "best_eval_loss" in summary else "")
+                + (f"; log: {reporter.log_path}" if reporter.log_path else "")
+            )
+    return 0

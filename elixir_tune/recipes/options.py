@@ -1,0 +1,196 @@
+"""What every recipe shares before training: its command-line options, the run's plan and device, and the model.
+
+The options are parsed twice: by elixir-run's preflight (``parse_options(..., for_preflight=True)``, where a bad
+option is a problem line, not an exit) and by each worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import NoReturn
+
+
+class OptionsError(ValueError):
+    """A recipe's command line does not parse (the message is argparse's)."""
+
+
+class RecipeParser(argparse.ArgumentParser):
+    """argparse, except that in a preflight a bad option raises OptionsError instead of printing usage and exiting."""
+
+    raise_errors = False
+
+    def error(self, message: str) -> NoReturn:
+        if self.raise_errors:
+            raise OptionsError(message)
+        super().error(message)
+
+
+def add_training_args(parser: argparse.ArgumentParser, lr: float = 3e-3) -> None:
+    """The options every recipe takes: length, schedule, evaluation, logging, checkpoints."""
+    length = parser.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=int, default=None, help="optimizer steps (default: 100)")
+    length.add_argument(
+        "--epochs",
+        type=float,
+        default=None,
+        help="passes over the training samples instead of --steps (steps = epochs x samples / global batch)",
+    )
+    parser.add_argument("--log", default="runs/train.json", help="JSON log of every step (rank 0)")
+    parser.add_argument("--lr", type=float, default=lr, help="peak learning rate (AdamW)")
+    parser.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up (default: steps / 10)")
+    parser.add_argument("--clip", type=float, default=1.0, help="max global gradient norm (0: no clipping)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the weights (same on every rank) and the data")
+    parser.add_argument("--print-every", type=int, default=None, help="print a line every N steps (default: ~20 lines)")
+    parser.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="evaluation loss and perplexity on the held-out split every N steps and at the end (0: at the end only)",
+    )
+    parser.add_argument(
+        "--eval-fraction", type=float, default=0.0, metavar="F", help="hold out this share of the samples for eval"
+    )
+    parser.add_argument("--eval-data", default=None, metavar="FILE", help="a separate evaluation file")
+    parser.add_argument(
+        "--keep-best",
+        action="store_true",
+        help="with --save: also save at each evaluation that beats the best so far (DIR/best names it)",
+    )
+    parser.add_argument("--log-dir", default=None, metavar="DIR", help="write TensorBoard event files here")
+    parser.add_argument(
+        "--wandb", default=None, metavar="PROJECT", help="log to this Weights & Biases project (needs wandb)"
+    )
+    parser.add_argument(
+        "--save",
+        default=None,
+        metavar="DIR",
+        help="checkpoint directory: saved at the end, every --save-every steps and on SIGINT/SIGTERM",
+    )
+    parser.add_argument("--save-every", type=int, default=0, metavar="N", help="also save every N steps (0: never)")
+    parser.add_argument(
+        "--keep",
+        type=int,
+        default=2,
+        metavar="N",
+        help="keep the newest N checkpoints in --save (DIR/step-NNNNNN, DIR/latest names the newest; 0: all)",
+    )
+    parser.add_argument(
+        "--resume", default=None, metavar="DIR", help="continue from this checkpoint (a --save DIR: its latest)"
+    )
+    parser.add_argument(
+        "--stop-at",
+        type=int,
+        default=None,
+        metavar="N",
+        help="stop after N steps, keeping the --steps schedule (as an interrupted run would)",
+    )
+
+
+def parse_options(parser: RecipeParser, argv: list[str], for_preflight: bool = False) -> argparse.Namespace:
+    """Parses a recipe's arguments and checks the ones that need no file.
+
+    Args:
+        parser: the recipe's parser.
+        argv: its arguments.
+        for_preflight: raise OptionsError for a bad option instead of exiting with argparse's usage.
+
+    Returns:
+        The options.
+
+    Raises:
+        OptionsError: (with ``for_preflight``) an option is unknown, malformed or out of range.
+    """
+    parser.raise_errors = for_preflight
+    args = parser.parse_args(argv)
+    problems = option_problems(args)
+    if problems:
+        parser.error(problems[0])
+    return args
+
+
+def option_problems(args: argparse.Namespace) -> list[str]:
+    """Values that are out of range (each a line saying which and what is accepted)."""
+    problems = []
+    for name in ("steps", "eval_every", "save_every", "keep"):
+        value = getattr(args, name)
+        if value is not None and value < (1 if name == "steps" else 0):
+            problems.append(
+                f"--{name.replace('_', '-')} must be {'1' if name == 'steps' else '0'} or more, not {value}"
+            )
+    if args.epochs is not None and args.epochs <= 0:
+        problems.append(f"--epochs must be above 0, not {args.epochs:g}")
+    if not 0.0 <= args.eval_fraction < 1.0:
+        problems.append(f"--eval-fraction is a share of the samples, 0 <= F < 1, not {args.eval_fraction:g}")
+    if args.eval_fraction and args.eval_data:
+        problems.append("give --eval-fraction or --eval-data, not both")
+    if args.keep_best and not args.save:
+        problems.append("--keep-best keeps the best checkpoint under --save DIR: add --save")
+    return problems
+
+
+def eval_refusal(plan) -> str | None:
+    """Why evaluation cannot run under ``plan`` (None when it can)."""
+    if plan.parallel.pipeline.stages > 1:
+        return (
+            "evaluation needs a forward without backward, which a pipeline plan "
+            f"({plan.parallel.pipeline.stages} stages) does not run; search with --fix pipeline=1, or drop "
+            "--eval-every/--eval-fraction/--eval-data"
+        )
+    return None
+
+
+def plan_and_device():
+    """The plan elixir-run gave this worker ($ELIXIR_TUNE_PLAN), its path, and the device it runs on
+    (the GPU of LOCAL_RANK for a cuda plan, made current; the CPU otherwise)."""
+    import torch
+
+    import elixir_tune
+
+    plan_path = os.environ.get(elixir_tune.plan.PLAN_ENV_VAR, "")
+    plan = elixir_tune.load_plan()
+    if plan.cluster.device != "cuda":
+        return plan_path, plan, torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    return plan_path, plan, device
+
+
+def resolve_model_spec(spec: str, plan_path: str) -> str:
+    """A relative model path is tried from the working directory, then beside the plan."""
+    path_part = spec.split(":")[0]
+    if not Path(path_part).exists():
+        beside_plan = Path(plan_path).resolve().parent / path_part
+        if beside_plan.exists():
+            return str(beside_plan) + spec[len(path_part) :]
+    return spec
+
+
+def resolve_model_dir(spec: str, plan_path: str) -> Path:
+    """A Hugging Face model: a directory (from here or beside the plan) or a Hub name in the local cache.
+
+    Args:
+        spec: ``--model`` or the plan's ``model.source``.
+        plan_path: the plan file, for paths relative to it.
+
+    Returns:
+        The directory (it has a config.json).
+
+    Raises:
+        ValueError: neither a model directory nor a cached name (one line: what and where it looked).
+    """
+    from elixir_tune.hf_cache import cached_model_dir, looks_like_hub_name
+
+    resolved = Path(resolve_model_spec(spec, plan_path))
+    if resolved.is_dir():
+        if not (resolved / "config.json").is_file():
+            raise ValueError(f"--model {spec}: not a model directory (no config.json); give a Hugging Face model dir")
+        return resolved
+    if looks_like_hub_name(spec):
+        return cached_model_dir(spec)
+    raise ValueError(
+        f"--model {spec}: no such directory (looked in {Path.cwd()} and beside the plan); give a Hugging Face "
+        "model directory or a Hub name (owner/name) in the local cache"
+    )

@@ -1,0 +1,107 @@
+"""`elixir-run PLAN RECIPE ...`: a bare name runs a recipe of the package; bad inputs stop in elixir-run's own
+process (one line each, exit 2) before any worker starts. No torchrun here: the workers would print "starting"."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from elixir_tune.cli.run import run_command
+from elixir_tune.paths import REPO_DIR
+from elixir_tune.recipes import is_recipe_name, recipe_module
+
+EXAMPLE_PLAN = REPO_DIR / "configs" / "plans" / "example.yaml"
+
+
+def _invoke(args: list, cwd: Path) -> tuple[int, str]:
+    """elixir-run in this process, from ``cwd`` (not the repository)."""
+    previous = Path.cwd()
+    os.chdir(cwd)
+    try:
+        result = CliRunner().invoke(run_command, [str(arg) for arg in args])
+    finally:
+        os.chdir(previous)
+    return result.exit_code, result.output
+
+
+def _errors(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("error: ")]
+
+
+def test_names_and_paths():
+    assert is_recipe_name("finetune") and is_recipe_name("pretrain") and is_recipe_name("finetuen")
+    assert not is_recipe_name("train.py") and not is_recipe_name("./finetune") and not is_recipe_name("a/b")
+    assert recipe_module("finetune") == "elixir_tune.recipes.finetune"
+
+
+def test_an_unknown_recipe_lists_the_recipes(tmp_path: Path):
+    code, output = _invoke([EXAMPLE_PLAN, "finetuen", "--steps", "2"], tmp_path)
+    assert code == 2, output
+    (line,) = _errors(output)
+    assert "'finetuen' is neither a recipe nor a file" in line and "finetune (" in line and "pretrain (" in line
+    assert "starting" not in output
+
+
+def test_missing_data_and_model_are_one_line_each_before_anything_starts(tmp_path: Path):
+    code, output = _invoke(
+        [EXAMPLE_PLAN, "finetune", "--model", tmp_path / "no-model", "--data", tmp_path / "no.txt"], tmp_path
+    )
+    assert code == 2, output
+    assert _errors(output) == [
+        f"error: --data {tmp_path / 'no.txt'}: no such file",
+        f"error: --model {tmp_path / 'no-model'}: no such directory (looked in {tmp_path} and beside the plan); "
+        "give a Hugging Face model directory or a Hub name (owner/name) in the local cache",
+    ]
+    assert "nothing was started" in output and "Traceback" not in output and "starting" not in output
+
+
+def test_a_model_dir_without_config_and_a_bad_option(tmp_path: Path):
+    (tmp_path / "empty").mkdir()
+    code, output = _invoke([EXAMPLE_PLAN, "finetune", "--model", tmp_path / "empty"], tmp_path)
+    assert code == 2 and _errors(output) == [
+        f"error: --model {tmp_path / 'empty'}: not a model directory (no config.json); give a Hugging Face model dir"
+    ]
+    code, output = _invoke([EXAMPLE_PLAN, "pretrain", "--stepz", "3"], tmp_path)
+    assert code == 2 and _errors(output) == ["error: pretrain: unrecognized arguments: --stepz 3"], output
+    code, output = _invoke([EXAMPLE_PLAN, "pretrain", "--keep-best"], tmp_path)
+    assert _errors(output) == ["error: pretrain: --keep-best keeps the best checkpoint under --save DIR: add --save"]
+
+
+def test_a_plan_for_another_model_and_a_missing_eval_file(tmp_path: Path):
+    """The example plan is for gpt2-tiny: a Llama config directory does not fit it (checked on the meta device)."""
+    from transformers import LlamaConfig
+
+    model_dir = tmp_path / "llama"
+    LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=300
+    ).save_pretrained(model_dir)
+    data = tmp_path / "corpus.txt"
+    data.write_text("some text\n\nmore text\n")
+    plan = yaml.safe_load(EXAMPLE_PLAN.read_text())
+    code, output = _invoke(
+        [EXAMPLE_PLAN, "finetune", "--model", model_dir, "--data", data, "--eval-data", tmp_path / "eval.txt"],
+        tmp_path,
+    )
+    assert code == 2, output
+    errors = _errors(output)
+    assert errors[0] == f"error: --eval-data {tmp_path / 'eval.txt'}: no such file"
+    assert errors[1].startswith(
+        f"error: the plan was made for another model (fingerprint {plan['model']['fingerprint']}"
+    )
+    assert errors[1].endswith(f"`elixir-tune profile {model_dir}` and search again")
+    assert len(errors) == 2 and "starting" not in output
+
+
+def test_a_logger_that_is_not_installed(tmp_path: Path):
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    code, output = _invoke([EXAMPLE_PLAN, "pretrain", "--model", "gpt2-tiny", "--wandb", "my-project"], tmp_path)
+    assert code == 2 and _errors(output) == [
+        "error: --wandb my-project logs to Weights & Biases: pip install wandb (and `wandb login`)"
+    ], output
