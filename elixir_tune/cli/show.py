@@ -70,15 +70,18 @@ def plan_states(plan: Plan) -> dict[str, int]:
     if plan.prediction is not None and plan.prediction.model_state_bytes:
         return {str(key): value for key, value in plan.prediction.model_state_bytes.items()}
     chunks = plan.memory.chunks
-    offloaded = sum(1 for c in chunks if c.offload)
+    trained = [c for c in chunks if not c.frozen]
+    frozen = [c for c in chunks if c.frozen]
     return model_state_bytes(
         plan.memory.chunk_size,
         plan.data_parallel_size,
         plan.training.dtype,
         plan.memory.cache_blocks,
         sum(1 for c in chunks if c.resident),
-        len(chunks) - offloaded,
-        offloaded,
+        sum(1 for c in trained if not c.offload),
+        sum(1 for c in trained if c.offload),
+        sum(1 for c in frozen if not c.offload),
+        sum(1 for c in frozen if c.offload),
     )
 
 

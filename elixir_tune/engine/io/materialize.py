@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from elixir_tune.engine.io.weights import WeightsReader
+from elixir_tune.lora import adapter_init, is_adapter_name
 
 UNIT_NUMEL = 1 << 26  # elements initialized at once (256 MiB in fp32): bounds host memory, not values
 _KEEP_UNITS = 2  # a unit straddling two chunks is initialized once
@@ -323,13 +324,22 @@ class InitSource(WeightSource):
 
 class FileSource(WeightSource):
     """A safetensors checkpoint; tensors it lacks (buffers only: missing parameters are refused) are
-    initialized when they are on the meta device, or kept."""
+    initialized when they are on the meta device, or kept. A LoRA model's adapter parameters, which
+    no base checkpoint holds, start as PEFT starts them, from the seed (``lora.adapter_init``)."""
 
-    def __init__(self, reader: WeightsReader, initializer: Initializer | None):
+    def __init__(self, reader: WeightsReader, initializer: Initializer | None, model: nn.Module, seed: int):
         self.reader = reader
         self.initializer = initializer
+        self.seed = seed
+        self.adapter_names = {
+            id(param): name
+            for name, param in model.named_parameters()
+            if id(param) not in reader.names and is_adapter_name(name)
+        }
 
     def read_range(self, param: torch.Tensor, begin: int, end: int) -> torch.Tensor:
+        if id(param) in self.adapter_names:
+            return adapter_init(self.adapter_names[id(param)], param.shape, self.seed).reshape(-1)[begin:end]
         return self.reader.read_range(self.reader.names[id(param)], begin, end)
 
     def done_chunk(self) -> None:
@@ -354,7 +364,8 @@ def make_source(model: nn.Module, weights, seed: int) -> WeightSource | None:
     meta = has_meta(model)
     if weights is not None:
         reader = WeightsReader(weights, model)
-        return FileSource(reader, Initializer(model, seed, provided=set(reader.names)) if meta else None)
+        provided = set(reader.names) | {id(p) for name, p in model.named_parameters() if is_adapter_name(name)}
+        return FileSource(reader, Initializer(model, seed, provided=provided) if meta else None, model, seed)
     return InitSource(Initializer(model, seed)) if meta else None
 
 
