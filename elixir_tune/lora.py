@@ -190,7 +190,8 @@ def adapter_init(name: str, shape: Sequence[int], seed: int) -> torch.Tensor:
 # --- out ------------------------------------------------------------------------------------------
 
 
-def _peft_model_of(model: nn.Module) -> nn.Module:
+def _peft_model_of(model: nn.Module) -> Any:
+    """The PEFT model (typed Any: PEFT's methods are not on nn.Module)."""
     inner = getattr(model, "module", model)  # an ElixirModel wraps the user's module
     if not lora_settings(inner):
         raise LoraError("the model has no LoRA adapters: build it with elixir_tune.lora.apply_lora")

@@ -53,7 +53,9 @@ MODEL_HINT = (
     default=None,
     help="Profile the model with LoRA adapters of this rank (PEFT): the base frozen, only the adapters trained.",
 )
-@click.option("--lora-alpha", type=click.FloatRange(min=0, min_open=True), default=None, help="LoRA alpha [default: 2 x rank].")
+@click.option(
+    "--lora-alpha", type=click.FloatRange(min=0, min_open=True), default=None, help="LoRA alpha [default: 2 x rank]."
+)
 @click.option(
     "--lora-dropout", type=click.FloatRange(0, 1, max_open=True), default=0.0, show_default=True, help="LoRA dropout."
 )

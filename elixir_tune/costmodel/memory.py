@@ -279,7 +279,14 @@ def estimate_memory(
     # A pipeline step with several micro-batches holds gradients until each parameter's last one.
     held_numel = profile.held_grad_numel if isinstance(profile, StageProfile) and activation_copies > 1 else 0
     transients = transient_bytes(
-        chunk_size, world_size, dtype, staging_buffers, num_offloaded, device == "cuda", held_numel, num_frozen_offloaded
+        chunk_size,
+        world_size,
+        dtype,
+        staging_buffers,
+        num_offloaded,
+        device == "cuda",
+        held_numel,
+        num_frozen_offloaded,
     )
     dtype_bytes = DTYPE_BYTES[dtype]
     frozen = frozen_numel * dtype_bytes

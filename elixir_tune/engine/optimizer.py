@@ -213,9 +213,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _split_grads(self, for_norm: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Device and host shard gradients; ``for_norm`` leaves out the chunks another rank counts
         (a pipeline's shared chunk, held by two stages)."""
-        chunks = [
-            c for c in self.engine.chunks if not c.frozen and not (for_norm and c.id in self.engine.norm_skip)
-        ]
+        chunks = [c for c in self.engine.chunks if not c.frozen and not (for_norm and c.id in self.engine.norm_skip)]
         return [c.grad for c in chunks if not c.offload], [c.grad for c in chunks if c.offload]
 
     def _grad_stats(self, norm_type: float = 2.0) -> _GradStats:

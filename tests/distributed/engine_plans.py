@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from elixir_tune.lora import lora_settings
 from elixir_tune.plan import (
     Checkpointing,
     ChunkPlan,
@@ -28,7 +29,6 @@ from elixir_tune.plan import (
     fingerprint,
     validate,
 )
-from elixir_tune.lora import lora_settings
 from elixir_tune.plan.memory import align_up, chunk_size_multiple, padded_offsets
 from elixir_tune.tensor_table import model_tensor_table
 
@@ -129,11 +129,7 @@ def min_cache_blocks(model: nn.Module, chunks: list[list[tuple[str, int]]], resi
     chunk_of = {name: i for i, chunk in enumerate(chunks) for name, _ in chunk}
 
     def own(module: nn.Module) -> set[int]:
-        return {
-            chunk_of[owner[id(p)]]
-            for p in module.parameters(recurse=False)
-            if owner[id(p)] in chunk_of
-        } - resident
+        return {chunk_of[owner[id(p)]] for p in module.parameters(recurse=False) if owner[id(p)] in chunk_of} - resident
 
     def walk(module: nn.Module, above: set[int]) -> int:
         mine = own(module)

@@ -168,7 +168,12 @@ def run_weights(case: dict, rank: int, world: int) -> dict:
         elif ".lora_" in name:
             adapter_diffs.append(float((value - adapter_init(name, value.shape, 5)).abs().max()))
     b_zero = all(float(v.abs().max()) == 0 for n, v in full.items() if ".lora_B." in n)
-    return {"base_equal": all(base_diffs), "bases": len(base_diffs), "adapter_diff": max(adapter_diffs), "b_zero": b_zero}
+    return {
+        "base_equal": all(base_diffs),
+        "bases": len(base_diffs),
+        "adapter_diff": max(adapter_diffs),
+        "b_zero": b_zero,
+    }
 
 
 def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> dict:
