@@ -307,6 +307,14 @@ def validate_dict(raw: Any) -> list[str]:
     _check_chunk_stages(chunks, sections.get("parallel", {}).get("pipeline", {}), model, training, errors)
     _check_foreign_reads(model, chunks, errors)
     _check_lora(model, chunks, errors)
+    parallel = sections.get("parallel", {})
+    stages = parallel.get("pipeline", {}).get("stages", 1)
+    degree = parallel.get("tensor", {}).get("degree", 1)
+    if any(chunk.get("frozen") for chunk in chunks) and (stages != 1 or degree != 1):
+        errors.append(
+            f"memory.chunks: frozen chunks run with data parallelism only, but parallel has pipeline stages "
+            f"{stages} and tensor degree {degree}; search again without --fix pipeline/tensor"
+        )
     if "chunks" in memory and not memory["chunks"]:
         errors.append("memory.chunks: empty; a plan needs at least one chunk")
     cacheable = sum(1 for chunk in chunks if not chunk.get("resident", False))

@@ -10,6 +10,9 @@ Cases (``kind``):
 * ``weights``: a LoRA model built on the meta device, its base read from a Hugging Face directory
   by ``setup(weights=DIR)``: the base equals the file, ``lora_B`` is zero and ``lora_A`` is
   ``adapter_init``'s, on every world size alike.
+* ``memory`` (scripts/bench_lora_memory.py): a profile (with or without LoRA) and a search of a
+  Hugging Face directory, then one warm-up and one measured step (``memory_probe``) against the
+  plan's predicted peak.
 """
 
 from __future__ import annotations
@@ -176,9 +179,57 @@ def run_weights(case: dict, rank: int, world: int) -> dict:
     }
 
 
+def run_memory(case: dict, rank: int, world: int) -> dict:
+    from elixir_tune.hardware import load_hardware
+    from elixir_tune.profiler import load_model_source, profile_model
+    from elixir_tune.search import search
+    from tests.distributed.memory_probe import peak_step_bytes
+
+    lora = case["lora"]
+    source = load_model_source(case["dir"])
+    profile = profile_model(source, batch_size=case["micro"], seq_len=case["seq"], lora=lora)
+    fixed = dict(case["fixed"], micro_batch_size=case["micro"], dtype="fp32", pipeline=1, tensor=1)
+    result = search(
+        profile, load_hardware("cpu"), gpus_per_node=world, global_batch_size=case["micro"] * world, fixed=fixed
+    )
+    plan = result.plan
+    torch.manual_seed(0)
+    model = source.build_model()
+    if lora:
+        model = apply_lora(model, **lora)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, optimizer = elixir_tune.setup(model, optimizer, plan=plan)
+    batch = source.example_batch(case["micro"], case["seq"])
+
+    def step() -> None:
+        loss = model(**batch).loss
+        optimizer.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    measured = peak_step_bytes(step, model.engine.device, warmup=step)
+    memory = result.candidates[0].memory
+    return {
+        "measured": measured,
+        "predicted_gpu_bytes": memory.peak_gpu_bytes,
+        "predicted_host_bytes_per_rank": memory.peak_host_bytes // world,
+        "model_state_bytes": dict(memory.model_state_bytes),
+        "report": model.engine.memory_report(),
+        "trainable": sum(p.numel for p in profile.params if p.requires_grad),
+        "params": profile.num_params,
+        "chunks": len(plan.memory.chunks),
+        "frozen_chunks": sum(c.frozen for c in plan.memory.chunks),
+        "offloaded": sum(c.offload for c in plan.memory.chunks),
+        "cache_blocks": plan.memory.cache_blocks,
+        "chunk_size": plan.memory.chunk_size,
+    }
+
+
 def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> dict:
     if case["kind"] == "train":
         return run_train(case, rank, world)
+    if case["kind"] == "memory":
+        return run_memory(case, rank, world)
     return run_weights(case, rank, world)
 
 

@@ -151,6 +151,9 @@ def test_plan_fields_round_trip_and_their_checks(lora_plan):
     for chunk in unfrozen["memory"]["chunks"]:
         chunk.pop("frozen", None)
     assert any("no chunk is frozen" in p for p in validate(unfrozen))
+    staged = copy.deepcopy(raw)
+    staged["parallel"] = {"pipeline": {"stages": 2}}
+    assert any("frozen chunks run with data parallelism only" in p for p in validate(staged))
 
 
 def test_setup_refuses_a_model_whose_adapters_or_frozen_parameters_differ_from_the_plan(
