@@ -126,6 +126,10 @@ def main() -> None:
         "measured: live tensor storages at the step's start + the step's allocation peak "
         "(tests/distributed/memory_probe.py). predicted: the plan's peak_gpu_bytes + this rank's share of "
         "peak_host_bytes (one pool on a CPU device). The margin the search keeps free is not in either.",
+        "",
+        "Shard bytes per rank: a trainable chunk costs 16 bytes per element of its shard (fp32 master, gradient, "
+        "AdamW moments), a frozen one 4 (its fp32 weights, nothing else). The LoRA rows hold one trainable chunk "
+        "(57,344 adapter elements, padded to the pinned chunk size) and 7 frozen ones.",
     ]
     text = "\n".join(lines) + "\n"
     print(text)
