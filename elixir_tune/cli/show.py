@@ -42,8 +42,10 @@ def placement_runs(plan: Plan) -> list[dict]:
     runs: list[dict] = []
     device = "GPU" if plan.cluster.device == "cuda" else "device (CPU)"
     for chunk in plan.memory.chunks:
-        where = ("resident" if chunk.resident else "cached") + (
-            ", shard on host" if chunk.offload else f", shard on {device}"
+        where = (
+            ("frozen, " if chunk.frozen else "")
+            + ("resident" if chunk.resident else "cached")
+            + (", shard on host" if chunk.offload else f", shard on {device}")
         )
         if runs and runs[-1]["placement"] == where and runs[-1]["last"] == chunk.id - 1:
             run = runs[-1]
