@@ -14,7 +14,7 @@ from elixir_tune.costmodel.model import CostModel
 from elixir_tune.engine.setup import check_plan_matches
 from elixir_tune.hardware import load_hardware
 from elixir_tune.lora import LoraError, adapter_init, apply_lora, base_name, is_adapter_name, lora_settings
-from elixir_tune.plan import fingerprint, model_fingerprint, plan_from_dict, validate
+from elixir_tune.plan import fingerprint, load_plan, model_fingerprint, plan_from_dict, save_plan, validate
 from elixir_tune.plan.schema import DTYPE_BYTES, SHARD_BYTES_PER_ELEMENT
 from elixir_tune.profiler import profile_model
 from elixir_tune.search import search
@@ -157,9 +157,10 @@ def test_plan_fields_round_trip_and_their_checks(lora_plan):
 
 
 def test_setup_refuses_a_model_whose_adapters_or_frozen_parameters_differ_from_the_plan(
-    lora_plan, lora_profile, tiny_llama
+    lora_plan, lora_profile, tiny_llama, tmp_path
 ):
-    plan = lora_plan.plan
+    save_plan(lora_plan.plan, tmp_path / "plan.yaml")
+    plan = load_plan(tmp_path / "plan.yaml")  # through YAML, as elixir-run hands it over
     with torch.device("meta"):
         model = apply_lora(tiny_llama(), **LORA)
     check_plan_matches(model, plan)  # the model the plan was searched for
