@@ -47,9 +47,36 @@ MODEL_HINT = (
     show_default=True,
     help="Profile file to write.",
 )
+@click.option(
+    "--lora-rank",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Profile the model with LoRA adapters of this rank (PEFT): the base frozen, only the adapters trained.",
+)
+@click.option(
+    "--lora-alpha", type=click.FloatRange(min=0, min_open=True), default=None, help="LoRA alpha [default: 2 x rank]."
+)
+@click.option(
+    "--lora-dropout", type=click.FloatRange(0, 1, max_open=True), default=0.0, show_default=True, help="LoRA dropout."
+)
+@click.option(
+    "--lora-targets",
+    default=None,
+    help="Comma-separated module names to adapt, e.g. q_proj,v_proj [default: PEFT's choice for the model family].",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def profile_command(
-    model: str, batch_size: int, seq_len: int | None, dtype: str, checkpointing: str, out: str, as_json: bool
+    model: str,
+    batch_size: int,
+    seq_len: int | None,
+    dtype: str,
+    checkpointing: str,
+    out: str,
+    lora_rank: int | None,
+    lora_alpha: float | None,
+    lora_dropout: float,
+    lora_targets: str | None,
+    as_json: bool,
 ) -> None:
     """Profile MODEL on the meta device (no weights, any size) and write profile.yaml.
 
@@ -63,8 +90,17 @@ def profile_command(
         elixir-tune profile gpt2-20b --batch-size 8 --seq-len 1024 --dtype bf16 --checkpointing all
         elixir-tune profile my_model.py:build_small --out small.yaml --json
         elixir-tune profile path/to/Llama-2-7b-hf --seq-len 1024 --dtype bf16   # a downloaded model
+        elixir-tune profile path/to/Llama-2-7b-hf --lora-rank 16 --lora-targets q_proj,v_proj   # LoRA
     """
     from elixir_tune.profiler import ModelSourceError, profile_model, save_profile
+
+    if lora_rank is None and (lora_alpha is not None or lora_targets is not None or lora_dropout):
+        fail("--lora-alpha, --lora-dropout and --lora-targets need --lora-rank", "add --lora-rank R (e.g. 8)")
+    lora = (
+        {"rank": lora_rank, "alpha": lora_alpha, "dropout": lora_dropout, "target_modules": lora_targets}
+        if lora_rank is not None
+        else None
+    )
 
     try:
         with err_console.status(f"profiling {model}") as status:
@@ -75,6 +111,7 @@ def profile_command(
                 dtype=dtype.lower(),
                 checkpointing=checkpointing.lower(),
                 progress=status.update,
+                lora=lora,
             )
     except ModelSourceError as exc:
         fail(str(exc), MODEL_HINT)
@@ -111,6 +148,8 @@ def profile_command(
                 "buffers_bytes": profile.buffers_bytes,
                 "trace_steps": len(profile.trace),
                 "trace_checkpointed_steps": len(profile.trace_checkpointed),
+                "lora": profile.lora,
+                "trainable_params": sum(p.numel for p in profile.params if p.requires_grad),
             }
         )
         return
@@ -122,6 +161,10 @@ def profile_command(
     table.add_column(style="bold")
     table.add_column()
     table.add_row("parameters", f"{profile.num_params:,}" + (f"  (tied: {', '.join(shared)})" if shared else ""))
+    if profile.lora:
+        trained = sum(p.numel for p in profile.params if p.requires_grad)
+        settings = ", ".join(f"{key} {value}" for key, value in profile.lora.items())
+        table.add_row("LoRA", f"{settings}; {trained:,} trainable, the rest frozen")
     table.add_row("blocks", f"{len(profile.blocks)} in {profile.block_list}" if profile.blocks else "none found")
     table.add_row("traced at", f"batch {batch}, seq_len {profile.seq_len}, {profile.dtype}")
     table.add_row("FLOPs per token", f"{_scaled(profile.flops_per_token, 1000)}FLOP (forward+backward)")

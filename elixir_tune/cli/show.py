@@ -42,8 +42,10 @@ def placement_runs(plan: Plan) -> list[dict]:
     runs: list[dict] = []
     device = "GPU" if plan.cluster.device == "cuda" else "device (CPU)"
     for chunk in plan.memory.chunks:
-        where = ("resident" if chunk.resident else "cached") + (
-            ", shard on host" if chunk.offload else f", shard on {device}"
+        where = (
+            ("frozen, " if chunk.frozen else "")
+            + ("resident" if chunk.resident else "cached")
+            + (", shard on host" if chunk.offload else f", shard on {device}")
         )
         if runs and runs[-1]["placement"] == where and runs[-1]["last"] == chunk.id - 1:
             run = runs[-1]
@@ -70,15 +72,18 @@ def plan_states(plan: Plan) -> dict[str, int]:
     if plan.prediction is not None and plan.prediction.model_state_bytes:
         return {str(key): value for key, value in plan.prediction.model_state_bytes.items()}
     chunks = plan.memory.chunks
-    offloaded = sum(1 for c in chunks if c.offload)
+    trained = [c for c in chunks if not c.frozen]
+    frozen = [c for c in chunks if c.frozen]
     return model_state_bytes(
         plan.memory.chunk_size,
         plan.data_parallel_size,
         plan.training.dtype,
         plan.memory.cache_blocks,
         sum(1 for c in chunks if c.resident),
-        len(chunks) - offloaded,
-        offloaded,
+        sum(1 for c in trained if not c.offload),
+        sum(1 for c in trained if c.offload),
+        sum(1 for c in frozen if not c.offload),
+        sum(1 for c in frozen if c.offload),
     )
 
 

@@ -1,9 +1,11 @@
 """Chunk packing: which parameters share a chunk, the same way the engine will lay them out.
 
-Trainable parameters are packed greedily in first-use order into chunks of ``chunk_size``
-elements (a parameter is never split); shared (tied) parameters get chunks of their own that stay
-resident; frozen parameters are not chunked (they stay replicated on the device). Each parameter
-starts at an aligned offset (``elixir_tune.plan.memory.padded_offsets``), as the engine lays it out.
+Parameters are packed greedily in first-use order into chunks of ``chunk_size`` elements (a
+parameter is never split); shared (tied) parameters get chunks of their own that stay resident;
+frozen parameters (requires_grad False: a LoRA base model) get frozen chunks of their own, which
+hold compute-dtype weights only (no master, gradient or optimizer state) and are cached, sharded
+and offloaded like any chunk. Each parameter starts at an aligned offset
+(``elixir_tune.plan.memory.padded_offsets``), as the engine lays it out.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ class Chunk:
         numel: elements spanned by the parameters, alignment padding between them included (the
             rest of the chunk is padding).
         resident: always gathered (shared parameters).
+        frozen: holds frozen parameters only (no gradient, master or optimizer state).
     """
 
     params: list[int]
     numel: int
     resident: bool = False
+    frozen: bool = False
 
 
 @dataclass
@@ -37,8 +41,8 @@ class ChunkLayout:
     Attributes:
         chunk_size: elements per chunk.
         chunks: in first-use order, resident ones included.
-        chunk_of_param: parameter index -> chunk id (-1 for frozen parameters).
-        frozen_numel: elements of the frozen parameters (replicated, not chunked).
+        chunk_of_param: parameter index -> chunk id.
+        frozen_numel: elements of the frozen parameters (in frozen chunks).
     """
 
     chunk_size: int
@@ -58,40 +62,51 @@ class ChunkLayout:
     def num_cacheable(self) -> int:
         return self.num_chunks - self.num_resident
 
+    @property
+    def num_frozen(self) -> int:
+        return sum(1 for chunk in self.chunks if chunk.frozen)
+
 
 def largest_trainable_numel(profile: ModelProfile) -> int:
-    """Elements of the largest trainable parameter: the smallest allowed chunk size."""
+    """Elements of the largest trainable parameter (its gradient arrives whole before it is staged)."""
     return max((p.numel for p in profile.params if p.requires_grad), default=1)
 
 
+def largest_param_numel(profile: ModelProfile) -> int:
+    """Elements of the largest parameter, frozen ones included: the smallest allowed chunk size."""
+    return max((p.numel for p in profile.params), default=1)
+
+
 def pack_chunks(profile: ModelProfile, chunk_size: int) -> ChunkLayout:
-    """Packs the trainable parameters into chunks.
+    """Packs the parameters into chunks.
 
     Args:
         profile: the model profile (``params`` in first-use order).
-        chunk_size: elements per chunk; at least the largest trainable parameter.
+        chunk_size: elements per chunk; at least the largest parameter.
 
     Returns:
-        The layout: shared parameters in resident chunks, the others in first-use order.
+        The layout: shared parameters in resident chunks, frozen ones in frozen chunks, each kind
+        in first-use order.
 
     Raises:
         ValueError: a parameter is larger than ``chunk_size``.
     """
     chunks: list[Chunk] = []
     chunk_of_param = [-1] * len(profile.params)
-    open_chunk: dict[bool, int | None] = {False: None, True: None}  # resident flag -> chunk still being filled
+    # (resident, frozen) -> the chunk of that kind still being filled
+    open_chunk: dict[tuple[bool, bool], int | None] = {}
     frozen_numel = 0
     for index, param in enumerate(profile.params):
-        if not param.requires_grad:
+        frozen = not param.requires_grad
+        if frozen:
             frozen_numel += param.numel
-            continue
         if param.numel > chunk_size:
             raise ValueError(f"parameter {param.name} has {param.numel} elements, more than chunk_size {chunk_size}")
         resident = bool(param.shared)
-        current = open_chunk[resident]
+        current = open_chunk.get((resident, frozen))
         if current is None or align_up(chunks[current].numel) + param.numel > chunk_size:
-            chunks.append(Chunk(params=[], numel=0, resident=resident))
-            current = open_chunk[resident] = len(chunks) - 1
+            chunks.append(Chunk(params=[], numel=0, resident=resident, frozen=frozen))
+            current = open_chunk[(resident, frozen)] = len(chunks) - 1
         chunks[current].params.append(index)
         chunks[current].numel = align_up(chunks[current].numel) + param.numel
         chunk_of_param[index] = current

@@ -6,7 +6,11 @@ byte, because the engine reports the same keys and a test compares them:
     cache_bytes        = cache_blocks * chunk_size * dtype_bytes
     resident_bytes     = resident chunks * chunk_size * dtype_bytes
     device_shard_bytes = shards on the device * (chunk_size / world) * 16   (Adam)
-    host_shard_bytes   = shards on the host   * (chunk_size / world) * 16
+                         + frozen shards on the device * (chunk_size / world) * dtype_bytes
+    host_shard_bytes   = the same for the shards on the host
+
+A frozen chunk (a LoRA base model's parameters) holds its weights in the compute dtype only: no
+fp32 master, gradient or optimizer state, and no reduction.
 
 The engine's other buffers follow ``elixir_tune.plan.memory`` (TRANSIENT_KEYS), also to the byte:
 the gradient staging pool on the device; the compute-dtype upload copies of offloaded shards and
@@ -14,7 +18,7 @@ the landing buffers of their gradients on the host, pinned (rounded to a power o
 pipeline rank with several micro-batches per step, the gradients its no-sync step holds unsharded
 in compute dtype (``parallel.held_grad_numel``).
 
-The rest of the device peak is frozen parameters, activations at the micro-batch size (a line
+The rest of the device peak is frozen parameters outside the chunks (none in a searched plan), activations at the micro-batch size (a line
 from the profile, interpolated by blocks for every-k checkpointing), model buffers, and the
 gradients autograd holds before the engine copies them into the staging buffer (twice the largest
 parameter, at fp32 width). That is what a step allocates (``peak_gpu_bytes``). Beside it the search keeps a
@@ -101,6 +105,8 @@ def model_state_bytes(
     num_resident: int,
     num_device_shards: int,
     num_host_shards: int,
+    num_frozen_device_shards: int = 0,
+    num_frozen_host_shards: int = 0,
 ) -> dict[str, int]:
     """The four model-state parts of one rank (keys of MODEL_STATE_KEYS).
 
@@ -110,19 +116,22 @@ def model_state_bytes(
         dtype: compute dtype.
         cache_blocks: gathered non-resident chunks held at once.
         num_resident: resident chunks.
-        num_device_shards: chunks whose shard lives on the device.
-        num_host_shards: chunks whose shard lives on the host.
+        num_device_shards: trainable chunks whose shard lives on the device.
+        num_host_shards: trainable chunks whose shard lives on the host.
+        num_frozen_device_shards: frozen chunks whose shard (compute-dtype weights) lives on the device.
+        num_frozen_host_shards: frozen chunks whose shard lives on the host.
 
     Returns:
         Bytes per key.
     """
     chunk_bytes = chunk_size * DTYPE_BYTES[dtype]
     shard_bytes = chunk_size // world_size * SHARD_BYTES
+    frozen_shard_bytes = chunk_size // world_size * DTYPE_BYTES[dtype]
     return {
         "cache_bytes": cache_blocks * chunk_bytes,
         "resident_bytes": num_resident * chunk_bytes,
-        "device_shard_bytes": num_device_shards * shard_bytes,
-        "host_shard_bytes": num_host_shards * shard_bytes,
+        "device_shard_bytes": num_device_shards * shard_bytes + num_frozen_device_shards * frozen_shard_bytes,
+        "host_shard_bytes": num_host_shards * shard_bytes + num_frozen_host_shards * frozen_shard_bytes,
     }
 
 
@@ -218,6 +227,8 @@ def estimate_memory(
     largest_param_numel: int = 0,
     activation_copies: int = 1,
     communicators: int | None = None,
+    num_frozen: int = 0,
+    num_frozen_offloaded: int = 0,
 ) -> MemoryEstimate:
     """Device and host peaks of one candidate.
 
@@ -230,9 +241,9 @@ def estimate_memory(
         dtype: compute dtype.
         cache_blocks: cache size in chunks.
         num_resident: resident chunks.
-        num_chunks: all chunks.
-        num_offloaded: chunks whose shard lives on the host.
-        frozen_numel: elements of frozen parameters.
+        num_chunks: all chunks, frozen ones included.
+        num_offloaded: chunks whose shard lives on the host, frozen ones included.
+        frozen_numel: elements of frozen parameters outside the chunks (replicated on the device).
         micro_batch_size: samples per micro-batch.
         every: checkpointing.
         allocator_overhead_bytes: from the hardware spec (a lower bound of the allocator margin).
@@ -248,17 +259,35 @@ def estimate_memory(
             breadth-first, layered: the search's pipeline shapes with several micro-batches) also
             means its step holds the stage's gradients unsharded.
         communicators: communication groups of the rank (``margin_bytes``).
+        num_frozen: frozen chunks (compute-dtype weights only), among ``num_chunks``.
+        num_frozen_offloaded: frozen chunks among ``num_offloaded``.
 
     Returns:
         The estimate.
     """
     states = model_state_bytes(
-        chunk_size, world_size, dtype, cache_blocks, num_resident, num_chunks - num_offloaded, num_offloaded
+        chunk_size,
+        world_size,
+        dtype,
+        cache_blocks,
+        num_resident,
+        num_chunks - num_offloaded - (num_frozen - num_frozen_offloaded),
+        num_offloaded - num_frozen_offloaded,
+        num_frozen - num_frozen_offloaded,
+        num_frozen_offloaded,
     )
     # A pipeline step with several micro-batches holds gradients until each parameter's last one.
     held_numel = profile.held_grad_numel if isinstance(profile, StageProfile) and activation_copies > 1 else 0
     transients = transient_bytes(
-        chunk_size, world_size, dtype, staging_buffers, num_offloaded, device == "cuda", held_numel, device == "cpu"
+        chunk_size,
+        world_size,
+        dtype,
+        staging_buffers,
+        num_offloaded,
+        device == "cuda",
+        held_numel,
+        device_is_host=device == "cpu",
+        num_frozen_offloaded=num_frozen_offloaded,
     )
     dtype_bytes = DTYPE_BYTES[dtype]
     frozen = frozen_numel * dtype_bytes

@@ -195,7 +195,7 @@ class CostModel:
             trace = chunk_trace(self.profile, layout, every, micro_batches)
             reduce_after: list[list[int]] = [[] for _ in trace.steps]
             for chunk, step in enumerate(trace.last_use):
-                if step >= 0:
+                if step >= 0 and not layout.chunks[chunk].frozen:  # a frozen chunk is never reduced
                     reduce_after[step].append(chunk)
             self._traces[key] = (trace, [tuple(r) for r in reduce_after])
         return self._traces[key]
@@ -342,6 +342,10 @@ class CostModel:
     def memory(self, shape: Shape) -> MemoryEstimate:
         """Peak device and host memory of a candidate."""
         layout = self.layout(shape.chunk_size)
+        num_frozen_offloaded = 0
+        if layout.num_frozen:
+            offloaded = self.offload_mask(shape)
+            num_frozen_offloaded = sum(1 for c, chunk in enumerate(layout.chunks) if chunk.frozen and offloaded[c])
         return estimate_memory(
             self.profile,
             chunk_size=shape.chunk_size,
@@ -352,7 +356,9 @@ class CostModel:
             num_resident=layout.num_resident,
             num_chunks=layout.num_chunks,
             num_offloaded=shape.num_offloaded,
-            frozen_numel=layout.frozen_numel,
+            frozen_numel=0,  # every frozen parameter is in a frozen chunk
+            num_frozen=layout.num_frozen,
+            num_frozen_offloaded=num_frozen_offloaded,
             micro_batch_size=shape.micro_batch_size,
             every=shape.every,
             activation_copies=shape.grad_accum_steps if shape.layered else 1,
@@ -416,8 +422,10 @@ class CostModel:
         # Later micro-batches start from the steady cache, and with what the one before left busy.
         parts = micro_batches(simulate(cold), passes, lambda busy: simulate(sim.steady, busy))
         shard_numel = shape.chunk_size // self.data_size
-        host_shards = shape.num_offloaded
-        device_shards = len(offloaded) - host_shards
+        # The optimizer steps the trainable shards only (a frozen chunk has nothing to update).
+        frozen = [chunk.frozen for chunk in self.layout(shape.chunk_size).chunks]
+        host_shards = sum(1 for c, off in enumerate(offloaded) if off and not frozen[c])
+        device_shards = sum(1 for c, off in enumerate(offloaded) if not off and not frozen[c])
         gpu_adam = device_shards * shard_numel / self.hardware.gpu_adam_elems_per_s
         cpu_adam = host_shards * shard_numel / self.cpu_adam_elems_per_s
         step_time, breakdown = combine_step(

@@ -116,6 +116,7 @@ class Engine(EngineGrads, EngineState):
                 chunk_plan.resident,
                 chunk_plan.offload,
                 upload_of.get(chunk_plan.id),
+                frozen=chunk_plan.frozen,
             )
             self.chunks.append(chunk)
             for slot in chunk.slots:
@@ -160,7 +161,8 @@ class Engine(EngineGrads, EngineState):
         self._handles = install_module_hooks(
             self.module_names, self._pre_forward, self._post_forward, self._pre_backward
         )
-        self._handles += install_grad_hooks([slot.param for slot in self.slots], self._on_grad)
+        # Frozen chunks' parameters get no gradient: nothing to stage or reduce for them.
+        self._handles += install_grad_hooks([s.param for s in self.slots if not s.chunk.frozen], self._on_grad)
         self._checkpointed_block: dict[torch.nn.Module, torch.nn.Module] = {}  # module -> its checkpointed block
         self._recomputed: set[torch.nn.Module] = set()  # checkpointed blocks recomputed in this backward
         self._apply_checkpointing()
@@ -173,8 +175,10 @@ class Engine(EngineGrads, EngineState):
         self._running: dict[torch.nn.Module, int] = {}  # forwards inside each module (several when layered)
 
         # On a CPU device the reduced shard is added straight into the host gradient: device and host
-        # are one memory, a landing copy would only hold the same bytes twice.
-        self._init_grads(landing=bool(offloaded) and self.device.type != "cpu")
+        # are one memory, a landing copy would only hold the same bytes twice. Frozen chunks have no
+        # gradients to land.
+        trainable_offloaded = any(chunk.offload and not chunk.frozen for chunk in self.chunks)
+        self._init_grads(landing=trainable_offloaded and self.device.type != "cpu")
         self._callback_queued = False
         self._bwd_module: torch.nn.Module | None = None
         self._bwd_pins: list[torch.nn.Module] = []
@@ -441,7 +445,7 @@ class Engine(EngineGrads, EngineState):
         for pinned in pins:
             self._set_state(pinned, "use")
         for slot in self.module_slots[module]:
-            if slot.state not in GRAD_STAGED:
+            if slot.state not in GRAD_STAGED and not slot.chunk.frozen:
                 slot.awaiting_grad = True
 
     def _end_backward(self) -> None:

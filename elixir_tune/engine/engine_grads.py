@@ -51,7 +51,9 @@ class EngineGrads:
         """
         self.grad_passes = 1  # backward passes per gradient reduction (no-sync: hold_grads)
         self._held: dict[int, int] = {}  # id(slot) -> passes whose gradient is held in param.grad
-        self.used = torch.zeros(len(self.slots), dtype=torch.bool)  # got a gradient since zero_grad (host)
+        # Got a gradient since zero_grad (host); frozen parameters count as used: they never get one.
+        self._frozen_slots = torch.tensor([slot.chunk.frozen for slot in self.slots], dtype=torch.bool)
+        self.used = self._frozen_slots.clone()
         self._slot_index = {id(slot): i for i, slot in enumerate(self.slots)}
         self.staging = StagingPool(
             self.plan.memory.staging_buffers,
@@ -173,4 +175,4 @@ class EngineGrads:
         self.drain_grads()
         for chunk in self.chunks:
             chunk.grad.zero_()
-        self.used.zero_()
+        self.used.copy_(self._frozen_slots)

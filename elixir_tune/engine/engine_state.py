@@ -44,14 +44,17 @@ class EngineState:
     pipeline: Any  # engine/parallel/pipeline.py's Pipeline on a pipeline plan, else None
 
     @torch.no_grad()
-    def gathered_chunks(self, all_ranks: bool = False):
+    def gathered_chunks(self, all_ranks: bool = False, trainable_only: bool = False):
         """Yields ``(chunk, full fp32 chunk on the CPU)`` one chunk at a time (a collective).
 
         Args:
             all_ranks: every rank gets the chunk; otherwise rank 0 does and the others get None.
+            trainable_only: leave out the frozen chunks.
         """
         for chunk in self.chunks:
-            shard = chunk.master.to(self.device)
+            if trainable_only and chunk.frozen:
+                continue
+            shard = chunk.master.to(self.device, torch.float32)  # a frozen chunk's is in the compute dtype
             mine = all_ranks or self.comm.rank == 0
             flat = torch.empty(chunk.chunk_size, dtype=torch.float32, device=self.device) if mine else None
             if all_ranks:
@@ -62,14 +65,15 @@ class EngineState:
             yield chunk, (flat.cpu() if flat is not None else None)
 
     @torch.no_grad()
-    def full_state_dict(self, all_ranks: bool = False) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, all_ranks: bool = False, trainable_only: bool = False) -> dict[str, torch.Tensor]:
         """Full fp32 weights under the original names (frozen parameters and buffers included), on the CPU.
 
         A collective: every rank calls it. Rank 0 gets the dictionary, the others an empty one
-        (all of them with ``all_ranks``).
+        (all of them with ``all_ranks``). ``trainable_only``: the trained parameters alone (a LoRA
+        model's adapters), without gathering the frozen chunks.
         """
         full: dict[int, torch.Tensor] = {}
-        for chunk, flat in self.gathered_chunks(all_ranks):
+        for chunk, flat in self.gathered_chunks(all_ranks, trainable_only):
             if flat is None:
                 continue
             for slot in chunk.slots:
@@ -81,6 +85,8 @@ class EngineState:
         for name, value in values.items():
             if id(value) in full:
                 state[name] = full[id(value)]
+            elif trainable_only:
+                continue
             else:
                 tensor = local_data(value).detach()
                 if isinstance(value, torch.nn.Parameter) and tensor.is_floating_point():
@@ -138,7 +144,8 @@ class EngineState:
             key = "host_shard_bytes" if chunk.offload else "device_shard_bytes"
             report[key] += chunk.shard_bytes() + chunk.optimizer_state_bytes
         upload = self.upload_block.nbytes
-        masters_inside = upload if self.compute_dtype == torch.float32 else 0  # counted as host shards
+        # Upload copies that are the masters themselves (fp32; frozen chunks in any dtype) count as host shards.
+        masters_inside = sum(c.master.nbytes for c in self.chunks if c.upload is not None and c.master is c.upload)
         report["staging_bytes"] = self.staging.device_bytes()
         report["host_copy_bytes"] = pinned_bytes(upload, self.pinned) - masters_inside
         report["landing_bytes"] = pinned_bytes(self.staging.landing_nbytes(), self.pinned)

@@ -83,7 +83,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for index, slot in enumerate(engine.slots):
             owned = slot.chunk.owned_range(slot)
             gi = group_of.get(id(slot.param))
-            if owned is None or gi is None:
+            if owned is None or gi is None or slot.chunk.frozen:  # frozen: nothing to update
                 continue
             begin, end = owned
             entry = _ShardParam(index, slot.chunk.master[begin:end], slot.chunk.grad[begin:end], gi)
@@ -103,7 +103,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for slot in engine.slots:
                 owned = slot.chunk.owned_range(slot)
                 share = engine.tensor_parallel.norm_share(slot.param)
-                if owned is not None and share < 1.0:
+                if owned is not None and share < 1.0 and not slot.chunk.frozen:
                     shares.setdefault(share, []).append(slot.chunk.grad[owned[0] : owned[1]])
         self._norm_shares = list(shares.items())
 
@@ -145,6 +145,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _preallocate_state(self) -> None:
         names = self._state_names()
         for chunk in self.engine.chunks:
+            if chunk.frozen:
+                continue  # not trained: no optimizer state
             # Every chunk gets the full shard, padding included: 16 (Adam) or 12 (SGD) bytes/element.
             chunk.optimizer_flats = {
                 # Host shards: zero until the first step writes them (resident from then on).
@@ -211,7 +213,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _split_grads(self, for_norm: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Device and host shard gradients; ``for_norm`` leaves out the chunks another rank counts
         (a pipeline's shared chunk, held by two stages)."""
-        chunks = [c for c in self.engine.chunks if not (for_norm and c.id in self.engine.norm_skip)]
+        chunks = [c for c in self.engine.chunks if not c.frozen and not (for_norm and c.id in self.engine.norm_skip)]
         return [c.grad for c in chunks if not c.offload], [c.grad for c in chunks if c.offload]
 
     def _grad_stats(self, norm_type: float = 2.0) -> _GradStats:

@@ -13,14 +13,13 @@ from elixir_tune.engine.io.materialize import has_meta, make_source
 from elixir_tune.engine.model import ElixirModel
 from elixir_tune.engine.optimizer import ShardedOptimizer
 from elixir_tune.engine.parallel.tensor_parallel import split_for_plan
-from elixir_tune.plan import PLAN_ENV_VAR, Plan, PlanError, fingerprint, load_plan, validate
+from elixir_tune.plan import PLAN_ENV_VAR, Plan, PlanError, load_plan, validate
+from elixir_tune.plan.fingerprint import model_fingerprint as _plan_fingerprint
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
-    """The fingerprint a plan for ``model`` must carry (names, shapes, dtypes in order)."""
-    return fingerprint(
-        [(name, list(p.shape), str(p.dtype).removeprefix("torch.")) for name, p in model.named_parameters()]
-    )
+    """The fingerprint a plan for ``model`` must carry (names, shapes, dtypes, frozen marks in order)."""
+    return _plan_fingerprint(model)
 
 
 def _resolve_plan(plan: Plan | str | os.PathLike | None) -> Plan:
@@ -52,6 +51,7 @@ def check_plan_matches(model: torch.nn.Module, plan: Plan) -> None:
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     planned = [name for chunk in plan.memory.chunks for name in chunk.params]
+    in_frozen_chunks = {name for chunk in plan.memory.chunks if chunk.frozen for name in chunk.params}
     problems = []
     missing = sorted(trainable - set(planned))
     if missing:
@@ -59,13 +59,41 @@ def check_plan_matches(model: torch.nn.Module, plan: Plan) -> None:
     unknown = sorted(set(planned) - trainable - frozen)
     if unknown:
         problems.append(f"chunks name unknown parameters: {', '.join(unknown[:5])}")
-    in_chunks_frozen = sorted(set(planned) & frozen)
-    if in_chunks_frozen:
+    # Frozen parameters outside every chunk stay replicated on the device (a hand-written plan).
+    trained_in_frozen = sorted(trainable & in_frozen_chunks)
+    if trained_in_frozen:
+        problems.append(f"trainable parameters in frozen chunks: {', '.join(trained_in_frozen[:5])}")
+    frozen_in_trained = sorted((set(planned) - in_frozen_chunks) & frozen)
+    if frozen_in_trained:
         problems.append(
-            "frozen parameters (requires_grad False) must not be in chunks: " + ", ".join(in_chunks_frozen[:5])
+            "frozen parameters (requires_grad False) in chunks not marked frozen: " + ", ".join(frozen_in_trained[:5])
         )
     if problems:
         raise ValueError("the plan does not match the model's parameters: " + "; ".join(problems))
+    check_lora_matches(model, plan)
+
+
+def check_lora_matches(model: torch.nn.Module, plan: Plan) -> None:
+    """Raises ValueError when the model's LoRA adapters are not the ones the plan was searched for.
+
+    The fingerprint already covers the adapters' names and shapes (targets and rank); this also
+    compares alpha and dropout, which change the training but no parameter.
+    """
+    from elixir_tune.lora import lora_settings
+
+    found = lora_settings(model)
+    if found == plan.model.lora:
+        return
+    if not plan.model.lora:
+        raise ValueError(
+            f"the model has LoRA adapters {found} but the plan was made for full fine-tuning; profile the LoRA "
+            "model (`elixir-tune profile MODEL --lora-rank R ...`) and search again"
+        )
+    raise ValueError(
+        f"the model's LoRA adapters {found or '(none)'} differ from the plan's model.lora {plan.model.lora}; "
+        "apply the same LoRA settings as the profile (`elixir-tune profile ... --lora-rank`), or profile and "
+        "search again"
+    )
 
 
 def agreed_seed(comm, seed: int | None) -> int:

@@ -49,6 +49,7 @@ def transient_bytes(
     pinned: bool,
     held_grad_numel: int = 0,
     device_is_host: bool = False,
+    num_frozen_offloaded: int = 0,
 ) -> dict[str, int]:
     """The engine's buffers beside the model states, keys ``TRANSIENT_KEYS``.
 
@@ -62,6 +63,9 @@ def transient_bytes(
         held_grad_numel: gradient elements a pipeline stage holds unsharded at the step's peak (0
             without a pipeline or with one micro-batch per step).
         device_is_host: the device is the CPU (no landing buffers).
+        num_frozen_offloaded: frozen chunks among ``num_offloaded``: their upload copy is their
+            only copy of the weights (counted in host_shard_bytes), and they have no gradients
+            to land.
 
     Returns:
         Bytes per key.
@@ -70,8 +74,9 @@ def transient_bytes(
     shard_numel = chunk_size // world_size
     out_numel = shard_numel if world_size > 1 else 0
     host_copy = num_offloaded * shard_numel * item
-    masters_inside = host_copy if dtype == "fp32" else 0  # counted in host_shard_bytes
-    landing = staging_buffers * shard_numel * item if num_offloaded and not device_is_host else 0
+    # Counted in host_shard_bytes: the masters in fp32, and the frozen shards in any dtype.
+    masters_inside = host_copy if dtype == "fp32" else num_frozen_offloaded * shard_numel * item
+    landing = staging_buffers * shard_numel * item if num_offloaded > num_frozen_offloaded and not device_is_host else 0
     return {
         "staging_bytes": staging_buffers * (chunk_size + out_numel) * item,
         "host_copy_bytes": pinned_bytes(host_copy, pinned) - masters_inside,

@@ -110,6 +110,9 @@ class ModelInfo:
         tensor_layout: the model's tensor table (``plan/tensor_layout.py``: module pattern ->
             style), from the profile; empty in older plans (the family's built-in table, or the
             engine reads it from the model).
+        lora: the LoRA adapters the profile was made with (``elixir_tune.lora``: rank, alpha,
+            dropout, target_modules); empty for full fine-tuning. ``setup`` refuses a model whose
+            adapters differ.
     """
 
     source: str
@@ -124,6 +127,7 @@ class ModelInfo:
     unsupported_layouts: dict[LayoutName, str] = field(default_factory=dict)
     foreign_reads: list[ForeignRead] = field(default_factory=list)
     tensor_layout: dict[str, str] = field(default_factory=dict)
+    lora: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -270,6 +274,10 @@ class ChunkPlan:
             and its optimizer step runs on the CPU; otherwise it lives on the device.
         stage: the pipeline stage holding the chunk (``plan/stages.py`` ``assign_stages``; a chunk
             never spans stages). Written only when ``parallel.pipeline.stages`` > 1.
+        frozen: the chunk holds frozen parameters (requires_grad False, e.g. a LoRA base model):
+            its shard is the weights in the compute dtype only (no fp32 master, gradient or
+            optimizer state) and it is never reduced; it is gathered, cached and offloaded like any
+            chunk. A chunk holds frozen parameters only or trainable ones only.
     """
 
     id: int
@@ -278,6 +286,7 @@ class ChunkPlan:
     resident: bool = False
     offload: bool = False
     stage: NonNegativeInt = 0
+    frozen: bool = False
 
 
 @dataclass
@@ -290,7 +299,8 @@ class MemoryPlan:
         prefetch: chunks fetched ahead of their first use.
         staging_buffers: chunk-sized gradient buffers that backward fills and reduce-scatters from
             (a bounded pool: when none is free the oldest reduction is finished first).
-        chunks: every trainable parameter exactly once, in first-use order.
+        chunks: every parameter exactly once (trainable ones in ordinary chunks, frozen ones in
+            frozen chunks), in first-use order.
     """
 
     chunk_size: PositiveInt
@@ -387,4 +397,10 @@ class Plan:
         if self.parallel.pipeline.stages == 1:
             for chunk in raw["memory"]["chunks"]:
                 del chunk["stage"]  # every chunk is on the one stage: the file reads as before pipelines
+        # Without frozen parameters (full fine-tuning) the file reads as before LoRA.
+        for chunk in raw["memory"]["chunks"]:
+            if not chunk["frozen"]:
+                del chunk["frozen"]
+        if not raw["model"]["lora"]:
+            del raw["model"]["lora"]
         return raw

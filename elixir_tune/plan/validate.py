@@ -45,6 +45,30 @@ def _check_chunks(chunks: list[dict | None], chunk_size: int | None, path: str, 
             errors.append(f"{chunk_path}.params: a chunk must hold at least one parameter")
 
 
+def _check_lora(model: dict, chunks: list[dict], errors: list[str]) -> None:
+    """``model.lora``: the settings ``elixir_tune.lora.lora_settings`` records, and frozen chunks with them."""
+    lora = model.get("lora") or {}
+    if not isinstance(lora, dict) or not lora:
+        return
+    expected = {"rank", "alpha", "dropout", "target_modules"}
+    if set(lora) != expected:
+        errors.append(f"model.lora: expected the keys {sorted(expected)}, got {sorted(lora)}")
+        return
+    rank, alpha, dropout, targets = lora["rank"], lora["alpha"], lora["dropout"], lora["target_modules"]
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        errors.append(f"model.lora.rank: a positive integer, got {rank!r}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
+        errors.append(f"model.lora.alpha: a positive number, got {alpha!r}")
+    if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not 0 <= dropout < 1:
+        errors.append(f"model.lora.dropout: a number in [0, 1), got {dropout!r}")
+    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
+        errors.append(f"model.lora.target_modules: a non-empty list of module names, got {targets!r}")
+    if chunks and not any(chunk.get("frozen") for chunk in chunks):
+        errors.append("model.lora is set but no chunk is frozen: a LoRA plan keeps its base in frozen chunks")
+    if chunks and all(chunk.get("frozen") for chunk in chunks):
+        errors.append("memory.chunks: every chunk is frozen; the adapters need chunks that are trained")
+
+
 def _check_foreign_reads(model: dict, chunks: list[dict], errors: list[str]) -> None:
     """``model.foreign_reads``: each module once, each parameter a chunked one of this plan."""
     chunked = {name for chunk in chunks for name in chunk.get("params", []) if isinstance(name, str)}
@@ -282,6 +306,15 @@ def validate_dict(raw: Any) -> list[str]:
     chunks = [chunk for chunk in memory.get("chunks", []) if chunk is not None]
     _check_chunk_stages(chunks, sections.get("parallel", {}).get("pipeline", {}), model, training, errors)
     _check_foreign_reads(model, chunks, errors)
+    _check_lora(model, chunks, errors)
+    parallel = sections.get("parallel", {})
+    stages = parallel.get("pipeline", {}).get("stages", 1)
+    degree = parallel.get("tensor", {}).get("degree", 1)
+    if any(chunk.get("frozen") for chunk in chunks) and (stages != 1 or degree != 1):
+        errors.append(
+            f"memory.chunks: frozen chunks run with data parallelism only, but parallel has pipeline stages "
+            f"{stages} and tensor degree {degree}; search again without --fix pipeline/tensor"
+        )
     if "chunks" in memory and not memory["chunks"]:
         errors.append("memory.chunks: empty; a plan needs at least one chunk")
     cacheable = sum(1 for chunk in chunks if not chunk.get("resident", False))

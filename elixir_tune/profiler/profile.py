@@ -11,13 +11,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from elixir_tune.dtypes import DTYPE_ALIASES, TORCH_DTYPES, dtype_name
 from elixir_tune.kv_cache import disable_kv_cache
+from elixir_tune.lora import LoraError, apply_lora, lora_settings
 from elixir_tune.model_output import find_loss
 from elixir_tune.plan.capabilities import unsupported_layouts
 from elixir_tune.plan.fingerprint import model_fingerprint
@@ -57,6 +58,7 @@ def profile_model(
     dtype: str = "fp32",
     checkpointing: str = "none",
     progress: Callable[[str], None] | None = None,
+    lora: dict[str, Any] | None = None,
 ) -> ModelProfile:
     """Profiles a model on the meta device.
 
@@ -70,6 +72,9 @@ def profile_model(
         checkpointing: "all" also records the access trace with every block checkpointed;
             activation memory with checkpointing is measured either way.
         progress: called with a short description before each stage.
+        lora: LoRA adapters to add before tracing (``elixir_tune.lora.apply_lora``'s keyword
+            arguments: rank, alpha, dropout, target_modules): the base is then frozen, and the
+            profile (so the search) sees a frozen base and trainable adapters.
 
     Returns:
         The profile.
@@ -97,6 +102,14 @@ def profile_model(
     report(f"building {source.name} on the meta device")
     model = _build_on_meta(source)
     disable_kv_cache(model)
+    lora_reason = ""
+    if lora:
+        try:
+            with torch.device("meta"):
+                model = apply_lora(model, **lora)
+        except (LoraError, TypeError) as error:
+            raise ModelSourceError(f"{source.source}: {error}") from error
+        lora_reason = "LoRA (frozen chunks) runs with data parallelism only"
     fingerprint = model_fingerprint(model)
     built_dtypes = [p.dtype for p in model.parameters()]
     model.to(TORCH_DTYPES[dtype])
@@ -177,7 +190,11 @@ def profile_model(
             ),
         ),
         foreign_reads=_foreign_reads(model, [*plain, *ckpt], [named[pos][0] for pos in order], new_index),
+        lora=lora_settings(model) if lora else {},
     )
+    if lora_reason:
+        reasons = {**profile.layout_reasons(), **dict.fromkeys(("pipeline", "tensor"), lora_reason)}
+        profile.unsupported_layouts = cast("dict[LayoutName, str]", reasons)
     profile.summary = summarize(profile)
     return profile
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -146,6 +147,8 @@ class ModelProfile:
         foreign_reads: trainable parameters a module reads in its forward while none of their
             owning modules runs (Mamba's mixer reads ``conv1d.weight``), by reading module; the
             trace counts them in the reader's steps. Empty in profiles made before they were found.
+        lora: the LoRA settings the model was profiled with (``elixir_tune.lora.lora_settings``:
+            rank, alpha, dropout, target_modules); empty for full fine-tuning. The plan copies it.
     """
 
     name: str
@@ -171,6 +174,7 @@ class ModelProfile:
     arch: ModelArch = field(default_factory=ModelArch)
     unsupported_layouts: dict[LayoutName, str] | None = None
     foreign_reads: list[ForeignRead] = field(default_factory=list)
+    lora: dict[str, Any] = field(default_factory=dict)
     version: int = PROFILE_VERSION
 
     def layout_reasons(self) -> dict[str, str]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 
 from elixir_tune.costmodel.cache import simulate_cache
-from elixir_tune.costmodel.layout import largest_trainable_numel
+from elixir_tune.costmodel.layout import largest_param_numel
 from elixir_tune.costmodel.memory import SHARD_BYTES, activation_bytes
 from elixir_tune.costmodel.model import CostModel, Shape
 from elixir_tune.plan.memory import chunk_size_multiple
@@ -36,7 +36,7 @@ def _budget_bytes(model: CostModel, micro_batch_size: int, every: int) -> float:
 
 def _candidate_sizes(model: CostModel) -> list[int]:
     world = model.world_size
-    largest = largest_trainable_numel(model.profile)
+    largest = largest_param_numel(model.profile)
     minimum = 32 * 2**20
     while minimum < largest:
         minimum *= 2

@@ -19,7 +19,7 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
-from elixir_tune.costmodel.layout import largest_trainable_numel
+from elixir_tune.costmodel.layout import largest_param_numel
 from elixir_tune.costmodel.memory import SHARD_BYTES, MemoryEstimate
 from elixir_tune.costmodel.model import CostModel, Shape
 from elixir_tune.costmodel.parallel import Layout
@@ -125,7 +125,7 @@ def chunk_sizes(model: CostModel, fixed: dict) -> list[int]:
     """Chunk sizes to explore (or the pinned one, checked)."""
     profile = model.profile
     world = model.data_size
-    largest = largest_trainable_numel(profile)
+    largest = largest_param_numel(profile)  # frozen parameters are chunked too (frozen chunks)
     if "chunk_size" in fixed:
         size = fixed["chunk_size"]
         multiple = chunk_size_multiple(world)
@@ -137,8 +137,8 @@ def chunk_sizes(model: CostModel, fixed: dict) -> list[int]:
         if size < largest:
             raise ValueError(f"--fix chunk_size={size}: smaller than the largest parameter ({largest} elements)")
         return [size]
-    trainable = sum(p.numel for p in profile.params if p.requires_grad and not p.shared)
-    return chunk_size_grid(largest, max(trainable, largest), world)
+    chunked = sum(p.numel for p in profile.params if not p.shared)
+    return chunk_size_grid(largest, max(chunked, largest), world)
 
 
 def checkpointing_choices(model: CostModel, fixed: dict) -> list[int]:

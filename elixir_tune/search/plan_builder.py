@@ -76,6 +76,7 @@ def _chunks(stages: list[tuple[CostModel, Candidate]]) -> list[ChunkPlan]:
                     resident=chunk.resident,
                     offload=offloaded[index],
                     stage=stage,
+                    frozen=chunk.frozen,
                 )
             )
     return chunks
@@ -150,6 +151,7 @@ def build_plan(
             unsupported_layouts=cast("dict[LayoutName, str]", profile.layout_reasons()),
             foreign_reads=[replace(read, params=list(read.params)) for read in profile.foreign_reads],
             tensor_layout=dict(arch.tensor_layout),
+            lora=dict(profile.lora),
         ),
         cluster=ClusterInfo(
             hardware=hardware_id,

@@ -1,7 +1,8 @@
 """Hand-made plans and small models for the engine tests (no search involved).
 
 ``make_plan`` packs a model's trainable parameters in registration order (first-use order for the
-test models) into chunks and builds a valid Plan for the given shape.
+test models) into chunks and builds a valid Plan for the given shape; with ``frozen_chunks`` the
+frozen parameters go into frozen chunks after them (a LoRA model's base), else they stay replicated.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from elixir_tune.lora import lora_settings
 from elixir_tune.plan import (
     Checkpointing,
     ChunkPlan,
@@ -33,7 +35,10 @@ from elixir_tune.tensor_table import model_tensor_table
 
 def model_fingerprint(model: nn.Module) -> str:
     return fingerprint(
-        [(name, list(p.shape), str(p.dtype).removeprefix("torch.")) for name, p in model.named_parameters()]
+        [
+            (name, list(p.shape), str(p.dtype).removeprefix("torch."), p.requires_grad)
+            for name, p in model.named_parameters()
+        ]
     )
 
 
@@ -124,11 +129,7 @@ def min_cache_blocks(model: nn.Module, chunks: list[list[tuple[str, int]]], resi
     chunk_of = {name: i for i, chunk in enumerate(chunks) for name, _ in chunk}
 
     def own(module: nn.Module) -> set[int]:
-        return {
-            chunk_of[owner[id(p)]]
-            for p in module.parameters(recurse=False)
-            if p.requires_grad and owner[id(p)] in chunk_of
-        } - resident
+        return {chunk_of[owner[id(p)]] for p in module.parameters(recurse=False) if owner[id(p)] in chunk_of} - resident
 
     def walk(module: nn.Module, above: set[int]) -> int:
         mine = own(module)
@@ -160,6 +161,7 @@ def make_plan(
     tensor: int = 1,
     tensor_mode: str = "1d",
     sequence_parallel: bool = True,
+    frozen_chunks: bool = False,
 ) -> Plan:
     """A valid plan for ``model``.
 
@@ -173,6 +175,7 @@ def make_plan(
             parameters are packed apart (``pack_stages``) and ``block_list`` is required.
         tensor, tensor_mode, sequence_parallel: ``parallel.tensor``; with tensor > 1 the chunks hold
             each tensor rank's local pieces.
+        frozen_chunks: pack the frozen parameters into frozen chunks (after the trainable ones).
     """
     data_size = world_size // (stages * tensor)
     chunk_size = align_up(chunk_size, chunk_size_multiple(data_size))
@@ -183,6 +186,12 @@ def make_plan(
         resident = tuple(resident) + tuple(i for i, c in enumerate(packed) if c[0][0] in tied)
     else:
         packed = pack(model, chunk_size, tensor, tensor_mode)
+    frozen_ids: set[int] = set()
+    if frozen_chunks:
+        frozen = [(name, p.numel()) for name, p in model.named_parameters() if not p.requires_grad]
+        frozen_packed = _pack_in_order(frozen, chunk_size) if frozen else []
+        frozen_ids = set(range(len(packed), len(packed) + len(frozen_packed)))
+        packed = packed + frozen_packed
     offloaded = {i for i in range(len(packed)) if math.floor((i + 1) * offload) > math.floor(i * offload)}
     chunks = [
         ChunkPlan(
@@ -192,6 +201,7 @@ def make_plan(
             resident=i in resident,
             offload=i in offloaded,
             stage=chunk_stages[i] if chunk_stages else 0,
+            frozen=i in frozen_ids,
         )
         for i, c in enumerate(packed)
     ]
@@ -218,6 +228,7 @@ def make_plan(
             num_heads=getattr(config, "num_attention_heads", 0) or 0,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", 0) or 0,
             tensor_layout=model_tensor_table(model)[0] if tensor > 1 else {},
+            lora=lora_settings(model),
         ),
         cluster=ClusterInfo(
             hardware="test",

@@ -73,10 +73,43 @@ def test_packing_is_greedy_in_first_use_order_and_shared_params_are_resident():
         pack_chunks(small_profile(), chunk_size=99)
 
 
-def test_frozen_parameters_are_not_chunked_but_counted_on_the_device():
+def test_frozen_parameters_go_into_frozen_chunks_of_their_own():
     profile = small_profile(frozen=True)
     layout = pack_chunks(profile, chunk_size=120)
-    assert layout.frozen_numel == 40 and layout.chunk_of_param[3] == -1
+    # c (frozen) would fit beside b, but a chunk holds frozen parameters only or trainable ones only.
+    assert [(c.params, c.numel, c.resident, c.frozen) for c in layout.chunks] == [
+        ([0], 100, True, False),
+        ([1, 2], 114, False, False),
+        ([3], 40, False, True),
+    ]
+    assert layout.frozen_numel == 40 and layout.chunk_of_param[3] == 2 and layout.num_frozen == 1
+
+
+def test_frozen_chunks_hold_compute_dtype_weights_only():
+    profile = small_profile(frozen=True)
+    common = dict(
+        chunk_size=120, world_size=2, gpus_per_node=2, dtype="bf16", cache_blocks=1, num_resident=1,
+        num_chunks=3, frozen_numel=0, micro_batch_size=2, every=0, allocator_overhead_bytes=0,
+        largest_param_numel=60, num_frozen=1,
+    )  # fmt: skip
+    # Two trainable shards (the resident chunk's and a+b's) at 16 bytes per element, and the frozen
+    # chunk's: 60 elements x 2 bytes (bf16), no master/grad/Adam.
+    on_device = estimate_memory(profile, num_offloaded=0, **common)
+    assert on_device.model_state_bytes["device_shard_bytes"] == 2 * 60 * 16 + 60 * 2
+    assert on_device.model_state_bytes["host_shard_bytes"] == 0
+    assert on_device.transient_bytes["landing_bytes"] == 0
+    # Offloaded: the shard is on the host and is itself the upload copy (no second copy, no landing
+    # buffers: it has no gradient).
+    offloaded = estimate_memory(profile, num_offloaded=1, num_frozen_offloaded=1, **common)
+    assert offloaded.model_state_bytes["device_shard_bytes"] == 2 * 60 * 16
+    assert offloaded.model_state_bytes["host_shard_bytes"] == 60 * 2
+    assert offloaded.transient_bytes["landing_bytes"] == 0
+    assert offloaded.transient_bytes["host_copy_bytes"] == 128 - 120  # pinned (cuda): rounded to a power of two
+    assert on_device.peak_gpu_bytes - offloaded.peak_gpu_bytes == 60 * 2
+
+
+def test_frozen_parameters_outside_chunks_are_counted_on_the_device():
+    profile = small_profile(frozen=True)
     memory = estimate_memory(
         profile,
         chunk_size=120,

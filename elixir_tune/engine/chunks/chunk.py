@@ -14,6 +14,12 @@ the fp32 master, crosses the host->device link on every gather. In fp32 the copy
 itself (one buffer, no second copy): on a cpu device, where device and host are one memory, an
 offloaded fp32 chunk then holds exactly what a device chunk holds.
 
+A frozen chunk (parameters with requires_grad False: a LoRA base model) keeps only the weights, in
+the compute dtype: its "master" is that shard (on the host, the upload copy itself), it has no
+gradient (an empty tensor), no optimizer state and is never reduced. It is gathered, cached and
+released like any chunk: backward gathers it too, since the input gradient of a frozen layer needs
+its weights.
+
 The gathered copy (the "payload", compute dtype, all ``chunk_size`` elements) has a storage of its
 own that is allocated when the chunk enters the cache and freed when it leaves (storage resize, as
 FSDP does). Keeping one storage per chunk matters: autograd saves views of parameters, and those
@@ -65,6 +71,7 @@ class Chunk:
         offload: the shard lives in host memory.
         upload: for an offloaded chunk, the host buffer (``shard_numel`` elements, compute dtype)
             of its upload copy; allocated here when None.
+        frozen: the parameters are not trained: the shard holds compute-dtype weights only.
     """
 
     def __init__(
@@ -78,8 +85,10 @@ class Chunk:
         resident: bool,
         offload: bool,
         upload: torch.Tensor | None = None,
+        frozen: bool = False,
     ):
         self.id = chunk_id
+        self.frozen = frozen
         self.chunk_size = chunk_size
         self.comm = comm
         self.compute_dtype = compute_dtype
@@ -104,13 +113,23 @@ class Chunk:
         ]
         self.numel = end
 
-        if offload:
+        self.upload: torch.Tensor | None
+        if frozen:
+            # Weights only, in the compute dtype: nothing to update, so no fp32 master, no gradient.
+            if offload:
+                self.upload = upload if upload is not None else torch.empty(self.shard_numel, dtype=compute_dtype)
+                self.master = self.upload
+            else:
+                self.upload = None
+                self.master = torch.zeros(self.shard_numel, dtype=compute_dtype, device=device)
+            self.grad = torch.zeros(0, dtype=torch.float32, device=self.master.device)
+        elif offload:
             # Host path (also on a cpu device, so that CI exercises it): fp32 master, gradient and
             # optimizer state in host memory, and a compute-dtype copy of the master that is what
             # goes up to the device (pinned on cuda; in fp32 the master itself).
             if upload is None:
                 upload = torch.empty(self.shard_numel, dtype=compute_dtype)
-            self.upload: torch.Tensor | None = upload
+            self.upload = upload
             self.master = upload if compute_dtype == torch.float32 else torch.zeros(self.shard_numel)
             self.grad = zeros_on_demand(self.shard_numel)  # zero until the first backward writes it
         else:
@@ -262,7 +281,7 @@ class Chunk:
 
     def reduce_ready(self) -> bool:
         """Every parameter's gradient of this backward has arrived (the rest is staged or reduced)."""
-        return self.received == len(self.slots) and self.staging is not None
+        return not self.frozen and self.received == len(self.slots) and self.staging is not None
 
     def start_reduce(self, drain: GradDrain) -> None:
         """Starts the reduce-scatter of the staged gradients (missing ones count as zero).

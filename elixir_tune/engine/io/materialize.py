@@ -38,6 +38,7 @@ from torch import nn
 
 from elixir_tune.engine.comm import is_dtensor
 from elixir_tune.engine.io.weights import WeightsReader
+from elixir_tune.lora import adapter_init, is_adapter_name
 
 if TYPE_CHECKING:
     from elixir_tune.engine.comm import DTensor
@@ -355,11 +356,18 @@ class InitSource(WeightSource):
 
 class FileSource(WeightSource):
     """A safetensors checkpoint; tensors it lacks (buffers only: missing parameters are refused) are
-    initialized when they are on the meta device, or kept."""
+    initialized when they are on the meta device, or kept. A LoRA model's adapter parameters, which
+    no base checkpoint holds, start as PEFT starts them, from the seed (``lora.adapter_init``)."""
 
-    def __init__(self, reader: WeightsReader, initializer: Initializer | None):
+    def __init__(self, reader: WeightsReader, initializer: Initializer | None, model: nn.Module, seed: int):
         self.reader = reader
         self.initializer = initializer
+        self.seed = seed
+        self.adapter_names = {
+            id(param): name
+            for name, param in model.named_parameters()
+            if id(param) not in reader.names and is_adapter_name(name)
+        }
         self._piece: tuple[int, torch.Tensor] | None = None  # the last split parameter's piece, flat
 
     def _read_piece(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -373,6 +381,8 @@ class FileSource(WeightSource):
         return self._piece[1]
 
     def read_range(self, param: torch.Tensor, begin: int, end: int) -> torch.Tensor:
+        if id(param) in self.adapter_names:
+            return adapter_init(self.adapter_names[id(param)], param.shape, self.seed).reshape(-1)[begin:end]
         if self.sharded(param):
             return self._read_piece(param)[begin:end]
         return self.reader.read_range(self.reader.names[id(param)], begin, end)
@@ -409,7 +419,8 @@ def make_source(model: nn.Module, weights, seed: int, split: Any = None) -> Weig
     source: WeightSource | None = None
     if weights is not None:
         reader = WeightsReader(weights, model)
-        source = FileSource(reader, Initializer(model, seed, provided=set(reader.names)) if meta else None)
+        provided = set(reader.names) | {id(p) for name, p in model.named_parameters() if is_adapter_name(name)}
+        source = FileSource(reader, Initializer(model, seed, provided=provided) if meta else None, model, seed)
     elif meta:
         source = InitSource(Initializer(model, seed))
     if source is not None:

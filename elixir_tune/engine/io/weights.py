@@ -11,6 +11,9 @@ Names follow Hugging Face's conventions: a file saved from the base model (``GPT
 ``transformer.`` prefix) loads into the LM model and the reverse; a tied weight (``lm_head.weight``
 of GPT-2) is one tensor with several names, and any of them in the file sets it; the model class's
 ``_keys_to_ignore_on_load_unexpected`` / ``_keys_to_ignore_on_load_missing`` patterns are honoured.
+A LoRA model (PEFT) reads the base checkpoint: its base parameters' names are mapped back
+(``elixir_tune.lora.base_name``) and its adapter parameters, in no base checkpoint, are not missing
+(they start as PEFT starts them, ``elixir_tune.lora.adapter_init``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from elixir_tune.lora import base_name, is_adapter_name
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -139,11 +144,13 @@ class WeightsReader:
             tensors[id(value)] = value
 
         def candidates(name: str) -> list[str]:
-            out = [name]
-            if prefix and name.startswith(prefix + "."):
-                out.append(name[len(prefix) + 1 :])  # saved from the base model
-            elif prefix:
-                out.append(f"{prefix}.{name}")  # saved from a model wrapping this base model
+            out = []
+            for plain in dict.fromkeys([name, base_name(name)]):  # a LoRA model's base parameter
+                out.append(plain)
+                if prefix and plain.startswith(prefix + "."):
+                    out.append(plain[len(prefix) + 1 :])  # saved from the base model
+                elif prefix:
+                    out.append(f"{prefix}.{plain}")  # saved from a model wrapping this base model
             return out
 
         names: dict[int, str] = {}
@@ -151,7 +158,9 @@ class WeightsReader:
         for key, aliases in by_tensor.items():
             found = next((c for alias in aliases for c in candidates(alias) if c in self.shapes), None)
             if found is None:
-                if key in params:  # a buffer the file lacks keeps (or recomputes) its value, as in transformers
+                if key in params and not is_adapter_name(aliases[0]):
+                    # A buffer the file lacks keeps (or recomputes) its value, as in transformers; a LoRA
+                    # adapter starts as PEFT starts it.
                     missing.append(aliases[0])
                 continue
             names[key] = found
