@@ -322,7 +322,7 @@ def _plan_text(result: dict) -> str:
         f"cache {s['cache_blocks']}/{s['cacheable_chunks']}, {result['peak_gpu_gib']} GiB"
     )
     if result.get("over_usable_memory"):
-        text += f" (over the {result['usable_gib']} GiB usable: predicted with the memory limit lifted)"
+        text += f" (the search found it over the preset's {result['usable_gib']} GiB usable: predicted with the limit lifted)"
     breakdown = result["breakdown"]
     bounds = [key for key in BOUND_KEYS if breakdown.get(key, 0) > 0]
     if bounds:
