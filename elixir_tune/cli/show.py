@@ -8,6 +8,7 @@ import click
 
 from elixir_tune.cli.console import Table, console, fail, print_json, print_wide
 from elixir_tune.costmodel.memory import model_state_bytes
+from elixir_tune.costmodel.rates import BOUND_LABELS, binding_bound
 from elixir_tune.plan import Plan, PlanError, load_plan
 from elixir_tune.plan.capabilities import LOOP_CONTRACT, plan_loop
 from elixir_tune.units import human_bytes
@@ -34,7 +35,28 @@ _TIMELINE_LABELS = {
     "pipeline_bubble_s": "pipeline bubble (idle)",
     "p2p_s": "pipeline sends exposed",
     "tied_allreduce_s": "tied-embedding all-reduce (first and last stage)",
+    "bound_compute_s": "bound: useful FLOPs at the best published MFU",
+    "bound_pcie_s": "bound: offloaded shards over PCIe",
+    "bound_cpu_adam_s": "bound: host Adam at the node's rate",
+    "bound_clamp_s": "raised to the bound (the simulation was faster)",
 }
+
+
+def bound_line(plan: Plan) -> str:
+    """Which plausibility bound binds the plan's prediction, and whether it raised it ("" without one)."""
+    breakdown = plan.prediction.breakdown if plan.prediction else {}
+    binding = binding_bound(breakdown)
+    if binding is None:
+        return "no plausibility bound recorded (the hardware has no published MFU and nothing is offloaded)"
+    key, bound_s = binding
+    clamp_s = breakdown.get("bound_clamp_s", 0.0)
+    if clamp_s > 0:
+        return (
+            f"{BOUND_LABELS[key]} binds: the simulated step ({bound_s - clamp_s:.4g} s) was faster than it allows, "
+            f"so the prediction is the bound, {bound_s:.4g} s"
+        )
+    step_s = plan.prediction.step_time_s if plan.prediction else 0.0
+    return f"{BOUND_LABELS[key]} is the tightest bound, {bound_s:.4g} s ({bound_s / step_s:.0%} of the predicted step)"
 
 
 def placement_runs(plan: Plan) -> list[dict]:
@@ -171,6 +193,7 @@ def _summary(plan: Plan) -> dict:
         },
         "placement": placement_runs(plan),
         "prediction": vars(plan.prediction) if plan.prediction else None,
+        "bound": bound_line(plan) if plan.prediction else None,
         "search": ({k: v for k, v in vars(plan.search).items() if k != "alternatives"} if plan.search else None),
     }
 
@@ -391,6 +414,7 @@ def show_command(
         )
     else:
         print_wide(_timeline_table(plan))
+        console.print(f"[bold]plausibility bound:[/] {bound_line(plan)}", soft_wrap=True)
     print_wide(_placement_table(plan))
     if plan.search is not None:
         console.print(

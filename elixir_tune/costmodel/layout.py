@@ -43,12 +43,14 @@ class ChunkLayout:
         chunks: in first-use order, resident ones included.
         chunk_of_param: parameter index -> chunk id.
         frozen_numel: elements of the frozen parameters (in frozen chunks).
+        param_numels: elements of each parameter of the profile (for the padding figures).
     """
 
     chunk_size: int
     chunks: list[Chunk]
     chunk_of_param: list[int]
     frozen_numel: int
+    param_numels: tuple[int, ...] = ()
 
     @property
     def num_chunks(self) -> int:
@@ -65,6 +67,19 @@ class ChunkLayout:
     @property
     def num_frozen(self) -> int:
         return sum(1 for chunk in self.chunks if chunk.frozen)
+
+    @property
+    def padding_numel(self) -> int:
+        """Elements of all chunks that hold no parameter (alignment gaps and each chunk's unused
+        tail). The cost model counts them: memory, copies and collectives move whole chunks."""
+        held = sum(self.param_numels[index] for chunk in self.chunks for index in chunk.params)
+        return self.num_chunks * self.chunk_size - held
+
+    @property
+    def padding_share(self) -> float:
+        """``padding_numel`` over all chunks' elements (0 without chunks)."""
+        total = self.num_chunks * self.chunk_size
+        return self.padding_numel / total if total else 0.0
 
 
 def largest_trainable_numel(profile: ModelProfile) -> int:
@@ -110,7 +125,20 @@ def pack_chunks(profile: ModelProfile, chunk_size: int) -> ChunkLayout:
         chunks[current].params.append(index)
         chunks[current].numel = align_up(chunks[current].numel) + param.numel
         chunk_of_param[index] = current
-    return ChunkLayout(chunk_size=chunk_size, chunks=chunks, chunk_of_param=chunk_of_param, frozen_numel=frozen_numel)
+    return ChunkLayout(
+        chunk_size=chunk_size,
+        chunks=chunks,
+        chunk_of_param=chunk_of_param,
+        frozen_numel=frozen_numel,
+        param_numels=tuple(p.numel for p in profile.params),
+    )
+
+
+def least_padded_sizes(profile: ModelProfile, sizes: list[int], count: int) -> list[int]:
+    """The ``count`` chunk sizes of ``sizes`` whose packing leaves the least padding
+    (``ChunkLayout.padding_share``; ties: the smaller size), ascending."""
+    scored = sorted((pack_chunks(profile, size).padding_share, size) for size in sizes)
+    return sorted(size for _, size in scored[:count])
 
 
 def max_module_chunks(profile: ModelProfile, layout: ChunkLayout) -> int:

@@ -15,6 +15,7 @@ from elixir_tune.costmodel.layout import ChunkLayout, largest_trainable_numel, m
 from elixir_tune.costmodel.memory import STAGING_BUFFERS, MemoryEstimate, checkpointed_blocks, estimate_memory
 from elixir_tune.costmodel.parallel import DATA_ONLY, Layout, critical_stage, rank_profile
 from elixir_tune.costmodel.parallel_time import ParallelTimes
+from elixir_tune.costmodel.rates import attention_flops_share, plausibility_bound
 from elixir_tune.costmodel.timeline import (
     LEFTOVER_ZERO,
     MicroBatchTime,
@@ -162,6 +163,10 @@ class CostModel:
         # ~565 TFLOP/s HFU against ~800 TFLOP/s GEMMs; REFERENCE.md 'Published figures').
         hardware.compute_tflops(self.dtype)  # fails early when the spec has no rate for the dtype
         self._rates: dict[int, float] = {}
+        # The attention products' own rate (0: they run at the block rate with the rest); their
+        # share of the FLOPs is the whole model's, which a stage or a tensor shard keeps.
+        self.attention_flops_per_s = hardware.attention_tflops.get(self.dtype, 0.0) * 1e12
+        self.attention_share = attention_flops_share(profile) if self.attention_flops_per_s else 0.0
         # Host Adam with every rank of the node stepping at once (min of process and node rates).
         self.cpu_adam_elems_per_s = hardware.cpu_adam_rate_per_rank(gpus_per_node)
         # PCIe-only GPUs: collectives and host copies share each GPU's link (world 1 has no collectives).
@@ -312,10 +317,13 @@ class CostModel:
     def compute_s(self, micro_batch_size: int, every: int) -> tuple[float, float]:
         """(compute, recompute part) seconds of one micro-batch.
 
-        FLOPs at the model-level rate; the model's own pointwise ops at the pointwise rate (the
-        block rate is net of the probe block's, ``pointwise_s``); plus the hardware's per-call
-        overhead for each block's forward+backward, and half of it for each recomputed block's
-        forward (a forward runs about half of a forward+backward's ops): it is what makes small
+        The matrix products' FLOPs at the block rate (``flops_per_s_at``), the attention products'
+        at the hardware's attention rate when it has one (``rates.attention_flops_share``; the
+        share grows with the sequence); recomputation is the checkpointed blocks' forward FLOPs
+        again, split the same way. The model's own pointwise ops at the pointwise rate (the block
+        rate is net of the probe block's, ``pointwise_s``); plus the hardware's per-call overhead
+        for each block's forward+backward, and half of it for each recomputed block's forward (a
+        forward runs about half of a forward+backward's ops): it is what makes small
         micro-batches of small models slow. Tensor-parallel collectives sit on the compute stream
         (each matmul waits for its inputs), so they are part of it here (``tensor_comm_s`` says how
         much).
@@ -325,12 +333,21 @@ class CostModel:
         blocks = len(self.profile.blocks)
         recomputed = checkpointed_blocks(blocks, every) if every > 0 else 0
         pointwise, pointwise_recompute = self.pointwise_s(micro_batch_size, every)
+        flops = micro_batch_size * self.profile.flops_per_sample
+        recompute_flops = micro_batch_size * self.recompute_flops_per_sample(every)
+        share = self.attention_share
+        # The recomputed forward's attention: a third of the blocks' attention FLOPs, for the
+        # checkpointed blocks' share of them.
+        recompute_attention = min(recompute_flops, flops * share / 3 * self.recompute_share(every))
+        attention_s = flops * share / self.attention_flops_per_s if share else 0.0
+        recompute_attention_s = recompute_attention / self.attention_flops_per_s if share else 0.0
         recompute = (
-            micro_batch_size * self.recompute_flops_per_sample(every) / rate
+            (recompute_flops - recompute_attention) / rate
+            + recompute_attention_s
             + recomputed * overhead_s / 2
             + pointwise_recompute
         )
-        compute = micro_batch_size * self.profile.flops_per_sample / rate + blocks * overhead_s + pointwise + recompute
+        compute = flops * (1 - share) / rate + attention_s + blocks * overhead_s + pointwise + recompute
         return compute + self.tensor_comm_s(micro_batch_size, every), recompute
 
     def tensor_comm_s(self, micro_batch_size: int, every: int) -> float:
@@ -453,6 +470,26 @@ class CostModel:
             extra = self.parallel_costs.pipeline_s(mb_compute * accum, shape.micro_batch_size, accum)
             step_time += sum(extra.values())
             breakdown.update(extra)
+        step_time = self._bounded(shape, shard_numel, step_time, breakdown)
         if record is not None:
             record += step_blocks(parts, records, costs, gpu_adam, cpu_adam, on_cpu)
         return StepEstimate(step_time_s=step_time, breakdown=breakdown)
+
+    def _bounded(self, shape: Shape, shard_numel: int, step_time_s: float, breakdown: dict[str, float]) -> float:
+        """The step time raised to the plausibility bound (``rates.plausibility_bound``); the bounds
+        go into ``breakdown``, with ``bound_clamp_s`` when the prediction was below them."""
+        samples_per_gpu = shape.micro_batch_size * shape.grad_accum_steps * self.data_size / self.world_size
+        bounds = plausibility_bound(
+            self.hardware,
+            self.dtype,
+            useful_flops_per_gpu=self.full_profile.flops_per_sample * samples_per_gpu,
+            offloaded_numel_per_rank=shape.num_offloaded * shard_numel,
+            ranks_on_node=self.gpus_per_node,
+            world_size=self.world_size,
+        )
+        breakdown.update({key: value for key, value in bounds.items() if value > 0})
+        bound_s = max(bounds.values())
+        if bound_s > step_time_s:
+            breakdown["bound_clamp_s"] = bound_s - step_time_s
+            return bound_s
+        return step_time_s

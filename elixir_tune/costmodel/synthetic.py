@@ -35,6 +35,7 @@ def gpt2_profile(
     positions: int = 1024,
     seq_len: int = 1024,
     dtype: str = "bf16",
+    flash_attention: bool = False,
 ) -> ModelProfile:
     """An analytic profile of a GPT-2 language model.
 
@@ -47,6 +48,8 @@ def gpt2_profile(
         positions: position embeddings.
         seq_len: tokens per sample.
         dtype: compute dtype.
+        flash_attention: the attention keeps no seq x seq scores (FlashAttention): the
+            activation lines drop Korthikanti's 5 x heads x seq^2 bytes per layer.
 
     Returns:
         The profile.
@@ -72,7 +75,8 @@ def gpt2_profile(
     blocks = []
     token_flops = 2 * seq_len
     attention_flops = 2 * 2 * seq_len * seq_len * hidden
-    per_layer_act = seq_len * hidden * (34 + 5 * heads * seq_len / hidden)
+    scores = 0 if flash_attention else 5 * heads * seq_len / hidden
+    per_layer_act = seq_len * hidden * (34 + scores)
     for layer in range(layers):
         first = len(params)
         p = f"transformer.h.{layer}"

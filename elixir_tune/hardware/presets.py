@@ -142,6 +142,12 @@ def spec_problems(spec: HardwareSpec) -> list[str]:
     for dtype, value in (spec.model_tflops or {}).items():
         if not _is_number(value) or value <= 0:
             problems.append(f"model_tflops.{dtype}: expected a positive number, got {value!r}")
+    for dtype, value in (spec.attention_tflops or {}).items():
+        if not _is_number(value) or value <= 0:
+            problems.append(f"attention_tflops.{dtype}: expected a positive number, got {value!r}")
+    for dtype, value in (spec.best_mfu or {}).items():
+        if not _is_number(value) or not 0 < value <= 1:
+            problems.append(f"best_mfu.{dtype}: expected a fraction in (0, 1], got {value!r}")
     for dtype, curve in (spec.block_tflops_curves or {}).items():
         if (
             not isinstance(curve, dict)

@@ -74,6 +74,14 @@ class HardwareSpec:
             makes at every layer of every micro-batch; 0: not measured.
         shared_host_link: the GPUs have no NVLink, so collectives cross the same PCIe link as the
             host<->device copies: one inbound and one outbound link per GPU in the timeline.
+        attention_tflops: useful-FLOP rate of the attention core (the seq x seq products, fused
+            as FlashAttention runs them) per dtype, counted as 4 x seq^2 x hidden FLOPs per layer
+            forward (non-causal, as MFU tables count them); when set, a model's attention FLOPs
+            run at this rate and the rest at the block or model rate, so that the rate falls with
+            the sequence length. Empty: one rate for all FLOPs.
+        best_mfu: the best model-FLOPs utilisation published for this hardware class per dtype
+            (useful FLOPs over the datasheet peak): the search predicts no plan faster
+            (``costmodel.rates.plausibility_bound``). Empty: no compute bound.
     """
 
     name: str
@@ -108,6 +116,8 @@ class HardwareSpec:
     block_call_overhead_s: float = 0.0
     pointwise_gbps: float = 0.0
     thread_handoff_s: float = 0.0
+    attention_tflops: dict[str, float] = field(default_factory=dict)
+    best_mfu: dict[str, float] = field(default_factory=dict)
 
     def cpu_adam_rate_per_rank(self, ranks_on_node: int) -> float:
         """Host Adam elements/s one rank gets when ``ranks_on_node`` ranks step at once.

@@ -19,7 +19,7 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
-from elixir_tune.costmodel.layout import largest_param_numel
+from elixir_tune.costmodel.layout import largest_param_numel, least_padded_sizes
 from elixir_tune.costmodel.memory import SHARD_BYTES, MemoryEstimate
 from elixir_tune.costmodel.model import CostModel, Shape
 from elixir_tune.costmodel.parallel import Layout
@@ -33,8 +33,12 @@ from elixir_tune.search.space import (
     cache_grid,
     chunk_size_grid,
     divisors,
+    even_split_sizes,
 )
 from elixir_tune.search.stages import StageScorer
+
+# Chunk sizes with the least padding the search adds to its 1.5x grid.
+LOW_PADDING_SIZES = 3
 
 
 @dataclass
@@ -138,7 +142,10 @@ def chunk_sizes(model: CostModel, fixed: dict) -> list[int]:
             raise ValueError(f"--fix chunk_size={size}: smaller than the largest parameter ({largest} elements)")
         return [size]
     chunked = sum(p.numel for p in profile.params if not p.shared)
-    return chunk_size_grid(largest, max(chunked, largest), world)
+    grid = chunk_size_grid(largest, max(chunked, largest), world)
+    # The grid steps by 1.5x; a few sizes that pack the model with the least padding are added.
+    candidates = even_split_sizes(largest, max(chunked, largest), world)
+    return sorted(set(grid) | set(least_padded_sizes(profile, candidates, LOW_PADDING_SIZES)))
 
 
 def checkpointing_choices(model: CostModel, fixed: dict) -> list[int]:

@@ -134,6 +134,31 @@ def chunk_size_grid(largest_numel: int, trainable_numel: int, world_size: int) -
     return sorted(set(sizes))
 
 
+def even_split_sizes(largest_numel: int, trainable_numel: int, world_size: int) -> list[int]:
+    """Chunk sizes that split the trainable elements into n nearly equal chunks, for every n whose
+    size lies within the grid's range (``chunk_size_grid``): the candidates for sizes with little
+    padding, where the grid's 1.5x steps can leave a third of each chunk empty
+    (``layout.least_padded_sizes`` picks among them).
+
+    Args:
+        largest_numel: the largest trainable parameter (the smallest allowed chunk).
+        trainable_numel: trainable elements of the whole model.
+        world_size: data-parallel ranks.
+
+    Returns:
+        The sizes, ascending, each a multiple of the shard alignment.
+    """
+    grid = chunk_size_grid(largest_numel, trainable_numel, world_size)
+    align = world_size * (1024 if largest_numel >= 1024 * 1024 else ALIGN_ELEMENTS)
+    smallest, largest = grid[0], grid[-1]
+    sizes = set()
+    for chunks in range(max(1, trainable_numel // largest), trainable_numel // max(1, smallest) + 2):
+        size = round_up(-(-trainable_numel // chunks), align)
+        if smallest <= size <= largest:
+            sizes.add(size)
+    return sorted(sizes)
+
+
 def cache_grid(minimum: int, cacheable: int) -> list[int]:
     """Cache sizes to try: the smallest, a few above it, then growing by about 1.5x up to every
     non-resident chunk (ZeRO-2-like)."""

@@ -15,6 +15,7 @@ import dataclasses
 
 import pytest
 
+from elixir_tune.costmodel.layout import largest_trainable_numel
 from elixir_tune.costmodel.memory import NCCL_BUFFER_BYTES
 from elixir_tune.costmodel.model import CostModel, Shape
 from elixir_tune.costmodel.synthetic import example_hardware, gpt2_profile
@@ -28,6 +29,7 @@ from elixir_tune.search.joint import (
     prefetch_choices,
 )
 from elixir_tune.search.layouts import layout_choices
+from elixir_tune.search.space import chunk_size_grid
 from elixir_tune.search.stages import StageScorer
 
 MIB = 2**20
@@ -54,12 +56,19 @@ def host_to_device_copies(model: CostModel, shape: Shape, chunk: int) -> int:
     return round(copies)
 
 
+def grid_sizes(model: CostModel) -> list[int]:
+    """The search's 1.5x chunk-size grid (without the least-padded sizes ``chunk_sizes`` adds)."""
+    largest = largest_trainable_numel(model.profile)
+    trainable = sum(p.numel for p in model.profile.params if p.requires_grad and not p.shared)
+    return chunk_size_grid(largest, max(trainable, largest), model.data_size)
+
+
 def offload_cases(profile):
     """(cost model, shape without offload) for every cache size of two chunk sizes, two world
     sizes and checkpointing off/all; two micro-batches so that the steady state counts too."""
     for gpus in (1, 2):
         model = CostModel(profile, example_hardware(gpu_memory_gib=4, gpus_per_node=gpus), gpus)
-        for chunk_size in chunk_sizes(model, {})[1:3]:
+        for chunk_size in grid_sizes(model)[1:3]:
             cacheable = model.layout(chunk_size).num_cacheable
             for every in (0, 1):
                 for cache_blocks in range(model.min_cache_blocks(chunk_size, every), cacheable + 1):
@@ -97,7 +106,7 @@ def test_offload_choice_by_hand(small_profile):
     forward and backward, so chunk 12 is fetched once per micro-batch (2 copies), chunk 1 (first in
     forward, last in backward) 3 times, the middle ones 4 times; the resident chunk 0 once."""
     model = CostModel(small_profile, example_hardware(gpu_memory_gib=4, gpus_per_node=1), 1)
-    chunk_size = chunk_sizes(model, {})[1]
+    chunk_size = grid_sizes(model)[1]
     shape = Shape(chunk_size, 1, 0, 0, 0, 2, 2)
     assert model.layout(chunk_size).num_chunks == 13
     assert [host_to_device_copies(model, shape, c) for c in range(13)] == [1, 3] + [4] * 10 + [2]

@@ -1,0 +1,91 @@
+"""Compute rates that depend on the model's shapes, and the plausibility bound on a step.
+
+The rates are useful-FLOP rates: the FLOPs a model needs (6 x parameters x tokens plus the
+attention products, recomputation not counted) per second of the work that delivers them.
+Recomputation is extra work at the same rates (``CostModel.compute_s``).
+
+Two parts of a transformer run at different rates. Its matrix products (projections, MLP, head)
+run at the block rate, read from a curve over the block's parameter count (wide blocks keep the
+tensor cores busier); the attention products run at the attention rate, whose share of the FLOPs
+grows with the sequence length (4 x seq^2 x hidden per layer forward against ~24 x hidden^2 x seq
+for the rest). So a narrow model or a long sequence runs below the rate of a wide model at 2K.
+
+The plausibility bound says how fast a step can be at all: its useful FLOPs at the best MFU
+published for the hardware class, its offloaded shards over the host link, its host Adam at the
+node's rate. A prediction below the bound is raised to it, and the step's breakdown says which
+bound binds (``bound_*_s`` entries, ``bound_clamp_s`` when it was raised).
+"""
+
+from __future__ import annotations
+
+from elixir_tune.hardware.spec import HardwareSpec
+from elixir_tune.plan.schema import DTYPE_BYTES
+from elixir_tune.profiler.schema import ModelProfile
+
+# Names of the bounds in a step's breakdown, in the order ``show`` lists them.
+BOUND_KEYS = ("bound_compute_s", "bound_pcie_s", "bound_cpu_adam_s")
+BOUND_LABELS = {
+    "bound_compute_s": "compute at the best published MFU",
+    "bound_pcie_s": "offloaded shards over PCIe",
+    "bound_cpu_adam_s": "host Adam at the node's rate",
+}
+
+
+def attention_flops_share(profile: ModelProfile) -> float:
+    """The part of a sample's forward+backward FLOPs that the attention products are.
+
+    4 x seq^2 x hidden FLOPs per layer forward (QK^T and AV over all heads, non-causal as MFU
+    tables count them), three times that for forward+backward; 0 when the profile has no
+    architecture numbers (a custom model) or no FLOPs.
+    """
+    arch = profile.arch
+    if not profile.flops_per_sample or arch.num_layers <= 0 or arch.hidden_size <= 0:
+        return 0.0
+    attention = 3 * arch.num_layers * 4 * profile.seq_len**2 * arch.hidden_size
+    return min(1.0, attention / profile.flops_per_sample)
+
+
+def plausibility_bound(
+    hardware: HardwareSpec,
+    dtype: str,
+    useful_flops_per_gpu: float,
+    offloaded_numel_per_rank: int,
+    ranks_on_node: int,
+    world_size: int,
+) -> dict[str, float]:
+    """The least time a step can take, per bound (0 where a bound does not apply).
+
+    Args:
+        hardware: the node spec.
+        dtype: compute dtype.
+        useful_flops_per_gpu: the step's model FLOPs on one GPU (recomputation not counted).
+        offloaded_numel_per_rank: shard elements of one rank that live on the host.
+        ranks_on_node: ranks sharing the node's host.
+        world_size: ranks in all (one rank copies alone at the single-GPU bandwidth).
+
+    Returns:
+        ``bound_compute_s``: the FLOPs at ``best_mfu`` x the datasheet peak (0 without either);
+        ``bound_pcie_s``: the offloaded gradients down and parameters up, each direction once
+        per step in the compute dtype (0 on a CPU device, whose host and device are one pool);
+        ``bound_cpu_adam_s``: the node's offloaded elements at its host Adam rate.
+    """
+    bounds = dict.fromkeys(BOUND_KEYS, 0.0)
+    best = hardware.best_mfu.get(dtype, 0.0)
+    peak_tflops = hardware.matmul_peak_tflops.get(dtype, 0.0)
+    if best > 0 and peak_tflops > 0:
+        bounds["bound_compute_s"] = useful_flops_per_gpu / (best * peak_tflops * 1e12)
+    if offloaded_numel_per_rank > 0 and hardware.device != "cpu":
+        shared = world_size > 1
+        h2d = hardware.h2d_gbps_all if shared else hardware.h2d_gbps
+        d2h = hardware.d2h_gbps_all if shared else hardware.d2h_gbps
+        copy_bytes = offloaded_numel_per_rank * DTYPE_BYTES.get(dtype, 4)
+        bounds["bound_pcie_s"] = copy_bytes / (min(h2d, d2h) * 1e9)
+        node_rate = hardware.cpu_adam_node_elems_per_s or hardware.cpu_adam_elems_per_s * hardware.gpus_per_node
+        bounds["bound_cpu_adam_s"] = offloaded_numel_per_rank * ranks_on_node / node_rate
+    return bounds
+
+
+def binding_bound(breakdown: dict[str, float]) -> tuple[str, float] | None:
+    """The largest bound of a step's breakdown and its seconds (None when it records none)."""
+    present = [(key, breakdown[key]) for key in BOUND_KEYS if breakdown.get(key, 0.0) > 0]
+    return max(present, key=lambda item: item[1]) if present else None
