@@ -12,6 +12,7 @@ from elixir_tune.engine.engine import Engine
 from elixir_tune.engine.io.materialize import make_source
 from elixir_tune.engine.model import ElixirModel
 from elixir_tune.engine.optimizer import ShardedOptimizer
+from elixir_tune.engine.parallel.pipeline_tensor import check_combined
 from elixir_tune.engine.parallel.tensor_parallel import split_for_plan
 from elixir_tune.plan import PLAN_ENV_VAR, Plan, PlanError, fingerprint, load_plan, validate
 
@@ -119,6 +120,7 @@ def setup(
     """
     plan = _resolve_plan(plan)
     check_plan_matches(model, plan)
+    check_combined(plan, vocab_parallel_loss)
     parallel = plan.parallel
     mesh = init_mesh(
         plan.world_size,
@@ -137,7 +139,7 @@ def setup(
     if parallel.pipeline.stages > 1:
         from elixir_tune.engine.parallel.pipeline import build_engine
 
-        engine = build_engine(model, plan, mesh, source)
+        engine = build_engine(model, plan, mesh, source, tensor_parallel)
     else:
         engine = Engine(model, plan, mesh.data, source, mesh, tensor_parallel=tensor_parallel)
     return ElixirModel(model, engine), ShardedOptimizer(optimizer, engine, find_unused_parameters)

@@ -50,12 +50,14 @@ from elixir_tune.engine.hooks import install_grad_hooks
 from elixir_tune.engine.io.materialize import WeightSource
 from elixir_tune.engine.parallel.pipeline_adapters import StageAdapter
 from elixir_tune.engine.parallel.pipeline_schedule import make_schedule
+from elixir_tune.engine.parallel.pipeline_tensor import padded_length, stage_boundaries
 from elixir_tune.engine.parallel.pipeline_stages import (
     StageLayout,
     drop_elsewhere,
     prepare,
     virtual_stage_modules,
 )
+from elixir_tune.engine.parallel.tensor_parallel import TensorSplit
 from elixir_tune.plan import Plan
 from elixir_tune.plan.stages import schedule_problem
 
@@ -282,7 +284,7 @@ class Pipeline:
                     f"micro-batch {index}: attention_mask has shape {tuple(mask.shape)}, input_ids "
                     f"{tuple(batch['input_ids'].shape)}; a padding mask has one entry per token"
                 )
-        longest = max(shape[1] for shape in shapes if shape)
+        longest = padded_length(max(shape[1] for shape in shapes if shape), self.engine.tensor_parallel)
         padded = any(shape[1] != longest for shape in shapes if shape)
         device = self.engine.device
         ids, masks = [], []
@@ -368,14 +370,30 @@ class Pipeline:
         return merged
 
 
-def build_engine(model: nn.Module, plan: Plan, mesh: Mesh, source: WeightSource | None) -> Engine:
+def build_engine(
+    model: nn.Module,
+    plan: Plan,
+    mesh: Mesh,
+    source: WeightSource | None,
+    tensor_parallel: TensorSplit | None = None,
+) -> Engine:
     """This rank's chunk engine for a pipeline plan, with its ``Pipeline`` attached (``engine.pipeline``).
+
+    Args:
+        model: the user's model (already split over the tensor group when ``tensor_parallel``).
+        plan: the whole plan.
+        mesh: the process groups.
+        source: where the first weights come from (None: the model's own).
+        tensor_parallel: the model's tensor split (pipeline x tensor, ``pipeline_tensor.py``), or None.
 
     Raises:
         ValueError: no stage plan for the model, or the plan's stages do not match it.
     """
     adapter, layout = prepare(model, plan, mesh.stage)
-    engine = Engine(model, layout.plan, mesh.data, source, mesh, elsewhere=layout.elsewhere_tensors)
+    adapter.enter, adapter.leave = stage_boundaries(tensor_parallel)
+    engine = Engine(
+        model, layout.plan, mesh.data, source, mesh, elsewhere=layout.elsewhere_tensors, tensor_parallel=tensor_parallel
+    )
     drop_elsewhere(model, layout)
     engine.pipeline = Pipeline(engine, adapter, layout, mesh, plan)
     return engine

@@ -24,6 +24,7 @@ exactly as in an unsplit forward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -66,6 +67,10 @@ class _Zero(nn.Module):
         return torch.zeros(())
 
 
+def _same(hidden: torch.Tensor) -> torch.Tensor:
+    return hidden
+
+
 class StageAdapter:
     """The pieces of a causal LM, as its stage plan names them.
 
@@ -93,6 +98,10 @@ class StageAdapter:
         self.last_modules.append(self.model.lm_head)
         self.hidden_size = int(self.config.hidden_size)
         self.vocab_size = int(getattr(self.model.lm_head, "out_features", self.config.vocab_size))
+        # What crosses a stage boundary (pipeline_tensor.py: a tensor-parallel stage's sequence shards are
+        # gathered when they leave and cut again when they enter); identities without tensor parallelism.
+        self.enter: Callable[[torch.Tensor], torch.Tensor] = _same
+        self.leave: Callable[[torch.Tensor], torch.Tensor] = _same
         # Modules before the blocks that own parameters: stood in for on later stages.
         self._weighted_first = [
             name
@@ -117,7 +126,8 @@ class StageAdapter:
         """
         count = len(self.blocks)
         start, end = block_indices[0], block_indices[-1]
-        stand_ins: list[nn.Module] = [_Entry(inputs) for _ in range(start)]
+        entered = self.enter(inputs) if start else inputs
+        stand_ins: list[nn.Module] = [_Entry(entered) for _ in range(start)]
         stand_ins += [self.blocks[i] for i in block_indices]
         stand_ins += [_Exit() for _ in range(end + 1, count)]
         swapped: dict[str, nn.Module] = {self.stage_plan.blocks: nn.ModuleList(stand_ins)}
@@ -131,7 +141,7 @@ class StageAdapter:
         except _StageDone as done:
             if last:
                 raise
-            return done.hidden
+            return self.leave(done.hidden)
         finally:
             self.body._modules.update(originals)
         if not last:
