@@ -50,13 +50,13 @@ from elixir_tune.engine.hooks import install_grad_hooks
 from elixir_tune.engine.io.materialize import WeightSource
 from elixir_tune.engine.parallel.pipeline_adapters import StageAdapter
 from elixir_tune.engine.parallel.pipeline_schedule import make_schedule
-from elixir_tune.engine.parallel.pipeline_tensor import padded_length, stage_boundaries
 from elixir_tune.engine.parallel.pipeline_stages import (
     StageLayout,
     drop_elsewhere,
     prepare,
     virtual_stage_modules,
 )
+from elixir_tune.engine.parallel.pipeline_tensor import padded_length, stage_boundaries
 from elixir_tune.engine.parallel.tensor_parallel import TensorSplit
 from elixir_tune.plan import Plan
 from elixir_tune.plan.stages import schedule_problem
