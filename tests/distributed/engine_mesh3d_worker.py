@@ -1,7 +1,9 @@
 """Worker for test_engine_mesh3d.py: pipeline x tensor (x data) in one mesh against plain PyTorch.
 
 Each case is a dict: ``family`` (tests/unit/models/stage_families.py), ``stages``, ``tensor``, ``steps``,
-``clip`` (max gradient norm, 0: none), ``sequence_parallel``. The world is data x stages x tensor; each
+``clip`` (max gradient norm, 0: none), ``sequence_parallel``, ``padded`` (micro-batches of lengths 7, 5, 7, 6
+with padding masks: the pipeline pads them to 8, the step's longest rounded up to a multiple of the tensor
+degree, and the reference runs each unpadded, its loss over the count). The world is data x stages x tensor; each
 data rank reads its own micro-batches (``elixir_tune.data_rank()``), every rank of one pipeline and tensor
 group the same ones. Rank 0 also trains the plain-PyTorch reference on each step's global batch (fp32) and
 reports the largest differences of the losses, the clipped norms and the weights (``model.state_dict()``
@@ -13,6 +15,7 @@ from __future__ import annotations
 import torch
 
 import elixir_tune
+from tests.distributed.engine_pipeline_families_worker import plain_micro_training
 from tests.distributed.engine_plans import make_plan, param_groups
 from tests.distributed.engine_worker import compare, mean_over_ranks, plain_training
 
@@ -20,6 +23,7 @@ SEQ = 8
 MICRO = 2
 ACCUM = 4
 BLOCKS = 3
+LENGTHS = (7, 5, 7, 6)  # the padded cases' micro-batch lengths
 
 
 def build(family: str):
@@ -32,8 +36,9 @@ def build(family: str):
     return model, opt
 
 
-def global_batches(steps: int, data: int) -> list[list[list[dict]]]:
-    """Each step's micro-batches of each data rank: ``[step][data_rank][micro]`` (the same in every process)."""
+def global_batches(steps: int, data: int, padded: bool) -> list[list[list[dict]]]:
+    """Each step's micro-batches of each data rank: ``[step][data_rank][micro]`` (the same in every process).
+    Padded: lengths ``LENGTHS``, the second sample of each micro-batch padded over its last 2 tokens."""
     from tests.unit.models.stage_families import VOCAB
 
     generator = torch.Generator().manual_seed(1)
@@ -42,9 +47,14 @@ def global_batches(steps: int, data: int) -> list[list[list[dict]]]:
         per_rank = []
         for _ in range(data):
             micro = []
-            for _ in range(ACCUM):
-                ids = torch.randint(5, VOCAB, (MICRO, SEQ), generator=generator)
-                micro.append({"input_ids": ids, "labels": ids.clone()})
+            for k in range(ACCUM):
+                ids = torch.randint(5, VOCAB, (MICRO, LENGTHS[k] if padded else SEQ), generator=generator)
+                batch = {"input_ids": ids, "labels": ids.clone()}
+                if padded:
+                    batch["attention_mask"] = torch.ones_like(ids)
+                    batch["attention_mask"][1, -2:] = 0
+                    batch["labels"][1, -2:] = -100
+                micro.append(batch)
             per_rank.append(micro)
         out.append(per_rank)
     return out
@@ -65,7 +75,7 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
             seq_len=SEQ, stages=stages, tensor=tensor, sequence_parallel=case.get("sequence_parallel", True),
         )  # fmt: skip
         model, opt = elixir_tune.setup(model, opt, plan=plan)
-        steps = global_batches(case["steps"], data)
+        steps = global_batches(case["steps"], data, case.get("padded", False))
         losses, norms = [], []
         for per_rank in steps:
             loss = model.forward_backward(per_rank[elixir_tune.data_rank()])
@@ -88,11 +98,15 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
     if rank == 0:
         with quiet_transformers():
             reference_model, reference_opt = build(case["family"])
-            whole = [
-                {key: torch.cat([b[key] for micro in per_rank for b in micro]) for key in ("input_ids", "labels")}
-                for per_rank in steps
-            ]
-            reference = plain_training(reference_model, reference_opt, whole, case.get("clip", 0.0))
+            if case.get("padded"):  # one data rank: its micro-batches one by one, unpadded
+                assert data == 1 and not case.get("clip"), "the padded reference runs one data rank, no clipping"
+                reference = plain_micro_training(reference_model, reference_opt, [per_rank[0] for per_rank in steps])
+            else:
+                whole = [
+                    {key: torch.cat([b[key] for micro in per_rank for b in micro]) for key in ("input_ids", "labels")}
+                    for per_rank in steps
+                ]
+                reference = plain_training(reference_model, reference_opt, whole, case.get("clip", 0.0))
         engine = {"state": {k: v.tolist() for k, v in state.items()}, "norms": norms}
         result.update(compare(engine, reference, result["world_losses"]))
         result["reference_losses"] = reference["losses"]

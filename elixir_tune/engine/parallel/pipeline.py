@@ -56,7 +56,7 @@ from elixir_tune.engine.parallel.pipeline_stages import (
     prepare,
     virtual_stage_modules,
 )
-from elixir_tune.engine.parallel.pipeline_tensor import padded_length, stage_boundaries
+from elixir_tune.engine.parallel.pipeline_tensor import StageBoundary, padded_length
 from elixir_tune.engine.parallel.tensor_parallel import TensorSplit
 from elixir_tune.plan import Plan
 from elixir_tune.plan.stages import schedule_problem
@@ -210,7 +210,8 @@ class Pipeline:
         batch, seq = input_shape
         # Activations and logits need gradients: a stage's received input must be a leaf that
         # collects its gradient, to be sent back to the stage before.
-        hidden = torch.empty(batch, seq, self.adapter.hidden_size, dtype=engine.compute_dtype, device="meta")
+        sent = self.adapter.boundary.sent_length(seq)  # a sequence shard under tensor parallelism (pipeline_tensor.py)
+        hidden = torch.empty(batch, sent, self.adapter.hidden_size, dtype=engine.compute_dtype, device="meta")
         hidden.requires_grad_(True)
         logits = torch.empty(batch, seq, self.adapter.vocab_size, dtype=engine.compute_dtype, device="meta")
         logits.requires_grad_(True)
@@ -390,7 +391,7 @@ def build_engine(
         ValueError: no stage plan for the model, or the plan's stages do not match it.
     """
     adapter, layout = prepare(model, plan, mesh.stage)
-    adapter.enter, adapter.leave = stage_boundaries(tensor_parallel)
+    adapter.boundary = StageBoundary(tensor_parallel)
     engine = Engine(
         model, layout.plan, mesh.data, source, mesh, elsewhere=layout.elsewhere_tensors, tensor_parallel=tensor_parallel
     )

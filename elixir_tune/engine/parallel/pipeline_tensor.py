@@ -3,24 +3,26 @@
 With pipeline P and tensor T in one plan (world = data x P x T, ``engine/comm.py``'s ``Mesh``), the
 model is first split over its tensor group (``tensor_parallel.py``) and then cut into stages
 (``pipeline_stages.py``): each rank runs its stage's modules on its tensor-parallel pieces. Stage s at
-tensor index t sends to stage s + 1 at the same tensor index, so the T ranks of a stage each hand
-their own copy to their own peer (the pipeline group is ``(data, *, tensor)``).
+tensor index t sends to stage s + 1 at the same tensor index (the pipeline group is
+``(data, *, tensor)``), so the T ranks of a stage each talk to their own peer.
 
-What crosses is the residual stream as an ordinary, replicated tensor of the full shape
-``(batch, seq, hidden)``, so torch's ``PipelineStage`` (static shapes, plain tensors) carries it as
-it does without tensor parallelism. Between tensor-parallel blocks the stream has the layout of the
-embedding's output: with sequence parallelism a DTensor sharded on the sequence dimension, so a
-stage all-gathers it over its tensor group when it leaves (``leave``) and the next stage takes its
-own sequence shard when it enters (``enter``, no traffic); without sequence parallelism it is
-already a replicated plain tensor and both are identities. The gradients go back the same way: the
-gradient of the entered shard is all-gathered (each rank sends its peer the full, equal gradient)
-and the received one is cut to the shard the leaving stage's ranks held.
+What crosses is the residual stream, in the layout it has between tensor-parallel blocks (that of the
+embedding's output):
+
+* with sequence parallelism (the default) each tensor rank holds a shard of every sample's tokens,
+  ``(batch, seq / T, hidden)``, and the next stage's rank at the same tensor index needs exactly
+  that shard: it is sent as it is (``leave``: the DTensor's local tensor) and taken up as the same
+  DTensor (``enter``), with no tensor-group traffic and 1 / T of the bytes (as
+  ``costmodel/parallel.py`` ``tp_boundary_factor`` prices it); the gradients go back the same way;
+* without it the stream is an ordinary replicated tensor and both are identities.
+
+The model's own forward, which builds the masks and positions on every stage from ``inputs_embeds``,
+is fed a stand-in of the full shape (``widen``); the received shard goes to the stage's first block.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 
@@ -29,34 +31,55 @@ from elixir_tune.engine.parallel.tensor_parallel import TensorSplit
 from elixir_tune.engine.parallel.tp_layout import TensorParallelError
 from elixir_tune.plan import Plan
 
-Boundary = Callable[[torch.Tensor], torch.Tensor]
 
-
-def _identity(hidden: torch.Tensor) -> torch.Tensor:
-    return hidden
-
-
-def stage_boundaries(split: TensorSplit | None) -> tuple[Boundary, Boundary]:
-    """(enter, leave): how a stage turns the received replicated hidden states into the layout its
-    first block takes, and its last block's output into the replicated tensor it sends.
+class StageBoundary:
+    """How a stage's hidden states cross to the next stage (``enter``, ``leave``, ``widen``).
 
     Args:
-        split: the model's tensor split (None: no tensor parallelism).
+        split: the model's tensor split (None: no tensor parallelism: everything is an identity).
     """
-    if split is None or not split.sequence_parallel:
-        return _identity, _identity
-    from elixir_tune.engine.comm import DTensor, Replicate, Shard
 
-    mesh = split.mesh
+    def __init__(self, split: TensorSplit | None = None):
+        self.split = split
+        self.sharded = split is not None and split.mode == "1d" and split.sequence_parallel
+        self.parts = split.degree if self.sharded and split is not None else 1
 
-    def enter(hidden: torch.Tensor) -> torch.Tensor:
-        whole = DTensor.from_local(hidden, mesh, (Replicate(),), run_check=False)
-        return whole.redistribute(mesh, (Shard(1),))
+    def sent_length(self, seq: int) -> int:
+        """Tokens per sample that one rank sends (its sequence shard)."""
+        return seq // self.parts
 
-    def leave(hidden: torch.Tensor) -> torch.Tensor:
-        return hidden.full_tensor() if is_dtensor(hidden) else hidden
+    def enter(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The received shard as the DTensor the stage's first block takes."""
+        if not self.sharded or self.split is None:
+            return hidden
+        from elixir_tune.engine.comm import DTensor, Shard
 
-    return enter, leave
+        return DTensor.from_local(hidden, self.split.mesh, (Shard(1),), run_check=False)
+
+    def leave(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The stage's last block's output as the plain tensor it sends (this rank's shard).
+
+        Raises:
+            TensorParallelError: the output is not sequence-sharded as the next stage expects.
+        """
+        if not self.sharded or not is_dtensor(hidden):
+            return hidden
+        from elixir_tune.engine.comm import Shard
+
+        if tuple(hidden.placements) != (Shard(1),):
+            raise TensorParallelError(
+                f"a pipeline stage's output has placements {hidden.placements}, not the sequence shards of the "
+                "residual stream; set parallel.tensor.sequence_parallel: false for this model"
+            )
+        return hidden.to_local()
+
+    def widen(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A full-shape stand-in of the received hidden states for the model's forward, which builds the
+        masks and positions from its shape (its values are never read: the stage's input replaces them)."""
+        if not self.sharded:
+            return hidden
+        batch, seq, width = hidden.shape
+        return hidden.new_zeros(()).expand(batch, seq * self.parts, width)
 
 
 def check_combined(plan: Plan, vocab_parallel_loss: bool) -> None:
