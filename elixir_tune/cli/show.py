@@ -10,6 +10,7 @@ from elixir_tune.cli.console import Table, console, fail, print_json, print_wide
 from elixir_tune.costmodel.memory import model_state_bytes
 from elixir_tune.plan import Plan, PlanError, load_plan
 from elixir_tune.plan.capabilities import LOOP_CONTRACT, plan_loop
+from elixir_tune.ranks import mesh_groups
 from elixir_tune.units import human_bytes
 
 _STATE_LABELS = {
@@ -107,6 +108,8 @@ def parallel_summary(plan: Plan) -> dict:
         )
     if tensor.degree > 1:
         out.update(tensor_mode=tensor.mode, sequence_parallel=tensor.sequence_parallel)
+    if pipeline.stages > 1 or tensor.degree > 1:
+        out["groups"] = mesh_groups(plan.world_size, pipeline.stages, tensor.degree)
     for key in ("tensor_comm_s", "pipeline_bubble_s", "p2p_s", "tied_allreduce_s"):
         if key in breakdown:
             out[key] = breakdown[key]
@@ -141,6 +144,27 @@ def parallel_line(plan: Plan) -> str:
             f"tensor: degree {info['tensor']}, {mode}: collectives on the compute stream{share('tensor_comm_s')}"
         )
     return "; ".join(parts)
+
+
+SHOWN_GROUPS = 4  # groups of each kind listed by `show` (the JSON lists all)
+
+
+def mesh_lines(plan: Plan) -> list[str]:
+    """Which ranks form each group of the plan's mesh, one line per kind ([] without pipeline or tensor)."""
+    groups = parallel_summary(plan).get("groups")
+    if not groups:
+        return []
+    what = {
+        "tensor": "split each block's matrices (consecutive ranks, one node)",
+        "pipeline": "pass activations stage to stage (one per data and tensor index)",
+        "data": "shard the chunks and reduce gradients (one per stage and tensor index)",
+    }
+    lines = []
+    for kind in ("tensor", "pipeline", "data"):
+        listed = " ".join("[" + ",".join(map(str, group)) + "]" for group in groups[kind][:SHOWN_GROUPS])
+        more = f" ... ({len(groups[kind])} groups)" if len(groups[kind]) > SHOWN_GROUPS else ""
+        lines.append(f"{kind} groups {what[kind]}: {listed}{more}")
+    return lines
 
 
 def _summary(plan: Plan) -> dict:
@@ -371,6 +395,10 @@ def show_command(
     layout_line = parallel_line(plan)
     if layout_line:
         console.print(f"[bold]parallel:[/] {layout_line}", soft_wrap=True)
+        order = "rank = (data_index x P + stage) x T + tensor_index"
+        console.print(f"[bold]mesh[/] ({order}):", soft_wrap=True)
+        for line in mesh_lines(plan):
+            console.print(f"  {line}", soft_wrap=True)
     print_wide(_memory_table(plan, summary["memory"]["model_state_bytes"]))
     if plan.prediction is None:
         console.print(

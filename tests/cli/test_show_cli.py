@@ -72,7 +72,19 @@ def test_show_an_invalid_plan_exits_1(tmp_path):
     [
         (["pipeline=2"], ("world 8 = data 4 x pipeline 2 x tensor 1", "bubble (P-1)/(N v + P-1)")),
         (["pipeline=2", "micro_batch_size=1"], ("world 8 = data 4 x pipeline 2 x tensor 1", "pipeline step holds")),
-        (["tensor=2"], ("world 8 = data 4 x pipeline 1 x tensor 2", "tensor-parallel collectives")),
+        (["tensor=2", "pipeline=1"], ("world 8 = data 4 x pipeline 1 x tensor 2", "tensor-parallel collectives")),
+        (
+            ["pipeline=2", "tensor=2"],
+            (
+                "world 8 = data 2 x pipeline 2 x tensor 2",
+                "tensor-parallel collectives",
+                "bubble (P-1)/(N v + P-1)",
+                "tensor groups split each block's matrices (consecutive ranks, one node): [0,1] [2,3] [4,5] [6,7]",
+                "pipeline groups pass activations stage to stage (one per data and tensor index): [0,2] [1,3] [4,6] [5,7]",
+                "data groups shard the chunks and reduce gradients (one per stage and tensor index): [0,4] [1,5] [2,6] "
+                "[3,7]",
+            ),
+        ),
     ],
 )
 def test_show_explains_a_pipeline_or_tensor_plan(tmp_path, fixed, texts):
@@ -84,6 +96,11 @@ def test_show_explains_a_pipeline_or_tensor_plan(tmp_path, fixed, texts):
     for text in texts:
         assert text in result.output
     data = json.loads(CliRunner().invoke(cli, ["show", str(tmp_path / "plan.yaml"), "--json"]).output)
+    groups = data["parallel"]["groups"]
+    assert sorted(rank for group in groups["tensor"] for rank in group) == list(range(8))
+    assert [len(group) for group in groups["pipeline"]] == [plan.parallel.pipeline.stages] * (
+        8 // plan.parallel.pipeline.stages
+    )
     if plan.parallel.pipeline.stages > 1:
         accum = plan.training.grad_accum_steps
         assert data["parallel"]["virtual_stages_per_rank"] == 2  # 4 blocks, 2 stages, modular
