@@ -185,3 +185,24 @@ def test_an_uneven_modular_split_puts_the_head_with_the_last_block():
     assert stage0.flops_per_sample == pytest.approx(3 * 2 * block_fwd + head)
     assert stage1.flops_per_sample == pytest.approx(3 * block_fwd)
     assert tied_params(three, layout) == []  # both users of the tied embedding on one stage
+
+
+def test_pipeline_by_tensor_prices_each_stage_at_tensor_width_over_the_data_group(profile):
+    """pp2 x tp2 at world 8: a rank runs half the blocks at half width (its FLOPs about a quarter of the
+    model's), pays the tensor collectives of its own blocks only, and shards its chunks over D = 2."""
+    hardware = example_hardware(gpus_per_node=8)
+    both = CostModel(profile, hardware, gpus_per_node=8, layout=Layout(pipeline=2, tensor=2))
+    tensor = CostModel(profile, hardware, gpus_per_node=8, layout=Layout(tensor=2))
+    pipeline = CostModel(profile, hardware, gpus_per_node=8, layout=Layout(pipeline=2))
+    assert (both.data_size, tensor.data_size, pipeline.data_size) == (2, 4, 4)
+    assert len(both.profile.blocks) == len(pipeline.profile.blocks) == LAYERS // 2
+    assert both.profile.flops_per_sample == pytest.approx(pipeline.profile.flops_per_sample / 2, rel=0.05)
+    # The tensor collectives of the stage's 2 blocks (the head's and embedding's at the edges): less than tp2's 4.
+    layer_s, _ = both.parallel_costs.tensor_layer_s(2)
+    assert layer_s == tensor.parallel_costs.tensor_layer_s(2)[0] > 0
+    assert 2 * layer_s < both.tensor_comm_s(2, every=0) < tensor.tensor_comm_s(2, every=0)
+    # Sends are the sequence shards (1/T), and the rank belongs to three groups of more than one rank.
+    assert both.parallel_costs.send_bytes_per_sample == pipeline.parallel_costs.send_bytes_per_sample / 2
+    assert both.parallel_costs.communicators(both.data_size) == 3
+    extra = both.parallel_costs.pipeline_s(1.0, micro_batch_size=2, micro_batches=4)
+    assert extra["pipeline_bubble_s"] > 0 and extra["p2p_s"] > 0
