@@ -11,8 +11,9 @@ relative, clipped gradient norms 1e-5 relative, final weights 1e-5 absolute. One
   without sequence parallelism; Qwen2 with a tied head (the embedding's chunk on both stages, summed over
   the stages at the same tensor index) and padded micro-batches of lengths 7, 5, 7, 6 (padded to 8, a
   multiple of the tensor degree, for the sequence shards).
-* world 8 (data 2 x pipeline 2 x tensor 2): Llama and Qwen3, clipped (the norm over all three dimensions),
-  each data rank reading its own micro-batches through ``elixir_tune.data_rank()``.
+* world 8 (data 2 x pipeline 2 x tensor 2): Llama, and Qwen3 with half of its chunks offloaded, both
+  clipped (the norm over all three dimensions), each data rank reading its own micro-batches through
+  ``elixir_tune.data_rank()``.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ WORLD4 = [
 ]
 WORLD8 = [
     dict(family="llama", stages=2, tensor=2, steps=STEPS, clip=0.5),
-    dict(family="qwen3", stages=2, tensor=2, steps=STEPS, clip=0.5),
+    dict(family="qwen3", stages=2, tensor=2, steps=STEPS, clip=0.5, offload=0.5),
 ]
 
 

@@ -56,7 +56,7 @@ from elixir_tune.engine.parallel.pipeline_stages import (
     prepare,
     virtual_stage_modules,
 )
-from elixir_tune.engine.parallel.pipeline_tensor import StageBoundary, padded_length
+from elixir_tune.engine.parallel.pipeline_tensor import StageBoundary
 from elixir_tune.engine.parallel.tensor_parallel import TensorSplit
 from elixir_tune.plan import Plan
 from elixir_tune.plan.stages import schedule_problem
@@ -285,7 +285,7 @@ class Pipeline:
                     f"micro-batch {index}: attention_mask has shape {tuple(mask.shape)}, input_ids "
                     f"{tuple(batch['input_ids'].shape)}; a padding mask has one entry per token"
                 )
-        longest = padded_length(max(shape[1] for shape in shapes if shape), self.engine.tensor_parallel)
+        longest = self.adapter.boundary.padded_length(max(shape[1] for shape in shapes if shape))
         padded = any(shape[1] != longest for shape in shapes if shape)
         device = self.engine.device
         ids, masks = [], []

@@ -44,6 +44,11 @@ class StageBoundary:
         self.sharded = split is not None and split.mode == "1d" and split.sequence_parallel
         self.parts = split.degree if self.sharded and split is not None else 1
 
+    def padded_length(self, longest: int) -> int:
+        """The length a step's micro-batches are padded to: with sequence shards a multiple of the tensor
+        degree (each tensor rank holds an equal shard of every sample's tokens)."""
+        return math.ceil(longest / self.parts) * self.parts
+
     def sent_length(self, seq: int) -> int:
         """Tokens per sample that one rank sends (its sequence shard)."""
         return seq // self.parts
@@ -62,14 +67,15 @@ class StageBoundary:
         Raises:
             TensorParallelError: the output is not sequence-sharded as the next stage expects.
         """
-        if not self.sharded or not is_dtensor(hidden):
+        if not self.sharded:
             return hidden
         from elixir_tune.engine.comm import Shard
 
-        if tuple(hidden.placements) != (Shard(1),):
+        if not is_dtensor(hidden) or tuple(hidden.placements) != (Shard(1),):
+            what = f"a DTensor placed {tuple(hidden.placements)}" if is_dtensor(hidden) else "a plain tensor"
             raise TensorParallelError(
-                f"a pipeline stage's output has placements {hidden.placements}, not the sequence shards of the "
-                "residual stream; set parallel.tensor.sequence_parallel: false for this model"
+                f"a pipeline stage's output is {what}, not the sequence shards of the residual stream that "
+                "the next stage takes; set parallel.tensor.sequence_parallel: false for this model"
             )
         return hidden.to_local()
 
@@ -102,11 +108,3 @@ def check_combined(plan: Plan, vocab_parallel_loss: bool) -> None:
             "vocab_parallel_loss with pipeline stages: the last stage computes the loss on whole logits; "
             "call setup without vocab_parallel_loss for this plan"
         )
-
-
-def padded_length(longest: int, split: TensorSplit | None) -> int:
-    """The length a step's micro-batches are padded to: with sequence parallelism a multiple of the
-    tensor degree (each tensor rank holds an equal shard of every sample's tokens)."""
-    if split is None or not split.sequence_parallel:
-        return longest
-    return math.ceil(longest / split.degree) * split.degree
