@@ -27,6 +27,10 @@ What each rank does:
   broadcast from the stage running the last virtual stage, so every rank returns it. Gradients are reduced once per step
   (no-sync, ``Engine.hold_grads``): each stays whole in ``param.grad`` from its parameter's first
   micro-batch's backward to its last, which ``held_grad_bytes`` counts for the memory report.
+* **With tensor parallelism** (pipeline x tensor x data, ``pipeline_tensor.py``): the model was split
+  over the rank's tensor group before ``prepare``; the stage's modules run on their tensor-parallel
+  pieces, the chunks hold those pieces, and each tensor rank sends its sequence shard of the hidden
+  states to the rank at the same tensor index of the next stage (``StageAdapter.boundary``).
 * **Tied parameters**: both stages that use a shared chunk hold it, with the same shard layout;
   after the schedule the step's gradient of each such chunk is summed over the two ranks (a group
   of the stages that share it at the same data and tensor index, as Megatron's embedding group),
