@@ -49,6 +49,10 @@ def test_bubble_of_looped_bfs():
     # contiguous: v = 1 (GPipe): 3 / 11
     assert bubble_fraction(4, 8, virtual_stages(24, 4, "contiguous")) == pytest.approx(3 / 11)
     assert bubble_fraction(1, 8, 1.0) == 0.0
+    # fewer micro-batches than stages: each loop over the stages waits for the first micro-batch to come
+    # back (P slots for N of work): 2 stages, 40 virtual stages each, 1 micro-batch: 40 of 41 + 40 slots
+    assert bubble_fraction(2, 1, 40) == pytest.approx(1 - 40 / (39 * 2 + 1 + 1))
+    assert bubble_fraction(2, 1, 1) == pytest.approx(1 / 2)  # GPipe, one micro-batch: half idle
 
 
 def test_p2p_sends_and_bytes(profile):
