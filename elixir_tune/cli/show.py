@@ -130,10 +130,13 @@ def parallel_line(plan: Plan) -> str:
         f"world {info['world_size']} = data {info['data']} x pipeline {info['pipeline']} x tensor {info['tensor']}"
     ]
     if info["pipeline"] > 1:
+        # fewer micro-batches than stages on a looped pipeline: each loop waits P slots (bubble_fraction)
+        looped_short = plan.training.grad_accum_steps < info["pipeline"] and info["virtual_stages_per_rank"] > 1
+        formula = "1 - N v / ((v-1) P + N + P-1)" if looped_short else "(P-1)/(N v + P-1)"
         parts.append(
             f"pipeline: {info['pipeline']} stages, {info['assignment']} assignment ({info['virtual_stages_per_rank']:g} "
             f"virtual stages per rank), {info['schedule']} over {plan.training.grad_accum_steps} micro-batches: bubble "
-            f"(P-1)/(N v + P-1) = {info['bubble_fraction']:.1%}{share('pipeline_bubble_s')}; chunks per stage "
+            f"{formula} = {info['bubble_fraction']:.1%}{share('pipeline_bubble_s')}; chunks per stage "
             f"{info['chunks_per_stage']}"
         )
     if info["tensor"] > 1:
