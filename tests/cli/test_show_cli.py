@@ -70,7 +70,7 @@ def test_show_an_invalid_plan_exits_1(tmp_path):
 @pytest.mark.parametrize(
     ("fixed", "texts"),
     [
-        (["pipeline=2"], ("world 8 = data 4 x pipeline 2 x tensor 1", "bubble (P-1)/(N v + P-1)")),
+        (["pipeline=2"], ("world 8 = data 4 x pipeline 2 x tensor 1", "micro-batches: bubble ")),
         (["pipeline=2", "micro_batch_size=1"], ("world 8 = data 4 x pipeline 2 x tensor 1", "pipeline step holds")),
         (["tensor=2", "pipeline=1"], ("world 8 = data 4 x pipeline 1 x tensor 2", "tensor-parallel collectives")),
         (
@@ -78,7 +78,7 @@ def test_show_an_invalid_plan_exits_1(tmp_path):
             (
                 "world 8 = data 2 x pipeline 2 x tensor 2",
                 "tensor-parallel collectives",
-                "bubble (P-1)/(N v + P-1)",
+                "micro-batches: bubble ",
                 "tensor groups split each block's matrices (consecutive ranks, one node): [0,1] [2,3] [4,5] [6,7]",
                 "pipeline groups pass activations stage to stage (one per data and tensor index): [0,2] [1,3] [4,6] [5,7]",
                 "data groups shard the chunks and reduce gradients (one per stage and tensor index): [0,4] [1,5] [2,6] "
@@ -104,7 +104,11 @@ def test_show_explains_a_pipeline_or_tensor_plan(tmp_path, fixed, texts):
     if plan.parallel.pipeline.stages > 1:
         accum = plan.training.grad_accum_steps
         assert data["parallel"]["virtual_stages_per_rank"] == 2  # 4 blocks, 2 stages, modular
-        assert data["parallel"]["bubble_fraction"] == round(1 / (accum * 2 + 1), 4)
+        # (P-1)/(N v + P-1) with N >= P; with one micro-batch the 4 blocks run one after the other: half idle
+        expected = 1 / (accum * 2 + 1) if accum >= 2 else 0.5
+        assert data["parallel"]["bubble_fraction"] == round(expected, 4)
+        formula = "(P-1)/(N v + P-1)" if accum >= 2 else "1 - N v / ((v-1) P + N + P-1)"
+        assert f"bubble {formula} = {expected:.1%}" in result.output
         assert sum(data["parallel"]["chunks_per_stage"]) == len(plan.memory.chunks)
         # No-sync's held gradients get their own memory row when a step runs several micro-batches.
         assert ("gradients a pipeline step holds" in result.output) == (accum > 1)
