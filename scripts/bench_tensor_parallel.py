@@ -1,13 +1,15 @@
 """Predicted step time and peak memory of the best plan with and without tensor (and pipeline) parallelism.
 
-For Llama-2 13B and 70B (configs/models, traced on the meta device, bf16, seq 4096) on 2 nodes x 8
+For Llama-2 13B and 70B (configs/models, traced on the meta device, bf16, seq 4096) on 2 and 4 nodes x 8
 h100-80gb-sxm and 4 nodes x 8 a100-40gb-pcie (configs/hardware presets), at global batches of 2 and
 8 sequences per GPU, the joint search is run with the parallel layout free and pinned:
 
 * ``free``: the search picks data/pipeline/tensor itself;
 * ``dp only``: ``--fix pipeline=1 --fix tensor=1`` (the search before tensor/pipeline parallelism);
 * ``tp T`` (1d) for T = 2, 4, 8 and ``tp 4 (2d)``: ``--fix tensor=T [--fix tensor_mode=2d]``;
-* ``pp P`` for P = 2, 4: ``--fix pipeline=P --fix tensor=1``.
+* ``pp P`` for P = 2, 4: ``--fix pipeline=P --fix tensor=1``;
+* ``pp P x tp T`` (1d, pipeline x tensor x data in one mesh) for (P, T) = (2, 4), (4, 4), (2, 8):
+  ``--fix pipeline=P --fix tensor=T``.
 
 Everything is a prediction of the cost model (docs/DESIGN.md section 6), nothing runs.
 
@@ -28,7 +30,7 @@ from elixir_tune.hardware import load_hardware
 from elixir_tune.search import InfeasibleError, search
 
 MODELS = ("llama2-13b", "llama2-70b")
-CLUSTERS = (("h100-80gb-sxm", 8, 2), ("a100-40gb-pcie", 8, 4))
+CLUSTERS = (("h100-80gb-sxm", 8, 2), ("h100-80gb-sxm", 8, 4), ("a100-40gb-pcie", 8, 4))
 BATCHES_PER_GPU = (2, 8)
 SEQ_LEN = 4096
 VARIANTS: tuple[tuple[str, list[str]], ...] = (
@@ -40,6 +42,9 @@ VARIANTS: tuple[tuple[str, list[str]], ...] = (
     ("tp 4 (2d)", ["tensor=4", "tensor_mode=2d", "pipeline=1"]),
     ("pp 2", ["pipeline=2", "tensor=1"]),
     ("pp 4", ["pipeline=4", "tensor=1"]),
+    ("pp 2 x tp 4", ["pipeline=2", "tensor=4"]),
+    ("pp 4 x tp 4", ["pipeline=4", "tensor=4"]),
+    ("pp 2 x tp 8", ["pipeline=2", "tensor=8"]),
 )
 COMMAND = ".venv/bin/python scripts/bench_tensor_parallel.py"
 
@@ -119,7 +124,8 @@ def markdown(report: dict) -> str:
         "the parallel layout free or pinned, and its peak device memory per GPU (the largest pipeline stage). "
         f"Profiles traced on the meta device, bf16, seq {SEQ_LEN}. `free` lets the search choose; `dp only` is "
         "`--fix pipeline=1 --fix tensor=1`; `tp T` is `--fix tensor=T --fix pipeline=1`; `pp P` is "
-        "`--fix pipeline=P --fix tensor=1`. TFLOPS = model FLOPs / step / GPUs.",
+        "`--fix pipeline=P --fix tensor=1`; `pp P x tp T` is `--fix pipeline=P --fix tensor=T` (one mesh, data x "
+        "pipeline x tensor). TFLOPS = model FLOPs / step / GPUs.",
         "",
     ]
     for case in report["cases"]:

@@ -11,6 +11,7 @@ from elixir_tune.costmodel.memory import model_state_bytes
 from elixir_tune.costmodel.rates import BOUND_LABELS, binding_bound
 from elixir_tune.plan import Plan, PlanError, load_plan
 from elixir_tune.plan.capabilities import LOOP_CONTRACT, plan_loop
+from elixir_tune.ranks import mesh_groups
 from elixir_tune.units import human_bytes
 
 _STATE_LABELS = {
@@ -134,6 +135,8 @@ def parallel_summary(plan: Plan) -> dict:
         )
     if tensor.degree > 1:
         out.update(tensor_mode=tensor.mode, sequence_parallel=tensor.sequence_parallel)
+    if pipeline.stages > 1 or tensor.degree > 1:
+        out["groups"] = mesh_groups(plan.world_size, pipeline.stages, tensor.degree)
     for key in ("tensor_comm_s", "pipeline_bubble_s", "p2p_s", "tied_allreduce_s"):
         if key in breakdown:
             out[key] = breakdown[key]
@@ -154,10 +157,13 @@ def parallel_line(plan: Plan) -> str:
         f"world {info['world_size']} = data {info['data']} x pipeline {info['pipeline']} x tensor {info['tensor']}"
     ]
     if info["pipeline"] > 1:
+        # fewer micro-batches than stages on a looped pipeline: each loop waits P slots (bubble_fraction)
+        looped_short = plan.training.grad_accum_steps < info["pipeline"] and info["virtual_stages_per_rank"] > 1
+        formula = "1 - N v / ((v-1) P + N + P-1)" if looped_short else "(P-1)/(N v + P-1)"
         parts.append(
             f"pipeline: {info['pipeline']} stages, {info['assignment']} assignment ({info['virtual_stages_per_rank']:g} "
             f"virtual stages per rank), {info['schedule']} over {plan.training.grad_accum_steps} micro-batches: bubble "
-            f"(P-1)/(N v + P-1) = {info['bubble_fraction']:.1%}{share('pipeline_bubble_s')}; chunks per stage "
+            f"{formula} = {info['bubble_fraction']:.1%}{share('pipeline_bubble_s')}; chunks per stage "
             f"{info['chunks_per_stage']}"
         )
     if info["tensor"] > 1:
@@ -168,6 +174,27 @@ def parallel_line(plan: Plan) -> str:
             f"tensor: degree {info['tensor']}, {mode}: collectives on the compute stream{share('tensor_comm_s')}"
         )
     return "; ".join(parts)
+
+
+SHOWN_GROUPS = 4  # groups of each kind listed by `show` (the JSON lists all)
+
+
+def mesh_lines(plan: Plan) -> list[str]:
+    """Which ranks form each group of the plan's mesh, one line per kind ([] without pipeline or tensor)."""
+    groups = parallel_summary(plan).get("groups")
+    if not groups:
+        return []
+    what = {
+        "tensor": "split each block's matrices (consecutive ranks, one node)",
+        "pipeline": "pass activations stage to stage (one per data and tensor index)",
+        "data": "shard the chunks and reduce gradients (one per stage and tensor index)",
+    }
+    lines = []
+    for kind in ("tensor", "pipeline", "data"):
+        listed = " ".join("[" + ",".join(map(str, group)) + "]" for group in groups[kind][:SHOWN_GROUPS])
+        more = f" ... ({len(groups[kind])} groups)" if len(groups[kind]) > SHOWN_GROUPS else ""
+        lines.append(f"{kind} groups {what[kind]}: {listed}{more}")
+    return lines
 
 
 def _summary(plan: Plan) -> dict:
@@ -405,6 +432,10 @@ def show_command(
     layout_line = parallel_line(plan)
     if layout_line:
         console.print(f"[bold]parallel:[/] {layout_line}", soft_wrap=True)
+        order = "rank = (data_index x P + stage) x T + tensor_index"
+        console.print(f"[bold]mesh[/] ({order}):", soft_wrap=True)
+        for line in mesh_lines(plan):
+            console.print(f"  {line}", soft_wrap=True)
     print_wide(_memory_table(plan, summary["memory"]["model_state_bytes"]))
     if plan.prediction is None:
         console.print(

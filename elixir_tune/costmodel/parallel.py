@@ -122,7 +122,13 @@ def virtual_stages(num_blocks: int, stages: int, assignment: str) -> float:
 
 
 def bubble_fraction(stages: int, micro_batches: int, virtual: float) -> float:
-    """Idle share of a looped breadth-first pipeline step: (P - 1) / (N v + P - 1).
+    """Idle share of a looped breadth-first pipeline step: (P - 1) / (N v + P - 1) when N >= P.
+
+    A rank runs each of its v virtual stages for all N micro-batches, t each. The first micro-batch
+    comes back to the rank's next virtual stage P t after it left the last one, so a loop over the
+    stages takes max(N, P) t: with fewer micro-batches than stages every loop waits P - N slots. The
+    step spans (v - 1) max(N, P) + N + P - 1 slots (the last loop plus the fill), of which v N are busy;
+    for N >= P that is (P - 1) / (N v + P - 1), and for v = 1 GPipe's (P - 1) / (N + P - 1).
 
     Args:
         stages: P.
@@ -134,7 +140,9 @@ def bubble_fraction(stages: int, micro_batches: int, virtual: float) -> float:
     """
     if stages <= 1:
         return 0.0
-    return (stages - 1) / (micro_batches * virtual + stages - 1)
+    busy = micro_batches * virtual
+    span = (virtual - 1) * max(micro_batches, stages) + micro_batches + stages - 1
+    return 1.0 - busy / span
 
 
 def p2p_sends_per_micro_batch(num_blocks: int, stages: int, assignment: str) -> float:

@@ -12,6 +12,7 @@ from elixir_tune.engine.engine import Engine
 from elixir_tune.engine.io.materialize import has_meta, make_source
 from elixir_tune.engine.model import ElixirModel
 from elixir_tune.engine.optimizer import ShardedOptimizer
+from elixir_tune.engine.parallel.pipeline_tensor import check_combined
 from elixir_tune.engine.parallel.tensor_parallel import split_for_plan
 from elixir_tune.plan import PLAN_ENV_VAR, Plan, PlanError, load_plan, validate
 from elixir_tune.plan.fingerprint import model_fingerprint as _plan_fingerprint
@@ -148,6 +149,7 @@ def setup(
     """
     plan = _resolve_plan(plan)
     check_plan_matches(model, plan)
+    check_combined(plan, vocab_parallel_loss)
     parallel = plan.parallel
     mesh = init_mesh(
         plan.world_size,
@@ -168,7 +170,7 @@ def setup(
     if parallel.pipeline.stages > 1:
         from elixir_tune.engine.parallel.pipeline import build_engine
 
-        engine = build_engine(model, plan, mesh, source)
+        engine = build_engine(model, plan, mesh, source, tensor_parallel)
     else:
         engine = Engine(model, plan, mesh.data, source, mesh, tensor_parallel=tensor_parallel)
     return ElixirModel(model, engine), ShardedOptimizer(optimizer, engine, find_unused_parameters)

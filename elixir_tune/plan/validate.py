@@ -107,10 +107,10 @@ def _check_parallel(parallel: dict, world_size: int | None, model: dict, errors:
             "divides it"
         )
         return None
-    if stages > 1 and degree > 1:
+    if stages > 1 and degree > 1 and tensor.get("mode") == "2d":
         errors.append(
-            f"parallel: pipeline stages {stages} with tensor degree {degree}: the engine runs pipeline or tensor "
-            "parallelism, not both at once yet; set one of them to 1 (elixir-tune search never combines them)"
+            f"parallel.tensor.mode: 2d with pipeline stages {stages}: stages pass whole micro-batches and the 2d "
+            "grid splits them by rows; use mode 1d with a pipeline (or pipeline stages 1)"
         )
     num_blocks = model.get("num_blocks", 0)
     if stages > 1 and stages > num_blocks:

@@ -82,9 +82,21 @@ def test_show_an_invalid_plan_exits_1(tmp_path):
 @pytest.mark.parametrize(
     ("fixed", "texts"),
     [
-        (["pipeline=2"], ("world 8 = data 4 x pipeline 2 x tensor 1", "bubble (P-1)/(N v + P-1)")),
+        (["pipeline=2"], ("world 8 = data 4 x pipeline 2 x tensor 1", "micro-batches: bubble ")),
         (["pipeline=2", "micro_batch_size=1"], ("world 8 = data 4 x pipeline 2 x tensor 1", "pipeline step holds")),
-        (["tensor=2"], ("world 8 = data 4 x pipeline 1 x tensor 2", "tensor-parallel collectives")),
+        (["tensor=2", "pipeline=1"], ("world 8 = data 4 x pipeline 1 x tensor 2", "tensor-parallel collectives")),
+        (
+            ["pipeline=2", "tensor=2"],
+            (
+                "world 8 = data 2 x pipeline 2 x tensor 2",
+                "tensor-parallel collectives",
+                "micro-batches: bubble ",
+                "tensor groups split each block's matrices (consecutive ranks, one node): [0,1] [2,3] [4,5] [6,7]",
+                "pipeline groups pass activations stage to stage (one per data and tensor index): [0,2] [1,3] [4,6] [5,7]",
+                "data groups shard the chunks and reduce gradients (one per stage and tensor index): [0,4] [1,5] [2,6] "
+                "[3,7]",
+            ),
+        ),
     ],
 )
 def test_show_explains_a_pipeline_or_tensor_plan(tmp_path, fixed, texts):
@@ -96,10 +108,19 @@ def test_show_explains_a_pipeline_or_tensor_plan(tmp_path, fixed, texts):
     for text in texts:
         assert text in result.output
     data = json.loads(CliRunner().invoke(cli, ["show", str(tmp_path / "plan.yaml"), "--json"]).output)
+    groups = data["parallel"]["groups"]
+    assert sorted(rank for group in groups["tensor"] for rank in group) == list(range(8))
+    assert [len(group) for group in groups["pipeline"]] == [plan.parallel.pipeline.stages] * (
+        8 // plan.parallel.pipeline.stages
+    )
     if plan.parallel.pipeline.stages > 1:
         accum = plan.training.grad_accum_steps
         assert data["parallel"]["virtual_stages_per_rank"] == 2  # 4 blocks, 2 stages, modular
-        assert data["parallel"]["bubble_fraction"] == round(1 / (accum * 2 + 1), 4)
+        # (P-1)/(N v + P-1) with N >= P; with one micro-batch the 4 blocks run one after the other: half idle
+        expected = 1 / (accum * 2 + 1) if accum >= 2 else 0.5
+        assert data["parallel"]["bubble_fraction"] == round(expected, 4)
+        formula = "(P-1)/(N v + P-1)" if accum >= 2 else "1 - N v / ((v-1) P + N + P-1)"
+        assert f"bubble {formula} = {expected:.1%}" in result.output
         assert sum(data["parallel"]["chunks_per_stage"]) == len(plan.memory.chunks)
         # No-sync's held gradients get their own memory row when a step runs several micro-batches.
         assert ("gradients a pipeline step holds" in result.output) == (accum > 1)

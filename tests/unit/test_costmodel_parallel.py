@@ -49,6 +49,10 @@ def test_bubble_of_looped_bfs():
     # contiguous: v = 1 (GPipe): 3 / 11
     assert bubble_fraction(4, 8, virtual_stages(24, 4, "contiguous")) == pytest.approx(3 / 11)
     assert bubble_fraction(1, 8, 1.0) == 0.0
+    # fewer micro-batches than stages: each loop over the stages waits for the first micro-batch to come
+    # back (P slots for N of work): 2 stages, 40 virtual stages each, 1 micro-batch: 40 of 41 + 40 slots
+    assert bubble_fraction(2, 1, 40) == pytest.approx(1 - 40 / (39 * 2 + 1 + 1))
+    assert bubble_fraction(2, 1, 1) == pytest.approx(1 / 2)  # GPipe, one micro-batch: half idle
 
 
 def test_p2p_sends_and_bytes(profile):
@@ -185,3 +189,24 @@ def test_an_uneven_modular_split_puts_the_head_with_the_last_block():
     assert stage0.flops_per_sample == pytest.approx(3 * 2 * block_fwd + head)
     assert stage1.flops_per_sample == pytest.approx(3 * block_fwd)
     assert tied_params(three, layout) == []  # both users of the tied embedding on one stage
+
+
+def test_pipeline_by_tensor_prices_each_stage_at_tensor_width_over_the_data_group(profile):
+    """pp2 x tp2 at world 8: a rank runs half the blocks at half width (its FLOPs about a quarter of the
+    model's), pays the tensor collectives of its own blocks only, and shards its chunks over D = 2."""
+    hardware = example_hardware(gpus_per_node=8)
+    both = CostModel(profile, hardware, gpus_per_node=8, layout=Layout(pipeline=2, tensor=2))
+    tensor = CostModel(profile, hardware, gpus_per_node=8, layout=Layout(tensor=2))
+    pipeline = CostModel(profile, hardware, gpus_per_node=8, layout=Layout(pipeline=2))
+    assert (both.data_size, tensor.data_size, pipeline.data_size) == (2, 4, 4)
+    assert len(both.profile.blocks) == len(pipeline.profile.blocks) == LAYERS // 2
+    assert both.profile.flops_per_sample == pytest.approx(pipeline.profile.flops_per_sample / 2, rel=0.05)
+    # The tensor collectives of the stage's 2 blocks (the head's and embedding's at the edges): less than tp2's 4.
+    layer_s, _ = both.parallel_costs.tensor_layer_s(2)
+    assert layer_s == tensor.parallel_costs.tensor_layer_s(2)[0] > 0
+    assert 2 * layer_s < both.tensor_comm_s(2, every=0) < tensor.tensor_comm_s(2, every=0)
+    # Sends are the sequence shards (1/T), and the rank belongs to three groups of more than one rank.
+    assert both.parallel_costs.send_bytes_per_sample == pipeline.parallel_costs.send_bytes_per_sample / 2
+    assert both.parallel_costs.communicators(both.data_size) == 3
+    extra = both.parallel_costs.pipeline_s(1.0, micro_batch_size=2, micro_batches=4)
+    assert extra["pipeline_bubble_s"] > 0 and extra["p2p_s"] > 0

@@ -237,3 +237,45 @@ def test_norm_parameters_by_family():
     assert is_norm_param("model.norm.weight", "qwen2", LLAMA)
     assert not is_norm_param("model.layers.0.mlp.down_proj.weight", "mistral", LLAMA)
     assert not is_norm_param("model.decoder.final_layer_norm.weight", "opt")  # no tensor table
+
+
+def test_pipeline_by_tensor_by_data_is_valid_and_factors_the_world():
+    # world 8 = data 2 x pipeline 2 x tensor 2: global 16 = micro 4 x accumulation 2 x data 2
+    raw = _pipeline(parallel__tensor__degree=2, cluster__gpus_per_node=8, model__num_heads=4, model__num_kv_heads=2)
+    assert validate_dict(raw) == []
+    plan = plan_from_dict(raw)
+    assert (plan.data_parallel_size, plan.parallel.model_parallel_size) == (2, 4)
+
+
+@pytest.mark.parametrize(
+    ("sections", "expected"),
+    [
+        (
+            {"parallel__tensor__degree": 4, "parallel__tensor__mode": "2d", "training__global_batch_size": 8},
+            "parallel.tensor.mode: 2d with pipeline stages 2: stages pass whole micro-batches and the 2d grid splits "
+            "them by rows; use mode 1d with a pipeline (or pipeline stages 1)",
+        ),
+        (
+            {"parallel__tensor__degree": 2, "model__num_heads": 3},
+            "parallel.tensor.degree: 2 does not divide model.num_heads 3; each tensor rank needs whole attention heads",
+        ),
+        (
+            {"parallel__tensor__degree": 2, "model__unsupported_layouts": {"tensor": "no tensor plan"}},
+            "parallel.tensor.degree: 2, but the engine cannot run tensor parallelism for this model: no tensor plan; "
+            "set it to 1 (search again without --fix tensor=2)",
+        ),
+        (
+            {"parallel__tensor__degree": 2, "parallel__pipeline__schedule": "gpipe", "model__num_blocks": 4},
+            "parallel.pipeline.schedule: gpipe runs one virtual stage per rank, but the modular assignment of 4 "
+            "blocks to 2 stages gives stage 0 2 non-contiguous runs of blocks; use looped_bfs, or assignment contiguous",
+        ),
+        (
+            {"parallel__tensor__degree": 2, "training__loop": "plain"},
+            "training.loop: plain",
+        ),
+    ],
+)
+def test_pipeline_by_tensor_refusals_say_why(sections, expected):
+    raw = _pipeline(**{"cluster__gpus_per_node": 8, **sections})
+    problems = validate_dict(raw)
+    assert len(problems) == 1 and problems[0].startswith(expected), problems

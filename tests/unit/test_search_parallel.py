@@ -7,13 +7,14 @@ import math
 
 import pytest
 
-from elixir_tune.costmodel.parallel import DATA_ONLY, Layout
+from elixir_tune.costmodel.parallel import DATA_ONLY, Layout, rank_profile
 from elixir_tune.costmodel.synthetic import example_hardware, gpt2_profile
 from elixir_tune.hardware import load_hardware
 from elixir_tune.plan import dump_plan, validate
 from elixir_tune.plan.stages import assign_stages
 from elixir_tune.plan.tensor_layout import local_shape
 from elixir_tune.search import search
+from elixir_tune.search.layouts import layout_choices
 
 
 def profile_of(hidden: int, layers: int, heads: int, seq: int, vocab: int = 50304):
@@ -114,18 +115,37 @@ def test_a_parallel_layout_only_when_faster(h100, hidden, layers, heads, seq, ba
     assert "data parallelism only" in result.why and "slower" in result.why
 
 
-def test_pipeline_and_tensor_pins_together_are_refused(small):
-    with pytest.raises(ValueError, match="not both at once yet"):
+def test_pipeline_with_2d_tensor_pins_is_refused(small):
+    with pytest.raises(ValueError, match="2d tensor parallelism without a pipeline only"):
         search(
             small,
             example_hardware(gpus_per_node=8),
             gpus_per_node=8,
-            fixed=["pipeline=2", "tensor=2"],
+            fixed=["pipeline=2", "tensor=4", "tensor_mode=2d"],
             loop="forward_backward",
         )
 
 
-@pytest.mark.parametrize(("stages", "tensor"), [(2, 1), (1, 2)])
+def test_search_scores_pipeline_by_tensor_layouts(small):
+    """The combined layouts are candidates (1d tensor only), each scored with its data degree."""
+    tried = layout_choices(small, gpus_per_node=8, nodes=1, global_batch_size=8, fixed={})
+    combined = {(layout.pipeline, layout.tensor) for layout in tried if layout.pipeline > 1 and layout.tensor > 1}
+    assert combined == {(2, 2), (2, 4), (4, 2)}  # P x T <= 8 with P <= 4 blocks, T dividing the 4 heads
+    assert all(layout.tensor_mode == "1d" for layout in tried if layout.pipeline > 1)
+    assert any(layout.tensor_mode == "2d" for layout in tried)  # 2d stays, without a pipeline
+    result = search(small, example_hardware(gpus_per_node=8), gpus_per_node=8, loop="forward_backward")
+    assert Layout(pipeline=2, tensor=2) in result.best_by_layout
+    # pp2 x tp2 pays both: the tensor collectives of its stage's blocks and the pipeline's bubble and sends
+    parts = result.best_by_layout[Layout(pipeline=2, tensor=2)].estimate.breakdown
+    assert parts["tensor_comm_s"] > 0 and parts["pipeline_bubble_s"] > 0 and parts["p2p_s"] > 0
+    # a rank holds its stage's parameters at tensor-parallel width: about a quarter of the model here
+    whole = sum(math.prod(p.shape) for p in small.params)
+    for stage in (0, 1):
+        held = sum(math.prod(p.shape) for p in rank_profile(small, Layout(pipeline=2, tensor=2), stage).params)
+        assert whole / 5 < held < whole / 3, (stage, held, whole)
+
+
+@pytest.mark.parametrize(("stages", "tensor"), [(2, 1), (1, 2), (2, 2)])
 def test_plan_packs_each_stage_at_local_sizes(small, stages, tensor):
     fixed = [f"pipeline={stages}", f"tensor={tensor}"]
     result = search(small, example_hardware(gpus_per_node=8), gpus_per_node=8, fixed=fixed, loop="forward_backward")

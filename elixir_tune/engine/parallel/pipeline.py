@@ -27,6 +27,10 @@ What each rank does:
   broadcast from the stage running the last virtual stage, so every rank returns it. Gradients are reduced once per step
   (no-sync, ``Engine.hold_grads``): each stays whole in ``param.grad`` from its parameter's first
   micro-batch's backward to its last, which ``held_grad_bytes`` counts for the memory report.
+* **With tensor parallelism** (pipeline x tensor x data, ``pipeline_tensor.py``): the model was split
+  over the rank's tensor group before ``prepare``; the stage's modules run on their tensor-parallel
+  pieces, the chunks hold those pieces, and each tensor rank sends its sequence shard of the hidden
+  states to the rank at the same tensor index of the next stage (``StageAdapter.boundary``).
 * **Tied parameters**: both stages that use a shared chunk hold it, with the same shard layout;
   after the schedule the step's gradient of each such chunk is summed over the two ranks (a group
   of the stages that share it at the same data and tensor index, as Megatron's embedding group),
@@ -56,6 +60,8 @@ from elixir_tune.engine.parallel.pipeline_stages import (
     prepare,
     virtual_stage_modules,
 )
+from elixir_tune.engine.parallel.pipeline_tensor import StageBoundary
+from elixir_tune.engine.parallel.tensor_parallel import TensorSplit
 from elixir_tune.plan import Plan
 from elixir_tune.plan.stages import schedule_problem
 
@@ -208,7 +214,8 @@ class Pipeline:
         batch, seq = input_shape
         # Activations and logits need gradients: a stage's received input must be a leaf that
         # collects its gradient, to be sent back to the stage before.
-        hidden = torch.empty(batch, seq, self.adapter.hidden_size, dtype=engine.compute_dtype, device="meta")
+        sent = self.adapter.boundary.sent_length(seq)  # a sequence shard under tensor parallelism (pipeline_tensor.py)
+        hidden = torch.empty(batch, sent, self.adapter.hidden_size, dtype=engine.compute_dtype, device="meta")
         hidden.requires_grad_(True)
         logits = torch.empty(batch, seq, self.adapter.vocab_size, dtype=engine.compute_dtype, device="meta")
         logits.requires_grad_(True)
@@ -282,7 +289,7 @@ class Pipeline:
                     f"micro-batch {index}: attention_mask has shape {tuple(mask.shape)}, input_ids "
                     f"{tuple(batch['input_ids'].shape)}; a padding mask has one entry per token"
                 )
-        longest = max(shape[1] for shape in shapes if shape)
+        longest = self.adapter.boundary.padded_length(max(shape[1] for shape in shapes if shape))
         padded = any(shape[1] != longest for shape in shapes if shape)
         device = self.engine.device
         ids, masks = [], []
@@ -368,14 +375,30 @@ class Pipeline:
         return merged
 
 
-def build_engine(model: nn.Module, plan: Plan, mesh: Mesh, source: WeightSource | None) -> Engine:
+def build_engine(
+    model: nn.Module,
+    plan: Plan,
+    mesh: Mesh,
+    source: WeightSource | None,
+    tensor_parallel: TensorSplit | None = None,
+) -> Engine:
     """This rank's chunk engine for a pipeline plan, with its ``Pipeline`` attached (``engine.pipeline``).
+
+    Args:
+        model: the user's model (already split over the tensor group when ``tensor_parallel``).
+        plan: the whole plan.
+        mesh: the process groups.
+        source: where the first weights come from (None: the model's own).
+        tensor_parallel: the model's tensor split (pipeline x tensor, ``pipeline_tensor.py``), or None.
 
     Raises:
         ValueError: no stage plan for the model, or the plan's stages do not match it.
     """
     adapter, layout = prepare(model, plan, mesh.stage)
-    engine = Engine(model, layout.plan, mesh.data, source, mesh, elsewhere=layout.elsewhere_tensors)
+    adapter.boundary = StageBoundary(tensor_parallel)
+    engine = Engine(
+        model, layout.plan, mesh.data, source, mesh, elsewhere=layout.elsewhere_tensors, tensor_parallel=tensor_parallel
+    )
     drop_elsewhere(model, layout)
     engine.pipeline = Pipeline(engine, adapter, layout, mesh, plan)
     return engine

@@ -29,6 +29,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from elixir_tune.engine.parallel.pipeline_tensor import StageBoundary
 from elixir_tune.stage_plans import StagePlan, resolve_stage_plan
 
 
@@ -93,6 +94,9 @@ class StageAdapter:
         self.last_modules.append(self.model.lm_head)
         self.hidden_size = int(self.config.hidden_size)
         self.vocab_size = int(getattr(self.model.lm_head, "out_features", self.config.vocab_size))
+        # What crosses a stage boundary (pipeline_tensor.py: a tensor-parallel stage's sequence shards);
+        # identities without tensor parallelism.
+        self.boundary = StageBoundary()
         # Modules before the blocks that own parameters: stood in for on later stages.
         self._weighted_first = [
             name
@@ -117,7 +121,8 @@ class StageAdapter:
         """
         count = len(self.blocks)
         start, end = block_indices[0], block_indices[-1]
-        stand_ins: list[nn.Module] = [_Entry(inputs) for _ in range(start)]
+        entered = self.boundary.enter(inputs) if start else inputs
+        stand_ins: list[nn.Module] = [_Entry(entered) for _ in range(start)]
         stand_ins += [self.blocks[i] for i in block_indices]
         stand_ins += [_Exit() for _ in range(end + 1, count)]
         swapped: dict[str, nn.Module] = {self.stage_plan.blocks: nn.ModuleList(stand_ins)}
@@ -126,12 +131,12 @@ class StageAdapter:
         originals = {name: self.body._modules[name] for name in swapped}
         self.body._modules.update(swapped)
         try:
-            feed = {"input_ids": inputs} if first else {"inputs_embeds": inputs}
+            feed = {"input_ids": inputs} if first else {"inputs_embeds": self.boundary.widen(inputs)}
             output = self.model(**feed, attention_mask=attention_mask, use_cache=False)
         except _StageDone as done:
             if last:
                 raise
-            return done.hidden
+            return self.boundary.leave(done.hidden)
         finally:
             self.body._modules.update(originals)
         if not last:

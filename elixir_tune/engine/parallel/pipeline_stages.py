@@ -13,7 +13,9 @@ import dataclasses
 import torch
 from torch import nn
 
+from elixir_tune.engine.comm import is_dtensor
 from elixir_tune.engine.parallel.pipeline_adapters import StageAdapter, adapter_for
+from elixir_tune.engine.parallel.tensor_parallel import local_data, set_local_data
 from elixir_tune.plan import Plan
 from elixir_tune.plan.stages import virtual_stages
 
@@ -163,7 +165,9 @@ def drop_elsewhere(model: nn.Module, layout: StageLayout) -> None:
         module = parent._modules[child]
         assert module is not None
         for param in module.parameters():
-            if not param.is_meta:
+            if is_dtensor(param):  # a tensor-parallel piece (pipeline x tensor): its local tensor goes to meta
+                set_local_data(param, torch.empty_like(local_data(param), device="meta"))
+            elif not param.is_meta:
                 meta = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"), param.requires_grad)
                 torch.utils.swap_tensors(param, meta)
         parent._modules[child] = Elsewhere(name, stage, layout.plan.parallel.pipeline.stages)
