@@ -76,7 +76,10 @@ def lora_option_problems(args: argparse.Namespace) -> list[str]:
     if args.merge_lora:
         given.append("--merge-lora")
     if args.lora_rank == 0 and given:
-        problems.append(f"{', '.join(given)} need --lora-rank R (e.g. 8): add it, or drop them")
+        verb = "needs" if len(given) == 1 else "need"
+        problems.append(
+            f"{', '.join(given)} {verb} --lora-rank R (e.g. 8): add it, or drop {'it' if len(given) == 1 else 'them'}"
+        )
     if args.merge_lora and not args.save_pretrained:
         problems.append("--merge-lora writes the merged model to --save-pretrained DIR: add --save-pretrained")
     return problems
