@@ -308,6 +308,10 @@ def search_command(
         run_script = f"finetune --model {shlex.quote(str(profile.source))} --data FILE"
     else:
         run_script = "pretrain"
+    if profile.lora and run_script.startswith("finetune"):  # the recipe must build the model the profile priced
+        from elixir_tune.recipes.finetune_options import lora_flags
+
+        run_script += " " + lora_flags(profile.lora)
     header = (
         f"Written by `{command}`\n"
         f"on {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} from profile {profile_path} ({profile.name}) "

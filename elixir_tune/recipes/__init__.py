@@ -1,12 +1,13 @@
 """The training programs that ship with elixir-tune, run by name: ``elixir-run plan.yaml finetune ...``.
 
-    finetune   fine-tune a Hugging Face model (a directory or a cached Hub name) on a text file (finetune.py)
+    finetune   fine-tune a Hugging Face model (a directory or a cached Hub name) on your data, fully or with LoRA
+               (finetune.py; its data and LoRA options: finetune_options.py)
     pretrain   train a model from its initializer on text bytes or random tokens (pretrain.py)
 
 elixir-run reads a bare SCRIPT (no ``/``, no ``.py``) as a recipe name: it runs the recipe's module on every
 worker (``python -m elixir_tune.recipes.NAME``), after the recipe's ``preflight`` has checked the inputs in
 elixir-run's own process. A path is still the user's own script. The shared parts: options.py (the command-line
-options and the run's plan, device and model), text_data.py (today's text samplers), loop.py (the steps),
+options and the run's plan, device and model), text_data.py (pretrain's byte and random samplers), loop.py (the steps),
 evaluation.py (eval loss over a split), progress.py (the bar, the printed lines and the JSON log) and
 metrics.py (TensorBoard, Weights & Biases). Imports nothing heavy itself: a recipe's module imports torch.
 """

@@ -3,7 +3,7 @@
 Each data-parallel rank evaluates every ``data_size``-th batch of the split (forward only: ``model.eval()`` and
 ``torch.no_grad()``); the sums of loss x tokens and of tokens are then added over all ranks. Every rank runs the
 same number of forwards, because a forward gathers chunks collectively: a rank with no batch left repeats one with
-weight 0. The ranks of one tensor or pipeline group evaluate the same batches, so their sums count alike in the
+weight 0, and so does a batch with no loss tokens (all its labels -100, e.g. a prompt cut at seq_len). The ranks of one tensor or pipeline group evaluate the same batches, so their sums count alike in the
 numerator and the denominator and the mean is unchanged. A pipeline plan has no forward outside its schedule:
 evaluation is refused there before training starts.
 """
@@ -54,8 +54,8 @@ def evaluate(model, batches: list[dict[str, torch.Tensor]], data_rank: int, data
                 batch = mine[index] if index < len(mine) else batches[0]  # a stand-in forward, weight 0
                 output = model(**{key: value.to(device) for key, value in batch.items()})
                 loss = output.loss if hasattr(output, "loss") else output
-                if index < len(mine):
-                    tokens = predicted_tokens(batch)
+                tokens = predicted_tokens(batch) if index < len(mine) else 0
+                if tokens:  # a batch without loss tokens has a NaN mean loss and no weight: skipped
                     sums += torch.tensor([float(loss) * tokens, tokens], dtype=torch.float64)
     finally:
         model.train()

@@ -1,18 +1,23 @@
-"""Fine-tune a causal language model (Hugging Face layout) on your text with elixir-tune.
+"""Fine-tune a causal language model (Hugging Face layout) on your data with elixir-tune.
 
     elixir-tune profile path/to/model --seq-len 512           # or a cached name: meta-llama/Llama-2-7b-hf
     elixir-tune search --gpus 4 --global-batch-size 32        # -> plan.yaml
-    elixir-run plan.yaml finetune --model path/to/model --data corpus.txt --epochs 2 \\
+    elixir-run plan.yaml finetune --model path/to/model --data chat.jsonl --packing --epochs 2 \\
         --eval-fraction 0.05 --eval-every 200 --save ckpt --keep-best --save-pretrained out/ --log-dir runs/tb
 
 The model is built on the meta device from its config.json and its weights are read from its safetensors
 straight into each rank's shards (``elixir_tune.setup(..., weights=DIR)``), so no rank ever holds the whole
 model. ``--model`` (default: the plan's model.source) is a directory or a Hub name in the local Hugging Face
-cache (never downloaded). Data: the text is cut into paragraphs (blank lines between them), each tokenized with
-the model's tokenizer (its bytes when it has none) and cut into pieces of up to seq_len, right-padded (mask 0,
-labels -100 on the padding). ``--save-pretrained OUT`` writes the weights, config, tokenizer files and
-generation config at the end: ``from_pretrained(OUT)`` loads the model and the tokenizer as they are.
-elixir-run calls ``preflight`` before any worker starts, so a wrong path is one line, not a traceback per rank.
+cache (never downloaded). Data (``elixir_tune.data``): a .txt file (packed into full windows, or one sample per
+document, line or paragraph with ``--text-mode``), a JSON/JSONL/Parquet/CSV file or a saved ``datasets``
+directory whose records have ``text``, ``prompt`` + ``completion`` (loss on the completion only) or ``messages``
+(the tokenizer's chat template; loss on the assistant turns only); the format is detected from the fields and
+printed; ``--packing`` puts several samples in a row without letting them attend to each other. LoRA:
+``--lora-rank R`` wraps the meta model with PEFT's adapters before setup (the base frozen); profile with the same
+``--lora-*`` options. ``--save-pretrained OUT`` writes the weights, config, tokenizer files and generation config
+at the end (with LoRA: the adapter in PEFT's format, or with ``--merge-lora`` the merged model), so
+``from_pretrained(OUT)`` loads it as it is. elixir-run calls ``preflight`` before any worker starts, so a wrong
+path or a file that fits no format is one line, not a traceback per rank.
 """
 
 from __future__ import annotations
@@ -25,6 +30,15 @@ from pathlib import Path
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # transformers' notices would repeat once per rank
 
 from elixir_tune.recipes import BUNDLED_TEXT  # noqa: E402
+from elixir_tune.recipes.finetune_options import (  # noqa: E402
+    add_data_args,
+    add_lora_args,
+    data_problems,
+    lora_option_problems,
+    lora_options,
+    lora_plan_problem,
+    tokenizer_problem,
+)
 from elixir_tune.recipes.options import (  # noqa: E402
     OptionsError,
     RecipeParser,
@@ -47,13 +61,19 @@ def build_parser() -> RecipeParser:
     )
     add_training_args(parser, lr=1e-4)
     parser.add_argument("--model", default=None, help="model directory or cached Hub name (default: plan's source)")
-    parser.add_argument("--data", default=str(BUNDLED_TEXT), help="text file to fine-tune on")
+    add_data_args(parser, default_data=str(BUNDLED_TEXT))
+    add_lora_args(parser)
     parser.add_argument(
         "--from-scratch",
         action="store_true",
         help="start from the model's own initializer instead of its weights (the directory needs none then)",
     )
-    parser.add_argument("--save-pretrained", default=None, metavar="DIR", help="write the weights here at the end")
+    parser.add_argument(
+        "--save-pretrained",
+        default=None,
+        metavar="DIR",
+        help="write the model (with LoRA: the adapter, or the merged model with --merge-lora) here at the end",
+    )
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file --save-pretrained writes")
     return parser
 
@@ -81,7 +101,9 @@ def preflight(argv: list[str], plan_path: str) -> list[str]:
 
     Returns:
         Problems: options that do not parse, a model that does not resolve or has no config.json, a tokenizer
-        that does not load, a missing data file, a plan made for another model, a logger not installed.
+        that does not load or cannot render the data (no chat template for messages), a data file that is
+        missing, does not parse or fits no format, packing under a plan that cannot carry it, a plan made for
+        another model or other LoRA settings, a logger not installed.
     """
     from elixir_tune.recipes.metrics import metric_problems
 
@@ -89,13 +111,12 @@ def preflight(argv: list[str], plan_path: str) -> list[str]:
         args = parse_options(build_parser(), argv, for_preflight=True)
     except OptionsError as error:
         return [f"finetune: {error}"]
-    problems = metric_problems(args)
-    for option, path in (("--data", args.data), ("--eval-data", args.eval_data)):
-        if path and not Path(path).is_file():
-            problems.append(f"{option} {path}: no such file" + (" (a directory)" if Path(path).is_dir() else ""))
+    problems = metric_problems(args) + lora_option_problems(args)
     import elixir_tune
 
     plan = elixir_tune.load_plan(plan_path)
+    found, data_format = data_problems(args, plan)
+    problems += found
     refusal = eval_refusal(plan) if args.eval_fraction or args.eval_data else None
     if refusal:
         problems.append(refusal)
@@ -104,19 +125,25 @@ def preflight(argv: list[str], plan_path: str) -> list[str]:
     except ValueError as error:
         return [*problems, str(error)]
     try:
-        load_tokenizer(model_dir)
+        tokenizer = load_tokenizer(model_dir)
     except Exception as error:  # transformers raises many kinds; the user needs the first line
         problems.append(f"{model_dir}: its tokenizer does not load: {str(error).strip().splitlines()[0][:200]}")
-    fit = plan_fit_problem(model_dir, plan)
+    else:
+        unfit = tokenizer_problem(data_format, tokenizer)
+        if unfit:
+            problems.append(unfit)
+    fit = plan_fit_problem(model_dir, plan, lora_options(args))
     if fit:
         problems.append(fit)
     return problems
 
 
-def plan_fit_problem(model_dir: Path, plan) -> str | None:
-    """Whether the plan was made for this model (its fingerprint: parameter names, shapes, dtypes), built on meta."""
+def plan_fit_problem(model_dir: Path, plan, lora: dict | None = None) -> str | None:
+    """Whether the plan was made for this model (its fingerprint: parameter names, shapes, dtypes) with these
+    LoRA settings (``apply_lora``'s arguments, or None), built on meta."""
     import torch
 
+    from elixir_tune.lora import LoraError, apply_lora, lora_settings
     from elixir_tune.plan import model_fingerprint
     from elixir_tune.profiler import ModelSourceError, load_model_source
 
@@ -125,6 +152,14 @@ def plan_fit_problem(model_dir: Path, plan) -> str | None:
             model = load_model_source(str(model_dir)).build_model()
     except (ModelSourceError, ValueError, ImportError) as error:
         return f"{model_dir}: cannot be built from its config.json: {error}"
+    if lora is not None:
+        try:
+            model = apply_lora(model, **lora)
+        except LoraError as error:
+            return f"--lora-*: {error}"
+    mismatch = lora_plan_problem(lora_settings(model), plan, model_dir)
+    if mismatch:
+        return mismatch
     found = model_fingerprint(model)
     if found != plan.model.fingerprint:
         return (
@@ -134,19 +169,38 @@ def plan_fit_problem(model_dir: Path, plan) -> str | None:
     return None
 
 
-def write_usable_dir(model, model_dir: Path, out: str, max_shard_size: str, rank: int) -> None:
-    """``--save-pretrained``: weights and config (collective), then the tokenizer files and generation config."""
-    import elixir_tune
+def write_usable_dir(model, model_dir: Path, args, rank: int) -> str:
+    """``--save-pretrained``: the weights (collective), then the tokenizer files and generation config.
 
-    elixir_tune.save_pretrained(model, out, max_shard_size=max_shard_size)
+    Without LoRA the weights and config; with LoRA the adapter in PEFT's format (adapter_config.json +
+    adapter_model.safetensors), or with ``--merge-lora`` the full model with the adapters merged.
+
+    Returns:
+        What was written, for the closing line.
+    """
+    import elixir_tune
+    from elixir_tune.lora import save_adapter, save_merged
+
+    out = args.save_pretrained
+    if lora_options(args) is None:
+        elixir_tune.save_pretrained(model, out, max_shard_size=args.max_shard_size)
+        written = "the model (load it with AutoModelForCausalLM.from_pretrained)"
+    elif args.merge_lora:
+        save_merged(model, out)
+        written = "the model with the LoRA adapters merged (load it with AutoModelForCausalLM.from_pretrained)"
+    else:
+        save_adapter(model, out)
+        written = f"the LoRA adapter (load it with PeftModel.from_pretrained(base, {out}))"
     if rank != 0:
-        return
+        return written
     tokenizer = load_tokenizer(model_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     source_generation = model_dir / "generation_config.json"
-    if source_generation.is_file():  # the source's sampling defaults win over the one derived from config
+    if source_generation.is_file() and (lora_options(args) is None or args.merge_lora):
+        # the source's sampling defaults win over the one derived from config
         shutil.copyfile(source_generation, Path(out) / "generation_config.json")
+    return written
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,11 +210,13 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
     import elixir_tune
+    from elixir_tune.data import DataError, load_data
+    from elixir_tune.lora import LoraError, apply_lora
     from elixir_tune.profiler import load_model_source
+    from elixir_tune.recipes.finetune_options import data_spec
     from elixir_tune.recipes.loop import fail_once, train
     from elixir_tune.recipes.metrics import metric_problems
     from elixir_tune.recipes.options import plan_and_device
-    from elixir_tune.recipes.text_data import DataProblem, load_training_data
 
     args = parse_options(build_parser(), sys.argv[1:] if argv is None else argv)
     plan_path, plan, device = plan_and_device()  # $ELIXIR_TUNE_PLAN, set by elixir-run
@@ -169,13 +225,20 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = resolve_model_dir(args.model or plan.model.source, plan_path)
     except ValueError as error:
         return fail_once(str(error), rank)
-    if metric_problems(args):
-        return fail_once(metric_problems(args)[0], rank)
+    problems = metric_problems(args) + lora_option_problems(args)
+    if problems:
+        return fail_once(problems[0], rank)
 
     torch.manual_seed(args.seed)  # the initializer's seed with --from-scratch
     source = load_model_source(str(model_dir))
     with torch.device("meta"):  # shapes only: the weights go straight into the shards
         model = source.build_model()
+        lora = lora_options(args)
+        if lora is not None:  # PEFT's adapters on the meta model: setup puts the frozen base in frozen chunks
+            try:
+                model = apply_lora(model, **lora)
+            except LoraError as error:
+                return fail_once(str(error), rank)
     num_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     try:
@@ -189,13 +252,17 @@ def main(argv: list[str] | None = None) -> int:
     world = dist.get_world_size() if dist.is_initialized() else 1
 
     tokenizer = load_tokenizer(model_dir)
+    if tokenizer is None and source.vocab_size is not None and source.vocab_size < 256:
+        return fail_once(
+            f"the model has no tokenizer and its vocabulary ({source.vocab_size}) is too small for bytes", rank
+        )
     try:
-        data = load_training_data(args, tokenizer, plan.training.seq_len, source.vocab_size)
-    except DataProblem as error:
+        data = load_data(data_spec(args), tokenizer, plan.training.seq_len)
+    except DataError as error:
         return fail_once(str(error), rank)
     if rank == 0:
         described = f"{type(tokenizer).__name__} ({len(tokenizer):,} tokens)" if tokenizer else "bytes (no tokenizer)"
-        print(f"data: {data.describe()}, tokenizer {described}", flush=True)
+        print(f"tokenizer: {described}", flush=True)
     code = train(
         args,
         model,
@@ -210,9 +277,9 @@ def main(argv: list[str] | None = None) -> int:
         world=world,
     )
     if code == 0 and args.save_pretrained:
-        write_usable_dir(model, model_dir, args.save_pretrained, args.max_shard_size, rank)
+        written = write_usable_dir(model, model_dir, args, rank)
         if rank == 0:
-            print(f"wrote {args.save_pretrained} (load it with transformers' from_pretrained)", flush=True)
+            print(f"wrote {args.save_pretrained}: {written}", flush=True)
     if code == 0 and dist.is_initialized():
         dist.destroy_process_group()
     return code

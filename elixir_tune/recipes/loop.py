@@ -3,8 +3,8 @@
 Everything after the model is set up: the run's length (``--steps``, or ``--epochs`` over the data's samples),
 resume, the LR schedule, the plan's micro-batches, evaluation every ``--eval-every`` steps and at the end (with
 ``--keep-best``), rank 0's reporting (progress.py), checkpoints (every N steps, at the end, and on
-SIGINT/SIGTERM), and the final summary. The data (text_data.py, or the data interface) gives each data-parallel
-rank its rows of a step's global batch.
+SIGINT/SIGTERM), and the final summary. The data (``elixir_tune.data.TrainData``, or pretrain's text_data.py)
+gives each data-parallel rank its rows of a step's global batch.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def train(
         model: the ElixirModel ``setup`` returned.
         optimizer: its sharded optimizer.
         plan: the plan the job runs.
-        data: the training data (text_data.py or the data interface): ``batch``, ``num_samples``, ``epoch``,
+        data: the training data (``TrainData``, or text_data.py's): ``batch``, ``num_samples``, ``epoch``,
             ``eval_batches``, ``describe``.
         script: the recipe's name, for the log.
         model_name: the model's name, for the log.
@@ -153,6 +153,8 @@ def train(
     # Each data-parallel index trains on its rows; the ranks of one pipeline (or tensor) group share them.
     data_rank, data_size = elixir_tune.data_rank(), elixir_tune.data_size()
     tokens_per_step = training.global_batch_size * training.seq_len
+    # describe() may encode every training sample to count tokens: rank 0 alone reports it.
+    described = data.describe().removeprefix("data: ") if rank == 0 else ""
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, steps // 10)
     header = {
         "script": script,
@@ -166,7 +168,7 @@ def train(
         "micro_batch_size": micro,
         "grad_accum_steps": accum,
         "seq_len": training.seq_len,
-        "data": data.describe(),
+        "data": described,
         "lr": args.lr,
         "seed": args.seed,
         "steps_planned": steps,
@@ -184,7 +186,7 @@ def train(
             f"{length} of {training.global_batch_size} x {training.seq_len} tokens "
             f"(micro-batch {micro} x accumulation {accum} x data-parallel {plan.data_parallel_size}"
             + (f"; {world} workers" if plan.data_parallel_size != world else "")
-            + f"), data: {data.describe()}"
+            + f"), data: {described}"
         )
 
     checkpoint_extra = {"steps": steps, "seed": args.seed, "lr": args.lr, "warmup_steps": warmup, "data": args.data}

@@ -10,7 +10,6 @@ weights moved from the pretrained ones; LOGS has TensorBoard scalars; ``ckpt/bes
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
@@ -32,12 +31,14 @@ def plain_eval_loss(model_dir: Path, data: Path) -> tuple[float, int, int]:
     """(token-weighted mean loss over the split, its tokens, training samples), with plain transformers."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from elixir_tune.recipes.text_data import load_training_data
+    from elixir_tune.data import load_data
+    from elixir_tune.recipes.finetune import build_parser
+    from elixir_tune.recipes.finetune_options import data_spec
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    args = argparse.Namespace(data=str(data), eval_fraction=EVAL_FRACTION, eval_data=None, seed=0)
-    split = load_training_data(args, tokenizer, SEQ_LEN, model.config.vocab_size)
+    args = build_parser().parse_args(["--data", str(data), "--eval-fraction", str(EVAL_FRACTION)])
+    split = load_data(data_spec(args), tokenizer, SEQ_LEN)  # the recipe's own data path: text packed into windows
     weighted, tokens = 0.0, 0
     with torch.no_grad():
         for batch in split.eval_batches(3):  # another batch size than the run's: the mean must not depend on it

@@ -1,0 +1,203 @@
+"""The fine-tuning recipe's data and LoRA options, and the checks on them that elixir-run's preflight runs.
+
+Data: ``--data``, ``--format``, ``--text-mode``, ``--packing``, ``--eval-fraction`` and ``--eval-data`` map to
+``elixir_tune.data.DataSpec`` (``data_spec``); ``data_problems`` runs ``inspect_data`` (the file parses and fits a
+format) and the checks that need the tokenizer or the plan: messages need a chat template, the non-text formats a
+tokenizer, and packed rows (``position_ids``, no ``attention_mask``) reach the model only under a plain or 1D
+tensor plan. LoRA: ``--lora-rank R`` (> 0 turns it on), ``--lora-alpha``, ``--lora-dropout``, ``--lora-targets``
+give ``apply_lora``'s arguments (``lora_options``); the plan's ``model.lora`` must be what they give, since the
+profile and the search priced that model (``lora_plan_problem``); ``lora_flags`` writes a profile's settings back
+as these options (search prints them). Nothing heavy is imported at module level.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from elixir_tune.data import DataError, DataSpec, inspect_data
+from elixir_tune.data.formats import FORMATS, TEXT_MODES
+
+
+def add_data_args(parser: argparse.ArgumentParser, default_data: str) -> None:
+    """``--data``, ``--format``, ``--text-mode`` and ``--packing`` (the eval options are every recipe's)."""
+    parser.add_argument(
+        "--data",
+        default=default_data,
+        help="a .txt file, a JSON/JSONL/Parquet/CSV file of records (text, prompt+completion or messages), "
+        "or a datasets.save_to_disk directory",
+    )
+    parser.add_argument(
+        "--format",
+        default="auto",
+        choices=("auto", *FORMATS),
+        help="the data format (default: detected from the records' fields, and printed)",
+    )
+    parser.add_argument(
+        "--text-mode",
+        default="pack",
+        choices=TEXT_MODES,
+        help="text: pack (documents joined and cut into full seq_len windows), or one sample per "
+        "document, line or paragraph",
+    )
+    parser.add_argument(
+        "--packing",
+        action="store_true",
+        help="put several samples in one row, each attending only to itself (position_ids restart per sample)",
+    )
+
+
+def add_lora_args(parser: argparse.ArgumentParser) -> None:
+    """``--lora-rank`` and its companions, as ``elixir-tune profile`` takes them, plus ``--merge-lora``."""
+    parser.add_argument(
+        "--lora-rank", type=int, default=0, metavar="R", help="train LoRA adapters of rank R on a frozen base (0: off)"
+    )
+    parser.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: 2 x rank)")
+    parser.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input")
+    parser.add_argument(
+        "--lora-targets", default=None, metavar="A,B", help="modules to adapt, e.g. q_proj,v_proj (default: PEFT's)"
+    )
+    parser.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="with --save-pretrained: write a full model with the adapters merged instead of the adapter alone",
+    )
+
+
+def lora_option_problems(args: argparse.Namespace) -> list[str]:
+    """LoRA options that contradict each other (each a line saying what to add or drop)."""
+    problems = []
+    if args.lora_rank < 0:
+        problems.append(f"--lora-rank must be 0 (no LoRA) or more, not {args.lora_rank}")
+    given = [f"--{name}" for name in ("lora-alpha", "lora-targets") if getattr(args, name.replace("-", "_"))]
+    if args.lora_dropout:
+        given.append("--lora-dropout")
+    if args.merge_lora:
+        given.append("--merge-lora")
+    if args.lora_rank == 0 and given:
+        verb = "needs" if len(given) == 1 else "need"
+        problems.append(
+            f"{', '.join(given)} {verb} --lora-rank R (e.g. 8): add it, or drop {'it' if len(given) == 1 else 'them'}"
+        )
+    if args.merge_lora and not args.save_pretrained:
+        problems.append("--merge-lora writes the merged model to --save-pretrained DIR: add --save-pretrained")
+    return problems
+
+
+def lora_options(args: argparse.Namespace) -> dict[str, Any] | None:
+    """``apply_lora``'s keyword arguments from the options, or None without ``--lora-rank``."""
+    if args.lora_rank <= 0:
+        return None
+    return {
+        "rank": args.lora_rank,
+        "alpha": args.lora_alpha,
+        "dropout": args.lora_dropout,
+        "target_modules": args.lora_targets,
+    }
+
+
+def lora_flags(settings: dict[str, Any]) -> str:
+    """A plan's or profile's ``lora`` settings as the recipe's options (what ``profile --lora-*`` was given).
+
+    Args:
+        settings: ``rank``, ``alpha``, ``dropout`` and ``target_modules`` (``elixir_tune.lora.lora_settings``).
+
+    Returns:
+        ``--lora-rank 8 --lora-alpha 16 --lora-targets q_proj,v_proj`` (dropout only when not 0).
+    """
+    flags = f"--lora-rank {settings['rank']} --lora-alpha {float(settings['alpha']):g}"
+    if settings.get("dropout"):
+        flags += f" --lora-dropout {float(settings['dropout']):g}"
+    return flags + f" --lora-targets {','.join(settings['target_modules'])}"
+
+
+def lora_plan_problem(found: dict[str, Any], plan, model_dir: Path) -> str | None:
+    """Whether the options' LoRA (``found``: ``lora_settings`` of the model they build) is the plan's.
+
+    Args:
+        found: the LoRA settings the options give ({} without LoRA).
+        plan: the plan the job runs.
+        model_dir: the model, for the profile command in the message.
+
+    Returns:
+        None when they agree; otherwise one line with the options that fit the plan.
+    """
+    planned = dict(plan.model.lora or {})
+    if found == planned:
+        return None
+    if not planned:
+        return (
+            "the plan was made without LoRA: profile with the same options (`elixir-tune profile "
+            f"{model_dir} {lora_flags(found)}`) and search again, or drop the --lora-* options"
+        )
+    if not found:
+        return f"the plan was made for LoRA: add {lora_flags(planned)} (or profile and search without LoRA)"
+    return (
+        f"the plan was made for LoRA {lora_flags(planned)}, the options give {lora_flags(found)}: use the plan's, "
+        "or profile with the same --lora-* options and search again"
+    )
+
+
+def data_spec(args: argparse.Namespace) -> DataSpec:
+    """The recipe's data options as ``elixir_tune.data.DataSpec``."""
+    return DataSpec(
+        path=str(args.data),
+        format=args.format,
+        text_mode=args.text_mode,
+        packing=args.packing,
+        eval_fraction=args.eval_fraction,
+        eval_path=args.eval_data,
+        seed=args.seed,
+    )
+
+
+def data_problems(args: argparse.Namespace, plan) -> tuple[list[str], str | None]:
+    """The data checks that need no tokenizer: the files exist, parse and fit a format; packing fits the plan.
+
+    Args:
+        args: the recipe's options.
+        plan: the plan the job runs.
+
+    Returns:
+        (one line per problem, the detected format or None when the data does not read).
+    """
+    missing = [
+        f"{option} {path}: no such file"
+        for option, path in (("--data", args.data), ("--eval-data", args.eval_data))
+        if path and not Path(path).exists()
+    ]
+    problems = list(missing)
+    if args.packing and plan.parallel.pipeline.stages > 1:
+        problems.append(
+            f"--packing: a pipeline plan ({plan.parallel.pipeline.stages} stages) does not carry the packed rows' "
+            "position_ids between stages; search with --fix pipeline=1, or drop --packing"
+        )
+    if args.packing and plan.parallel.tensor.degree > 1 and plan.parallel.tensor.mode == "2d":
+        problems.append(
+            "--packing: a 2D tensor plan does not carry the packed rows' position_ids; search for a 1D tensor "
+            "or data-parallel plan, or drop --packing"
+        )
+    if missing:
+        return problems, None
+    try:
+        info = inspect_data(data_spec(args))
+    except DataError as error:
+        return [*problems, str(error)], None
+    return problems, info.format
+
+
+def tokenizer_problem(data_format: str | None, tokenizer) -> str | None:
+    """A format the tokenizer cannot serve: no tokenizer for records, no chat template for messages."""
+    from elixir_tune.data.chat import check_chat_tokenizer
+
+    if data_format in (None, "text"):
+        return None
+    try:
+        if tokenizer is None:
+            raise DataError(f"format {data_format} needs the model's tokenizer; the model directory has none")
+        if data_format == "messages":
+            check_chat_tokenizer(tokenizer)
+    except DataError as error:
+        return str(error)
+    return None
