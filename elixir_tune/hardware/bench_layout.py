@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -123,7 +124,7 @@ def _pipeline(hidden: int, heads: int, x: torch.Tensor, micro_batches: int) -> C
     rank, ranks = dist.get_rank(), dist.get_world_size()
     micro = x[: x.shape[0] // micro_batches]
     example = torch.empty_like(micro).requires_grad_()
-    stages = [
+    stages: list[Any] = [
         pipelining.PipelineStage(
             SplitProbeBlock(hidden, heads),
             index,
