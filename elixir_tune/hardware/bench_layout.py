@@ -189,13 +189,13 @@ def layout_ratios(shape: tuple[int, int, int, int] = LAYOUT_SHAPE, repeats: int 
     return {key: statistics.median(times[key] for times in rounds) for key in rounds[0]}
 
 
-def _worker(rank: int, init_file: str, rounds: int, out_path: str) -> None:
+def _worker(rank: int, init_file: str, rounds: int, shape: tuple[int, int, int, int], out_path: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=300)
     )
     try:
-        results = [layout_ratios() for _ in range(rounds)]
+        results = [layout_ratios(shape) for _ in range(rounds)]
     finally:
         dist.destroy_process_group()
     if rank == 0:
@@ -207,13 +207,25 @@ def main(argv: list[str] | None = None) -> int:
     """Measures the layout ratios ``--repeats`` times in 2 fresh processes of 1 thread each and
     prints every round and the medians as JSON."""
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of layout_ratios, 10 rounds each")
+    parser.add_argument(
+        "--shape",
+        default=",".join(map(str, LAYOUT_SHAPE)),
+        help="batch,seq,hidden,heads of the block (batch divisible by 4, hidden by heads and by 2)",
+    )
     args = parser.parse_args(argv)
+    try:
+        batch, seq, hidden, heads = (int(v) for v in args.shape.split(","))
+    except ValueError:
+        parser.error(f"--shape: expected 4 integers batch,seq,hidden,heads, got {args.shape!r}")
+    if batch % MICRO_BATCHES or hidden % heads or heads % 2 or seq % 2:
+        parser.error(f"--shape {args.shape}: batch must divide by {MICRO_BATCHES}, hidden by heads, heads and seq by 2")
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="elixir-layout-") as tmp:
         out_path = os.path.join(tmp, "out.json")
-        mp.spawn(_worker, args=(os.path.join(tmp, "init"), args.repeats, out_path), nprocs=2)
+        shape = (batch, seq, hidden, heads)
+        mp.spawn(_worker, args=(os.path.join(tmp, "init"), args.repeats, shape, out_path), nprocs=2)
         with open(out_path) as out:
             rounds = json.load(out)
     medians = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
