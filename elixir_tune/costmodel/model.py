@@ -310,7 +310,10 @@ class CostModel:
         change the rate (measured on the CPU: a 256-wide block at 128 and 512 tokens per call ran
         within 1.3x, and plain PyTorch at micro-batch 2x4 as fast as 8x1)."""
         if micro_batch_size not in self._rates:
-            tflops = self.hardware.compute_tflops(self.dtype, self.block_numel()) * self.parallel_costs.rate_factor
+            costs = self.parallel_costs
+            # A measured tensor-split ratio covers the narrower matrices: read the whole block's rate.
+            numel = costs.full_block_numel() if costs.tensor_extra_ratio else self.block_numel()
+            tflops = self.hardware.compute_tflops(self.dtype, numel) * costs.rate_factor
             self._rates[micro_batch_size] = tflops * 1e12
         return self._rates[micro_batch_size]
 

@@ -16,6 +16,12 @@ Prices the formulas of ``costmodel/parallel.py`` with the hardware's links:
   is a partial sum, all-reduced over the tensor group once per micro-batch (the engine's
   ``local_grad``; measured: 18 all-reduces per micro-batch for the 18 norm parameters of a 4-layer
   GPT-2);
+* on a CPU device whose spec carries the probe's layout ratios (``hardware/bench_layout.py``), the
+  measured ratios replace the link-priced costs that they cover: a tensor-split block costs
+  ``tensor2_block_extra_ratio`` x the whole-width block's time beyond its share of the work
+  (DTensor dispatch, collectives and waits, narrower matrices: the rank's compute is then read at
+  the whole block's rate), and a pipeline's sends and schedule cost
+  ``pipeline_microbatch_extra_ratio`` x the stage's compute (the bubble stays modelled);
 * a tied parameter held by the first and the last stage (GPT-2's ``wte``) is all-reduced between
   them once per step, after backward.
 """
@@ -81,6 +87,11 @@ class ParallelTimes:
         # On a CPU device the sends run on the compute cores (gloo), so they do not overlap the compute.
         self.serial_sends = hardware.device == "cpu"
         self.hidden = full.arch.hidden_size
+        on_cpu = hardware.device == "cpu"
+        self.tensor_extra_ratio = hardware.tensor2_block_extra_ratio if on_cpu and layout.tensor > 1 else 0.0
+        self.pipeline_extra_ratio = hardware.pipeline_microbatch_extra_ratio if on_cpu else 0.0
+        self.hardware = hardware
+        self.dtype = dtype
         arch = full.arch
         if layout.tensor > 1 and not (arch.hidden_size and arch.num_heads):
             raise ValueError(
@@ -100,7 +111,11 @@ class ParallelTimes:
         # A measured block-rate curve is read at the rank's (smaller) block already; without one the
         # narrower matrices follow the documented rule.
         has_curve = bool(hardware.block_tflops_curves.get(dtype) or hardware.block_tflops_curves.get("fp32"))
-        self.rate_factor = 1.0 if has_curve else tp_efficiency(self.hidden, layout.tensor, layout.tensor_mode)
+        self.rate_factor = (
+            1.0
+            if has_curve or self.tensor_extra_ratio
+            else tp_efficiency(self.hidden, layout.tensor, layout.tensor_mode)
+        )
         self.last_stage = last_stage(len(full.blocks), layout.pipeline, layout.assignment)
         edges = (stage == 0) + (stage == self.last_stage)
         self.edge_collectives = TP_EDGE_COLLECTIVES * edges if layout.tensor > 1 else 0
@@ -168,6 +183,23 @@ class ParallelTimes:
         wire = tp_1d_layer_bytes(tokens, self.hidden, layout.tensor, self.dtype_bytes)
         return 2 * TP_1D_FORWARD_COLLECTIVES * self.latency_s + wire / self.intra_bps, 0.5
 
+    def full_block_numel(self) -> float:
+        """Parameters of the whole model's mean block (where a measured ratio reads the rate)."""
+        blocks, params = self.full.blocks, self.full.params
+        if not blocks:
+            return float(sum(p.numel for p in params))
+        return sum(p.numel for b in blocks for p in params[b.first_param : b.first_param + b.num_params]) / len(blocks)
+
+    def plain_block_s(self, micro_batch_size: int) -> float:
+        """Forward+backward seconds of the whole model's mean block, unsplit, at the hardware's
+        block rate, with its call overhead: what ``tensor2_block_extra_ratio`` is a share of."""
+        blocks = self.full.blocks
+        if not blocks:
+            return 0.0
+        fwd_flops = sum(b.fwd_flops_per_sample for b in blocks) / len(blocks)
+        rate = self.hardware.compute_tflops(self.dtype, self.full_block_numel()) * 1e12
+        return micro_batch_size * 3 * fwd_flops / rate + self.hardware.block_call_overhead_s
+
     def tensor_comm_s(self, micro_batch_size: int, blocks: int, recomputed_blocks: int) -> float:
         """Seconds of tensor collectives in one micro-batch of this rank.
 
@@ -182,6 +214,9 @@ class ParallelTimes:
         layer_s, forward_share = self.tensor_layer_s(micro_batch_size)
         if layer_s == 0.0:
             return 0.0
+        if self.tensor_extra_ratio:
+            # Measured on this machine: what the split adds to a block, per whole-width block time.
+            layer_s = self.tensor_extra_ratio * self.plain_block_s(micro_batch_size)
         degree = self.layout.tensor
         edge_bytes = micro_batch_size * self.full.seq_len * self.hidden * self.dtype_bytes * (degree - 1) / degree
         edges_s = self.edge_collectives * (self.latency_s + edge_bytes / self.intra_bps)
@@ -205,7 +240,10 @@ class ParallelTimes:
         bubble_s = stage_compute_s * fraction / (1.0 - fraction) if fraction < 1.0 else math.inf
         send_s = self.latency_s + micro_batch_size * self.send_bytes_per_sample / self.pipeline_bps
         sends = 2 * micro_batches * p2p_sends_per_micro_batch(num_blocks, stages, layout.assignment)
-        if self.serial_sends:
+        if self.pipeline_extra_ratio:
+            # Measured on this machine: the schedule and the hand-overs, a share of the compute.
+            p2p_s = self.pipeline_extra_ratio * stage_compute_s
+        elif self.serial_sends:
             p2p_s = (2 * (stages - 1) + sends) * send_s
         else:
             p2p_s = 2 * (stages - 1) * send_s + max(0.0, sends * send_s - stage_compute_s)

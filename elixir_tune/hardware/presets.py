@@ -134,6 +134,10 @@ def spec_problems(spec: HardwareSpec) -> list[str]:
     for dtype, value in (spec.matmul_peak_tflops or {}).items():
         if not _is_number(value) or value <= 0:
             problems.append(f"matmul_peak_tflops.{dtype}: expected a positive number, got {value!r}")
+    for name in ("tensor2_block_extra_ratio", "pipeline_microbatch_extra_ratio"):
+        value = getattr(spec, name)
+        if not _is_number(value) or not 0 <= value < 100:
+            problems.append(f"{name}: expected a ratio in [0, 100) (0: not measured), got {value!r}")
     node_adam = spec.cpu_adam_node_elems_per_s
     if not _is_number(node_adam) or node_adam < 0:
         problems.append(f"cpu_adam_node_elems_per_s: expected a number >= 0 (0: derived), got {node_adam!r}")

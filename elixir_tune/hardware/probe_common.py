@@ -130,6 +130,7 @@ def run_collectives(
     budget_s: float,
     timeout_s: float,
     block_shapes: list[tuple[int, int, int, int]] | None = None,
+    layout_repeats: int = 0,
 ) -> tuple[dict, float, float, str]:
     """Runs the multi-process benchmarks (collectives, concurrent copies, CPU Adam).
 
@@ -147,6 +148,7 @@ def run_collectives(
             budget_s=budget_s,
             timeout_s=timeout_s,
             block_shapes=block_shapes,
+            layout_repeats=layout_repeats,
         )
     except RuntimeError as error:
         raise ProbeError(str(error)) from None

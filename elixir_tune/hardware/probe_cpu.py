@@ -12,6 +12,7 @@ from elixir_tune.hardware.bench_copy import (
     host_copy_curve,
     host_copy_latency_s,
 )
+from elixir_tune.hardware.bench_layout import LAYOUT_SHAPE
 from elixir_tune.hardware.bench_threads import thread_handoff_s
 from elixir_tune.hardware.probe_common import (
     CPU_BLOCKS,
@@ -94,8 +95,9 @@ def probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
             copy_sizes,
             adam_elements,
             budget_s=2 * budget,
-            timeout_s=90 if quick else 300,
+            timeout_s=150 if quick else 420,
             block_shapes=block_shapes,
+            layout_repeats=(3 if quick else 9) if procs == 2 else 0,
         )
         allgather, reduce_scatter = workers["allgather"], workers["reduce_scatter"]
         # On the CPU a collective's fixed cost is what it takes between compute (ranks arriving
@@ -125,7 +127,15 @@ def probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
                 "reduce_scatter_gbps": reduce_scatter,
             }
         )
+        layout = workers.get("layout", {})
+        if layout:
+            layout_note = (
+                f"measured: hardware/bench_layout.py at degree 2, a GPT-2 block {LAYOUT_SHAPE} (batch, seq, hidden, "
+                f"heads), median over rounds, both processes at once, {how}"
+            )
+            sources["tensor2_block_extra_ratio"] = sources["pipeline_microbatch_extra_ratio"] = layout_note
     else:
+        layout = {}
         say(progress, "CPU Adam")
         adam, adam_impl = adam_elems_per_s(cpu, adam_elements, budget)
         h2d_all = h2d
@@ -202,4 +212,6 @@ def probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
         thread_handoff_s=handoff_s,
         cpu_adam_node_elems_per_s=node_adam,
         shared_host_link=shared_link,
+        tensor2_block_extra_ratio=max(0.0, layout.get("tensor2_block_extra_ratio", 0.0)),
+        pipeline_microbatch_extra_ratio=max(0.0, layout.get("pipeline_microbatch_extra_ratio", 0.0)),
     )

@@ -79,6 +79,15 @@ class HardwareSpec:
             forward (non-causal, as MFU tables count them); when set, a model's attention FLOPs
             run at this rate and the rest at the block or model rate, so that the rate falls with
             the sequence length. Empty: one rate for all FLOPs.
+        tensor2_block_extra_ratio: on a CPU device, what splitting a transformer block over 2
+            tensor ranks adds beyond half its work (DTensor dispatch, the all-gathers and
+            reduce-scatters and their waits, narrower matrices), as a share of the plain block's
+            forward+backward time (``hardware/bench_layout.py``); 0: not measured, the collectives
+            are priced from the links alone.
+        pipeline_microbatch_extra_ratio: on a CPU device, what a pipeline's schedule and its
+            stages' hand-overs (activations and their gradients) add beyond the bubble, as a share
+            of a stage's compute (``hardware/bench_layout.py``); 0: not measured, the sends are
+            priced from the links alone.
         best_mfu: the best model-FLOPs utilisation published for this hardware class per dtype
             (useful FLOPs over the datasheet peak): the search predicts no plan faster
             (``costmodel.rates.plausibility_bound``). Empty: no compute bound.
@@ -118,6 +127,8 @@ class HardwareSpec:
     thread_handoff_s: float = 0.0
     attention_tflops: dict[str, float] = field(default_factory=dict)
     best_mfu: dict[str, float] = field(default_factory=dict)
+    tensor2_block_extra_ratio: float = 0.0
+    pipeline_microbatch_extra_ratio: float = 0.0
 
     def cpu_adam_rate_per_rank(self, ranks_on_node: int) -> float:
         """Host Adam elements/s one rank gets when ``ranks_on_node`` ranks step at once.

@@ -198,6 +198,11 @@ def worker_main(config: dict) -> None:
             phase("blocks")
             result["loaded_latency_s"] = _loaded_latency_s(device, shapes[0], config["budget_s"])
             phase("loaded_latency")
+        if config.get("layout_ratios"):
+            from elixir_tune.hardware.bench_layout import layout_ratios
+
+            result["layout"] = layout_ratios(repeats=config["layout_repeats"])
+            phase("layout_ratios")
     finally:
         dist.destroy_process_group()
     result["phases_s"] = phases_s
@@ -224,6 +229,7 @@ def run_workers(
     budget_s: float,
     timeout_s: float,
     block_shapes: list[tuple[int, int, int, int]] | None = None,
+    layout_repeats: int = 0,
 ) -> dict:
     """Runs ``world_size`` probe workers and merges what they measured.
 
@@ -237,11 +243,13 @@ def run_workers(
         budget_s: time each worker spends measuring, roughly.
         timeout_s: hard limit; workers still running then are killed.
         block_shapes: (batch, seq, hidden, heads) of the fp32 block-rate curve (cpu), or None.
+        layout_repeats: cpu, 2 workers: rounds of the layout ratios (``bench_layout``); 0: none.
 
     Returns:
         {"allgather": {bytes: busbw GB/s}, "reduce_scatter": {...}, "latency_s": float (a tiny
         all-gather), with block shapes also "block_curve", "block_overhead_s", "pointwise_gbps" and
-        "loaded_latency_s" (a tiny all-gather between blocks),
+        "loaded_latency_s" (a tiny all-gather between blocks), with layout repeats "layout"
+        (``bench_layout.layout_ratios``, already the slowest rank's),
         "reduce_scatter_impl": str, "host_copy_all": {bytes: GB/s per process} (cpu),
         "cpu_adam_elems_per_s": float (mean over ranks), "cpu_adam_impl": str, "backend": str}.
 
@@ -268,6 +276,8 @@ def run_workers(
                 "timeout_s": timeout_s,
                 "out_dir": out_dir,
                 "block_shapes": block_shapes,
+                "layout_ratios": layout_repeats > 0 and device == "cpu" and world_size == 2,
+                "layout_repeats": layout_repeats,
             }
             log_paths.append(Path(out_dir, f"rank{rank}.log"))
             with open(log_paths[-1], "w") as log:
@@ -323,6 +333,8 @@ def _merge(results: list[dict]) -> dict:
         for key in ("block_overhead_s", "pointwise_gbps"):
             merged[key] = statistics.fmean(r[key] for r in results)
         merged["loaded_latency_s"] = first["loaded_latency_s"]  # already the slowest rank's
+    if "layout" in first:
+        merged["layout"] = first["layout"]
     merged["cpu_adam_impl"] = first["cpu_adam_impl"]
     return merged
 

@@ -1,0 +1,103 @@
+"""The CPU layout ratios (hardware/bench_layout.py): the spec's fields, their checks, and how the cost
+model prices a tensor split and a pipeline with them on a CPU device (costmodel/parallel_time.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from elixir_tune.costmodel.model import CostModel, Shape
+from elixir_tune.costmodel.parallel import Layout
+from elixir_tune.costmodel.synthetic import gpt2_profile
+from elixir_tune.hardware.presets import load_hardware, spec_problems
+from elixir_tune.hardware.spec import HardwareSpec
+
+
+@pytest.fixture(scope="module")
+def profile():
+    return gpt2_profile("p", hidden=64, layers=4, heads=4, vocab=256, positions=32, seq_len=32)
+
+
+@pytest.fixture(scope="module")
+def cpu() -> HardwareSpec:
+    return load_hardware("cpu")
+
+
+def _shape(model: CostModel, micro_batch_size: int, accum: int) -> Shape:
+    chunk = sum(p.numel for p in model.full_profile.params)  # one chunk: the whole model
+    return Shape(
+        chunk_size=chunk,
+        cache_blocks=1,
+        prefetch=1,
+        num_offloaded=0,
+        every=0,
+        micro_batch_size=micro_batch_size,
+        grad_accum_steps=accum,
+    )
+
+
+def test_spec_fields_default_to_unmeasured_and_round_trip(cpu):
+    bare = dataclasses.replace(cpu, tensor2_block_extra_ratio=0.0, pipeline_microbatch_extra_ratio=0.0)
+    fields = {f.name: f.default for f in dataclasses.fields(HardwareSpec)}
+    assert fields["tensor2_block_extra_ratio"] == 0.0 and fields["pipeline_microbatch_extra_ratio"] == 0.0
+    again = HardwareSpec.from_dict(cpu.to_dict())
+    assert again.tensor2_block_extra_ratio == cpu.tensor2_block_extra_ratio > 0
+    assert again.pipeline_microbatch_extra_ratio == cpu.pipeline_microbatch_extra_ratio > 0
+    assert "bench_layout" in cpu.sources["tensor2_block_extra_ratio"]
+    assert spec_problems(bare) == []
+
+
+@pytest.mark.parametrize("value", [-0.1, 120.0, "x"])
+def test_a_bad_ratio_is_a_problem(cpu, value):
+    spec = dataclasses.replace(cpu, pipeline_microbatch_extra_ratio=value)
+    assert any(p.startswith("pipeline_microbatch_extra_ratio: expected a ratio") for p in spec_problems(spec))
+
+
+def test_pipeline_sends_on_the_cpu_are_the_measured_share_of_the_compute(profile, cpu):
+    model = CostModel(profile, cpu, gpus_per_node=2, layout=Layout(pipeline=2))
+    shape = _shape(model, 4, 4)
+    mb_compute, _ = model.compute_s(4, 0)
+    breakdown = model.step_time(shape).breakdown
+    assert breakdown["p2p_s"] == pytest.approx(cpu.pipeline_microbatch_extra_ratio * mb_compute * 4)
+    # Unmeasured: back to the link-priced sends, which differ.
+    bare = dataclasses.replace(cpu, pipeline_microbatch_extra_ratio=0.0)
+    linked = CostModel(profile, bare, gpus_per_node=2, layout=Layout(pipeline=2)).step_time(shape).breakdown
+    assert linked["p2p_s"] != pytest.approx(breakdown["p2p_s"])
+    assert linked["pipeline_bubble_s"] == pytest.approx(breakdown["pipeline_bubble_s"])
+
+
+def test_a_tensor_split_on_the_cpu_costs_the_measured_share_of_the_plain_block(profile, cpu):
+    layout = Layout(tensor=2)
+    model = CostModel(profile, cpu, gpus_per_node=2, layout=layout)
+    costs = model.parallel_costs
+    plain_s = costs.plain_block_s(8)
+    block = profile.blocks[0]
+    expected_plain = (
+        8 * 3 * block.fwd_flops_per_sample / (cpu.compute_tflops(model.dtype, costs.full_block_numel()) * 1e12)
+        + cpu.block_call_overhead_s
+    )
+    assert plain_s == pytest.approx(expected_plain)
+    without_blocks = costs.tensor_comm_s(8, 0, 0)  # the edge collectives alone
+    with_blocks = costs.tensor_comm_s(8, len(profile.blocks), 0)
+    assert with_blocks - without_blocks == pytest.approx(
+        len(profile.blocks) * (cpu.tensor2_block_extra_ratio * plain_s + costs.block_norms_s)
+    )
+    # Doubling the ratio adds exactly one more share per block and micro-batch to the step.
+    doubled = dataclasses.replace(cpu, tensor2_block_extra_ratio=2 * cpu.tensor2_block_extra_ratio)
+    shape = _shape(model, 8, 1)
+    step_s = model.step_time(shape).step_time_s
+    doubled_s = CostModel(profile, doubled, gpus_per_node=2, layout=layout).step_time(shape).step_time_s
+    assert doubled_s - step_s == pytest.approx(len(profile.blocks) * cpu.tensor2_block_extra_ratio * plain_s)
+    # The rank's compute is read at the whole block's rate (the ratio covers the narrower matrices).
+    assert model.flops_per_s_at(8) == pytest.approx(cpu.compute_tflops(model.dtype, costs.full_block_numel()) * 1e12)
+
+
+def test_the_ratios_do_not_apply_to_a_gpu(profile):
+    gpu = load_hardware("a100-80gb-sxm")
+    measured = dataclasses.replace(gpu, tensor2_block_extra_ratio=5.0, pipeline_microbatch_extra_ratio=5.0)
+    for layout in (Layout(tensor=2), Layout(pipeline=2)):
+        a = CostModel(profile, gpu, gpus_per_node=8, layout=layout)
+        b = CostModel(profile, measured, gpus_per_node=8, layout=layout)
+        shape = _shape(a, 4, 4)
+        assert a.step_time(shape).step_time_s == pytest.approx(b.step_time(shape).step_time_s)
