@@ -234,6 +234,20 @@ class TensorParallel:
 
 
 @dataclass
+class ExpertParallel:
+    """Expert parallelism: a mixture-of-experts model's experts spread over groups of data ranks.
+
+    Attributes:
+        degree: expert degree E (1: none): each group of E consecutive data ranks holds every expert
+            once (1/E of them per rank) and sends each token to the rank holding its chosen experts;
+            E divides the data size and the experts of each block. Each data rank still feeds its own
+            micro-batches, so the training script is the same as without it.
+    """
+
+    degree: PositiveInt = 1
+
+
+@dataclass
 class ParallelPlan:
     """How the world factors: data x pipeline x tensor.
 
@@ -243,10 +257,12 @@ class ParallelPlan:
     Attributes:
         pipeline: the pipeline dimension.
         tensor: the tensor dimension.
+        expert: expert parallelism inside the data dimension (it adds no ranks).
     """
 
     pipeline: PipelineParallel = field(default_factory=PipelineParallel)
     tensor: TensorParallel = field(default_factory=TensorParallel)
+    expert: ExpertParallel = field(default_factory=ExpertParallel)
 
     @property
     def model_parallel_size(self) -> int:
