@@ -520,12 +520,12 @@ class _AllToAll(torch.autograd.Function):
     """Rows sent to the ranks of an expert group; backward sends their gradients back the reverse way."""
 
     @staticmethod
-    def forward(ctx, rows, comm, send_counts, receive_counts):  # type: ignore[override]
+    def forward(ctx, rows, comm, send_counts, receive_counts):
         ctx.comm, ctx.send_counts, ctx.receive_counts = comm, send_counts, receive_counts
         return _all_to_all(comm, rows, send_counts, receive_counts)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad):
         return _all_to_all(ctx.comm, grad.contiguous(), ctx.receive_counts, ctx.send_counts), None, None, None
 
 

@@ -84,7 +84,7 @@ class EngineState:
             for slot in chunk.slots:
                 full[id(slot.param)] = flat[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
         if self.experts is not None:  # this rank's experts: the whole tensors over the expert group
-            for slot in self.slots:
+            for slot in (slot for chunk in self.chunks for slot in chunk.slots):
                 if id(slot.param) in self.experts.param_slices and id(slot.param) in full:
                     full[id(slot.param)] = self.experts.gather(slot.param, full[id(slot.param)])
         if not (all_ranks or self.comm.rank == 0):

@@ -110,6 +110,8 @@ class ModelInfo:
         tensor_layout: the model's tensor table (``plan/tensor_layout.py``: module pattern ->
             style), from the profile; empty in older plans (the family's built-in table, or the
             engine reads it from the model).
+        num_experts: experts per mixture-of-experts block when the model ships an expert plan
+            (transformers' ``config.base_model_ep_plan``); 0: expert parallelism cannot run it.
         lora: the LoRA adapters the profile was made with (``elixir_tune.lora``: rank, alpha,
             dropout, target_modules); empty for full fine-tuning. ``setup`` refuses a model whose
             adapters differ.
@@ -128,6 +130,7 @@ class ModelInfo:
     foreign_reads: list[ForeignRead] = field(default_factory=list)
     tensor_layout: dict[str, str] = field(default_factory=dict)
     lora: dict[str, Any] = field(default_factory=dict)
+    num_experts: NonNegativeInt = 0
 
 
 @dataclass

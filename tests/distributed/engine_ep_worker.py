@@ -19,7 +19,7 @@ import elixir_tune
 from tests.distributed.engine_plans import make_plan, param_groups
 from tests.distributed.engine_worker import compare, local_micro, mean_over_ranks
 
-SKEW = 30.0
+SKEW = 10.0
 
 
 def global_batches(case: dict, data: int) -> list[dict]:
@@ -34,27 +34,31 @@ def _routers(model) -> list[torch.nn.Module]:
 
 
 @torch.no_grad()
-def skew_routers(model, batch: dict) -> None:
-    """Points each router's row 0 along the mean of its inputs on ``batch``: expert 0 then wins
-    most tokens (deterministic: the same in every process)."""
-    inputs: dict[torch.nn.Module, torch.Tensor] = {}
-    hooks = [
-        router.register_forward_pre_hook(lambda module, args: inputs.setdefault(module, args[0].reshape(-1, args[0].shape[-1])))
-        for router in _routers(model)
-    ]
-    model(**batch)
+def skew_routers(model, batches: list[dict]) -> None:
+    """Sets each router's row 0 to the least-squares fit of a logit of ``SKEW`` for every token of
+    ``batches`` (the router's inputs, from a forward of the untouched model): expert 0 then wins
+    most tokens. Deterministic: the same in every process."""
+    inputs: dict[torch.nn.Module, list[torch.Tensor]] = {}
+
+    def keep(module, args):
+        inputs.setdefault(module, []).append(args[0].reshape(-1, args[0].shape[-1]))
+
+    hooks = [router.register_forward_pre_hook(keep) for router in _routers(model)]
+    for batch in batches:
+        model(**batch)
     for hook in hooks:
         hook.remove()
-    for router, x in inputs.items():
-        mean = x.mean(0)
-        router.weight[0] = SKEW * mean / mean.norm()
+    for router, parts in inputs.items():
+        x = torch.cat(parts)
+        target = torch.full((x.shape[0], 1), SKEW)
+        router.weight[0] = torch.linalg.lstsq(x.double(), target.double()).solution[:, 0].float()
 
 
 def build(case: dict, data: int):
     from tests.zoo.models import build as build_zoo
 
     model = build_zoo(case["model"].removeprefix("zoo:"))
-    skew_routers(model, global_batches(case, data)[0])
+    skew_routers(model, global_batches(case, data))
     opt = torch.optim.AdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95), eps=1e-6, foreach=False)
     return model, opt
 
@@ -76,7 +80,9 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
     )
     model, opt = elixir_tune.setup(model, opt, plan=plan)
     local_shapes = {
-        name: list(p.shape) for name, p in model.module.named_parameters() if name.endswith(("gate_up_proj", "down_proj"))
+        name: list(p.shape)
+        for name, p in model.module.named_parameters()
+        if name.endswith(("gate_up_proj", "down_proj"))
     }
     losses, norms = [], []
     for batch in global_batches(case, world):
@@ -123,7 +129,12 @@ def run_reference(case: dict, data: int) -> dict:
         opt.zero_grad()
         losses.append(float(loss.detach()))
     shares = [float(c.max() / c.sum()) for c in counts.values()]
-    return {"losses": losses, "norms": norms, "state": {k: v.tolist() for k, v in model.state_dict().items()}, "shares": shares}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "state": {k: v.tolist() for k, v in model.state_dict().items()},
+        "shares": shares,
+    }
 
 
 def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> dict:

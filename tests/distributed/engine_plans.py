@@ -31,6 +31,7 @@ from elixir_tune.plan import (
     validate,
 )
 from elixir_tune.plan.memory import align_up, chunk_size_multiple, padded_offsets
+from elixir_tune.profiler.arch import model_arch
 from elixir_tune.tensor_table import model_tensor_table
 
 
@@ -251,6 +252,7 @@ def make_plan(
             num_kv_heads=getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", 0) or 0,
             tensor_layout=model_tensor_table(model)[0] if tensor > 1 else {},
             lora=lora_settings(model),
+            num_experts=model_arch(model).num_experts,
         ),
         cluster=ClusterInfo(
             hardware="test",

@@ -38,7 +38,9 @@ def test_expert2_matches_torch(world2, index):
         # Each rank holds 2 of the 4 experts of every block.
         assert result["local_shapes"] and all(shape[0] == 2 for shape in result["local_shapes"].values())
     first = results[0]
-    assert max(first["shares"]) > 0.4, first["shares"]  # unbalanced: balanced routing gives each expert 0.25
+    # Unbalanced: one expert gets over 3/4 of the tokens (a share of 0.375 of the 2-per-token choices;
+    # balanced routing gives each expert 0.25).
+    assert max(first["shares"]) > 0.375, first["shares"]
     assert len(first["world_losses"]) == CASES[index]["steps"]
     assert first["loss_rel"] <= FP32_REL, (first["case"], first["loss_rel"])
     assert first["weight_abs"] <= FP32_WEIGHT_ABS, (first["case"], first["weight_abs"])

@@ -159,7 +159,7 @@ def split_experts(model: nn.Module, mesh: Mesh, degree: int) -> ExpertSplit:
             mesh.data.broadcast(whole, src=0)
             param.data = whole[first : first + local].clone().to(param.device)
             split.param_slices[id(param)] = (first, local)
-        module.num_experts = local
+        module.num_experts = local  # type: ignore[assignment]  # the family's forward loops over its local experts
         _dispatch(module, group, local, total)
         split.modules[name] = (first, local, total)
     return split
@@ -182,9 +182,7 @@ def _dispatch(module: nn.Module, group: Comm, local: int, total: int) -> None:
         receive_counts = receive_per_expert.view(ranks, local).sum(1).tolist()
         received = all_to_all_rows(group, hidden_states[token_of], send_counts, receive_counts)
         # Row i came from rank s for local expert l: the counts are in (source rank, local expert) order.
-        local_index = torch.repeat_interleave(
-            torch.arange(local).repeat(ranks), receive_per_expert
-        ).to(received.device)
+        local_index = torch.repeat_interleave(torch.arange(local).repeat(ranks), receive_per_expert).to(received.device)
         ones = torch.ones((received.shape[0], 1), dtype=top_k_weights.dtype, device=received.device)
         expert_out = forward(received, local_index[:, None], ones)
         returned = all_to_all_rows(group, expert_out, receive_counts, send_counts)
