@@ -4,6 +4,7 @@ Run by ``engine_launch.py`` as N processes (gloo, CPU). Each case is a dict:
 
     model: zoo:NAME (a mixture-of-experts zoo model, tests/zoo/models.py)
     expert: expert degree E (divides the world: data = world)      chunk_size, clip, steps, accum
+    loop: plain (``model(**batch)`` and ``optimizer.backward`` per micro-batch) or forward_backward
 
 Each data rank takes its own micro-batches of each step's global batch; rank 0 also trains plain
 PyTorch on the whole global batch and reports the largest differences. Every model's routers are
@@ -87,7 +88,15 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
     losses, norms = [], []
     for batch in global_batches(case, world):
         micro = [local_micro(batch, rank, world, accum, k) for k in range(accum)]
-        losses.append(float(model.forward_backward(micro)))
+        if case.get("loop") == "plain":  # what a DDP user writes: each rank its own micro-batches
+            total = 0.0
+            for part in micro:
+                loss = model(**part).loss / accum
+                opt.backward(loss)
+                total += float(loss.detach())
+            losses.append(total)
+        else:
+            losses.append(float(model.forward_backward(micro)))
         if case.get("clip"):
             norms.append(float(opt.clip_grad_norm(case["clip"])))
         opt.step()

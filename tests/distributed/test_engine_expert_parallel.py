@@ -1,7 +1,8 @@
 """Expert parallelism (``parallel.expert.degree``) against plain PyTorch: expert degree 2 at world 2
 (gloo, CPU; data 2: each rank feeds its own micro-batches and holds half of every block's experts,
 tokens dispatched by all-to-all), on the zoo's tiny fused-experts models (hidden 32, 2 layers, 4
-experts, 2 per token). The routers are skewed so that one expert gets most tokens (the ranks then
+experts, 2 per token): Qwen3-MoE under the plain loop (``model(**batch)``, ``optimizer.backward``),
+Mixtral under ``forward_backward`` with 2 micro-batches per step. The routers are skewed so that one expert gets most tokens (the ranks then
 exchange unequal numbers of rows). One launch: losses 1e-5 relative, final weights 1e-5 absolute,
 clipped gradient norms 1e-5 relative (fp32); the full state dict gathers the experts whole, and
 loading it back slices them again.
@@ -18,10 +19,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 FP32_REL = 1e-5
 FP32_WEIGHT_ABS = 1e-5
 CASES = [
-    dict(model="zoo:qwen3_moe", expert=2, chunk_size=4096, clip=0.5, steps=6),
+    dict(model="zoo:qwen3_moe", expert=2, chunk_size=4096, clip=0.5, steps=6, loop="plain"),
     dict(model="zoo:mixtral", expert=2, chunk_size=8192, clip=0.5, steps=2, accum=2),
 ]
-IDS = ["qwen3_moe", "mixtral_accum2"]
+IDS = ["qwen3_moe_plain_loop", "mixtral_forward_backward_accum2"]
 
 
 @pytest.fixture(scope="module")
