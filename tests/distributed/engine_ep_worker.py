@@ -4,6 +4,8 @@ Run by ``engine_launch.py`` as N processes (gloo, CPU). Each case is a dict:
 
     model: zoo:NAME (a mixture-of-experts zoo model, tests/zoo/models.py)
     expert: expert degree E (divides the world: data = world)      chunk_size, clip, steps, accum
+    resume_at: save a checkpoint before this step; after the run, load it and train the same steps
+        again (forward_backward): rank 0's full weights must come out bitwise the same
     loop: plain (``model(**batch)`` and ``optimizer.backward`` per micro-batch) or forward_backward
 
 Each data rank takes its own micro-batches of each step's global batch; rank 0 also trains plain
@@ -64,7 +66,7 @@ def build(case: dict, data: int):
     return model, opt
 
 
-def run_engine(case: dict, rank: int, world: int) -> dict:
+def run_engine(case: dict, rank: int, world: int, checkpoint_dir: str) -> dict:
     from elixir_tune.profiler.blocks import find_block_list
 
     model, opt = build(case, world)
@@ -86,7 +88,11 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
         if name.endswith(("gate_up_proj", "down_proj"))
     }
     losses, norms = [], []
-    for batch in global_batches(case, world):
+    batches = global_batches(case, world)
+    saved_at = case.get("resume_at")
+    for step, batch in enumerate(batches):
+        if step == saved_at:
+            elixir_tune.save_checkpoint(checkpoint_dir, model, opt, step)
         micro = [local_micro(batch, rank, world, accum, k) for k in range(accum)]
         if case.get("loop") == "plain":  # what a DDP user writes: each rank its own micro-batches
             total = 0.0
@@ -102,6 +108,17 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
         opt.step()
         opt.zero_grad()
     full = model.state_dict()  # a collective: every rank calls it
+    resumed_equal = None
+    if saved_at is not None:  # back to the checkpoint, the same steps again: the same weights bitwise
+        elixir_tune.load_checkpoint(checkpoint_dir, model, opt)
+        for batch in batches[saved_at:]:
+            model.forward_backward([local_micro(batch, rank, world, accum, k) for k in range(accum)])
+            if case.get("clip"):
+                opt.clip_grad_norm(case["clip"])
+            opt.step()
+            opt.zero_grad()
+        again = model.state_dict()
+        resumed_equal = all(torch.equal(again[k], v) for k, v in full.items())
     everywhere = model.state_dict(all_ranks=True)
     model.load_state_dict({k: v * 2 for k, v in everywhere.items()})
     model.load_state_dict(everywhere)
@@ -113,6 +130,7 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
         "state": {k: v.tolist() for k, v in full.items()} if rank == 0 else None,
         "local_shapes": local_shapes,
         "round_trip": round_trip,
+        "resumed_equal": resumed_equal,
     }
 
 
@@ -147,13 +165,14 @@ def run_reference(case: dict, data: int) -> dict:
 
 
 def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> dict:
-    engine = run_engine(case, rank, world)
+    engine = run_engine(case, rank, world, f"{out_path}.ckpt{index}")
     world_losses = mean_over_ranks(engine["losses"], world)
     result = {
         "case": case,
         "world_losses": world_losses,
         "local_shapes": engine["local_shapes"],
         "round_trip": engine["round_trip"],
+        "resumed_equal": engine["resumed_equal"],
     }
     if rank == 0:
         reference = run_reference(case, world)
