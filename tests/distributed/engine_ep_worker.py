@@ -6,6 +6,7 @@ Run by ``engine_launch.py`` as N processes (gloo, CPU). Each case is a dict:
     expert: expert degree E (divides the world: data = world)      chunk_size, clip, steps, accum
     resume_at: save a checkpoint before this step; after the run, load it and train the same steps
         again (forward_backward): rank 0's full weights must come out bitwise the same
+    save_pretrained: write a Hugging Face directory; rank 0 reads it with transformers and compares
     loop: plain (``model(**batch)`` and ``optimizer.backward`` per micro-batch) or forward_backward
 
 Each data rank takes its own micro-batches of each step's global batch; rank 0 also trains plain
@@ -108,6 +109,18 @@ def run_engine(case: dict, rank: int, world: int, checkpoint_dir: str) -> dict:
         opt.step()
         opt.zero_grad()
     full = model.state_dict()  # a collective: every rank calls it
+    pretrained_equal = None
+    if case.get("save_pretrained"):  # written by rank 0, read back by plain transformers
+        directory = f"{checkpoint_dir}.hf"
+        elixir_tune.save_pretrained(model, directory)
+        if rank == 0:
+            import transformers
+
+            read = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).state_dict()
+            experts = [k for k in full if k.endswith(("gate_up_proj", "down_proj"))]
+            pretrained_equal = (
+                bool(experts) and set(full) <= set(read) and all(torch.equal(read[k], v) for k, v in full.items())
+            )
     resumed_equal = None
     if saved_at is not None:  # back to the checkpoint, the same steps again: the same weights bitwise
         elixir_tune.load_checkpoint(checkpoint_dir, model, opt)
@@ -131,6 +144,7 @@ def run_engine(case: dict, rank: int, world: int, checkpoint_dir: str) -> dict:
         "local_shapes": local_shapes,
         "round_trip": round_trip,
         "resumed_equal": resumed_equal,
+        "pretrained_equal": pretrained_equal,
     }
 
 
@@ -173,6 +187,7 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
         "local_shapes": engine["local_shapes"],
         "round_trip": engine["round_trip"],
         "resumed_equal": engine["resumed_equal"],
+        "pretrained_equal": engine["pretrained_equal"],
     }
     if rank == 0:
         reference = run_reference(case, world)
