@@ -42,6 +42,7 @@ from elixir_tune.engine.io.materialize import (
 )
 from elixir_tune.engine.io.weights import WeightsError
 from elixir_tune.engine.layered import Baton
+from elixir_tune.engine.parallel.expert_parallel import ExpertSplit
 from elixir_tune.engine.parallel.tensor_parallel import TensorSplit, local_data, set_local_data
 from elixir_tune.engine.read_guard import ReadGuard
 from elixir_tune.kv_cache import disable_kv_cache
@@ -64,6 +65,8 @@ class Engine(EngineGrads, EngineState):
             (never materialized, moved or broadcast; engine/parallel/pipeline.py).
         tensor_parallel: the model's tensor-parallel split (``apply_tensor_parallel``), whose
             parameters' local pieces the chunks hold; None without tensor parallelism.
+        experts: the model's experts split over expert groups (``split_experts``): the chunks of
+            its expert tensors are sharded over the expert-data group; None without expert parallelism.
     """
 
     def __init__(
@@ -75,8 +78,10 @@ class Engine(EngineGrads, EngineState):
         mesh: Mesh | None = None,
         elsewhere: set[int] | None = None,
         tensor_parallel: TensorSplit | None = None,
+        experts: ExpertSplit | None = None,
     ):
         self.model = model
+        self.experts = experts
         self.tensor_parallel = (
             tensor_parallel  # the model's split over mesh.tensor (engine/parallel/tensor_parallel.py)
         )
@@ -106,17 +111,19 @@ class Engine(EngineGrads, EngineState):
         )
         upload_of = {cid: self.upload_block[i * shard_numel : (i + 1) * shard_numel] for i, cid in enumerate(offloaded)}
         for chunk_plan in plan.memory.chunks:
+            chunk_comm, grad_divisor = self._chunk_group(chunk_plan.id, [named[name] for name in chunk_plan.params])
             chunk = Chunk(
                 chunk_plan.id,
                 [(name, named[name]) for name in chunk_plan.params],
                 plan.memory.chunk_size,
-                comm,
+                chunk_comm,
                 self.compute_dtype,
                 self.device,
                 chunk_plan.resident,
                 chunk_plan.offload,
                 upload_of.get(chunk_plan.id),
                 frozen=chunk_plan.frozen,
+                grad_divisor=grad_divisor,
             )
             self.chunks.append(chunk)
             for slot in chunk.slots:
@@ -197,13 +204,29 @@ class Engine(EngineGrads, EngineState):
     def placeholder(self, chunk: Chunk) -> torch.Tensor:
         return self._nan
 
+    def _chunk_group(self, chunk_id: int, params: list[torch.nn.Parameter]) -> tuple[Comm, int | None]:
+        """The group a chunk is sharded over and what its gradients are divided by: the data group
+        (the mean over it), or for a chunk of experts the expert-data group (the data ranks holding the
+        same experts) divided by the whole data size."""
+        if self.experts is None:
+            return self.comm, None
+        is_expert = [id(param) in self.experts.param_ids for param in params]
+        if not any(is_expert):
+            return self.comm, None
+        if not all(is_expert):
+            raise ValueError(
+                f"chunk {chunk_id} holds expert tensors beside other parameters; under expert parallelism the "
+                "experts need chunks of their own: run `elixir-tune search` again"
+            )
+        return self.experts.replicas, self.experts.data_size
+
     def _init_shards(self, source: WeightSource | None) -> None:
         """Master shards from ``source`` chunk by chunk (this rank's part only), or from the model's
         weights (rank 0's win, as in DDP); then the tensors outside the chunks."""
         if source is None:
             for chunk in self.chunks:
                 flat = chunk.flat_from_params()
-                self.comm.broadcast(flat, src=0)
+                chunk.comm.broadcast(flat, src=0)  # an expert chunk: over the ranks holding the same experts
                 chunk.init_master(flat)
             return
         failed: Exception | None = None

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from elixir_tune.engine.chunks.chunk import Chunk, ParamSlot
     from elixir_tune.engine.chunks.staging import StagingPool
     from elixir_tune.engine.comm import Comm
+    from elixir_tune.engine.parallel.expert_parallel import ExpertSplit
     from elixir_tune.engine.parallel.tensor_parallel import TensorSplit
     from elixir_tune.plan import Plan
 
@@ -40,6 +41,7 @@ class EngineState:
     pinned: bool
     reduce_scatters: int
     tensor_parallel: TensorSplit | None
+    experts: ExpertSplit | None
     after_step: Callable[[], None]
     pipeline: Any  # engine/parallel/pipeline.py's Pipeline on a pipeline plan, else None
 
@@ -55,11 +57,14 @@ class EngineState:
             if trainable_only and chunk.frozen:
                 continue
             shard = chunk.master.to(self.device, torch.float32)  # a frozen chunk's is in the compute dtype
-            mine = all_ranks or self.comm.rank == 0
+            # An expert chunk (sharded over its expert-data group) goes to every rank: its experts are
+            # then gathered over the expert group (full_state_dict), which every rank takes part in.
+            everywhere = all_ranks or chunk.comm is not self.comm
+            mine = everywhere or self.comm.rank == 0
             flat = torch.empty(chunk.chunk_size, dtype=torch.float32, device=self.device) if mine else None
-            if all_ranks:
+            if everywhere:
                 assert flat is not None  # every rank allocated it
-                self.comm.all_gather_into_tensor(flat, shard, async_op=False)
+                chunk.comm.all_gather_into_tensor(flat, shard, async_op=False)
             else:
                 self.comm.gather_to(flat, shard, dst=0)
             yield chunk, (flat.cpu() if flat is not None else None)
@@ -78,6 +83,10 @@ class EngineState:
                 continue
             for slot in chunk.slots:
                 full[id(slot.param)] = flat[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+        if self.experts is not None:  # this rank's experts: the whole tensors over the expert group
+            for slot in (slot for chunk in self.chunks for slot in chunk.slots):
+                if id(slot.param) in self.experts.param_slices and id(slot.param) in full:
+                    full[id(slot.param)] = self.experts.gather(slot.param, full[id(slot.param)])
         if not (all_ranks or self.comm.rank == 0):
             return {}
         state = {}
@@ -114,6 +123,8 @@ class EngineState:
                 value = state[names.get(id(slot.param), slot.name)]
                 if self.tensor_parallel is not None:
                     value = self.tensor_parallel.local_value(slot.param, value)
+                if self.experts is not None:
+                    value = self.experts.local_value(slot.param, value)
                 flat[slot.offset : slot.offset + slot.numel].copy_(value.reshape(-1))
             chunk.init_master(flat)
         for name, value in self.model.state_dict(keep_vars=True).items():

@@ -12,6 +12,7 @@ from elixir_tune.engine.engine import Engine
 from elixir_tune.engine.io.materialize import has_meta, make_source
 from elixir_tune.engine.model import ElixirModel
 from elixir_tune.engine.optimizer import ShardedOptimizer
+from elixir_tune.engine.parallel.expert_parallel import split_experts
 from elixir_tune.engine.parallel.pipeline_tensor import check_combined
 from elixir_tune.engine.parallel.tensor_parallel import split_for_plan
 from elixir_tune.plan import PLAN_ENV_VAR, Plan, PlanError, load_plan, validate
@@ -164,6 +165,14 @@ def setup(
     # then gives each rank its own pieces of the split parameters only.
     fresh = weights is not None or has_meta(model)
     tensor_parallel = split_for_plan(model, optimizer, plan, mesh, fresh, vocab_parallel_loss)
+    experts = None
+    if parallel.expert.degree > 1:
+        if weights is not None or has_meta(model):
+            raise ValueError(
+                "expert parallelism starts from a model built with its weights: load them into the model "
+                "(from_pretrained) instead of passing weights= or building it on the meta device"
+            )
+        experts = split_experts(model, mesh, parallel.expert.degree)
     source = make_source(model, weights, seed, tensor_parallel)
     # The chunks are sharded over the data-parallel group; pipeline and tensor parallelism read the
     # rest of the mesh from engine.mesh.
@@ -172,5 +181,5 @@ def setup(
 
         engine = build_engine(model, plan, mesh, source, tensor_parallel)
     else:
-        engine = Engine(model, plan, mesh.data, source, mesh, tensor_parallel=tensor_parallel)
+        engine = Engine(model, plan, mesh.data, source, mesh, tensor_parallel=tensor_parallel, experts=experts)
     return ElixirModel(model, engine), ShardedOptimizer(optimizer, engine, find_unused_parameters)

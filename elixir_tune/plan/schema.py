@@ -110,6 +110,8 @@ class ModelInfo:
         tensor_layout: the model's tensor table (``plan/tensor_layout.py``: module pattern ->
             style), from the profile; empty in older plans (the family's built-in table, or the
             engine reads it from the model).
+        num_experts: experts per mixture-of-experts block when the model ships an expert plan
+            (transformers' ``config.base_model_ep_plan``); 0: expert parallelism cannot run it.
         lora: the LoRA adapters the profile was made with (``elixir_tune.lora``: rank, alpha,
             dropout, target_modules); empty for full fine-tuning. ``setup`` refuses a model whose
             adapters differ.
@@ -128,6 +130,7 @@ class ModelInfo:
     foreign_reads: list[ForeignRead] = field(default_factory=list)
     tensor_layout: dict[str, str] = field(default_factory=dict)
     lora: dict[str, Any] = field(default_factory=dict)
+    num_experts: NonNegativeInt = 0
 
 
 @dataclass
@@ -234,6 +237,20 @@ class TensorParallel:
 
 
 @dataclass
+class ExpertParallel:
+    """Expert parallelism: a mixture-of-experts model's experts spread over groups of data ranks.
+
+    Attributes:
+        degree: expert degree E (1: none): each group of E consecutive data ranks holds every expert
+            once (1/E of them per rank) and sends each token to the rank holding its chosen experts;
+            E divides the data size and the experts of each block. Each data rank still feeds its own
+            micro-batches, so the training script is the same as without it.
+    """
+
+    degree: PositiveInt = 1
+
+
+@dataclass
 class ParallelPlan:
     """How the world factors: data x pipeline x tensor.
 
@@ -243,10 +260,12 @@ class ParallelPlan:
     Attributes:
         pipeline: the pipeline dimension.
         tensor: the tensor dimension.
+        expert: expert parallelism inside the data dimension (it adds no ranks).
     """
 
     pipeline: PipelineParallel = field(default_factory=PipelineParallel)
     tensor: TensorParallel = field(default_factory=TensorParallel)
+    expert: ExpertParallel = field(default_factory=ExpertParallel)
 
     @property
     def model_parallel_size(self) -> int:

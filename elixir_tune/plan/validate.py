@@ -156,6 +156,37 @@ def _check_tensor(tensor: dict, model: dict, training: dict, errors: list[str]) 
         )
 
 
+def _check_expert(parallel: dict, model: dict, data_size: int | None, errors: list[str]) -> None:
+    """Rules of ``parallel.expert``: the model ships an expert plan whose experts the degree divides,
+    the degree divides the data size, and (in this version) no pipeline or tensor parallelism beside it."""
+    degree = parallel.get("expert", {}).get("degree", 1)
+    if not isinstance(degree, int) or degree <= 1:
+        return
+    path = f"parallel.expert.degree: {degree}"
+    experts = model.get("num_experts", 0)
+    if not experts:
+        errors.append(
+            f"{path}, but the model ships no expert plan (model.num_experts is 0: its config has no "
+            "base_model_ep_plan dispatching tokens to experts); set it to 1"
+        )
+    elif isinstance(experts, int) and experts % degree:
+        errors.append(
+            f"{path} does not divide the model's {experts} experts per block; pick a degree that divides them"
+        )
+    if data_size and data_size % degree:
+        errors.append(
+            f"{path} does not divide the data-parallel size {data_size}; the experts are spread over groups of "
+            "data ranks, pick a degree that divides it"
+        )
+    stages = parallel.get("pipeline", {}).get("stages", 1)
+    tensor = parallel.get("tensor", {}).get("degree", 1)
+    if stages != 1 or tensor != 1:
+        errors.append(
+            f"{path} with pipeline stages {stages} and tensor degree {tensor}: expert parallelism runs beside "
+            "data parallelism only in this version; set the pipeline stages and tensor degree to 1"
+        )
+
+
 def _check_contract(parallel: dict, model: dict, training: dict, errors: list[str]) -> None:
     """The plan as a contract (plan/capabilities.py): layouts the engine runs for this model, and the
     loop the training script runs."""
@@ -281,6 +312,7 @@ def validate_dict(raw: Any) -> list[str]:
     data_size = _check_parallel(sections.get("parallel", {}), world_size, model, errors)
     _check_tensor(sections.get("parallel", {}).get("tensor", {}), model, training, errors)
     _check_contract(sections.get("parallel", {}), model, training, errors)
+    _check_expert(sections.get("parallel", {}), model, data_size, errors)
     if data_size and all(k in training for k in ("global_batch_size", "micro_batch_size", "grad_accum_steps")):
         product = training["micro_batch_size"] * training["grad_accum_steps"] * data_size
         if product != training["global_batch_size"]:

@@ -14,6 +14,9 @@ from elixir_tune.profiler.schema import ModelArch
 
 # Where each family keeps its MLP width, first match wins; GPT-2's n_inner is None for 4 x hidden.
 _INTERMEDIATE_NAMES = ("intermediate_size", "ffn_dim", "n_inner", "d_ff", "encoder_ffn_dim")
+# Routed experts per block (Qwen3-MoE, Mixtral, DeepSeek-V3 name it differently), and experts per token.
+_EXPERT_NAMES = ("num_experts", "num_local_experts", "n_routed_experts")
+_TOP_K_NAMES = ("num_experts_per_tok", "num_experts_per_token")
 
 
 def _positive_int(config: Any, name: str) -> int:
@@ -37,6 +40,11 @@ def model_arch(model: Any) -> ModelArch:
     hidden = _positive_int(config, "hidden_size")
     heads = _positive_int(config, "num_attention_heads")
     intermediate = next((_positive_int(config, name) for name in _INTERMEDIATE_NAMES if _positive_int(config, name)), 0)
+    # Expert parallelism runs a family whose config dispatches tokens to its experts (engine/parallel/expert_parallel.py).
+    ep_plan = getattr(config, "base_model_ep_plan", None) or {}
+    dispatches = "ep_dispatch_experts" in ep_plan.values()
+    experts = next((_positive_int(config, name) for name in _EXPERT_NAMES if _positive_int(config, name)), 0)
+    top_k = next((_positive_int(config, name) for name in _TOP_K_NAMES if _positive_int(config, name)), 0)
     return ModelArch(
         model_type=model_type,
         hidden_size=hidden,
@@ -45,4 +53,6 @@ def model_arch(model: Any) -> ModelArch:
         intermediate_size=intermediate or 4 * hidden,
         vocab_size=_positive_int(config, "vocab_size"),
         num_layers=_positive_int(config, "num_hidden_layers"),
+        num_experts=experts if dispatches else 0,
+        experts_per_token=top_k if dispatches else 0,
     )

@@ -100,6 +100,10 @@ class ModelArch:
         tensor_layout: the model's tensor table (``plan/tensor_layout.py``: module pattern ->
             style), from its transformers ``base_model_tp_plan`` or the family's built-in table;
             empty when tensor parallelism cannot run it, or in profiles made before it was recorded.
+        num_experts: experts per mixture-of-experts block when the config ships an expert plan
+            (``config.base_model_ep_plan`` dispatching tokens to its experts); 0 otherwise: expert
+            parallelism cannot run the model.
+        experts_per_token: experts each token is routed to (top-k; 0 without an expert plan).
     """
 
     model_type: str = ""
@@ -110,6 +114,8 @@ class ModelArch:
     vocab_size: NonNegativeInt = 0
     num_layers: NonNegativeInt = 0
     tensor_layout: dict[str, str] = field(default_factory=dict)
+    num_experts: NonNegativeInt = 0
+    experts_per_token: NonNegativeInt = 0
 
 
 @dataclass

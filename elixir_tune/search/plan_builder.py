@@ -152,6 +152,7 @@ def build_plan(
             foreign_reads=[replace(read, params=list(read.params)) for read in profile.foreign_reads],
             tensor_layout=dict(arch.tensor_layout),
             lora=dict(profile.lora),
+            num_experts=arch.num_experts,
         ),
         cluster=ClusterInfo(
             hardware=hardware_id,

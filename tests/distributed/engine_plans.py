@@ -19,6 +19,7 @@ from elixir_tune.plan import (
     Checkpointing,
     ChunkPlan,
     ClusterInfo,
+    ExpertParallel,
     MemoryPlan,
     ModelInfo,
     ParallelPlan,
@@ -30,6 +31,7 @@ from elixir_tune.plan import (
     validate,
 )
 from elixir_tune.plan.memory import align_up, chunk_size_multiple, padded_offsets
+from elixir_tune.profiler.arch import model_arch
 from elixir_tune.tensor_table import model_tensor_table
 
 
@@ -59,6 +61,22 @@ def pack(model: nn.Module, chunk_size: int, tensor: int = 1, mode: str = "1d") -
 
     trainable = [(name, numel(name, p)) for name, p in model.named_parameters() if p.requires_grad]
     return _pack_in_order(trainable, chunk_size)
+
+
+def pack_experts(model: nn.Module, chunk_size: int, degree: int) -> list[list[tuple[str, int]]]:
+    """Packs in order, the expert tensors (one expert rank's slice) in chunks apart from the rest."""
+    from elixir_tune.engine.parallel.expert_parallel import expert_modules
+
+    experts = {f"{name}.{p}" for name, module in expert_modules(model) for p, _ in module.named_parameters()}
+    chunks: list[list[tuple[str, int]]] = []
+    run: list[tuple[str, int]] = []
+    for name, param in model.named_parameters():
+        is_expert = name in experts
+        if run and (run[-1][0] in experts) != is_expert:
+            chunks += _pack_in_order(run, chunk_size)
+            run = []
+        run.append((name, param.numel() // degree if is_expert else param.numel()))
+    return chunks + (_pack_in_order(run, chunk_size) if run else [])
 
 
 def _pack_in_order(params: list[tuple[str, int]], chunk_size: int) -> list[list[tuple[str, int]]]:
@@ -162,6 +180,7 @@ def make_plan(
     tensor_mode: str = "1d",
     sequence_parallel: bool = True,
     frozen_chunks: bool = False,
+    expert: int = 1,
 ) -> Plan:
     """A valid plan for ``model``.
 
@@ -176,6 +195,8 @@ def make_plan(
         tensor, tensor_mode, sequence_parallel: ``parallel.tensor``; with tensor > 1 the chunks hold
             each tensor rank's local pieces.
         frozen_chunks: pack the frozen parameters into frozen chunks (after the trainable ones).
+        expert: ``parallel.expert.degree``; above 1 the expert tensors (the model's ep plan) get chunks
+            of their own, holding one expert rank's slice.
     """
     data_size = world_size // (stages * tensor)
     chunk_size = align_up(chunk_size, chunk_size_multiple(data_size))
@@ -184,6 +205,8 @@ def make_plan(
         packed, chunk_stages = pack_stages(model, chunk_size, block_list, stages, assignment)
         tied = shared_params(model)
         resident = tuple(resident) + tuple(i for i, c in enumerate(packed) if c[0][0] in tied)
+    elif expert > 1:
+        packed = pack_experts(model, chunk_size, expert)
     else:
         packed = pack(model, chunk_size, tensor, tensor_mode)
     frozen_ids: set[int] = set()
@@ -229,6 +252,7 @@ def make_plan(
             num_kv_heads=getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", 0) or 0,
             tensor_layout=model_tensor_table(model)[0] if tensor > 1 else {},
             lora=lora_settings(model),
+            num_experts=model_arch(model).num_experts,
         ),
         cluster=ClusterInfo(
             hardware="test",
@@ -255,6 +279,7 @@ def make_plan(
         parallel=ParallelPlan(
             pipeline=PipelineParallel(stages=stages, assignment=assignment, schedule=schedule),
             tensor=TensorParallel(degree=tensor, mode=tensor_mode, sequence_parallel=sequence_parallel),
+            expert=ExpertParallel(degree=expert),
         ),
     )
     problems = validate(plan)

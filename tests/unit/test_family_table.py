@@ -20,6 +20,7 @@ BEGIN, END = "<!-- families x layouts: begin (tests/unit/test_family_table.py) -
 # test_engine_tensor_parallel.py; every pipeline family in test_engine_pipeline_families.py).
 TENSOR_TESTED = {*TENSOR_FAMILIES, "llama", "gpt2"}  # llama and gpt2: test_engine_tensor_parallel.py
 GRID_TESTED = {"gpt2", "llama"}
+EXPERT_TESTED = {"qwen3_moe", "mixtral"}  # tests/distributed/test_engine_expert_parallel.py
 
 
 def _why(text: str) -> str:
@@ -35,6 +36,7 @@ def _why(text: str) -> str:
 
 def family_rows() -> list[list[str]]:
     from elixir_tune.engine.parallel.tp_grid import GRID_PLANS
+    from elixir_tune.profiler.arch import model_arch
     from elixir_tune.profiler.source import quiet_transformers
     from elixir_tune.stage_plans import pipeline_problem, resolve_stage_plan
     from elixir_tune.tensor_table import model_tensor_table
@@ -60,7 +62,10 @@ def family_rows() -> list[list[str]]:
         pp_source = {"transformers base_model_pp_plan": "transformers `base_model_pp_plan`"}.get(
             pp_source, "ours (`stage_plans.py`)" if pp_source else ""
         )
-        expert = "plan shipped, not run" if getattr(config_class, "base_model_ep_plan", None) else "-"
+        if model_arch(model).num_experts:  # the profile records experts: expert parallelism accepts it
+            expert = "yes (tested)" if family in EXPERT_TESTED else "yes"
+        else:
+            expert = "plan shipped, not run" if getattr(config_class, "base_model_ep_plan", None) else "-"
         rows.append([family, tensor, grid, pipeline, expert, tp_source or "-", pp_source or "-"])
     return rows
 

@@ -72,6 +72,10 @@ class Chunk:
         upload: for an offloaded chunk, the host buffer (``shard_numel`` elements, compute dtype)
             of its upload copy; allocated here when None.
         frozen: the parameters are not trained: the shard holds compute-dtype weights only.
+        grad_divisor: what the summed gradients are divided by; None: ``comm``'s size (the mean over
+            the data group). An expert chunk (engine/parallel/expert_parallel.py) is sharded over its
+            expert-data group but divides by the whole data size; it reduces into a shard buffer of
+            its own, as the staging pool's are cut for the data group.
     """
 
     def __init__(
@@ -86,7 +90,11 @@ class Chunk:
         offload: bool,
         upload: torch.Tensor | None = None,
         frozen: bool = False,
+        grad_divisor: int | None = None,
     ):
+        if grad_divisor is not None and offload:
+            raise ValueError(f"chunk {chunk_id}: an expert chunk cannot be offloaded; set its offload to false")
+        self.grad_divisor = grad_divisor
         self.id = chunk_id
         self.frozen = frozen
         self.chunk_size = chunk_size
@@ -147,7 +155,7 @@ class Chunk:
         self.staging: StagingBuffer | None = None  # gradients of this backward, compute dtype
         self.staged = 0  # parameters whose gradient is in ``staging``
         self.received = 0  # parameters whose gradient arrived in this backward
-        self.pending: tuple[StagingBuffer, Handle | Future] | None = None  # reduction in flight
+        self.pending: tuple[StagingBuffer, Handle | Future, torch.Tensor] | None = None  # reduction in flight
         # Flat per-element optimizer state over the shard (ShardedOptimizer preallocates it).
         self.optimizer_flats: dict[str, torch.Tensor] = {}
         self.optimizer_state_bytes = 0
@@ -297,14 +305,20 @@ class Chunk:
             if slot.state in GRAD_STAGED:
                 slot.state = transition(slot.state, "reduced")
         world = self.comm.world_size
+        divisor = world if self.grad_divisor is None else self.grad_divisor
+        reduced = buffer
+        if self.grad_divisor is not None:  # an expert chunk: its shard is cut for its own group
+            out = buffer.full[: self.shard_numel] if world == 1 else buffer.full.new_empty(self.shard_numel)
+            reduced = StagingBuffer(buffer.full, out, None)
         handle = DONE
+        if divisor > 1:
+            buffer.full.div_(divisor)  # average over ranks (gloo has no AVG)
         if world > 1:
-            buffer.full.div_(world)  # average over ranks (gloo has no AVG)
-            handle = self.comm.reduce_scatter_tensor(buffer.out, buffer.full, async_op=True)
+            handle = self.comm.reduce_scatter_tensor(reduced.out, buffer.full, async_op=True)
         if self.offload:
-            self.pending = (buffer, drain.submit(handle, buffer, self.grad))
+            self.pending = (buffer, drain.submit(handle, reduced, self.grad), reduced.out)
         else:
-            self.pending = (buffer, handle)
+            self.pending = (buffer, handle, reduced.out)
 
     def finish_reduce(self) -> StagingBuffer:
         """Waits for the reduction in flight; its result is then in the fp32 shard gradient.
@@ -313,13 +327,13 @@ class Chunk:
             The staging buffer, free to reuse.
         """
         assert self.pending is not None, "finish_reduce without a reduction in flight (see start_reduce)"
-        buffer, waitable = self.pending
+        buffer, waitable, out = self.pending
         self.pending = None
         if isinstance(waitable, Future):
             waitable.result()  # copied down and added on the host by the drain
         else:
             waitable.wait()
-            self.grad.add_(buffer.out)
+            self.grad.add_(out)
         return buffer
 
     # --- accounting ----------------------------------------------------------------------------

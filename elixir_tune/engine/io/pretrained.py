@@ -88,7 +88,10 @@ def _entries(engine, dtype: torch.dtype | None) -> tuple[list[_Entry], dict[int,
     for chunk in engine.chunks:
         for slot in chunk.slots:
             if id(slot.param) in first_name and id(slot.param) not in by_tensor:
-                add(id(slot.param), slot.param.shape, torch.float32)  # the full shape (a DTensor's is global)
+                shape = list(slot.param.shape)  # the full shape (a DTensor's is global)
+                if engine.experts is not None and id(slot.param) in engine.experts.param_slices:
+                    shape[0] *= engine.experts.degree  # this rank holds 1/E of the experts
+                add(id(slot.param), shape, torch.float32)
     for key, value in values.items():
         if key not in by_tensor:
             add(key, value.shape, torch.float32 if isinstance(value, torch.nn.Parameter) else value.dtype)
@@ -216,7 +219,10 @@ def save_pretrained(
         writer = _Writer(directory, entries, files)
 
     def whole(entry: _Entry, param: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
-        """The full value from this rank's piece (a collective over the tensor group when split)."""
+        """The full value from this rank's piece (a collective over the tensor group when split, over
+        the expert group for experts: every rank gets an expert chunk, engine_state.gathered_chunks)."""
+        if engine.experts is not None and id(param) in engine.experts.param_slices:
+            return engine.experts.gather(param, piece)
         if split is None:
             return piece
         return split.full_state({entry.name: piece}, {entry.name: param})[entry.name]

@@ -1,0 +1,202 @@
+"""Worker for the expert-parallel tests: the engine with expert parallelism against plain PyTorch.
+
+Run by ``engine_launch.py`` as N processes (gloo, CPU). Each case is a dict:
+
+    model: zoo:NAME (a mixture-of-experts zoo model, tests/zoo/models.py)
+    expert: expert degree E (divides the world: data = world)      chunk_size, clip, steps, accum
+    resume_at: save a checkpoint before this step; after the run, load it and train the same steps
+        again (forward_backward): rank 0's full weights must come out bitwise the same
+    save_pretrained: write a Hugging Face directory; rank 0 reads it with transformers and compares
+    loop: plain (``model(**batch)`` and ``optimizer.backward`` per micro-batch) or forward_backward
+
+Each data rank takes its own micro-batches of each step's global batch; rank 0 also trains plain
+PyTorch on the whole global batch and reports the largest differences. Every model's routers are
+skewed first (``skew_routers``), the same way in both, so that one expert gets most of the tokens
+and the ranks exchange unequal numbers of rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import elixir_tune
+from tests.distributed.engine_plans import make_plan, param_groups
+from tests.distributed.engine_worker import compare, local_micro, mean_over_ranks
+
+SKEW = 10.0
+
+
+def global_batches(case: dict, data: int) -> list[dict]:
+    from tests.zoo.models import global_batches as zoo_batches
+
+    size = case.get("micro", 2) * case.get("accum", 1) * data
+    return zoo_batches(case["model"].removeprefix("zoo:"), case.get("steps", 6), size)
+
+
+def _routers(model) -> list[torch.nn.Module]:
+    return [module for name, module in model.named_modules() if name.endswith("mlp.gate")]
+
+
+@torch.no_grad()
+def skew_routers(model, batches: list[dict]) -> None:
+    """Sets each router's row 0 to the least-squares fit of a logit of ``SKEW`` for every token of
+    ``batches`` (the router's inputs, from a forward of the untouched model): expert 0 then wins
+    most tokens. Deterministic: the same in every process."""
+    inputs: dict[torch.nn.Module, list[torch.Tensor]] = {}
+
+    def keep(module, args):
+        inputs.setdefault(module, []).append(args[0].reshape(-1, args[0].shape[-1]))
+
+    hooks = [router.register_forward_pre_hook(keep) for router in _routers(model)]
+    for batch in batches:
+        model(**batch)
+    for hook in hooks:
+        hook.remove()
+    for router, parts in inputs.items():
+        x = torch.cat(parts)
+        target = torch.full((x.shape[0], 1), SKEW)
+        router.weight[0] = torch.linalg.lstsq(x.double(), target.double()).solution[:, 0].float()
+
+
+def build(case: dict, data: int):
+    from tests.zoo.models import build as build_zoo
+
+    model = build_zoo(case["model"].removeprefix("zoo:"))
+    skew_routers(model, global_batches(case, data))
+    opt = torch.optim.AdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95), eps=1e-6, foreach=False)
+    return model, opt
+
+
+def run_engine(case: dict, rank: int, world: int, checkpoint_dir: str) -> dict:
+    from elixir_tune.profiler.blocks import find_block_list
+
+    model, opt = build(case, world)
+    accum = case.get("accum", 1)
+    plan = make_plan(
+        model,
+        world,
+        case["chunk_size"],
+        block_list=find_block_list(model)[0],
+        micro_batch_size=case.get("micro", 2),
+        grad_accum_steps=accum,
+        seq_len=8,
+        expert=case["expert"],
+    )
+    model, opt = elixir_tune.setup(model, opt, plan=plan)
+    local_shapes = {
+        name: list(p.shape)
+        for name, p in model.module.named_parameters()
+        if name.endswith(("gate_up_proj", "down_proj"))
+    }
+    losses, norms = [], []
+    batches = global_batches(case, world)
+    saved_at = case.get("resume_at")
+    for step, batch in enumerate(batches):
+        if step == saved_at:
+            elixir_tune.save_checkpoint(checkpoint_dir, model, opt, step)
+        micro = [local_micro(batch, rank, world, accum, k) for k in range(accum)]
+        if case.get("loop") == "plain":  # what a DDP user writes: each rank its own micro-batches
+            total = 0.0
+            for part in micro:
+                loss = model(**part).loss / accum
+                opt.backward(loss)
+                total += float(loss.detach())
+            losses.append(total)
+        else:
+            losses.append(float(model.forward_backward(micro)))
+        if case.get("clip"):
+            norms.append(float(opt.clip_grad_norm(case["clip"])))
+        opt.step()
+        opt.zero_grad()
+    full = model.state_dict()  # a collective: every rank calls it
+    pretrained_equal = None
+    if case.get("save_pretrained"):  # written by rank 0, read back by plain transformers
+        directory = f"{checkpoint_dir}.hf"
+        elixir_tune.save_pretrained(model, directory)
+        if rank == 0:
+            import transformers
+
+            read = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).state_dict()
+            experts = [k for k in full if k.endswith(("gate_up_proj", "down_proj"))]
+            pretrained_equal = (
+                bool(experts) and set(full) <= set(read) and all(torch.equal(read[k], v) for k, v in full.items())
+            )
+    resumed_equal = None
+    if saved_at is not None:  # back to the checkpoint, the same steps again: the same weights bitwise
+        elixir_tune.load_checkpoint(checkpoint_dir, model, opt)
+        for batch in batches[saved_at:]:
+            model.forward_backward([local_micro(batch, rank, world, accum, k) for k in range(accum)])
+            if case.get("clip"):
+                opt.clip_grad_norm(case["clip"])
+            opt.step()
+            opt.zero_grad()
+        again = model.state_dict()
+        resumed_equal = all(torch.equal(again[k], v) for k, v in full.items())
+    everywhere = model.state_dict(all_ranks=True)
+    model.load_state_dict({k: v * 2 for k, v in everywhere.items()})
+    model.load_state_dict(everywhere)
+    reloaded = model.state_dict(all_ranks=True)
+    round_trip = all(torch.equal(reloaded[k], v) for k, v in everywhere.items())
+    return {
+        "losses": losses,
+        "norms": norms,
+        "state": {k: v.tolist() for k, v in full.items()} if rank == 0 else None,
+        "local_shapes": local_shapes,
+        "round_trip": round_trip,
+        "resumed_equal": resumed_equal,
+        "pretrained_equal": pretrained_equal,
+    }
+
+
+def run_reference(case: dict, data: int) -> dict:
+    """Plain PyTorch on each step's whole global batch; also the share of the (token, expert)
+    assignments of each router that its most chosen expert got, over all steps."""
+    model, opt = build(case, data)
+    counts: dict[torch.nn.Module, torch.Tensor] = {}
+
+    def count(module, args, output):
+        chosen = output[2].reshape(-1)
+        counts[module] = counts.get(module, 0) + torch.bincount(chosen, minlength=module.num_experts)
+
+    for router in _routers(model):
+        router.register_forward_hook(count)
+    losses, norms = [], []
+    for batch in global_batches(case, data):
+        loss = model(**batch).loss
+        loss.backward()
+        if case.get("clip"):
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"])))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    shares = [float(c.max() / c.sum()) for c in counts.values()]
+    return {
+        "losses": losses,
+        "norms": norms,
+        "state": {k: v.tolist() for k, v in model.state_dict().items()},
+        "shares": shares,
+    }
+
+
+def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> dict:
+    engine = run_engine(case, rank, world, f"{out_path}.ckpt{index}")
+    world_losses = mean_over_ranks(engine["losses"], world)
+    result = {
+        "case": case,
+        "world_losses": world_losses,
+        "local_shapes": engine["local_shapes"],
+        "round_trip": engine["round_trip"],
+        "resumed_equal": engine["resumed_equal"],
+        "pretrained_equal": engine["pretrained_equal"],
+    }
+    if rank == 0:
+        reference = run_reference(case, world)
+        result.update(compare(engine, reference, world_losses))
+        result["shares"] = reference["shares"]
+    return result
+
+
+if __name__ == "__main__":
+    from tests.distributed.engine_launch import worker_main
+
+    worker_main(run_case)
