@@ -2,7 +2,7 @@
 # Installs what the tests need into .venv (created or reused), checks lint, format and types, then
 # runs the tests. Stops at the first step that fails.
 #   bash scripts/test.sh            # ruff check, ruff format --check, mypy, then every test
-#   bash scripts/test.sh --fast     # the same checks, then every test but the slow ones (about a minute)
+#   bash scripts/test.sh --fast     # the same checks, then every test but the slow ones (a few minutes)
 #   bash scripts/test.sh -k plan    # other arguments go to pytest
 set -euo pipefail
 cd "$(dirname "$0")/.."
