@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 
 import elixir_tune
+from elixir_tune.cli.progress import Reporter
 from elixir_tune.engine.io.checkpoint_files import LATEST_NAME, CheckpointError
 from elixir_tune.recipes.evaluation import evaluate
 from elixir_tune.recipes.options import eval_refusal
-from elixir_tune.recipes.progress import Reporter
 
 BEST_DIR_NAME = "best"  # --keep-best: the best evaluation's checkpoint, a root of its own under --save
 
