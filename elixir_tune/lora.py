@@ -203,8 +203,14 @@ def _trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
     runs on the engine (a collective then: every rank calls it)."""
     engine = getattr(model, "engine", None)
     if engine is not None:
-        return engine.full_state_dict(trainable_only=True)
+        return _gatherer(engine).full_state_dict(trainable_only=True)
     return {name: p.detach().float().cpu().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def _gatherer(engine: Any) -> Any:
+    """What gathers the whole model onto rank 0: a pipeline plan's stages (each stage's pieces over its
+    data and tensor groups, then the stages merged), else the engine (its data and tensor groups)."""
+    return engine.pipeline or engine
 
 
 def _is_writer(model: nn.Module) -> bool:
@@ -244,20 +250,51 @@ def merged_state_dict(full: dict[str, torch.Tensor], model: nn.Module) -> dict[s
         LoraError: an adapted module that is not a linear layer (merging supports those).
     """
     merged = {base_name(name): value for name, value in full.items() if not is_adapter_name(name)}
-    for module_name, module in model.named_modules():
-        scaling = getattr(module, "scaling", None)
-        if not isinstance(scaling, dict) or ADAPTER_NAME not in scaling:
-            continue
+    for module_name, scaling in _scalings(model, full).items():
+        module = _module_or_none(model, module_name)
         lora_a = f"{module_name}.lora_A.{ADAPTER_NAME}.weight"
         lora_b = f"{module_name}.lora_B.{ADAPTER_NAME}.weight"
         weight = base_name(f"{module_name}.base_layer.weight")
         if lora_a not in full or lora_b not in full or weight not in merged or merged[weight].dim() != 2:
             raise LoraError(f"{module_name}: merging supports adapters on linear layers only; save the adapter instead")
-        if getattr(module, "fan_in_fan_out", False):
+        if getattr(module, "fan_in_fan_out", getattr(model.peft_config[ADAPTER_NAME], "fan_in_fan_out", False)):
             raise LoraError(f"{module_name}: fan_in_fan_out layers (GPT-2's Conv1D) are not merged; save the adapter")
-        delta = (full[lora_b].float() @ full[lora_a].float()) * float(scaling[ADAPTER_NAME])
+        delta = (full[lora_b].float() @ full[lora_a].float()) * scaling
         merged[weight] = (merged[weight].float() + delta).to(merged[weight].dtype)
     return merged
+
+
+def _module_or_none(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def _scalings(model: Any, full: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Each adapted module's scale (alpha / r) by its name: from the module where this rank holds it,
+    else (a module of another pipeline stage, gone from this rank) from the adapter's config as PEFT's
+    ``LoraLayer.update_layer`` computes it, with r from the gathered ``lora_A``'s shape.
+
+    Raises:
+        LoraError: a module of another stage under a config with per-module ranks or alphas.
+    """
+    scalings: dict[str, float] = {}
+    for name, module in model.named_modules():
+        scaling = getattr(module, "scaling", None)
+        if isinstance(scaling, dict) and ADAPTER_NAME in scaling:
+            scalings[name] = float(scaling[ADAPTER_NAME])
+    config = model.peft_config[ADAPTER_NAME]
+    suffix = f".lora_A.{ADAPTER_NAME}.weight"
+    for name, value in full.items():
+        module_name = name.removesuffix(suffix)
+        if module_name == name or module_name in scalings:
+            continue
+        if getattr(config, "rank_pattern", None) or getattr(config, "alpha_pattern", None):
+            raise LoraError(f"{module_name}: per-module LoRA ranks or alphas are not merged from a pipeline plan")
+        rank = int(value.shape[0])
+        scalings[module_name] = float(config.lora_alpha) / (math.sqrt(rank) if config.use_rslora else rank)
+    return scalings
 
 
 def save_merged(model: nn.Module, out_dir: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
@@ -274,7 +311,7 @@ def save_merged(model: nn.Module, out_dir: str | os.PathLike, dtype: torch.dtype
     peft_model = _peft_model_of(model)
     engine = getattr(model, "engine", None)
     if engine is not None:
-        full = engine.full_state_dict()
+        full = _gatherer(engine).full_state_dict()
     else:
         full = {name: value.detach().float().cpu() for name, value in peft_model.state_dict().items()}
     if not _is_writer(model):

@@ -21,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from elixir_tune.lora_layout import peft_base
+
 # Our plans for families whose transformers config ships no base_model_pp_plan: (base module of the
 # causal LM, its modules in forward order). A module that a configuration may leave out (OPT's
 # projections, present only when word_embed_proj_dim differs from hidden_size) is optional.
@@ -106,6 +108,12 @@ def resolve_stage_plan(model: Any) -> StagePlan | str:
     Returns:
         A ``StagePlan``, or one sentence saying what stands in the way.
     """
+    base, prefix = peft_base(model)
+    if prefix:  # a PEFT (LoRA) model: the wrapped causal LM's plan, under the PEFT model's path to it
+        plan = resolve_stage_plan(base)
+        if isinstance(plan, str):
+            return plan
+        return dataclasses.replace(plan, body=f"{prefix}{plan.body}" if plan.body else prefix.rstrip("."))
     config = getattr(model, "config", None)
     model_type = str(getattr(config, "model_type", "") or "")
     what = f"model type {model_type!r}" if model_type else f"{type(model).__name__} (no transformers config)"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from elixir_tune.lora_layout import lora_layer_paths, lora_tensor_table, peft_base
 from elixir_tune.plan.tensor_layout import module_style, tensor_table
 
 
@@ -27,6 +28,13 @@ def model_tensor_table(model: Any) -> tuple[dict[str, str], str]:
     Returns:
         (the table, "") or ({}, why tensor parallelism cannot run this model).
     """
+    base, prefix = peft_base(model)
+    if prefix:  # a PEFT model: the wrapped model's table, with entries for the LoRA layers' parts
+        table, why = model_tensor_table(base)
+        if why:
+            return {}, why
+        paths = [path for path, _ in model.named_modules()]
+        return lora_tensor_table(table, prefix, lora_layer_paths(model), paths)
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", "") if config is not None else ""
     if not isinstance(model_type, str) or not model_type:

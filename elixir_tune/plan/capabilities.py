@@ -94,6 +94,22 @@ def unsupported_layouts(
     return reasons
 
 
+def frozen_layout_problem(stages: int, tensor_degree: int, tensor_mode: str = "1d") -> str:
+    """Why a layout cannot hold frozen chunks (a LoRA base, docs/DESIGN.md 9.9); "" when it can.
+
+    Frozen chunks run with data parallelism, with pipeline stages and with 1d tensor parallelism,
+    each tested against plain PEFT; pipeline and tensor together, and 2d, are not tested with them yet.
+    """
+    if stages > 1 and tensor_degree > 1:
+        return (
+            f"frozen chunks (a LoRA base) run with pipeline stages or tensor parallelism, not both at once yet "
+            f"(pipeline stages {stages}, tensor degree {tensor_degree})"
+        )
+    if tensor_degree > 1 and tensor_mode != "1d":
+        return f"frozen chunks (a LoRA base) run with 1d tensor parallelism, not {tensor_mode} yet"
+    return ""
+
+
 def layout_reasons_of_type(model_type: str, tensor_layout: Mapping[str, str] | None = None) -> dict[str, str]:
     """``unsupported_layouts`` for a record that has only the family (an older profile or plan):
     a supported family is taken to be its causal LM, as the profiles of that time were; a recorded

@@ -15,6 +15,8 @@ index) to a style, in the order they are tried (docs/DESIGN.md 9.5):
   transformers' ``replicated_with_grad_allreduce``): replicated, gradient summed over the tensor group;
 * ``norm``: a norm on the residual stream: replicated; with sequence parallelism it runs on sequence
   shards and its gradient is summed over the tensor group;
+* ``lora_colwise``, ``lora_rowwise``, ``rowwise_partial``, ``replicated_linear``: a PEFT model's LoRA
+  layers and their parts (``elixir_tune/lora_layout.py``);
 * ``experts``: a mixture-of-experts module holding every expert's weights as 3-D tensors
   (transformers' ``moe_tp_experts``): each rank runs its slice of every expert on all tokens and the
   ranks' outputs are summed; its parameters have entries of their own (parameter paths):
@@ -37,7 +39,20 @@ from typing import Literal, get_args
 
 TensorStyle = Literal["colwise", "rowwise", "vocab", "replicate"]
 ModuleStyle = Literal[
-    "colwise", "colwise_gather", "rowwise", "rowwise_split", "vocab", "head_norm", "norm", "experts", "packed_colwise"
+    "colwise",
+    "colwise_gather",
+    "rowwise",
+    "rowwise_split",
+    "vocab",
+    "head_norm",
+    "norm",
+    "experts",
+    "packed_colwise",
+    # A PEFT model's LoRA layers (elixir_tune/lora_layout.py): the layer itself, and its parts.
+    "lora_colwise",
+    "lora_rowwise",
+    "rowwise_partial",
+    "replicated_linear",
 ]
 MODULE_STYLES: tuple[str, ...] = get_args(ModuleStyle)
 TensorTable = Mapping[str, str]
@@ -125,7 +140,9 @@ def _param_role(param_name: str, table: TensorTable) -> tuple[TensorStyle, bool]
     style = module_style(module, table)
     if style in ("colwise", "colwise_gather", "vocab"):
         return ("vocab" if style == "vocab" else "colwise"), False
-    if style in ("rowwise", "rowwise_split"):
+    if style == "replicated_linear":  # a LoRA layer's replicated adapter: its gradient is a partial sum
+        return "replicate", True
+    if style in ("rowwise", "rowwise_split", "rowwise_partial"):
         # A row-parallel bias is added once after the reduction; with sequence parallelism its
         # gradient, like a norm's, is a partial sum over the sequence shards.
         return ("rowwise", False) if attr == "weight" else ("replicate", True)

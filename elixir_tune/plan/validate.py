@@ -12,7 +12,12 @@ import dataclasses
 import math
 from typing import Any
 
-from elixir_tune.plan.capabilities import LOOP_CONTRACT, layout_reasons_of_type, needs_forward_backward
+from elixir_tune.plan.capabilities import (
+    LOOP_CONTRACT,
+    frozen_layout_problem,
+    layout_reasons_of_type,
+    needs_forward_backward,
+)
 from elixir_tune.plan.fields import check_fields, is_required, section_type
 from elixir_tune.plan.memory import ALIGN_ELEMENTS
 from elixir_tune.plan.schema import SCHEMA_VERSION, Plan
@@ -245,8 +250,16 @@ def _check_chunk_stages(chunks: list[dict], pipeline: dict, model: dict, trainin
             )
     if stages == 1 or not 0 < stages <= num_blocks or not model.get("block_list"):
         return  # nothing to split, or already reported
-    names = [name for chunk in chunks for name in chunk.get("params", []) if isinstance(name, str)]
-    stage_of = assign_stages(names, model["block_list"], num_blocks, stages, assignment)
+    stage_of: dict[str, int] = {}
+    for frozen in (False, True):  # each kind's chunks are in first-use order (frozen chunks: a LoRA base)
+        names = [
+            name
+            for chunk in chunks
+            if bool(chunk.get("frozen")) == frozen
+            for name in chunk.get("params", [])
+            if isinstance(name, str)
+        ]
+        stage_of.update(assign_stages(names, model["block_list"], num_blocks, stages, assignment))
     for index, chunk in enumerate(chunks):
         found = sorted({stage_of[name] for name in chunk.get("params", []) if name in stage_of})
         if len(found) > 1:
@@ -342,11 +355,9 @@ def validate_dict(raw: Any) -> list[str]:
     parallel = sections.get("parallel", {})
     stages = parallel.get("pipeline", {}).get("stages", 1)
     degree = parallel.get("tensor", {}).get("degree", 1)
-    if any(chunk.get("frozen") for chunk in chunks) and (stages != 1 or degree != 1):
-        errors.append(
-            f"memory.chunks: frozen chunks run with data parallelism only, but parallel has pipeline stages "
-            f"{stages} and tensor degree {degree}; search again without --fix pipeline/tensor"
-        )
+    frozen_problem = frozen_layout_problem(stages, degree, parallel.get("tensor", {}).get("mode", "1d"))
+    if any(chunk.get("frozen") for chunk in chunks) and frozen_problem:
+        errors.append(f"memory.chunks: {frozen_problem}; search again without that layout")
     if "chunks" in memory and not memory["chunks"]:
         errors.append("memory.chunks: empty; a plan needs at least one chunk")
     cacheable = sum(1 for chunk in chunks if not chunk.get("resident", False))

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 
 from elixir_tune.costmodel.parallel import Layout, cast_mode, pipeline_degrees, tensor_degrees
+from elixir_tune.plan.capabilities import frozen_layout_problem
 from elixir_tune.plan.schema import TensorMode
 from elixir_tune.plan.tensor_layout import local_shape
 from elixir_tune.profiler.schema import ModelProfile
@@ -129,6 +130,8 @@ def layout_choices(
                 continue
             if stages > 1 and mode == "2d":
                 continue  # 2d splits micro-batches over its grid rows; stages pass them whole (plan/validate.py)
+            if profile.lora and frozen_layout_problem(stages, degree, mode):
+                continue  # a LoRA base in frozen chunks: not every layout runs it yet (plan/capabilities.py)
             layouts.append(Layout(pipeline=stages, tensor=degree, tensor_mode=cast_mode(mode)))
     stages = fixed.get("pipeline", 1)
     if stages > 1 and fixed.get("accumulation") == "standard":
@@ -145,6 +148,9 @@ def layout_choices(
             f"--fix pipeline={fixed['pipeline']} with --fix tensor_mode=2d: the engine runs 2d tensor parallelism "
             "without a pipeline only (its grid splits the micro-batches that stages pass whole); drop one of the pins"
         )
+    frozen_problem = frozen_layout_problem(fixed.get("pipeline", 1), fixed.get("tensor", 1), fixed.get("tensor_mode", "1d"))
+    if profile.lora and frozen_problem:
+        raise ValueError(f"the pins --fix pipeline/tensor/tensor_mode: not possible for {profile.name}: {frozen_problem}")
     if not layouts and "pipeline" in fixed:
         raise ValueError(
             f"--fix pipeline={stages}: no tensor degree leaves a pipeline of {stages} that divides the world of "

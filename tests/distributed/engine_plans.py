@@ -44,11 +44,13 @@ def model_fingerprint(model: nn.Module) -> str:
     )
 
 
-def pack(model: nn.Module, chunk_size: int, tensor: int = 1, mode: str = "1d") -> list[list[tuple[str, int]]]:
+def pack(
+    model: nn.Module, chunk_size: int, tensor: int = 1, mode: str = "1d", trainable: bool = True
+) -> list[list[tuple[str, int]]]:
     """Greedy first-fit in order, parameters at aligned offsets: (name, numel) lists, one per chunk.
 
     With ``tensor`` > 1 the numels are one tensor rank's local pieces (``plan/tensor_layout.py``
-    ``local_shape``), as the search packs them.
+    ``local_shape``), as the search packs them. ``trainable`` False: the frozen parameters instead.
     """
     from elixir_tune.plan.tensor_layout import local_shape
 
@@ -59,8 +61,8 @@ def pack(model: nn.Module, chunk_size: int, tensor: int = 1, mode: str = "1d") -
             return param.numel()
         return math.prod(local_shape(name, list(param.shape), model.config.model_type, tensor, mode, table))
 
-    trainable = [(name, numel(name, p)) for name, p in model.named_parameters() if p.requires_grad]
-    return _pack_in_order(trainable, chunk_size)
+    chosen = [(name, numel(name, p)) for name, p in model.named_parameters() if p.requires_grad == trainable]
+    return _pack_in_order(chosen, chunk_size)
 
 
 def pack_experts(model: nn.Module, chunk_size: int, degree: int) -> list[list[tuple[str, int]]]:
@@ -102,11 +104,12 @@ def shared_params(model: nn.Module) -> set[str]:
 
 
 def pack_stages(
-    model: nn.Module, chunk_size: int, block_list: str, stages: int, assignment: str
+    model: nn.Module, chunk_size: int, block_list: str, stages: int, assignment: str, trainable: bool = True
 ) -> tuple[list[list[tuple[str, int]]], list[int]]:
     """A pipeline plan's packing: each stage's trainable parameters (``plan/stages.py``) packed in order
     into that stage's chunks, stage by stage; a tied parameter in a chunk of its own (both stages that
-    use it hold that chunk). Returns the chunks and the stage of each.
+    use it hold that chunk). Returns the chunks and the stage of each. ``trainable`` False: the frozen
+    parameters instead (a LoRA base's frozen chunks, stage by stage).
 
     ``assign_stages`` needs first-use order (the profiler's); registration order is not that for every
     family (OPT registers its final norm before the blocks), so the embeddings the stage adapter runs
@@ -117,7 +120,7 @@ def pack_stages(
 
     adapter = adapter_for(model, block_list)
     embeddings = {id(p) for module in adapter.first_modules for p in module.parameters()}
-    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad == trainable]
 
     def use_order(item: tuple[str, torch.nn.Parameter]) -> int:
         name, param = item
@@ -211,8 +214,12 @@ def make_plan(
         packed = pack(model, chunk_size, tensor, tensor_mode)
     frozen_ids: set[int] = set()
     if frozen_chunks:
-        frozen = [(name, p.numel()) for name, p in model.named_parameters() if not p.requires_grad]
-        frozen_packed = _pack_in_order(frozen, chunk_size) if frozen else []
+        if stages > 1:
+            frozen_packed, frozen_stages = pack_stages(model, chunk_size, block_list, stages, assignment, False)
+            chunk_stages = chunk_stages + frozen_stages
+        else:
+            frozen_packed = pack(model, chunk_size, tensor, tensor_mode, trainable=False)
+            frozen_packed = [chunk for chunk in frozen_packed if chunk]
         frozen_ids = set(range(len(packed), len(packed) + len(frozen_packed)))
         packed = packed + frozen_packed
     offloaded = {i for i in range(len(packed)) if math.floor((i + 1) * offload) > math.floor(i * offload)}

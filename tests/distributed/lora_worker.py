@@ -17,6 +17,9 @@ Cases (``kind``):
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
 
 import elixir_tune
@@ -151,6 +154,101 @@ def run_train(case: dict, rank: int, world: int) -> dict:
     return out
 
 
+PARALLEL_STEPS = 3
+PARALLEL_ACCUM = 2  # micro-batches per step, every rank the same ones (one data index)
+
+
+def parallel_batches() -> list[list[dict]]:
+    generator = torch.Generator().manual_seed(4)
+    steps = []
+    for _ in range(PARALLEL_STEPS):
+        ids = [torch.randint(0, VOCAB, (MICRO, SEQ), generator=generator) for _ in range(PARALLEL_ACCUM)]
+        steps.append([{"input_ids": x, "labels": x} for x in ids])
+    return steps
+
+
+def parallel_reference() -> tuple[list[float], Any, dict[str, torch.Tensor]]:
+    """Plain PEFT on one process over each step's micro-batches as one batch: losses, the trained model
+    and its adapters."""
+    model = lora_model()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    losses = []
+    for micro in parallel_batches():
+        ids = torch.cat([batch["input_ids"] for batch in micro])
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    return losses, model, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def run_parallel(case: dict, rank: int, world: int) -> dict:
+    """LoRA under a pipeline (``stages``) or 1d tensor (``tensor``) plan against plain PEFT; the saved
+    adapter and merged model read back on rank 0."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from elixir_tune.plan.tensor_layout import local_shape
+    from elixir_tune.stage_plans import resolve_stage_plan
+
+    stages, tensor = case.get("stages", 1), case.get("tensor", 1)
+    model = lora_model()
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    stage_plan = resolve_stage_plan(model)
+    assert not isinstance(stage_plan, str), stage_plan
+    plan = make_plan(
+        model, world, case["chunk_size"], offload=case.get("offload", 0.0), micro_batch_size=MICRO,
+        grad_accum_steps=PARALLEL_ACCUM, seq_len=SEQ, frozen_chunks=True, stages=stages, tensor=tensor,
+        block_list=stage_plan.block_list if stages > 1 else "", sequence_parallel=case.get("sequence_parallel", True),
+    )  # fmt: skip
+    full_numel = {n: p.numel() for n, p in model.named_parameters()}
+    table = plan.model.tensor_layout
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    model, optimizer = elixir_tune.setup(model, optimizer, plan=plan)
+    engine = model.engine
+    losses = []
+    for micro in parallel_batches():
+        loss = model.forward_backward(micro)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    full = model.state_dict()
+    save_adapter(model, case["out"] + "/adapter")
+    save_merged(model, case["out"] + "/merged")
+    frozen_slots = [slot for chunk in engine.chunks if chunk.frozen for slot in chunk.slots]
+    out: dict = {
+        "losses": losses,
+        "frozen_chunks": sum(c.frozen for c in engine.chunks),
+        "frozen_shard_bytes": sum(c.shard_bytes() + c.optimizer_state_bytes for c in engine.chunks if c.frozen),
+        "frozen_shard_numel": sum(c.shard_numel for c in engine.chunks if c.frozen),
+        # Each frozen slot holds this rank's piece: the table's local shape (a DTensor's local shard).
+        "frozen_local": all(
+            slot.numel == math.prod(local_shape(slot.name, list(slot.param.shape), "llama", tensor, "1d", table))
+            for slot in frozen_slots
+        ),
+        "frozen_split": sum(slot.numel < full_numel[slot.name] for slot in frozen_slots),
+        "frozen_names": sorted(slot.name for slot in frozen_slots),
+    }
+    if rank != 0:
+        return out
+    ref_losses, reference, ref_adapters = parallel_reference()
+    out["reference_losses"] = ref_losses
+    out["adapter_max_diff"] = max(float((full[n] - ref_adapters[n]).abs().max()) for n in ref_adapters)
+    out["adapters_moved"] = min(float((ref_adapters[n] - initial[n]).abs().max()) for n in ref_adapters)
+    frozen = [n for n in initial if n not in ref_adapters]
+    out["base_unchanged"] = all(torch.equal(full[n], initial[n]) for n in frozen)
+    out["base_checked"] = len(frozen)
+    loaded = PeftModel.from_pretrained(base_model(), case["out"] + "/adapter")
+    loaded_state = dict(loaded.named_parameters())
+    out["loaded_adapter_diff"] = max(float((loaded_state[n] - ref_adapters[n]).abs().max()) for n in ref_adapters)
+    merged = AutoModelForCausalLM.from_pretrained(case["out"] + "/merged").state_dict()
+    ref_merged = reference.merge_and_unload().state_dict()
+    out["merged_keys_equal"] = sorted(merged) == sorted(ref_merged)
+    out["merged_diff"] = max(float((merged[n] - ref_merged[n]).abs().max()) for n in ref_merged)
+    return out
+
+
 def run_weights(case: dict, rank: int, world: int) -> dict:
     from safetensors.torch import load_file
 
@@ -228,6 +326,8 @@ def run_memory(case: dict, rank: int, world: int) -> dict:
 def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> dict:
     if case["kind"] == "train":
         return run_train(case, rank, world)
+    if case["kind"] == "parallel":
+        return run_parallel(case, rank, world)
     if case["kind"] == "memory":
         return run_memory(case, rank, world)
     return run_weights(case, rank, world)

@@ -360,10 +360,11 @@ class Pipeline:
 
     # --- weights out ---------------------------------------------------------------------------
 
-    def full_state_dict(self, all_ranks: bool = False) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, all_ranks: bool = False, trainable_only: bool = False) -> dict[str, torch.Tensor]:
         """The whole model's weights: each stage's (gathered over its data group) merged over the pipeline
-        group onto global rank 0 (every rank with ``all_ranks``). A collective."""
-        part = self.engine.full_state_dict(all_ranks=all_ranks)
+        group onto global rank 0 (every rank with ``all_ranks``). A collective. ``trainable_only``: the
+        trained parameters alone (a LoRA model's adapters)."""
+        part = self.engine.full_state_dict(all_ranks=all_ranks, trainable_only=trainable_only)
         if not all_ranks and self.mesh.data.rank != 0:
             return {}
         parts = gather_objects(self.mesh.pipeline, part, all_ranks)

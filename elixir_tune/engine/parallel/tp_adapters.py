@@ -34,6 +34,7 @@ from elixir_tune.engine.comm import (
     DeviceMesh,
     DTensor,
     ParallelStyle,
+    Partial,
     PrepareModuleInput,
     PrepareModuleOutput,
     Replicate,
@@ -209,6 +210,36 @@ class RegionInput(ParallelStyle):
         return module
 
 
+class ReplicatedLinear(ParallelStyle):
+    """A linear replicated over the tensor group as DTensors (a LoRA layer's adapter beside a split
+    base, ``elixir_tune/lora_layout.py``): it takes a DTensor input (a plain one is replicated) and
+    gives a DTensor, so a partial-sum input gives partial sums and its gradient, a partial sum, is
+    summed over the tensor group by the engine (``local_grad``)."""
+
+    def _partition(self, name, module, mesh):
+        distribute_params(module, mesh, {n: (None,) * mesh.ndim for n, _ in module.named_parameters(recurse=False)})
+
+    @staticmethod
+    def _prepare_input(module, inputs, mesh):
+        first = inputs[0]
+        if not isinstance(first, DTensor):
+            first = DTensor.from_local(first, mesh, (Replicate(),) * mesh.ndim, run_check=False)
+        return (first, *inputs[1:])
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, self._partition, self._prepare_input)
+
+
+def _region_of(path: str, table: TensorTable) -> str:
+    """The module whose input a column-parallel linear's input is gathered at: its parent, or, inside a
+    LoRA layer (its base or its ``lora_B``), the LoRA layer's parent."""
+    parts = path.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        if module_style(".".join(parts[:end]), table) == "lora_colwise":
+            return ".".join(parts[: end - 1])
+    return path.rpartition(".")[0]
+
+
 def table_plan(model: nn.Module, table: TensorTable, sp: bool, vocab_parallel_loss: bool) -> FamilyPlan:
     """The 1-D plan of a model with ``nn.Linear`` layers from its tensor table (every family with a
     transformers tensor plan; plan/tensor_layout.py describes the styles)."""
@@ -223,10 +254,18 @@ def table_plan(model: nn.Module, table: TensorTable, sp: bool, vocab_parallel_lo
         if style in ("colwise", "colwise_gather"):
             gathered = style == "colwise_gather"
             styles[path] = ColwiseParallel(output_layouts=Replicate()) if gathered else ColwiseParallel()
-            regions.add(path.rpartition(".")[0])
+            regions.add(_region_of(path, table))
         elif style in ("rowwise", "rowwise_split"):
             whole = {"input_layouts": Replicate()} if style == "rowwise_split" else {}
             styles[path] = RowwiseParallel(output_layouts=between, use_local_output=local_out, **whole)
+        elif style == "rowwise_partial":  # a LoRA layer's part: its parent reduces base + adapter once
+            styles[path] = RowwiseParallel(output_layouts=Partial(), use_local_output=False)
+        elif style == "lora_rowwise":
+            styles[path] = PrepareModuleOutput(
+                output_layouts=Partial(), desired_output_layouts=between, use_local_output=local_out
+            )
+        elif style == "replicated_linear":
+            styles[path] = ReplicatedLinear()
         elif style == "vocab" and isinstance(module, nn.Embedding):
             styles[path] = RowwiseParallel(
                 input_layouts=Replicate(), output_layouts=between, use_local_output=local_out
