@@ -102,14 +102,12 @@ def profile_model(
     report(f"building {source.name} on the meta device")
     model = _build_on_meta(source)
     disable_kv_cache(model)
-    lora_reason = ""
     if lora:
         try:
             with torch.device("meta"):
                 model = apply_lora(model, **lora)
         except (LoraError, TypeError) as error:
             raise ModelSourceError(f"{source.source}: {error}") from error
-        lora_reason = "LoRA (frozen chunks) runs with data parallelism only"
     fingerprint = model_fingerprint(model)
     built_dtypes = [p.dtype for p in model.parameters()]
     model.to(TORCH_DTYPES[dtype])
@@ -192,9 +190,6 @@ def profile_model(
         foreign_reads=_foreign_reads(model, [*plain, *ckpt], [named[pos][0] for pos in order], new_index),
         lora=lora_settings(model) if lora else {},
     )
-    if lora_reason:
-        reasons = {**profile.layout_reasons(), **dict.fromkeys(("pipeline", "tensor"), lora_reason)}
-        profile.unsupported_layouts = cast("dict[LayoutName, str]", reasons)
     profile.summary = summarize(profile)
     return profile
 

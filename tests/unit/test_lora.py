@@ -109,7 +109,14 @@ def test_a_lora_profile_sees_a_frozen_base_and_records_the_settings(lora_profile
     trained = [p for p in profile.params if p.requires_grad]
     assert frozen and trained and all(is_adapter_name(p.name) for p in trained)
     assert profile.lora == {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
-    assert "LoRA" in profile.layout_reasons()["pipeline"] and "LoRA" in profile.layout_reasons()["tensor"]
+    # Pipeline stages and 1d tensor parallelism run a LoRA model: its tensor table places the LoRA
+    # layers' parts (elixir_tune/lora_layout.py).
+    assert not profile.layout_reasons()
+    table = profile.arch.tensor_layout
+    layer = "base_model.model.model.layers.*.self_attn.q_proj"
+    assert table[layer] == "lora_colwise" and table[f"{layer}.base_layer"] == table[f"{layer}.lora_B.*"] == "colwise"
+    assert table[f"{layer}.lora_A.*"] == "replicated_linear"
+    assert table["base_model.model.model.layers.*.self_attn.o_proj"] == "rowwise"
 
 
 def test_the_search_puts_the_base_in_frozen_chunks_counted_at_the_compute_dtype(lora_profile, lora_plan):
@@ -151,9 +158,34 @@ def test_plan_fields_round_trip_and_their_checks(lora_plan):
     for chunk in unfrozen["memory"]["chunks"]:
         chunk.pop("frozen", None)
     assert any("no chunk is frozen" in p for p in validate(unfrozen))
-    staged = copy.deepcopy(raw)
-    staged["parallel"] = {"pipeline": {"stages": 2}}
-    assert any("frozen chunks run with data parallelism only" in p for p in validate(staged))
+    both = copy.deepcopy(raw)
+    both["parallel"] = {"pipeline": {"stages": 2}, "tensor": {"degree": 2}}
+    assert any("not both at once" in p for p in validate(both))
+    grid = copy.deepcopy(raw)
+    grid["parallel"] = {"tensor": {"degree": 4, "mode": "2d"}}
+    assert any("frozen chunks (a LoRA base) run with 1d tensor parallelism" in p for p in validate(grid))
+
+
+@pytest.mark.parametrize("pins", [{"pipeline": 2, "tensor": 1}, {"tensor": 2, "pipeline": 1}])
+def test_the_search_makes_valid_lora_plans_on_stages_and_tensor_pieces(lora_profile, pins):
+    profile, _ = lora_profile
+    fixed = {"chunk_size": 2048, "checkpointing": "none", "micro_batch_size": 2, **pins}
+    result = search(profile, load_hardware("cpu"), gpus_per_node=2, global_batch_size=4, fixed=fixed, loop="forward_backward")
+    plan = result.plan
+    assert not validate(plan)
+    assert (plan.parallel.pipeline.stages, plan.parallel.tensor.degree) == (pins["pipeline"], pins["tensor"])
+    frozen = [chunk for chunk in plan.memory.chunks if chunk.frozen]
+    assert {chunk.stage for chunk in frozen} == set(range(pins["pipeline"]))
+    if pins["tensor"] > 1:  # the frozen chunks hold each rank's local pieces: half of q_proj's base
+        q_proj = "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
+        assert plan.model.tensor_layout and any(q_proj in chunk.params for chunk in frozen)
+
+
+def test_the_search_refuses_pinned_layouts_that_frozen_chunks_do_not_run(lora_profile):
+    profile, _ = lora_profile
+    fixed = {"pipeline": 2, "tensor": 2, "micro_batch_size": 2}
+    with pytest.raises(ValueError, match="not both at once"):
+        search(profile, load_hardware("cpu"), gpus_per_node=4, global_batch_size=4, fixed=fixed, loop="forward_backward")
 
 
 def test_setup_refuses_a_model_whose_adapters_or_frozen_parameters_differ_from_the_plan(

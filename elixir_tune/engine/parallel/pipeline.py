@@ -131,7 +131,8 @@ class Pipeline:
         self._held: dict[int, int] = {}  # id(param) -> bytes of its held gradient
         self._held_now = 0
         self.peak_held_grad_bytes = 0
-        self._handles = install_grad_hooks([slot.param for slot in engine.slots], self._track_held)
+        trained = [slot.param for slot in engine.slots if not slot.chunk.frozen]  # a LoRA base gets no gradient
+        self._handles = install_grad_hooks(trained, self._track_held)
         owner = {chunk.id: chunk.stage for chunk in self.plan.memory.chunks}
         # The norm counts a shared chunk once: on the stage the plan puts it on.
         engine.norm_skip = {chunk.id for chunk, _ in self.shared if owner[chunk.id] != self.stage}
@@ -183,11 +184,11 @@ class Pipeline:
         return max((sum(slot.numel for slot in slots) * item for slots in self._held_slots), default=0)
 
     def _chunked_params(self, index: int) -> list[ParamSlot]:
-        """The chunk slots of the parameters virtual stage ``index`` runs, each once."""
+        """The chunk slots of the trained parameters virtual stage ``index`` runs, each once."""
         slots: dict[int, ParamSlot] = {}
         for module in virtual_stage_modules(self.adapter, self.layout.virtual, index):
             for param in module.parameters():
-                if id(param) in self.engine.slot_of:
+                if id(param) in self.engine.slot_of and not self.engine.slot_of[id(param)].chunk.frozen:
                     slots[id(param)] = self.engine.slot_of[id(param)]
         return list(slots.values())
 
