@@ -28,7 +28,7 @@ import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -234,6 +234,23 @@ def save_adapter(model: nn.Module, out_dir: str | os.PathLike) -> None:
         return
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     peft_model.save_pretrained(str(out_dir), state_dict=state, safe_serialization=True)
+    _write_missing_adapters(Path(out_dir), state)
+
+
+def _write_missing_adapters(out_dir: Path, state: dict[str, torch.Tensor]) -> None:
+    """PEFT writes the adapters of the LoRA layers the model holds; under a pipeline plan rank 0 holds
+    its own stage's only (the others are stubs), so the weights file is written again from ``state``,
+    the gathered adapters of every stage, under PEFT's names (the adapter name left out)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    weights = out_dir / "adapter_model.safetensors"
+    wanted = {name.replace(f".{ADAPTER_NAME}.", "."): value for name, value in state.items()}
+    with safe_open(str(weights), framework="pt") as written:
+        if set(written.keys()) == set(wanted):
+            return
+        metadata = written.metadata()
+    save_file({name: value.contiguous() for name, value in wanted.items()}, str(weights), metadata=metadata)
 
 
 def merged_state_dict(full: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
@@ -250,6 +267,7 @@ def merged_state_dict(full: dict[str, torch.Tensor], model: nn.Module) -> dict[s
         LoraError: an adapted module that is not a linear layer (merging supports those).
     """
     merged = {base_name(name): value for name, value in full.items() if not is_adapter_name(name)}
+    config = cast(Any, model).peft_config[ADAPTER_NAME]
     for module_name, scaling in _scalings(model, full).items():
         module = _module_or_none(model, module_name)
         lora_a = f"{module_name}.lora_A.{ADAPTER_NAME}.weight"
@@ -257,7 +275,7 @@ def merged_state_dict(full: dict[str, torch.Tensor], model: nn.Module) -> dict[s
         weight = base_name(f"{module_name}.base_layer.weight")
         if lora_a not in full or lora_b not in full or weight not in merged or merged[weight].dim() != 2:
             raise LoraError(f"{module_name}: merging supports adapters on linear layers only; save the adapter instead")
-        if getattr(module, "fan_in_fan_out", getattr(model.peft_config[ADAPTER_NAME], "fan_in_fan_out", False)):
+        if getattr(module, "fan_in_fan_out", getattr(config, "fan_in_fan_out", False)):
             raise LoraError(f"{module_name}: fan_in_fan_out layers (GPT-2's Conv1D) are not merged; save the adapter")
         delta = (full[lora_b].float() @ full[lora_a].float()) * scaling
         merged[weight] = (merged[weight].float() + delta).to(merged[weight].dtype)

@@ -97,9 +97,7 @@ def lora_tensor_table(
     # Adapters on some layers only (PEFT's layers_to_transform) would need two kinds of entries under
     # one pattern: a layer index in a pattern is always ``*``.
     lora_set = set(lora_layers)
-    mixed = sorted(
-        path for path in module_paths if _generic(path) in lora_patterns and path not in lora_set
-    )
+    mixed = sorted(path for path in module_paths if _generic(path) in lora_patterns and path not in lora_set)
     if mixed:
         return {}, (
             f"LoRA adapts some of the modules like {mixed[0]} but not that one; under tensor parallelism adapt "

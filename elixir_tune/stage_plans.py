@@ -110,10 +110,10 @@ def resolve_stage_plan(model: Any) -> StagePlan | str:
     """
     base, prefix = peft_base(model)
     if prefix:  # a PEFT (LoRA) model: the wrapped causal LM's plan, under the PEFT model's path to it
-        plan = resolve_stage_plan(base)
-        if isinstance(plan, str):
-            return plan
-        return dataclasses.replace(plan, body=f"{prefix}{plan.body}" if plan.body else prefix.rstrip("."))
+        inner = resolve_stage_plan(base)
+        if isinstance(inner, str):
+            return inner
+        return dataclasses.replace(inner, body=f"{prefix}{inner.body}" if inner.body else prefix.rstrip("."))
     config = getattr(model, "config", None)
     model_type = str(getattr(config, "model_type", "") or "")
     what = f"model type {model_type!r}" if model_type else f"{type(model).__name__} (no transformers config)"

@@ -148,9 +148,13 @@ def layout_choices(
             f"--fix pipeline={fixed['pipeline']} with --fix tensor_mode=2d: the engine runs 2d tensor parallelism "
             "without a pipeline only (its grid splits the micro-batches that stages pass whole); drop one of the pins"
         )
-    frozen_problem = frozen_layout_problem(fixed.get("pipeline", 1), fixed.get("tensor", 1), fixed.get("tensor_mode", "1d"))
+    frozen_problem = frozen_layout_problem(
+        fixed.get("pipeline", 1), fixed.get("tensor", 1), fixed.get("tensor_mode", "1d")
+    )
     if profile.lora and frozen_problem:
-        raise ValueError(f"the pins --fix pipeline/tensor/tensor_mode: not possible for {profile.name}: {frozen_problem}")
+        raise ValueError(
+            f"the pins --fix pipeline/tensor/tensor_mode: not possible for {profile.name}: {frozen_problem}"
+        )
     if not layouts and "pipeline" in fixed:
         raise ValueError(
             f"--fix pipeline={stages}: no tensor degree leaves a pipeline of {stages} that divides the world of "

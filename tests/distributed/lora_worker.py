@@ -259,10 +259,15 @@ def run_weights(case: dict, rank: int, world: int) -> dict:
 
     with torch.device("meta"):
         model = apply_lora(base_model(), **LORA)
-    plan = make_plan(model, world, case["chunk_size"], offload=case["offload"], seq_len=SEQ, frozen_chunks=True)
+    stages, tensor = case.get("stages", 1), case.get("tensor", 1)
+    block_list = "base_model.model.model.layers" if stages > 1 else ""
+    plan = make_plan(
+        model, world, case["chunk_size"], offload=case["offload"], seq_len=SEQ, frozen_chunks=True, stages=stages,
+        tensor=tensor, block_list=block_list, grad_accum_steps=PARALLEL_ACCUM if stages > 1 else 1,
+    )  # fmt: skip
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     model, optimizer = elixir_tune.setup(model, optimizer, plan=plan, weights=case["dir"], seed=5)
-    full = model.engine.full_state_dict()
+    full = model.state_dict()  # every stage's and tensor rank's pieces, on rank 0
     if rank != 0:
         return {}
     saved = load_file(case["dir"] + "/model.safetensors")

@@ -170,7 +170,9 @@ def test_plan_fields_round_trip_and_their_checks(lora_plan):
 def test_the_search_makes_valid_lora_plans_on_stages_and_tensor_pieces(lora_profile, pins):
     profile, _ = lora_profile
     fixed = {"chunk_size": 2048, "checkpointing": "none", "micro_batch_size": 2, **pins}
-    result = search(profile, load_hardware("cpu"), gpus_per_node=2, global_batch_size=4, fixed=fixed, loop="forward_backward")
+    result = search(
+        profile, load_hardware("cpu"), gpus_per_node=2, global_batch_size=4, fixed=fixed, loop="forward_backward"
+    )
     plan = result.plan
     assert not validate(plan)
     assert (plan.parallel.pipeline.stages, plan.parallel.tensor.degree) == (pins["pipeline"], pins["tensor"])
@@ -185,7 +187,9 @@ def test_the_search_refuses_pinned_layouts_that_frozen_chunks_do_not_run(lora_pr
     profile, _ = lora_profile
     fixed = {"pipeline": 2, "tensor": 2, "micro_batch_size": 2}
     with pytest.raises(ValueError, match="not both at once"):
-        search(profile, load_hardware("cpu"), gpus_per_node=4, global_batch_size=4, fixed=fixed, loop="forward_backward")
+        search(
+            profile, load_hardware("cpu"), gpus_per_node=4, global_batch_size=4, fixed=fixed, loop="forward_backward"
+        )
 
 
 def test_setup_refuses_a_model_whose_adapters_or_frozen_parameters_differ_from_the_plan(

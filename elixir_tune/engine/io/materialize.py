@@ -382,7 +382,9 @@ class FileSource(WeightSource):
 
     def read_range(self, param: torch.Tensor, begin: int, end: int) -> torch.Tensor:
         if id(param) in self.adapter_names:
-            return adapter_init(self.adapter_names[id(param)], param.shape, self.seed).reshape(-1)[begin:end]
+            # A tensor-parallel adapter (a split layer's lora_A or lora_B) starts as this rank's piece.
+            value = self.local(param, adapter_init(self.adapter_names[id(param)], param.shape, self.seed))
+            return value.reshape(-1)[begin:end]
         if self.sharded(param):
             return self._read_piece(param)[begin:end]
         return self.reader.read_range(self.reader.names[id(param)], begin, end)
