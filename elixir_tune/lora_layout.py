@@ -52,6 +52,12 @@ def lora_layer_paths(model: Any) -> list[str]:
     ]
 
 
+def inside_lora_layer(path: str, lora_layers: set[str]) -> bool:
+    """Whether the module at ``path`` is a part of one of ``lora_layers`` (its base or an adapter)."""
+    parts = path.split(".")
+    return any(".".join(parts[:end]) in lora_layers for end in range(1, len(parts)))
+
+
 def _generic(path: str) -> str:
     return ".".join("*" if part.isdigit() else part for part in path.split("."))
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from elixir_tune.lora_layout import lora_layer_paths, lora_tensor_table, peft_base
-from elixir_tune.plan.tensor_layout import module_style, tensor_table
+from elixir_tune.lora_layout import inside_lora_layer, lora_layer_paths, lora_tensor_table, peft_base
+from elixir_tune.plan.tensor_layout import BUILTIN_TABLES, module_style, tensor_table
 
 
 def _path_of(model: Any, target: Any) -> str:
@@ -33,6 +33,12 @@ def model_tensor_table(model: Any) -> tuple[dict[str, str], str]:
         table, why = model_tensor_table(base)
         if why:
             return {}, why
+        model_type = getattr(getattr(base, "config", None), "model_type", "")
+        if model_type in BUILTIN_TABLES:  # split by hand-written engine code (GPT-2's Conv1D), not by the table
+            return (
+                {},
+                f"LoRA under tensor parallelism runs families with a transformers tensor plan; {model_type} has none",
+            )
         paths = [path for path, _ in model.named_modules()]
         return lora_tensor_table(table, prefix, lora_layer_paths(model), paths)
     config = getattr(model, "config", None)
@@ -50,10 +56,13 @@ def model_tensor_table(model: Any) -> tuple[dict[str, str], str]:
         _path_of(model, get_input() if callable(get_input) else None),
         _path_of(model, get_output() if callable(get_output) else None),
     )
+    # PEFT puts its LoRA layers inside the model it wraps: their parts are placed by lora_layout.py, the
+    # layer itself by its base's entry.
+    lora_layers = set(lora_layer_paths(model))
     modules = [
         (path, type(module).__name__, any(True for _ in module.parameters(recurse=False)))
         for path, module in model.named_modules()
-        if path
+        if path and not inside_lora_layer(path, lora_layers)
     ]
     base_prefix = getattr(model, "base_model_prefix", "") or ""
     if base_prefix and not hasattr(model, base_prefix):

@@ -228,6 +228,7 @@ def run_parallel(case: dict, rank: int, world: int) -> dict:
             for slot in frozen_slots
         ),
         "frozen_split": sum(slot.numel < full_numel[slot.name] for slot in frozen_slots),
+        "frozen_names": sorted(slot.name for slot in frozen_slots),
         # How tensor parallelism placed each part of block 0's LoRA layers (None: a plain tensor).
         "placements": {
             name.partition("layers.0.")[2]: str(getattr(param, "placements", None))

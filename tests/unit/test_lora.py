@@ -227,3 +227,29 @@ def test_profile_command_takes_lora_options(lora_profile, tmp_path):
     assert '"rank": 2' in result.output and out.is_file()
     result = runner.invoke(cli, ["profile", directory, "--lora-alpha", "4"])
     assert result.exit_code != 0 and "need --lora-rank" in result.output
+
+
+def test_lora_tensor_tables_refuse_what_the_engine_does_not_split(tiny_llama):
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    from elixir_tune.stage_plans import resolve_stage_plan
+    from elixir_tune.tensor_table import model_tensor_table
+
+    table, why = model_tensor_table(apply_lora(tiny_llama(), rank=2, target_modules="down_proj"))
+    assert not why and table["base_model.model.model.layers.*.mlp.down_proj.lora_A.*"] == "rowwise_partial"
+    assert table["base_model.model.model.layers.*.mlp.down_proj"] == "lora_rowwise"
+    # The output head is split by vocabulary: LoRA on it is not run under tensor parallelism.
+    table, why = model_tensor_table(apply_lora(tiny_llama(), rank=2, target_modules="lm_head"))
+    assert not table and "LoRA on base_model.model.lm_head, a 'vocab' module" in why
+    # Adapters on some blocks only would need two kinds of entries under one pattern.
+    some = get_peft_model(tiny_llama(), LoraConfig(r=2, target_modules=["q_proj"], layers_to_transform=[0]))
+    table, why = model_tensor_table(some)
+    assert not table and "adapt the same modules in every block" in why
+    # GPT-2's split is hand-written engine code (Conv1D), not its table: not run with LoRA.
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64))
+    table, why = model_tensor_table(apply_lora(gpt2, rank=2, target_modules="c_attn"))
+    assert not table and "gpt2 has none" in why
+    # A PEFT model's stage plan is its causal LM's, under PEFT's path to it.
+    plan = resolve_stage_plan(apply_lora(tiny_llama(), **LORA))
+    assert not isinstance(plan, str) and plan.block_list == "base_model.model.model.layers"
