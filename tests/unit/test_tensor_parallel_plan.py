@@ -43,8 +43,8 @@ from tests.unit.test_plan_parallel import _with
         (
             {"model__tensor_layout": {"transformer.h.*.attn.c_attn": "local_colwise"}},
             "model.tensor_layout: unknown styles transformer.h.*.attn.c_attn: local_colwise (known: colwise, "
-            "colwise_gather, rowwise, rowwise_split, vocab, head_norm, norm, experts, packed_colwise); profile the "
-            "model and search again",
+            "colwise_gather, rowwise, rowwise_split, vocab, head_norm, norm, experts, packed_colwise, lora_colwise, "
+            "lora_rowwise, rowwise_partial, replicated_linear); profile the model and search again",
         ),
     ],
 )  # fmt: skip
