@@ -106,7 +106,7 @@ def lora_tensor_table(
     mixed = sorted(path for path in module_paths if _generic(path) in lora_patterns and path not in lora_set)
     if mixed:
         return {}, (
-            f"LoRA adapts some of the modules like {mixed[0]} but not that one; under tensor parallelism adapt "
+            f"LoRA adapts {_generic(mixed[0])} in some blocks but not {mixed[0]}; under tensor parallelism adapt "
             "the same modules in every block, or use tensor degree 1"
         )
     adapted = {pattern.removeprefix(prefix) for pattern in lora_patterns}
