@@ -15,7 +15,9 @@ from a seed, the same on every rank.
 Out: ``save_adapter`` writes PEFT's adapter format (``adapter_config.json`` +
 ``adapter_model.safetensors``) that ``PeftModel.from_pretrained(base, DIR)`` reads;
 ``save_merged`` writes a full Hugging Face directory with the adapters merged into the weights.
-Both gather on rank 0 and write there; every rank must call them.
+Both gather on rank 0 (from every data shard, pipeline stage and tensor rank) and write there;
+every rank must call them. Under pipeline and tensor plans a PEFT model's stage plan and tensor
+table come from ``lora_layout.py``.
 
 PEFT is imported only when a model is wrapped or saved (it is in the ``finetune`` extra).
 """
