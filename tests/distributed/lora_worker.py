@@ -9,7 +9,12 @@ Cases (``kind``):
   ``save_merged`` loaded with plain ``AutoModelForCausalLM``.
 * ``weights``: a LoRA model built on the meta device, its base read from a Hugging Face directory
   by ``setup(weights=DIR)``: the base equals the file, ``lora_B`` is zero and ``lora_A`` is
-  ``adapter_init``'s, on every world size alike.
+  ``adapter_init``'s, on every world size alike; with ``stages`` or ``tensor`` on pipeline stages or
+  in tensor pieces (each split adapter starting as its piece).
+* ``parallel``: 3 AdamW steps of ``forward_backward`` under a pipeline (``stages``) or 1d tensor
+  (``tensor``, ``sequence_parallel``) plan against plain PEFT on each step's batch; what the frozen
+  chunks hold and how the LoRA layers' parts are placed; the saved adapter (``PeftModel.from_pretrained``)
+  and merged directory against plain PEFT's adapters and ``merge_and_unload``.
 * ``memory`` (scripts/bench_lora_memory.py): a profile (with or without LoRA) and a search of a
   Hugging Face directory, then one warm-up and one measured step (``memory_probe``) against the
   plan's predicted peak.
