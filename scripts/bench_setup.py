@@ -4,6 +4,7 @@ beside the old path (the model materialized on every rank, rank 0's weights broa
 
     python scripts/bench_setup.py                      # both paths, world 2
     python scripts/bench_setup.py --modes meta-weights # the new path only
+    python scripts/bench_setup.py --model gpt2-tiny --results /tmp/setup-memory  # a quick check of the script
     (modes: meta-weights, meta-init: a meta model initialized by its own initializer, materialized)
 
 The weights file (random initialization, ``save_pretrained`` of transformers) is written once into
@@ -178,15 +179,14 @@ def make_plan(model, world: int, chunk_size: int, tensor: int = 1, name: str = M
     )
 
 
-def worker(mode: str, weights_dir: Path, chunk_size: int, out: Path, tensor: int = 1) -> None:
-    """One rank: build the model as ``mode`` says, run setup, report memory."""
+def worker(mode: str, weights_dir: Path, chunk_size: int, out: Path, tensor: int = 1, name: str = MODEL) -> None:
+    """One rank: build the model ``name`` as ``mode`` says, run setup, report memory."""
     import torch
 
     import elixir_tune
 
     torch.set_num_threads(1)
     start = rss_bytes()  # the interpreter, torch and transformers: the same for both paths
-    name = TP_MODEL if tensor > 1 else MODEL
     world = int(os.environ["WORLD_SIZE"])
     with torch.device("meta"):
         shapes = build_model(name)
@@ -252,7 +252,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(mode: str, world: int, weights_dir: Path, chunk_size: int, tmp: Path, tensor: int = 1) -> list[dict]:
+def launch(
+    mode: str, world: int, weights_dir: Path, chunk_size: int, tmp: Path, tensor: int = 1, name: str = MODEL
+) -> list[dict]:
     port = free_port()
     procs = []
     for rank in range(world):
@@ -269,7 +271,7 @@ def launch(mode: str, world: int, weights_dir: Path, chunk_size: int, tmp: Path,
         )
         out = tmp / f"{mode}-{rank}.json"
         command = [sys.executable, __file__, "--worker", mode, "--weights-dir", str(weights_dir)]
-        command += ["--chunk-size", str(chunk_size), "--out", str(out), "--tensor", str(tensor)]
+        command += ["--chunk-size", str(chunk_size), "--out", str(out), "--tensor", str(tensor), "--model", name]
         procs.append((subprocess.Popen(command, env=env), out))
     for proc, _ in procs:
         if proc.wait(timeout=1800):
@@ -288,8 +290,12 @@ def write_weights(directory: Path, name: str) -> None:
     subprocess.run(code, check=True, env=dict(os.environ, TRANSFORMERS_VERBOSITY="error", PYTHONPATH=str(REPO)))
 
 
-def tensor_main(args, name: str) -> int:
-    """The tensor-parallel runs: a section appended to setup-memory.md, the records to setup-memory-tensor.json."""
+def run_modes(args, name: str) -> tuple[dict[str, list[dict]], int, tuple[float, float]]:
+    """Writes the weights file once, runs ``setup`` for every mode of ``args.modes`` on ``args.world`` ranks.
+
+    Returns:
+        Each mode's per-rank records, the weights file's bytes, and the load average before and after.
+    """
     if not any(args.weights_dir.glob("*.safetensors")):
         write_weights(args.weights_dir, name)
     file_bytes = sum(p.stat().st_size for p in args.weights_dir.glob("*.safetensors"))
@@ -298,25 +304,44 @@ def tensor_main(args, name: str) -> int:
     tmp.mkdir(parents=True, exist_ok=True)
     runs = {}
     for mode in args.modes.split(","):
-        print(f"{mode}: setup on {args.world} ranks, tensor {args.tensor} ...", flush=True)
-        runs[mode] = launch(mode, args.world, args.weights_dir, args.chunk_size, tmp, args.tensor)
+        on = f"{args.world} ranks" + (f", tensor {args.tensor}" if args.tensor > 1 else "")
+        print(f"{mode}: setup on {on} ...", flush=True)
+        runs[mode] = launch(mode, args.world, args.weights_dir, args.chunk_size, tmp, args.tensor, name)
     for path in tmp.iterdir():
         path.unlink()
     tmp.rmdir()
-    load_after = os.getloadavg()
+    return runs, file_bytes, (load_before[0], os.getloadavg()[0])
+
+
+def report(args, name: str) -> int:
+    """Runs the modes and writes the report: for data parallelism ``RESULTS.md`` (a new file) and
+    ``RESULTS.json``; for tensor parallelism a section appended to ``RESULTS.md`` and ``RESULTS-tensor.json``."""
+    runs, file_bytes, (load_before, load_after) = run_modes(args, name)
+    tensor = args.tensor > 1
     num_params = next(iter(runs.values()))[0]["num_params"]
     model_bytes = num_params * 4
     bound = model_bytes / 2 + GIB
-    lines = [
-        "",
-        f"## Tensor parallelism: {name} ({num_params:,} params, {model_bytes / GIB:.2f} GiB fp32), tensor "
-        f"{args.tensor} at world {args.world}",
-        "",
-        f"Command: `python scripts/bench_setup.py --tensor {args.tensor} --world {args.world} --modes {args.modes}`; "
-        f"weights file {file_bytes / GIB:.2f} GiB (transformers' save_pretrained, fp32) on local disk; chunk size "
-        f"{args.chunk_size:,} elements; the model built on the meta device, split there, each rank reading "
-        f"(meta-weights) or initializing (meta-init) only its tensor pieces; load average before/after "
-        f"{load_before[0]:.2f}/{load_after[0]:.2f} on {os.cpu_count()} cores; torch gloo CPU.",
+    size = f"{name} ({num_params:,} params, {model_bytes / GIB:.2f} GiB fp32)"
+    machine = f"load average before/after {load_before:.2f}/{load_after:.2f} on {os.cpu_count()} cores; torch gloo CPU."
+    if tensor:
+        lines = [
+            "",
+            f"## Tensor parallelism: {size}, tensor {args.tensor} at world {args.world}",
+            "",
+            f"Command: `python scripts/bench_setup.py --tensor {args.tensor} --world {args.world} --modes {args.modes}`; "
+            f"weights file {file_bytes / GIB:.2f} GiB (transformers' save_pretrained, fp32) on local disk; chunk size "
+            f"{args.chunk_size:,} elements; the model built on the meta device, split there, each rank reading "
+            f"(meta-weights) or initializing (meta-init) only its tensor pieces; {machine}",
+        ]
+    else:
+        model_option = f" --model {name}" if name != MODEL else ""
+        lines = [
+            f"# setup host memory: {size}, world {args.world}",
+            "",
+            f"Command: `python scripts/bench_setup.py --world {args.world}{model_option}`; weights file "
+            f"{file_bytes / GIB:.2f} GiB on local disk; chunk size {args.chunk_size:,} elements; {machine}",
+        ]
+    lines += [
         "",
         "| path | rank | peak RSS GiB | bound GiB | RSS at start GiB | RSS before setup GiB | master shard GiB "
         "| grad + Adam allocated GiB | setup s |",
@@ -331,6 +356,13 @@ def tensor_main(args, name: str) -> int:
                 f"{r['setup_s']:.1f} |"
             )
     lines.append("")
+    if not tensor:
+        lines.append(
+            "peak RSS: ru_maxrss after setup (the whole process). bound: half the fp32 model + 1 GiB. RSS at start: "
+            "after importing torch, before building the model. grad + Adam allocated: the gradient shard and AdamW's "
+            "moments that setup allocates (host memory on a CPU device); zero until training writes them, not yet "
+            "resident."
+        )
     for mode, results in runs.items():
         worst = max(r["peak_rss_bytes"] for r in results)
         checks = [r["weights_match_file"] for r in results if r["weights_match_file"] is not None]
@@ -349,13 +381,14 @@ def tensor_main(args, name: str) -> int:
         "num_params": num_params,
         "weights_file_bytes": file_bytes,
         "bound_bytes": bound,
-        "load_average_before_after": [load_before[0], load_after[0]],
+        "load_average_before_after": [load_before, load_after],
         "cpu_count": os.cpu_count(),
         "host": platform.node(),
         "runs": runs,
     }
-    Path(args.results + "-tensor.json").write_text(json.dumps(record, indent=1))
-    with open(args.results + ".md", "a") as markdown:
+    Path(args.results).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.results + ("-tensor.json" if tensor else ".json")).write_text(json.dumps(record, indent=1))
+    with open(args.results + ".md", "a" if tensor else "w") as markdown:
         markdown.write(text + "\n")
     return 0
 
@@ -365,94 +398,28 @@ def main() -> int:
     parser.add_argument("--weights-dir", default=None, type=Path, help="default: a directory per model in /tmp")
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--tensor", type=int, default=1, help="tensor degree (> 1: the Llama, a tensor plan)")
+    parser.add_argument(
+        "--model", default=MODEL, help=f"a config name of configs/models (data parallelism; default {MODEL})"
+    )
     parser.add_argument("--chunk-size", type=int, default=1 << 26, help="elements per chunk (default 64M)")
     parser.add_argument("--modes", default="meta-weights,meta-init,materialized")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--results", default=str(RESULTS / "setup-memory"), help="results path without suffix")
     args = parser.parse_args()
-    name = TP_MODEL if args.tensor > 1 else MODEL
+    name = TP_MODEL if args.tensor > 1 else args.model
     if args.weights_dir is None:
-        args.weights_dir = Path(TP_DEFAULT_DIR if args.tensor > 1 else "/tmp/elixir-bench-gpt2-large")
+        args.weights_dir = Path(
+            TP_DEFAULT_DIR
+            if args.tensor > 1
+            else "/tmp/elixir-bench-gpt2-large"
+            if name == MODEL
+            else f"/tmp/elixir-bench-{name}"
+        )
     if args.worker:
-        worker(args.worker, args.weights_dir, args.chunk_size, args.out, args.tensor)
+        worker(args.worker, args.weights_dir, args.chunk_size, args.out, args.tensor, name)
         return 0
-    if args.tensor > 1:
-        return tensor_main(args, name)
-
-    if not any(args.weights_dir.glob("*.safetensors")):
-        write_weights(args.weights_dir, name)
-    file_bytes = sum(p.stat().st_size for p in args.weights_dir.glob("*.safetensors"))
-    load_before = os.getloadavg()
-    tmp = Path(args.results).parent / ".bench-setup-tmp"
-    tmp.mkdir(parents=True, exist_ok=True)
-    runs = {}
-    for mode in args.modes.split(","):
-        print(f"{mode}: setup on {args.world} ranks ...", flush=True)
-        runs[mode] = launch(mode, args.world, args.weights_dir, args.chunk_size, tmp)
-    for path in tmp.iterdir():
-        path.unlink()
-    tmp.rmdir()
-    load_after = os.getloadavg()
-
-    num_params = next(iter(runs.values()))[0]["num_params"]
-    model_bytes = num_params * 4
-    bound = model_bytes / 2 + GIB
-    lines = [
-        f"# setup host memory: {MODEL} ({num_params:,} params, {model_bytes / GIB:.2f} GiB fp32), world {args.world}",
-        "",
-        f"Command: `python scripts/bench_setup.py --world {args.world}`; weights file {file_bytes / GIB:.2f} GiB "
-        f"on local disk; chunk size {args.chunk_size:,} elements; load average before/after "
-        f"{load_before[0]:.2f}/{load_after[0]:.2f} on {os.cpu_count()} cores; torch gloo CPU.",
-        "",
-        "| path | rank | peak RSS GiB | bound GiB | RSS at start GiB | RSS before setup GiB | master shard GiB "
-        "| grad + Adam allocated GiB | setup s |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for mode, results in runs.items():
-        for r in results:
-            lines.append(
-                f"| {mode} | {r['rank']} | {r['peak_rss_bytes'] / GIB:.2f} | {bound / GIB:.2f} | "
-                f"{r['rss_start_bytes'] / GIB:.2f} | {r['rss_before_setup_bytes'] / GIB:.2f} | "
-                f"{r['master_shard_bytes'] / GIB:.2f} | {(r['grad_shard_bytes'] + r['optimizer_state_bytes']) / GIB:.2f} | "
-                f"{r['setup_s']:.1f} |"
-            )
-    lines += [
-        "",
-        "peak RSS: ru_maxrss after setup (the whole process). bound: half the fp32 model + 1 GiB. RSS at start: after "
-        "importing torch, before building the model. grad + Adam allocated: the gradient shard and AdamW's moments "
-        "that setup allocates (host memory on a CPU device); zero until training writes them, not yet resident.",
-    ]
-    if "meta-weights" in runs:
-        worst = max(r["peak_rss_bytes"] for r in runs["meta-weights"])
-        checks = [r["weights_match_file"] for r in runs["meta-weights"] if r["weights_match_file"] is not None]
-        lines.append(
-            f"meta-weights: worst rank {worst / GIB:.2f} GiB, {'under' if worst < bound else 'OVER'} the bound; "
-            f"rank 0's embedding row equals the file's: {all(checks) if checks else 'n/a'}"
-        )
-    if "materialized" in runs:
-        worst_old = max(r["peak_rss_bytes"] for r in runs["materialized"])
-        lines.append(
-            f"materialized: worst rank {worst_old / GIB:.2f} GiB, {'under' if worst_old < bound else 'OVER'} the bound"
-        )
-    text = "\n".join(lines)
-    print(text)
-    record = {
-        "model": MODEL,
-        "world": args.world,
-        "chunk_size": args.chunk_size,
-        "num_params": num_params,
-        "weights_file_bytes": file_bytes,
-        "bound_bytes": bound,
-        "load_average_before_after": [load_before[0], load_after[0]],
-        "cpu_count": os.cpu_count(),
-        "host": platform.node(),
-        "runs": runs,
-    }
-    Path(args.results).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.results + ".json").write_text(json.dumps(record, indent=1))
-    Path(args.results + ".md").write_text(text + "\n")
-    return 0
+    return report(args, name)
 
 
 if __name__ == "__main__":

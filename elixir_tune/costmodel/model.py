@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from elixir_tune.costmodel.cache import CacheSim, simulate_cache
 from elixir_tune.costmodel.layout import ChunkLayout, largest_trainable_numel, max_module_chunks, pack_chunks
 from elixir_tune.costmodel.memory import STAGING_BUFFERS, MemoryEstimate, checkpointed_blocks, estimate_memory
+from elixir_tune.costmodel.offload import offload_orders
 from elixir_tune.costmodel.parallel import DATA_ONLY, Layout, critical_stage, rank_profile
 from elixir_tune.costmodel.parallel_time import ParallelTimes
 from elixir_tune.costmodel.rates import attention_flops_share, plausibility_bound
@@ -177,7 +178,7 @@ class CostModel:
         self._traces: dict[tuple[int, int, int], tuple[ChunkTrace, list[tuple[int, ...]]]] = {}
         self._sims: dict[tuple[int, int, int, int], tuple[CacheSim, list[tuple[int, int, int]]]] = {}
         self._costs: dict[int, TransferCosts] = {}
-        self._orders: dict[tuple[int, int, int], list[int]] = {}
+        self._orders: dict[tuple[int, int, int], list[list[int]]] = {}
 
     # -- shared pieces ---------------------------------------------------------------------------
 
@@ -240,18 +241,30 @@ class CostModel:
             )
         return self._costs[chunk_size]
 
-    def offload_order(self, chunk_size: int, every: int, cache_blocks: int) -> list[int]:
-        """Chunks in the order their shards go to the host: fewest fetches per step first, then
-        the last chunks first (their gradients are reduced earliest in backward, so their
-        device->host copies overlap the most)."""
+    def offload_orders(self, chunk_size: int, every: int, cache_blocks: int) -> list[list[int]]:
+        """The orders in which chunks' shards go to the host (``costmodel/offload.py``): the cheapest per
+        device byte freed first, and with frozen chunks also the cheapest per chunk first."""
         key = (chunk_size, every, cache_blocks)
         if key not in self._orders:
             sim, cold = self.cache_sim(chunk_size, every, cache_blocks)
-            counts = [0] * self.layout(chunk_size).num_chunks
-            for _step, chunk, _free in cold + sim.steady:
+            layout = self.layout(chunk_size)
+            counts = [0] * layout.num_chunks
+            for _step, chunk, _free in cold + sim.steady:  # two passes: the cold one and a steady one
                 counts[chunk] += 1
-            self._orders[key] = sorted(range(len(counts)), key=lambda c: (counts[c], -c))
+            adam_s_per_elem = 1 / self.cpu_adam_elems_per_s - 1 / self.hardware.gpu_adam_elems_per_s
+            shard_numel = chunk_size // self.data_size
+            costs = self.costs(chunk_size)
+            self._orders[key] = offload_orders(layout, counts, 2, shard_numel, self.dtype, costs, adam_s_per_elem)
         return self._orders[key]
+
+    def offload_order(self, chunk_size: int, every: int, cache_blocks: int) -> list[int]:
+        """The order a shape without explicit chunk ids offloads by: the first of ``offload_orders``."""
+        return self.offload_orders(chunk_size, every, cache_blocks)[0]
+
+    def offloaded_trainable(self, shape: Shape) -> int:
+        """How many of the shape's offloaded shards are trainable (the rest are frozen: no host Adam)."""
+        layout = self.layout(shape.chunk_size)
+        return sum(1 for c, off in enumerate(self.offload_mask(shape)) if off and not layout.chunks[c].frozen)
 
     def offload_mask(self, shape: Shape) -> list[bool]:
         """Per chunk, whether its shard is offloaded."""
@@ -487,6 +500,7 @@ class CostModel:
             self.dtype,
             useful_flops_per_gpu=self.full_profile.flops_per_sample * samples_per_gpu,
             offloaded_numel_per_rank=shape.num_offloaded * shard_numel,
+            offloaded_trainable_numel_per_rank=self.offloaded_trainable(shape) * shard_numel,
             ranks_on_node=self.gpus_per_node,
             world_size=self.world_size,
         )

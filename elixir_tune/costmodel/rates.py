@@ -52,6 +52,7 @@ def plausibility_bound(
     offloaded_numel_per_rank: int,
     ranks_on_node: int,
     world_size: int,
+    offloaded_trainable_numel_per_rank: int | None = None,
 ) -> dict[str, float]:
     """The least time a step can take, per bound (0 where a bound does not apply).
 
@@ -62,12 +63,14 @@ def plausibility_bound(
         offloaded_numel_per_rank: shard elements of one rank that live on the host.
         ranks_on_node: ranks sharing the node's host.
         world_size: ranks in all (one rank copies alone at the single-GPU bandwidth).
+        offloaded_trainable_numel_per_rank: the trainable part of them (None: all); frozen shards (a
+            LoRA base) go up only, with no gradient down and no host Adam.
 
     Returns:
         ``bound_compute_s``: the FLOPs at ``best_mfu`` x the datasheet peak (0 without either);
-        ``bound_pcie_s``: the offloaded gradients down and parameters up, each direction once
-        per step in the compute dtype (0 on a CPU device, whose host and device are one pool);
-        ``bound_cpu_adam_s``: the node's offloaded elements at its host Adam rate.
+        ``bound_pcie_s``: the offloaded parameters up and the trainable ones' gradients down, each
+        direction once per step in the compute dtype (0 on a CPU device, whose host and device are one pool);
+        ``bound_cpu_adam_s``: the node's offloaded trainable elements at its host Adam rate.
     """
     bounds = dict.fromkeys(BOUND_KEYS, 0.0)
     best = hardware.best_mfu.get(dtype, 0.0)
@@ -78,10 +81,17 @@ def plausibility_bound(
         shared = world_size > 1
         h2d = hardware.h2d_gbps_all if shared else hardware.h2d_gbps
         d2h = hardware.d2h_gbps_all if shared else hardware.d2h_gbps
-        copy_bytes = offloaded_numel_per_rank * DTYPE_BYTES.get(dtype, 4)
-        bounds["bound_pcie_s"] = copy_bytes / (min(h2d, d2h) * 1e9)
+        trainable = (
+            offloaded_numel_per_rank
+            if offloaded_trainable_numel_per_rank is None
+            else offloaded_trainable_numel_per_rank
+        )
+        dtype_bytes = DTYPE_BYTES.get(dtype, 4)
+        up_s = offloaded_numel_per_rank * dtype_bytes / (h2d * 1e9)
+        down_s = trainable * dtype_bytes / (d2h * 1e9)
+        bounds["bound_pcie_s"] = max(up_s, down_s)
         node_rate = hardware.cpu_adam_node_elems_per_s or hardware.cpu_adam_elems_per_s * hardware.gpus_per_node
-        bounds["bound_cpu_adam_s"] = offloaded_numel_per_rank * ranks_on_node / node_rate
+        bounds["bound_cpu_adam_s"] = trainable * ranks_on_node / node_rate
     return bounds
 
 

@@ -12,6 +12,7 @@ from elixir_tune.engine.engine import Engine
 from elixir_tune.engine.layered import MicroBatchThreads, run_layer_major
 from elixir_tune.engine.parallel.pipeline_stages import pipeline_call_message
 from elixir_tune.engine.parallel.tensor_parallel import plain
+from elixir_tune.engine.token_weights import token_weights, wants_token_weights
 
 LossFn = Callable[[Any, dict], torch.Tensor]
 
@@ -48,28 +49,45 @@ class ElixirModel(torch.nn.Module):
         with self.engine.loss_context(), self.engine.read_check():
             return self.module(*args, **kwargs)
 
-    def forward_backward(self, micro_batches: Sequence[dict], loss_fn: LossFn | None = None) -> torch.Tensor:
+    def forward_backward(
+        self,
+        micro_batches: Sequence[dict],
+        loss_fn: LossFn | None = None,
+        *,
+        weight_by_tokens: bool | None = None,
+    ) -> torch.Tensor:
         """Forward and backward of every micro-batch of one step, as the plan's accumulation says.
 
         ``training.accumulation: standard`` runs the micro-batches one after the other; ``layered``
         runs each block for all of them before the next (engine/layered.py), in forward and in
-        backward. Either way the gradients of the mean loss are accumulated and reduced into the
+        backward. Either way the gradients of the step's loss are accumulated and reduced into the
         shards afterwards, ready for ``optimizer.clip_grad_norm`` and ``optimizer.step``. On a
         pipeline plan (``parallel.pipeline.stages`` > 1) the plan's pipeline schedule runs them
         through the stages (engine/parallel/pipeline.py): every rank passes the micro-batches of its data
         index (``input_ids`` of one batch size, an optional ``attention_mask``, and ``labels``;
-        lengths may differ) and gets the mean loss; ``loss_fn`` then sees an output with ``logits``
+        lengths may differ) and gets the step's loss; ``loss_fn`` then sees an output with ``logits``
         (at the micro-batch's length) and ``loss``.
+
+        The step's loss is token-weighted (engine/token_weights.py) when the micro-batches carry
+        ``labels`` and the loss is the model's own: the mean over every counted token (labels after the
+        first position that are not -100) of all micro-batches of all data ranks, whatever each
+        micro-batch's count; with ``loss_fn`` the plain mean of the micro-batch losses, unless
+        ``weight_by_tokens=True`` says ``loss_fn`` returns the mean over those tokens too.
 
         Args:
             micro_batches: one dict of keyword arguments of the model per micro-batch.
             loss_fn: ``loss_fn(output, batch)`` gives a micro-batch's loss; None takes ``output.loss``.
+            weight_by_tokens: weigh each micro-batch's loss by its counted tokens (a collective over
+                the data group); None: when ``loss_fn`` is None and every micro-batch has labels.
 
         Returns:
-            The mean loss over the micro-batches (detached, 0-dim).
+            This rank's share of the step's loss (detached, 0-dim): the mean over the data ranks of
+            what each returns is the step's loss (token-weighted: the loss over all counted tokens;
+            otherwise the mean of the micro-batch losses, which is what each rank returns).
 
         Raises:
-            ValueError: no micro-batches, or a micro-batch is not a dict.
+            ValueError: no micro-batches, a micro-batch is not a dict, or ``weight_by_tokens=True``
+                with a micro-batch without token labels.
             ContractError: at the first step, ranks of one data index (a tensor or pipeline group) were
                 fed different micro-batches (engine/contract.py).
             NonFiniteError: an fp32/bf16 step was not finite (engine/finite.py); the run has stopped.
@@ -86,29 +104,53 @@ class ElixirModel(torch.nn.Module):
         if self.engine.finite_guard is not None and self.engine.finite_guard.failed is not None:
             raise self.engine.finite_guard.failed  # known already: the run stopped at that step
         self._check_inputs_once(micro_batches)
+        weighted = wants_token_weights(micro_batches, weight_by_tokens, loss_fn is not None)
+        weights = token_weights(micro_batches, self.engine.comm) if weighted else None
         if self.engine.pipeline is not None:
-            return self.engine.pipeline.forward_backward(micro_batches, loss_fn)
+            return self.engine.pipeline.forward_backward(micro_batches, loss_fn, weights)
         count = len(micro_batches)
-        scale = self.engine.loss_scale() / count
+        loss_scale = self.engine.loss_scale()
+        # Without weights (or all of them 1/K) the scale is the one the plain mean always used: bitwise unchanged.
+        scales = [loss_scale / count] * count if weights is None else [loss_scale * weight for weight in weights]
 
         def scaled_loss(index: int) -> torch.Tensor:
             batch = micro_batches[index]
             output = self.module(**batch)
             if loss_fn is not None:
-                return loss_fn(output, batch) * scale
+                return loss_fn(output, batch) * scales[index]
             if getattr(output, "loss", None) is None:
                 raise AttributeError(
                     f"the model's output ({type(output).__name__}) has no loss: pass labels in the batch or "
                     "forward_backward(..., loss_fn=lambda output, batch: ...)"
                 )
-            return output.loss * scale
+            return output.loss * scales[index]
 
         layered = self.engine.plan.training.accumulation == "layered" and count > 1 and torch.is_grad_enabled()
         with self.engine.loss_context():
             losses = self._run(scaled_loss, count, layered)
         for loss in losses:
             self.engine.note_loss(loss)
-        return torch.stack([plain(loss.detach()) for loss in losses]).sum() / (scale * count)
+        summed = torch.stack([plain(loss.detach()) for loss in losses]).sum()
+        return summed / (scales[0] * count) if weights is None else summed / loss_scale
+
+    def token_weights(self, micro_batches: Sequence[dict]) -> list[float]:
+        """What each micro-batch's mean loss is multiplied by in a plain loop (``model(**batch)`` and
+        ``optimizer.backward(loss * weight)``) for the token-weighted step ``forward_backward`` takes:
+        ``n_k * D / N`` (engine/token_weights.py), 1/K each when the counts are all alike. A collective
+        over the data group: every rank calls it with its micro-batches.
+
+        Args:
+            micro_batches: this rank's micro-batches of the step, each with ``labels`` (-100: no loss).
+
+        Returns:
+            One weight per micro-batch.
+
+        Raises:
+            ValueError: a micro-batch without labels of shape (batch, length).
+        """
+        wants_token_weights(micro_batches, True, False)
+        weights = token_weights(micro_batches, self.engine.comm)
+        return weights if weights is not None else [1 / len(micro_batches)] * len(micro_batches)
 
     def _run(self, scaled_loss: Callable[[int], torch.Tensor], count: int, layered: bool) -> list[torch.Tensor]:
         """Forward and backward of ``count`` micro-batches; their scaled losses."""

@@ -238,15 +238,16 @@ def train(
                     {k: v[begin : begin + micro].to(device, non_blocking=True) for k, v in rows.items()}
                     for begin in range(0, micro * accum, micro)
                 ]
-                # All micro-batches as the plan says (standard or layered accumulation); the mean loss.
-                loss_sum = model.forward_backward(micro_batches, loss_fn=step_loss).float() * accum
+                # All micro-batches as the plan says (standard or layered accumulation), each weighted by its
+                # loss tokens: the step's loss and gradient are those of the whole global batch's tokens.
+                loss_share = model.forward_backward(micro_batches, loss_fn=step_loss, weight_by_tokens=True).float()
                 grad_norm = optimizer.clip_grad_norm(args.clip) if args.clip > 0 else None
                 optimizer.step()
                 optimizer.zero_grad()
-                # The mean loss over all ranks' micro-batches (for the log), and the stop flag with it.
-                flagged = torch.stack([loss_sum, torch.tensor(float(bool(stop_requested)), device=device)])
+                # The step's loss is the mean of the ranks' shares (for the log), and the stop flag goes with it.
+                flagged = torch.stack([loss_share, torch.tensor(float(bool(stop_requested)), device=device)])
                 loss_sum, stop_now = sum_over_ranks(flagged, world).unbind()
-                mean_loss = float(loss_sum) / (accum * world)
+                mean_loss = float(loss_sum) / world
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 step_time_s = time.perf_counter() - started

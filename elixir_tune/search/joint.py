@@ -4,8 +4,9 @@ micro-batch size explored together, each candidate scored by simulated step time
 Loops run from the choices shared by many candidates (chunk size, checkpointing) to the ones
 that change only the timeline (offload share), so the cost model's caches are hit. Pruning:
 
-* the smallest offload share that fits is computed in closed form (device memory falls by one
-  shard per offloaded chunk); smaller shares are never tried;
+* the smallest offload share that fits is computed in closed form (device memory falls by at most
+  one trainable shard per offloaded chunk; a frozen one frees less, so each share is checked too);
+  smaller shares are never tried;
 * host memory grows with the offload share, so the offload loop stops at the first that
   overflows the host;
 * a lower bound on the step (compute of all micro-batches, then the optimizer) is checked
@@ -327,52 +328,63 @@ def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, f
                             found.min_host_bytes = host_need
                         if compute_s >= top.threshold_s:
                             continue
-                        previous, worse = math.inf, 0
-                        for offloaded in offload_choices(num_chunks, smallest, fixed, one_pool):
-                            optimizer_s = max(
-                                (num_chunks - offloaded) * shard_numel / hardware.gpu_adam_elems_per_s,
-                                offloaded * shard_numel / model.cpu_adam_elems_per_s,
-                            )
-                            if compute_s + costs.grad_norm_s + optimizer_s >= top.threshold_s:
-                                continue  # the optimizer bound is V-shaped in the offload share
-                            shape = Shape(
-                                chunk_size,
-                                cache_blocks,
-                                offloaded,
-                                prefetch,
-                                every,
-                                micro_batch,
-                                accum,
-                                layered=layered,
-                            )
-                            memory = model.memory(shape)
-                            if memory.peak_host_bytes > budget.host_bytes:
-                                break
-                            if one_pool and _one_pool_bytes(memory, model) > budget.host_bytes:
-                                break  # a CPU device: its memory is the host's
-                            candidate = score(model, shape, memory, budget.global_batch_size)
-                            found.num_scored += 1
-                            key = model.parallel_layout
-                            kept = found.best_by_layout.get(key)
-                            if stages > 1:
-                                if candidate.step_time_s >= min(
-                                    top.threshold_s, kept.step_time_s if kept else math.inf
-                                ):
-                                    continue  # the critical stage's step is a lower bound of the pipeline's
-                                whole = scorer.whole(
-                                    candidate, budget.global_batch_size, budget.usable_gpu_bytes, budget.host_bytes
+                        # One order of the chunks to offload, two with frozen chunks (a LoRA base): the cheapest per
+                        # device byte freed first, and the cheapest per chunk first (costmodel/offload.py).
+                        orders = model.offload_orders(chunk_size, every, cache_blocks)
+                        for order_index, order in enumerate(orders):
+                            previous, worse = math.inf, 0
+                            for offloaded in offload_choices(num_chunks, smallest, fixed, one_pool):
+                                shape = Shape(
+                                    chunk_size,
+                                    cache_blocks,
+                                    offloaded,
+                                    prefetch,
+                                    every,
+                                    micro_batch,
+                                    accum,
+                                    offloaded=None if order_index == 0 else tuple(order[:offloaded]),
+                                    layered=layered,
                                 )
-                                if (
-                                    whole is None
-                                    or one_pool
-                                    and _one_pool_bytes(whole.memory, model) > budget.host_bytes
-                                ):
-                                    continue  # another stage does not fit
-                                candidate = whole
-                            top.add(candidate)
-                            if kept is None or candidate.step_time_s < kept.step_time_s:
-                                found.best_by_layout[key] = candidate
-                            worse = worse + 1 if candidate.step_time_s > previous else 0
-                            if worse >= 2:
-                                break
-                            previous = candidate.step_time_s
+                                # Adam steps trainable shards only: offloaded frozen ones (a LoRA base) have none.
+                                on_host = model.offloaded_trainable(shape)
+                                optimizer_s = max(
+                                    (num_chunks - layout.num_frozen - on_host)
+                                    * shard_numel
+                                    / hardware.gpu_adam_elems_per_s,
+                                    on_host * shard_numel / model.cpu_adam_elems_per_s,
+                                )
+                                if compute_s + costs.grad_norm_s + optimizer_s >= top.threshold_s:
+                                    continue  # the optimizer bound is V-shaped in the offload share
+                                memory = model.memory(shape)
+                                if memory.peak_host_bytes > budget.host_bytes:
+                                    break
+                                if memory.required_gpu_bytes > budget.usable_gpu_bytes:
+                                    continue  # offloaded frozen shards free less than ``smallest`` assumed
+                                if one_pool and _one_pool_bytes(memory, model) > budget.host_bytes:
+                                    break  # a CPU device: its memory is the host's
+                                candidate = score(model, shape, memory, budget.global_batch_size)
+                                found.num_scored += 1
+                                key = model.parallel_layout
+                                kept = found.best_by_layout.get(key)
+                                if stages > 1:
+                                    if candidate.step_time_s >= min(
+                                        top.threshold_s, kept.step_time_s if kept else math.inf
+                                    ):
+                                        continue  # the critical stage's step is a lower bound of the pipeline's
+                                    whole = scorer.whole(
+                                        candidate, budget.global_batch_size, budget.usable_gpu_bytes, budget.host_bytes
+                                    )
+                                    if (
+                                        whole is None
+                                        or one_pool
+                                        and _one_pool_bytes(whole.memory, model) > budget.host_bytes
+                                    ):
+                                        continue  # another stage does not fit
+                                    candidate = whole
+                                top.add(candidate)
+                                if kept is None or candidate.step_time_s < kept.step_time_s:
+                                    found.best_by_layout[key] = candidate
+                                worse = worse + 1 if candidate.step_time_s > previous else 0
+                                if worse >= 2:
+                                    break
+                                previous = candidate.step_time_s

@@ -23,7 +23,8 @@ What each rank does:
   give every rank as many virtual stages; ``gpipe`` / ``1f1b`` for one per rank) move activations and their gradients between stages
   over the pipeline group; the engine's hooks gather chunks and reduce gradients inside each
   stage's forward and backward exactly as without a pipeline. The loss of micro-batch k is the
-  model's own (or ``loss_fn``'s) divided by the micro-batch count; the step's mean loss is
+  model's own (or ``loss_fn``'s) divided by the micro-batch count, or times its token weight
+  (``engine/token_weights.py``); the step's loss is
   broadcast from the stage running the last virtual stage, so every rank returns it. Gradients are reduced once per step
   (no-sync, ``Engine.hold_grads``): each stays whole in ``param.grad`` from its parameter's first
   micro-batch's backward to its last, which ``held_grad_bytes`` counts for the memory report.
@@ -115,7 +116,7 @@ class Pipeline:
         self._batches: Sequence[dict] = ()
         self._masks: list[torch.Tensor | None] = []  # the step's padding masks, one per micro-batch
         self._loss_fn: LossFn | None = None
-        self._scale: Any = 1.0
+        self._scales: list[Any] = []  # each micro-batch loss's factor in this step
         # Shared (tied) chunks: one group per set of stages sharing chunks, at this data/tensor index.
         self.shared: list[tuple[Any, Comm]] = []
         by_id = {chunk.id: chunk for chunk in engine.chunks}
@@ -266,7 +267,7 @@ class Pipeline:
             )
         else:
             loss = output.loss
-        return loss * self._scale
+        return loss * self._scales[int(target.reshape(-1)[0])]
 
     def _step_inputs(self, micro_batches: Sequence[dict], loss_fn: LossFn | None) -> tuple[torch.Tensor, list]:
         """The step's ``input_ids`` (micro-batches one after the other, each padded at the end to the longest)
@@ -305,14 +306,18 @@ class Pipeline:
             masks.append(None if mask is None else torch.nn.functional.pad(mask.to(device), (0, pad)))
         return torch.cat(ids), masks
 
-    def forward_backward(self, micro_batches: Sequence[dict], loss_fn: LossFn | None) -> torch.Tensor:
-        """All micro-batches of a step through the pipeline; the mean loss on every rank."""
+    def forward_backward(
+        self, micro_batches: Sequence[dict], loss_fn: LossFn | None, weights: list[float] | None = None
+    ) -> torch.Tensor:
+        """All micro-batches of a step through the pipeline; the step's loss on every rank (``weights``:
+        each micro-batch's token weight, engine/token_weights.py; None: the mean of the micro-batch losses)."""
         ids, masks = self._step_inputs(micro_batches, loss_fn)
         engine = self.engine
         count = len(micro_batches)
         schedule = self._schedule(count, (ids.shape[0] // count, ids.shape[1]))
         self._batches, self._loss_fn, self._masks = micro_batches, loss_fn, masks
-        self._scale = engine.loss_scale() / count
+        loss_scale = engine.loss_scale()
+        self._scales = [loss_scale / count] * count if weights is None else [loss_scale * w for w in weights]
         before = [chunk.grad.clone() for chunk, _ in self.shared]
         engine.begin_forward()
         losses: list[torch.Tensor] = []
@@ -342,7 +347,8 @@ class Pipeline:
         for loss in losses if training else ():  # on the stage with the last block
             engine.note_loss(loss)
         if losses:
-            total = (torch.stack([loss.detach().float() for loss in losses]).sum() / (self._scale * count)).reshape(())
+            summed = torch.stack([loss.detach().float() for loss in losses]).sum()
+            total = (summed / (self._scales[0] * count) if weights is None else summed / loss_scale).reshape(())
         # From the stage that runs the last virtual stage (the last block's: stage P - 1 unless a modular
         # split is uneven, e.g. 3 blocks on 2 stages end on stage 0).
         self.mesh.pipeline.broadcast(total, src=self.layout.virtual[-1][0])

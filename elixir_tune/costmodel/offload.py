@@ -1,0 +1,88 @@
+"""Which shards go to the host first: the chunks whose offload costs the least time per device byte it frees.
+
+Offloading a chunk's shard frees its device bytes and adds host-link and host work, which differ by kind:
+
+* a trainable chunk frees its fp32 master, gradient and Adam moments (``SHARD_BYTES`` per element) and
+  pays an upload per fetch (the compute-dtype copy), a copy down and a host add of its reduced gradient
+  per backward pass, and Adam on the CPU instead of the device;
+* a frozen chunk (a LoRA base, section 9.9 of docs/DESIGN.md) frees its compute-dtype weights only and
+  pays only the uploads: it is never reduced and has no optimizer state.
+
+Each chunk's offload cost is the seconds it adds (over the counted passes and one optimizer step,
+without overlap: the step simulation prices the overlap). The search tries two orders: the cheapest per
+device byte freed first (a large need: trainable shards free 16 bytes per element, frozen ones 2 in bf16)
+and the cheapest per chunk first (a small need: a frozen shard pays uploads only). Ties go to the fewest
+fetches, then the last chunks first (their gradients are reduced earliest in backward, so their copies
+overlap the most). For a model without frozen chunks every shard frees the same bytes, the cost rises with
+the fetches alone, and the one order is the fewest fetches first, as before frozen chunks existed. The
+step time (``CostModel.step_time``) and the memory (``estimate_memory``) price each kind as above; an
+order only picks which chunks a count of offloaded shards means.
+"""
+
+from __future__ import annotations
+
+from elixir_tune.costmodel.layout import ChunkLayout
+from elixir_tune.costmodel.memory import SHARD_BYTES
+from elixir_tune.costmodel.timeline import TransferCosts
+from elixir_tune.plan.schema import DTYPE_BYTES
+
+
+def offload_cost_s(
+    frozen: bool, fetches: int, passes: int, shard_numel: int, costs: TransferCosts, adam_s_per_elem: float
+) -> float:
+    """Seconds one offloaded shard adds (copies and host work, no overlap counted).
+
+    Args:
+        frozen: the chunk holds frozen parameters (weights only).
+        fetches: its fetches over the counted passes.
+        passes: backward passes counted (each reduces a trainable chunk once).
+        shard_numel: elements of the shard.
+        costs: per-chunk operation times.
+        adam_s_per_elem: host Adam's seconds per element minus the device's (what moving the update costs).
+
+    Returns:
+        The seconds.
+    """
+    uploads = fetches * costs.h2d_s
+    if frozen:
+        return uploads
+    return uploads + passes * (costs.d2h_s + costs.host_add_s) + shard_numel * max(0.0, adam_s_per_elem)
+
+
+def offload_orders(
+    layout: ChunkLayout,
+    fetches: list[int],
+    passes: int,
+    shard_numel: int,
+    dtype: str,
+    costs: TransferCosts,
+    adam_s_per_elem: float,
+) -> list[list[int]]:
+    """Chunk ids in the orders their shards go to the host, the first one first.
+
+    The first order ranks by the seconds an offload adds per device byte it frees: the order that frees
+    a large need at the least cost. The second ranks by the seconds alone (a frozen shard's uploads cost
+    less than a trainable one's uploads, copies down and host Adam, though it frees fewer bytes): the
+    order that covers a small need at the least cost. Ties go to the fewest fetches, then the last chunks
+    first. Without frozen chunks every shard frees the same bytes and the two orders are one.
+
+    Args:
+        layout: the chunk layout.
+        fetches: each chunk's fetches over the counted passes.
+        passes: the passes counted.
+        shard_numel: elements of one shard.
+        dtype: the compute dtype (a frozen shard's bytes per element).
+        costs: per-chunk operation times.
+        adam_s_per_elem: host Adam's seconds per element minus the device's.
+
+    Returns:
+        One or two orders, each of every chunk id once.
+    """
+    cost_s, freed_bytes = [], []
+    for chunk in range(layout.num_chunks):
+        frozen = layout.chunks[chunk].frozen
+        cost_s.append(offload_cost_s(frozen, fetches[chunk], passes, shard_numel, costs, adam_s_per_elem))
+        freed_bytes.append(shard_numel * (DTYPE_BYTES[dtype] if frozen else SHARD_BYTES))
+    per_byte = sorted(range(layout.num_chunks), key=lambda c: (cost_s[c] / max(freed_bytes[c], 1), fetches[c], -c))
+    per_chunk = sorted(range(layout.num_chunks), key=lambda c: (cost_s[c], fetches[c], -c))
+    return [per_byte] if per_chunk == per_byte or not layout.num_frozen else [per_byte, per_chunk]
