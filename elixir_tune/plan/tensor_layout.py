@@ -211,9 +211,7 @@ def _region_patterns(table: TensorTable) -> set[str]:
 def in_region(module_path: str, table: TensorTable) -> bool:
     """Whether a module lies inside an attention or MLP region of the table (under the parent of a
     column-parallel linear): 2D runs it on this rank's samples, as an ordinary tensor."""
-    return any(
-        re.match(_pattern(region).pattern + "\\.", module_path) for region in _region_patterns(table) if region
-    )
+    return any(re.match(_pattern(region).pattern + "\\.", module_path) for region in _region_patterns(table) if region)
 
 
 def grid_replicated(param_name: str, table: TensorTable) -> bool:

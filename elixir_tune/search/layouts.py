@@ -5,7 +5,8 @@ Rules (docs/DESIGN.md section 7.1):
 * tensor degree T: divisors of the GPUs of one node (tensor traffic is per layer and latency-bound,
   so it stays on the node's links) that divide the attention heads and the key/value heads, and
   whose local shapes exist for every parameter (a vocabulary of 50257 does not split by 2);
-  mode 1d for each, and 2d where T is a square q x q >= 4; only for models with a tensor table
+  mode 1d for each, and 2d where T is a square q x q >= 4 and every style of the table has a grid
+  form (``grid_problem``: the same table the engine's 2D plan is built from); only for models with a tensor table
   (``plan/tensor_layout.py``: from the model's transformers tensor plan, recorded in the profile);
 * pipeline degree P: divisors of world / T up to the number of blocks, modular assignment and the
   looped breadth-first schedule;
@@ -28,7 +29,7 @@ import math
 
 from elixir_tune.costmodel.parallel import Layout, cast_mode, pipeline_degrees, tensor_degrees
 from elixir_tune.plan.schema import TensorMode
-from elixir_tune.plan.tensor_layout import local_shape
+from elixir_tune.plan.tensor_layout import grid_problem, local_shape, table_for
 from elixir_tune.profiler.schema import ModelProfile
 
 
@@ -58,6 +59,9 @@ def tensor_choices(profile: ModelProfile, gpus_per_node: int, fixed: dict) -> li
             raise ValueError(f"{shown}: not possible for {profile.name}: {cannot}; drop the pin")
         return [(1, "1d")]
     allowed = [(t, m) for t, m in tensor_degrees(profile, gpus_per_node) if t == 1 or _splits(profile, t, m)]
+    no_grid = grid_problem(table_for(profile.arch.model_type, profile.arch.tensor_layout))
+    if pinned_mode == "2d" and no_grid:
+        raise ValueError(f"--fix tensor_mode=2d: not possible for {profile.name}: {no_grid}")
     if pinned_mode == "2d" and pinned_t is None:
         chosen: list[tuple[int, TensorMode]] = [(t, m) for t, m in allowed if m == "2d"]
         if not chosen:

@@ -8,7 +8,14 @@ from elixir_tune.paths import CONFIGS_DIR
 from elixir_tune.plan import ParallelPlan, load_plan, plan_from_dict, read_plan_dict, validate_dict
 from elixir_tune.plan.io import dump_plan
 from elixir_tune.plan.stages import assign_stages, block_index_of, schedule_problem, stage_of_block, virtual_stages
-from elixir_tune.plan.tensor_layout import is_norm_param, local_shape, split_dim, tensor_style
+from elixir_tune.plan.tensor_layout import (
+    grid_problem,
+    in_region,
+    is_norm_param,
+    local_shape,
+    split_dim,
+    tensor_style,
+)
 
 EXAMPLE = CONFIGS_DIR / "plans" / "example.yaml"  # tiny GPT-2, world 2, 2 blocks
 
@@ -224,6 +231,28 @@ def test_tensor_layout_llama_gqa_and_gpt2_conv1d():
     assert local_shape("model.norm.weight", [256], "llama", 4, "2d", LLAMA) == [128]
     with pytest.raises(ValueError, match="does not divide by 4"):
         local_shape("lm_head.weight", [1002, 256], "llama", 4, table=LLAMA)
+
+
+def test_2d_keeps_per_head_and_in_region_norms_whole():
+    # Qwen3's q_norm (head_norm) and OLMo2's q_norm (unplaced, inside the attention) run on this rank's
+    # samples as ordinary tensors: whole on every rank; the residual-stream norms and a row-parallel
+    # bias are split by the hidden dimension over the grid columns.
+    table = {**LLAMA, "model.layers.*.self_attn.k_norm": "head_norm"}
+    assert local_shape("model.layers.0.self_attn.k_norm.weight", [8], "qwen3", 4, "2d", table) == [8]
+    assert local_shape("model.layers.1.self_attn.q_norm.weight", [32], "olmo2", 4, "2d", table) == [32]
+    assert local_shape("model.layers.0.self_attn.o_proj.bias", [32], "llama", 4, "2d", table) == [16]
+    assert local_shape("model.layers.0.input_layernorm.weight", [32], "llama", 4, "2d", table) == [16]
+    assert in_region("model.layers.3.mlp.act", table) and not in_region("model.layers.3.mlp", table)
+    assert grid_problem(table) == ""
+    moe = {
+        **table,
+        "model.layers.*.mlp.experts": "experts",
+        "model.layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+    }
+    assert grid_problem(moe) == (
+        "2d tensor parallelism has no grid form for the tensor plan's style experts (mixture-of-experts experts), "
+        "packed_colwise (packed expert tensors); use tensor mode 1d"
+    )
     with pytest.raises(ValueError, match="no tensor-parallel table for model type 'bloom'"):
         tensor_style("x.weight", "bloom")
 

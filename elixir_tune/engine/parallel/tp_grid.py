@@ -215,7 +215,7 @@ def _styles(model: nn.Module, table: TensorTable) -> dict[str, ParallelStyle]:
         elif style == "norm":
             styles[path] = Norm2D()
         elif style == "head_norm" or (
-            style is None and path and in_region(path, table) and any(module.parameters(recurse=False))
+            style is None and path and in_region(path, table) and any(True for _ in module.parameters(recurse=False))
         ):
             styles[path] = Replicated2D(heads=style == "head_norm")
         elif style is not None:  # grid_problem refused the others
