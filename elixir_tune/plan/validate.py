@@ -107,11 +107,6 @@ def _check_parallel(parallel: dict, world_size: int | None, model: dict, errors:
             "divides it"
         )
         return None
-    if stages > 1 and degree > 1 and tensor.get("mode") == "2d":
-        errors.append(
-            f"parallel.tensor.mode: 2d with pipeline stages {stages}: stages pass whole micro-batches and the 2d "
-            "grid splits them by rows; use mode 1d with a pipeline (or pipeline stages 1)"
-        )
     num_blocks = model.get("num_blocks", 0)
     if stages > 1 and stages > num_blocks:
         errors.append(

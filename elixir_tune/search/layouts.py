@@ -12,8 +12,7 @@ Rules (docs/DESIGN.md section 7.1):
   looped breadth-first schedule;
 * the data degree world / (P x T) must divide the global batch;
 * pipeline and tensor parallelism together (world = data x P x T, each stage tensor-parallel in its
-  tensor group) with 1d tensor parallelism; the engine runs 2d tensor parallelism without a pipeline
-  only (its grid splits the micro-batches that stages pass whole);
+  tensor group), 1d or 2d (a stage sends each rank's piece of the residual stream to its peer);
 * only the layouts the engine can run for this model (``ModelProfile.layout_reasons``, from
   ``plan/capabilities.py``): a model without a stage plan gets no pipeline, one without a
   tensor table no tensor parallelism, and a pin of either is refused with the reason.
@@ -131,8 +130,6 @@ def layout_choices(
         for stages in stage_choices:
             if global_batch_size % (world // (stages * degree)):
                 continue
-            if stages > 1 and mode == "2d":
-                continue  # 2d splits micro-batches over its grid rows; stages pass them whole (plan/validate.py)
             layouts.append(Layout(pipeline=stages, tensor=degree, tensor_mode=cast_mode(mode)))
     stages = fixed.get("pipeline", 1)
     if stages > 1 and fixed.get("accumulation") == "standard":
@@ -143,11 +140,6 @@ def layout_choices(
     if stages > 1 and stages > num_blocks:
         raise ValueError(
             f"--fix pipeline={stages}: the model has {num_blocks} repeated blocks; a stage needs at least one"
-        )
-    if fixed.get("pipeline", 1) > 1 and fixed.get("tensor_mode") == "2d":
-        raise ValueError(
-            f"--fix pipeline={fixed['pipeline']} with --fix tensor_mode=2d: the engine runs 2d tensor parallelism "
-            "without a pipeline only (its grid splits the micro-batches that stages pass whole); drop one of the pins"
         )
     if not layouts and "pipeline" in fixed:
         raise ValueError(

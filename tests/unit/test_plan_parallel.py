@@ -231,6 +231,8 @@ def test_tensor_layout_llama_gqa_and_gpt2_conv1d():
     assert local_shape("model.norm.weight", [256], "llama", 4, "2d", LLAMA) == [128]
     with pytest.raises(ValueError, match="does not divide by 4"):
         local_shape("lm_head.weight", [1002, 256], "llama", 4, table=LLAMA)
+    with pytest.raises(ValueError, match="no tensor-parallel table for model type 'bloom'"):
+        tensor_style("x.weight", "bloom")
 
 
 def test_2d_keeps_per_head_and_in_region_norms_whole():
@@ -253,8 +255,6 @@ def test_2d_keeps_per_head_and_in_region_norms_whole():
         "2d tensor parallelism has no grid form for the tensor plan's style experts (mixture-of-experts experts), "
         "packed_colwise (packed expert tensors); use tensor mode 1d"
     )
-    with pytest.raises(ValueError, match="no tensor-parallel table for model type 'bloom'"):
-        tensor_style("x.weight", "bloom")
 
 
 def test_norm_parameters_by_family():
@@ -279,11 +279,6 @@ def test_pipeline_by_tensor_by_data_is_valid_and_factors_the_world():
 @pytest.mark.parametrize(
     ("sections", "expected"),
     [
-        (
-            {"parallel__tensor__degree": 4, "parallel__tensor__mode": "2d", "training__global_batch_size": 8},
-            "parallel.tensor.mode: 2d with pipeline stages 2: stages pass whole micro-batches and the 2d grid splits "
-            "them by rows; use mode 1d with a pipeline (or pipeline stages 1)",
-        ),
         (
             {"parallel__tensor__degree": 2, "model__num_heads": 3},
             "parallel.tensor.degree: 2 does not divide model.num_heads 3; each tensor rank needs whole attention heads",

@@ -15,6 +15,13 @@ are DTensor's: its sharding propagation picks each op's redistribution (all-gath
 all-reduces of partial sums), which is exact whatever it picks; docs/DESIGN.md 9.5 compares the bytes
 it moves with SUMMA's (measured: about 1.3x on a small GPT-2).
 
+The plan is derived from the model's 1D tensor table (``plan/tensor_layout.py``, the same one 1D,
+the search and ``validate`` read), style by style, for every family (``grid_plan``; docs/DESIGN.md
+9.5 "2D from the tensor table"): column-parallel linears are entry linears and mark their parent as a
+region, row-parallel ones exit linears, the vocabulary split and the residual-stream norms follow,
+and per-head norms (or unplaced weights inside a region) stay whole with a gradient summed over the
+grid. A mixture's experts have no grid form (``grid_problem``). GPT-2 adds its fused q | k | v.
+
 The logits are gathered whole before the model's own loss; the micro-batch must divide by q.
 """
 
