@@ -25,7 +25,9 @@ index) to a style, in the order they are tried (docs/DESIGN.md 9.5):
 Modules not in the table are replicated. The table comes from the model's own
 ``config.base_model_tp_plan`` (translated by ``tensor_table``; the profiler records the result, the
 plan carries it), or, for a family that ships none, from ``BUILTIN_TABLES`` here in the same format
-(GPT-2). The search, the cost model, ``validate`` and the engine read the same table.
+(GPT-2). The search, the cost model, ``validate`` and the engine read the same table, for 1D and for
+2D, whose grid plan is derived from these styles (``grid_problem``: the styles with no grid form;
+``grid_replicated``: the weights 2D keeps whole).
 """
 
 from __future__ import annotations
