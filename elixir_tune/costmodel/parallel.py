@@ -37,7 +37,7 @@ from typing import cast
 from elixir_tune.plan.schema import ParallelPlan, PipelineAssignment, TensorMode
 from elixir_tune.plan.stages import assign_stages, last_stage, stage_of_block
 from elixir_tune.plan.stages import virtual_stages as stage_runs
-from elixir_tune.plan.tensor_layout import has_table, local_shape
+from elixir_tune.plan.tensor_layout import grid_problem, has_table, local_shape, table_for
 from elixir_tune.profiler.schema import ActivationLine, BlockInfo, ModelProfile
 
 # Collectives per layer and micro-batch of 1D tensor parallelism with sequence parallelism: forward
@@ -254,7 +254,8 @@ def tensor_degrees(profile: ModelProfile, gpus_per_node: int) -> list[tuple[int,
 
     T divides the GPUs of a node (tensor traffic stays on the node's links), the attention heads
     and the key/value heads; 1D (with sequence parallelism) needs T to divide the sequence length,
-    2D a square T of at least 4 (and, in the search, micro-batches that split over its q rows). Models whose family has no tensor
+    2D a square T of at least 4 (and, in the search, micro-batches that split over its q rows) and a
+    table whose styles all have a grid form (``grid_problem``: not a mixture's experts). Models whose family has no tensor
     table (``plan/tensor_layout.py``), or whose profile has no head counts, get T = 1 only.
     """
     arch = profile.arch
@@ -262,13 +263,14 @@ def tensor_degrees(profile: ModelProfile, gpus_per_node: int) -> list[tuple[int,
     if not has_table(arch.model_type, arch.tensor_layout) or not arch.num_heads:
         return out
     kv_heads = arch.num_kv_heads or arch.num_heads
+    grid = not grid_problem(table_for(arch.model_type, arch.tensor_layout))  # 2d from the same table
     for degree in range(2, gpus_per_node + 1):
         if gpus_per_node % degree or arch.num_heads % degree or kv_heads % degree:
             continue
         if profile.seq_len % degree == 0:  # sequence parallelism splits every sample's tokens by T
             out.append((degree, "1d"))
         q = math.isqrt(degree)
-        if q * q == degree and q >= 2:
+        if grid and q * q == degree and q >= 2:
             out.append((degree, "2d"))
     return out
 

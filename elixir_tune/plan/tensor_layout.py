@@ -27,7 +27,9 @@ index) to a style, in the order they are tried (docs/DESIGN.md 9.5):
 Modules not in the table are replicated. The table comes from the model's own
 ``config.base_model_tp_plan`` (translated by ``tensor_table``; the profiler records the result, the
 plan carries it), or, for a family that ships none, from ``BUILTIN_TABLES`` here in the same format
-(GPT-2). The search, the cost model, ``validate`` and the engine read the same table.
+(GPT-2). The search, the cost model, ``validate`` and the engine read the same table, for 1D and for
+2D, whose grid plan is derived from these styles (``grid_problem``: the styles with no grid form;
+``grid_replicated``: the weights 2D keeps whole).
 """
 
 from __future__ import annotations
@@ -197,6 +199,50 @@ def packed_parts(param_name: str, table: TensorTable) -> int:
     return PACKED_PARTS if module_style(param_name, table) == "packed_colwise" else 1
 
 
+# 1D styles with no 2D (grid) form, and what they hold: 2D runs each attention and MLP on its own
+# samples and heads with every matrix split over the grid; a mixture's experts route every token on
+# every rank (their tensors are 3-D, split along one dimension only).
+NO_GRID_STYLES: dict[str, str] = {
+    "experts": "mixture-of-experts experts",
+    "packed_colwise": "packed expert tensors",
+}
+
+
+def grid_problem(table: TensorTable) -> str:
+    """Why 2D (grid) tensor parallelism cannot run a model with this tensor table ("" when it can).
+
+    Every other 1D style has a grid form (docs/DESIGN.md 9.5): column-parallel linears enter a
+    region (attention or MLP) run on this rank's samples and heads, row-parallel ones leave it, the
+    vocabulary split, the residual-stream norms and the per-head norms follow.
+    """
+    styles = sorted({style for style in table.values() if style in NO_GRID_STYLES})
+    if not styles:
+        return ""
+    held = ", ".join(f"{style} ({NO_GRID_STYLES[style]})" for style in styles)
+    return f"2d tensor parallelism has no grid form for the tensor plan's style {held}; use tensor mode 1d"
+
+
+def _region_patterns(table: TensorTable) -> set[str]:
+    """The attention and MLP regions: the parents of the column-parallel linears (patterns)."""
+    return {p.rpartition(".")[0] for p, style in table.items() if style in ("colwise", "colwise_gather")}
+
+
+def in_region(module_path: str, table: TensorTable) -> bool:
+    """Whether a module lies inside an attention or MLP region of the table (under the parent of a
+    column-parallel linear): 2D runs it on this rank's samples, as an ordinary tensor."""
+    return any(re.match(_pattern(region).pattern + "\\.", module_path) for region in _region_patterns(table) if region)
+
+
+def grid_replicated(param_name: str, table: TensorTable) -> bool:
+    """Whether 2D keeps a replicated parameter whole on every rank: a per-head norm, or a parameter
+    of an unplaced module inside a region (OLMo2's q_norm), which sees this rank's samples only and
+    gets its gradient summed over the grid. Other replicated parameters (the residual-stream norms,
+    row-parallel biases) are split by the hidden dimension over the grid columns."""
+    module = param_name.rpartition(".")[0]
+    style = module_style(module, table)
+    return style == "head_norm" or (style is None and in_region(module, table))
+
+
 def local_shape(
     param_name: str,
     shape: list[int],
@@ -214,7 +260,8 @@ def local_shape(
         degree: tensor degree T (q x q for 2d).
         mode: ``1d`` splits the role's dimension by T; ``2d`` splits every dimension of a split
             parameter by q = sqrt(T), and the hidden dimension of replicated ones by q (Optimus
-            keeps no full copy of a layer's weights on any rank).
+            keeps no full copy of a layer's weights on any rank), but for those ``grid_replicated``
+            keeps whole.
         table: the model's tensor table (empty or None: the family's built-in one).
 
     Returns:
@@ -234,7 +281,10 @@ def local_shape(
     else:
         parts = int(round(degree**0.5))
         split = tensor_style(param_name, model_type, table) != "replicate"
-        dims = list(range(len(shape))) if split else [len(shape) - 1]
+        if split:
+            dims = list(range(len(shape)))
+        else:
+            dims = [] if grid_replicated(param_name, table_for(model_type, table)) else [len(shape) - 1]
     for dim in dims:
         if local[dim] % (parts * packed):
             raise ValueError(

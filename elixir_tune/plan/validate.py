@@ -22,7 +22,7 @@ from elixir_tune.plan.fields import check_fields, is_required, section_type
 from elixir_tune.plan.memory import ALIGN_ELEMENTS
 from elixir_tune.plan.schema import SCHEMA_VERSION, Plan
 from elixir_tune.plan.stages import assign_stages, schedule_problem
-from elixir_tune.plan.tensor_layout import MODULE_STYLES, unknown_styles
+from elixir_tune.plan.tensor_layout import MODULE_STYLES, grid_problem, unknown_styles
 
 _SECTIONS = [field for field in dataclasses.fields(Plan) if field.name != "schema_version"]
 
@@ -112,11 +112,6 @@ def _check_parallel(parallel: dict, world_size: int | None, model: dict, errors:
             "divides it"
         )
         return None
-    if stages > 1 and degree > 1 and tensor.get("mode") == "2d":
-        errors.append(
-            f"parallel.tensor.mode: 2d with pipeline stages {stages}: stages pass whole micro-batches and the 2d "
-            "grid splits them by rows; use mode 1d with a pipeline (or pipeline stages 1)"
-        )
     num_blocks = model.get("num_blocks", 0)
     if stages > 1 and stages > num_blocks:
         errors.append(
@@ -146,6 +141,10 @@ def _check_tensor(tensor: dict, model: dict, training: dict, errors: list[str]) 
                 f"parallel.tensor.degree: {split} does not divide model.{key} {heads}; "
                 "each tensor rank needs whole attention heads"
             )
+    recorded = model.get("tensor_layout")
+    no_grid = grid_problem(recorded) if mode == "2d" and isinstance(recorded, dict) else ""
+    if no_grid:
+        errors.append(f"parallel.tensor.mode: {no_grid}")
     micro = training.get("micro_batch_size")
     if mode == "2d" and isinstance(micro, int) and micro % parts:
         errors.append(

@@ -5,14 +5,14 @@ Rules (docs/DESIGN.md section 7.1):
 * tensor degree T: divisors of the GPUs of one node (tensor traffic is per layer and latency-bound,
   so it stays on the node's links) that divide the attention heads and the key/value heads, and
   whose local shapes exist for every parameter (a vocabulary of 50257 does not split by 2);
-  mode 1d for each, and 2d where T is a square q x q >= 4; only for models with a tensor table
+  mode 1d for each, and 2d where T is a square q x q >= 4 and every style of the table has a grid
+  form (``grid_problem``: the same table the engine's 2D plan is built from); only for models with a tensor table
   (``plan/tensor_layout.py``: from the model's transformers tensor plan, recorded in the profile);
 * pipeline degree P: divisors of world / T up to the number of blocks, modular assignment and the
   looped breadth-first schedule;
 * the data degree world / (P x T) must divide the global batch;
 * pipeline and tensor parallelism together (world = data x P x T, each stage tensor-parallel in its
-  tensor group) with 1d tensor parallelism; the engine runs 2d tensor parallelism without a pipeline
-  only (its grid splits the micro-batches that stages pass whole);
+  tensor group), 1d or 2d (a stage sends each rank's piece of the residual stream to its peer);
 * only the layouts the engine can run for this model (``ModelProfile.layout_reasons``, from
   ``plan/capabilities.py``): a model without a stage plan gets no pipeline, one without a
   tensor table no tensor parallelism, and a pin of either is refused with the reason.
@@ -29,7 +29,7 @@ import math
 from elixir_tune.costmodel.parallel import Layout, cast_mode, pipeline_degrees, tensor_degrees
 from elixir_tune.plan.capabilities import frozen_layout_problem
 from elixir_tune.plan.schema import TensorMode
-from elixir_tune.plan.tensor_layout import local_shape
+from elixir_tune.plan.tensor_layout import grid_problem, local_shape, table_for
 from elixir_tune.profiler.schema import ModelProfile
 
 
@@ -59,6 +59,9 @@ def tensor_choices(profile: ModelProfile, gpus_per_node: int, fixed: dict) -> li
             raise ValueError(f"{shown}: not possible for {profile.name}: {cannot}; drop the pin")
         return [(1, "1d")]
     allowed = [(t, m) for t, m in tensor_degrees(profile, gpus_per_node) if t == 1 or _splits(profile, t, m)]
+    no_grid = grid_problem(table_for(profile.arch.model_type, profile.arch.tensor_layout))
+    if pinned_mode == "2d" and no_grid:
+        raise ValueError(f"--fix tensor_mode=2d: not possible for {profile.name}: {no_grid}")
     if pinned_mode == "2d" and pinned_t is None:
         chosen: list[tuple[int, TensorMode]] = [(t, m) for t, m in allowed if m == "2d"]
         if not chosen:
@@ -128,8 +131,6 @@ def layout_choices(
         for stages in stage_choices:
             if global_batch_size % (world // (stages * degree)):
                 continue
-            if stages > 1 and mode == "2d":
-                continue  # 2d splits micro-batches over its grid rows; stages pass them whole (plan/validate.py)
             if profile.lora and frozen_layout_problem(stages, degree, mode):
                 continue  # a LoRA base in frozen chunks: not every layout runs it yet (plan/capabilities.py)
             layouts.append(Layout(pipeline=stages, tensor=degree, tensor_mode=cast_mode(mode)))
@@ -142,11 +143,6 @@ def layout_choices(
     if stages > 1 and stages > num_blocks:
         raise ValueError(
             f"--fix pipeline={stages}: the model has {num_blocks} repeated blocks; a stage needs at least one"
-        )
-    if fixed.get("pipeline", 1) > 1 and fixed.get("tensor_mode") == "2d":
-        raise ValueError(
-            f"--fix pipeline={fixed['pipeline']} with --fix tensor_mode=2d: the engine runs 2d tensor parallelism "
-            "without a pipeline only (its grid splits the micro-batches that stages pass whole); drop one of the pins"
         )
     frozen_problem = frozen_layout_problem(
         fixed.get("pipeline", 1), fixed.get("tensor", 1), fixed.get("tensor_mode", "1d")

@@ -1,7 +1,7 @@
 """Worker for test_engine_mesh3d.py: pipeline x tensor (x data) in one mesh against plain PyTorch.
 
 Each case is a dict: ``family`` (tests/unit/models/stage_families.py), ``stages``, ``tensor``, ``steps``,
-``clip`` (max gradient norm, 0: none), ``sequence_parallel``, ``offload`` (share of chunks offloaded), ``padded`` (micro-batches of lengths 7, 5, 7, 6
+``clip`` (max gradient norm, 0: none), ``sequence_parallel``, ``mode`` (tensor 1d or 2d), ``offload`` (share of chunks offloaded), ``padded`` (micro-batches of lengths 7, 5, 7, 6
 with padding masks: the pipeline pads them to 8, the step's longest rounded up to a multiple of the tensor
 degree, and the reference runs each unpadded, its loss over the count). The world is data x stages x tensor; each
 data rank reads its own micro-batches (``elixir_tune.data_rank()``), every rank of one pipeline and tensor
@@ -73,7 +73,7 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
         plan = make_plan(
             model, world, 4096, block_list=stage_plan.block_list, micro_batch_size=MICRO, grad_accum_steps=ACCUM,
             seq_len=SEQ, stages=stages, tensor=tensor, sequence_parallel=case.get("sequence_parallel", True),
-            offload=case.get("offload", 0.0),
+            offload=case.get("offload", 0.0), tensor_mode=case.get("mode", "1d"),
         )  # fmt: skip
         model, opt = elixir_tune.setup(model, opt, plan=plan)
         steps = global_batches(case["steps"], data, case.get("padded", False))

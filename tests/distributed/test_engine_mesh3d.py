@@ -13,7 +13,8 @@ relative, clipped gradient norms 1e-5 relative, final weights 1e-5 absolute. One
   multiple of the tensor degree, for the sequence shards).
 * world 8 (data 2 x pipeline 2 x tensor 2): Llama, and Qwen3 with half of its chunks offloaded, both
   clipped (the norm over all three dimensions), each data rank reading its own micro-batches through
-  ``elixir_tune.data_rank()``.
+  ``elixir_tune.data_rank()``; and pipeline 2 x tensor 2d on a 2 x 2 grid (Qwen2, tied head, padded
+  micro-batches, 2 steps): a stage sends each rank's samples x hidden-columns piece to its peer.
 """
 
 from __future__ import annotations
@@ -35,12 +36,14 @@ WORLD4 = [
 WORLD8 = [
     dict(family="llama", stages=2, tensor=2, steps=STEPS, clip=0.5),
     dict(family="qwen3", stages=2, tensor=2, steps=STEPS, clip=0.5, offload=0.5),
+    # pipeline 2 x tensor 2d (a 2 x 2 grid): each rank sends its grid piece, the tied head, padded lengths
+    dict(family="qwen2", stages=2, tensor=4, mode="2d", steps=2, padded=True),
 ]
 
 
 def case_id(case: dict) -> str:
     extra = "-nosp" if case.get("sequence_parallel") is False else "-padded" if case.get("padded") else ""
-    return case["family"] + extra
+    return case["family"] + extra + ("-2d" if case.get("mode") == "2d" else "")
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@ and one rank's view of a profile (costmodel/parallel.py, costmodel/parallel_time
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -147,6 +148,13 @@ def test_tensor_degrees_follow_node_and_heads(profile):
     # 4 heads on an 8-GPU node: T in 2, 4 (1d), and 4 as a 2 x 2 grid; 8 does not divide the heads.
     assert tensor_degrees(profile, 8) == [(1, "1d"), (2, "1d"), (4, "1d"), (4, "2d")]
     assert tensor_degrees(profile, 2) == [(1, "1d"), (2, "1d")]
+
+
+def test_tensor_degrees_offer_2d_only_where_the_table_has_a_grid_form(profile):
+    # A mixture's experts have no 2D form (plan/tensor_layout.py grid_problem): 1d only, from the same table.
+    moe_table = {"transformer.h.*.mlp.experts": "experts", "transformer.h.*.mlp.experts.gate_up": "packed_colwise"}
+    moe = dataclasses.replace(profile, arch=dataclasses.replace(profile.arch, tensor_layout=moe_table))
+    assert tensor_degrees(moe, 8) == [(1, "1d"), (2, "1d"), (4, "1d")]
 
 
 def test_tensor_collectives_are_on_the_step(profile):

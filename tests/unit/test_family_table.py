@@ -1,6 +1,7 @@
 """The families x layouts table of docs/DESIGN.md 9.5 is what the engine accepts: each family's tiny
 causal LM (tests/unit/models/stage_families.py, on the meta device) is asked whether it gets a tensor
-table (``tensor_table.model_tensor_table``), a 2D grid plan (``tp_grid.GRID_PLANS``), a stage plan
+table (``tensor_table.model_tensor_table``), whether that table has a 2D grid form
+(``tensor_layout.grid_problem``, what the engine's ``tp_grid.grid_plan`` and the search check), a stage plan
 (``stage_plans.pipeline_problem``) and whether its config ships an expert plan; the table rendered
 from the answers must be the one in DESIGN, between its markers.
 
@@ -12,14 +13,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from elixir_tune.plan.capabilities import PIPELINE_MODEL_TYPES
+from elixir_tune.plan.tensor_layout import grid_problem
 from tests.distributed.test_engine_tensor_families import FAMILIES as TENSOR_FAMILIES
+from tests.distributed.test_engine_tensor_grid import FAMILIES as GRID_FAMILIES
 
 DESIGN = Path(__file__).resolve().parents[2] / "docs" / "DESIGN.md"
 BEGIN, END = "<!-- families x layouts: begin (tests/unit/test_family_table.py) -->", "<!-- families x layouts: end -->"
 # Verified against plain PyTorch at world 2 (tests/distributed/test_engine_tensor_families.py and
 # test_engine_tensor_parallel.py; every pipeline family in test_engine_pipeline_families.py).
 TENSOR_TESTED = {*TENSOR_FAMILIES, "llama", "gpt2"}  # llama and gpt2: test_engine_tensor_parallel.py
-GRID_TESTED = {"gpt2", "llama"}
+# 2D at tensor 2 x 2, world 4: gpt2 and llama in test_engine_tensor_parallel.py, the others in
+# tests/distributed/test_engine_tensor_grid.py.
+GRID_TESTED = {"gpt2", "llama", *GRID_FAMILIES}
 EXPERT_TESTED = {"qwen3_moe", "mixtral"}  # tests/distributed/test_engine_expert_parallel.py
 
 
@@ -29,13 +34,14 @@ def _why(text: str) -> str:
         return "no: the family ships no plan"
     if "beside the experts" in text:
         return "no: shared experts split beside the experts"
+    if "no grid form" in text:
+        return "no: the experts have no grid form"
     if "does not place" in text:
         return "no: the plan leaves linears unplaced (latent attention)"
     return "no: " + text[:60]
 
 
 def family_rows() -> list[list[str]]:
-    from elixir_tune.engine.parallel.tp_grid import GRID_PLANS
     from elixir_tune.profiler.arch import model_arch
     from elixir_tune.profiler.source import quiet_transformers
     from elixir_tune.stage_plans import pipeline_problem, resolve_stage_plan
@@ -52,7 +58,9 @@ def family_rows() -> list[list[str]]:
         if table and not tp_source:
             tp_source = "ours (`plan/tensor_layout.py`)"
         tensor = ("yes" + (" (tested)" if family in TENSOR_TESTED else "")) if table else _why(why)
-        grid = ("yes" + (" (tested)" if family in GRID_TESTED else "")) if family in GRID_PLANS else "-"
+        no_grid = grid_problem(table) if table else ""
+        grid = ("yes" + (" (tested)" if family in GRID_TESTED else "")) if table and not no_grid else "-"
+        grid = _why(no_grid) if no_grid else grid
         problem = pipeline_problem(model)
         stage_plan = resolve_stage_plan(model)
         pipeline = (

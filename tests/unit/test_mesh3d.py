@@ -46,8 +46,7 @@ def _combined(mode: str = "1d"):
 
 def test_setup_refuses_what_a_pipeline_by_tensor_plan_cannot_run():
     check_combined(_combined(), vocab_parallel_loss=False)  # 1d, whole logits: runs
-    with pytest.raises(TensorParallelError, match="use parallel.tensor.mode 1d with a pipeline"):
-        check_combined(_combined("2d"), vocab_parallel_loss=False)
+    check_combined(_combined("2d"), vocab_parallel_loss=False)  # the 2d grid's pieces cross stages too
     with pytest.raises(TensorParallelError, match="call setup without vocab_parallel_loss"):
         check_combined(_combined(), vocab_parallel_loss=True)
 
@@ -55,14 +54,20 @@ def test_setup_refuses_what_a_pipeline_by_tensor_plan_cannot_run():
 def test_stage_boundary_sends_sequence_shards_only_with_sequence_parallelism():
     plain = StageBoundary(None)
     hidden = torch.ones(2, 7, 4)
-    assert plain.padded_length(7) == 7 and plain.sent_length(8) == 8
+    assert plain.padded_length(7) == 7 and plain.sent_shape(2, 8, 4) == (2, 8, 4)
     assert plain.enter(hidden) is hidden and plain.leave(hidden) is hidden and plain.widen(hidden) is hidden
     # a tensor split's mode and flags only (its DTensor side runs in the distributed test)
     sharded = StageBoundary(SimpleNamespace(mode="1d", sequence_parallel=True, degree=4))  # type: ignore[arg-type]
-    assert sharded.padded_length(7) == 8 and sharded.padded_length(8) == 8 and sharded.sent_length(8) == 2
+    assert sharded.padded_length(7) == 8 and sharded.padded_length(8) == 8 and sharded.sent_shape(2, 8, 4) == (2, 2, 4)
     wide = sharded.widen(torch.ones(2, 2, 4))
     assert wide.shape == (2, 8, 4) and not wide.any()
     with pytest.raises(TensorParallelError, match="sequence_parallel: false"):
         sharded.leave(hidden)
     replicated = StageBoundary(SimpleNamespace(mode="1d", sequence_parallel=False, degree=4))  # type: ignore[arg-type]
-    assert replicated.padded_length(7) == 7 and replicated.sent_length(8) == 8
+    assert replicated.padded_length(7) == 7 and replicated.sent_shape(2, 8, 4) == (2, 8, 4)
+    # the 2d grid (2 x 2): a rank sends its row's samples and its column's hidden features, whole sequences
+    grid = StageBoundary(SimpleNamespace(mode="2d", sequence_parallel=True, degree=4))  # type: ignore[arg-type]
+    assert grid.padded_length(7) == 7 and grid.sent_shape(4, 8, 32) == (2, 8, 16)
+    assert grid.widen(torch.ones(2, 8, 16)).shape == (4, 8, 32)
+    with pytest.raises(TensorParallelError, match="Shard"):
+        grid.leave(hidden)

@@ -8,7 +8,14 @@ from elixir_tune.paths import CONFIGS_DIR
 from elixir_tune.plan import ParallelPlan, load_plan, plan_from_dict, read_plan_dict, validate_dict
 from elixir_tune.plan.io import dump_plan
 from elixir_tune.plan.stages import assign_stages, block_index_of, schedule_problem, stage_of_block, virtual_stages
-from elixir_tune.plan.tensor_layout import is_norm_param, local_shape, split_dim, tensor_style
+from elixir_tune.plan.tensor_layout import (
+    grid_problem,
+    in_region,
+    is_norm_param,
+    local_shape,
+    split_dim,
+    tensor_style,
+)
 
 EXAMPLE = CONFIGS_DIR / "plans" / "example.yaml"  # tiny GPT-2, world 2, 2 blocks
 
@@ -228,6 +235,28 @@ def test_tensor_layout_llama_gqa_and_gpt2_conv1d():
         tensor_style("x.weight", "bloom")
 
 
+def test_2d_keeps_per_head_and_in_region_norms_whole():
+    # Qwen3's q_norm (head_norm) and OLMo2's q_norm (unplaced, inside the attention) run on this rank's
+    # samples as ordinary tensors: whole on every rank; the residual-stream norms and a row-parallel
+    # bias are split by the hidden dimension over the grid columns.
+    table = {**LLAMA, "model.layers.*.self_attn.k_norm": "head_norm"}
+    assert local_shape("model.layers.0.self_attn.k_norm.weight", [8], "qwen3", 4, "2d", table) == [8]
+    assert local_shape("model.layers.1.self_attn.q_norm.weight", [32], "olmo2", 4, "2d", table) == [32]
+    assert local_shape("model.layers.0.self_attn.o_proj.bias", [32], "llama", 4, "2d", table) == [16]
+    assert local_shape("model.layers.0.input_layernorm.weight", [32], "llama", 4, "2d", table) == [16]
+    assert in_region("model.layers.3.mlp.act", table) and not in_region("model.layers.3.mlp", table)
+    assert grid_problem(table) == ""
+    moe = {
+        **table,
+        "model.layers.*.mlp.experts": "experts",
+        "model.layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+    }
+    assert grid_problem(moe) == (
+        "2d tensor parallelism has no grid form for the tensor plan's style experts (mixture-of-experts experts), "
+        "packed_colwise (packed expert tensors); use tensor mode 1d"
+    )
+
+
 def test_norm_parameters_by_family():
     assert is_norm_param("transformer.h.3.ln_2.bias", "gpt2") and is_norm_param("transformer.ln_f.weight", "gpt2")
     # A row-parallel bias: replicated, added after the reduction; its gradient is summed like a norm's.
@@ -250,11 +279,6 @@ def test_pipeline_by_tensor_by_data_is_valid_and_factors_the_world():
 @pytest.mark.parametrize(
     ("sections", "expected"),
     [
-        (
-            {"parallel__tensor__degree": 4, "parallel__tensor__mode": "2d", "training__global_batch_size": 8},
-            "parallel.tensor.mode: 2d with pipeline stages 2: stages pass whole micro-batches and the 2d grid splits "
-            "them by rows; use mode 1d with a pipeline (or pipeline stages 1)",
-        ),
         (
             {"parallel__tensor__degree": 2, "model__num_heads": 3},
             "parallel.tensor.degree: 2 does not divide model.num_heads 3; each tensor rank needs whole attention heads",

@@ -115,24 +115,27 @@ def test_a_parallel_layout_only_when_faster(h100, hidden, layers, heads, seq, ba
     assert "data parallelism only" in result.why and "slower" in result.why
 
 
-def test_pipeline_with_2d_tensor_pins_is_refused(small):
-    with pytest.raises(ValueError, match="2d tensor parallelism without a pipeline only"):
-        search(
-            small,
-            example_hardware(gpus_per_node=8),
-            gpus_per_node=8,
-            fixed=["pipeline=2", "tensor=4", "tensor_mode=2d"],
-            loop="forward_backward",
-        )
+def test_pipeline_with_2d_tensor_pins_is_searched(small):
+    result = search(
+        small,
+        example_hardware(gpus_per_node=8),
+        gpus_per_node=8,
+        fixed=["pipeline=2", "tensor=4", "tensor_mode=2d"],
+        loop="forward_backward",
+    )
+    assert result.candidates[0].layout == Layout(pipeline=2, tensor=4, tensor_mode="2d")
 
 
 def test_search_scores_pipeline_by_tensor_layouts(small):
-    """The combined layouts are candidates (1d tensor only), each scored with its data degree."""
+    """The combined layouts are candidates (1d, and 2d on a square degree), each scored with its data degree."""
     tried = layout_choices(small, gpus_per_node=8, nodes=1, global_batch_size=8, fixed={})
-    combined = {(layout.pipeline, layout.tensor) for layout in tried if layout.pipeline > 1 and layout.tensor > 1}
-    assert combined == {(2, 2), (2, 4), (4, 2)}  # P x T <= 8 with P <= 4 blocks, T dividing the 4 heads
-    assert all(layout.tensor_mode == "1d" for layout in tried if layout.pipeline > 1)
-    assert any(layout.tensor_mode == "2d" for layout in tried)  # 2d stays, without a pipeline
+    combined = {
+        (layout.pipeline, layout.tensor, layout.tensor_mode)
+        for layout in tried
+        if layout.pipeline > 1 and layout.tensor > 1
+    }
+    # P x T <= 8 with P <= 4 blocks, T dividing the 4 heads; T = 4 also as a 2 x 2 grid
+    assert combined == {(2, 2, "1d"), (2, 4, "1d"), (2, 4, "2d"), (4, 2, "1d")}
     result = search(small, example_hardware(gpus_per_node=8), gpus_per_node=8, loop="forward_backward")
     assert Layout(pipeline=2, tensor=2) in result.best_by_layout
     # pp2 x tp2 pays both: the tensor collectives of its stage's blocks and the pipeline's bubble and sends

@@ -40,6 +40,13 @@ from tests.unit.test_plan_parallel import _with
             "family, read from its config.base_model_tp_plan when the model is profiled; built-in tables: gpt2); "
             "set it to 1 (search again without --fix tensor=2)",
         ),
+        (  # a mixture's experts run 1d only
+            {"cluster__gpus_per_node": 4, "parallel__tensor__degree": 4, "parallel__tensor__mode": "2d",
+             "training__global_batch_size": 8,
+             "model__tensor_layout": {"transformer.h.*.mlp.experts": "experts", "transformer.h.*.ln_1": "norm"}},
+            "parallel.tensor.mode: 2d tensor parallelism has no grid form for the tensor plan's style experts "
+            "(mixture-of-experts experts); use tensor mode 1d",
+        ),
         (
             {"model__tensor_layout": {"transformer.h.*.attn.c_attn": "local_colwise"}},
             "model.tensor_layout: unknown styles transformer.h.*.attn.c_attn: local_colwise (known: colwise, "

@@ -216,8 +216,9 @@ class Pipeline:
         batch, seq = input_shape
         # Activations and logits need gradients: a stage's received input must be a leaf that
         # collects its gradient, to be sent back to the stage before.
-        sent = self.adapter.boundary.sent_length(seq)  # a sequence shard under tensor parallelism (pipeline_tensor.py)
-        hidden = torch.empty(batch, sent, self.adapter.hidden_size, dtype=engine.compute_dtype, device="meta")
+        # A tensor-parallel piece (pipeline_tensor.py): a sequence shard in 1d, samples x columns in 2d.
+        sent = self.adapter.boundary.sent_shape(batch, seq, self.adapter.hidden_size)
+        hidden = torch.empty(*sent, dtype=engine.compute_dtype, device="meta")
         hidden.requires_grad_(True)
         logits = torch.empty(batch, seq, self.adapter.vocab_size, dtype=engine.compute_dtype, device="meta")
         logits.requires_grad_(True)

@@ -185,7 +185,7 @@ def apply_tensor_parallel(
         sequence_parallel: 1d: run norms and dropout on sequence shards.
         vocab_parallel_loss: 1d: keep the logits split by vocabulary and compute the model's loss
             under ``loss_parallel`` (ElixirModel's forward and the optimizer's ``backward`` enter it).
-        table: 1d: the model's tensor table from the plan (empty or None: read from the model).
+        table: the model's tensor table from the plan (empty or None: read from the model).
         broadcast: take world rank 0's weights first (False: the weights come later, from a source).
 
     Returns:
@@ -208,7 +208,7 @@ def apply_tensor_parallel(
     if mode == "2d":
         if vocab_parallel_loss:
             raise TensorParallelError("the vocabulary-parallel loss is for 1d tensor parallelism only")
-        plan = grid_plan(model, degree)
+        plan = grid_plan(model, degree, table)
     else:
         plan = family_plan(model, degree, sequence_parallel, vocab_parallel_loss, table)
     if broadcast:

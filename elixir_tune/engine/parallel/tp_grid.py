@@ -15,6 +15,13 @@ are DTensor's: its sharding propagation picks each op's redistribution (all-gath
 all-reduces of partial sums), which is exact whatever it picks; docs/DESIGN.md 9.5 compares the bytes
 it moves with SUMMA's (measured: about 1.3x on a small GPT-2).
 
+The plan is derived from the model's 1D tensor table (``plan/tensor_layout.py``, the same one 1D,
+the search and ``validate`` read), style by style, for every family (``grid_plan``; docs/DESIGN.md
+9.5 "2D from the tensor table"): column-parallel linears are entry linears and mark their parent as a
+region, row-parallel ones exit linears, the vocabulary split and the residual-stream norms follow,
+and per-head norms (or unplaced weights inside a region) stay whole with a gradient summed over the
+grid. A mixture's experts have no grid form (``grid_problem``). GPT-2 adds its fused q | k | v.
+
 The logits are gathered whole before the model's own loss; the micro-batch must divide by q.
 """
 
@@ -35,6 +42,8 @@ from elixir_tune.engine.parallel.tp_adapters import (
     gpt2_local_heads,
 )
 from elixir_tune.engine.parallel.tp_layout import TensorParallelError
+from elixir_tune.plan.tensor_layout import TensorTable, grid_problem, in_region, local_shape, module_style
+from elixir_tune.tensor_table import model_tensor_table
 
 # The residual stream between blocks: batch over the grid rows, hidden over the grid columns.
 RESIDUAL = (Shard(0), Shard(2))
@@ -148,84 +157,137 @@ class LocalSamples(ParallelStyle):
         return module
 
 
+class Replicated2D(ParallelStyle):
+    """A module inside an attention or MLP whose parameters stay whole on every rank (a per-head
+    norm, OLMo2's q_norm over the gathered heads): its weights become replicated DTensors and its
+    input, this rank's ordinary tensor, is taken as split by samples over the grid rows and, for a
+    per-head norm, by heads (dimension -2) over the columns. Autograd then sums the weights'
+    gradient over the grid (each rank saw its own samples and heads); the output is local again.
+
+    Args:
+        heads: the input is this rank's heads (a per-head norm), not every head.
+    """
+
+    def __init__(self, heads: bool):
+        super().__init__()
+        self.heads = heads
+
+    def _partition(self, name, module, mesh):
+        distribute_params(module, mesh, {name: (None, None) for name, _ in module.named_parameters(recurse=False)})
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def input_fn(mod, inputs, mesh):
+            local = inputs[0]
+            columns = Shard(local.ndim - 2) if self.heads else Replicate()
+            return (DTensor.from_local(local, mesh, (Shard(0), columns), run_check=False), *inputs[1:])
+
+        def output_fn(mod, output, mesh):
+            return output.to_local() if isinstance(output, DTensor) else output
+
+        return distribute_module(module, device_mesh, self._partition, input_fn, output_fn)
+
+
 def _entry(fused_parts: int = 1) -> Linear2D:
+    """A column-parallel linear: this rank's samples in, its own heads or MLP columns out (local)."""
     return Linear2D(ROW_SAMPLES, RESIDUAL, use_local_output=True, fused_parts=fused_parts)
 
 
-def _exit() -> Linear2D:
-    return Linear2D(RESIDUAL, RESIDUAL, use_local_output=False)
+def _entry_gathered() -> Linear2D:
+    """``colwise_gather``: the output gathered over the columns (every head of this rank's samples)."""
+    return Linear2D(ROW_SAMPLES, ROW_SAMPLES, use_local_output=True)
+
+
+def _exit(input_layouts: tuple = RESIDUAL) -> Linear2D:
+    """A row-parallel linear back to the residual stream; ``ROW_SAMPLES`` input for ``rowwise_split``."""
+    return Linear2D(input_layouts, RESIDUAL, use_local_output=False)
 
 
 def _head() -> Linear2D:
     return Linear2D(RESIDUAL, REPLICATED, use_local_output=True)
 
 
-def llama_grid_plan(model: nn.Module, q: int) -> FamilyPlan:
-    base = model.base_model_prefix
-    styles: dict[str, ParallelStyle] = {f"{base}.embed_tokens": Embedding2D(), f"{base}.norm": Norm2D()}
-    for i in range(len(blocks_of(model, f"{base}.layers"))):
-        layer = f"{base}.layers.{i}"
-        styles[f"{layer}.input_layernorm"] = Norm2D()
-        styles[f"{layer}.post_attention_layernorm"] = Norm2D()
-        styles[f"{layer}.self_attn"] = LocalSamples()
-        styles[f"{layer}.mlp"] = LocalSamples()
-        for proj in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
-            styles[f"{layer}.{proj}"] = _entry()
-        for proj in ("self_attn.o_proj", "mlp.down_proj"):
-            styles[f"{layer}.{proj}"] = _exit()
-    styles["lm_head"] = _head()
+def _styles(model: nn.Module, table: TensorTable) -> dict[str, ParallelStyle]:
+    """Each module's 2D style from its 1D tensor-table style (the generic rule, DESIGN 9.5)."""
+    styles: dict[str, ParallelStyle] = {}
+    regions = set()
+    for path, module in model.named_modules():
+        style = module_style(path, table) if path else None
+        if style in ("colwise", "colwise_gather"):
+            styles[path] = _entry() if style == "colwise" else _entry_gathered()
+            regions.add(path.rpartition(".")[0])
+        elif style in ("rowwise", "rowwise_split"):
+            styles[path] = _exit() if style == "rowwise" else _exit(ROW_SAMPLES)
+        elif style == "vocab":
+            styles[path] = Embedding2D() if isinstance(module, nn.Embedding) else _head()
+        elif style == "norm":
+            styles[path] = Norm2D()
+        elif style == "head_norm" or (
+            style is None and path and in_region(path, table) and any(True for _ in module.parameters(recurse=False))
+        ):
+            styles[path] = Replicated2D(heads=style == "head_norm")
+        elif style is not None:  # grid_problem refused the others
+            raise TensorParallelError(f"{path}: style {style!r} has no 2d form; use tensor mode 1d")
+    for region in regions:
+        styles[region] = LocalSamples()
+    return styles
+
+
+def _tied(model: nn.Module) -> list[tuple[str, str, str]]:
+    """(alias module path, attribute, owner parameter name) of each tied parameter, found by identity."""
+    owners: dict[int, str] = {}
     tied = []
-    if getattr(model.config, "tie_word_embeddings", False):
-        tied.append(("lm_head", "weight", f"{base}.embed_tokens.weight"))
-    return FamilyPlan(styles, {}, [], tied)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in owners:
+            path, _, attr = name.rpartition(".")
+            tied.append((path, attr, owners[id(param)]))
+        else:
+            owners[id(param)] = name
+    return tied
 
 
-def gpt2_grid_plan(model: nn.Module, q: int) -> FamilyPlan:
-    styles: dict[str, ParallelStyle] = {
-        "transformer.wte": Embedding2D(),
-        # Position rows are shared by every sample: hidden split over the columns, broadcast over the batch.
-        "transformer.wpe": Embedding2D((Replicate(), Shard(2)), split=False),
-        "transformer.ln_f": Norm2D(),
-    }
-    fused: dict[str, tuple[int, int]] = {}
-    attrs = []
+def _gpt2_fixes(model: nn.Module, q: int, plan: FamilyPlan) -> None:
+    """GPT-2 (our table, no transformers plan): the fused q | k | v of ``c_attn`` is split per head
+    (each part by the columns), the attention told its local width, and the position table (not in
+    the table) split by the hidden dimension over the columns, broadcast over the batch."""
+    plan.styles["transformer.wpe"] = Embedding2D((Replicate(), Shard(2)), split=False)
     for i, block in enumerate(blocks_of(model, "transformer.h")):
         path = f"transformer.h.{i}"
-        styles[f"{path}.ln_1"] = Norm2D()
-        styles[f"{path}.ln_2"] = Norm2D()
-        styles[f"{path}.attn"] = LocalSamples()
-        styles[f"{path}.mlp"] = LocalSamples()
-        styles[f"{path}.attn.c_attn"] = _entry(fused_parts=3)
-        styles[f"{path}.mlp.c_fc"] = _entry()
-        styles[f"{path}.attn.c_proj"] = _exit()
-        styles[f"{path}.mlp.c_proj"] = _exit()
-        fused[f"{path}.attn.c_attn.weight"] = (3, 1)
-        fused[f"{path}.attn.c_attn.bias"] = (3, 0)
-        attrs += gpt2_local_heads(path, block, q)
-    styles["lm_head"] = _head()
-    tied = []
-    if getattr(model.config, "tie_word_embeddings", True):
-        tied.append(("lm_head", "weight", "transformer.wte.weight"))
-    return FamilyPlan(styles, fused, attrs, tied)
+        plan.styles[f"{path}.attn.c_attn"] = _entry(fused_parts=3)
+        plan.fused[f"{path}.attn.c_attn.weight"] = (3, 1)
+        plan.fused[f"{path}.attn.c_attn.bias"] = (3, 0)
+        plan.local_attrs.extend(gpt2_local_heads(path, block, q))
 
 
-GRID_PLANS = {"gpt2": gpt2_grid_plan, "llama": llama_grid_plan, "mistral": llama_grid_plan, "qwen2": llama_grid_plan}
+def grid_plan(model: nn.Module, degree: int, table: TensorTable | None = None) -> FamilyPlan:
+    """The 2D (q x q) tensor-parallel plan of ``model``, from its 1D tensor table.
 
-
-def grid_plan(model: nn.Module, degree: int) -> FamilyPlan:
-    """The 2D (q x q) tensor-parallel plan of ``model``.
+    Args:
+        model: a transformers causal LM.
+        degree: the tensor degree q x q.
+        table: the plan's record of the model's tensor table (empty or None: read from the model).
 
     Raises:
-        TensorParallelError: not a square degree, an unsupported family, or heads / vocabulary /
-            hidden size not divisible by q.
+        TensorParallelError: not a square degree, no tensor table, a style with no 2D form (the
+            experts of a mixture), or heads / key/value heads / vocabulary / a split dimension (hidden,
+            intermediate) not divisible by q.
     """
     q = math.isqrt(degree)
     if q * q != degree or q < 2:
         raise TensorParallelError(f"2d tensor parallelism needs a square degree q x q >= 4, got {degree}")
-    model_type = check_splittable(model, q, GRID_PLANS)
-    hidden = getattr(model.config, "hidden_size", 0)
-    if hidden % q:
-        raise TensorParallelError(
-            f"2d tensor parallelism on a {q} x {q} grid needs the hidden size {hidden} divisible by {q}"
-        )
-    return GRID_PLANS[model_type](model, q)
+    if not table:
+        table, why = model_tensor_table(model)
+        if why:
+            raise TensorParallelError(f"tensor parallelism cannot run this model: {why}; set parallel.tensor.degree: 1")
+    problem = grid_problem(table)
+    if problem:
+        raise TensorParallelError(f"{type(model).__name__}: {problem}")
+    model_type = check_splittable(model, q)
+    for name, param in model.named_parameters():
+        try:
+            local_shape(name, list(param.shape), model_type, degree, "2d", table)
+        except ValueError as error:
+            raise TensorParallelError(f"2d tensor parallelism on a {q} x {q} grid: {error}") from None
+    plan = FamilyPlan(_styles(model, table), {}, [], _tied(model))
+    if model_type == "gpt2":
+        _gpt2_fixes(model, q, plan)
+    return plan
