@@ -13,6 +13,8 @@ Run by ``engine_launch.py`` as N processes (gloo, CPU). Each case is a dict:
         experts' rows), plain PyTorch loads it with ``from_pretrained``; each rank's expert tensors,
         as its first forward sees them, must be its rows of the file's
     offload: the fraction of chunks offloaded (every other one at 0.5, expert chunks among them)
+    meta_init: also start the model on the meta device without weights (the model's initializer,
+        seed 7): the engine's full weights must equal the initializer's run on one process
 
 Each data rank takes its own micro-batches of each step's global batch; rank 0 also trains plain
 PyTorch on the whole global batch and reports the largest differences. Every model's routers are
@@ -63,15 +65,25 @@ def skew_routers(model, batches: list[dict]) -> None:
         router.weight[0] = torch.linalg.lstsq(x.double(), target.double()).solution[:, 0].float()
 
 
-def write_dir(case: dict, data: int, directory: str) -> dict[str, torch.Tensor]:
-    """The zoo model, routers skewed, written by ``save_pretrained`` (each rank its own copy: no barrier;
-    transformers writes one tensor per expert); returns its state dict (fused experts)."""
+def write_dir(case: dict, data: int, base: str, rank: int) -> tuple[str, dict[str, torch.Tensor]]:
+    """The zoo model, routers skewed, written by ``save_pretrained`` (transformers writes one tensor per
+    expert); returns the directory and the model's state dict (fused experts).
+
+    Once the process group runs (a case after the first), transformers writes on rank 0 only: the
+    ranks then share rank 0's directory and wait for it; before, each rank writes its own copy."""
+    import torch.distributed as dist
+
     from tests.zoo.models import build as build_zoo
 
     model = build_zoo(case["model"].removeprefix("zoo:"))
     skew_routers(model, global_batches(case, data))
-    model.save_pretrained(directory)
-    return model.state_dict()
+    shared = dist.is_initialized()
+    directory = f"{base}.src.rank{0 if shared else rank}"
+    if not shared or rank == 0:
+        model.save_pretrained(directory)
+    if shared:
+        dist.barrier()
+    return directory, model.state_dict()
 
 
 def build(case: dict, data: int, weights: str | None = None, meta: bool = False):
@@ -118,8 +130,7 @@ def run_engine(case: dict, rank: int, world: int, checkpoint_dir: str) -> dict:
 
     weights, written = None, {}
     if case.get("from_dir"):
-        weights = f"{checkpoint_dir}.src.rank{rank}"
-        written = write_dir(case, world, weights)
+        weights, written = write_dir(case, world, checkpoint_dir, rank)
     model, opt = build(case, world, weights, meta=weights is not None)
     accum = case.get("accum", 1)
     plan = make_plan(
@@ -208,6 +219,30 @@ def run_engine(case: dict, rank: int, world: int, checkpoint_dir: str) -> dict:
     }
 
 
+def meta_init_equal(case: dict, world: int) -> bool:
+    """A meta-device start without weights at the case's expert degree gives the weights the model's
+    initializer gives on one process (the same seed): each rank initialized its experts' rows only."""
+    import transformers
+
+    from elixir_tune.engine.io.materialize import Initializer
+    from elixir_tune.profiler.blocks import find_block_list
+    from tests.zoo.models import build as build_zoo
+
+    config = build_zoo(case["model"].removeprefix("zoo:")).config
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        whole = transformers.AutoModelForCausalLM.from_config(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plan = make_plan(
+        model, world, case["chunk_size"], block_list=find_block_list(model)[0], seq_len=8, expert=case["expert"]
+    )
+    engine_model, _ = elixir_tune.setup(model, opt, plan=plan, seed=7)
+    full = engine_model.state_dict(all_ranks=True)
+    initializer = Initializer(whole, 7)
+    expected = {name: initializer.value(param) for name, param in whole.named_parameters()}
+    return set(expected) <= set(full) and all(torch.equal(full[k], v) for k, v in expected.items())
+
+
 def run_reference(case: dict, data: int, weights: str | None = None) -> dict:
     """Plain PyTorch on each step's whole global batch; also the share of the (token, expert)
     assignments of each router that its most chosen expert got, over all steps."""
@@ -251,6 +286,8 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
         "rows_match": engine["rows_match"],
         "offloaded_expert_chunks": engine["offloaded_expert_chunks"],
     }
+    if case.get("meta_init"):
+        result["meta_init_equal"] = meta_init_equal(case, world)
     if rank == 0:
         weights = f"{out_path}.ckpt{index}.src.rank0" if case.get("from_dir") else None
         reference = run_reference(case, world, weights)

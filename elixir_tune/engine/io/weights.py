@@ -148,6 +148,8 @@ class WeightsReader:
             by_tensor.setdefault(id(value), []).append(name)
             tensors[id(value)] = value
 
+        rules = stack_rules(model)
+
         def candidates(name: str) -> list[str]:
             out = []
             for plain in dict.fromkeys([name, base_name(name)]):  # a LoRA model's base parameter
@@ -156,11 +158,12 @@ class WeightsReader:
                     out.append(plain[len(prefix) + 1 :])  # saved from the base model
                 elif prefix:
                     out.append(f"{prefix}.{plain}")  # saved from a model wrapping this base model
-            return out
+            # The checkpoint's older spellings that transformers renames on load (Mixtral's block_sparse_moe).
+            renamed = [n.replace(new, old) for n in out for old, new in rules.renamings if new in n]
+            return list(dict.fromkeys(out + renamed))
 
         names: dict[int, str] = {}
         missing, shape_errors = [], []
-        rules = stack_rules(model)
         for key, aliases in by_tensor.items():
             found = next((c for alias in aliases for c in candidates(alias) if c in self.shapes), None)
             if found is None and rules.converters:  # fused experts the files hold one per expert
