@@ -126,7 +126,8 @@ def setup(
     made chunk by chunk straight into this rank's shards, read from ``weights`` or produced by the
     model's own initializer (deterministic for a seed whatever the world size, chunk size and
     offload), so no rank ever holds the whole model. Under a tensor-parallel plan the model is split
-    on the meta device first, and each rank reads or initializes only its own pieces.
+    on the meta device first, and each rank reads or initializes only its own pieces; under expert
+    parallelism each rank reads or initializes only its own experts.
 
     Args:
         model: the user's module: real weights (rank 0's are used everywhere) or on the meta device.
