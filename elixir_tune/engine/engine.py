@@ -101,17 +101,24 @@ class Engine(EngineGrads, EngineState):
         named = dict(model.named_parameters())
         self.chunks: list[Chunk] = []
         self.slot_of: dict[int, ParamSlot] = {}  # id(param) -> slot
-        shard_numel = plan.memory.chunk_size // comm.world_size
+        groups = {cp.id: self._chunk_group(cp.id, [named[name] for name in cp.params]) for cp in plan.memory.chunks}
+        # A shard is the chunk over its group: the data group, or an expert chunk's expert-data group.
+        shard_numel = {cid: plan.memory.chunk_size // group.world_size for cid, (group, _) in groups.items()}
         offloaded = [chunk_plan.id for chunk_plan in plan.memory.chunks if chunk_plan.offload]
         self.pinned = self.device.type == "cuda"
         # One host block for the upload copies of all offloaded shards: pinned blocks are rounded
         # up to a power of two by the CUDA host allocator, so one block wastes the least.
         self.upload_block = torch.empty(
-            len(offloaded) * shard_numel, dtype=self.compute_dtype, pin_memory=self.pinned and bool(offloaded)
+            sum(shard_numel[cid] for cid in offloaded),
+            dtype=self.compute_dtype,
+            pin_memory=self.pinned and bool(offloaded),
         )
-        upload_of = {cid: self.upload_block[i * shard_numel : (i + 1) * shard_numel] for i, cid in enumerate(offloaded)}
+        upload_of, begin = {}, 0
+        for cid in offloaded:
+            upload_of[cid] = self.upload_block[begin : begin + shard_numel[cid]]
+            begin += shard_numel[cid]
         for chunk_plan in plan.memory.chunks:
-            chunk_comm, grad_divisor = self._chunk_group(chunk_plan.id, [named[name] for name in chunk_plan.params])
+            chunk_comm, grad_divisor = groups[chunk_plan.id]
             chunk = Chunk(
                 chunk_plan.id,
                 [(name, named[name]) for name in chunk_plan.params],

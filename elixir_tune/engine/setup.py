@@ -126,7 +126,8 @@ def setup(
     made chunk by chunk straight into this rank's shards, read from ``weights`` or produced by the
     model's own initializer (deterministic for a seed whatever the world size, chunk size and
     offload), so no rank ever holds the whole model. Under a tensor-parallel plan the model is split
-    on the meta device first, and each rank reads or initializes only its own pieces.
+    on the meta device first, and each rank reads or initializes only its own pieces; under expert
+    parallelism each rank reads or initializes only its own experts.
 
     Args:
         model: the user's module: real weights (rank 0's are used everywhere) or on the meta device.
@@ -165,15 +166,14 @@ def setup(
     # then gives each rank its own pieces of the split parameters only.
     fresh = weights is not None or has_meta(model)
     tensor_parallel = split_for_plan(model, optimizer, plan, mesh, fresh, vocab_parallel_loss)
+    source = make_source(model, weights, seed, tensor_parallel)
     experts = None
     if parallel.expert.degree > 1:
-        if weights is not None or has_meta(model):
-            raise ValueError(
-                "expert parallelism starts from a model built with its weights: load them into the model "
-                "(from_pretrained) instead of passing weights= or building it on the meta device"
-            )
-        experts = split_experts(model, mesh, parallel.expert.degree)
-    source = make_source(model, weights, seed, tensor_parallel)
+        # After the source, which matched the file's and the initializer's tensors at their whole
+        # shapes: it then gives each rank its experts' rows (a model with weights: rank 0's, broadcast).
+        experts = split_experts(model, mesh, parallel.expert.degree, from_source=source is not None)
+        if source is not None:
+            source.experts = experts
     # The chunks are sharded over the data-parallel group; pipeline and tensor parallelism read the
     # rest of the mesh from engine.mesh.
     if parallel.pipeline.stages > 1:

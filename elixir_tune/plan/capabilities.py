@@ -18,6 +18,8 @@ One place answers both questions (docs/DESIGN.md section 8.2), so that the profi
   same micro-batches (``elixir_tune.data_rank()``). ``training.loop`` in the plan says which loop
   the script runs; the search offers the second kind only when told the script runs
   ``forward_backward``.
+* **expert parallelism**: what the engine runs beside ``parallel.expert.degree`` > 1
+  (``EXPERT_PARALLEL_RUNS_WITH``): lifting a limit in the engine is a change of its entry here.
 
 Imports no torch.
 """
@@ -42,6 +44,30 @@ PIPELINE_MODEL_TYPES: tuple[str, ...] = (
 FROM_FAMILY = "from the family"
 LAYOUTS: tuple[str, ...] = get_args(LayoutName)
 __all__ = ["LAYOUTS", "LOOPS", "LOOP_CONTRACT", "PIPELINE_MODEL_TYPES"]
+
+# What the engine runs beside expert parallelism (parallel.expert.degree > 1), tested against plain
+# PyTorch (tests/distributed/test_engine_expert_parallel.py): True where it runs.
+EXPERT_PARALLEL_RUNS_WITH: dict[str, bool] = {
+    "pipeline": False,  # pipeline stages > 1: the engine builds no expert groups inside a stage
+    "tensor": False,  # tensor degree > 1: the experts would be split two ways
+    "layered": False,  # layered accumulation: untested with the token exchange
+    "offloaded_experts": True,  # an expert chunk's shard on the host
+    "meta_start": True,  # setup(weights=...) or a model built on the meta device: each rank reads its experts
+}
+EXPERT_LIMIT_REASONS = {
+    "pipeline": "pipeline stages",
+    "tensor": "tensor parallelism",
+    "layered": "layered accumulation",
+    "offloaded_experts": "offloaded expert chunks",
+    "meta_start": "a model built on the meta device or from weights=",
+}
+
+
+def expert_parallel_limits() -> str:
+    """The engine's current limits beside expert parallelism, as one phrase for errors and ``show``
+    (e.g. ``"pipeline stages, tensor parallelism, ..."``; empty when there are none)."""
+    return ", ".join(EXPERT_LIMIT_REASONS[key] for key, runs in EXPERT_PARALLEL_RUNS_WITH.items() if not runs)
+
 
 # What the script must do under each loop: the sentence the errors and `show` print.
 LOOP_CONTRACT = {

@@ -75,7 +75,8 @@ class Chunk:
         grad_divisor: what the summed gradients are divided by; None: ``comm``'s size (the mean over
             the data group). An expert chunk (engine/parallel/expert_parallel.py) is sharded over its
             expert-data group but divides by the whole data size; it reduces into a shard buffer of
-            its own, as the staging pool's are cut for the data group.
+            its own, as the staging pool's are cut for the data group (and, offloaded on cuda, lands
+            in a host buffer of its own).
     """
 
     def __init__(
@@ -92,8 +93,6 @@ class Chunk:
         frozen: bool = False,
         grad_divisor: int | None = None,
     ):
-        if grad_divisor is not None and offload:
-            raise ValueError(f"chunk {chunk_id}: an expert chunk cannot be offloaded; set its offload to false")
         self.grad_divisor = grad_divisor
         self.id = chunk_id
         self.frozen = frozen
@@ -147,6 +146,11 @@ class Chunk:
                 self.grad = zeros_on_demand(self.shard_numel)
             else:
                 self.grad = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
+        # An offloaded expert chunk's reduced shard lands here on cuda (the pool's landing buffers are
+        # cut for the data group's shards); on a cpu device the drain adds it from the device buffer.
+        self.landing: torch.Tensor | None = None
+        if grad_divisor is not None and offload and not frozen and device.type == "cuda":
+            self.landing = torch.empty(self.shard_numel, dtype=compute_dtype, pin_memory=True)
         self.upload_event: torch.cuda.Event | None = None  # cuda: the last host->device copy reading ``upload``
         self.payload = torch.empty(chunk_size, dtype=compute_dtype, device=device)
         self.payload.untyped_storage().resize_(0)
@@ -309,7 +313,7 @@ class Chunk:
         reduced = buffer
         if self.grad_divisor is not None:  # an expert chunk: its shard is cut for its own group
             out = buffer.full[: self.shard_numel] if world == 1 else buffer.full.new_empty(self.shard_numel)
-            reduced = StagingBuffer(buffer.full, out, None)
+            reduced = StagingBuffer(buffer.full, out, self.landing)
         handle = DONE
         if divisor > 1:
             buffer.full.div_(divisor)  # average over ranks (gloo has no AVG)

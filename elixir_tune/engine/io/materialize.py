@@ -24,6 +24,11 @@ it then gives each parameter's values as this rank's piece, a file source readin
 slices (``Layout.local_runs``, ``WeightsReader.read_piece``), the initializer cutting the piece from
 the unit it initializes. Meta DTensors become real ones in place (``torch.utils.swap_tensors``: the
 parameter objects, and so the optimizer's references, stay).
+
+Under expert parallelism each rank keeps a slice of every expert tensor (its experts: rows of
+dimension 0), and the source is told that split too (``WeightSource.experts``): the initializer's
+full value is cut to the slice, and a file source reads only the slice's rows (one contiguous range
+of the file's tensor).
 """
 
 from __future__ import annotations
@@ -299,14 +304,19 @@ class WeightSource:
     Attributes:
         split: the model's tensor-parallel split (``TensorSplit``) when its parameters are DTensors:
             a parameter's values are then this rank's piece (its ``_local_tensor``). None otherwise.
+        experts: the model's expert split (``ExpertSplit``) under expert parallelism: an expert
+            tensor's values are then this rank's experts (its slice of dimension 0). None otherwise.
     """
 
     split: Any = None
+    experts: Any = None  # the model's ExpertSplit under expert parallelism: expert tensors are this rank's rows
 
     def local(self, tensor: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """This rank's piece of ``value``, the full value of ``tensor`` (``value`` itself unless split)."""
         if is_dtensor(value):
             return value._local_tensor
+        if self.experts is not None:
+            value = self.experts.local_value(tensor, value)
         if self.split is None or not is_dtensor(tensor):
             return value
         return self.split.local_value(tensor, value)
@@ -387,7 +397,8 @@ class FileSource(WeightSource):
             return value.reshape(-1)[begin:end]
         if self.sharded(param):
             return self._read_piece(param)[begin:end]
-        return self.reader.read_range(self.reader.names[id(param)], begin, end)
+        first = self.experts.first_element(param) if self.experts is not None else 0
+        return self.reader.read_range(self.reader.names[id(param)], first + begin, first + end)
 
     def done_chunk(self) -> None:
         self.reader.release()  # unmap: the pages of this chunk leave the resident set
@@ -398,6 +409,9 @@ class FileSource(WeightSource):
         if name is not None:
             if self.sharded(tensor):
                 return self._read_piece(tensor).view(_local_shape(tensor)).to(tensor.dtype)
+            if self.experts is not None and id(tensor) in self.experts.param_slices:
+                # A frozen expert tensor: this rank's rows only.
+                return self.read_range(tensor, 0, tensor.numel()).view(tensor.shape).to(tensor.dtype)
             return self.reader.read_full(name).to(tensor.dtype)
         if self.initializer is not None and id(tensor) in self.initializer.meta:
             return self.local(tensor, self.initializer.value(tensor))

@@ -14,6 +14,8 @@ of GPT-2) is one tensor with several names, and any of them in the file sets it;
 A LoRA model (PEFT) reads the base checkpoint: its base parameters' names are mapped back
 (``elixir_tune.lora.base_name``) and its adapter parameters, in no base checkpoint, are not missing
 (they start as PEFT starts them, ``elixir_tune.lora.adapter_init``).
+A mixture-of-experts model's fused expert tensors are read from the one-tensor-per-expert files
+transformers writes and the Hub holds (``stacked.py``: transformers' own conversion rules).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 
 import torch
 
+from elixir_tune.engine.io.stacked import Stacked, find_stacked, stack_rules
 from elixir_tune.lora import base_name, is_adapter_name
 
 WEIGHTS_NAME = "model.safetensors"
@@ -132,6 +135,8 @@ class WeightsReader:
                 f"weights {self.path}: the index lists tensors its files lack: {', '.join(absent[:_LISTED])}"
             )
         self._handles: dict[Path, Any] = {}  # what safe_open.__enter__ returns (untyped in safetensors)
+        # Fused expert tensors the files hold one per expert, by the model name they are read under.
+        self.stacked: dict[str, Stacked] = {}
         self.names = self._match(model)
 
     def _match(self, model: torch.nn.Module) -> dict[int, str]:
@@ -143,6 +148,8 @@ class WeightsReader:
             by_tensor.setdefault(id(value), []).append(name)
             tensors[id(value)] = value
 
+        rules = stack_rules(model)
+
         def candidates(name: str) -> list[str]:
             out = []
             for plain in dict.fromkeys([name, base_name(name)]):  # a LoRA model's base parameter
@@ -151,12 +158,24 @@ class WeightsReader:
                     out.append(plain[len(prefix) + 1 :])  # saved from the base model
                 elif prefix:
                     out.append(f"{prefix}.{plain}")  # saved from a model wrapping this base model
-            return out
+            # The checkpoint's older spellings that transformers renames on load (Mixtral's block_sparse_moe).
+            renamed = [n.replace(new, old) for n in out for old, new in rules.renamings if new in n]
+            return list(dict.fromkeys(out + renamed))
 
         names: dict[int, str] = {}
         missing, shape_errors = [], []
         for key, aliases in by_tensor.items():
             found = next((c for alias in aliases for c in candidates(alias) if c in self.shapes), None)
+            if found is None and rules.converters:  # fused experts the files hold one per expert
+                expected = tuple(tensors[key].shape)
+                for candidate in (c for alias in aliases for c in candidates(alias)):
+                    stacked = find_stacked(candidate, expected, self.shapes, rules)
+                    if stacked is not None:
+                        self.stacked[candidate] = stacked
+                        names[key] = candidate
+                        break
+                if key in names:
+                    continue
             if found is None:
                 if key in params and not is_adapter_name(aliases[0]):
                     # A buffer the file lacks keeps (or recomputes) its value, as in transformers; a LoRA
@@ -169,7 +188,7 @@ class WeightsReader:
                 shape_errors.append(f"{found} (file {list(self.shapes[found])}, model {list(expected)})")
         ignore_missing = _patterns(model, "_keys_to_ignore_on_load_missing")
         missing = [n for n in missing if not any(p.search(n) for p in ignore_missing)]
-        used = set(names.values())
+        used = set(names.values()) | {part for stacked in self.stacked.values() for part in stacked.file_names()}
         ignore_unexpected = _patterns(model, "_keys_to_ignore_on_load_unexpected")
         unexpected = [n for n in self.shapes if n not in used and not any(p.search(n) for p in ignore_unexpected)]
         problems = []
@@ -207,7 +226,7 @@ class WeightsReader:
             raise
         except Exception as exc:
             raise WeightsError(
-                f"weights {self.files[name]}: reading {name} failed (truncated or corrupt file?): {exc}"
+                f"weights {self.files.get(name, self.path)}: reading {name} failed (truncated or corrupt file?): {exc}"
             ) from exc
 
     def read_range(self, name: str, begin: int, end: int) -> torch.Tensor:
@@ -215,6 +234,8 @@ class WeightsReader:
 
         Reads the rows covering the range only: at most two partial rows more than asked.
         """
+        if name in self.stacked:
+            return self._read(lambda: self.stacked[name].read_range(self.read_full, begin, end), name)
         shape = self.shapes[name]
         if len(shape) == 0:
             return self.read_full(name).reshape(-1)[begin:end].float()
@@ -229,12 +250,18 @@ class WeightsReader:
 
     def read_full(self, name: str) -> torch.Tensor:
         """The whole tensor ``name``, in its stored dtype."""
+        if name in self.stacked:
+            stacked = self.stacked[name]
+            return stacked.experts(self.read_full, 0, stacked.shape[0])
         return self._read(lambda: self._handle(name).get_tensor(name), name)
 
     def read_piece(self, name: str, runs: list[list[tuple[int, int]]]) -> torch.Tensor:
         """A tensor-parallel rank's piece of tensor ``name``, as fp32: the full tensor indexed by the
         product of ``runs`` (per dimension, ``[begin, end)`` ranges in the piece's order; see
-        ``Layout.local_runs``). Each block is read with ``get_slice``: nothing outside the piece."""
+        ``Layout.local_runs``). Each block is read with ``get_slice``: nothing outside the piece (of a
+        fused expert tensor stored per expert: nothing outside the piece's experts)."""
+        if name in self.stacked:
+            return self._read(lambda: self.stacked[name].read_piece(self.read_full, runs), name)
         shape = self.shapes[name]
         if len(runs) != len(shape):
             raise ValueError(f"{name}: {len(runs)} dimensions of runs for a tensor of shape {list(shape)}")

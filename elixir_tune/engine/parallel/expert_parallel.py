@@ -21,10 +21,18 @@ Backward is the same exchanges reversed (``comm.all_to_all_rows``). The gradient
 thus already holds the contributions of every token of the expert group; the chunk engine reduces it
 over the expert-data group (the data ranks holding the same experts) and divides by the whole data
 size, so it is the mean over the global batch as for any other parameter (engine.py).
+
+Where the weights come from: a model built with real weights has each whole expert tensor broadcast
+from data rank 0 and keeps its slice. A model on the meta device, or one started from ``weights=``,
+gets the slice's shape only (meta stays meta); the weight source (engine/io/materialize.py) then
+gives each rank its experts' rows: a safetensors file is read at the slice's element range (the
+experts are the first dimension, so a rank's slice is one contiguous run of the file's tensor) and
+the initializer's full value is cut. No rank then holds another rank's experts.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -83,6 +91,14 @@ class ExpertSplit:
         first, local = where
         return full[first : first + local]
 
+    def first_element(self, param: torch.Tensor) -> int:
+        """Where this rank's slice of ``param`` starts in the whole tensor, flattened (0 for a
+        parameter that is not split): the slice is rows ``[first, first + local)`` of dimension 0."""
+        where = self.param_slices.get(id(param))
+        if where is None:
+            return 0
+        return where[0] * math.prod(param.shape[1:])
+
 
 def _pattern(key: str) -> re.Pattern[str]:
     """An ep plan key (``layers.*.mlp.experts``, ``*`` = one path component) as a regex of module names."""
@@ -112,25 +128,28 @@ def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def split_experts(model: nn.Module, mesh: Mesh, degree: int) -> ExpertSplit:
+def split_experts(model: nn.Module, mesh: Mesh, degree: int, from_source: bool = False) -> ExpertSplit:
     """Keeps this rank's experts of every block and turns each experts module's forward into the
     token dispatch (a collective: every rank of the world calls it).
 
-    The whole expert tensors are first broadcast from data rank 0 (rank 0's weights win, as for every
-    other parameter), then each rank keeps its slice in place (``param.data``: the optimizer's
-    references stay valid).
+    Without a weight source the whole expert tensors are first broadcast from data rank 0 (rank 0's
+    weights win, as for every other parameter), then each rank keeps its slice in place
+    (``param.data``: the optimizer's references stay valid). With one (``from_source``: the model is
+    on the meta device or its weights come from ``weights=``) each parameter only takes the slice's
+    shape, and the source gives this rank's rows later (``ExpertSplit.local_value``, ``first_element``).
 
     Args:
-        model: the user's model, with real weights (not on the meta device).
+        model: the user's model.
         mesh: the run's mesh; the expert groups are cut from its data groups.
         degree: expert degree E (divides the data size and every block's expert count).
+        from_source: the engine's weight source gives the values; nothing is broadcast.
 
     Returns:
-        The split (its groups and the split parameters, for the engine's chunks).
+        The split (its groups and the split parameters, for the engine's chunks and weight source).
 
     Raises:
-        ExpertParallelError: the model has no expert plan, its experts do not divide by E, or its
-            weights are on the meta device.
+        ExpertParallelError: the model has no expert plan, its experts do not divide by E, or an
+            expert tensor is on the meta device with no weight source.
     """
     modules = expert_modules(model)
     group, replicas = expert_groups(mesh, degree)
@@ -145,19 +164,25 @@ def split_experts(model: nn.Module, mesh: Mesh, degree: int) -> ExpertSplit:
         local = total // degree
         first = group.rank * local
         for pname, param in params:
-            if param.is_meta:
-                raise ExpertParallelError(
-                    f"{name}.{pname} is on the meta device: expert parallelism starts from a model with weights "
-                    "(build it with weights, or use parallel.expert.degree 1)"
-                )
             if param.ndim < 1 or param.shape[0] != total:
                 raise ExpertParallelError(
                     f"{name}.{pname}: shape {list(param.shape)} is not [experts={total}, ...]; this experts module "
                     "cannot be split, use parallel.expert.degree 1"
                 )
-            whole = param.detach().to(mesh.data.device).contiguous()
-            mesh.data.broadcast(whole, src=0)
-            param.data = whole[first : first + local].clone().to(param.device)
+            if from_source:  # the source gives the values: the slice's shape is all that is needed here
+                if param.is_meta:
+                    param.data = torch.empty((local, *param.shape[1:]), dtype=param.dtype, device="meta")
+                else:
+                    param.data = param.data[first : first + local].clone()
+            elif param.is_meta:
+                raise ExpertParallelError(
+                    f"{name}.{pname} is on the meta device and no weight source was given; pass weights= to setup "
+                    "or build the model with its weights"
+                )
+            else:
+                whole = param.detach().to(mesh.data.device).contiguous()
+                mesh.data.broadcast(whole, src=0)
+                param.data = whole[first : first + local].clone().to(param.device)
             split.param_slices[id(param)] = (first, local)
         module.num_experts = local  # type: ignore[assignment]  # the family's forward loops over its local experts
         _dispatch(module, group, local, total)
