@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from elixir_tune.costmodel.cache import CacheSim, simulate_cache
+from elixir_tune.costmodel.expert import expert_param_indices
 from elixir_tune.costmodel.layout import ChunkLayout, largest_trainable_numel, max_module_chunks, pack_chunks
 from elixir_tune.costmodel.memory import STAGING_BUFFERS, MemoryEstimate, checkpointed_blocks, estimate_memory
 from elixir_tune.costmodel.parallel import DATA_ONLY, Layout, critical_stage, rank_profile
@@ -29,6 +30,7 @@ from elixir_tune.costmodel.timeline import (
 )
 from elixir_tune.costmodel.trace import ChunkTrace, chunk_trace
 from elixir_tune.hardware.spec import HardwareSpec
+from elixir_tune.plan.capabilities import EXPERT_PARALLEL_RUNS_WITH
 from elixir_tune.plan.schema import Accumulation, Plan
 from elixir_tune.profiler.schema import ModelProfile
 
@@ -121,6 +123,12 @@ class CostModel:
     sharded over the data-parallel degree ``data_size`` = world / (P x T), and ``step_time`` adds
     the tensor-parallel collectives, the pipeline bubble, point-to-point sends and the
     tied-embedding all-reduce (``parallel_time.ParallelTimes``). ``full_profile`` is the whole model.
+
+    With expert parallelism (``layout.expert`` E > 1, ``costmodel/expert.py``) the rank holds 1/E of
+    each expert tensor in expert chunks, sharded over the D / E ranks of its expert-data group (a
+    shard E times another chunk's; collectives over D / E ranks: ``expert_costs``), never offloaded
+    where the engine cannot (``capabilities.EXPERT_PARALLEL_RUNS_WITH``), and each micro-batch adds
+    the all-to-alls of its MoE blocks to the compute (``expert_comm_s``).
     """
 
     def __init__(
@@ -172,6 +180,17 @@ class CostModel:
         # PCIe-only GPUs: collectives and host copies share each GPU's link (world 1 has no collectives).
         self.shared_link = hardware.shared_host_link and self.world_size > 1 and hardware.device != "cpu"
         self.parallel_costs = ParallelTimes(profile, hardware, gpus_per_node, layout, self.stage, self.dtype)
+        self.expert_degree = layout.expert
+        full_experts = {profile.params[i].name for i in expert_param_indices(profile)} if layout.expert > 1 else set()
+        # The rank's expert tensors (by name: a stage keeps a subset of the parameters, in order).
+        self.expert_params = frozenset(i for i, p in enumerate(self.profile.params) if p.name in full_experts)
+        self.expert_data_size = max(1, self.data_size // layout.expert)
+        self.moe_blocks = frozenset(
+            b.index
+            for b in self.profile.blocks
+            if any(i in self.expert_params for i in range(b.first_param, b.first_param + b.num_params))
+        )
+        self._expert_costs: dict[int, TransferCosts] = {}
         self._module_chunks: dict[int, int] = {}
         self._layouts: dict[int, ChunkLayout] = {}
         self._traces: dict[tuple[int, int, int], tuple[ChunkTrace, list[tuple[int, ...]]]] = {}
@@ -184,7 +203,7 @@ class CostModel:
     def layout(self, chunk_size: int) -> ChunkLayout:
         """The chunk layout of one chunk size (cached)."""
         if chunk_size not in self._layouts:
-            self._layouts[chunk_size] = pack_chunks(self.profile, chunk_size)
+            self._layouts[chunk_size] = pack_chunks(self.profile, chunk_size, self.expert_params)
         return self._layouts[chunk_size]
 
     def trace(self, chunk_size: int, every: int) -> ChunkTrace:
@@ -240,17 +259,50 @@ class CostModel:
             )
         return self._costs[chunk_size]
 
+    def expert_costs(self, chunk_size: int) -> dict[int, TransferCosts]:
+        """Per-chunk operation times of the expert chunks (cached): their shards and collectives span
+        the expert-data group (D / E ranks), not the data group; empty without expert parallelism."""
+        layout = self.layout(chunk_size)
+        if not layout.num_expert:
+            return {}
+        if chunk_size not in self._expert_costs:
+            self._expert_costs[chunk_size] = transfer_costs(
+                self.hardware,
+                chunk_size,
+                self.expert_data_size,
+                self.gpus_per_node,
+                self.nodes if self.expert_data_size > 1 else 1,
+                self.dtype,
+            )
+        costs = self._expert_costs[chunk_size]
+        return {c: costs for c, chunk in enumerate(layout.chunks) if chunk.expert}
+
+    def offloadable_chunks(self, chunk_size: int) -> int:
+        """Chunks whose shard may go to the host: all but the expert chunks where the engine keeps
+        those on the device."""
+        layout = self.layout(chunk_size)
+        return layout.num_chunks - (0 if EXPERT_PARALLEL_RUNS_WITH["offloaded_experts"] else layout.num_expert)
+
+    def shard_units(self, chunk_size: int) -> int:
+        """Chunks counted in shards of the data group's size: an expert chunk's shard is E of them."""
+        layout = self.layout(chunk_size)
+        return layout.num_chunks + (self.expert_degree - 1) * layout.num_expert
+
     def offload_order(self, chunk_size: int, every: int, cache_blocks: int) -> list[int]:
         """Chunks in the order their shards go to the host: fewest fetches per step first, then
         the last chunks first (their gradients are reduced earliest in backward, so their
-        device->host copies overlap the most)."""
+        device->host copies overlap the most). Expert chunks are left out where the engine keeps
+        them on the device."""
         key = (chunk_size, every, cache_blocks)
         if key not in self._orders:
             sim, cold = self.cache_sim(chunk_size, every, cache_blocks)
             counts = [0] * self.layout(chunk_size).num_chunks
             for _step, chunk, _free in cold + sim.steady:
                 counts[chunk] += 1
-            self._orders[key] = sorted(range(len(counts)), key=lambda c: (counts[c], -c))
+            chunks = self.layout(chunk_size).chunks
+            keep_expert = not EXPERT_PARALLEL_RUNS_WITH["offloaded_experts"]
+            movable = [c for c in range(len(counts)) if not (keep_expert and chunks[c].expert)]
+            self._orders[key] = sorted(movable, key=lambda c: (counts[c], -c))
         return self._orders[key]
 
     def offload_mask(self, shape: Shape) -> list[bool]:
@@ -351,13 +403,27 @@ class CostModel:
             + pointwise_recompute
         )
         compute = flops * (1 - share) / rate + attention_s + blocks * overhead_s + pointwise + recompute
-        return compute + self.tensor_comm_s(micro_batch_size, every), recompute
+        communication = self.tensor_comm_s(micro_batch_size, every) + self.expert_comm_s(micro_batch_size, every)
+        return compute + communication, recompute
 
     def tensor_comm_s(self, micro_batch_size: int, every: int) -> float:
         """Seconds of tensor-parallel collectives in one micro-batch (recomputed blocks' forwards included)."""
         blocks = self.profile.blocks
-        recomputed = sum(1 for b in blocks if every > 0 and b.index % every == 0)
-        return self.parallel_costs.tensor_comm_s(micro_batch_size, len(blocks), recomputed)
+        recomputed = {b.index for b in blocks if every > 0 and b.index % every == 0}
+        moe = self.parallel_costs.tensor_moe_blocks
+        return self.parallel_costs.tensor_comm_s(
+            micro_batch_size,
+            len(blocks),
+            len(recomputed),
+            sum(1 for b in blocks if b.index in moe),
+            len(recomputed & moe),
+        )
+
+    def expert_comm_s(self, micro_batch_size: int, every: int) -> float:
+        """Seconds of expert parallelism's all-to-alls in one micro-batch (recomputed blocks' forwards
+        included; 0 without expert parallelism)."""
+        recomputed = sum(1 for b in self.moe_blocks if every > 0 and b % every == 0)
+        return self.parallel_costs.expert_comm_s(micro_batch_size, len(self.moe_blocks), recomputed)
 
     def memory(self, shape: Shape) -> MemoryEstimate:
         """Peak device and host memory of a candidate."""
@@ -374,7 +440,8 @@ class CostModel:
             dtype=self.dtype,
             cache_blocks=shape.cache_blocks,
             num_resident=layout.num_resident,
-            num_chunks=layout.num_chunks,
+            # An expert chunk's shard is E shards of the data group's size (sharded over D / E ranks).
+            num_chunks=self.shard_units(shape.chunk_size),
             num_offloaded=shape.num_offloaded,
             frozen_numel=0,  # every frozen parameter is in a frozen chunk
             num_frozen=layout.num_frozen,
@@ -410,6 +477,7 @@ class CostModel:
         sim, cold = self.cache_sim(shape.chunk_size, shape.every, shape.cache_blocks, traced)
         offloaded = self.offload_mask(shape)
         costs = self.costs(shape.chunk_size)
+        expert_costs = self.expert_costs(shape.chunk_size)
         mb_compute, mb_recompute = self.compute_s(shape.micro_batch_size, shape.every)
         accum = shape.grad_accum_steps
         # Layered: each trace step runs for all micro-batches at once, with one micro-batch's fetches
@@ -433,6 +501,7 @@ class CostModel:
                 reduce_after,
                 offloaded,
                 costs,
+                chunk_costs=expert_costs,
                 shared_compute=on_cpu,
                 shared_link=self.shared_link,
                 record=blocks,
@@ -444,8 +513,10 @@ class CostModel:
         shard_numel = shape.chunk_size // self.data_size
         # The optimizer steps the trainable shards only (a frozen chunk has nothing to update).
         frozen = [chunk.frozen for chunk in self.layout(shape.chunk_size).chunks]
-        host_shards = sum(1 for c, off in enumerate(offloaded) if off and not frozen[c])
-        device_shards = sum(1 for c, off in enumerate(offloaded) if not off and not frozen[c])
+        # An expert chunk's shard is E times another's (sharded over D / E ranks).
+        weight = [self.expert_degree if c in expert_costs else 1 for c in range(len(frozen))]
+        host_shards = sum(weight[c] for c, off in enumerate(offloaded) if off and not frozen[c])
+        device_shards = sum(weight[c] for c, off in enumerate(offloaded) if not off and not frozen[c])
         gpu_adam = device_shards * shard_numel / self.hardware.gpu_adam_elems_per_s
         cpu_adam = host_shards * shard_numel / self.cpu_adam_elems_per_s
         step_time, breakdown = combine_step(
@@ -461,6 +532,10 @@ class CostModel:
         if tensor_s > 0:
             breakdown["compute_s"] -= tensor_s
             breakdown["tensor_comm_s"] = tensor_s
+        expert_s = accum * self.expert_comm_s(shape.micro_batch_size, shape.every)
+        if expert_s > 0:  # synchronous on the compute stream: part of the compute above
+            breakdown["compute_s"] -= expert_s
+            breakdown["expert_comm_s"] = expert_s
         if shape.layered and accum > 1 and on_cpu and self.parallel_layout.pipeline == 1:
             # Each micro-batch's thread hands the baton on at every hooked module call of its forward
             # (engine/layered.py); on a CPU device the hand-overs hold up the compute itself. A

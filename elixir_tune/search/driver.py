@@ -365,8 +365,10 @@ def search(
     if strategy == "elixir":
         if global_batch % world:
             raise ValueError(f"global batch size {global_batch} is not a multiple of the {world} GPUs")
-        if any(key in pinned for key in ("pipeline", "tensor", "tensor_mode")):
-            raise ValueError("--strategy elixir: Elixir's rule has no pipeline or tensor parallelism; drop those pins")
+        if any(key in pinned for key in ("pipeline", "tensor", "tensor_mode", "expert")):
+            raise ValueError(
+                "--strategy elixir: Elixir's rule has no pipeline, tensor or expert parallelism; drop those pins"
+            )
         layouts = [DATA_ONLY]
     else:
         layouts = layout_choices(profile, gpus_per_node, nodes, global_batch, searched)

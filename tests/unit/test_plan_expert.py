@@ -65,7 +65,9 @@ def test_expert_parallelism_is_not_combined_with_tensor_parallelism_yet():
     raw["parallel"]["tensor"] = {"degree": 2}
     raw["cluster"]["gpus_per_node"] = 4  # world 4 = data 2 x tensor 2
     problems = validate_dict(raw)
-    assert any("with tensor degree 2: the engine does not run expert parallelism beside" in p for p in problems), problems
+    assert any("with tensor degree 2: the engine does not run expert parallelism beside" in p for p in problems), (
+        problems
+    )
 
 
 def test_expert_limits_come_from_one_table(monkeypatch):
