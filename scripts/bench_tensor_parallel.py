@@ -141,7 +141,7 @@ def markdown(report: dict) -> str:
         "Predictions of the cost model only (nothing ran): step time of the best plan the joint search finds with "
         "the parallel layout free or pinned, and its peak device memory per GPU (the largest pipeline stage). "
         f"Profiles traced on the meta device, bf16, seq {SEQ_LEN}. `free` lets the search choose; `dp only` is "
-        "`--fix pipeline=1 --fix tensor=1`; `tp T` is `--fix tensor=T --fix pipeline=1`; `pp P` is "
+        "`--fix pipeline=1 --fix tensor=1` (and `--fix expert=1` for the mixture of experts); `tp T` is `--fix tensor=T --fix pipeline=1`; `pp P` is "
         "`--fix pipeline=P --fix tensor=1`; `pp P x tp T` is `--fix pipeline=P --fix tensor=T` (one mesh, data x "
         "pipeline x tensor); `ep E` is `--fix expert=E --fix pipeline=1 --fix tensor=1` (mixture of experts "
         "only). TFLOPS = model FLOPs / step / GPUs.",
