@@ -195,6 +195,13 @@ def _check_expert(
         for chunk in chunks
         if isinstance(chunk, dict) and chunk.get("offload") and any(is_expert_param(p) for p in chunk.get("params", []))
     )
+    for index, chunk in enumerate(chunks):
+        names = chunk.get("params", []) if isinstance(chunk, dict) else []
+        if len({is_expert_param(name) for name in names}) > 1:
+            errors.append(
+                f"memory.chunks[{index}].params: expert tensors beside other parameters; under expert parallelism "
+                "the experts need chunks of their own (run `elixir-tune search` again)"
+            )
     conflicts = expert_parallel_conflicts(stages, tensor, training.get("accumulation", "standard"), offloaded_experts)
     if conflicts:
         errors.append(

@@ -111,3 +111,11 @@ def test_profiler_records_experts_only_for_families_with_an_expert_plan(family, 
         model = stage_families.build(family, meta=True)
     arch = model_arch(model)
     assert (arch.num_experts, arch.experts_per_token) == (experts, top_k)
+
+
+def test_a_chunk_mixing_experts_and_other_parameters_is_refused():
+    raw = _expert_plan()
+    chunk = raw["memory"]["chunks"][-1]
+    chunk["params"] = ["model.layers.1.mlp.gate.weight", "model.layers.1.mlp.experts.down_proj"]
+    problems = validate_dict(raw)
+    assert any("expert tensors beside other parameters" in p for p in problems), problems
