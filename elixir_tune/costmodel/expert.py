@@ -32,10 +32,21 @@ set (cache blocks) holds only this rank's experts. Imports no torch.
 
 from __future__ import annotations
 
-from elixir_tune.plan.capabilities import is_expert_param
+from dataclasses import dataclass
+
+from elixir_tune.costmodel.layout import ChunkLayout
+from elixir_tune.costmodel.timeline import TransferCosts, transfer_costs
+from elixir_tune.hardware.spec import HardwareSpec
+from elixir_tune.plan.capabilities import EXPERT_PARALLEL_RUNS_WITH, is_expert_param
 from elixir_tune.profiler.schema import ModelProfile
 
-__all__ = ["expert_all_to_all_bytes", "expert_all_to_all_s", "expert_param_indices", "moe_block_count"]
+__all__ = [
+    "RankExperts",
+    "expert_all_to_all_bytes",
+    "expert_all_to_all_s",
+    "expert_param_indices",
+    "moe_block_count",
+]
 
 # All-to-alls of rows per block and micro-batch: dispatch and return forward, their gradients backward.
 ALL_TO_ALLS_PER_BLOCK = 4
@@ -66,6 +77,64 @@ def moe_block_count(profile: ModelProfile, indices: frozenset[int]) -> int:
         for block in profile.blocks
         if any(i in indices for i in range(block.first_param, block.first_param + block.num_params))
     )
+
+
+@dataclass(frozen=True)
+class RankExperts:
+    """One rank's experts under expert degree E (E = 1: none).
+
+    Attributes:
+        degree: E.
+        replicas: ranks of the expert-data group (D / E), which shard and reduce the expert chunks.
+        params: indices of the expert tensors in the rank's profile (``parallel.rank_profile``).
+        moe_blocks: indices of the rank's blocks that hold experts.
+    """
+
+    degree: int = 1
+    replicas: int = 1
+    params: frozenset[int] = frozenset()
+    moe_blocks: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, full: ModelProfile, rank: ModelProfile, degree: int, data_size: int) -> RankExperts:
+        """The experts of ``rank`` (one rank's view of ``full``) at expert degree ``degree`` and data size D."""
+        if degree <= 1:
+            return cls()
+        names = {full.params[i].name for i in expert_param_indices(full)}
+        # By name: a pipeline stage keeps a subset of the parameters, in order.
+        params = frozenset(i for i, p in enumerate(rank.params) if p.name in names)
+        blocks = frozenset(
+            b.index for b in rank.blocks if any(i in params for i in range(b.first_param, b.first_param + b.num_params))
+        )
+        return cls(degree, max(1, data_size // degree), params, blocks)
+
+    def shard_units(self, layout: ChunkLayout) -> int:
+        """The layout's chunks counted in shards of the data group's size: an expert chunk's shard
+        (over D / E ranks) is E of them."""
+        return layout.num_chunks + (self.degree - 1) * layout.num_expert
+
+    def offloadable(self, layout: ChunkLayout) -> int:
+        """Chunks whose shard may go to the host: all but the expert chunks where the engine keeps
+        those on the device (``capabilities.EXPERT_PARALLEL_RUNS_WITH``)."""
+        return layout.num_chunks - (0 if EXPERT_PARALLEL_RUNS_WITH["offloaded_experts"] else layout.num_expert)
+
+    def chunk_costs(
+        self, layout: ChunkLayout, hardware: HardwareSpec, gpus_per_node: int, nodes: int, dtype: str
+    ) -> dict[int, TransferCosts]:
+        """Operation times of each expert chunk of ``layout``: its shard and collectives span the
+        expert-data group (D / E ranks, across nodes when it has several ranks and the world spans
+        nodes), not the data group; empty without expert chunks."""
+        if not layout.num_expert:
+            return {}
+        costs = transfer_costs(
+            hardware, layout.chunk_size, self.replicas, gpus_per_node, nodes if self.replicas > 1 else 1, dtype
+        )
+        return {c: costs for c, chunk in enumerate(layout.chunks) if chunk.expert}
+
+    def movable(self, layout: ChunkLayout) -> list[int]:
+        """Ids of the chunks that may be offloaded, in order."""
+        keep = not EXPERT_PARALLEL_RUNS_WITH["offloaded_experts"]
+        return [c for c, chunk in enumerate(layout.chunks) if not (keep and chunk.expert)]
 
 
 def expert_all_to_all_bytes(

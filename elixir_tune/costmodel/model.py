@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from elixir_tune.costmodel.cache import CacheSim, simulate_cache
-from elixir_tune.costmodel.expert import expert_param_indices
+from elixir_tune.costmodel.expert import RankExperts
 from elixir_tune.costmodel.layout import ChunkLayout, largest_trainable_numel, max_module_chunks, pack_chunks
 from elixir_tune.costmodel.memory import STAGING_BUFFERS, MemoryEstimate, checkpointed_blocks, estimate_memory
 from elixir_tune.costmodel.parallel import DATA_ONLY, Layout, critical_stage, rank_profile
@@ -30,7 +30,6 @@ from elixir_tune.costmodel.timeline import (
 )
 from elixir_tune.costmodel.trace import ChunkTrace, chunk_trace
 from elixir_tune.hardware.spec import HardwareSpec
-from elixir_tune.plan.capabilities import EXPERT_PARALLEL_RUNS_WITH
 from elixir_tune.plan.schema import Accumulation, Plan
 from elixir_tune.profiler.schema import ModelProfile
 
@@ -180,17 +179,7 @@ class CostModel:
         # PCIe-only GPUs: collectives and host copies share each GPU's link (world 1 has no collectives).
         self.shared_link = hardware.shared_host_link and self.world_size > 1 and hardware.device != "cpu"
         self.parallel_costs = ParallelTimes(profile, hardware, gpus_per_node, layout, self.stage, self.dtype)
-        self.expert_degree = layout.expert
-        full_experts = {profile.params[i].name for i in expert_param_indices(profile)} if layout.expert > 1 else set()
-        # The rank's expert tensors (by name: a stage keeps a subset of the parameters, in order).
-        self.expert_params = frozenset(i for i, p in enumerate(self.profile.params) if p.name in full_experts)
-        self.expert_data_size = max(1, self.data_size // layout.expert)
-        self.moe_blocks = frozenset(
-            b.index
-            for b in self.profile.blocks
-            if any(i in self.expert_params for i in range(b.first_param, b.first_param + b.num_params))
-        )
-        self._expert_costs: dict[int, TransferCosts] = {}
+        self.experts = RankExperts.of(profile, self.profile, layout.expert, self.data_size)
         self._module_chunks: dict[int, int] = {}
         self._layouts: dict[int, ChunkLayout] = {}
         self._traces: dict[tuple[int, int, int], tuple[ChunkTrace, list[tuple[int, ...]]]] = {}
@@ -203,7 +192,7 @@ class CostModel:
     def layout(self, chunk_size: int) -> ChunkLayout:
         """The chunk layout of one chunk size (cached)."""
         if chunk_size not in self._layouts:
-            self._layouts[chunk_size] = pack_chunks(self.profile, chunk_size, self.expert_params)
+            self._layouts[chunk_size] = pack_chunks(self.profile, chunk_size, self.experts.params)
         return self._layouts[chunk_size]
 
     def trace(self, chunk_size: int, every: int) -> ChunkTrace:
@@ -260,33 +249,13 @@ class CostModel:
         return self._costs[chunk_size]
 
     def expert_costs(self, chunk_size: int) -> dict[int, TransferCosts]:
-        """Per-chunk operation times of the expert chunks (cached): their shards and collectives span
-        the expert-data group (D / E ranks), not the data group; empty without expert parallelism."""
+        """Per-chunk operation times of the expert chunks (``RankExperts.chunk_costs``)."""
         layout = self.layout(chunk_size)
-        if not layout.num_expert:
-            return {}
-        if chunk_size not in self._expert_costs:
-            self._expert_costs[chunk_size] = transfer_costs(
-                self.hardware,
-                chunk_size,
-                self.expert_data_size,
-                self.gpus_per_node,
-                self.nodes if self.expert_data_size > 1 else 1,
-                self.dtype,
-            )
-        costs = self._expert_costs[chunk_size]
-        return {c: costs for c, chunk in enumerate(layout.chunks) if chunk.expert}
+        return self.experts.chunk_costs(layout, self.hardware, self.gpus_per_node, self.nodes, self.dtype)
 
     def offloadable_chunks(self, chunk_size: int) -> int:
-        """Chunks whose shard may go to the host: all but the expert chunks where the engine keeps
-        those on the device."""
-        layout = self.layout(chunk_size)
-        return layout.num_chunks - (0 if EXPERT_PARALLEL_RUNS_WITH["offloaded_experts"] else layout.num_expert)
-
-    def shard_units(self, chunk_size: int) -> int:
-        """Chunks counted in shards of the data group's size: an expert chunk's shard is E of them."""
-        layout = self.layout(chunk_size)
-        return layout.num_chunks + (self.expert_degree - 1) * layout.num_expert
+        """Chunks whose shard may go to the host (``RankExperts.offloadable``)."""
+        return self.experts.offloadable(self.layout(chunk_size))
 
     def offload_order(self, chunk_size: int, every: int, cache_blocks: int) -> list[int]:
         """Chunks in the order their shards go to the host: fewest fetches per step first, then
@@ -299,9 +268,7 @@ class CostModel:
             counts = [0] * self.layout(chunk_size).num_chunks
             for _step, chunk, _free in cold + sim.steady:
                 counts[chunk] += 1
-            chunks = self.layout(chunk_size).chunks
-            keep_expert = not EXPERT_PARALLEL_RUNS_WITH["offloaded_experts"]
-            movable = [c for c in range(len(counts)) if not (keep_expert and chunks[c].expert)]
+            movable = self.experts.movable(self.layout(chunk_size))
             self._orders[key] = sorted(movable, key=lambda c: (counts[c], -c))
         return self._orders[key]
 
@@ -422,8 +389,9 @@ class CostModel:
     def expert_comm_s(self, micro_batch_size: int, every: int) -> float:
         """Seconds of expert parallelism's all-to-alls in one micro-batch (recomputed blocks' forwards
         included; 0 without expert parallelism)."""
-        recomputed = sum(1 for b in self.moe_blocks if every > 0 and b % every == 0)
-        return self.parallel_costs.expert_comm_s(micro_batch_size, len(self.moe_blocks), recomputed)
+        moe_blocks = self.experts.moe_blocks
+        recomputed = sum(1 for b in moe_blocks if every > 0 and b % every == 0)
+        return self.parallel_costs.expert_comm_s(micro_batch_size, len(moe_blocks), recomputed)
 
     def memory(self, shape: Shape) -> MemoryEstimate:
         """Peak device and host memory of a candidate."""
@@ -441,7 +409,7 @@ class CostModel:
             cache_blocks=shape.cache_blocks,
             num_resident=layout.num_resident,
             # An expert chunk's shard is E shards of the data group's size (sharded over D / E ranks).
-            num_chunks=self.shard_units(shape.chunk_size),
+            num_chunks=self.experts.shard_units(layout),
             num_offloaded=shape.num_offloaded,
             frozen_numel=0,  # every frozen parameter is in a frozen chunk
             num_frozen=layout.num_frozen,
@@ -514,7 +482,7 @@ class CostModel:
         # The optimizer steps the trainable shards only (a frozen chunk has nothing to update).
         frozen = [chunk.frozen for chunk in self.layout(shape.chunk_size).chunks]
         # An expert chunk's shard is E times another's (sharded over D / E ranks).
-        weight = [self.expert_degree if c in expert_costs else 1 for c in range(len(frozen))]
+        weight = [self.experts.degree if c in expert_costs else 1 for c in range(len(frozen))]
         host_shards = sum(weight[c] for c, off in enumerate(offloaded) if off and not frozen[c])
         device_shards = sum(weight[c] for c, off in enumerate(offloaded) if not off and not frozen[c])
         gpu_adam = device_shards * shard_numel / self.hardware.gpu_adam_elems_per_s

@@ -71,26 +71,26 @@ def test_the_profile_names_its_expert_tensors(moe):
 def test_a_rank_holds_its_experts_in_chunks_of_their_own(moe, h100):
     plain = CostModel(moe, h100, gpus_per_node=4)
     model = CostModel(moe, h100, gpus_per_node=4, layout=Layout(expert=2))
-    assert model.data_size == 4 and model.expert_data_size == 2  # expert parallelism adds no ranks
+    assert model.data_size == 4 and model.experts.replicas == 2  # expert parallelism adds no ranks
     by_name = {p.name: p for p in model.profile.params}
     for param in plain.profile.params:
         expected = [param.shape[0] // 2, *param.shape[1:]] if ".experts." in param.name else param.shape
         assert by_name[param.name].shape == expected, param.name
     chunk_size = 1 << 16
     layout = model.layout(chunk_size)
-    experts = {model.profile.params[i].name for i in model.expert_params}
+    experts = {model.profile.params[i].name for i in model.experts.params}
     assert layout.num_expert >= 1
     for chunk in layout.chunks:
         names = {model.profile.params[i].name for i in chunk.params}
         assert names <= experts if chunk.expert else not names & experts
     # An expert chunk's shard is E data shards; it is never offloaded (the engine refuses).
-    assert model.shard_units(chunk_size) == layout.num_chunks + layout.num_expert
+    assert model.experts.shard_units(layout) == layout.num_chunks + layout.num_expert
     order = model.offload_order(chunk_size, 0, model.min_cache_blocks(chunk_size, 0))
     assert sorted(order) == [c for c, chunk in enumerate(layout.chunks) if not chunk.expert]
     assert model.offloadable_chunks(chunk_size) == layout.num_chunks - layout.num_expert
     shape = Shape(chunk_size, layout.num_cacheable, 0, 0, 0, 2, 2)
     shard_bytes = model.memory(shape).model_state_bytes["device_shard_bytes"]
-    assert shard_bytes == model.shard_units(chunk_size) * (chunk_size // 4) * 16  # fp32 master, grad, Adam m, v
+    assert shard_bytes == model.experts.shard_units(layout) * (chunk_size // 4) * 16  # fp32 master, grad, Adam m, v
 
 
 def test_expert_chunks_reduce_over_the_expert_data_group(moe, h100):
