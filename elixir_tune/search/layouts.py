@@ -186,9 +186,10 @@ def _with_expert_degrees(profile: ModelProfile, layouts: list[Layout], world: in
         ValueError: a pinned expert degree no layout allows.
     """
     pinned = fixed.get("expert")
+    accumulation = fixed.get("accumulation", "standard")  # layered pinned: no shape of an expert layout runs
     out = [] if pinned and pinned > 1 else list(layouts)
     for layout in layouts:
-        if expert_parallel_conflicts(layout.pipeline, layout.tensor, "standard"):
+        if expert_parallel_conflicts(layout.pipeline, layout.tensor, accumulation):
             continue
         data = layout.data_degree(world)
         degrees = expert_degrees(profile, data)
@@ -199,7 +200,7 @@ def _with_expert_degrees(profile: ModelProfile, layouts: list[Layout], world: in
             why = "the model ships no expert plan (its config has no base_model_ep_plan dispatching tokens to experts)"
         elif experts % pinned:
             why = f"it does not divide the model's {experts} experts per block"
-        elif not any(not expert_parallel_conflicts(lay.pipeline, lay.tensor, "standard") for lay in layouts):
+        elif all(expert_parallel_conflicts(lay.pipeline, lay.tensor, accumulation) for lay in layouts):
             why = f"the engine does not run expert parallelism beside {expert_parallel_limits()}"
         else:
             why = "it does not divide the data-parallel size of any layout"

@@ -56,6 +56,7 @@ def test_layouts_offer_experts_beside_data_parallelism_only(profiles):
     [
         ({"expert": 3}, "it does not divide the model's 4 experts per block"),
         ({"expert": 4, "pipeline": 2}, "the engine does not run expert parallelism beside pipeline stages"),
+        ({"expert": 2, "accumulation": "layered"}, "the engine does not run expert parallelism beside .*layered"),
     ],
 )
 def test_a_pin_the_engine_cannot_run_says_why(profiles, fixed, why):
