@@ -27,7 +27,7 @@ Prices the formulas of ``costmodel/parallel.py`` with the hardware's links:
 * a mixture-of-experts block under 1D tensor parallelism (``engine/parallel/tp_experts.py``) sums
   its experts' output with an all-reduce (twice a reduce-scatter's bytes) and its input's gradient
   likewise, where a dense MLP reduce-scatters: the block moves ``TP_MOE_WIRE_FACTOR`` (10/8) of a
-  dense block's bytes in as many collectives;
+  dense block's bytes, in one more collective (the routing weights' gradient);
 * expert parallelism's all-to-alls (``costmodel/expert.py``) run on the compute stream, per MoE block
   and micro-batch, on the expert group's links.
 """
@@ -66,8 +66,10 @@ TP_EDGE_COLLECTIVES = 2
 # micro-batch (units of one b x s x h all-gather): dense 2 all-gathers + 2 reduce-scatters forward and
 # the same backward (8); the MoE block's MLP gathers its input (1) and all-reduces its output (2)
 # forward, and backward gathers the output's gradient (1) and all-reduces the input's (2): 2 + 3 per
-# pass with the attention's, 10 in all.
+# pass with the attention's, 10 in all. Backward also all-reduces the routing weights' gradient (tokens
+# x top-k elements: one more collective, its bytes negligible).
 TP_MOE_WIRE_FACTOR = 10 / 8
+TP_MOE_EXTRA_COLLECTIVES = 1
 
 
 class ParallelTimes:
@@ -287,10 +289,11 @@ class ParallelTimes:
         degree = self.layout.tensor
         moe_extra_s = 0.0
         if moe_blocks and self.layout.tensor_mode == "1d" and not self.tensor_extra_ratio:
-            # A mixture-of-experts block all-reduces where a dense one reduce-scatters: more bytes, as many calls.
+            # A mixture-of-experts block all-reduces where a dense one reduce-scatters: more bytes, one more call.
             tokens = micro_batch_size * self.full.seq_len
             wire_s = tp_1d_layer_bytes(tokens, self.hidden, degree, self.dtype_bytes) / self.intra_bps
             moe_extra_s = wire_s * (TP_MOE_WIRE_FACTOR - 1) * (moe_blocks + recomputed_moe_blocks * forward_share)
+            moe_extra_s += moe_blocks * TP_MOE_EXTRA_COLLECTIVES * self.latency_s
         if self.tensor_extra_ratio:
             # Measured on this machine: what the split adds to a block, per whole-width block time.
             layer_s = self.tensor_extra_ratio * self.plain_block_s(micro_batch_size)

@@ -138,7 +138,9 @@ def test_tensor_parallel_moe_blocks_move_more_than_dense_ones(moe, h100):
     # One dense layer's 1D bytes: 8 collectives of tokens x hidden, half through each of 2 ranks.
     wire_s = 8 * tokens * moe.arch.hidden_size * 4 / 2 / (h100.allgather_gbps * 1e9)
     dense = costs.tensor_comm_s(2, 2, 0)
-    assert costs.tensor_comm_s(2, 2, 0, moe_blocks=2) == pytest.approx(dense + 2 * wire_s * (TP_MOE_WIRE_FACTOR - 1))
+    # 10/8 of the bytes, and one more collective backward (the routing weights' gradient).
+    moe_extra_s = 2 * wire_s * (TP_MOE_WIRE_FACTOR - 1) + 2 * h100.collective_latency_s
+    assert costs.tensor_comm_s(2, 2, 0, moe_blocks=2) == pytest.approx(dense + moe_extra_s)
     # The cost model counts the profile's MoE blocks.
     model = CostModel(moe, h100, gpus_per_node=2, dtype="fp32", layout=Layout(tensor=2))
-    assert model.tensor_comm_s(2, 0) == pytest.approx(dense + 2 * wire_s * (TP_MOE_WIRE_FACTOR - 1))
+    assert model.tensor_comm_s(2, 0) == pytest.approx(dense + moe_extra_s)
