@@ -1,19 +1,24 @@
-"""Predicted step time and peak memory of the best plan with and without tensor (and pipeline) parallelism.
+"""Predicted step time and peak memory of the best plan with and without tensor, pipeline and expert parallelism.
 
 For Llama-2 13B and 70B (configs/models, traced on the meta device, bf16, seq 4096) on 2 and 4 nodes x 8
-h100-80gb-sxm and 4 nodes x 8 a100-40gb-pcie (configs/hardware presets), at global batches of 2 and
-8 sequences per GPU, the joint search is run with the parallel layout free and pinned:
+h100-80gb-sxm and 4 nodes x 8 a100-40gb-pcie (configs/hardware presets), and a Mixtral-shaped
+mixture of experts (configs/models/mixtral-8x7b.yaml: Mixtral 8x7B's published shapes, 8 experts, 2
+per token) on 4 nodes x 8 h100-80gb-sxm, at global batches of 2 and 8 sequences per GPU, the joint
+search is run with the parallel layout free and pinned:
 
-* ``free``: the search picks data/pipeline/tensor itself;
-* ``dp only``: ``--fix pipeline=1 --fix tensor=1`` (the search before tensor/pipeline parallelism);
+* ``free``: the search picks data/pipeline/tensor/expert itself;
+* ``dp only``: ``--fix pipeline=1 --fix tensor=1 --fix expert=1`` (the search before model parallelism);
 * ``tp T`` (1d) for T = 2, 4, 8 and ``tp 4 (2d)``: ``--fix tensor=T [--fix tensor_mode=2d]``;
 * ``pp P`` for P = 2, 4: ``--fix pipeline=P --fix tensor=1``;
 * ``pp P x tp T`` (1d, pipeline x tensor x data in one mesh) for (P, T) = (2, 4), (4, 4), (2, 8):
-  ``--fix pipeline=P --fix tensor=T``.
+  ``--fix pipeline=P --fix tensor=T``;
+* for the mixture of experts, ``ep E`` for E = 2, 4, 8: ``--fix expert=E --fix pipeline=1 --fix tensor=1``
+  (expert parallelism runs beside data parallelism only in this version).
 
 Everything is a prediction of the cost model (docs/DESIGN.md section 6), nothing runs.
 
     .venv/bin/python scripts/bench_tensor_parallel.py      # writes benchmarks/results/tensor-parallel.{json,md}
+    .venv/bin/python scripts/bench_tensor_parallel.py --models mixtral-8x7b   # reruns those, keeps the other cases
 """
 
 from __future__ import annotations
@@ -29,13 +34,15 @@ from elixir_tune import paths
 from elixir_tune.hardware import load_hardware
 from elixir_tune.search import InfeasibleError, search
 
-MODELS = ("llama2-13b", "llama2-70b")
+MODELS = ("llama2-13b", "llama2-70b", "mixtral-8x7b")
 CLUSTERS = (("h100-80gb-sxm", 8, 2), ("h100-80gb-sxm", 8, 4), ("a100-40gb-pcie", 8, 4))
+# Models run on other clusters than CLUSTERS.
+MODEL_CLUSTERS = {"mixtral-8x7b": (("h100-80gb-sxm", 8, 4),)}
 BATCHES_PER_GPU = (2, 8)
 SEQ_LEN = 4096
 VARIANTS: tuple[tuple[str, list[str]], ...] = (
     ("free", []),
-    ("dp only", ["pipeline=1", "tensor=1"]),
+    ("dp only", ["pipeline=1", "tensor=1", "expert=1"]),
     ("tp 2", ["tensor=2", "pipeline=1"]),
     ("tp 4", ["tensor=4", "pipeline=1"]),
     ("tp 8", ["tensor=8", "pipeline=1"]),
@@ -45,6 +52,12 @@ VARIANTS: tuple[tuple[str, list[str]], ...] = (
     ("pp 2 x tp 4", ["pipeline=2", "tensor=4"]),
     ("pp 4 x tp 4", ["pipeline=4", "tensor=4"]),
     ("pp 2 x tp 8", ["pipeline=2", "tensor=8"]),
+)
+# Models with experts (whose config ships an expert plan) also get these.
+EXPERT_VARIANTS: tuple[tuple[str, list[str]], ...] = (
+    ("ep 2", ["expert=2", "pipeline=1", "tensor=1"]),
+    ("ep 4", ["expert=4", "pipeline=1", "tensor=1"]),
+    ("ep 8", ["expert=8", "pipeline=1", "tensor=1"]),
 )
 COMMAND = ".venv/bin/python scripts/bench_tensor_parallel.py"
 
@@ -101,7 +114,12 @@ def _plan(row: dict) -> str:
     b = row["breakdown"]
     step = row["step_time_s"]
     extra = []
-    for key, label in (("tensor_comm_s", "TP comm"), ("pipeline_bubble_s", "bubble"), ("exposed_fetch_s", "fetch")):
+    for key, label in (
+        ("tensor_comm_s", "TP comm"),
+        ("expert_comm_s", "EP all-to-all"),
+        ("pipeline_bubble_s", "bubble"),
+        ("exposed_fetch_s", "fetch"),
+    ):
         if b.get(key):
             extra.append(f"{label} {b[key] / step:.0%}")
     layout = f"dp {row['data']}" if row["layout"] == "dp only" else f"{row['layout']} x dp {row['data']}"
@@ -123,11 +141,14 @@ def markdown(report: dict) -> str:
         "Predictions of the cost model only (nothing ran): step time of the best plan the joint search finds with "
         "the parallel layout free or pinned, and its peak device memory per GPU (the largest pipeline stage). "
         f"Profiles traced on the meta device, bf16, seq {SEQ_LEN}. `free` lets the search choose; `dp only` is "
-        "`--fix pipeline=1 --fix tensor=1`; `tp T` is `--fix tensor=T --fix pipeline=1`; `pp P` is "
+        "`--fix pipeline=1 --fix tensor=1` (and `--fix expert=1` for the mixture of experts); `tp T` is `--fix tensor=T --fix pipeline=1`; `pp P` is "
         "`--fix pipeline=P --fix tensor=1`; `pp P x tp T` is `--fix pipeline=P --fix tensor=T` (one mesh, data x "
-        "pipeline x tensor). TFLOPS = model FLOPs / step / GPUs.",
+        "pipeline x tensor); `ep E` is `--fix expert=E --fix pipeline=1 --fix tensor=1` (mixture of experts "
+        "only). TFLOPS = model FLOPs / step / GPUs.",
         "",
     ]
+    for update in report.get("updates", []):
+        lines += [f"Rerun since: `{update['command']}` ({update['models']}; {update['elapsed_s']} s).", ""]
     for case in report["cases"]:
         lines += [
             f"## {case['model']} on {case['nodes']} x {case['gpus_per_node']} x {case['hardware']}, "
@@ -156,8 +177,16 @@ def main() -> None:
         default=str(paths.REPO_DIR / "benchmarks" / "results" / "tensor-parallel"),
         help="writes PREFIX.json and PREFIX.md",
     )
+    parser.add_argument(
+        "--models",
+        help=f"comma-separated models to run (default all: {','.join(MODELS)}); the other cases are kept from PREFIX.json",
+    )
     args = parser.parse_args()
     prefix = Path(args.out_prefix)
+    models = args.models.split(",") if args.models else list(MODELS)
+    unknown = sorted(set(models) - set(MODELS))
+    if unknown:
+        parser.error(f"--models: unknown {unknown} (known: {', '.join(MODELS)})")
     if args.render_only:
         prefix.with_suffix(".md").write_text(markdown(json.loads(prefix.with_suffix(".json").read_text())))
         return
@@ -166,15 +195,16 @@ def main() -> None:
     load_before = round(os.getloadavg()[0], 2)
     started = time.perf_counter()
     cases = []
-    for model_name in MODELS:
+    for model_name in models:
         profile = profile_model(
             str(paths.MODEL_CONFIGS_DIR / f"{model_name}.yaml"), batch_size=1, seq_len=SEQ_LEN, dtype="bf16"
         )
-        for hardware_name, gpus, nodes in CLUSTERS:
+        tried = VARIANTS + (EXPERT_VARIANTS if profile.arch.num_experts else ())
+        for hardware_name, gpus, nodes in MODEL_CLUSTERS.get(model_name, CLUSTERS):
             hardware = load_hardware(hardware_name)
             for per_gpu in BATCHES_PER_GPU:
                 batch = per_gpu * gpus * nodes
-                variants = {name: run_variant(profile, hardware, gpus, nodes, batch, fixed) for name, fixed in VARIANTS}
+                variants = {name: run_variant(profile, hardware, gpus, nodes, batch, fixed) for name, fixed in tried}
                 cases.append(
                     {
                         "model": model_name,
@@ -186,14 +216,24 @@ def main() -> None:
                     }
                 )
                 print(model_name, hardware_name, batch, {k: _cell(v) for k, v in variants.items()}, flush=True)
+    elapsed_s = round(time.perf_counter() - started, 1)
     report = {
         "command": COMMAND,
         "machine": f"{platform.node() or 'vm'}, Python {platform.python_version()}",
-        "elapsed_s": round(time.perf_counter() - started, 1),
+        "elapsed_s": elapsed_s,
         "load_before": load_before,
         "load_after": round(os.getloadavg()[0], 2),
         "cases": cases,
     }
+    if args.models and prefix.with_suffix(".json").is_file():  # keep the cases of the other models
+        report = json.loads(prefix.with_suffix(".json").read_text())
+        kept = [case for case in report["cases"] if case["model"] not in models]
+        report["cases"] = sorted(kept + cases, key=lambda case: MODELS.index(case["model"]))
+        updates = [u for u in report.get("updates", []) if u["models"] != ",".join(models)]
+        command = f"{COMMAND} --models {','.join(models)}"
+        report["updates"] = updates + [
+            {"command": command, "models": ",".join(models), "elapsed_s": elapsed_s, "load": load_before}
+        ]
     prefix.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     prefix.with_suffix(".md").write_text(markdown(report))
     print(f"wrote {prefix}.json and {prefix}.md")

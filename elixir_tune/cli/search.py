@@ -90,12 +90,14 @@ def _load_inputs(profile_path: str, hardware_ref: str | None):
 
 
 def layout_label(row: dict) -> str:
-    """The parallel layout of a candidate row: dp, or pp/tp degrees (e.g. ``pp2 tp4/2d``)."""
+    """The parallel layout of a candidate row: dp, or pp/tp/ep degrees (e.g. ``pp2 tp4/2d``, ``ep4``)."""
     parts = []
     if row.get("pipeline", 1) > 1:
         parts.append(f"pp{row['pipeline']}")
     if row.get("tensor", 1) > 1:
         parts.append(f"tp{row['tensor']}" + ("/2d" if row.get("tensor_mode") == "2d" else ""))
+    if row.get("expert", 1) > 1:
+        parts.append(f"ep{row['expert']}")
     return " ".join(parts) or "dp"
 
 
@@ -184,7 +186,7 @@ def candidates_table(rows: list[dict], title: str) -> Table:
     metavar="KEY=VALUE",
     help="Pin a choice (repeatable): chunk_size=<elements>, cache_blocks=<n>|all, offload=<0..1>, "
     "prefetch=<n>, micro_batch_size=<n>, checkpointing=none|all|every:<k>, dtype=fp32|bf16|fp16, accumulation=standard|layered, "
-    "pipeline=<stages>, tensor=<degree>, tensor_mode=1d|2d.",
+    "pipeline=<stages>, tensor=<degree>, tensor_mode=1d|2d, expert=<degree>.",
 )
 @click.option(
     "--loop",

@@ -33,6 +33,7 @@ _TIMELINE_LABELS = {
     "optimizer_cpu_s": "Adam on the CPU",
     "optimizer_exposed_s": "optimizer after backward (norm + Adam)",
     "tensor_comm_s": "tensor-parallel collectives (on the compute stream)",
+    "expert_comm_s": "expert-parallel all-to-alls (on the compute stream)",
     "pipeline_bubble_s": "pipeline bubble (idle)",
     "p2p_s": "pipeline sends exposed",
     "tied_allreduce_s": "tied-embedding all-reduce (first and last stage)",
@@ -110,10 +111,11 @@ def plan_states(plan: Plan) -> dict[str, int]:
     )
 
 
-def parallel_summary(plan: Plan) -> dict:
+def parallel_summary(plan: Plan, expert_bytes: int | None = None) -> dict:
     """The parallel layout of a plan and why it costs what it does: degrees, the pipeline's virtual
-    stages and bubble fraction (``costmodel.parallel.bubble_fraction``), chunks per stage, and the
-    predicted seconds of tensor collectives, bubble and sends."""
+    stages and bubble fraction (``costmodel.parallel.bubble_fraction``), chunks per stage, the expert
+    groups, and the predicted seconds of tensor collectives, expert all-to-alls, bubble and sends
+    (``expert_bytes``: the all-to-all bytes a rank sends per micro-batch, when the profile is at hand)."""
     from elixir_tune.costmodel.parallel import bubble_fraction, virtual_stages
 
     pipeline, tensor = plan.parallel.pipeline, plan.parallel.tensor
@@ -135,18 +137,25 @@ def parallel_summary(plan: Plan) -> dict:
         )
     if tensor.degree > 1:
         out.update(tensor_mode=tensor.mode, sequence_parallel=tensor.sequence_parallel)
-    if pipeline.stages > 1 or tensor.degree > 1:
+    expert = plan.parallel.expert.degree
+    if pipeline.stages > 1 or tensor.degree > 1 or expert > 1:
         out["groups"] = mesh_groups(plan.world_size, pipeline.stages, tensor.degree)
-    for key in ("tensor_comm_s", "pipeline_bubble_s", "p2p_s", "tied_allreduce_s"):
+    if expert > 1:  # E consecutive ranks of each data group; the ranks E apart hold the same experts
+        data_groups = out["groups"]["data"]
+        out.update(expert=expert, num_experts=plan.model.num_experts, expert_bytes_per_micro_batch=expert_bytes)
+        out["groups"]["expert"] = [g[i : i + expert] for g in data_groups for i in range(0, len(g), expert)]
+        out["groups"]["expert-data"] = [g[i::expert] for g in data_groups for i in range(expert)]
+    for key in ("tensor_comm_s", "expert_comm_s", "pipeline_bubble_s", "p2p_s", "tied_allreduce_s"):
         if key in breakdown:
             out[key] = breakdown[key]
     return out
 
 
-def parallel_line(plan: Plan) -> str:
-    """One sentence on the plan's parallel layout and what it costs ("" without pipeline or tensor)."""
-    info = parallel_summary(plan)
-    if info["pipeline"] == 1 and info["tensor"] == 1:
+def parallel_line(plan: Plan, expert_bytes: int | None = None) -> str:
+    """One sentence on the plan's parallel layout and what it costs ("" without pipeline, tensor or
+    expert parallelism)."""
+    info = parallel_summary(plan, expert_bytes)
+    if info["pipeline"] == 1 and info["tensor"] == 1 and "expert" not in info:
         return ""
     step = plan.prediction.step_time_s if plan.prediction else 0.0
 
@@ -173,6 +182,14 @@ def parallel_line(plan: Plan) -> str:
         parts.append(
             f"tensor: degree {info['tensor']}, {mode}: collectives on the compute stream{share('tensor_comm_s')}"
         )
+    if "expert" in info:
+        sent = info["expert_bytes_per_micro_batch"]
+        parts.append(
+            f"expert: degree {info['expert']}, each rank holds {info['num_experts'] // info['expert']} of the "
+            f"{info['num_experts']} experts of every block; tokens go to them by all-to-all (4 per MoE block and "
+            f"micro-batch{f', {human_bytes(sent)} out of each rank' if sent else ''}) on the compute stream"
+            f"{share('expert_comm_s')}"
+        )
     return "; ".join(parts)
 
 
@@ -188,9 +205,11 @@ def mesh_lines(plan: Plan) -> list[str]:
         "tensor": "split each block's matrices (consecutive ranks, one node)",
         "pipeline": "pass activations stage to stage (one per data and tensor index)",
         "data": "shard the chunks and reduce gradients (one per stage and tensor index)",
+        "expert": "hold different experts and exchange tokens (all-to-all)",
+        "expert-data": "hold the same experts and reduce their gradients",
     }
     lines = []
-    for kind in ("tensor", "pipeline", "data"):
+    for kind in [kind for kind in what if kind in groups]:
         listed = " ".join("[" + ",".join(map(str, group)) + "]" for group in groups[kind][:SHOWN_GROUPS])
         more = f" ... ({len(groups[kind])} groups)" if len(groups[kind]) > SHOWN_GROUPS else ""
         lines.append(f"{kind} groups {what[kind]}: {listed}{more}")
@@ -304,6 +323,28 @@ def _placement_table(plan: Plan) -> Table:
         )
         table.add_row(ids, str(run["count"]), run["placement"], f"{run['numel']:,}", params)
     return table
+
+
+def _expert_bytes(plan: Plan, given: str | None) -> int | None:
+    """The all-to-all bytes a rank sends per micro-batch under the plan's expert parallelism, from
+    its profile (given, or the one the plan names) when it is there; None otherwise."""
+    named = given or (plan.search.profile if plan.search is not None else "")
+    if plan.parallel.expert.degree <= 1 or not named or not Path(named).is_file():
+        return None
+    from elixir_tune.costmodel.expert import expert_all_to_all_bytes, expert_param_indices, moe_block_count
+    from elixir_tune.plan.schema import DTYPE_BYTES
+    from elixir_tune.profiler import load_profile
+
+    profile = load_profile(named)
+    arch, training = profile.arch, plan.training
+    return expert_all_to_all_bytes(
+        plan.parallel.expert.degree,
+        training.micro_batch_size * training.seq_len,
+        arch.hidden_size,
+        arch.experts_per_token,
+        moe_block_count(profile, expert_param_indices(profile)),
+        DTYPE_BYTES[training.dtype],
+    )
 
 
 def _profile_of(plan: Plan, plan_path: str, given: str | None) -> str:
@@ -429,7 +470,7 @@ def show_command(
     loop = plan_loop(plan)
     also = "; model.forward_backward(micro_batches) runs it too" if loop == "plain" else ""
     console.print(f"[bold]training script:[/] runs {LOOP_CONTRACT[loop]} (training.loop: {loop}){also}", soft_wrap=True)
-    layout_line = parallel_line(plan)
+    layout_line = parallel_line(plan, _expert_bytes(plan, profile_path))
     if layout_line:
         console.print(f"[bold]parallel:[/] {layout_line}", soft_wrap=True)
         order = "rank = (data_index x P + stage) x T + tensor_index"

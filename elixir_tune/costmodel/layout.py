@@ -4,7 +4,8 @@ Parameters are packed greedily in first-use order into chunks of ``chunk_size`` 
 parameter is never split); shared (tied) parameters get chunks of their own that stay resident;
 frozen parameters (requires_grad False: a LoRA base model) get frozen chunks of their own, which
 hold compute-dtype weights only (no master, gradient or optimizer state) and are cached, sharded
-and offloaded like any chunk. Each parameter starts at an aligned offset
+and offloaded like any chunk. Under expert parallelism the expert tensors get chunks of their own too
+(the engine shards them over another group: ``costmodel/expert.py``). Each parameter starts at an aligned offset
 (``elixir_tune.plan.memory.padded_offsets``), as the engine lays it out.
 """
 
@@ -26,12 +27,14 @@ class Chunk:
             rest of the chunk is padding).
         resident: always gathered (shared parameters).
         frozen: holds frozen parameters only (no gradient, master or optimizer state).
+        expert: holds expert tensors only (expert parallelism).
     """
 
     params: list[int]
     numel: int
     resident: bool = False
     frozen: bool = False
+    expert: bool = False
 
 
 @dataclass
@@ -69,6 +72,10 @@ class ChunkLayout:
         return sum(1 for chunk in self.chunks if chunk.frozen)
 
     @property
+    def num_expert(self) -> int:
+        return sum(1 for chunk in self.chunks if chunk.expert)
+
+    @property
     def padding_numel(self) -> int:
         """Elements of all chunks that hold no parameter (alignment gaps and each chunk's unused
         tail). The cost model counts them: memory, copies and collectives move whole chunks."""
@@ -92,24 +99,25 @@ def largest_param_numel(profile: ModelProfile) -> int:
     return max((p.numel for p in profile.params), default=1)
 
 
-def pack_chunks(profile: ModelProfile, chunk_size: int) -> ChunkLayout:
+def pack_chunks(profile: ModelProfile, chunk_size: int, experts: frozenset[int] = frozenset()) -> ChunkLayout:
     """Packs the parameters into chunks.
 
     Args:
         profile: the model profile (``params`` in first-use order).
         chunk_size: elements per chunk; at least the largest parameter.
+        experts: indices of the expert tensors that expert parallelism splits (chunks of their own).
 
     Returns:
-        The layout: shared parameters in resident chunks, frozen ones in frozen chunks, each kind
-        in first-use order.
+        The layout: shared parameters in resident chunks, frozen ones in frozen chunks, expert
+        tensors in expert chunks, each kind in first-use order.
 
     Raises:
         ValueError: a parameter is larger than ``chunk_size``.
     """
     chunks: list[Chunk] = []
     chunk_of_param = [-1] * len(profile.params)
-    # (resident, frozen) -> the chunk of that kind still being filled
-    open_chunk: dict[tuple[bool, bool], int | None] = {}
+    # (resident, frozen, expert) -> the chunk of that kind still being filled
+    open_chunk: dict[tuple[bool, bool, bool], int | None] = {}
     frozen_numel = 0
     for index, param in enumerate(profile.params):
         frozen = not param.requires_grad
@@ -118,10 +126,12 @@ def pack_chunks(profile: ModelProfile, chunk_size: int) -> ChunkLayout:
         if param.numel > chunk_size:
             raise ValueError(f"parameter {param.name} has {param.numel} elements, more than chunk_size {chunk_size}")
         resident = bool(param.shared)
-        current = open_chunk.get((resident, frozen))
+        expert = index in experts
+        kind = (resident, frozen, expert)
+        current = open_chunk.get(kind)
         if current is None or align_up(chunks[current].numel) + param.numel > chunk_size:
-            chunks.append(Chunk(params=[], numel=0, resident=resident, frozen=frozen))
-            current = open_chunk[(resident, frozen)] = len(chunks) - 1
+            chunks.append(Chunk(params=[], numel=0, resident=resident, frozen=frozen, expert=expert))
+            current = open_chunk[kind] = len(chunks) - 1
         chunks[current].params.append(index)
         chunks[current].numel = align_up(chunks[current].numel) + param.numel
         chunk_of_param[index] = current

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from elixir_tune.costmodel.cache import CacheSim, simulate_cache
+from elixir_tune.costmodel.expert import RankExperts
 from elixir_tune.costmodel.layout import ChunkLayout, largest_trainable_numel, max_module_chunks, pack_chunks
 from elixir_tune.costmodel.memory import STAGING_BUFFERS, MemoryEstimate, checkpointed_blocks, estimate_memory
 from elixir_tune.costmodel.offload import offload_orders
@@ -122,6 +123,12 @@ class CostModel:
     sharded over the data-parallel degree ``data_size`` = world / (P x T), and ``step_time`` adds
     the tensor-parallel collectives, the pipeline bubble, point-to-point sends and the
     tied-embedding all-reduce (``parallel_time.ParallelTimes``). ``full_profile`` is the whole model.
+
+    With expert parallelism (``layout.expert`` E > 1, ``costmodel/expert.py``) the rank holds 1/E of
+    each expert tensor in expert chunks, sharded over the D / E ranks of its expert-data group (a
+    shard E times another chunk's; collectives over D / E ranks: ``expert_costs``), never offloaded
+    where the engine cannot (``capabilities.EXPERT_PARALLEL_RUNS_WITH``), and each micro-batch adds
+    the all-to-alls of its MoE blocks to the compute (``expert_comm_s``).
     """
 
     def __init__(
@@ -173,6 +180,7 @@ class CostModel:
         # PCIe-only GPUs: collectives and host copies share each GPU's link (world 1 has no collectives).
         self.shared_link = hardware.shared_host_link and self.world_size > 1 and hardware.device != "cpu"
         self.parallel_costs = ParallelTimes(profile, hardware, gpus_per_node, layout, self.stage, self.dtype)
+        self.experts = RankExperts.of(profile, self.profile, layout.expert, self.data_size)
         self._module_chunks: dict[int, int] = {}
         self._layouts: dict[int, ChunkLayout] = {}
         self._traces: dict[tuple[int, int, int], tuple[ChunkTrace, list[tuple[int, ...]]]] = {}
@@ -185,7 +193,7 @@ class CostModel:
     def layout(self, chunk_size: int) -> ChunkLayout:
         """The chunk layout of one chunk size (cached)."""
         if chunk_size not in self._layouts:
-            self._layouts[chunk_size] = pack_chunks(self.profile, chunk_size)
+            self._layouts[chunk_size] = pack_chunks(self.profile, chunk_size, self.experts.params)
         return self._layouts[chunk_size]
 
     def trace(self, chunk_size: int, every: int) -> ChunkTrace:
@@ -241,9 +249,19 @@ class CostModel:
             )
         return self._costs[chunk_size]
 
+    def expert_costs(self, chunk_size: int) -> dict[int, TransferCosts]:
+        """Per-chunk operation times of the expert chunks (``RankExperts.chunk_costs``)."""
+        layout = self.layout(chunk_size)
+        return self.experts.chunk_costs(layout, self.hardware, self.gpus_per_node, self.nodes, self.dtype)
+
+    def offloadable_chunks(self, chunk_size: int) -> int:
+        """Chunks whose shard may go to the host (``RankExperts.offloadable``)."""
+        return self.experts.offloadable(self.layout(chunk_size))
+
     def offload_orders(self, chunk_size: int, every: int, cache_blocks: int) -> list[list[int]]:
         """The orders in which chunks' shards go to the host (``costmodel/offload.py``): the cheapest per
-        device byte freed first, and with frozen chunks also the cheapest per chunk first."""
+        device byte freed first, and with frozen chunks also the cheapest per chunk first. Expert chunks
+        are left out where the engine keeps them on the device."""
         key = (chunk_size, every, cache_blocks)
         if key not in self._orders:
             sim, cold = self.cache_sim(chunk_size, every, cache_blocks)
@@ -254,7 +272,9 @@ class CostModel:
             adam_s_per_elem = 1 / self.cpu_adam_elems_per_s - 1 / self.hardware.gpu_adam_elems_per_s
             shard_numel = chunk_size // self.data_size
             costs = self.costs(chunk_size)
-            self._orders[key] = offload_orders(layout, counts, 2, shard_numel, self.dtype, costs, adam_s_per_elem)
+            orders = offload_orders(layout, counts, 2, shard_numel, self.dtype, costs, adam_s_per_elem)
+            movable = set(self.experts.movable(layout))
+            self._orders[key] = [[c for c in order if c in movable] for order in orders]
         return self._orders[key]
 
     def offload_order(self, chunk_size: int, every: int, cache_blocks: int) -> list[int]:
@@ -364,13 +384,28 @@ class CostModel:
             + pointwise_recompute
         )
         compute = flops * (1 - share) / rate + attention_s + blocks * overhead_s + pointwise + recompute
-        return compute + self.tensor_comm_s(micro_batch_size, every), recompute
+        communication = self.tensor_comm_s(micro_batch_size, every) + self.expert_comm_s(micro_batch_size, every)
+        return compute + communication, recompute
 
     def tensor_comm_s(self, micro_batch_size: int, every: int) -> float:
         """Seconds of tensor-parallel collectives in one micro-batch (recomputed blocks' forwards included)."""
         blocks = self.profile.blocks
-        recomputed = sum(1 for b in blocks if every > 0 and b.index % every == 0)
-        return self.parallel_costs.tensor_comm_s(micro_batch_size, len(blocks), recomputed)
+        recomputed = {b.index for b in blocks if every > 0 and b.index % every == 0}
+        moe = self.parallel_costs.tensor_moe_blocks
+        return self.parallel_costs.tensor_comm_s(
+            micro_batch_size,
+            len(blocks),
+            len(recomputed),
+            sum(1 for b in blocks if b.index in moe),
+            len(recomputed & moe),
+        )
+
+    def expert_comm_s(self, micro_batch_size: int, every: int) -> float:
+        """Seconds of expert parallelism's all-to-alls in one micro-batch (recomputed blocks' forwards
+        included; 0 without expert parallelism)."""
+        moe_blocks = self.experts.moe_blocks
+        recomputed = sum(1 for b in moe_blocks if every > 0 and b % every == 0)
+        return self.parallel_costs.expert_comm_s(micro_batch_size, len(moe_blocks), recomputed)
 
     def memory(self, shape: Shape) -> MemoryEstimate:
         """Peak device and host memory of a candidate."""
@@ -387,7 +422,8 @@ class CostModel:
             dtype=self.dtype,
             cache_blocks=shape.cache_blocks,
             num_resident=layout.num_resident,
-            num_chunks=layout.num_chunks,
+            # An expert chunk's shard is E shards of the data group's size (sharded over D / E ranks).
+            num_chunks=self.experts.shard_units(layout),
             num_offloaded=shape.num_offloaded,
             frozen_numel=0,  # every frozen parameter is in a frozen chunk
             num_frozen=layout.num_frozen,
@@ -423,6 +459,7 @@ class CostModel:
         sim, cold = self.cache_sim(shape.chunk_size, shape.every, shape.cache_blocks, traced)
         offloaded = self.offload_mask(shape)
         costs = self.costs(shape.chunk_size)
+        expert_costs = self.expert_costs(shape.chunk_size)
         mb_compute, mb_recompute = self.compute_s(shape.micro_batch_size, shape.every)
         accum = shape.grad_accum_steps
         # Layered: each trace step runs for all micro-batches at once, with one micro-batch's fetches
@@ -446,6 +483,7 @@ class CostModel:
                 reduce_after,
                 offloaded,
                 costs,
+                chunk_costs=expert_costs,
                 shared_compute=on_cpu,
                 shared_link=self.shared_link,
                 record=blocks,
@@ -457,8 +495,10 @@ class CostModel:
         shard_numel = shape.chunk_size // self.data_size
         # The optimizer steps the trainable shards only (a frozen chunk has nothing to update).
         frozen = [chunk.frozen for chunk in self.layout(shape.chunk_size).chunks]
-        host_shards = sum(1 for c, off in enumerate(offloaded) if off and not frozen[c])
-        device_shards = sum(1 for c, off in enumerate(offloaded) if not off and not frozen[c])
+        # An expert chunk's shard is E times another's (sharded over D / E ranks).
+        weight = [self.experts.degree if c in expert_costs else 1 for c in range(len(frozen))]
+        host_shards = sum(weight[c] for c, off in enumerate(offloaded) if off and not frozen[c])
+        device_shards = sum(weight[c] for c, off in enumerate(offloaded) if not off and not frozen[c])
         gpu_adam = device_shards * shard_numel / self.hardware.gpu_adam_elems_per_s
         cpu_adam = host_shards * shard_numel / self.cpu_adam_elems_per_s
         step_time, breakdown = combine_step(
@@ -474,6 +514,10 @@ class CostModel:
         if tensor_s > 0:
             breakdown["compute_s"] -= tensor_s
             breakdown["tensor_comm_s"] = tensor_s
+        expert_s = accum * self.expert_comm_s(shape.micro_batch_size, shape.every)
+        if expert_s > 0:  # synchronous on the compute stream: part of the compute above
+            breakdown["compute_s"] -= expert_s
+            breakdown["expert_comm_s"] = expert_s
         if shape.layered and accum > 1 and on_cpu and self.parallel_layout.pipeline == 1:
             # Each micro-batch's thread hands the baton on at every hooked module call of its forward
             # (engine/layered.py); on a CPU device the hand-overs hold up the compute itself. A

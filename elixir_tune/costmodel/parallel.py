@@ -34,6 +34,7 @@ import math
 from dataclasses import dataclass, fields, replace
 from typing import cast
 
+from elixir_tune.costmodel.expert import expert_param_indices
 from elixir_tune.plan.schema import ParallelPlan, PipelineAssignment, TensorMode
 from elixir_tune.plan.stages import assign_stages, last_stage, stage_of_block
 from elixir_tune.plan.stages import virtual_stages as stage_runs
@@ -66,6 +67,8 @@ class Layout:
         tensor_mode: ``1d`` (Megatron) or ``2d`` (Optimus).
         assignment: blocks to stages, ``modular`` (i mod P) or ``contiguous``.
         sequence_parallel: 1d only: norms and dropout sequence-sharded.
+        expert: expert degree E (``costmodel/expert.py``): each group of E data ranks holds every
+            expert once; it adds no ranks.
     """
 
     pipeline: int = 1
@@ -73,12 +76,20 @@ class Layout:
     tensor_mode: TensorMode = "1d"
     assignment: PipelineAssignment = "modular"
     sequence_parallel: bool = True
+    expert: int = 1
 
     @classmethod
     def of_plan(cls, parallel: ParallelPlan) -> Layout:
         """The layout a plan's ``parallel`` section describes."""
         pipeline, tensor = parallel.pipeline, parallel.tensor
-        return cls(pipeline.stages, tensor.degree, tensor.mode, pipeline.assignment, tensor.sequence_parallel)
+        return cls(
+            pipeline.stages,
+            tensor.degree,
+            tensor.mode,
+            pipeline.assignment,
+            tensor.sequence_parallel,
+            parallel.expert.degree,
+        )
 
     @property
     def model_parallel(self) -> int:
@@ -90,12 +101,14 @@ class Layout:
         return data_degree(world_size, self.pipeline, self.tensor)
 
     def describe(self) -> str:
-        """A short name, e.g. ``pp2 tp4(2d)``; ``dp only`` without either."""
+        """A short name, e.g. ``pp2 tp4(2d)`` or ``ep4``; ``dp only`` without any."""
         parts = []
         if self.pipeline > 1:
             parts.append(f"pp{self.pipeline}" + ("" if self.assignment == "modular" else "(contiguous)"))
         if self.tensor > 1:
             parts.append(f"tp{self.tensor}" + ("(2d)" if self.tensor_mode == "2d" else ""))
+        if self.expert > 1:
+            parts.append(f"ep{self.expert}")
         return " ".join(parts) or "dp only"
 
 
@@ -382,7 +395,8 @@ def _scaled_line(line: ActivationLine, per_sample: float) -> ActivationLine:
 def rank_profile(profile: ModelProfile, layout: Layout, stage: int) -> ModelProfile:
     """What one rank of pipeline stage ``stage`` holds and runs under ``layout``, as a profile.
 
-    Parameters: the stage's, each at its tensor-parallel local shape. Trace: the whole model's,
+    Parameters: the stage's, each at its tensor-parallel local shape (an expert tensor at 1/E of its
+    experts under expert degree E: ``costmodel/expert.py``). Trace: the whole model's,
     restricted to them (blocks keep their global index, as the plan's checkpointing rule reads it).
     FLOPs: the stage's blocks (and the output head and loss on the last stage), divided by T.
     Activations: the stage's share of the blocks' (by their profiled per-block bytes) times the
@@ -395,10 +409,11 @@ def rank_profile(profile: ModelProfile, layout: Layout, stage: int) -> ModelProf
         stage: the pipeline stage, 0..P-1.
 
     Returns:
-        The rank's profile, a ``StageProfile`` (``profile`` itself when the layout has neither P nor T).
+        The rank's profile, a ``StageProfile`` (``profile`` itself when the layout has no P, T or E).
     """
-    if layout.pipeline <= 1 and layout.tensor <= 1:
+    if layout.pipeline <= 1 and layout.tensor <= 1 and layout.expert <= 1:
         return profile
+    experts = expert_param_indices(profile) if layout.expert > 1 else frozenset()
     keep = _stage_params(profile, layout, stage)
     new_index = {old: new for new, old in enumerate(keep)}
     arch = profile.arch
@@ -408,6 +423,9 @@ def rank_profile(profile: ModelProfile, layout: Layout, stage: int) -> ModelProf
         param = profile.params[old]
         if degree > 1:
             shape = local_shape(param.name, list(param.shape), arch.model_type, degree, mode, arch.tensor_layout)
+            param = replace(param, shape=shape, numel=math.prod(shape))
+        if old in experts:  # this rank's experts: [experts / E, ...]
+            shape = [param.shape[0] // layout.expert, *param.shape[1:]]
             param = replace(param, shape=shape, numel=math.prod(shape))
         params.append(param)
 

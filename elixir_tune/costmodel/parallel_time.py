@@ -23,13 +23,20 @@ Prices the formulas of ``costmodel/parallel.py`` with the hardware's links:
   the whole block's rate), and a pipeline's sends and schedule cost
   ``pipeline_microbatch_extra_ratio`` x the stage's compute (the bubble stays modelled);
 * a tied parameter held by the first and the last stage (GPT-2's ``wte``) is all-reduced between
-  them once per step, after backward.
+  them once per step, after backward;
+* a mixture-of-experts block under 1D tensor parallelism (``engine/parallel/tp_experts.py``) sums
+  its experts' output with an all-reduce (twice a reduce-scatter's bytes) and its input's gradient
+  likewise, where a dense MLP reduce-scatters: the block moves ``TP_MOE_WIRE_FACTOR`` (10/8) of a
+  dense block's bytes, in one more collective (the routing weights' gradient);
+* expert parallelism's all-to-alls (``costmodel/expert.py``) run on the compute stream, per MoE block
+  and micro-batch, on the expert group's links.
 """
 
 from __future__ import annotations
 
 import math
 
+from elixir_tune.costmodel.expert import expert_all_to_all_s
 from elixir_tune.costmodel.parallel import (
     TP_1D_FORWARD_COLLECTIVES,
     Layout,
@@ -48,13 +55,21 @@ from elixir_tune.costmodel.parallel import (
 from elixir_tune.hardware.spec import HardwareSpec
 from elixir_tune.plan.schema import DTYPE_BYTES
 from elixir_tune.plan.stages import last_stage
-from elixir_tune.plan.tensor_layout import is_norm_param, local_shape
+from elixir_tune.plan.tensor_layout import has_table, is_norm_param, local_shape, module_style, table_for
 from elixir_tune.profiler.schema import ModelProfile
 
 # Collectives of the first and last stage beside the blocks under 1D/2D tensor parallelism: the
 # vocabulary-parallel embedding's reduce-scatter (forward) and all-gather (backward), and the
 # output head's all-gather of the sequence-sharded hidden states and its reduce-scatter.
 TP_EDGE_COLLECTIVES = 2
+# Bytes of a mixture-of-experts block's tensor collectives against a dense block's, per layer and
+# micro-batch (units of one b x s x h all-gather): dense 2 all-gathers + 2 reduce-scatters forward and
+# the same backward (8); the MoE block's MLP gathers its input (1) and all-reduces its output (2)
+# forward, and backward gathers the output's gradient (1) and all-reduces the input's (2): 2 + 3 per
+# pass with the attention's, 10 in all. Backward also all-reduces the routing weights' gradient (tokens
+# x top-k elements: one more collective, its bytes negligible).
+TP_MOE_WIRE_FACTOR = 10 / 8
+TP_MOE_EXTRA_COLLECTIVES = 1
 
 
 class ParallelTimes:
@@ -144,6 +159,51 @@ class ParallelTimes:
         )
 
         self.block_norms_s, self.edge_norms_s = self._norm_allreduces_s(full, layout)
+        self.tensor_moe_blocks = self._tensor_moe_blocks(full) if layout.tensor > 1 else frozenset()
+        self.gpus_per_node = gpus_per_node
+
+    def _tensor_moe_blocks(self, full: ModelProfile) -> frozenset[int]:
+        """Indices of the blocks whose experts the tensor table splits (style ``experts``)."""
+        arch = full.arch
+        if not has_table(arch.model_type, arch.tensor_layout):
+            return frozenset()
+        table = table_for(arch.model_type, arch.tensor_layout)
+        return frozenset(
+            block.index
+            for block in full.blocks
+            if any(
+                module_style(p.name.rpartition(".")[0], table) == "experts"
+                for p in full.params[block.first_param : block.first_param + block.num_params]
+            )
+        )
+
+    def expert_comm_s(self, micro_batch_size: int, moe_blocks: int, recomputed_moe_blocks: int) -> float:
+        """Seconds of expert parallelism's all-to-alls in one micro-batch of this rank (on the compute
+        stream: the engine runs them synchronously).
+
+        Args:
+            micro_batch_size: samples per micro-batch.
+            moe_blocks: the rank's blocks with routed experts.
+            recomputed_moe_blocks: of which recompute their forward in backward (checkpointed).
+
+        Returns:
+            Seconds (0 without expert parallelism).
+        """
+        arch = self.full.arch
+        if self.layout.expert <= 1 or not moe_blocks:
+            return 0.0
+        block_s, forward_s = expert_all_to_all_s(
+            self.layout.expert,
+            micro_batch_size * self.full.seq_len,
+            arch.hidden_size,
+            arch.experts_per_token or 1,
+            self.dtype_bytes,
+            gpus_per_node=self.gpus_per_node,
+            intra_node_bps=self.intra_bps,
+            inter_node_bps=self.hardware.inter_node_gbps * 1e9,
+            latency_s=self.latency_s,
+        )
+        return moe_blocks * block_s + recomputed_moe_blocks * forward_s
 
     def _norm_allreduces_s(self, full: ModelProfile, layout: Layout) -> tuple[float, float]:
         """Seconds of the norm gradients' all-reduces in one micro-batch: (one block's, the norms
@@ -167,7 +227,10 @@ class ParallelTimes:
 
     def communicators(self, data_size: int) -> int:
         """Communication groups of more than one rank this rank belongs to (each holds library buffers)."""
-        return (data_size > 1) + (self.layout.tensor > 1) + (self.layout.pipeline > 1)
+        expert = self.layout.expert
+        # Expert parallelism adds the expert group and, when it holds more than one rank, the expert-data group.
+        expert_groups = (expert > 1) + (expert > 1 and data_size // expert > 1)
+        return (data_size > 1) + (self.layout.tensor > 1) + (self.layout.pipeline > 1) + expert_groups
 
     def tensor_layer_s(self, micro_batch_size: int) -> tuple[float, float]:
         """(seconds of one layer's forward+backward tensor collectives, the forward's share)."""
@@ -200,13 +263,22 @@ class ParallelTimes:
         rate = self.hardware.compute_tflops(self.dtype, self.full_block_numel()) * 1e12
         return micro_batch_size * 3 * fwd_flops / rate + self.hardware.block_call_overhead_s
 
-    def tensor_comm_s(self, micro_batch_size: int, blocks: int, recomputed_blocks: int) -> float:
+    def tensor_comm_s(
+        self,
+        micro_batch_size: int,
+        blocks: int,
+        recomputed_blocks: int,
+        moe_blocks: int = 0,
+        recomputed_moe_blocks: int = 0,
+    ) -> float:
         """Seconds of tensor collectives in one micro-batch of this rank.
 
         Args:
             micro_batch_size: samples per micro-batch.
             blocks: the rank's blocks.
             recomputed_blocks: of which recompute their forward in backward (checkpointed).
+            moe_blocks: of the blocks, those whose experts the tensor table splits (``tensor_moe_blocks``).
+            recomputed_moe_blocks: of which recompute their forward.
 
         Returns:
             Seconds (0 without tensor parallelism).
@@ -214,14 +286,22 @@ class ParallelTimes:
         layer_s, forward_share = self.tensor_layer_s(micro_batch_size)
         if layer_s == 0.0:
             return 0.0
+        degree = self.layout.tensor
+        moe_extra_s = 0.0
+        if moe_blocks and self.layout.tensor_mode == "1d" and not self.tensor_extra_ratio:
+            # A mixture-of-experts block all-reduces where a dense one reduce-scatters: more bytes, one more call.
+            tokens = micro_batch_size * self.full.seq_len
+            wire_s = tp_1d_layer_bytes(tokens, self.hidden, degree, self.dtype_bytes) / self.intra_bps
+            moe_extra_s = wire_s * (TP_MOE_WIRE_FACTOR - 1) * (moe_blocks + recomputed_moe_blocks * forward_share)
+            moe_extra_s += moe_blocks * TP_MOE_EXTRA_COLLECTIVES * self.latency_s
         if self.tensor_extra_ratio:
             # Measured on this machine: what the split adds to a block, per whole-width block time.
             layer_s = self.tensor_extra_ratio * self.plain_block_s(micro_batch_size)
-        degree = self.layout.tensor
         edge_bytes = micro_batch_size * self.full.seq_len * self.hidden * self.dtype_bytes * (degree - 1) / degree
         edges_s = self.edge_collectives * (self.latency_s + edge_bytes / self.intra_bps)
         norms_s = blocks * self.block_norms_s + (self.edge_norms_s if self.stage == self.last_stage else 0.0)
-        return blocks * layer_s + recomputed_blocks * layer_s * forward_share + edges_s + norms_s
+        recomputed_s = recomputed_blocks * layer_s * forward_share
+        return blocks * layer_s + recomputed_s + moe_extra_s + edges_s + norms_s
 
     def pipeline_s(self, stage_compute_s: float, micro_batch_size: int, micro_batches: int) -> dict[str, float]:
         """What a pipeline adds to the step of one stage.

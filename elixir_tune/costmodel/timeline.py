@@ -185,6 +185,7 @@ def simulate_micro_batch(
     shared_link: bool = False,
     record: list[tuple[str, float, float, int]] | None = None,
     busy_s: tuple[float, float, float, float] = LEFTOVER_ZERO,
+    chunk_costs: dict[int, TransferCosts] | None = None,
 ) -> MicroBatchTime:
     """Runs one micro-batch's timeline.
 
@@ -202,6 +203,8 @@ def simulate_micro_batch(
             ``costmodel.picture.LANES``).
         busy_s: how long the collective stream, the host->device and device->host links and the
             CPU are still busy when it starts (the previous micro-batch's ``leftover_s``).
+        chunk_costs: chunks whose all-gather and reduce-scatter take other times than ``costs``
+            (expert chunks, sharded over another group), with theirs.
 
     Returns:
         The micro-batch's times.
@@ -211,14 +214,16 @@ def simulate_micro_batch(
     for index, step in enumerate(issue):
         issued_at[step].append(index)
     needed = [0.0] * num_steps
-    h2d_s, gather_s, rs_s, d2h_s = costs.h2d_s, costs.allgather_s, costs.reduce_scatter_s, costs.d2h_s
+    h2d_s, d2h_s = costs.h2d_s, costs.d2h_s
     # h2d_free / d2h_free: the inbound / outbound host link of this GPU.
     coll_free, h2d_free, d2h_free, host_free = busy_s
     end = exposed = 0.0
-    h2d_count = d2h_count = gathers = reduces = 0
+    h2d_count = d2h_count = 0
+    gathered_s = reduced_s = 0.0
     for step in range(num_steps):
         for index in issued_at[step]:
             fetch_step, chunk, _free = fetches[index]
+            gather_s = chunk_costs[chunk].allgather_s if chunk_costs and chunk in chunk_costs else costs.allgather_s
             ready = end
             if offloaded[chunk]:
                 h2d_free = (h2d_free if h2d_free > ready else ready) + h2d_s
@@ -237,7 +242,7 @@ def simulate_micro_batch(
                 record.append(("all-gather", coll_free - gather_s, coll_free, chunk))
             if shared_link:
                 h2d_free = d2h_free = coll_free
-            gathers += 1
+            gathered_s += gather_s
             if coll_free > needed[fetch_step]:
                 needed[fetch_step] = coll_free
         if needed[step] > end:
@@ -247,6 +252,9 @@ def simulate_micro_batch(
         if record is not None:
             record.append(("compute", end - step_compute_s[step], end, step))
         for chunk in reduce_after[step]:
+            rs_s = (
+                chunk_costs[chunk].reduce_scatter_s if chunk_costs and chunk in chunk_costs else costs.reduce_scatter_s
+            )
             coll_free = max(coll_free, end, h2d_free, d2h_free) if shared_link else max(coll_free, end)
             coll_free += rs_s
             if record is not None:
@@ -255,7 +263,7 @@ def simulate_micro_batch(
                 h2d_free = d2h_free = coll_free
             if shared_compute:
                 end = coll_free
-            reduces += 1
+            reduced_s += rs_s
             if offloaded[chunk]:
                 d2h_free = (d2h_free if d2h_free > coll_free else coll_free) + d2h_s
                 host_free = (host_free if host_free > d2h_free else d2h_free) + costs.host_add_s
@@ -268,8 +276,8 @@ def simulate_micro_batch(
         compute_end_s=end,
         drained_s=max(end, coll_free, h2d_free, d2h_free, host_free),
         exposed_fetch_s=exposed,
-        allgather_s=gathers * gather_s,
-        reduce_scatter_s=reduces * rs_s,
+        allgather_s=gathered_s,
+        reduce_scatter_s=reduced_s,
         h2d_s=h2d_count * h2d_s,
         d2h_s=d2h_count * d2h_s,
         leftover_s=(

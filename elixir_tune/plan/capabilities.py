@@ -19,7 +19,9 @@ One place answers both questions (docs/DESIGN.md section 8.2), so that the profi
   the script runs; the search offers the second kind only when told the script runs
   ``forward_backward``.
 * **expert parallelism**: what the engine runs beside ``parallel.expert.degree`` > 1
-  (``EXPERT_PARALLEL_RUNS_WITH``): lifting a limit in the engine is a change of its entry here.
+  (``EXPERT_PARALLEL_RUNS_WITH``, ``expert_parallel_conflicts``): ``validate`` refuses the rest, the
+  search offers expert degrees only where none applies, and the cost model never offloads an expert
+  chunk where the engine cannot.
 
 Imports no torch.
 """
@@ -43,17 +45,27 @@ PIPELINE_MODEL_TYPES: tuple[str, ...] = (
 # ``unsupported_layouts(pipeline_problem=...)`` left out: the family list above decides.
 FROM_FAMILY = "from the family"
 LAYOUTS: tuple[str, ...] = get_args(LayoutName)
-__all__ = ["LAYOUTS", "LOOPS", "LOOP_CONTRACT", "PIPELINE_MODEL_TYPES"]
+__all__ = ["EXPERT_PARALLEL_RUNS_WITH", "LAYOUTS", "LOOPS", "LOOP_CONTRACT", "PIPELINE_MODEL_TYPES"]
 
 # What the engine runs beside expert parallelism (parallel.expert.degree > 1), tested against plain
-# PyTorch (tests/distributed/test_engine_expert_parallel.py): True where it runs.
+# PyTorch: True where it runs. The one place validate, the search and the cost model read; lifting a
+# limit in the engine is a change of its entry here (and of the sentence in EXPERT_LIMIT_REASONS).
 EXPERT_PARALLEL_RUNS_WITH: dict[str, bool] = {
-    "pipeline": False,  # pipeline stages > 1: the engine builds no expert groups inside a stage
-    "tensor": False,  # tensor degree > 1: the experts would be split two ways
-    "layered": False,  # layered accumulation: untested with the token exchange
-    "offloaded_experts": True,  # an expert chunk's shard on the host
-    "meta_start": True,  # setup(weights=...) or a model built on the meta device: each rank reads its experts
+    # pipeline stages > 1 (validate refuses; the engine builds no expert groups inside a stage)
+    "pipeline": False,
+    # tensor degree > 1 (validate refuses; the experts would be split two ways)
+    "tensor": False,
+    # training.accumulation layered: each block runs all micro-batches at once, untested with the
+    # token exchange
+    "layered": False,
+    # an expert chunk's shard on the host (tests/distributed/test_engine_expert_parallel.py, offload 0.5)
+    "offloaded_experts": True,
+    # setup(weights=...) or a model built on the meta device: each rank reads only its experts' rows
+    "meta_start": True,
 }
+# The experts modules of the families whose config ships base_model_ep_plan (Qwen3-MoE, Mixtral,
+# DeepSeek-V3: ``layers.*.mlp.experts``) end in this name; their parameters are the expert tensors.
+EXPERTS_MODULE = "experts"
 EXPERT_LIMIT_REASONS = {
     "pipeline": "pipeline stages",
     "tensor": "tensor parallelism",
@@ -61,13 +73,6 @@ EXPERT_LIMIT_REASONS = {
     "offloaded_experts": "offloaded expert chunks",
     "meta_start": "a model built on the meta device or from weights=",
 }
-
-
-def expert_parallel_limits() -> str:
-    """The engine's current limits beside expert parallelism, as one phrase for errors and ``show``
-    (e.g. ``"pipeline stages, tensor parallelism, ..."``; empty when there are none)."""
-    return ", ".join(EXPERT_LIMIT_REASONS[key] for key, runs in EXPERT_PARALLEL_RUNS_WITH.items() if not runs)
-
 
 # What the script must do under each loop: the sentence the errors and `show` print.
 LOOP_CONTRACT = {
@@ -120,22 +125,6 @@ def unsupported_layouts(
     return reasons
 
 
-def frozen_layout_problem(stages: int, tensor_degree: int, tensor_mode: str = "1d") -> str:
-    """Why a layout cannot hold frozen chunks (a LoRA base, docs/DESIGN.md 9.9); "" when it can.
-
-    Frozen chunks run with data parallelism, with pipeline stages and with 1d tensor parallelism,
-    each tested against plain PEFT; pipeline and tensor together, and 2d, are not tested with them yet.
-    """
-    if stages > 1 and tensor_degree > 1:
-        return (
-            f"frozen chunks (a LoRA base) run with pipeline stages or tensor parallelism, not both at once yet "
-            f"(pipeline stages {stages}, tensor degree {tensor_degree})"
-        )
-    if tensor_degree > 1 and tensor_mode != "1d":
-        return f"frozen chunks (a LoRA base) run with 1d tensor parallelism, not {tensor_mode} yet"
-    return ""
-
-
 def layout_reasons_of_type(model_type: str, tensor_layout: Mapping[str, str] | None = None) -> dict[str, str]:
     """``unsupported_layouts`` for a record that has only the family (an older profile or plan):
     a supported family is taken to be its causal LM, as the profiles of that time were; a recorded
@@ -173,3 +162,38 @@ def plan_loop(plan: Plan) -> str:
         plan.parallel.pipeline.stages, plan.parallel.tensor.degree, plan.training.accumulation
     )
     return "forward_backward" if needs else "plain"
+
+
+def expert_parallel_conflicts(
+    stages: int, tensor_degree: int, accumulation: str, offloaded_expert_chunks: int = 0
+) -> list[str]:
+    """What in a layout the engine does not run beside expert parallelism (``EXPERT_PARALLEL_RUNS_WITH``).
+
+    Args:
+        stages: pipeline stages.
+        tensor_degree: tensor degree.
+        accumulation: ``standard`` or ``layered``.
+        offloaded_expert_chunks: chunks of expert tensors whose shard the plan puts on the host.
+
+    Returns:
+        One phrase per conflict, e.g. ``["pipeline stages 2"]`` (empty: the engine runs it).
+    """
+    asked = {
+        "pipeline": (stages > 1, f"pipeline stages {stages}"),
+        "tensor": (tensor_degree > 1, f"tensor degree {tensor_degree}"),
+        "layered": (accumulation == "layered", "layered accumulation"),
+        "offloaded_experts": (offloaded_expert_chunks > 0, f"{offloaded_expert_chunks} offloaded expert chunks"),
+    }
+    return [phrase for key, (used, phrase) in asked.items() if used and not EXPERT_PARALLEL_RUNS_WITH[key]]
+
+
+def expert_parallel_limits() -> str:
+    """The engine's current limits beside expert parallelism, as one phrase for errors and ``show``
+    (e.g. ``"pipeline stages, tensor parallelism, ..."``; empty when there are none)."""
+    return ", ".join(EXPERT_LIMIT_REASONS[key] for key, runs in EXPERT_PARALLEL_RUNS_WITH.items() if not runs)
+
+
+def is_expert_param(name: str) -> bool:
+    """Whether a parameter is an expert tensor (``[experts, ...]``) that expert parallelism splits: a
+    parameter of a module named ``experts`` (the module the families' ``base_model_ep_plan`` names)."""
+    return name.rpartition(".")[0].rpartition(".")[2] == EXPERTS_MODULE

@@ -14,7 +14,10 @@ from typing import Any
 
 from elixir_tune.plan.capabilities import (
     LOOP_CONTRACT,
+    expert_parallel_conflicts,
+    expert_parallel_limits,
     frozen_layout_problem,
+    is_expert_param,
     layout_reasons_of_type,
     needs_forward_backward,
 )
@@ -160,9 +163,12 @@ def _check_tensor(tensor: dict, model: dict, training: dict, errors: list[str]) 
         )
 
 
-def _check_expert(parallel: dict, model: dict, data_size: int | None, errors: list[str]) -> None:
+def _check_expert(
+    parallel: dict, model: dict, training: dict, chunks: list, data_size: int | None, errors: list[str]
+) -> None:
     """Rules of ``parallel.expert``: the model ships an expert plan whose experts the degree divides,
-    the degree divides the data size, and (in this version) no pipeline or tensor parallelism beside it."""
+    the degree divides the data size, and nothing beside it that the engine does not run with it
+    (``capabilities.expert_parallel_conflicts``)."""
     degree = parallel.get("expert", {}).get("degree", 1)
     if not isinstance(degree, int) or degree <= 1:
         return
@@ -184,10 +190,23 @@ def _check_expert(parallel: dict, model: dict, data_size: int | None, errors: li
         )
     stages = parallel.get("pipeline", {}).get("stages", 1)
     tensor = parallel.get("tensor", {}).get("degree", 1)
-    if stages != 1 or tensor != 1:
+    offloaded_experts = sum(
+        1
+        for chunk in chunks
+        if isinstance(chunk, dict) and chunk.get("offload") and any(is_expert_param(p) for p in chunk.get("params", []))
+    )
+    for index, chunk in enumerate(chunks):
+        names = chunk.get("params", []) if isinstance(chunk, dict) else []
+        if len({is_expert_param(name) for name in names}) > 1:
+            errors.append(
+                f"memory.chunks[{index}].params: expert tensors beside other parameters; under expert parallelism "
+                "the experts need chunks of their own (run `elixir-tune search` again)"
+            )
+    conflicts = expert_parallel_conflicts(stages, tensor, training.get("accumulation", "standard"), offloaded_experts)
+    if conflicts:
         errors.append(
-            f"{path} with pipeline stages {stages} and tensor degree {tensor}: expert parallelism runs beside "
-            "data parallelism only in this version; set the pipeline stages and tensor degree to 1"
+            f"{path} with {', '.join(conflicts)}: the engine does not run expert parallelism beside "
+            f"{expert_parallel_limits()} in this version; drop them (or set the expert degree to 1)"
         )
 
 
@@ -324,7 +343,7 @@ def validate_dict(raw: Any) -> list[str]:
     data_size = _check_parallel(sections.get("parallel", {}), world_size, model, errors)
     _check_tensor(sections.get("parallel", {}).get("tensor", {}), model, training, errors)
     _check_contract(sections.get("parallel", {}), model, training, errors)
-    _check_expert(sections.get("parallel", {}), model, data_size, errors)
+    _check_expert(sections.get("parallel", {}), model, training, memory.get("chunks", []) or [], data_size, errors)
     if data_size and all(k in training for k in ("global_batch_size", "micro_batch_size", "grad_accum_steps")):
         product = training["micro_batch_size"] * training["grad_accum_steps"] * data_size
         if product != training["global_batch_size"]:

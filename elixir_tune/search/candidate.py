@@ -66,6 +66,7 @@ class Candidate:
             "pipeline": self.layout.pipeline,
             "tensor": self.layout.tensor,
             "tensor_mode": self.layout.tensor_mode,
+            "expert": self.layout.expert,
             "step_time_s": round(self.step_time_s, 6),
             "tokens_per_s": round(self.tokens_per_s, 2),
             "tflops_per_gpu": round(self.tflops_per_gpu, 3),

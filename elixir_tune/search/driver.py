@@ -163,7 +163,7 @@ def _infeasible(required_gpu: int | None, required_host: int | None, pools: _Poo
 
 
 def explain_layout(best: Candidate, by_layout: dict[Layout, Candidate] | None = None, layouts_tried: int = 1) -> str:
-    """Why the winner's parallel layout: its bubble and tensor traffic, and the best of the others.
+    """Why the winner's parallel layout: its bubble, tensor and expert traffic, and the best of the others.
 
     Args:
         best: the winning candidate.
@@ -189,6 +189,11 @@ def explain_layout(best: Candidate, by_layout: dict[Layout, Candidate] | None = 
             f"tensor {layout.tensor} ({layout.tensor_mode}): its collectives are "
             f"{b.get('tensor_comm_s', 0.0) / step:.1%} of the step"
         )
+    if layout.expert > 1:
+        parts.append(
+            f"expert {layout.expert} (1/{layout.expert} of the experts per rank): its all-to-alls are "
+            f"{b.get('expert_comm_s', 0.0) / step:.1%} of the step"
+        )
     others = sorted((c.step_time_s, key.describe()) for key, c in by_layout.items() if key != layout)
     if not parts and layouts_tried <= 1:
         return ""
@@ -196,8 +201,8 @@ def explain_layout(best: Candidate, by_layout: dict[Layout, Candidate] | None = 
     unscored = layouts_tried - 1 - len(others)
     if unscored > 0:
         line += (
-            f"; {unscored} other pipeline/tensor layout(s) had no candidate: their compute with tensor collectives "
-            "and bubble alone is slower, or they do not fit"
+            f"; {unscored} other pipeline/tensor/expert layout(s) had no candidate: their compute with tensor "
+            "collectives, all-to-alls and bubble alone is slower, or they do not fit"
         )
     if others:
         slower = others[0][0] / step - 1
@@ -365,8 +370,10 @@ def search(
     if strategy == "elixir":
         if global_batch % world:
             raise ValueError(f"global batch size {global_batch} is not a multiple of the {world} GPUs")
-        if any(key in pinned for key in ("pipeline", "tensor", "tensor_mode")):
-            raise ValueError("--strategy elixir: Elixir's rule has no pipeline or tensor parallelism; drop those pins")
+        if any(key in pinned for key in ("pipeline", "tensor", "tensor_mode", "expert")):
+            raise ValueError(
+                "--strategy elixir: Elixir's rule has no pipeline, tensor or expert parallelism; drop those pins"
+            )
         layouts = [DATA_ONLY]
     else:
         layouts = layout_choices(profile, gpus_per_node, nodes, global_batch, searched)

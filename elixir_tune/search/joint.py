@@ -24,6 +24,7 @@ from elixir_tune.costmodel.layout import largest_param_numel, least_padded_sizes
 from elixir_tune.costmodel.memory import SHARD_BYTES, MemoryEstimate
 from elixir_tune.costmodel.model import CostModel, Shape
 from elixir_tune.costmodel.parallel import Layout
+from elixir_tune.plan.capabilities import expert_parallel_conflicts
 from elixir_tune.plan.memory import ALIGN_ELEMENTS, chunk_size_multiple
 from elixir_tune.search.candidate import Candidate, score
 from elixir_tune.search.space import (
@@ -286,15 +287,21 @@ def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, f
     for chunk_size in chunk_sizes(model, fixed):
         layout = model.layout(chunk_size)
         num_chunks, cacheable = layout.num_chunks, layout.num_cacheable
+        # Expert chunks stay on the device where the engine cannot offload them.
+        offloadable = model.offloadable_chunks(chunk_size)
         shard_state_bytes = chunk_size // world * SHARD_BYTES
         shard_numel = chunk_size // world
         costs = model.costs(chunk_size)
-        most_offloaded = max(offload_choices(num_chunks, 0, fixed, one_pool))
+        most_offloaded = max(offload_choices(offloadable, 0, fixed, one_pool))
         for every in checkpointing_choices(model, fixed):
             minimum = model.min_cache_blocks(chunk_size, every)
             for micro_batch, layered in micro_batch_accumulation_choices(per_rank, fixed, stages):
                 if micro_batch % grid_rows:
                     continue  # 2D tensor parallelism splits each micro-batch over the q rows of its grid
+                if tensor.expert > 1 and expert_parallel_conflicts(
+                    stages, tensor.tensor, "layered" if layered else "standard"
+                ):
+                    continue  # the engine does not run this beside expert parallelism (plan/capabilities.py)
                 accum = per_rank // micro_batch
                 # A lower bound of the step: the compute, stretched by the pipeline bubble.
                 compute_s = accum * model.compute_s(micro_batch, every)[0] * model.parallel_costs.pipeline_factor(accum)
@@ -314,7 +321,7 @@ def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, f
                             if over > 0:
                                 continue  # offloading would not make it fit: the host is the device
                             smallest = 0
-                        if smallest > num_chunks:
+                        if smallest > offloadable:
                             continue
                         if smallest > most_offloaded:
                             continue  # does not fit the device at the pinned offload share
@@ -333,7 +340,7 @@ def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, f
                         orders = model.offload_orders(chunk_size, every, cache_blocks)
                         for order_index, order in enumerate(orders):
                             previous, worse = math.inf, 0
-                            for offloaded in offload_choices(num_chunks, smallest, fixed, one_pool):
+                            for offloaded in offload_choices(offloadable, smallest, fixed, one_pool):
                                 shape = Shape(
                                     chunk_size,
                                     cache_blocks,

@@ -13,11 +13,17 @@ Rules (docs/DESIGN.md section 7.1):
 * the data degree world / (P x T) must divide the global batch;
 * pipeline and tensor parallelism together (world = data x P x T, each stage tensor-parallel in its
   tensor group), 1d or 2d (a stage sends each rank's piece of the residual stream to its peer);
+* expert degree E (``parallel.expert.degree``) for a mixture-of-experts model whose config ships an
+  expert plan (``arch.num_experts`` > 0, with expert tensors the cost model recognises): every E >= 2
+  that divides the data degree and the experts per block, on the layouts the engine runs it with
+  (``capabilities.expert_parallel_conflicts``: data parallelism only in this version); the joint
+  search then skips the shapes it does not run with (layered accumulation);
 * only the layouts the engine can run for this model (``ModelProfile.layout_reasons``, from
   ``plan/capabilities.py``): a model without a stage plan gets no pipeline, one without a
   tensor table no tensor parallelism, and a pin of either is refused with the reason.
 
-``--fix pipeline=P``, ``--fix tensor=T`` and ``--fix tensor_mode=1d|2d`` pin them (checked here).
+``--fix pipeline=P``, ``--fix tensor=T``, ``--fix tensor_mode=1d|2d`` and ``--fix expert=E`` pin
+them (checked here).
 Whether the training script's loop allows these layouts at all is the driver's question
 (``search(loop=...)``).
 """
@@ -25,9 +31,11 @@ Whether the training script's loop allows these layouts at all is the driver's q
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
+from elixir_tune.costmodel.expert import expert_param_indices
 from elixir_tune.costmodel.parallel import Layout, cast_mode, pipeline_degrees, tensor_degrees
-from elixir_tune.plan.capabilities import frozen_layout_problem
+from elixir_tune.plan.capabilities import expert_parallel_conflicts, expert_parallel_limits, frozen_layout_problem
 from elixir_tune.plan.schema import TensorMode
 from elixir_tune.plan.tensor_layout import grid_problem, local_shape, table_for
 from elixir_tune.profiler.schema import ModelProfile
@@ -151,6 +159,7 @@ def layout_choices(
         raise ValueError(
             f"the pins --fix pipeline/tensor/tensor_mode: not possible for {profile.name}: {frozen_problem}"
         )
+    layouts = _with_expert_degrees(profile, layouts, world, fixed)
     if not layouts and "pipeline" in fixed:
         raise ValueError(
             f"--fix pipeline={stages}: no tensor degree leaves a pipeline of {stages} that divides the world of "
@@ -162,3 +171,43 @@ def layout_choices(
             "(raise the global batch to a multiple of the data-parallel degree)"
         )
     return layouts
+
+
+def expert_degrees(profile: ModelProfile, data_size: int) -> list[int]:
+    """Expert degrees E >= 2 the model allows at a data degree: E divides the data degree and the
+    experts per block; none for a model without an expert plan (``arch.num_experts`` 0) or whose
+    expert tensors the cost model does not find (``expert.expert_param_indices``)."""
+    experts = profile.arch.num_experts
+    if experts <= 1 or not expert_param_indices(profile):
+        return []
+    return [e for e in range(2, min(data_size, experts) + 1) if data_size % e == 0 and experts % e == 0]
+
+
+def _with_expert_degrees(profile: ModelProfile, layouts: list[Layout], world: int, fixed: dict) -> list[Layout]:
+    """``layouts`` and, beside each the engine runs expert parallelism with, one per expert degree;
+    with ``--fix expert=E`` only those with E (checked: says why none can take it).
+
+    Raises:
+        ValueError: a pinned expert degree no layout allows.
+    """
+    pinned = fixed.get("expert")
+    accumulation = fixed.get("accumulation", "standard")  # layered pinned: no shape of an expert layout runs
+    out = [] if pinned and pinned > 1 else list(layouts)
+    for layout in layouts:
+        if expert_parallel_conflicts(layout.pipeline, layout.tensor, accumulation):
+            continue
+        data = layout.data_degree(world)
+        degrees = expert_degrees(profile, data)
+        out += [replace(layout, expert=e) for e in degrees if pinned in (None, e)]
+    if pinned and pinned > 1 and not out:
+        experts = profile.arch.num_experts
+        if not experts:
+            why = "the model ships no expert plan (its config has no base_model_ep_plan dispatching tokens to experts)"
+        elif experts % pinned:
+            why = f"it does not divide the model's {experts} experts per block"
+        elif all(expert_parallel_conflicts(lay.pipeline, lay.tensor, accumulation) for lay in layouts):
+            why = f"the engine does not run expert parallelism beside {expert_parallel_limits()}"
+        else:
+            why = "it does not divide the data-parallel size of any layout"
+        raise ValueError(f"--fix expert={pinned}: not possible for {profile.name}: {why}; drop the pin")
+    return out

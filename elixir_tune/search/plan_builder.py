@@ -5,6 +5,8 @@ chunks never cross stages), at the tensor-parallel local sizes when there is ten
 The search scored every stage (``search/stages.py``: the critical stage's chunk size, cache and
 offload share carried over, more offloaded where a stage would not fit); the plan's prediction is
 the slowest stage's step and the memory of the stage that needs the most device memory.
+Under expert parallelism the expert tensors are in chunks of their own at their local size (1/E of
+the experts), as the engine requires, and those chunks are never offloaded where it cannot.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from elixir_tune.plan.schema import (
     ClusterInfo,
     Device,
     Dtype,
+    ExpertParallel,
     LayoutName,
     Loop,
     MemoryPlan,
@@ -166,6 +169,7 @@ def build_plan(
             tensor=TensorParallel(
                 degree=layout.tensor, mode=layout.tensor_mode, sequence_parallel=layout.sequence_parallel
             ),
+            expert=ExpertParallel(degree=layout.expert),
         ),
         training=TrainingInfo(
             dtype=cast(Dtype, model.dtype),  # the profile's dtype or a --fix dtype checked by parse_fixed

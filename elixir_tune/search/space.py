@@ -20,6 +20,7 @@ FIX_KEYS = {
     "pipeline": "pipeline stages P, an integer (1: none)",
     "tensor": "tensor-parallel degree T, an integer dividing the GPUs of a node and the heads (1: none)",
     "tensor_mode": "1d (Megatron) or 2d (Optimus, square T >= 4)",
+    "expert": "expert degree E, an integer dividing the data-parallel size and the experts per block (1: none)",
 }
 ALL = "all"
 # Checkpointing options the search tries when the model has blocks: none, all, every 2nd, every 4th.
@@ -83,7 +84,7 @@ def parse_fixed(fixed: dict[str, Any] | list[str] | None) -> dict[str, Any]:
     for key, value in fixed.items():
         if key not in FIX_KEYS:
             raise ValueError(f"--fix {key}: unknown key (known: {', '.join(FIX_KEYS)})")
-        if key in ("chunk_size", "micro_batch_size", "pipeline", "tensor"):
+        if key in ("chunk_size", "micro_batch_size", "pipeline", "tensor", "expert"):
             out[key] = _int(key, value, 1)
         elif key == "prefetch":
             out[key] = _int(key, value, 0)

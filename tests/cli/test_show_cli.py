@@ -170,3 +170,35 @@ def test_show_of_a_pipeline_plan_reports_one_stage_consistently(tmp_path):
     result = CliRunner().invoke(cli, ["show", str(tmp_path / "plan.yaml")])
     assert result.exit_code == 0, result.output
     assert "stage that needs the most" in result.output and "(all stages)" in result.output
+
+
+def test_show_explains_an_expert_plan(tmp_path):
+    """The expert groups, what each rank holds, and the all-to-all bytes (from the profile the plan
+    names) and share of the predicted step."""
+    from elixir_tune.costmodel.expert import expert_all_to_all_bytes
+    from elixir_tune.profiler import profile_model, save_profile
+    from elixir_tune.profiler.source import quiet_transformers
+    from elixir_tune.units import human_bytes
+    from tests.zoo.models import SEQ, model_source
+
+    with quiet_transformers():
+        profile = profile_model(model_source("qwen3_moe"), batch_size=2, seq_len=SEQ)
+    save_profile(profile, tmp_path / "profile.yaml")
+    plan = search(
+        profile,
+        load_hardware("h100-80gb-sxm"),
+        gpus_per_node=4,
+        global_batch_size=16,
+        fixed=["expert=2"],
+        profile_path=str(tmp_path / "profile.yaml"),
+    ).plan
+    save_plan(plan, tmp_path / "plan.yaml")
+    result = CliRunner().invoke(cli, ["show", str(tmp_path / "plan.yaml")])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    sent = expert_all_to_all_bytes(2, plan.training.micro_batch_size * SEQ, 32, 2, 2, 4)
+    assert "expert: degree 2, each rank holds 2 of the 4 experts of every block" in text
+    assert f"{human_bytes(sent)} out of each rank" in text
+    assert "expert groups hold different experts and exchange tokens (all-to-all): [0,1] [2,3]" in text
+    assert "expert-data groups hold the same experts and reduce their gradients: [0,2] [1,3]" in text
+    assert "expert-parallel all-to-alls (on the compute stream)" in text

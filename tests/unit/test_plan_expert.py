@@ -65,7 +65,32 @@ def test_expert_parallelism_is_not_combined_with_tensor_parallelism_yet():
     raw["parallel"]["tensor"] = {"degree": 2}
     raw["cluster"]["gpus_per_node"] = 4  # world 4 = data 2 x tensor 2
     problems = validate_dict(raw)
-    assert any("expert parallelism runs beside data parallelism only" in p for p in problems), problems
+    assert any("with tensor degree 2: the engine does not run expert parallelism beside" in p for p in problems), (
+        problems
+    )
+
+
+def test_expert_limits_come_from_one_table(monkeypatch):
+    """validate reads capabilities.EXPERT_PARALLEL_RUNS_WITH: a limit lifted there is lifted here."""
+    from elixir_tune.plan import capabilities
+
+    raw = _expert_plan()
+    raw["training"]["accumulation"] = "layered"
+    raw["training"]["loop"] = "forward_backward"
+    assert any("layered accumulation" in p for p in validate_dict(raw))
+    monkeypatch.setitem(capabilities.EXPERT_PARALLEL_RUNS_WITH, "layered", True)
+    assert not any("layered accumulation" in p for p in validate_dict(raw))
+
+
+def test_offloaded_expert_chunks_are_refused():
+    raw = _expert_plan()
+    chunk = raw["memory"]["chunks"][-1]  # as if it held the experts of a mixture-of-experts block
+    chunk["params"] = ["model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"]
+    chunk["offload"] = False
+    assert not any("offloaded expert" in p for p in validate_dict(raw))
+    chunk["offload"] = True
+    problems = validate_dict(raw)
+    assert any("1 offloaded expert chunks" in p for p in problems), problems
 
 
 def test_expert_degree_zero_is_a_schema_error():
@@ -86,3 +111,11 @@ def test_profiler_records_experts_only_for_families_with_an_expert_plan(family, 
         model = stage_families.build(family, meta=True)
     arch = model_arch(model)
     assert (arch.num_experts, arch.experts_per_token) == (experts, top_k)
+
+
+def test_a_chunk_mixing_experts_and_other_parameters_is_refused():
+    raw = _expert_plan()
+    chunk = raw["memory"]["chunks"][-1]
+    chunk["params"] = ["model.layers.1.mlp.gate.weight", "model.layers.1.mlp.experts.down_proj"]
+    problems = validate_dict(raw)
+    assert any("expert tensors beside other parameters" in p for p in problems), problems

@@ -1,0 +1,65 @@
+"""Worker for the test that runs plans the search emits with expert parallelism: the engine under
+such a plan against plain PyTorch.
+
+Run by ``engine_launch.py`` as N processes (gloo, CPU). Each case is a dict:
+
+    model: zoo:NAME (a mixture-of-experts zoo model, tests/zoo/models.py)
+    plan: the plan file the search wrote (its expert degree, chunks, micro-batches)
+    micro, accum: the plan's micro-batch size and micro-batches per step      steps
+    loop: plain (``model(**batch)`` and ``optimizer.backward`` per micro-batch) or forward_backward
+
+The model and data are those of ``engine_ep_worker.py`` (routers skewed so that the ranks exchange
+unequal numbers of rows); rank 0 also trains plain PyTorch on each whole global batch and reports the
+largest differences.
+"""
+
+from __future__ import annotations
+
+import elixir_tune
+from tests.distributed.engine_ep_worker import build, global_batches, run_reference
+from tests.distributed.engine_worker import compare, local_micro, mean_over_ranks
+
+
+def run_engine(case: dict, rank: int, world: int) -> dict:
+    model, opt = build(case, world)
+    model, opt = elixir_tune.setup(model, opt, plan=case["plan"])
+    accum = case["accum"]
+    local_experts = {
+        name: p.shape[0] for name, p in model.module.named_parameters() if name.endswith(("gate_up_proj", "down_proj"))
+    }
+    losses = []
+    for batch in global_batches(case, world):
+        micro = [local_micro(batch, rank, world, accum, k) for k in range(accum)]
+        if case["loop"] == "plain":
+            total = 0.0
+            for part in micro:
+                loss = model(**part).loss / accum
+                opt.backward(loss)
+                total += float(loss.detach())
+            losses.append(total)
+        else:
+            losses.append(float(model.forward_backward(micro)))
+        opt.step()
+        opt.zero_grad()
+    full = model.state_dict()  # a collective: every rank calls it
+    return {
+        "losses": losses,
+        "norms": [],
+        "state": {k: v.tolist() for k, v in full.items()} if rank == 0 else None,
+        "local_experts": local_experts,
+    }
+
+
+def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> dict:
+    engine = run_engine(case, rank, world)
+    world_losses = mean_over_ranks(engine["losses"], world)
+    result = {"case": case, "world_losses": world_losses, "local_experts": engine["local_experts"]}
+    if rank == 0:
+        result.update(compare(engine, run_reference(case, world), world_losses))
+    return result
+
+
+if __name__ == "__main__":
+    from tests.distributed.engine_launch import worker_main
+
+    worker_main(run_case)
