@@ -74,6 +74,22 @@ EXPERT_LIMIT_REASONS = {
     "meta_start": "a model built on the meta device or from weights=",
 }
 
+def frozen_layout_problem(stages: int, tensor_degree: int, tensor_mode: str = "1d") -> str:
+    """Why a layout cannot hold frozen chunks (a LoRA base, docs/DESIGN.md 9.9); "" when it can.
+
+    Frozen chunks run with data parallelism, with pipeline stages and with 1d tensor parallelism,
+    each tested against plain PEFT; pipeline and tensor together, and 2d, are not tested with them yet.
+    """
+    if stages > 1 and tensor_degree > 1:
+        return (
+            f"frozen chunks (a LoRA base) run with pipeline stages or tensor parallelism, not both at once yet "
+            f"(pipeline stages {stages}, tensor degree {tensor_degree})"
+        )
+    if tensor_degree > 1 and tensor_mode != "1d":
+        return f"frozen chunks (a LoRA base) run with 1d tensor parallelism, not {tensor_mode} yet"
+    return ""
+
+
 # What the script must do under each loop: the sentence the errors and `show` print.
 LOOP_CONTRACT = {
     "plain": "model(**batch) and optimizer.backward(loss) for each micro-batch",
