@@ -20,7 +20,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -72,7 +71,11 @@ def main() -> int:
     (workdir / "wrapper.py").write_text(bench.WRAPPER.replace("SCRIPT", repr(str(REPO / "scripts" / "train_gpt2.py"))))
     profile = profile_model(load_model_source(str(model_path)), batch_size=GLOBAL_BATCH // WORLD, seq_len=64)
     plans = [
-        (name, pins, search(profile, hardware, WORLD, global_batch_size=GLOBAL_BATCH, fixed=pins, loop="forward_backward").plan)
+        (
+            name,
+            pins,
+            search(profile, hardware, WORLD, global_batch_size=GLOBAL_BATCH, fixed=pins, loop="forward_backward").plan,
+        )
         for name, pins in SWEEP
     ]
     runs: dict[int, list[dict]] = {i: [] for i in range(len(plans))}

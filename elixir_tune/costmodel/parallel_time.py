@@ -120,9 +120,7 @@ class ParallelTimes:
         # narrower matrices follow the documented rule.
         has_curve = bool(hardware.block_tflops_curves.get(dtype) or hardware.block_tflops_curves.get("fp32"))
         self.rate_factor = (
-            1.0
-            if has_curve or self.measured_tensor
-            else tp_efficiency(self.hidden, layout.tensor, layout.tensor_mode)
+            1.0 if has_curve or self.measured_tensor else tp_efficiency(self.hidden, layout.tensor, layout.tensor_mode)
         )
         self.last_stage = last_stage(len(full.blocks), layout.pipeline, layout.assignment)
         edges = (stage == 0) + (stage == self.last_stage)
