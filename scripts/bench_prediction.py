@@ -318,6 +318,10 @@ def main() -> int:
             "block_call_overhead_s",
             "pointwise_gbps",
             "thread_handoff_s",
+            "tensor2_block_extra_ratio",
+            "tensor2_block_fixed_s",
+            "pipeline_microbatch_extra_ratio",
+            "pipeline_stage_microbatch_s",
         )
     }
     say(

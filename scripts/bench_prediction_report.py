@@ -60,6 +60,10 @@ def markdown(record: dict) -> str:
         f"({record['model'].get('pointwise_bytes_per_sample', 0) / 1e6:.2f} MB written per sample) at "
         f"{hw.get('pointwise_gbps', 0):.3g} GB/s; a thread hand-over of layered accumulation "
         f"{hw.get('thread_handoff_s', 0) * 1e6:.0f} us",
+        f"- layout costs on the CPU: a tensor-split block {hw.get('tensor2_block_fixed_s', 0) * 1e3:.2f} ms + "
+        f"{hw.get('tensor2_block_extra_ratio', 0):.3g} x the whole block's time per micro-batch; a pipeline "
+        f"{hw.get('pipeline_stage_microbatch_s', 0) * 1e3:.2f} ms per virtual stage and micro-batch + "
+        f"{hw.get('pipeline_microbatch_extra_ratio', 0):.3g} x the stage's compute",
         f"- load: 1-minute load average {record['load_avg_1min_at_start']} at the start, "
         f"{record['load_avg_1min_at_end']} at the end (2 cores, shared with other jobs)",
         f"- measured: `elixir-run plan.yaml train_gpt2.py --synthetic --steps {record['steps']}` (rank 0 "

@@ -345,7 +345,7 @@ class CostModel:
         if micro_batch_size not in self._rates:
             costs = self.parallel_costs
             # A measured tensor-split ratio covers the narrower matrices: read the whole block's rate.
-            numel = costs.full_block_numel() if costs.tensor_extra_ratio else self.block_numel()
+            numel = costs.full_block_numel() if costs.measured_tensor else self.block_numel()
             tflops = self.hardware.compute_tflops(self.dtype, numel) * costs.rate_factor
             self._rates[micro_batch_size] = tflops * 1e12
         return self._rates[micro_batch_size]

@@ -16,12 +16,15 @@ Prices the formulas of ``costmodel/parallel.py`` with the hardware's links:
   is a partial sum, all-reduced over the tensor group once per micro-batch (the engine's
   ``local_grad``; measured: 18 all-reduces per micro-batch for the 18 norm parameters of a 4-layer
   GPT-2);
-* on a CPU device whose spec carries the probe's layout ratios (``hardware/bench_layout.py``), the
-  measured ratios replace the link-priced costs that they cover: a tensor-split block costs
-  ``tensor2_block_extra_ratio`` x the whole-width block's time beyond its share of the work
-  (DTensor dispatch, collectives and waits, narrower matrices: the rank's compute is then read at
-  the whole block's rate), and a pipeline's sends and schedule cost
-  ``pipeline_microbatch_extra_ratio`` x the stage's compute (the bubble stays modelled);
+* on a CPU device whose spec carries the probe's layout costs (``hardware/bench_layout.py``), the
+  measured costs replace the link-priced ones that they cover: a tensor-split block costs
+  ``tensor2_block_fixed_s`` (DTensor dispatch of every op, the collectives' calls and wake-ups)
+  plus ``tensor2_block_extra_ratio`` x the whole-width block's time beyond its share of the work
+  (collectives' bytes and waits, narrower matrices: the rank's compute is then read at the whole
+  block's rate), per micro-batch; a pipeline's sends and schedule cost
+  ``pipeline_stage_microbatch_s`` per virtual stage and micro-batch plus
+  ``pipeline_microbatch_extra_ratio`` x the stage's compute, and the bubble's idle slots are
+  slots of that whole busy time;
 * a tied parameter held by the first and the last stage (GPT-2's ``wte``) is all-reduced between
   them once per step, after backward;
 * a mixture-of-experts block under 1D tensor parallelism (``engine/parallel/tp_experts.py``) sums
@@ -105,6 +108,11 @@ class ParallelTimes:
         on_cpu = hardware.device == "cpu"
         self.tensor_extra_ratio = hardware.tensor2_block_extra_ratio if on_cpu and layout.tensor > 1 else 0.0
         self.pipeline_extra_ratio = hardware.pipeline_microbatch_extra_ratio if on_cpu else 0.0
+        self.tensor_fixed_s = hardware.tensor2_block_fixed_s if on_cpu and layout.tensor > 1 else 0.0
+        self.stage_fixed_s = hardware.pipeline_stage_microbatch_s if on_cpu and layout.pipeline > 1 else 0.0
+        # Measured layout costs replace the link-priced ones they cover.
+        self.measured_tensor = bool(self.tensor_extra_ratio or self.tensor_fixed_s)
+        self.measured_pipeline = bool(self.pipeline_extra_ratio or self.stage_fixed_s)
         self.hardware = hardware
         self.dtype = dtype
         arch = full.arch
@@ -127,9 +135,7 @@ class ParallelTimes:
         # narrower matrices follow the documented rule.
         has_curve = bool(hardware.block_tflops_curves.get(dtype) or hardware.block_tflops_curves.get("fp32"))
         self.rate_factor = (
-            1.0
-            if has_curve or self.tensor_extra_ratio
-            else tp_efficiency(self.hidden, layout.tensor, layout.tensor_mode)
+            1.0 if has_curve or self.measured_tensor else tp_efficiency(self.hidden, layout.tensor, layout.tensor_mode)
         )
         self.last_stage = last_stage(len(full.blocks), layout.pipeline, layout.assignment)
         edges = (stage == 0) + (stage == self.last_stage)
@@ -288,15 +294,16 @@ class ParallelTimes:
             return 0.0
         degree = self.layout.tensor
         moe_extra_s = 0.0
-        if moe_blocks and self.layout.tensor_mode == "1d" and not self.tensor_extra_ratio:
+        if moe_blocks and self.layout.tensor_mode == "1d" and not self.measured_tensor:
             # A mixture-of-experts block all-reduces where a dense one reduce-scatters: more bytes, one more call.
             tokens = micro_batch_size * self.full.seq_len
             wire_s = tp_1d_layer_bytes(tokens, self.hidden, degree, self.dtype_bytes) / self.intra_bps
             moe_extra_s = wire_s * (TP_MOE_WIRE_FACTOR - 1) * (moe_blocks + recomputed_moe_blocks * forward_share)
             moe_extra_s += moe_blocks * TP_MOE_EXTRA_COLLECTIVES * self.latency_s
-        if self.tensor_extra_ratio:
-            # Measured on this machine: what the split adds to a block, per whole-width block time.
-            layer_s = self.tensor_extra_ratio * self.plain_block_s(micro_batch_size)
+        if self.measured_tensor:
+            # Measured on this machine: what the split adds to a block, a fixed cost and a share of
+            # the whole-width block's time.
+            layer_s = self.tensor_fixed_s + self.tensor_extra_ratio * self.plain_block_s(micro_batch_size)
         edge_bytes = micro_batch_size * self.full.seq_len * self.hidden * self.dtype_bytes * (degree - 1) / degree
         edges_s = self.edge_collectives * (self.latency_s + edge_bytes / self.intra_bps)
         norms_s = blocks * self.block_norms_s + (self.edge_norms_s if self.stage == self.last_stage else 0.0)
@@ -316,17 +323,22 @@ class ParallelTimes:
         """
         layout = self.layout
         stages, num_blocks = layout.pipeline, len(self.full.blocks)
-        fraction = bubble_fraction(stages, micro_batches, virtual_stages(num_blocks, stages, layout.assignment))
-        bubble_s = stage_compute_s * fraction / (1.0 - fraction) if fraction < 1.0 else math.inf
+        virtual = virtual_stages(num_blocks, stages, layout.assignment)
+        fraction = bubble_fraction(stages, micro_batches, virtual)
         send_s = self.latency_s + micro_batch_size * self.send_bytes_per_sample / self.pipeline_bps
         sends = 2 * micro_batches * p2p_sends_per_micro_batch(num_blocks, stages, layout.assignment)
-        if self.pipeline_extra_ratio:
-            # Measured on this machine: the schedule and the hand-overs, a share of the compute.
-            p2p_s = self.pipeline_extra_ratio * stage_compute_s
+        if self.measured_pipeline:
+            # Measured on this machine: the schedule and the hand-overs, a fixed cost per virtual
+            # stage and micro-batch and a share of the compute; the bubble's slots hold both.
+            p2p_s = self.stage_fixed_s * micro_batches * virtual + self.pipeline_extra_ratio * stage_compute_s
+            busy_s = stage_compute_s + p2p_s
         elif self.serial_sends:
             p2p_s = (2 * (stages - 1) + sends) * send_s
+            busy_s = stage_compute_s
         else:
             p2p_s = 2 * (stages - 1) * send_s + max(0.0, sends * send_s - stage_compute_s)
+            busy_s = stage_compute_s
+        bubble_s = busy_s * fraction / (1.0 - fraction) if fraction < 1.0 else math.inf
         tied_s = self.latency_s + self.tied_bytes / self.pipeline_bps if self.tied_bytes else 0.0
         return {"pipeline_bubble_s": bubble_s, "p2p_s": p2p_s, "tied_allreduce_s": tied_s}
 

@@ -45,6 +45,9 @@ from elixir_tune.hardware.bench_compute import ProbeBlock
 
 # (batch, seq, hidden, heads): a small GPT-2 block, the scale of the models a 2-core machine trains.
 LAYOUT_SHAPE = (16, 64, 256, 4)
+# A block so small that its times are mostly fixed costs (DTensor dispatch, the schedule's actions,
+# sends and receives): with LAYOUT_SHAPE it separates a fixed cost from a share of the work.
+TINY_SHAPE = (4, 8, 32, 2)
 MICRO_BATCHES = 4
 # Blocks of the pipeline, one virtual stage each: 2 per rank, as a 4-layer model's default split.
 PIPELINE_BLOCKS = 4
@@ -149,53 +152,106 @@ def _pipeline(hidden: int, heads: int, x: torch.Tensor, micro_batches: int) -> C
     return run
 
 
-def layout_ratios(shape: tuple[int, int, int, int] = LAYOUT_SHAPE, repeats: int = 10) -> dict[str, float]:
-    """Measures the layout ratios in the current 2-rank process group (module docstring).
-
-    Args:
-        shape: (batch, seq, hidden, heads) of the block; batch divisible by ``MICRO_BATCHES``.
-        repeats: rounds, each timing all four once.
-
-    Returns:
-        The medians over the rounds of ``tensor2_block_extra_ratio``, ``pipeline_microbatch_extra_ratio``
-        (each round's ratios from that round's times) and of the times (``plain_block_s``,
-        ``tensor2_block_s``, ``micro_batch_s``, ``pipeline2_s``).
-
-    Raises:
-        ValueError: the group does not have 2 ranks.
-    """
-    if dist.get_world_size() != 2:
-        raise ValueError(f"the layout ratios are measured at degree 2: the group has {dist.get_world_size()} ranks")
+def _times_at(shape: tuple[int, int, int, int]) -> dict[str, Callable[[], None]]:
+    """The four timed functions of one block shape (module docstring)."""
     batch, seq, hidden, heads = shape
     torch.manual_seed(0)
     x = torch.randn(batch, seq, hidden)
     plain = SplitProbeBlock(hidden, heads)
     x_plain = x.clone().requires_grad_()
     micro = x[: batch // MICRO_BATCHES].clone().requires_grad_()
-    fns = {
+    return {
         "plain_block_s": lambda: plain(x_plain).sum().backward(),
         "micro_batch_s": lambda: plain(micro).sum().backward(),
         "pipeline2_s": _pipeline(hidden, heads, x, MICRO_BATCHES),
         "tensor2_block_s": _tensor_block(SplitProbeBlock(hidden, heads), x),
     }
+
+
+# Forward+backward calls of a virtual stage a rank makes in the pipeline step: 2 blocks per rank,
+# each for every micro-batch.
+STAGE_MICRO_BATCHES = MICRO_BATCHES * PIPELINE_BLOCKS // 2
+
+
+def _shares(main: dict[str, float], tiny: dict[str, float]) -> dict[str, float]:
+    """The fixed costs and the shares of one round, from the times at the main and the tiny shape.
+
+    A tensor-split block takes ``fixed + (1/2 + ratio) x plain`` and a virtual stage's micro-batch
+    in the pipeline ``fixed + (1 + ratio) x micro`` (the bubble, one micro-batch of one block,
+    taken out first): two shapes, two unknowns each. Without a tiny shape (``tiny`` empty) the
+    fixed costs are 0 and the ratios are the main shape's alone, as the probe measured them before.
+    """
+
+    def stage_s(times: dict[str, float]) -> float:
+        return (times["pipeline2_s"] - times["micro_batch_s"]) / STAGE_MICRO_BATCHES
+
+    plain_gap_s = main["plain_block_s"] - tiny.get("plain_block_s", 0.0)
+    micro_gap_s = main["micro_batch_s"] - tiny.get("micro_batch_s", 0.0)
+    if not tiny or plain_gap_s <= 0 or micro_gap_s <= 0:  # no tiny shape, or no smaller than the main one
+        return {
+            "tensor2_block_extra_ratio": (main["tensor2_block_s"] - main["plain_block_s"] / 2) / main["plain_block_s"],
+            "pipeline_microbatch_extra_ratio": stage_s(main) / main["micro_batch_s"] - 1,
+            "tensor2_block_fixed_s": 0.0,
+            "pipeline_stage_microbatch_s": 0.0,
+        }
+    tensor_slope = (main["tensor2_block_s"] - tiny["tensor2_block_s"]) / plain_gap_s
+    stage_slope = (stage_s(main) - stage_s(tiny)) / micro_gap_s
+    return {
+        "tensor2_block_extra_ratio": tensor_slope - 0.5,
+        "pipeline_microbatch_extra_ratio": stage_slope - 1,
+        "tensor2_block_fixed_s": tiny["tensor2_block_s"] - tensor_slope * tiny["plain_block_s"],
+        "pipeline_stage_microbatch_s": stage_s(tiny) - stage_slope * tiny["micro_batch_s"],
+    }
+
+
+def layout_ratios(
+    shape: tuple[int, int, int, int] = LAYOUT_SHAPE,
+    repeats: int = 10,
+    tiny_shape: tuple[int, int, int, int] | None = TINY_SHAPE,
+) -> dict[str, float]:
+    """Measures the layout costs in the current 2-rank process group (module docstring).
+
+    Args:
+        shape: (batch, seq, hidden, heads) of the block; batch divisible by ``MICRO_BATCHES``.
+        repeats: rounds, each timing all four functions once at each shape.
+        tiny_shape: the block whose times are mostly fixed costs; None: no fixed costs (0).
+
+    Returns:
+        The medians over the rounds of ``tensor2_block_extra_ratio``, ``pipeline_microbatch_extra_ratio``,
+        ``tensor2_block_fixed_s``, ``pipeline_stage_microbatch_s`` (each round's from that round's
+        times, ``_shares``) and of the times (``plain_block_s``, ``tensor2_block_s``,
+        ``micro_batch_s``, ``pipeline2_s``; the tiny shape's with a ``tiny_`` prefix).
+
+    Raises:
+        ValueError: the group does not have 2 ranks.
+    """
+    if dist.get_world_size() != 2:
+        raise ValueError(f"the layout ratios are measured at degree 2: the group has {dist.get_world_size()} ranks")
+    fns = _times_at(shape)
+    if tiny_shape is not None:
+        fns.update({f"tiny_{key}": fn for key, fn in _times_at(tiny_shape).items()})
     rounds = _interleaved_s(fns, repeats)
     for times in rounds:
-        plain_s, micro_s = times["plain_block_s"], times["micro_batch_s"]
-        times["tensor2_block_extra_ratio"] = (times["tensor2_block_s"] - plain_s / 2) / plain_s
-        # A rank runs its PIPELINE_BLOCKS / 2 blocks for every micro-batch, plus one block's
-        # micro-batch of bubble (one idle virtual-stage slot at degree 2).
-        busy_s = MICRO_BATCHES * PIPELINE_BLOCKS // 2 * micro_s
-        times["pipeline_microbatch_extra_ratio"] = (times["pipeline2_s"] - busy_s - micro_s) / busy_s
+        main = {key: value for key, value in times.items() if not key.startswith("tiny_")}
+        tiny = {key[len("tiny_") :]: value for key, value in times.items() if key.startswith("tiny_")}
+        times.update(_shares(main, tiny))
     return {key: statistics.median(times[key] for times in rounds) for key in rounds[0]}
 
 
-def _worker(rank: int, init_file: str, rounds: int, shape: tuple[int, int, int, int], out_path: str) -> None:
+def _worker(
+    rank: int,
+    init_file: str,
+    rounds: int,
+    shape: tuple[int, int, int, int],
+    tiny_shape: tuple[int, int, int, int] | None,
+    out_path: str,
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=300)
     )
     try:
-        results = [layout_ratios(shape) for _ in range(rounds)]
+        results = [layout_ratios(shape, tiny_shape=tiny_shape) for _ in range(rounds)]
     finally:
         dist.destroy_process_group()
     if rank == 0:
@@ -203,8 +259,19 @@ def _worker(rank: int, init_file: str, rounds: int, shape: tuple[int, int, int, 
             json.dump(results, out)
 
 
+def _parse_shape(parser: argparse.ArgumentParser, option: str, text: str) -> tuple[int, int, int, int]:
+    """``batch,seq,hidden,heads`` as 4 integers the measurement can split, or the parser's error."""
+    try:
+        batch, seq, hidden, heads = (int(v) for v in text.split(","))
+    except ValueError:
+        parser.error(f"{option}: expected 4 integers batch,seq,hidden,heads, got {text!r}")
+    if batch % MICRO_BATCHES or hidden % heads or heads % 2 or seq % 2:
+        parser.error(f"{option} {text}: batch must divide by {MICRO_BATCHES}, hidden by heads, heads and seq by 2")
+    return batch, seq, hidden, heads
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Measures the layout ratios ``--repeats`` times in 2 fresh processes of 1 thread each and
+    """Measures the layout costs ``--repeats`` times in 2 fresh processes of 1 thread each and
     prints every round and the medians as JSON."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--repeats", type=int, default=3, help="runs of layout_ratios, 10 rounds each")
@@ -213,19 +280,19 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(map(str, LAYOUT_SHAPE)),
         help="batch,seq,hidden,heads of the block (batch divisible by 4, hidden by heads and by 2)",
     )
+    parser.add_argument(
+        "--tiny-shape",
+        default=",".join(map(str, TINY_SHAPE)),
+        help="the block of mostly fixed costs, the same format; 'none': no fixed costs (ratios alone)",
+    )
     args = parser.parse_args(argv)
-    try:
-        batch, seq, hidden, heads = (int(v) for v in args.shape.split(","))
-    except ValueError:
-        parser.error(f"--shape: expected 4 integers batch,seq,hidden,heads, got {args.shape!r}")
-    if batch % MICRO_BATCHES or hidden % heads or heads % 2 or seq % 2:
-        parser.error(f"--shape {args.shape}: batch must divide by {MICRO_BATCHES}, hidden by heads, heads and seq by 2")
+    shape = _parse_shape(parser, "--shape", args.shape)
+    tiny_shape = None if args.tiny_shape == "none" else _parse_shape(parser, "--tiny-shape", args.tiny_shape)
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="elixir-layout-") as tmp:
         out_path = os.path.join(tmp, "out.json")
-        shape = (batch, seq, hidden, heads)
-        mp.spawn(_worker, args=(os.path.join(tmp, "init"), args.repeats, shape, out_path), nprocs=2)
+        mp.spawn(_worker, args=(os.path.join(tmp, "init"), args.repeats, shape, tiny_shape, out_path), nprocs=2)
         with open(out_path) as out:
             rounds = json.load(out)
     medians = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}

@@ -122,7 +122,13 @@ def spec_problems(spec: HardwareSpec) -> list[str]:
         value = getattr(spec, name)
         if not _is_number(value) or value <= 0:
             problems.append(f"{name}: expected a positive number, got {value!r}")
-    for name in ("copy_latency_s", "collective_latency_s", "block_call_overhead_s"):
+    for name in (
+        "copy_latency_s",
+        "collective_latency_s",
+        "block_call_overhead_s",
+        "tensor2_block_fixed_s",
+        "pipeline_stage_microbatch_s",
+    ):
         value = getattr(spec, name)
         if not _is_number(value) or not 0 <= value < 1:
             problems.append(f"{name}: expected seconds in [0, 1), got {value!r}")

@@ -12,7 +12,7 @@ from elixir_tune.hardware.bench_copy import (
     host_copy_curve,
     host_copy_latency_s,
 )
-from elixir_tune.hardware.bench_layout import LAYOUT_SHAPE
+from elixir_tune.hardware.bench_layout import LAYOUT_SHAPE, TINY_SHAPE
 from elixir_tune.hardware.bench_threads import thread_handoff_s
 from elixir_tune.hardware.probe_common import (
     CPU_BLOCKS,
@@ -131,9 +131,16 @@ def probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
         if layout:
             layout_note = (
                 f"measured: hardware/bench_layout.py at degree 2, a GPT-2 block {LAYOUT_SHAPE} (batch, seq, hidden, "
-                f"heads), median over rounds, both processes at once, {how}"
+                f"heads) and a tiny one {TINY_SHAPE} for the fixed costs, median over rounds, both processes at "
+                f"once, {how}"
             )
-            sources["tensor2_block_extra_ratio"] = sources["pipeline_microbatch_extra_ratio"] = layout_note
+            for name in (
+                "tensor2_block_extra_ratio",
+                "pipeline_microbatch_extra_ratio",
+                "tensor2_block_fixed_s",
+                "pipeline_stage_microbatch_s",
+            ):
+                sources[name] = layout_note
     else:
         layout = {}
         say(progress, "CPU Adam")
@@ -214,4 +221,6 @@ def probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
         shared_host_link=shared_link,
         tensor2_block_extra_ratio=max(0.0, layout.get("tensor2_block_extra_ratio", 0.0)),
         pipeline_microbatch_extra_ratio=max(0.0, layout.get("pipeline_microbatch_extra_ratio", 0.0)),
+        tensor2_block_fixed_s=max(0.0, layout.get("tensor2_block_fixed_s", 0.0)),
+        pipeline_stage_microbatch_s=max(0.0, layout.get("pipeline_stage_microbatch_s", 0.0)),
     )

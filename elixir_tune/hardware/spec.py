@@ -88,6 +88,15 @@ class HardwareSpec:
             stages' hand-overs (activations and their gradients) add beyond the bubble, as a share
             of a stage's compute (``hardware/bench_layout.py``); 0: not measured, the sends are
             priced from the links alone.
+        tensor2_block_fixed_s: on a CPU device, the fixed seconds a tensor split over 2 ranks adds
+            to one block's forward+backward whatever its size (DTensor dispatch of every op, the
+            collectives' calls and wake-ups), beside ``tensor2_block_extra_ratio``'s share
+            (``hardware/bench_layout.py``, from a tiny block); 0: not measured.
+        pipeline_stage_microbatch_s: on a CPU device, the fixed seconds of one virtual stage's
+            forward+backward of one micro-batch in a pipeline step (the schedule's actions, the
+            stage's receive and send of activations and gradients and their waits), beside
+            ``pipeline_microbatch_extra_ratio``'s share (``hardware/bench_layout.py``); 0: not
+            measured.
         best_mfu: the best model-FLOPs utilisation published for this hardware class per dtype
             (useful FLOPs over the datasheet peak): the search predicts no plan faster
             (``costmodel.rates.plausibility_bound``). Empty: no compute bound.
@@ -129,6 +138,8 @@ class HardwareSpec:
     best_mfu: dict[str, float] = field(default_factory=dict)
     tensor2_block_extra_ratio: float = 0.0
     pipeline_microbatch_extra_ratio: float = 0.0
+    tensor2_block_fixed_s: float = 0.0
+    pipeline_stage_microbatch_s: float = 0.0
 
     def cpu_adam_rate_per_rank(self, ranks_on_node: int) -> float:
         """Host Adam elements/s one rank gets when ``ranks_on_node`` ranks step at once.

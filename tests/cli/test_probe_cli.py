@@ -76,6 +76,8 @@ def test_quick_probe_subprocess_writes_a_loadable_spec(tmp_path):
         assert spec.sources["allgather_gbps"].startswith("measured: gloo, 2 local processes")
         assert min(spec.bandwidth_curves["allgather_gbps"]) == 2**20
         assert spec.cpu_adam_elems_per_s == spec.gpu_adam_elems_per_s > 1e6
+        # the layout costs at 2 processes, the fixed ones from the tiny block (hardware/bench_layout.py)
+        assert "tiny one" in spec.sources["tensor2_block_fixed_s"] and spec.tensor2_block_fixed_s >= 0
     assert spec.device == report["hardware"]["device"]
     assert spec.gpus_per_node == report["hardware"]["gpus_per_node"]
     assert report["closest_preset"] is not None

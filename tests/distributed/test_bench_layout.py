@@ -14,7 +14,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 def test_layout_ratios_come_from_real_timings():
     done = subprocess.run(
-        [sys.executable, "-m", "elixir_tune.hardware.bench_layout", "--repeats", "1", "--shape", "4,16,32,2"],
+        [
+            sys.executable,
+            "-m",
+            "elixir_tune.hardware.bench_layout",
+            "--repeats",
+            "1",
+            "--shape",
+            "4,16,32,2",
+            "--tiny-shape",
+            "4,2,8,2",
+        ],
         capture_output=True,
         text=True,
         timeout=240,
@@ -29,7 +39,11 @@ def test_layout_ratios_come_from_real_timings():
     # Half the block's work plus collectives and DTensor dispatch: more than half the plain block
     # (on a block this small the dispatch alone is many times the block: 31x was seen).
     assert measured["tensor2_block_s"] > measured["plain_block_s"] / 2
-    assert measured["tensor2_block_extra_ratio"] > 0
+    assert measured["tensor2_block_extra_ratio"] > 0 or measured["tensor2_block_fixed_s"] > 0
+    # The tiny block's times are measured too, and the fixed costs fitted from both shapes.
+    assert 0 < measured["tiny_tensor2_block_s"] < 10 and 0 < measured["tiny_pipeline2_s"] < 10
+    for key in ("tensor2_block_fixed_s", "pipeline_stage_microbatch_s"):
+        assert math.isfinite(measured[key]), key
     assert all(math.isfinite(v) for v in result["median"].values())
 
 
@@ -41,3 +55,10 @@ def test_a_bad_shape_is_refused():
         timeout=60,
     )
     assert done.returncode == 2 and "--shape: expected 4 integers" in done.stderr
+    done = subprocess.run(
+        [sys.executable, "-m", "elixir_tune.hardware.bench_layout", "--tiny-shape", "4,2,9,2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "--tiny-shape 4,2,9,2: batch must divide" in done.stderr
