@@ -142,7 +142,8 @@ def pinned_choices(setup: Setup) -> dict:
         "checkpointing": setup.checkpointing,
         "pipeline": setup.pipeline,
         "tensor": setup.tensor,
-        "accumulation": "standard",
+        # A plan's pipeline runs its micro-batches breadth-first (layered); the peers' is 1F1B.
+        "accumulation": "standard" if setup.pipeline == 1 else "layered",
     }
     if setup.offload is not None:
         pinned["offload"] = setup.offload

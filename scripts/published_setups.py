@@ -75,8 +75,9 @@ MEGATRON_MISMATCHES = (
     "GPT with learned positions, biases and a tied head as in the GPT-2 profile; vocabulary 51200 as run",
     "no fused/flash attention in 2021: the seq x seq scores are kept (modelled so)",
 )
-MEGATRON_INTERLEAVED = (
-    "Megatron's interleaved 1F1B schedule ({virtual} layers per virtual stage) modelled as the plan's pipeline"
+MEGATRON_PIPELINE = (
+    "Megatron's 1F1B pipeline schedule{interleaved} modelled as the plan's pipeline, which runs its "
+    "micro-batches breadth-first over modular stages (layered)"
 )
 ZERO_OFFLOAD_MISMATCHES = (
     "the micro-batch per step from the log itself: SamplesPerSec 0.386 x 25.8 s per iteration = 10 samples, "
@@ -191,7 +192,8 @@ def megatron_tokens_per_s(
 def _megatron(size: str, hidden: int, layers: int, heads: int, tp: int, pp: int, micro: int, batch: int,
               gpus: int, tflops: int, percent: int, virtual: int = 0) -> Setup:  # fmt: skip
     data = gpus // (tp * pp)
-    mismatches = MEGATRON_MISMATCHES + ((MEGATRON_INTERLEAVED.format(virtual=virtual),) if virtual else ())
+    interleaved = f" (interleaved, {virtual} layers per virtual stage)" if virtual else ""
+    mismatches = MEGATRON_MISMATCHES + ((MEGATRON_PIPELINE.format(interleaved=interleaved),) if pp > 1 else ())
     return Setup(
         name=f"Megatron GPT-{size} {gpus}xA100 (t{tp} p{pp})",
         source=MEGATRON.format(size=size),
