@@ -365,7 +365,18 @@ def main() -> None:
     )
     parser.add_argument("--rows", default="", help="only setups whose name contains one of these comma-separated texts")
     parser.add_argument("--note", default="", help="a closing note for the markdown (e.g. before/after figures)")
+    parser.add_argument(
+        "--render", action="store_true", help="no search: write PREFIX.md again from PREFIX.json and --note"
+    )
     args = parser.parse_args()
+    prefix = Path(args.out_prefix)
+    if args.render:
+        report = json.loads(prefix.with_suffix(".json").read_text())
+        report["note"] = args.note
+        prefix.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+        prefix.with_suffix(".md").write_text(markdown(report))
+        print(f"wrote {prefix}.md from {prefix}.json")
+        return
     started = time.perf_counter()
     rows = []
     for setup in selected(args.sources, args.rows):
@@ -386,7 +397,6 @@ def main() -> None:
         "rows": rows,
         "note": args.note,
     }
-    prefix = Path(args.out_prefix)
     prefix.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     prefix.with_suffix(".md").write_text(markdown(report))
     print(json.dumps(report["summary"]))
