@@ -292,7 +292,14 @@ def markdown(report: dict) -> str:
         "# The cost model against published training throughput",
         "",
         f"Command: `{report['command']}` ({report['elapsed_s']} s). Predictions of the cost model only (nothing ran "
-        "on a GPU), against figures quoted from their sources (below each table row's source and the quoted row).",
+        "on a GPU), against figures quoted from their sources (below each table row's source and the quoted row)."
+        + (
+            f" Run here as {len(report['parts'])} parts in parallel, merged with `--merge` (same rows and code): "
+            + "; ".join(f"`{command}`" for command in report["parts"])
+            + "."
+            if report.get("parts")
+            else ""
+        ),
         "",
         "**pinned**: the peer's configuration (its tensor and pipeline degrees with data parallelism over the rest, "
         "its micro-batch, accumulation, checkpointing, dtype and offload; mismatches listed per setup). **free**: the "
@@ -368,8 +375,34 @@ def main() -> None:
     parser.add_argument(
         "--render", action="store_true", help="no search: write PREFIX.md again from PREFIX.json and --note"
     )
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        default=[],
+        metavar="PART.json",
+        help="no search: one report from parts run in parallel (each with --sources/--rows), rows in table order",
+    )
     args = parser.parse_args()
     prefix = Path(args.out_prefix)
+    if args.merge:
+        parts = [json.loads(Path(path).read_text()) for path in args.merge]
+        order = {setup.name: index for index, setup in enumerate(PUBLISHED)}
+        rows = sorted(
+            (row for part in parts for row in part["rows"]), key=lambda row: order.get(row["name"], len(order))
+        )
+        report = {
+            "command": COMMAND,
+            "parts": [part["command"] for part in parts],
+            "elapsed_s": max(part["elapsed_s"] for part in parts),
+            "summary": summary(rows),
+            "rows": rows,
+            "note": args.note,
+        }
+        prefix.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+        prefix.with_suffix(".md").write_text(markdown(report))
+        print(json.dumps(report["summary"]))
+        print(f"wrote {prefix}.json and {prefix}.md from {len(parts)} parts")
+        return
     if args.render:
         report = json.loads(prefix.with_suffix(".json").read_text())
         report["note"] = args.note
