@@ -22,7 +22,16 @@ from elixir_tune.hardware import (
 )
 
 GiB = 2**30
-REQUIRED = {"a100-40gb-pcie", "a100-80gb-sxm", "h100-80gb-sxm", "h200-141gb", "rtx4090-24gb", "l4-24gb", "cpu", "v100-32gb-sxm3"}
+REQUIRED = {
+    "a100-40gb-pcie",
+    "a100-80gb-sxm",
+    "h100-80gb-sxm",
+    "h200-141gb",
+    "rtx4090-24gb",
+    "l4-24gb",
+    "cpu",
+    "v100-32gb-sxm3",
+}
 NUMBER_LINE = re.compile(r"^\s*[a-z0-9_]+:\s*-?[0-9][0-9.e+\-_]*\s*(#.*)?$")
 
 
