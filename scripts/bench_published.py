@@ -1,19 +1,21 @@
 """The cost model against published training throughput: predicted vs published tokens/s per GPU.
 
-Each setup is a published measurement (``PUBLISHED`` below: its source, the exact figure and the
-configuration it ran). For each, the joint search runs twice on the matching hardware preset:
+Each setup is a published measurement (scripts/published_setups.py: its source, the exact figure
+and the configuration it ran). For each, the joint search runs twice on the matching hardware preset:
 
-* pinned: the peer's configuration as closely as a plan can express it (data parallelism over every
-  GPU, the peer's micro-batch, accumulation, checkpointing and dtype, no offload); what a plan
-  cannot express is listed as the setup's mismatches;
+* pinned: the peer's configuration as closely as a plan can express it (its tensor and pipeline
+  degrees with data parallelism over the rest, the peer's micro-batch, accumulation, checkpointing,
+  dtype and offload); what a plan cannot express is listed as the setup's mismatches;
 * free: the same model, cluster and global batch, everything else left to the search.
 
 The report gives the pinned prediction over the published figure, and the free plan's predicted
-speed-up over the pinned one. Nothing runs on a GPU: these are predictions of the cost model
-(docs/DESIGN.md section 6) set against figures quoted from their sources.
+speed-up over the pinned one (above 1.3x, the parts of the step that shrink, as the reason). Nothing
+runs on a GPU: these are predictions of the cost model (docs/DESIGN.md section 6) set against figures
+quoted from their sources.
 
-    python scripts/bench_published.py                 # writes benchmarks/results/published.{json,md}
-    python scripts/bench_published.py --out-prefix benchmarks/results/published-before
+    python scripts/bench_published.py                       # all setups: benchmarks/results/published.{json,md}
+    python scripts/bench_published.py --sources megatron,zero-offload --out-prefix /tmp/new
+    python scripts/bench_published.py --rows "MPT-7b,Llama" --out-prefix /tmp/some
 """
 
 from __future__ import annotations
@@ -23,244 +25,107 @@ import dataclasses
 import json
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
+from published_setups import LEFT_OUT, PUBLISHED, SOURCE_KEYS, Setup
+
 from elixir_tune import paths
+from elixir_tune.costmodel.rates import BOUND_KEYS, BOUND_LABELS
 from elixir_tune.costmodel.synthetic import gpt2_profile
 from elixir_tune.hardware import load_hardware
-
-try:  # the bound's names (absent from the cost model before it had the bound)
-    from elixir_tune.costmodel.rates import BOUND_KEYS, BOUND_LABELS
-except ImportError:
-    BOUND_KEYS, BOUND_LABELS = (), {}
+from elixir_tune.hardware.spec import HardwareSpec
 from elixir_tune.profiler.schema import ModelProfile
 from elixir_tune.search import InfeasibleError, search
 
 COMMAND = "python scripts/bench_published.py"
-LLM_FOUNDRY = (
-    "mosaicml/llm-foundry scripts/train/benchmarking/README.md @ 8c8dd48f72168c5d51e2f7b151595892a8fba43d "
-    "(2025-07-21), table '{table}'"
-)
-TORCHTITAN = (
-    "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md @ b5bcd76c66d0acb1a08b176d9639425bc55e0b2a "
-    "(torchtitan 9dec370, 2024-12-26), {table}"
-)
-H100_TABLE = "H100 80GB BF16"
-A100_TABLE = "A100 80GB with 1600 Gbps node-node interconnect (RoCE)"
-# The rows whose MFU the presets' best_mfu quotes (the plausibility bound).
-BEST_MFU_ROWS = {(H100_TABLE, "7b", 2048, 8), (A100_TABLE, "7b", 2048, 8)}
-# MPT sizes (d_model, n_layers, n_heads) from llm-foundry scripts/train/yamls/pretrain/mpt-<size>.yaml,
-# vocabulary 50368, flash attention, expansion ratio 4.
-MPT = {
-    "125m": (768, 12, 12),
-    "350m": (1024, 24, 16),
-    "760m": (1536, 24, 12),
-    "1b": (2048, 24, 16),
-    "3b": (2560, 32, 20),
-    "7b": (4096, 32, 32),
-    "13b": (5120, 40, 40),
-    "30b": (7168, 48, 56),
-    "70b": (8192, 80, 64),
-}
-MPT_MISMATCHES = (
-    "MPT modelled as a GPT-2 of its width/depth/heads (learned positions and biases instead of ALiBi and no bias: "
-    "<0.1% of parameters)",
-    "FSDP's per-block units modelled by chunks the search sizes (chunk size, cache blocks and prefetch free)",
-)
-
-
-@dataclass(frozen=True)
-class Setup:
-    """One published measurement and the configuration it ran.
-
-    Attributes:
-        name: short label.
-        source: where the figure is (repository, path, commit, table).
-        row: the published row as quoted (the columns that matter).
-        model: MPT size key, or a model YAML under configs/models.
-        hardware: the preset the setup is compared on.
-        gpus_per_node: GPUs per node.
-        nodes: nodes.
-        seq_len: tokens per sample.
-        micro_batch_size: samples per micro-batch per GPU.
-        grad_accum_steps: micro-batches per step.
-        checkpointing: "all" or "none".
-        tokens_per_s_per_gpu: the published figure (tokens per second per GPU).
-        mismatches: what the pinned plan cannot express.
-        defines_bound: the row is the best MFU published for its hardware, which the preset's
-            ``best_mfu`` (the plausibility bound) quotes: its prediction is not independent.
-    """
-
-    name: str
-    source: str
-    row: str
-    model: str
-    hardware: str
-    gpus_per_node: int
-    nodes: int
-    seq_len: int
-    micro_batch_size: int
-    grad_accum_steps: int
-    checkpointing: str
-    tokens_per_s_per_gpu: float
-    mismatches: tuple[str, ...] = ()
-    defines_bound: bool = False
-
-
-def _foundry(table: str, size: str, seq: int, gpus: int, mfu: str, micro: int, accum: int, tps: int, ckpt: bool):
-    hardware = "h100-80gb-sxm" if table == H100_TABLE else "a100-80gb-sxm"
-    row = (
-        f"| {size} | {seq} | {gpus} | {'h100_80gb' if hardware.startswith('h100') else 'a100_80gb'} | MFU {mfu} | "
-        f"micro {micro} | accum {accum} | {tps} T/s/GPU | FULL_SHARD | checkpointing {ckpt} |"
-    )
-    extra = ("llm-foundry's amp_bf16 keeps fp32 master weights like the engine",)
-    return Setup(
-        name=f"MPT-{size} s{seq} {gpus}x{hardware.split('-')[0].upper()}",
-        source=LLM_FOUNDRY.format(table=table),
-        row=row,
-        model=size,
-        hardware=hardware,
-        gpus_per_node=min(gpus, 8),
-        nodes=max(1, gpus // 8),
-        seq_len=seq,
-        micro_batch_size=micro,
-        grad_accum_steps=accum,
-        checkpointing="all" if ckpt else "none",
-        tokens_per_s_per_gpu=float(tps),
-        mismatches=MPT_MISMATCHES + extra,
-        defines_bound=(table, size, seq, gpus) in BEST_MFU_ROWS,
-    )
-
-
-TITAN_MISMATCHES = (
-    "torchtitan's H100s are 96 GB HBM2e SXM at 500 W (2.4 TB/s), compared on the h100-80gb-sxm preset (80 GB, 700 W)",
-    "selective (per-op) activation checkpointing modelled as checkpointing every 2nd block",
-    "FSDP2's per-block units modelled by chunks the search sizes",
-)
-
-PUBLISHED: tuple[Setup, ...] = (
-    _foundry(H100_TABLE, "760m", 2048, 8, "34.9", 24, 2, 63147, False),
-    _foundry(H100_TABLE, "1b", 2048, 8, "41.82", 14, 1, 45455, False),
-    _foundry(H100_TABLE, "1b", 32768, 8, "33.54", 1, 4, 12025, False),
-    _foundry(H100_TABLE, "3b", 2048, 16, "43.73", 10, 3, 24142, False),
-    _foundry(H100_TABLE, "3b", 8192, 8, "40.31", 3, 6, 16578, False),
-    _foundry(H100_TABLE, "7b", 2048, 8, "46.44", 6, 1, 10643, False),
-    _foundry(H100_TABLE, "7b", 4096, 8, "40.42", 16, 2, 8611, True),
-    _foundry(H100_TABLE, "13b", 2048, 8, "39.79", 2, 1, 4792, False),
-    _foundry(H100_TABLE, "13b", 4096, 8, "41.6", 10, 3, 4717, True),
-    _foundry(H100_TABLE, "30b", 2048, 8, "38.11", 3, 21, 2002, True),
-    _foundry(H100_TABLE, "70b", 2048, 64, "42.57", 8, 4, 1039, True),
-    _foundry(A100_TABLE, "125m", 2048, 8, "44.79", 40, 2, 142830, False),
-    _foundry(A100_TABLE, "350m", 2048, 8, "51.62", 32, 2, 58782, False),
-    _foundry(A100_TABLE, "1b", 2048, 8, "59.86", 14, 4, 20513, False),
-    _foundry(A100_TABLE, "3b", 2048, 8, "62.11", 10, 2, 10811, False),
-    _foundry(A100_TABLE, "7b", 2048, 8, "64.23", 6, 2, 4641, False),
-    _foundry(A100_TABLE, "7b", 16384, 8, "51.96", 4, 2, 2453, True),
-    _foundry(A100_TABLE, "13b", 4096, 8, "57.62", 10, 3, 2060, True),
-    Setup(
-        name="Llama-3.1-8B s8192 8xH100 (torchtitan FSDP)",
-        source=TORCHTITAN.format(table="Table 1, row 'FSDP'"),
-        row="| FSDP | 5,762 | 82.4 | (TPS/GPU, Memory GiB); 8 GPUs, local batch 2, global 16, selective AC",
-        model="llama3-8b",
-        hardware="h100-80gb-sxm",
-        gpus_per_node=8,
-        nodes=1,
-        seq_len=8192,
-        micro_batch_size=2,
-        grad_accum_steps=1,
-        checkpointing="every:2",
-        tokens_per_s_per_gpu=5762.0,
-        mismatches=TITAN_MISMATCHES,
-    ),
-    Setup(
-        name="Llama-3.1-8B s8192 128xH100 (torchtitan FSDP)",
-        source=TORCHTITAN.format(table="Table 3, row 'FSDP'"),
-        row="| FSDP | 5,605 | 67.0 | (TPS/GPU, Memory GiB); 128 GPUs, local batch 2, global 256, selective AC",
-        model="llama3-8b",
-        hardware="h100-80gb-sxm",
-        gpus_per_node=8,
-        nodes=16,
-        seq_len=8192,
-        micro_batch_size=2,
-        grad_accum_steps=1,
-        checkpointing="every:2",
-        tokens_per_s_per_gpu=5605.0,
-        mismatches=TITAN_MISMATCHES,
-    ),
+# A free plan this much faster than the pinned one gets its reason spelled out (issue 23).
+EXPLAIN_SPEEDUP = 1.3
+# Breakdown entries that are parts of a step's time (the rest are bounds, counts and memory).
+TIME_PARTS = (
+    "compute_s",
+    "recompute_s",
+    "exposed_fetch_s",
+    "grad_drain_s",
+    "optimizer_exposed_s",
+    "tensor_comm_s",
+    "pipeline_bubble_s",
 )
 
 
 def profile_of(setup: Setup) -> ModelProfile:
-    """The profile of a setup's model: analytic for MPT sizes, traced on the meta device otherwise."""
-    if setup.model in MPT:
-        hidden, layers, heads = MPT[setup.model]
+    """The profile of a setup's model: analytic for GPT-shaped ones, traced on the meta device otherwise."""
+    if setup.gpt is not None:
+        hidden, layers, heads, vocab, flash = setup.gpt
         return gpt2_profile(
-            f"mpt-{setup.model}",
+            setup.model,
             hidden=hidden,
             layers=layers,
             heads=heads,
-            vocab=50368,
+            vocab=vocab,
             positions=setup.seq_len,
             seq_len=setup.seq_len,
-            dtype="bf16",
-            flash_attention=True,
+            dtype=setup.dtype,
+            flash_attention=flash,
         )
     from elixir_tune.profiler import profile_model
 
     return profile_model(
-        str(paths.MODEL_CONFIGS_DIR / f"{setup.model}.yaml"), batch_size=1, seq_len=setup.seq_len, dtype="bf16"
+        str(paths.MODEL_CONFIGS_DIR / f"{setup.model}.yaml"), batch_size=1, seq_len=setup.seq_len, dtype=setup.dtype
     )
 
 
-def _run(profile: ModelProfile, setup: Setup, fixed: dict, lift_memory: bool = False) -> dict:
-    """The best plan of one setup under ``fixed``. ``lift_memory``: when nothing fits, search again
-    with the device memory limit lifted (the peer ran the configuration, so the memory model is
-    what over-predicts), and say by how much the plan is over the preset's usable memory."""
-    world = setup.gpus_per_node * setup.nodes
-    batch = setup.micro_batch_size * setup.grad_accum_steps * world
+def _lifted(hardware: HardwareSpec) -> HardwareSpec:
+    """The same node with 4x the usable device memory (the memory model is what over-predicts)."""
+    lifted = dataclasses.replace(hardware, usable_memory_bytes=hardware.usable_memory_bytes * 4)
+    lifted.gpu_memory_bytes = max(lifted.gpu_memory_bytes, lifted.usable_memory_bytes)
+    return lifted
+
+
+def best_plan(profile: ModelProfile, setup: Setup, fixed: dict, lift_memory: bool = False) -> dict:
+    """The best plan of one setup under ``fixed``, as a report entry.
+
+    Args:
+        profile: the setup's model profile.
+        setup: the published setup (cluster and global batch).
+        fixed: pinned choices (``search.space.FIX_KEYS``).
+        lift_memory: when nothing fits, search again with the device memory limit lifted (the peer
+            ran the configuration, so the memory model is what over-predicts) and say so.
+
+    Returns:
+        ``{"error": ...}`` when no plan is found, else its tokens/s per GPU, MFU, step time,
+        shape, layout, breakdown and peak memory.
+    """
     hardware = load_hardware(setup.hardware)
     over_memory = False
-    try:
-        result = search(
-            profile,
-            hardware,
-            gpus_per_node=setup.gpus_per_node,
-            nodes=setup.nodes,
-            global_batch_size=batch,
-            fixed=fixed,
-            loop="forward_backward",
-        )
-    except InfeasibleError as error:
-        if not lift_memory:
-            return {"error": str(error).split("; try:")[0]}
-        lifted = dataclasses.replace(hardware, usable_memory_bytes=hardware.usable_memory_bytes * 4)
-        lifted.gpu_memory_bytes = max(lifted.gpu_memory_bytes, lifted.usable_memory_bytes)
+    attempts = [hardware, _lifted(hardware)] if lift_memory else [hardware]
+    result = None
+    for attempt, spec in enumerate(attempts):
         try:
             result = search(
                 profile,
-                lifted,
+                spec,
                 gpus_per_node=setup.gpus_per_node,
                 nodes=setup.nodes,
-                global_batch_size=batch,
+                global_batch_size=setup.global_batch_size,
                 fixed=fixed,
                 loop="forward_backward",
             )
-        except (InfeasibleError, ValueError) as again:
-            return {"error": str(again).split("; try:")[0]}
-        over_memory = True
-    except ValueError as error:
-        return {"error": str(error).split("; try:")[0]}
+            over_memory = attempt > 0
+            break
+        except (InfeasibleError, ValueError) as error:
+            if attempt == len(attempts) - 1 or not isinstance(error, InfeasibleError):
+                return {"error": str(error).split("; try:")[0]}
+    assert result is not None
     best = result.candidates[0]
-    row = best.row()
     breakdown = best.estimate.breakdown
     clamp_s = breakdown.get("bound_clamp_s", 0.0)
+    per_gpu = best.tokens_per_s / setup.gpus
     return {
-        "tokens_per_s_per_gpu": best.tokens_per_s / world,
-        "unbounded_tokens_per_s_per_gpu": best.tokens_per_s / world * best.step_time_s / (best.step_time_s - clamp_s),
+        "tokens_per_s_per_gpu": per_gpu,
+        "unbounded_tokens_per_s_per_gpu": per_gpu * best.step_time_s / (best.step_time_s - clamp_s),
         "mfu": best.mfu,
         "step_time_s": best.step_time_s,
-        "shape": row,
+        "shape": best.row(),
         "layout": best.layout.describe(),
         "breakdown": {key: round(value, 6) for key, value in breakdown.items()},
         "peak_gpu_gib": round(best.memory.peak_gpu_bytes / 2**30, 2),
@@ -269,29 +134,54 @@ def _run(profile: ModelProfile, setup: Setup, fixed: dict, lift_memory: bool = F
     }
 
 
+def pinned_choices(setup: Setup) -> dict:
+    """The peer's configuration as search pins."""
+    pinned = {
+        "dtype": setup.dtype,
+        "micro_batch_size": setup.micro_batch_size,
+        "checkpointing": setup.checkpointing,
+        "pipeline": setup.pipeline,
+        "tensor": setup.tensor,
+        # A plan's pipeline runs its micro-batches breadth-first (layered); the peers' is 1F1B.
+        "accumulation": "standard" if setup.pipeline == 1 else "layered",
+    }
+    if setup.offload is not None:
+        pinned["offload"] = setup.offload
+    return pinned
+
+
+def speedup_reason(pinned: dict, free: dict) -> str:
+    """Why the free plan is faster, in one line: the plan choices that differ and the step parts that shrink."""
+    choices = []
+    for key in ("micro_batch_size", "checkpointing", "offload", "accumulation"):
+        if pinned["shape"].get(key) != free["shape"].get(key):
+            choices.append(f"{key} {pinned['shape'].get(key)} -> {free['shape'].get(key)}")
+    if pinned["layout"] != free["layout"]:
+        choices.append(f"layout {pinned['layout']} -> {free['layout']}")
+    parts = []
+    for key in TIME_PARTS:
+        before, after = pinned["breakdown"].get(key, 0.0), free["breakdown"].get(key, 0.0)
+        if before - after > 0.02 * pinned["step_time_s"]:
+            parts.append((before - after, f"{key} {before:.3g} -> {after:.3g} s"))
+    parts.sort(reverse=True)
+    return "; ".join(choices) + (": " + ", ".join(text for _, text in parts) if parts else "")
+
+
 def run_setup(setup: Setup) -> dict:
     """Pinned and free predictions of one setup."""
     profile = profile_of(setup)
-    pinned = {
-        "dtype": "bf16",
-        "offload": 0.0,
-        "micro_batch_size": setup.micro_batch_size,
-        "checkpointing": setup.checkpointing,
-        "pipeline": 1,
-        "tensor": 1,
-        "accumulation": "standard",
-    }
     started = time.perf_counter()
-    pinned_result = _run(profile, setup, pinned, lift_memory=True)
-    free_result = _run(profile, setup, {"dtype": "bf16"})
+    pinned_result = best_plan(profile, setup, pinned_choices(setup), lift_memory=True)
+    free_result = best_plan(profile, setup, {"dtype": setup.dtype})
     out = {
         "name": setup.name,
         "source": setup.source,
+        "source_key": setup.source_key,
         "row": setup.row,
         "model": setup.model,
         "params": profile.num_params,
         "hardware": setup.hardware,
-        "gpus": setup.gpus_per_node * setup.nodes,
+        "gpus": setup.gpus,
         "seq_len": setup.seq_len,
         "micro_batch_size": setup.micro_batch_size,
         "grad_accum_steps": setup.grad_accum_steps,
@@ -299,6 +189,7 @@ def run_setup(setup: Setup) -> dict:
         "published_tokens_per_s_per_gpu": setup.tokens_per_s_per_gpu,
         "mismatches": list(setup.mismatches),
         "defines_bound": setup.defines_bound,
+        "fitted_source": setup.fitted_source,
         "pinned": pinned_result,
         "free": free_result,
         "search_s": round(time.perf_counter() - started, 1),
@@ -307,6 +198,8 @@ def run_setup(setup: Setup) -> dict:
         out["ratio"] = pinned_result["tokens_per_s_per_gpu"] / setup.tokens_per_s_per_gpu
         if "tokens_per_s_per_gpu" in free_result:
             out["free_speedup"] = free_result["tokens_per_s_per_gpu"] / pinned_result["tokens_per_s_per_gpu"]
+            if out["free_speedup"] > EXPLAIN_SPEEDUP:
+                out["speedup_reason"] = speedup_reason(pinned_result, free_result)
     return out
 
 
@@ -332,23 +225,14 @@ def _plan_text(result: dict) -> str:
     return text
 
 
-def summary(rows: list[dict]) -> dict:
-    """Median and worst |ratio - 1| over the setups with a pinned prediction, and over those
-    whose figure the presets do not quote (``independent_*``)."""
-    errors = [abs(row["ratio"] - 1) for row in rows if "ratio" in row]
+def _errors(rows: list[dict], keep) -> list[float]:
+    return [abs(row["ratio"] - 1) for row in rows if "ratio" in row and keep(row)]
+
+
+def _stats(errors: list[float]) -> dict:
     if not errors:
-        return {"setups": len(rows), "compared": 0}
-    independent = [abs(row["ratio"] - 1) for row in rows if "ratio" in row and not row["defines_bound"]]
-    free_bounded = sum(
-        1
-        for row in rows
-        if "tokens_per_s_per_gpu" in row["free"] and row["free"]["breakdown"].get("bound_clamp_s", 0) > 0
-    )
+        return {"compared": 0}
     return {
-        "independent_median_abs_error": round(statistics.median(independent), 4) if independent else None,
-        "independent_max_abs_error": round(max(independent), 4) if independent else None,
-        "free_plans_clamped_to_bound": free_bounded,
-        "setups": len(rows),
         "compared": len(errors),
         "median_abs_error": round(statistics.median(errors), 4),
         "max_abs_error": round(max(errors), 4),
@@ -357,25 +241,76 @@ def summary(rows: list[dict]) -> dict:
     }
 
 
+def summary(rows: list[dict]) -> dict:
+    """|ratio - 1| over all setups with a pinned prediction, over those whose figure the presets do not
+    quote (``independent``), and over those from sources the rates were not fitted to (``held_out``)."""
+    out = {"setups": len(rows), **_stats(_errors(rows, lambda row: True))}
+    out["independent"] = _stats(_errors(rows, lambda row: not row["defines_bound"]))
+    out["held_out"] = _stats(_errors(rows, lambda row: not row.get("fitted_source")))
+    out["free_plans_clamped_to_bound"] = sum(
+        1 for row in rows if "breakdown" in row["free"] and row["free"]["breakdown"].get("bound_clamp_s", 0) > 0
+    )
+    out["free_speedups_over_1_3"] = sum(1 for row in rows if row.get("free_speedup", 0) > EXPLAIN_SPEEDUP)
+    return out
+
+
+def _stats_text(stats: dict) -> str:
+    if not stats.get("compared"):
+        return "none compared"
+    return (
+        f"{stats['compared']} compared, median |ratio - 1| {stats['median_abs_error']:.1%}, max "
+        f"{stats['max_abs_error']:.1%}, {stats['within_10pct']} within 10%, {stats['beyond_25pct']} beyond 25%"
+    )
+
+
+def table_row(row: dict) -> str:
+    """One setup's line of the results table: published, pinned and free figures and the free plan."""
+
+    def figure(result: dict, key: str, spec: str) -> str:
+        return format(result[key], spec) if key in result else "-"
+
+    pinned, free = row["pinned"], row["free"]
+    unbounded = pinned.get("unbounded_tokens_per_s_per_gpu")
+    raw = f"{unbounded / row['published_tokens_per_s_per_gpu']:.2f}" if unbounded else "-"
+    marks = (" `*`" if row.get("defines_bound") else "") + ("" if row.get("fitted_source") else " `h`")
+    speedup = f"{row['free_speedup']:.2f}x" if "free_speedup" in row else "-"
+    return (
+        f"| {row['name']}{marks} | {row['published_tokens_per_s_per_gpu']:.0f} "
+        f"| {figure(pinned, 'tokens_per_s_per_gpu', '.0f')} | {row['ratio']:.2f} | {raw} "
+        f"| {figure(pinned, 'mfu', '.3f')} | {figure(free, 'tokens_per_s_per_gpu', '.0f')} | {speedup} "
+        f"| {figure(free, 'mfu', '.3f')} | {_plan_text(free)} |"
+        if "ratio" in row
+        else f"| {row['name']}{marks} | {row['published_tokens_per_s_per_gpu']:.0f} | - | - | - | - | "
+        f"{figure(free, 'tokens_per_s_per_gpu', '.0f')} | - | {figure(free, 'mfu', '.3f')} | {_plan_text(free)} |"
+    )
+
+
 def markdown(report: dict) -> str:
+    """The report as markdown: summary, one table row per setup, then sources and plans per setup."""
     s = report["summary"]
     lines = [
         "# The cost model against published training throughput",
         "",
         f"Command: `{report['command']}` ({report['elapsed_s']} s). Predictions of the cost model only (nothing ran "
-        "on a GPU), against figures quoted from their sources (below each table row's source and the quoted row).",
+        "on a GPU), against figures quoted from their sources (below each table row's source and the quoted row)."
+        + (
+            f" Run here as {len(report['parts'])} parts in parallel, merged with `--merge` (same rows and code): "
+            + "; ".join(f"`{command}`" for command in report["parts"])
+            + "."
+            if report.get("parts")
+            else ""
+        ),
         "",
-        "**pinned**: the peer's configuration (data parallelism over all GPUs, its micro-batch, accumulation, "
-        "checkpointing, bf16, no offload; mismatches listed per setup). **free**: the same model, cluster and global "
-        "batch, everything else searched (pipeline, tensor and layered plans included). ratio = predicted / "
-        "published tokens/s per GPU; speed-up = free / pinned predicted tokens/s.",
+        "**pinned**: the peer's configuration (its tensor and pipeline degrees with data parallelism over the rest, "
+        "its micro-batch, accumulation, checkpointing, dtype and offload; mismatches listed per setup). **free**: the "
+        "same model, cluster and global batch, everything else searched (pipeline, tensor and layered plans "
+        "included). ratio = predicted / published tokens/s per GPU; speed-up = free / pinned predicted tokens/s.",
         "",
-        f"Setups: {s['setups']}, compared: {s.get('compared', 0)}; median |ratio - 1| = "
-        f"{s.get('median_abs_error', float('nan')):.1%}, max {s.get('max_abs_error', float('nan')):.1%}, "
-        f"{s.get('within_10pct', 0)} within 10%, {s.get('beyond_25pct', 0)} beyond 25%. Without the setups marked "
-        f"`*` (the best published MFU of their hardware, which the preset's bound quotes): median "
-        f"{s.get('independent_median_abs_error') or float('nan'):.1%}, max {s.get('independent_max_abs_error') or float('nan'):.1%}. "
-        f"Free plans raised to the plausibility bound: {s.get('free_plans_clamped_to_bound', 0)}.",
+        f"Setups: {s['setups']}. All: {_stats_text(s)}. Without the rows marked `*` (the best published MFU of "
+        f"their hardware, which the preset's bound quotes): {_stats_text(s['independent'])}. Held out (marked `h`: "
+        f"sources no preset rate was fitted to): {_stats_text(s['held_out'])}. Free plans raised to the "
+        f"plausibility bound: {s['free_plans_clamped_to_bound']}; free plans over {EXPLAIN_SPEEDUP}x the pinned "
+        f"one: {s['free_speedups_over_1_3']} (reasons below the table).",
         "",
         "`unbounded ratio`: the pinned prediction before the plausibility bound raised it (equal to ratio when the "
         "bound does not bind).",
@@ -384,21 +319,11 @@ def markdown(report: dict) -> str:
         "| speed-up | free MFU | free plan |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for row in report["rows"]:
-        pinned, free = row["pinned"], row["free"]
-        p_tps = f"{pinned['tokens_per_s_per_gpu']:.0f}" if "tokens_per_s_per_gpu" in pinned else "-"
-        f_tps = f"{free['tokens_per_s_per_gpu']:.0f}" if "tokens_per_s_per_gpu" in free else "-"
-        ratio = f"{row['ratio']:.2f}" if "ratio" in row else "-"
-        speedup = f"{row['free_speedup']:.2f}x" if "free_speedup" in row else "-"
-        p_mfu = f"{pinned['mfu']:.3f}" if "mfu" in pinned else "-"
-        f_mfu = f"{free['mfu']:.3f}" if "mfu" in free else "-"
-        unbounded = pinned.get("unbounded_tokens_per_s_per_gpu")
-        raw = f"{unbounded / row['published_tokens_per_s_per_gpu']:.2f}" if unbounded else "-"
-        name = row["name"] + (" `*`" if row.get("defines_bound") else "")
-        lines.append(
-            f"| {name} | {row['published_tokens_per_s_per_gpu']:.0f} | {p_tps} | {ratio} | {raw} | {p_mfu} | {f_tps} "
-            f"| {speedup} | {f_mfu} | {_plan_text(free)} |"
-        )
+    lines += [table_row(row) for row in report["rows"]]
+    explained = [row for row in report["rows"] if row.get("speedup_reason")]
+    if explained:
+        lines += ["", f"## Free plans over {EXPLAIN_SPEEDUP}x the pinned one", ""]
+        lines += [f"- {row['name']} ({row['free_speedup']:.2f}x): {row['speedup_reason']}" for row in explained]
     lines += ["", "## Sources, quoted rows, pinned plans and mismatches", ""]
     for row in report["rows"]:
         lines += [
@@ -411,9 +336,28 @@ def markdown(report: dict) -> str:
             "- mismatches: " + "; ".join(row["mismatches"]),
             "",
         ]
+    lines += ["## Sources looked at and left out", ""] + [f"- {text}" for text in LEFT_OUT] + [""]
     if report.get("note"):
         lines += ["## Note", "", report["note"], ""]
     return "\n".join(lines)
+
+
+def selected(sources: str, rows: str) -> list[Setup]:
+    """The setups of the named source families (comma-separated ``source_key``s) whose name holds one
+    of the comma-separated ``rows`` texts; empty filters select everything."""
+    keys = [key.strip() for key in sources.split(",") if key.strip()]
+    unknown = [key for key in keys if key not in SOURCE_KEYS]
+    if unknown:
+        raise SystemExit(f"--sources {','.join(unknown)}: unknown (known: {', '.join(SOURCE_KEYS)})")
+    texts = [text.strip() for text in rows.split(",") if text.strip()]
+    chosen = [
+        setup
+        for setup in PUBLISHED
+        if (not keys or setup.source_key in keys) and (not texts or any(text in setup.name for text in texts))
+    ]
+    if not chosen:
+        raise SystemExit("no setup matches --sources/--rows; names are listed in scripts/published_setups.py")
+    return chosen
 
 
 def main() -> None:
@@ -423,14 +367,52 @@ def main() -> None:
         default=str(paths.REPO_DIR / "benchmarks" / "results" / "published"),
         help="writes PREFIX.json and PREFIX.md",
     )
-    parser.add_argument("--only", default="", help="run only setups whose name contains this text")
+    parser.add_argument(
+        "--sources", default="", help=f"only these source families, comma-separated: {', '.join(SOURCE_KEYS)}"
+    )
+    parser.add_argument("--rows", default="", help="only setups whose name contains one of these comma-separated texts")
     parser.add_argument("--note", default="", help="a closing note for the markdown (e.g. before/after figures)")
+    parser.add_argument(
+        "--render", action="store_true", help="no search: write PREFIX.md again from PREFIX.json and --note"
+    )
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        default=[],
+        metavar="PART.json",
+        help="no search: one report from parts run in parallel (each with --sources/--rows), rows in table order",
+    )
     args = parser.parse_args()
+    prefix = Path(args.out_prefix)
+    if args.merge:
+        parts = [json.loads(Path(path).read_text()) for path in args.merge]
+        order = {setup.name: index for index, setup in enumerate(PUBLISHED)}
+        rows = sorted(
+            (row for part in parts for row in part["rows"]), key=lambda row: order.get(row["name"], len(order))
+        )
+        report = {
+            "command": COMMAND,
+            "parts": [part["command"] for part in parts],
+            "elapsed_s": max(part["elapsed_s"] for part in parts),
+            "summary": summary(rows),
+            "rows": rows,
+            "note": args.note,
+        }
+        prefix.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+        prefix.with_suffix(".md").write_text(markdown(report))
+        print(json.dumps(report["summary"]))
+        print(f"wrote {prefix}.json and {prefix}.md from {len(parts)} parts")
+        return
+    if args.render:
+        report = json.loads(prefix.with_suffix(".json").read_text())
+        report["note"] = args.note
+        prefix.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+        prefix.with_suffix(".md").write_text(markdown(report))
+        print(f"wrote {prefix}.md from {prefix}.json")
+        return
     started = time.perf_counter()
     rows = []
-    for setup in PUBLISHED:
-        if args.only and args.only not in setup.name:
-            continue
+    for setup in selected(args.sources, args.rows):
         row = run_setup(setup)
         rows.append(row)
         print(
@@ -438,14 +420,16 @@ def main() -> None:
             f"free speed-up {row.get('free_speedup', float('nan')):.2f} ({row['search_s']} s)",
             flush=True,
         )
+    command = COMMAND + "".join(
+        f" --{key} {value!r}" for key, value in (("sources", args.sources), ("rows", args.rows)) if value
+    )
     report = {
-        "command": COMMAND,
+        "command": command,
         "elapsed_s": round(time.perf_counter() - started, 1),
         "summary": summary(rows),
         "rows": rows,
         "note": args.note,
     }
-    prefix = Path(args.out_prefix)
     prefix.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     prefix.with_suffix(".md").write_text(markdown(report))
     print(json.dumps(report["summary"]))

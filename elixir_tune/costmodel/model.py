@@ -17,7 +17,7 @@ from elixir_tune.costmodel.memory import STAGING_BUFFERS, MemoryEstimate, checkp
 from elixir_tune.costmodel.offload import offload_orders
 from elixir_tune.costmodel.parallel import DATA_ONLY, Layout, critical_stage, rank_profile
 from elixir_tune.costmodel.parallel_time import ParallelTimes
-from elixir_tune.costmodel.rates import attention_flops_share, plausibility_bound
+from elixir_tune.costmodel.rates import attention_flops_share, attention_scores_bytes, plausibility_bound
 from elixir_tune.costmodel.timeline import (
     LEFTOVER_ZERO,
     MicroBatchTime,
@@ -175,6 +175,15 @@ class CostModel:
         # share of the FLOPs is the whole model's, which a stage or a tensor shard keeps.
         self.attention_flops_per_s = hardware.attention_tflops.get(self.dtype, 0.0) * 1e12
         self.attention_share = attention_flops_share(profile) if self.attention_flops_per_s else 0.0
+        # An eager attention's scores through HBM, per FLOP of the model (a stage or a tensor shard
+        # moves its FLOPs' share); only beside a fused kernel's attention rate, which leaves them out.
+        scores = attention_scores_bytes(profile, self.dtype) if self.attention_flops_per_s else (0.0, 0.0)
+        hbm_bytes_per_s = hardware.hbm_gbps * 1e9
+        self.scores_s_per_flop = (
+            tuple(bytes_ / hbm_bytes_per_s / profile.flops_per_sample for bytes_ in scores)
+            if profile.flops_per_sample
+            else (0.0, 0.0)
+        )
         # Host Adam with every rank of the node stepping at once (min of process and node rates).
         self.cpu_adam_elems_per_s = hardware.cpu_adam_rate_per_rank(gpus_per_node)
         # PCIe-only GPUs: collectives and host copies share each GPU's link (world 1 has no collectives).
@@ -356,7 +365,9 @@ class CostModel:
         The matrix products' FLOPs at the block rate (``flops_per_s_at``), the attention products'
         at the hardware's attention rate when it has one (``rates.attention_flops_share``; the
         share grows with the sequence); recomputation is the checkpointed blocks' forward FLOPs
-        again, split the same way. The model's own pointwise ops at the pointwise rate (the block
+        again, split the same way. An eager attention's scores move through HBM at ``hbm_gbps``
+        beside a fused attention rate (``rates.attention_scores_bytes``; recomputed with their
+        blocks' forward). The model's own pointwise ops at the pointwise rate (the block
         rate is net of the probe block's, ``pointwise_s``); plus the hardware's per-call overhead
         for each block's forward+backward, and half of it for each recomputed block's forward (a
         forward runs about half of a forward+backward's ops): it is what makes small
@@ -377,13 +388,23 @@ class CostModel:
         recompute_attention = min(recompute_flops, flops * share / 3 * self.recompute_share(every))
         attention_s = flops * share / self.attention_flops_per_s if share else 0.0
         recompute_attention_s = recompute_attention / self.attention_flops_per_s if share else 0.0
+        scores_forward, scores_backward = (flops * s_per_flop for s_per_flop in self.scores_s_per_flop)
         recompute = (
             (recompute_flops - recompute_attention) / rate
             + recompute_attention_s
             + recomputed * overhead_s / 2
             + pointwise_recompute
+            + scores_forward * self.recompute_share(every)
         )
-        compute = flops * (1 - share) / rate + attention_s + blocks * overhead_s + pointwise + recompute
+        compute = (
+            flops * (1 - share) / rate
+            + attention_s
+            + scores_forward
+            + scores_backward
+            + blocks * overhead_s
+            + pointwise
+            + recompute
+        )
         communication = self.tensor_comm_s(micro_batch_size, every) + self.expert_comm_s(micro_batch_size, every)
         return compute + communication, recompute
 
@@ -547,6 +568,7 @@ class CostModel:
             offloaded_trainable_numel_per_rank=self.offloaded_trainable(shape) * shard_numel,
             ranks_on_node=self.gpus_per_node,
             world_size=self.world_size,
+            scores_s=sum(self.scores_s_per_flop) * self.full_profile.flops_per_sample * samples_per_gpu,
         )
         breakdown.update({key: value for key, value in bounds.items() if value > 0})
         bound_s = max(bounds.values())

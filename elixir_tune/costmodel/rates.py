@@ -8,10 +8,13 @@ Two parts of a transformer run at different rates. Its matrix products (projecti
 run at the block rate, read from a curve over the block's parameter count (wide blocks keep the
 tensor cores busier); the attention products run at the attention rate, whose share of the FLOPs
 grows with the sequence length (4 x seq^2 x hidden per layer forward against ~24 x hidden^2 x seq
-for the rest). So a narrow model or a long sequence runs below the rate of a wide model at 2K.
+for the rest). So a narrow model or a long sequence runs below the rate of a wide model at 2K. The attention
+rate is a fused kernel's (the presets fit it to FlashAttention runs); an eager attention, which
+writes its seq x seq scores, also moves them through HBM (``attention_scores_bytes``).
 
 The plausibility bound says how fast a step can be at all: its useful FLOPs at the best MFU
-published for the hardware class, its offloaded shards over the host link, its host Adam at the
+published for the hardware class (plus an eager attention's score traffic, which the fused
+attention of the published runs did not pay), its offloaded shards over the host link, its host Adam at the
 node's rate. A prediction below the bound is raised to it, and the step's breakdown says which
 bound binds (``bound_*_s`` entries, ``bound_clamp_s`` when it was raised).
 """
@@ -45,6 +48,35 @@ def attention_flops_share(profile: ModelProfile) -> float:
     return min(1.0, attention / profile.flops_per_sample)
 
 
+def attention_scores_bytes(profile: ModelProfile, dtype: str) -> tuple[float, float]:
+    """HBM bytes one sample's attention scores move when the attention writes them to memory.
+
+    The attention rate (``attention_tflops``) is a fused kernel's: FlashAttention keeps the
+    seq x seq scores on chip. An eager attention (``arch.attention_scores``: GPT-2's and Megatron's
+    2021 attention, transformers' ``eager``) writes them and reads them back through a chain of
+    memory-bound kernels, per element of heads x seq^2 per layer (b bytes per element of the
+    compute dtype, 1 for the dropout mask): forward, scores written by QK^T (b), softmax read and
+    written (2b), dropout read and written plus its mask (2b + 1), read by the product with V (b):
+    6b + 1; backward, the dropped probabilities read for dV (b), their gradient written (b),
+    dropout's backward (2b + 1), softmax's backward reading the gradient and the probabilities and
+    writing the scores' gradient (3b), that read for dQ and for dK (2b): 9b + 1.
+
+    Args:
+        profile: the whole model's profile (heads, layers and sequence from its architecture).
+        dtype: compute dtype.
+
+    Returns:
+        (forward, backward) bytes of one sample over all layers; (0, 0) when the profile's attention
+        is fused or unknown.
+    """
+    arch = profile.arch
+    if not arch.attention_scores or arch.num_layers <= 0 or arch.num_heads <= 0:
+        return 0.0, 0.0
+    elements = arch.num_layers * arch.num_heads * profile.seq_len**2
+    width = DTYPE_BYTES.get(dtype, 4)
+    return float(elements * (6 * width + 1)), float(elements * (9 * width + 1))
+
+
 def plausibility_bound(
     hardware: HardwareSpec,
     dtype: str,
@@ -53,6 +85,7 @@ def plausibility_bound(
     ranks_on_node: int,
     world_size: int,
     offloaded_trainable_numel_per_rank: int | None = None,
+    scores_s: float = 0.0,
 ) -> dict[str, float]:
     """The least time a step can take, per bound (0 where a bound does not apply).
 
@@ -65,9 +98,12 @@ def plausibility_bound(
         world_size: ranks in all (one rank copies alone at the single-GPU bandwidth).
         offloaded_trainable_numel_per_rank: the trainable part of them (None: all); frozen shards (a
             LoRA base) go up only, with no gradient down and no host Adam.
+        scores_s: an eager attention's score traffic in the step (``attention_scores_bytes`` at the
+            HBM rate): the best MFU was published with fused attention, so it adds to the compute bound.
 
     Returns:
-        ``bound_compute_s``: the FLOPs at ``best_mfu`` x the datasheet peak (0 without either);
+        ``bound_compute_s``: the FLOPs at ``best_mfu`` x the datasheet peak, plus ``scores_s``
+        (0 without a best MFU or a peak);
         ``bound_pcie_s``: the offloaded parameters up and the trainable ones' gradients down, each
         direction once per step in the compute dtype (0 on a CPU device, whose host and device are one pool);
         ``bound_cpu_adam_s``: the node's offloaded trainable elements at its host Adam rate.
@@ -76,7 +112,7 @@ def plausibility_bound(
     best = hardware.best_mfu.get(dtype, 0.0)
     peak_tflops = hardware.matmul_peak_tflops.get(dtype, 0.0)
     if best > 0 and peak_tflops > 0:
-        bounds["bound_compute_s"] = useful_flops_per_gpu / (best * peak_tflops * 1e12)
+        bounds["bound_compute_s"] = useful_flops_per_gpu / (best * peak_tflops * 1e12) + scores_s
     if offloaded_numel_per_rank > 0 and hardware.device != "cpu":
         shared = world_size > 1
         h2d = hardware.h2d_gbps_all if shared else hardware.h2d_gbps

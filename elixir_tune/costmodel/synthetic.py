@@ -126,7 +126,7 @@ def gpt2_profile(
         activation_checkpointed=checkpointed,
         buffers_bytes=0,
         summary=f"{name}: {num_params / 1e9:.2f}B parameters (analytic)",
-        arch=ModelArch("gpt2", hidden, heads, heads, 4 * hidden, vocab, layers),
+        arch=ModelArch("gpt2", hidden, heads, heads, 4 * hidden, vocab, layers, attention_scores=not flash_attention),
     )
 
 

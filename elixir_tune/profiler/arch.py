@@ -55,4 +55,5 @@ def model_arch(model: Any) -> ModelArch:
         num_layers=_positive_int(config, "num_hidden_layers"),
         num_experts=experts if dispatches else 0,
         experts_per_token=top_k if dispatches else 0,
+        attention_scores=getattr(config, "_attn_implementation", None) == "eager",
     )

@@ -104,6 +104,8 @@ class ModelArch:
             (``config.base_model_ep_plan`` dispatching tokens to its experts); 0 otherwise: expert
             parallelism cannot run the model.
         experts_per_token: experts each token is routed to (top-k; 0 without an expert plan).
+        attention_scores: the attention writes its seq x seq scores to memory (eager attention, no
+            fused kernel); False for fused kernels (sdpa, FlashAttention) and when unknown.
     """
 
     model_type: str = ""
@@ -116,6 +118,7 @@ class ModelArch:
     tensor_layout: dict[str, str] = field(default_factory=dict)
     num_experts: NonNegativeInt = 0
     experts_per_token: NonNegativeInt = 0
+    attention_scores: bool = False
 
 
 @dataclass

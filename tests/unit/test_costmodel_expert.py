@@ -12,6 +12,7 @@ from elixir_tune.costmodel.parallel import Layout
 from elixir_tune.costmodel.parallel_time import TP_MOE_WIRE_FACTOR, ParallelTimes
 from elixir_tune.costmodel.timeline import transfer_costs
 from elixir_tune.hardware import load_hardware
+from elixir_tune.plan.capabilities import EXPERT_PARALLEL_RUNS_WITH
 from elixir_tune.plan.schema import DTYPE_BYTES
 
 
@@ -68,7 +69,7 @@ def test_the_profile_names_its_expert_tensors(moe):
     assert all(moe.params[i].shape[0] == 4 for i in expert_param_indices(moe))
 
 
-def test_a_rank_holds_its_experts_in_chunks_of_their_own(moe, h100):
+def test_a_rank_holds_its_experts_in_chunks_of_their_own(moe, h100, monkeypatch):
     plain = CostModel(moe, h100, gpus_per_node=4)
     model = CostModel(moe, h100, gpus_per_node=4, layout=Layout(expert=2))
     assert model.data_size == 4 and model.experts.replicas == 2  # expert parallelism adds no ranks
@@ -83,11 +84,15 @@ def test_a_rank_holds_its_experts_in_chunks_of_their_own(moe, h100):
     for chunk in layout.chunks:
         names = {model.profile.params[i].name for i in chunk.params}
         assert names <= experts if chunk.expert else not names & experts
-    # An expert chunk's shard is E data shards; it is never offloaded (the engine refuses).
+    # An expert chunk's shard is E data shards; it is offloaded only where the engine's limits table allows.
     assert model.experts.shard_units(layout) == layout.num_chunks + layout.num_expert
-    order = model.offload_order(chunk_size, 0, model.min_cache_blocks(chunk_size, 0))
-    assert sorted(order) == [c for c, chunk in enumerate(layout.chunks) if not chunk.expert]
-    assert model.offloadable_chunks(chunk_size) == layout.num_chunks - layout.num_expert
+    for offloadable in (False, True):
+        monkeypatch.setitem(EXPERT_PARALLEL_RUNS_WITH, "offloaded_experts", offloadable)
+        model._orders.clear()
+        order = model.offload_order(chunk_size, 0, model.min_cache_blocks(chunk_size, 0))
+        assert sorted(order) == [c for c, chunk in enumerate(layout.chunks) if offloadable or not chunk.expert]
+        expected = layout.num_chunks - (0 if offloadable else layout.num_expert)
+        assert model.offloadable_chunks(chunk_size) == expected
     shape = Shape(chunk_size, layout.num_cacheable, 0, 0, 0, 2, 2)
     shard_bytes = model.memory(shape).model_state_bytes["device_shard_bytes"]
     assert shard_bytes == model.experts.shard_units(layout) * (chunk_size // 4) * 16  # fp32 master, grad, Adam m, v

@@ -15,9 +15,16 @@ import pytest
 
 from elixir_tune.costmodel.layout import largest_trainable_numel, pack_chunks
 from elixir_tune.costmodel.model import CostModel, Shape
-from elixir_tune.costmodel.rates import attention_flops_share, binding_bound, plausibility_bound
+from elixir_tune.costmodel.parallel import Layout
+from elixir_tune.costmodel.rates import (
+    attention_flops_share,
+    attention_scores_bytes,
+    binding_bound,
+    plausibility_bound,
+)
 from elixir_tune.costmodel.synthetic import example_hardware, gpt2_profile
 from elixir_tune.hardware.presets import spec_problems
+from elixir_tune.profiler.arch import model_arch
 from elixir_tune.search.joint import chunk_sizes
 from elixir_tune.search.space import chunk_size_grid, even_split_sizes
 
@@ -46,11 +53,12 @@ def test_attention_share_is_four_seq_squared_hidden_per_layer():
 
 def test_narrow_blocks_and_long_sequences_compute_slower():
     spec = _spec()
-    narrow = gpt2_profile(hidden=256, layers=2, heads=4, vocab=1000, seq_len=512)  # 0.8M per block
-    wide = gpt2_profile(hidden=2048, layers=2, heads=16, vocab=1000, seq_len=512)  # 50M per block
+    flash = {"flash_attention": True}  # fused attention: its FLOPs at the attention rate, nothing else
+    narrow = gpt2_profile(hidden=256, layers=2, heads=4, vocab=1000, seq_len=512, **flash)  # 0.8M per block
+    wide = gpt2_profile(hidden=2048, layers=2, heads=16, vocab=1000, seq_len=512, **flash)  # 50M per block
     assert _rate(narrow, spec) < _rate(wide, spec)
-    short = gpt2_profile(hidden=2048, layers=2, heads=16, vocab=1000, seq_len=512)
-    long = gpt2_profile(hidden=2048, layers=2, heads=16, vocab=1000, seq_len=8192, positions=8192)
+    short = gpt2_profile(hidden=2048, layers=2, heads=16, vocab=1000, seq_len=512, **flash)
+    long = gpt2_profile(hidden=2048, layers=2, heads=16, vocab=1000, seq_len=8192, positions=8192, **flash)
     assert _rate(long, spec) < _rate(short, spec)
     # Split exactly: matmul FLOPs at the block curve, attention FLOPs at 50 TFLOP/s.
     model = CostModel(long, spec, gpus_per_node=8)
@@ -65,7 +73,9 @@ def test_narrow_blocks_and_long_sequences_compute_slower():
 
 def test_recomputation_is_the_extra_forward_at_the_same_rates():
     spec = _spec()
-    profile = gpt2_profile(hidden=1024, layers=4, heads=8, vocab=1000, seq_len=2048, positions=2048)
+    profile = gpt2_profile(
+        hidden=1024, layers=4, heads=8, vocab=1000, seq_len=2048, positions=2048, flash_attention=True
+    )
     model = CostModel(profile, spec, gpus_per_node=8)
     plain, _ = model.compute_s(2, 0)
     checkpointed, recompute = model.compute_s(2, 1)
@@ -77,8 +87,44 @@ def test_recomputation_is_the_extra_forward_at_the_same_rates():
     assert recompute == pytest.approx(expected)
 
 
+def test_eager_attention_moves_its_scores_through_hbm():
+    """Scores written by an eager attention cost (6b + 1) bytes per element forward and (9b + 1)
+    backward at the HBM rate, again in a recomputed forward, and raise the compute bound."""
+    spec = _spec(best_mfu={"bf16": 0.01})
+    sizes = {"hidden": 1024, "layers": 4, "heads": 8, "vocab": 1000, "seq_len": 2048, "positions": 2048}
+    eager, fused = gpt2_profile(**sizes), gpt2_profile(**sizes, flash_attention=True)
+    assert eager.arch.attention_scores and not fused.arch.attention_scores
+    elements = 4 * 8 * 2048**2
+    assert attention_scores_bytes(eager, "bf16") == (elements * 13, elements * 19)
+    assert attention_scores_bytes(fused, "bf16") == (0.0, 0.0)
+    eager_model, fused_model = (CostModel(p, spec, gpus_per_node=8) for p in (eager, fused))
+    hbm = spec.hbm_gbps * 1e9
+    for every in (0, 1):
+        (eager_s, eager_re), (fused_s, fused_re) = eager_model.compute_s(3, every), fused_model.compute_s(3, every)
+        assert eager_re - fused_re == pytest.approx(3 * elements * 13 / hbm * every)
+        assert eager_s - fused_s == pytest.approx(3 * elements * (32 + 13 * every) / hbm)
+    # The best MFU was published with fused attention: the score traffic adds to the compute bound.
+    shape = Shape(2**22, eager_model.layout(2**22).num_cacheable, 0, 1, 0, 8, 1)
+    eager_bound = eager_model.step_time(shape).breakdown["bound_compute_s"]
+    fused_bound = fused_model.step_time(shape).breakdown["bound_compute_s"]
+    assert eager_bound - fused_bound == pytest.approx(8 * elements * 32 / hbm)
+    # A tensor shard moves its FLOPs' share of the scores (half the heads at degree 2).
+    halves = CostModel(eager, spec, gpus_per_node=8, layout=Layout(tensor=2))
+    fused_halves = CostModel(fused, spec, gpus_per_node=8, layout=Layout(tensor=2))
+    scores_s = halves.compute_s(1, 0)[0] - fused_halves.compute_s(1, 0)[0]
+    assert scores_s == pytest.approx(elements * 32 / hbm / 2, rel=0.02)
+
+
+def test_the_profiler_marks_eager_attention():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_embd=64, n_layer=1, n_head=2, vocab_size=64, n_positions=32)
+    for implementation, keeps_scores in (("eager", True), ("sdpa", False)):
+        model = transformers.GPT2LMHeadModel._from_config(config, attn_implementation=implementation)
+        assert model_arch(model).attention_scores is keeps_scores
+
+
 def _offloaded_step(spec, offload_all: bool):
-    profile = gpt2_profile(hidden=512, layers=4, heads=8, vocab=1024, seq_len=256)
+    profile = gpt2_profile(hidden=512, layers=4, heads=8, vocab=1024, seq_len=256, flash_attention=True)
     model = CostModel(profile, spec, gpus_per_node=8)
     chunk = 2**22
     layout = model.layout(chunk)

@@ -22,7 +22,16 @@ from elixir_tune.hardware import (
 )
 
 GiB = 2**30
-REQUIRED = {"a100-40gb-pcie", "a100-80gb-sxm", "h100-80gb-sxm", "h200-141gb", "rtx4090-24gb", "l4-24gb", "cpu"}
+REQUIRED = {
+    "a100-40gb-pcie",
+    "a100-80gb-sxm",
+    "h100-80gb-sxm",
+    "h200-141gb",
+    "rtx4090-24gb",
+    "l4-24gb",
+    "cpu",
+    "v100-32gb-sxm3",
+}
 NUMBER_LINE = re.compile(r"^\s*[a-z0-9_]+:\s*-?[0-9][0-9.e+\-_]*\s*(#.*)?$")
 
 
@@ -42,8 +51,10 @@ def test_preset_is_valid_with_sane_magnitudes(preset_id):
     assert 1e-7 <= spec.copy_latency_s < 1e-2 and 1e-6 <= spec.collective_latency_s < 1e-1
     if spec.device == "cuda":
         assert 16 * GiB < spec.gpu_memory_bytes < 200 * GiB
-        assert {"fp32", "bf16", "fp16"} <= set(spec.matmul_tflops)
-        assert spec.matmul_tflops["fp32"] < spec.matmul_tflops["bf16"] < 1000
+        # V100 (Volta) has fp16 tensor cores and no bf16: its preset has no bf16 rate.
+        half = {"fp16"} if preset_id.startswith("v100") else {"bf16", "fp16"}
+        assert {"fp32"} | half <= set(spec.matmul_tflops)
+        assert spec.matmul_tflops["fp32"] < spec.matmul_tflops["fp16"] < 1000
         for dtype, tflops in spec.matmul_tflops.items():
             efficiency = tflops / spec.matmul_peak_tflops[dtype]
             assert 0.5 <= efficiency <= 0.95, (dtype, efficiency)

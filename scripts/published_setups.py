@@ -1,0 +1,319 @@
+"""The published training-throughput measurements scripts/bench_published.py compares with.
+
+Each ``Setup`` is one measurement: its source (repository, path, commit, table), the row as quoted,
+the configuration it ran and the figure in tokens per second per GPU. Sources:
+
+* ``llm-foundry``: MosaicML's MPT throughput tables (FSDP FULL_SHARD, bf16, flash attention);
+* ``torchtitan``: Llama 3.1 8B on H100 (FSDP2, selective activation checkpointing);
+* ``megatron``: Megatron-LM's weak-scaling table of GPT 1.7B..1T on Selene (A100 80GB, fp16, tensor
+  and pipeline parallelism, full recomputation), Narayanan et al. 2021; the configuration of every
+  row from the repository's examples/sc21/run_table_1.sh;
+* ``zero-offload``: DeepSpeed's ZeRO-Offload tutorial, a 10B GPT-2 on one V100-SXM3 32GB (optimizer
+  on the host), the step time read from the tutorial's training-log screenshot.
+
+The presets' compute rates were fitted to other rows of the llm-foundry tables only; the
+torchtitan, Megatron-LM and ZeRO-Offload rows are held out (``Setup.fitted_source``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LLM_FOUNDRY = (
+    "mosaicml/llm-foundry scripts/train/benchmarking/README.md @ 8c8dd48f72168c5d51e2f7b151595892a8fba43d "
+    "(2025-07-21), table '{table}'"
+)
+TORCHTITAN = (
+    "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md @ b5bcd76c66d0acb1a08b176d9639425bc55e0b2a "
+    "(torchtitan 9dec370, 2024-12-26), {table}"
+)
+MEGATRON = (
+    "NVIDIA/Megatron-LM README.md and images/cases_april2021.png @ fd5cfec0ba60c5bc14a9667aa9cab10cf9682f40 "
+    "(2024-07-12; the table of arXiv 2104.04473, Narayanan et al. 2021), row '{size}'; configuration from "
+    "examples/sc21/run_table_1.sh and CONFIG.sh at the same commit"
+)
+ZERO_OFFLOAD = (
+    "microsoft/DeepSpeed docs/_tutorials/zero-offload.md and docs/assets/images/zero_offload_dp1_10B_log.png "
+    "@ 38327e07f6cd39b63418f60cedd1651b0be3e7c3 (image of 2020-09-10); launch flags of "
+    "microsoft/DeepSpeedExamples Megatron-LM/scripts/ds_zero-offload_10B_pretrain_gpt2_model_parallel.sh "
+    "@ 19624a6fa66f35c9e8cc0e8b8f3324911c23bb65"
+)
+H100_TABLE = "H100 80GB BF16"
+A100_TABLE = "A100 80GB with 1600 Gbps node-node interconnect (RoCE)"
+# The rows whose MFU the presets' best_mfu quotes (the plausibility bound).
+BEST_MFU_ROWS = {(H100_TABLE, "7b", 2048, 8), (A100_TABLE, "7b", 2048, 8)}
+# MPT sizes (d_model, n_layers, n_heads) from llm-foundry scripts/train/yamls/pretrain/mpt-<size>.yaml,
+# vocabulary 50368, flash attention, expansion ratio 4.
+MPT = {
+    "125m": (768, 12, 12),
+    "350m": (1024, 24, 16),
+    "760m": (1536, 24, 12),
+    "1b": (2048, 24, 16),
+    "3b": (2560, 32, 20),
+    "7b": (4096, 32, 32),
+    "13b": (5120, 40, 40),
+    "30b": (7168, 48, 56),
+    "70b": (8192, 80, 64),
+}
+MPT_VOCAB = 50368
+MPT_MISMATCHES = (
+    "MPT modelled as a GPT-2 of its width/depth/heads (learned positions and biases instead of ALiBi and no bias: "
+    "<0.1% of parameters)",
+    "FSDP's per-block units modelled by chunks the search sizes (chunk size, cache blocks and prefetch free)",
+    "llm-foundry's amp_bf16 keeps fp32 master weights like the engine",
+)
+TITAN_MISMATCHES = (
+    "torchtitan's H100s are 96 GB HBM2e SXM at 500 W (2.4 TB/s), compared on the h100-80gb-sxm preset (80 GB, 700 W)",
+    "selective (per-op) activation checkpointing modelled as checkpointing every 2nd block",
+    "FSDP2's per-block units modelled by chunks the search sizes",
+)
+MEGATRON_MISMATCHES = (
+    "published as TFLOP/s per GPU counting the recomputed forward (arXiv 2104.04473 eq. 3: "
+    "96 B s l h^2 (1 + s/6h + V/16lh) FLOPs per step): tokens/s/GPU = TFLOP/s / (96 l h^2 (1 + s/6h + V/16lh))",
+    "Megatron's data parallelism replicates weights and optimizer (torch/local DDP, one all-reduce per step); "
+    "the plan's data parallelism shards them in chunks (all-gather + reduce-scatter, the same bytes per step)",
+    "GPT with learned positions, biases and a tied head as in the GPT-2 profile; vocabulary 51200 as run",
+    "no fused/flash attention in 2021: the seq x seq scores are kept (modelled so)",
+)
+MEGATRON_PIPELINE = (
+    "Megatron's 1F1B pipeline schedule{interleaved} modelled as the plan's pipeline, which runs its "
+    "micro-batches breadth-first over modular stages (layered)"
+)
+ZERO_OFFLOAD_MISMATCHES = (
+    "the micro-batch per step from the log itself: SamplesPerSec 0.386 x 25.8 s per iteration = 10 samples, "
+    "the tutorial's --batch-size 10 (no accumulation)",
+    "ZeRO-2 Offload keeps the fp16 weights on the GPU and offloads gradients and optimizer (Adam on the host); "
+    "the pinned plan offloads every chunk's shards and caches them back (cache blocks free)",
+    "DeepSpeed's activation checkpoints are partitioned and kept in host memory (cpu_checkpointing); "
+    "the plan keeps them on the GPU",
+    "vocabulary 50257 (GPT-2 BPE; Megatron pads it to a multiple of 128)",
+)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One published measurement and the configuration it ran.
+
+    Attributes:
+        name: short label.
+        source: where the figure is (repository, path, commit, table).
+        source_key: which source family the setup belongs to (the ``--sources`` filter).
+        row: the published row as quoted (the columns that matter).
+        model: a model YAML under configs/models, or a label when ``gpt`` is given.
+        hardware: the preset the setup is compared on.
+        gpus_per_node: GPUs per node.
+        nodes: nodes.
+        seq_len: tokens per sample.
+        micro_batch_size: samples per micro-batch per GPU.
+        grad_accum_steps: micro-batches per step (per pipeline: the pipeline's micro-batches).
+        checkpointing: "all", "none" or "every:<k>".
+        tokens_per_s_per_gpu: the published figure (tokens per second per GPU).
+        gpt: (hidden, layers, heads, vocab, flash attention) of a GPT-2-shaped model, None when
+            ``model`` names a YAML.
+        dtype: compute dtype.
+        tensor: tensor-parallel degree the peer ran.
+        pipeline: pipeline stages the peer ran.
+        offload: share of the shards on the host in the pinned plan (None: the search picks).
+        mismatches: what the pinned plan cannot express.
+        defines_bound: the row is the best MFU published for its hardware, which the preset's
+            ``best_mfu`` (the plausibility bound) quotes: its prediction is not independent.
+        fitted_source: the preset's rates were fitted to other rows of the same table.
+    """
+
+    name: str
+    source: str
+    source_key: str
+    row: str
+    model: str
+    hardware: str
+    gpus_per_node: int
+    nodes: int
+    seq_len: int
+    micro_batch_size: int
+    grad_accum_steps: int
+    checkpointing: str
+    tokens_per_s_per_gpu: float
+    gpt: tuple[int, int, int, int, bool] | None = None
+    dtype: str = "bf16"
+    tensor: int = 1
+    pipeline: int = 1
+    offload: float | None = 0.0
+    mismatches: tuple[str, ...] = ()
+    defines_bound: bool = False
+    fitted_source: bool = False
+
+    @property
+    def gpus(self) -> int:
+        """All GPUs of the setup."""
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per step over all GPUs."""
+        return self.micro_batch_size * self.grad_accum_steps * self.gpus // (self.tensor * self.pipeline)
+
+
+def _foundry(table: str, size: str, seq: int, gpus: int, mfu: str, micro: int, accum: int, tps: int, ckpt: bool):
+    hardware = "h100-80gb-sxm" if table == H100_TABLE else "a100-80gb-sxm"
+    row = (
+        f"| {size} | {seq} | {gpus} | {'h100_80gb' if hardware.startswith('h100') else 'a100_80gb'} | MFU {mfu} | "
+        f"micro {micro} | accum {accum} | {tps} T/s/GPU | FULL_SHARD | checkpointing {ckpt} |"
+    )
+    hidden, layers, heads = MPT[size]
+    return Setup(
+        name=f"MPT-{size} s{seq} {gpus}x{hardware.split('-')[0].upper()}",
+        source=LLM_FOUNDRY.format(table=table),
+        source_key="llm-foundry",
+        row=row,
+        model=f"mpt-{size}",
+        gpt=(hidden, layers, heads, MPT_VOCAB, True),
+        hardware=hardware,
+        gpus_per_node=min(gpus, 8),
+        nodes=max(1, gpus // 8),
+        seq_len=seq,
+        micro_batch_size=micro,
+        grad_accum_steps=accum,
+        checkpointing="all" if ckpt else "none",
+        tokens_per_s_per_gpu=float(tps),
+        mismatches=MPT_MISMATCHES,
+        defines_bound=(table, size, seq, gpus) in BEST_MFU_ROWS,
+        fitted_source=True,
+    )
+
+
+def megatron_tokens_per_s(
+    tflops_per_gpu: float, layers: int, hidden: int, seq: int = 2048, vocab: int = 51200
+) -> float:
+    """Tokens/s per GPU from Megatron-LM's TFLOP/s per GPU (arXiv 2104.04473 eq. 3, recomputation counted)."""
+    flops_per_token = 96 * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+    return tflops_per_gpu * 1e12 / flops_per_token
+
+
+def _megatron(size: str, hidden: int, layers: int, heads: int, tp: int, pp: int, micro: int, batch: int,
+              gpus: int, tflops: int, percent: int, virtual: int = 0) -> Setup:  # fmt: skip
+    data = gpus // (tp * pp)
+    interleaved = f" (interleaved, {virtual} layers per virtual stage)" if virtual else ""
+    mismatches = MEGATRON_MISMATCHES + ((MEGATRON_PIPELINE.format(interleaved=interleaved),) if pp > 1 else ())
+    return Setup(
+        name=f"Megatron GPT-{size} {gpus}xA100 (t{tp} p{pp})",
+        source=MEGATRON.format(size=size),
+        source_key="megatron",
+        row=(
+            f"| {size} | hidden {hidden} | layers {layers} | model-parallel {tp * pp} | {gpus} GPUs | batch {batch} | "
+            f"{tflops} TFLOP/s per GPU | {percent}% of peak |; run_table_1.sh: TP={tp} PP={pp} MBS={micro} "
+            f"GBS={batch} NAH={heads}, --activations-checkpoint-method uniform, --fp16, --seq-length 2048"
+        ),
+        model=f"megatron-gpt-{size.lower()}",
+        gpt=(hidden, layers, heads, 51200, False),
+        hardware="a100-80gb-sxm",
+        gpus_per_node=8,
+        nodes=gpus // 8,
+        seq_len=2048,
+        micro_batch_size=micro,
+        grad_accum_steps=batch // (micro * data),
+        checkpointing="all",
+        tokens_per_s_per_gpu=megatron_tokens_per_s(tflops, layers, hidden),
+        dtype="fp16",
+        tensor=tp,
+        pipeline=pp,
+        mismatches=mismatches,
+    )
+
+
+PUBLISHED: tuple[Setup, ...] = (
+    _foundry(H100_TABLE, "760m", 2048, 8, "34.9", 24, 2, 63147, False),
+    _foundry(H100_TABLE, "1b", 2048, 8, "41.82", 14, 1, 45455, False),
+    _foundry(H100_TABLE, "1b", 32768, 8, "33.54", 1, 4, 12025, False),
+    _foundry(H100_TABLE, "3b", 2048, 16, "43.73", 10, 3, 24142, False),
+    _foundry(H100_TABLE, "3b", 8192, 8, "40.31", 3, 6, 16578, False),
+    _foundry(H100_TABLE, "7b", 2048, 8, "46.44", 6, 1, 10643, False),
+    _foundry(H100_TABLE, "7b", 4096, 8, "40.42", 16, 2, 8611, True),
+    _foundry(H100_TABLE, "13b", 2048, 8, "39.79", 2, 1, 4792, False),
+    _foundry(H100_TABLE, "13b", 4096, 8, "41.6", 10, 3, 4717, True),
+    _foundry(H100_TABLE, "30b", 2048, 8, "38.11", 3, 21, 2002, True),
+    _foundry(H100_TABLE, "70b", 2048, 64, "42.57", 8, 4, 1039, True),
+    _foundry(A100_TABLE, "125m", 2048, 8, "44.79", 40, 2, 142830, False),
+    _foundry(A100_TABLE, "350m", 2048, 8, "51.62", 32, 2, 58782, False),
+    _foundry(A100_TABLE, "1b", 2048, 8, "59.86", 14, 4, 20513, False),
+    _foundry(A100_TABLE, "3b", 2048, 8, "62.11", 10, 2, 10811, False),
+    _foundry(A100_TABLE, "7b", 2048, 8, "64.23", 6, 2, 4641, False),
+    _foundry(A100_TABLE, "7b", 16384, 8, "51.96", 4, 2, 2453, True),
+    _foundry(A100_TABLE, "13b", 4096, 8, "57.62", 10, 3, 2060, True),
+    Setup(
+        name="Llama-3.1-8B s8192 8xH100 (torchtitan FSDP)",
+        source=TORCHTITAN.format(table="Table 1, row 'FSDP'"),
+        source_key="torchtitan",
+        row="| FSDP | 5,762 | 82.4 | (TPS/GPU, Memory GiB); 8 GPUs, local batch 2, global 16, selective AC",
+        model="llama3-8b",
+        hardware="h100-80gb-sxm",
+        gpus_per_node=8,
+        nodes=1,
+        seq_len=8192,
+        micro_batch_size=2,
+        grad_accum_steps=1,
+        checkpointing="every:2",
+        tokens_per_s_per_gpu=5762.0,
+        mismatches=TITAN_MISMATCHES,
+    ),
+    Setup(
+        name="Llama-3.1-8B s8192 128xH100 (torchtitan FSDP)",
+        source=TORCHTITAN.format(table="Table 3, row 'FSDP'"),
+        source_key="torchtitan",
+        row="| FSDP | 5,605 | 67.0 | (TPS/GPU, Memory GiB); 128 GPUs, local batch 2, global 256, selective AC",
+        model="llama3-8b",
+        hardware="h100-80gb-sxm",
+        gpus_per_node=8,
+        nodes=16,
+        seq_len=8192,
+        micro_batch_size=2,
+        grad_accum_steps=1,
+        checkpointing="every:2",
+        tokens_per_s_per_gpu=5605.0,
+        mismatches=TITAN_MISMATCHES,
+    ),
+    # Megatron-LM, the 2021 table (images/cases_april2021.png): size, hidden, layers, heads (NAH), TP, PP,
+    # MBS, GBS, GPUs, TFLOP/s per GPU, % of peak; the 145B..1T rows (1536-3072 GPUs) are left out (LEFT_OUT).
+    _megatron("1.7B", 2304, 24, 24, 1, 1, 16, 512, 32, 137, 44),
+    _megatron("3.6B", 3072, 30, 32, 2, 1, 16, 512, 64, 138, 44),
+    _megatron("7.5B", 4096, 36, 32, 4, 1, 16, 512, 128, 142, 46),
+    _megatron("18B", 6144, 40, 48, 8, 1, 8, 1024, 256, 135, 43),
+    _megatron("39B", 8192, 48, 64, 8, 2, 4, 1536, 512, 138, 44),
+    _megatron("76B", 10240, 60, 80, 8, 4, 2, 1792, 1024, 140, 45, virtual=5),
+    Setup(
+        name="GPT-2 10B 1xV100 (ZeRO-Offload)",
+        source=ZERO_OFFLOAD,
+        source_key="zero-offload",
+        row=(
+            "iteration 9/100000 | elapsed time per iteration (ms): 26756.4 | ... SamplesPerSec=0.3864251749565585; "
+            "--num-layers 50 --hidden-size 4096 --num-attention-heads 32 --batch-size 10 --seq-length 1024 "
+            "--checkpoint-activations --fp16 --cpu-optimizer, ZeRO stage 2 cpu_offload, one V100-SXM3 32GB"
+        ),
+        model="gpt2-10b-zero-offload",
+        gpt=(4096, 50, 32, 50257, False),
+        hardware="v100-32gb-sxm3",
+        gpus_per_node=1,
+        nodes=1,
+        seq_len=1024,
+        micro_batch_size=10,
+        grad_accum_steps=1,
+        checkpointing="all",
+        tokens_per_s_per_gpu=0.3864251749565585 * 1024,
+        dtype="fp16",
+        offload=1.0,
+        mismatches=ZERO_OFFLOAD_MISMATCHES,
+    ),
+)
+SOURCE_KEYS = tuple(dict.fromkeys(setup.source_key for setup in PUBLISHED))
+# Sources looked at and left out, with the reason (the report lists them).
+LEFT_OUT = (
+    "Megatron-LM's current H100 table (NVIDIA/Megatron-LM README.md images/model_table.png @ d98e8a64, MFU 41-48%, "
+    "seq 4096, vocab 131072): the README does not give the FFN width, attention groups, SwiGLU or micro-batch, so "
+    "neither the FLOPs per token behind its TFLOP/s nor the configuration can be pinned",
+    "Megatron-LM's 145B, 310B, 530B and 1T rows (1536-3072 GPUs, 8-64 pipeline stages): left out for search time "
+    "(the free search of the 76B row on 1024 GPUs took 13 min on the shared 2-core machine this ran on)",
+    "ZeRO-Offload's headline 40 TFLOP/s for 10B on one V100 (arXiv 2101.06840 abstract): no batch size or "
+    "sequence length with it; the tutorial's logged run above is used instead",
+    "ProTrain (MLSys 2026): only its abstract was found (1.43-2.71x over other systems, no table of throughput "
+    "with configurations); ZeRO-Infinity and the Elixir paper's GPT-2 tables: not searched for in this session "
+    "(time); their figures are in the papers' plots and tables",
+)
