@@ -74,6 +74,7 @@ EXPERT_LIMIT_REASONS = {
     "meta_start": "a model built on the meta device or from weights=",
 }
 
+
 def frozen_layout_problem(stages: int, tensor_degree: int, tensor_mode: str = "1d") -> str:
     """Why a layout cannot hold frozen chunks (a LoRA base, docs/DESIGN.md 9.9); "" when it can.
 
