@@ -8,6 +8,7 @@ import pytest
 
 from elixir_tune.paths import CONFIGS_DIR
 from elixir_tune.plan import ExpertParallel, plan_from_dict, read_plan_dict, validate_dict
+from elixir_tune.plan.capabilities import EXPERT_PARALLEL_RUNS_WITH
 from elixir_tune.plan.io import dump_plan
 
 EXAMPLE = CONFIGS_DIR / "plans" / "example.yaml"  # tiny GPT-2, world 2, 2 blocks
@@ -82,7 +83,8 @@ def test_expert_limits_come_from_one_table(monkeypatch):
     assert not any("layered accumulation" in p for p in validate_dict(raw))
 
 
-def test_offloaded_expert_chunks_are_refused():
+def test_offloaded_expert_chunks_are_refused_where_the_engine_keeps_them(monkeypatch):
+    monkeypatch.setitem(EXPERT_PARALLEL_RUNS_WITH, "offloaded_experts", False)
     raw = _expert_plan()
     chunk = raw["memory"]["chunks"][-1]  # as if it held the experts of a mixture-of-experts block
     chunk["params"] = ["model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"]
@@ -91,6 +93,8 @@ def test_offloaded_expert_chunks_are_refused():
     chunk["offload"] = True
     problems = validate_dict(raw)
     assert any("1 offloaded expert chunks" in p for p in problems), problems
+    monkeypatch.setitem(EXPERT_PARALLEL_RUNS_WITH, "offloaded_experts", True)  # as the engine runs today
+    assert not any("offloaded expert" in p for p in validate_dict(raw))
 
 
 def test_expert_degree_zero_is_a_schema_error():
