@@ -60,25 +60,37 @@ class Zygote:
             env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            text=True,
         )
-        self.pid: int | None = None
-        self._read(time.monotonic() + 300)  # {"ready": pid}
+        self._pending = b""  # answer bytes read but not yet parsed
+        self.pid: int | None = None  # the worker it runs now
+        self.started = False
+
+    def wait_ready(self) -> None:
+        """Waits for the zygote's imports (it answers ``{"ready": pid}``)."""
+        if not self.started:
+            if self._read(time.monotonic() + 600) is None:
+                raise RuntimeError("the worker zygote did not finish its imports within 600 s")
+            self.started = True
 
     def _read(self, deadline: float) -> dict | None:
-        """The zygote's next answer, or None at the deadline."""
+        """The zygote's next answer, or None at the deadline. Reads the pipe's bytes itself: a buffered
+        reader could hold a second answer that ``select`` then never reports."""
         assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-        if not ready:
-            return None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the worker zygote died (exit {self.proc.wait()})")
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._pending:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return None
+            data = os.read(fd, 65536)
+            if not data:
+                raise RuntimeError(f"the worker zygote died (exit {self.proc.wait()})")
+            self._pending += data
+        line, self._pending = self._pending.split(b"\n", 1)
         return json.loads(line)
 
     def start(self, argv: list[str], env: dict[str, str], log: str) -> None:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"argv": argv, "env": env, "log": log}) + "\n")
+        self.proc.stdin.write((json.dumps({"argv": argv, "env": env, "log": log}) + "\n").encode())
         self.proc.stdin.flush()
         answer = self._read(time.monotonic() + 60)
         if answer is None:
@@ -93,14 +105,16 @@ class Zygote:
         self.pid = None
         return answer["exit"]
 
-    def kill(self) -> int:
-        if self.pid is not None:
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        code = self.wait(time.monotonic() + 60)
-        return -signal.SIGKILL if code is None else code
+    def kill(self) -> None:
+        """Kills the worker it runs, if any, and takes its exit answer (the next request starts clean)."""
+        if self.pid is None or self.proc.poll() is not None:
+            return
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if self.wait(time.monotonic() + 60) is None:  # not answering: replaced at the next launch
+            self.proc.kill()
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -116,7 +130,7 @@ _ZYGOTES: list[Zygote] = []
 
 
 def zygotes(count: int) -> list[Zygote]:
-    """The first ``count`` zygotes of this session (started on first use, closed at exit)."""
+    """The first ``count`` zygotes of this session (started together on first use, closed at exit)."""
     for index, zygote in enumerate(_ZYGOTES):
         if zygote.proc.poll() is not None:  # died: start another in its place
             _ZYGOTES[index] = Zygote()
@@ -124,6 +138,8 @@ def zygotes(count: int) -> list[Zygote]:
         if not _ZYGOTES:
             atexit.register(lambda: [z.close() for z in _ZYGOTES])
         _ZYGOTES.append(Zygote())
+    for zygote in _ZYGOTES[:count]:
+        zygote.wait_ready()
     return _ZYGOTES[:count]
 
 
@@ -140,9 +156,9 @@ class FreshWorker:
         except subprocess.TimeoutExpired:
             return None
 
-    def kill(self) -> int:
+    def kill(self) -> None:
         self.proc.kill()
-        return self.proc.wait()
+        self.proc.wait()
 
 
 def launch(
@@ -168,18 +184,22 @@ def launch(
         out = str(Path(tmp, "out"))
         argv = [str(HERE / script), str(cases_path), out]
         logs = [str(Path(tmp, f"log.rank{rank}")) for rank in range(world_size)]
-        if fresh:
-            workers = [FreshWorker(argv, worker_env(r, world_size, port), logs[r]) for r in range(world_size)]
-        else:
-            workers = zygotes(world_size)
-            for rank, zygote in enumerate(workers):
-                zygote.start(argv, worker_env(rank, world_size, port), logs[rank])
         deadline = time.monotonic() + timeout_s
-        codes: list[int | None] = [worker.wait(deadline) for worker in workers]
-        if None in codes:
+        workers: list[Zygote] | list[FreshWorker] = []
+        codes: list[int | None] = []
+        try:
+            if fresh:
+                workers = [FreshWorker(argv, worker_env(r, world_size, port), logs[r]) for r in range(world_size)]
+            else:
+                workers = zygotes(world_size)
+                for rank, zygote in enumerate(workers):
+                    zygote.start(argv, worker_env(rank, world_size, port), logs[rank])
+            codes = [worker.wait(deadline) for worker in workers]
+        finally:  # a timeout, or an error while starting: no rank may outlive the launch
             for rank, worker in enumerate(workers):
-                if codes[rank] is None:
-                    codes[rank] = worker.kill()
+                if rank >= len(codes) or codes[rank] is None:
+                    worker.kill()
+        if None in codes:
             raise RuntimeError(f"{script} timed out after {timeout_s}s on {world_size} ranks")
         failed = [(rank, code, Path(logs[rank]).read_text()[-3000:]) for rank, code in enumerate(codes) if code]
         if failed:

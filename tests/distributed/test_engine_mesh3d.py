@@ -4,7 +4,7 @@ are sharded over the data group (engine/parallel/pipeline_tensor.py, engine/comm
 
 Tiny causal LMs (tests/unit/models/stage_families.py: hidden 32, 4 heads with 2 key/value heads,
 vocabulary 128), 3 blocks on 2 stages (modular: stage 0 runs blocks 0 and 2, stage 1 block 1, so stage 0
-enters and leaves twice), tensor 2, 4 micro-batches of 2 per data rank, 6 AdamW steps, fp32: losses 1e-5
+enters and leaves twice), tensor 2, 4 micro-batches of 2 per data rank, 3 AdamW steps, fp32: losses 1e-5
 relative, clipped gradient norms 1e-5 relative, final weights 1e-5 absolute. One launch per world size:
 
 * world 4 (pipeline 2 x tensor 2): Llama with sequence parallelism and clipping; Qwen3 (per-head norms)
@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 LOSS_REL = 1e-5
 WEIGHT_ABS = 1e-5
-STEPS = 6
+STEPS = 3
 WORLD4 = [
     dict(family="llama", stages=2, tensor=2, steps=STEPS, clip=0.5),
     dict(family="qwen3", stages=2, tensor=2, steps=STEPS, clip=0.5, sequence_parallel=False),
