@@ -13,7 +13,9 @@ relative, clipped gradient norms 1e-5 relative, final weights 1e-5 absolute. One
   multiple of the tensor degree, for the sequence shards).
 * world 8 (data 2 x pipeline 2 x tensor 2): Llama, and Qwen3 with half of its chunks offloaded, both
   clipped (the norm over all three dimensions), each data rank reading its own micro-batches through
-  ``elixir_tune.data_rank()``.
+  ``elixir_tune.data_rank()``. Marked ``heavy`` (8 processes): ``scripts/test.sh --all`` runs it; the
+  default leaves it out, pipeline x data and tensor x data being checked at world 4 by
+  test_engine_pipeline.py and test_engine_tensor_parallel.py.
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ def test_pipeline2_tensor2_world4_matches_torch(world4, index):
     check(world4, index, WORLD4[index], 4)
 
 
+@pytest.mark.heavy  # 8 processes; pipeline x tensor runs at world 4 above, each with data in other tests
 @pytest.mark.parametrize("index", range(len(WORLD8)), ids=[case_id(c) for c in WORLD8])
 def test_pipeline2_tensor2_data2_world8_matches_torch(world8, index):
     check(world8, index, WORLD8[index], 8)
