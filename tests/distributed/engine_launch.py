@@ -90,7 +90,8 @@ class Zygote:
 
     def start(self, argv: list[str], env: dict[str, str], log: str) -> None:
         assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps({"argv": argv, "env": env, "log": log}) + "\n").encode())
+        request = {"argv": argv, "env": env, "log": log, "cwd": os.getcwd()}
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
         self.proc.stdin.flush()
         answer = self._read(time.monotonic() + 60)
         if answer is None:

@@ -8,7 +8,7 @@ it is still a separate process that runs the worker script as ``__main__`` with 
 zygote, so the ranks keep different string-hash seeds, as torchrun's fresh processes have: code that
 iterates a set in hash order and disagrees across ranks still fails here.
 
-Protocol (one JSON object per line): the parent writes ``{"argv": [...], "env": {...}, "log": PATH}``;
+Protocol (one JSON object per line): the parent writes ``{"argv": [...], "env": {...}, "log": PATH, "cwd": DIR}``;
 the zygote forks, answers ``{"pid": PID}``, waits for the child and answers ``{"exit": CODE}`` (negative:
 killed by that signal, as ``subprocess`` reports it). It exits when its stdin closes.
 """
@@ -51,6 +51,7 @@ def run_child(request: dict) -> None:
     os.dup2(log_fd, 2)
     os.close(log_fd)
     os.close(null_fd)
+    os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
     random.seed()  # a fresh process seeds from the OS; forked siblings must not share the sequence
