@@ -9,6 +9,8 @@ Markers (registered in pyproject.toml):
     slow         multi-process or end-to-end, seconds each; ``scripts/test.sh --fast`` leaves them out
     distributed  starts several processes (gloo on the CPU); always also slow
     gpu          needs CUDA: skipped here when torch sees no GPU
+    heavy        8 processes on the CPU, a layout the other tests check at a smaller world: left out
+                 by ``scripts/test.sh`` unless ``--all``; always also slow
 """
 
 from __future__ import annotations
@@ -26,5 +28,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             for item in gpu_items:
                 item.add_marker(skip)
     for item in items:
-        if item.get_closest_marker("distributed") and not item.get_closest_marker("slow"):
-            raise pytest.UsageError(f"{item.nodeid} is marked distributed but not slow; mark it slow too")
+        for marker in ("distributed", "heavy"):
+            if item.get_closest_marker(marker) and not item.get_closest_marker("slow"):
+                raise pytest.UsageError(f"{item.nodeid} is marked {marker} but not slow; mark it slow too")

@@ -12,52 +12,20 @@ merges every stage's and tensor rank's pieces onto it).
 
 from __future__ import annotations
 
-import torch
-
 import elixir_tune
-from tests.distributed.engine_pipeline_families_worker import plain_micro_training
-from tests.distributed.engine_plans import make_plan, param_groups
-from tests.distributed.engine_worker import compare, mean_over_ranks, plain_training
+from tests.distributed.engine_plans import make_plan
+from tests.distributed.engine_worker import mean_over_ranks
+from tests.distributed.torch_reference import (
+    ACCUM,
+    MICRO,
+    SEQ,
+    build_stage_family,
+    compare_with_reference,
+    stage_family_batches,
+    stage_family_reference,
+)
 
-SEQ = 8
-MICRO = 2
-ACCUM = 4
-BLOCKS = 3
 LENGTHS = (7, 5, 7, 6)  # the padded cases' micro-batch lengths
-
-
-def build(family: str):
-    """The family's tiny model and its AdamW (seeded: every rank and the reference build the same weights)."""
-    from tests.unit.models import stage_families
-
-    torch.manual_seed(0)
-    model = stage_families.build(family, BLOCKS)
-    opt = torch.optim.AdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95), eps=1e-6, foreach=False)
-    return model, opt
-
-
-def global_batches(steps: int, data: int, padded: bool) -> list[list[list[dict]]]:
-    """Each step's micro-batches of each data rank: ``[step][data_rank][micro]`` (the same in every process).
-    Padded: lengths ``LENGTHS``, the second sample of each micro-batch padded over its last 2 tokens."""
-    from tests.unit.models.stage_families import VOCAB
-
-    generator = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(steps):
-        per_rank = []
-        for _ in range(data):
-            micro = []
-            for k in range(ACCUM):
-                ids = torch.randint(5, VOCAB, (MICRO, LENGTHS[k] if padded else SEQ), generator=generator)
-                batch = {"input_ids": ids, "labels": ids.clone()}
-                if padded:
-                    batch["attention_mask"] = torch.ones_like(ids)
-                    batch["attention_mask"][1, -2:] = 0
-                    batch["labels"][1, -2:] = -100
-                micro.append(batch)
-            per_rank.append(micro)
-        out.append(per_rank)
-    return out
 
 
 def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> dict:
@@ -67,7 +35,7 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
     stages, tensor = case["stages"], case["tensor"]
     data = world // (stages * tensor)
     with quiet_transformers():
-        model, opt = build(case["family"])
+        model, opt = build_stage_family(case["family"])
         stage_plan = resolve_stage_plan(model)
         assert not isinstance(stage_plan, str), stage_plan
         plan = make_plan(
@@ -76,7 +44,7 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
             offload=case.get("offload", 0.0), tensor_mode=case.get("mode", "1d"),
         )  # fmt: skip
         model, opt = elixir_tune.setup(model, opt, plan=plan)
-        steps = global_batches(case["steps"], data, case.get("padded", False))
+        steps = stage_family_batches(case["steps"], data, LENGTHS if case.get("padded") else None)
         losses, norms = [], []
         for per_rank in steps:
             loss = model.forward_backward(per_rank[elixir_tune.data_rank()])
@@ -97,20 +65,10 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
         "world_losses": mean_over_ranks(losses, world),
     }
     if rank == 0:
-        with quiet_transformers():
-            reference_model, reference_opt = build(case["family"])
-            if case.get("padded"):  # one data rank: its micro-batches one by one, unpadded
-                assert data == 1 and not case.get("clip"), "the padded reference runs one data rank, no clipping"
-                reference = plain_micro_training(reference_model, reference_opt, [per_rank[0] for per_rank in steps])
-            else:
-                whole = [
-                    {key: torch.cat([b[key] for micro in per_rank for b in micro]) for key in ("input_ids", "labels")}
-                    for per_rank in steps
-                ]
-                reference = plain_training(reference_model, reference_opt, whole, case.get("clip", 0.0))
-        engine = {"state": {k: v.tolist() for k, v in state.items()}, "norms": norms}
-        result.update(compare(engine, reference, result["world_losses"]))
-        result["reference_losses"] = reference["losses"]
+        with quiet_transformers():  # padded: one data rank's micro-batches one by one, unpadded
+            mode = "micro" if case.get("padded") else "whole"
+            reference = stage_family_reference(case["family"], steps, mode, case.get("clip", 0.0))
+        result.update(compare_with_reference(state, norms, reference, result["world_losses"]))
     return result
 
 

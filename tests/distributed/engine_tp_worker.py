@@ -24,8 +24,9 @@ import elixir_tune
 from elixir_tune.engine.io.materialize import Initializer, InitSource, materialize_replicated
 from elixir_tune.engine.parallel.tensor_parallel import local_data
 from elixir_tune.plan.tensor_layout import local_shape
-from tests.distributed.engine_plans import batches, make_plan, param_groups, tiny_gpt2, tiny_llama_gqa
-from tests.distributed.engine_worker import compare, local_micro, mean_over_ranks
+from tests.distributed.engine_plans import batches, make_plan, tiny_gpt2, tiny_llama_gqa
+from tests.distributed.engine_worker import compare, local_micro, mean_over_ranks, plain_accumulated_training
+from tests.distributed.torch_reference import adamw
 
 SEQ = 8
 
@@ -49,8 +50,7 @@ def build(case: dict, materialize: bool = False):
         model = tiny_llama_gqa() if case["model"] == "llama" else tiny_gpt2()
     if case.get("attn"):
         model.config._attn_implementation = case["attn"]  # eager: a per-sample causal mask
-    opt = torch.optim.AdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95), eps=1e-6, foreach=False)
-    return model, opt
+    return model, adamw(model)
 
 
 def block_list(case: dict) -> str:
@@ -152,23 +152,7 @@ def run_reference(case: dict, data: int, halves: int = 1, split_rows: bool = Fal
         for name, module in model.named_modules():
             if name.endswith(("o_proj", "down_proj")):
                 module.register_forward_hook(_split_rows)
-    losses, norms = [], []
-    for batch in global_batches(case, data):
-        size = len(batch["input_ids"]) // halves
-        parts = [{k: v[i * size : (i + 1) * size] for k, v in batch.items()} for i in range(halves)]
-        loss = sum(_backward_part(model, part, halves) for part in parts)
-        if case.get("clip"):
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"])))
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
-    return {"losses": losses, "norms": norms, "state": {k: v.tolist() for k, v in model.state_dict().items()}}
-
-
-def _backward_part(model, part: dict, parts: int) -> torch.Tensor:
-    loss = model(**part).loss / parts
-    loss.backward()
-    return loss.detach()
+    return plain_accumulated_training(model, opt, global_batches(case, data), halves, case.get("clip", 0.0))
 
 
 def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> dict:

@@ -33,7 +33,7 @@ FP32_LOSS_REL = 1e-5
 FP32_WEIGHT_ABS = 1e-5
 BF16_LOSS_REL = 2e-2
 BF16_WEIGHT_ABS = 5e-2
-STEPS = 12
+STEPS = 6
 
 # The smallest cache, half offloaded, every block checkpointed, 2 micro-batches per step.
 MIN_HELPER = dict(plan="helper", chunk_size=4096, cache="min", offload=0.5, prefetch=0, checkpoint=1, accum=2)

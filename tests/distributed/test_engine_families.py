@@ -19,7 +19,7 @@ from tests.distributed.engine_launch import launch
 
 LOSS_REL = 1e-5
 WEIGHT_ABS = 1e-5
-STEPS = 6
+STEPS = 3
 
 CASES = [
     dict(family="bart", steps=STEPS, global_batch=8),

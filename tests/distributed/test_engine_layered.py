@@ -4,7 +4,7 @@ same global batch, and the engine's own counters against standard accumulation.
 GPT-2 and a Llama-style tiny model (grouped-query attention, RMSNorm, rotary), 4 micro-batches per
 step, offload none and all, checkpointing none and all (and half offloaded, checkpointed, prefetch
 2; and OPT with a tied head, checkpointed, offload none and all), at world 1 and world 2 (one launch
-each, gloo). fp32 tolerances as test_engine_dist.py: losses 1e-5 relative, weights 1e-5 absolute after 10
+each, gloo). fp32 tolerances as test_engine_dist.py: losses 1e-5 relative, weights 1e-5 absolute after 4
 steps. Chunks of 4096 elements with the smallest cache (several chunks per block, two cache slots).
 
 Counters, per step (forward and backward): with layered accumulation and no checkpointing the
@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 LOSS_REL = 1e-5
 WEIGHT_ABS = 1e-5
 ACCUM = 4
-BASE = dict(chunk_size=4096, cache="min", accum=ACCUM, steps=10)
+BASE = dict(chunk_size=4096, cache="min", accum=ACCUM, steps=4)
 CASES = [
     dict(BASE, arch=arch, offload=offload, checkpoint=checkpoint, mode="layered")
     for arch, offload, checkpoint in itertools.product(("gpt2", "llama"), (0.0, 1.0), (0, 1))

@@ -4,7 +4,7 @@ are sharded over the data group (engine/parallel/pipeline_tensor.py, engine/comm
 
 Tiny causal LMs (tests/unit/models/stage_families.py: hidden 32, 4 heads with 2 key/value heads,
 vocabulary 128), 3 blocks on 2 stages (modular: stage 0 runs blocks 0 and 2, stage 1 block 1, so stage 0
-enters and leaves twice), tensor 2, 4 micro-batches of 2 per data rank, 6 AdamW steps, fp32: losses 1e-5
+enters and leaves twice), tensor 2, 4 micro-batches of 2 per data rank, 3 AdamW steps, fp32: losses 1e-5
 relative, clipped gradient norms 1e-5 relative, final weights 1e-5 absolute. One launch per world size:
 
 * world 4 (pipeline 2 x tensor 2): Llama with sequence parallelism and clipping; Qwen3 (per-head norms)
@@ -14,7 +14,9 @@ relative, clipped gradient norms 1e-5 relative, final weights 1e-5 absolute. One
 * world 8 (data 2 x pipeline 2 x tensor 2): Llama, and Qwen3 with half of its chunks offloaded, both
   clipped (the norm over all three dimensions), each data rank reading its own micro-batches through
   ``elixir_tune.data_rank()``; and pipeline 2 x tensor 2d on a 2 x 2 grid (Qwen2, tied head, padded
-  micro-batches, 2 steps): a stage sends each rank's samples x hidden-columns piece to its peer.
+  micro-batches, 2 steps): a stage sends each rank's samples x hidden-columns piece to its peer. Marked
+  ``heavy`` (8 processes): ``scripts/test.sh --all`` runs it; the default leaves it out, pipeline x data
+  and tensor x data being checked at world 4 by test_engine_pipeline.py and test_engine_tensor_parallel.py.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 LOSS_REL = 1e-5
 WEIGHT_ABS = 1e-5
-STEPS = 6
+STEPS = 3
 WORLD4 = [
     dict(family="llama", stages=2, tensor=2, steps=STEPS, clip=0.5),
     dict(family="qwen3", stages=2, tensor=2, steps=STEPS, clip=0.5, sequence_parallel=False),
@@ -89,6 +91,7 @@ def test_pipeline2_tensor2_world4_matches_torch(world4, index):
     check(world4, index, WORLD4[index], 4)
 
 
+@pytest.mark.heavy  # 8 processes; pipeline x tensor runs at world 4 above, each with data in other tests
 @pytest.mark.parametrize("index", range(len(WORLD8)), ids=[case_id(c) for c in WORLD8])
 def test_pipeline2_tensor2_data2_world8_matches_torch(world8, index):
     check(world8, index, WORLD8[index], 8)

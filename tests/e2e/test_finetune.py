@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from elixir_tune.recipes import BUNDLED_TEXT
-from tests.e2e.hf_model_dirs import make_llama_dir
 from tests.e2e.launch_helpers import run_elixir, tune
+from tests.fixtures.tiny_hf import make_llama_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -51,7 +51,7 @@ def plain_eval_loss(model_dir: Path, data: Path) -> tuple[float, int, int]:
 def test_finetune_from_outside_the_repository(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model_dir = make_llama_dir(tmp_path / "tiny-llama")
+    model_dir = make_llama_dir(tmp_path / "tiny-llama", max_new_tokens=7)
     data = tmp_path / "corpus.txt"
     data.write_text(BUNDLED_TEXT.read_text())
     tune(["profile", model_dir, "--batch-size", "4", "--seq-len", str(SEQ_LEN)], tmp_path)
