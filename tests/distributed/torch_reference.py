@@ -70,15 +70,19 @@ def stage_family_batches(steps: int, data: int = 1, lengths: tuple[int, ...] | N
 
 
 def plain_micro_training(model, opt, steps: list[list[dict]], reverse: bool = False) -> dict:
-    """Plain PyTorch, micro-batch by micro-batch (each unpadded), the mean loss over the micro-batches;
-    ``reverse``: every forward first, then the backwards from the last micro-batch to the first, the
-    order in which the looped breadth-first schedule sums each parameter's gradient."""
+    """Plain PyTorch, micro-batch by micro-batch (each unpadded), the loss over the step's counted tokens:
+    each micro-batch's mean loss weighted by its share of the step's label tokens, as the engine weighs
+    them (the plain mean where every micro-batch counts as many); ``reverse``: every forward first, then
+    the backwards from the last micro-batch to the first, the order in which the looped breadth-first
+    schedule sums each parameter's gradient."""
     losses = []
     for micro in steps:
         total = 0.0
         micro_losses = []
-        for batch in micro:
-            loss = model(**batch).loss / len(micro)
+        counts = [int((batch["labels"][..., 1:] != -100).sum()) for batch in micro]
+        for batch, count in zip(micro, counts, strict=True):
+            loss = model(**batch).loss
+            loss = loss / len(micro) if len(set(counts)) == 1 else loss * (count / sum(counts))
             if not reverse:
                 loss.backward()
             micro_losses.append(loss)
