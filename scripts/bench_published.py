@@ -398,10 +398,7 @@ def main() -> None:
             "rows": rows,
             "note": args.note,
         }
-        prefix.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
-        prefix.with_suffix(".md").write_text(markdown(report))
-        print(json.dumps(report["summary"]))
-        print(f"wrote {prefix}.json and {prefix}.md from {len(parts)} parts")
+        write_report(prefix, report, f" from {len(parts)} parts")
         return
     if args.render:
         report = json.loads(prefix.with_suffix(".json").read_text())
@@ -430,10 +427,15 @@ def main() -> None:
         "rows": rows,
         "note": args.note,
     }
+    write_report(prefix, report)
+
+
+def write_report(prefix: Path, report: dict, origin: str = "") -> None:
+    """Writes ``report`` as PREFIX.json and PREFIX.md and prints its summary."""
     prefix.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     prefix.with_suffix(".md").write_text(markdown(report))
     print(json.dumps(report["summary"]))
-    print(f"wrote {prefix}.json and {prefix}.md")
+    print(f"wrote {prefix}.json and {prefix}.md{origin}")
 
 
 if __name__ == "__main__":

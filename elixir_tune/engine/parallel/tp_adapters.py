@@ -291,6 +291,11 @@ def table_plan(model: nn.Module, table: TensorTable, sp: bool, vocab_parallel_lo
     for block in moe_blocks(table, styles):
         styles[block] = MoeBlock(between, local_out)
     # Tied parameters (the output head's weight is the input embedding's): re-tied after the split.
+    return FamilyPlan(styles, fused, [], tied_parameters(model))
+
+
+def tied_parameters(model: nn.Module) -> list[tuple[str, str, str]]:
+    """(alias module path, attribute, owner parameter name) of each tied parameter, found by identity."""
     owners: dict[int, str] = {}
     tied = []
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -299,7 +304,7 @@ def table_plan(model: nn.Module, table: TensorTable, sp: bool, vocab_parallel_lo
             tied.append((path, attr, owners[id(param)]))
         else:
             owners[id(param)] = name
-    return FamilyPlan(styles, fused, [], tied)
+    return tied
 
 
 def _gpt2_plan(model: nn.Module, degree: int, sp: bool) -> FamilyPlan:

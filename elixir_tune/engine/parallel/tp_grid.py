@@ -40,6 +40,7 @@ from elixir_tune.engine.parallel.tp_adapters import (
     check_splittable,
     distribute_params,
     gpt2_local_heads,
+    tied_parameters,
 )
 from elixir_tune.engine.parallel.tp_layout import TensorParallelError
 from elixir_tune.plan.tensor_layout import TensorTable, grid_problem, in_region, local_shape, module_style
@@ -232,19 +233,6 @@ def _styles(model: nn.Module, table: TensorTable) -> dict[str, ParallelStyle]:
     return styles
 
 
-def _tied(model: nn.Module) -> list[tuple[str, str, str]]:
-    """(alias module path, attribute, owner parameter name) of each tied parameter, found by identity."""
-    owners: dict[int, str] = {}
-    tied = []
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in owners:
-            path, _, attr = name.rpartition(".")
-            tied.append((path, attr, owners[id(param)]))
-        else:
-            owners[id(param)] = name
-    return tied
-
-
 def _gpt2_fixes(model: nn.Module, q: int, plan: FamilyPlan) -> None:
     """GPT-2 (our table, no transformers plan): the fused q | k | v of ``c_attn`` is split per head
     (each part by the columns), the attention told its local width, and the position table (not in
@@ -287,7 +275,7 @@ def grid_plan(model: nn.Module, degree: int, table: TensorTable | None = None) -
             local_shape(name, list(param.shape), model_type, degree, "2d", table)
         except ValueError as error:
             raise TensorParallelError(f"2d tensor parallelism on a {q} x {q} grid: {error}") from None
-    plan = FamilyPlan(_styles(model, table), {}, [], _tied(model))
+    plan = FamilyPlan(_styles(model, table), {}, [], tied_parameters(model))
     if model_type == "gpt2":
         _gpt2_fixes(model, q, plan)
     return plan
