@@ -12,7 +12,7 @@ from elixir_tune.engine.engine import Engine
 from elixir_tune.engine.layered import MicroBatchThreads, run_layer_major
 from elixir_tune.engine.parallel.pipeline_stages import pipeline_call_message
 from elixir_tune.engine.parallel.tensor_parallel import plain
-from elixir_tune.engine.token_weights import token_weights, wants_token_weights
+from elixir_tune.engine.token_weights import is_causal_lm, token_weights, wants_token_weights
 
 LossFn = Callable[[Any, dict], torch.Tensor]
 
@@ -78,7 +78,8 @@ class ElixirModel(torch.nn.Module):
             micro_batches: one dict of keyword arguments of the model per micro-batch.
             loss_fn: ``loss_fn(output, batch)`` gives a micro-batch's loss; None takes ``output.loss``.
             weight_by_tokens: weigh each micro-batch's loss by its counted tokens (a collective over
-                the data group); None: when ``loss_fn`` is None and every micro-batch has labels.
+                the data group); None: for a causal LM when ``loss_fn`` is None and every micro-batch
+                has labels.
 
         Returns:
             This rank's share of the step's loss (detached, 0-dim): the mean over the data ranks of
@@ -104,8 +105,9 @@ class ElixirModel(torch.nn.Module):
         if self.engine.finite_guard is not None and self.engine.finite_guard.failed is not None:
             raise self.engine.finite_guard.failed  # known already: the run stopped at that step
         self._check_inputs_once(micro_batches)
-        weighted = wants_token_weights(micro_batches, weight_by_tokens, loss_fn is not None)
-        weights = token_weights(micro_batches, self.engine.comm) if weighted else None
+        causal = is_causal_lm(self.module)
+        weighted = wants_token_weights(micro_batches, weight_by_tokens, loss_fn is not None, causal)
+        weights = token_weights(micro_batches, self.engine.comm, shift=causal) if weighted else None
         if self.engine.pipeline is not None:
             return self.engine.pipeline.forward_backward(micro_batches, loss_fn, weights)
         count = len(micro_batches)
@@ -149,7 +151,7 @@ class ElixirModel(torch.nn.Module):
             ValueError: a micro-batch without labels of shape (batch, length).
         """
         wants_token_weights(micro_batches, True, False)
-        weights = token_weights(micro_batches, self.engine.comm)
+        weights = token_weights(micro_batches, self.engine.comm, shift=is_causal_lm(self.module))
         return weights if weights is not None else [1 / len(micro_batches)] * len(micro_batches)
 
     def _run(self, scaled_loss: Callable[[int], torch.Tensor], count: int, layered: bool) -> list[torch.Tensor]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import elixir_tune
-from elixir_tune.engine.token_weights import counted_tokens, wants_token_weights
+from elixir_tune.engine.token_weights import counted_tokens, is_causal_lm, wants_token_weights
 from tests.distributed.engine_plans import batches, make_plan, tiny_gpt2
 
 MICRO = 2
@@ -31,6 +31,21 @@ def test_counted_tokens_are_the_shifted_labels_that_are_not_ignored():
     assert int(counted_tokens({"labels": labels})) == 2 + 2  # position 0 predicts nothing
     assert counted_tokens({"input_ids": labels}) is None
     assert counted_tokens({"labels": torch.tensor([1, 0])}) is None  # a classifier's labels: no tokens
+    assert int(counted_tokens({"labels": labels}, shift=False)) == 2 + 3  # a masked LM's: every label counts
+
+
+def test_only_causal_lms_are_weighted_by_default():
+    from transformers import GPT2Config, GPT2LMHeadModel, RobertaConfig, RobertaForMaskedLM
+
+    tiny = {"n_embd": 8, "n_layer": 1, "n_head": 2, "vocab_size": 16, "n_positions": 8}
+    assert is_causal_lm(GPT2LMHeadModel(GPT2Config(**tiny)))
+    masked = RobertaForMaskedLM(
+        RobertaConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8, vocab_size=16)
+    )
+    assert not is_causal_lm(masked)
+    with_labels = [{"labels": torch.zeros(2, 4, dtype=torch.long)}] * 2
+    assert not wants_token_weights(with_labels, None, has_loss_fn=False, causal_lm=False)
+    assert wants_token_weights(with_labels, True, has_loss_fn=False, causal_lm=False)
 
 
 def test_the_default_weighs_the_models_own_loss_only():
