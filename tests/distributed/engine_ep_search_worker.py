@@ -16,7 +16,7 @@ largest differences.
 from __future__ import annotations
 
 import elixir_tune
-from tests.distributed.engine_ep_worker import build, global_batches, run_reference
+from tests.distributed.engine_ep_worker import build, global_batches, run_reference, step_loss
 from tests.distributed.engine_worker import compare, local_micro, mean_over_ranks
 
 
@@ -30,15 +30,7 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
     losses = []
     for batch in global_batches(case, world):
         micro = [local_micro(batch, rank, world, accum, k) for k in range(accum)]
-        if case["loop"] == "plain":
-            total = 0.0
-            for part in micro:
-                loss = model(**part).loss / accum
-                opt.backward(loss)
-                total += float(loss.detach())
-            losses.append(total)
-        else:
-            losses.append(float(model.forward_backward(micro)))
+        losses.append(step_loss(model, opt, micro, case["loop"]))
         opt.step()
         opt.zero_grad()
     full = model.state_dict()  # a collective: every rank calls it

@@ -29,6 +29,7 @@ import torch
 import elixir_tune
 from tests.distributed.engine_plans import make_plan, param_groups
 from tests.distributed.engine_worker import compare, local_micro, mean_over_ranks
+from tests.distributed.torch_reference import state_round_trip
 
 SKEW = 10.0
 
@@ -161,15 +162,7 @@ def run_engine(case: dict, rank: int, world: int, checkpoint_dir: str) -> dict:
         if step == saved_at:
             elixir_tune.save_checkpoint(checkpoint_dir, model, opt, step)
         micro = [local_micro(batch, rank, world, accum, k) for k in range(accum)]
-        if case.get("loop") == "plain":  # what a DDP user writes: each rank its own micro-batches
-            total = 0.0
-            for part in micro:
-                loss = model(**part).loss / accum
-                opt.backward(loss)
-                total += float(loss.detach())
-            losses.append(total)
-        else:
-            losses.append(float(model.forward_backward(micro)))
+        losses.append(step_loss(model, opt, micro, case.get("loop", "forward_backward")))
         if case.get("clip"):
             norms.append(float(opt.clip_grad_norm(case["clip"])))
         if step == 0 and weights is not None:  # this rank's rows of each expert tensor written
@@ -201,11 +194,7 @@ def run_engine(case: dict, rank: int, world: int, checkpoint_dir: str) -> dict:
             opt.zero_grad()
         again = model.state_dict()
         resumed_equal = all(torch.equal(again[k], v) for k, v in full.items())
-    everywhere = model.state_dict(all_ranks=True)
-    model.load_state_dict({k: v * 2 for k, v in everywhere.items()})
-    model.load_state_dict(everywhere)
-    reloaded = model.state_dict(all_ranks=True)
-    round_trip = all(torch.equal(reloaded[k], v) for k, v in everywhere.items())
+    round_trip = state_round_trip(model)
     return {
         "losses": losses,
         "norms": norms,
@@ -271,6 +260,19 @@ def run_reference(case: dict, data: int, weights: str | None = None) -> dict:
         "state": {k: v.tolist() for k, v in model.state_dict().items()},
         "shares": shares,
     }
+
+
+def step_loss(model, opt, micro: list[dict], loop: str) -> float:
+    """One step's forward and backward: under the plain loop what a DDP user writes (each rank its own
+    micro-batches, ``opt.backward(loss / accum)``), else ``forward_backward``; this rank's loss."""
+    if loop != "plain":
+        return float(model.forward_backward(micro))
+    total = 0.0
+    for part in micro:
+        loss = model(**part).loss / len(micro)
+        opt.backward(loss)
+        total += float(loss.detach())
+    return total
 
 
 def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> dict:

@@ -26,7 +26,7 @@ from elixir_tune.engine.parallel.tensor_parallel import local_data
 from elixir_tune.plan.tensor_layout import local_shape
 from tests.distributed.engine_plans import batches, make_plan, tiny_gpt2, tiny_llama_gqa
 from tests.distributed.engine_worker import compare, local_micro, mean_over_ranks, plain_accumulated_training
-from tests.distributed.torch_reference import adamw
+from tests.distributed.torch_reference import adamw, state_round_trip
 
 SEQ = 8
 
@@ -117,11 +117,7 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
         losses.append(total)
     full = model.state_dict()  # a collective: every rank calls it
     # Loading full weights slices them per tensor rank again: a round trip changes nothing.
-    everywhere = model.state_dict(all_ranks=True)
-    model.load_state_dict({k: v * 2 for k, v in everywhere.items()})
-    model.load_state_dict(everywhere)
-    reloaded = model.state_dict(all_ranks=True)
-    round_trip = all(torch.equal(reloaded[k], v) for k, v in everywhere.items())
+    round_trip = state_round_trip(model)
     return {
         "losses": losses,
         "norms": norms,

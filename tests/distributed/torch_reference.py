@@ -133,3 +133,13 @@ def compare_with_reference(state: dict[str, torch.Tensor], norms: list[float], r
     """
     engine = {"state": {k: v.tolist() for k, v in state.items()}, "norms": norms}
     return dict(compare(engine, reference, world_losses), reference_losses=reference["losses"])
+
+
+def state_round_trip(model) -> bool:
+    """Whether loading the engine model's full weights (sliced again per rank: tensor pieces, expert
+    rows) and reading them back changes nothing; a collective: every rank calls it."""
+    everywhere = model.state_dict(all_ranks=True)
+    model.load_state_dict({k: v * 2 for k, v in everywhere.items()})
+    model.load_state_dict(everywhere)
+    reloaded = model.state_dict(all_ranks=True)
+    return all(torch.equal(reloaded[k], v) for k, v in everywhere.items())
