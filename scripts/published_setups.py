@@ -10,9 +10,13 @@ the configuration it ran and the figure in tokens per second per GPU. Sources:
   row from the repository's examples/sc21/run_table_1.sh;
 * ``zero-offload``: DeepSpeed's ZeRO-Offload tutorial, a 10B GPT-2 on one V100-SXM3 32GB (optimizer
   on the host), the step time read from the tutorial's training-log screenshot.
+* ``colossalai-pl``: hpcaitech's GPT-2 benchmark of Colossal-AI Gemini (the chunk manager Elixir
+  grew from) and DeepSpeed ZeRO-3 (with and without offload) on 1, 4 and 8 A100 40GB, fp16, seq 1024,
+  every block checkpointed: the setting of the Elixir paper's GPT-2 tables, whose figures are not
+  reachable here (``LEFT_OUT``).
 
 The presets' compute rates were fitted to other rows of the llm-foundry tables only; the
-torchtitan, Megatron-LM and ZeRO-Offload rows are held out (``Setup.fitted_source``).
+torchtitan, Megatron-LM, ZeRO-Offload and Colossal-AI rows are held out (``Setup.fitted_source``).
 """
 
 from __future__ import annotations
@@ -37,6 +41,11 @@ ZERO_OFFLOAD = (
     "@ 38327e07f6cd39b63418f60cedd1651b0be3e7c3 (image of 2020-09-10); launch flags of "
     "microsoft/DeepSpeedExamples Megatron-LM/scripts/ds_zero-offload_10B_pretrain_gpt2_model_parallel.sh "
     "@ 19624a6fa66f35c9e8cc0e8b8f3324911c23bb65"
+)
+COLOSSAL_PL = (
+    "hpcaitech/ColossalAI-Pytorch-lightning benchmark/gpt/README.md @ 6a82b8015e06288da507d43f17cd40cc644bff03 "
+    "(2022-08-18), table '{table}'; models from benchmark/gpt/model.py, flags from benchmark/gpt/train.py at "
+    "the same commit"
 )
 H100_TABLE = "H100 80GB BF16"
 A100_TABLE = "A100 80GB with 1600 Gbps node-node interconnect (RoCE)"
@@ -88,6 +97,25 @@ ZERO_OFFLOAD_MISMATCHES = (
     "the plan keeps them on the GPU",
     "vocabulary 50257 (GPT-2 BPE; Megatron pads it to a multiple of 128)",
 )
+COLOSSAL_PL_MISMATCHES = (
+    "'A100 (40G)': form factor and interconnect not stated; compared on the a100-40gb-sxm preset (8 on NVSwitch, "
+    "rates assumed those of the 80GB SXM part); a PCIe machine would have slower collectives and host links",
+    "the README does not say how its step time was taken (3 steps of one epoch; the first step may be counted)",
+    "transformers' GPT-2 of 2022: eager attention (the seq x seq scores kept), learned positions, tied head, "
+    "vocabulary 50257, random tokens; Lightning's precision 16 modelled as fp16 compute with fp32 master weights",
+    "gradient_checkpointing_enable(): every block checkpointed",
+)
+COLOSSAL_PL_STRATEGY = {
+    "ddp": "torch DDP replicates weights, gradients and Adam states (one all-reduce per step, torch.optim.Adam); "
+    "the plan shards them in chunks (all-gather + reduce-scatter, the same bytes per step)",
+    "zero3": "DeepSpeed ZeRO-3 (FusedAdam) shards per parameter; the plan shards in chunks the search sizes",
+    "zero3-offload": "DeepSpeed ZeRO-3 with offload_parameters and offload_optimizer (DeepSpeedCPUAdam): all model "
+    "states on the host, modelled as every chunk offloaded (offload 1.0, cache blocks free)",
+    "gemini-cuda": "Colossal-AI Gemini, placement_policy 'cuda': every chunk on the GPU (offload 0)",
+    "gemini-auto": "Colossal-AI Gemini, placement_policy 'auto' with gpu_margin_mem_ratio 0.9: its runtime memory "
+    "tracer moves chunks between host and GPU and puts optimizer states on the GPU in 90% of the spare memory; "
+    "the pinned plan leaves the offload share to the search",
+}
 
 
 @dataclass(frozen=True)
@@ -220,6 +248,41 @@ def _megatron(size: str, hidden: int, layers: int, heads: int, tp: int, pp: int,
     )
 
 
+# ColossalAI-Pytorch-lightning benchmark/gpt/model.py: (hidden, layers, heads) of the models the README ran.
+COLOSSAL_PL_MODELS = {"gpt2_xl": (1600, 48, 25), "gpt2_12B": (4096, 60, 16), "gpt2_18B": (4096, 90, 16),
+                      "gpt2_24B": (8192, 30, 16)}  # fmt: skip
+
+
+def _colossal_pl(model: str, gpus: int, strategy: str, micro: int, tokens_per_s_per_gpu: float, table: str,
+                 row: str) -> Setup:  # fmt: skip
+    hidden, layers, heads = COLOSSAL_PL_MODELS[model]
+    label = {"ddp": "DDP", "zero3": "ZeRO-3", "zero3-offload": "ZeRO-3 offload", "gemini-cuda": "Gemini cuda",
+             "gemini-auto": "Gemini auto"}[strategy]  # fmt: skip
+    offload = {"zero3-offload": 1.0, "gemini-auto": None}.get(strategy, 0.0)
+    return Setup(
+        name=f"GPT-2 {model.removeprefix('gpt2_').upper()} {gpus}xA100-40G ({label})",
+        source=COLOSSAL_PL.format(table=table),
+        source_key="colossalai-pl",
+        row=row,
+        model=f"colossalai-pl-{model.replace('_', '-').lower()}",
+        gpt=(hidden, layers, heads, 50257, False),
+        hardware="a100-40gb-sxm",
+        gpus_per_node=gpus,
+        nodes=1,
+        seq_len=1024,
+        micro_batch_size=micro,
+        grad_accum_steps=1,
+        checkpointing="all",
+        tokens_per_s_per_gpu=tokens_per_s_per_gpu,
+        dtype="fp16",
+        offload=offload,
+        mismatches=COLOSSAL_PL_MISMATCHES + (COLOSSAL_PL_STRATEGY[strategy],),
+    )
+
+
+SCALING = "Model scaling"  # batch size 1 per GPU, seq 1024; figure: step time (sec)
+SMALL = "Small model comparison"  # GPT2-XL on 4x A100 (40G); figure: global throughput (samples/sec)
+
 PUBLISHED: tuple[Setup, ...] = (
     _foundry(H100_TABLE, "760m", 2048, 8, "34.9", 24, 2, 63147, False),
     _foundry(H100_TABLE, "1b", 2048, 8, "41.82", 14, 1, 45455, False),
@@ -301,6 +364,76 @@ PUBLISHED: tuple[Setup, ...] = (
         dtype="fp16",
         offload=1.0,
         mismatches=ZERO_OFFLOAD_MISMATCHES,
+    ),
+    # ColossalAI-Pytorch-lightning: tokens/s per GPU = 1024 tokens per GPU / step time (model scaling), or
+    # samples/s x 1024 / 4 GPUs (small model comparison).
+    _colossal_pl(
+        "gpt2_18B",
+        1,
+        "zero3-offload",
+        1,
+        1024 / 39.32,
+        SCALING,
+        row="| deepspeed (zero3 offload) | 1 | 18 | 5699.500 | 39.32 | (GPUs, max model size (B), max CUDA MB, step "
+        "time (sec)); python train.py --epochs 1 --steps_per_epoch 3 --model gpt2_18B --strategy deepspeed --offload",
+    ),
+    _colossal_pl(
+        "gpt2_24B",
+        1,
+        "gemini-auto",
+        1,
+        1024 / 69.54,
+        SCALING,
+        row="| colssalai (auto) | 1 | 24 | 36483.311 | 69.54 |; python train.py --epochs 1 --steps_per_epoch 3 "
+        "--model gpt2_24B --strategy colossal --placement_policy auto --opt_gpu_margin_rat 0.9",
+    ),
+    _colossal_pl(
+        "gpt2_12B",
+        8,
+        "zero3",
+        1,
+        1024 / 9.06,
+        SCALING,
+        row="| deepspeed (zero3) | 8 | 12 | 29751.203 | 9.06 |; python train.py --epochs 1 --steps_per_epoch 3 "
+        "--model gpt2_12B --strategy deepspeed --np 8",
+    ),
+    _colossal_pl(
+        "gpt2_12B",
+        8,
+        "gemini-cuda",
+        1,
+        1024 / 7.07,
+        SCALING,
+        row="| colssalai (cuda) | 8 | 12 | 24504.032 | 7.07 |; python train.py --epochs 1 --steps_per_epoch 3 "
+        "--model gpt2_12B --strategy colossal --np 8",
+    ),
+    _colossal_pl(
+        "gpt2_xl",
+        4,
+        "ddp",
+        6,
+        11.76 * 1024 / 4,
+        SMALL,
+        row="| ddp (AMP) | 24 | 11.76 | 37905.422 | (global batch, samples/sec, max CUDA MB); python train.py --np 4 "
+        "--batch_size 6",
+    ),
+    _colossal_pl(
+        "gpt2_xl",
+        4,
+        "zero3",
+        40,
+        18.18 * 1024 / 4,
+        SMALL,
+        row="| deepspeed (zero3) | 160 | 18.18 | 25360.968 |; python train.py --np 4 --strategy deepspeed --batch_size 40",
+    ),
+    _colossal_pl(
+        "gpt2_xl",
+        4,
+        "gemini-cuda",
+        40,
+        19.36 * 1024 / 4,
+        SMALL,
+        row="| colssalai (cuda) | 160 | 19.36 | 24003.394 |; python train.py --np 4 --strategy colossal --batch_size 40",
     ),
 )
 SOURCE_KEYS = tuple(dict.fromkeys(setup.source_key for setup in PUBLISHED))
