@@ -360,6 +360,31 @@ def selected(sources: str, rows: str) -> list[Setup]:
     return chosen
 
 
+def merged(parts: list[dict], note: str) -> dict:
+    """One report from parts run separately: their rows in table order, summarised again.
+
+    A part that is itself a merge contributes the commands of its own parts, so the report names every
+    command that produced a row.
+
+    Raises:
+        SystemExit: when two parts hold the same setup (merge the newer part with the others instead).
+    """
+    order = {setup.name: index for index, setup in enumerate(PUBLISHED)}
+    rows = sorted((row for part in parts for row in part["rows"]), key=lambda row: order.get(row["name"], len(order)))
+    names = [row["name"] for row in rows]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise SystemExit(f"--merge: these setups are in more than one part: {', '.join(repeated)}")
+    return {
+        "command": COMMAND,
+        "parts": [command for part in parts for command in part.get("parts") or [part["command"]]],
+        "elapsed_s": max(part["elapsed_s"] for part in parts),
+        "summary": summary(rows),
+        "rows": rows,
+        "note": note,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -386,19 +411,7 @@ def main() -> None:
     prefix = Path(args.out_prefix)
     if args.merge:
         parts = [json.loads(Path(path).read_text()) for path in args.merge]
-        order = {setup.name: index for index, setup in enumerate(PUBLISHED)}
-        rows = sorted(
-            (row for part in parts for row in part["rows"]), key=lambda row: order.get(row["name"], len(order))
-        )
-        report = {
-            "command": COMMAND,
-            "parts": [part["command"] for part in parts],
-            "elapsed_s": max(part["elapsed_s"] for part in parts),
-            "summary": summary(rows),
-            "rows": rows,
-            "note": args.note,
-        }
-        write_report(prefix, report, f" from {len(parts)} parts")
+        write_report(prefix, merged(parts, args.note), f" from {len(parts)} parts")
         return
     if args.render:
         report = json.loads(prefix.with_suffix(".json").read_text())

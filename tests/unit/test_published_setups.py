@@ -56,7 +56,44 @@ def test_megatron_rows_reproduce_their_published_percent_of_peak():
 def test_only_the_llm_foundry_rows_share_a_source_with_the_fitted_rates():
     fitted = {setup.source_key for setup in PUBLISHED if setup.fitted_source}
     assert fitted == {"llm-foundry"}
-    assert {"megatron", "zero-offload", "torchtitan"} <= set(SOURCE_KEYS)
+    assert {"megatron", "zero-offload", "torchtitan", "colossalai-pl"} <= set(SOURCE_KEYS)
+
+
+def test_colossalai_rows_reproduce_their_quoted_figures():
+    """Step time rows: 1024 tokens per GPU per step; throughput rows: samples/s x 1024 over 4 GPUs."""
+    rows = [setup for setup in PUBLISHED if setup.source_key == "colossalai-pl"]
+    assert len(rows) == 7
+    for setup in rows:
+        cells = [cell.strip() for cell in setup.row.split(";")[0].split("|")[1:-1]]
+        assert setup.seq_len == 1024 and setup.dtype == "fp16" and setup.checkpointing == "all"
+        assert setup.hardware == "a100-40gb-sxm" and not setup.gpt[4]  # eager attention
+        if "--epochs 1" in setup.row:  # model scaling: | strategy | GPUs | B | MB | s |
+            assert int(cells[1]) == setup.gpus and setup.micro_batch_size == 1
+            assert setup.tokens_per_s_per_gpu == pytest.approx(1024 / float(cells[4]))
+        else:  # small model comparison: | strategy | global batch | samples/s | MB |, 4 GPUs
+            assert int(cells[1]) == setup.global_batch_size and setup.gpus == 4
+            assert setup.tokens_per_s_per_gpu == pytest.approx(float(cells[2]) * 1024 / 4)
+        # Offloading is pinned where the strategy fixes it, and left to the search for Gemini's 'auto'.
+        expected = 1.0 if "offload" in cells[0] else None if "auto" in cells[0] else 0.0
+        assert setup.offload == expected
+    # The 18B row by hand: one 1024-token sample per step of 39.32 s.
+    assert rows[0].name == "GPT-2 18B 1xA100-40G (ZeRO-3 offload)"
+    assert rows[0].tokens_per_s_per_gpu == pytest.approx(26.04, abs=0.01)
+
+
+def test_merging_parts_keeps_every_command_and_refuses_a_setup_twice():
+    def part(command, names, elapsed_s, parts=None):
+        rows = [{"name": name, "ratio": 1.1, "defines_bound": False, "free": {}} for name in names]
+        return {"command": command, "elapsed_s": elapsed_s, "rows": rows, **({"parts": parts} if parts else {})}
+
+    first, last = PUBLISHED[0].name, PUBLISHED[-1].name
+    whole = part("python scripts/bench_published.py", [first], 100.0, parts=["cmd a", "cmd b"])
+    report = bench_published.merged([part("cmd c", [last], 40.0), whole], note="n")
+    assert report["parts"] == ["cmd c", "cmd a", "cmd b"]
+    assert [row["name"] for row in report["rows"]] == [first, last]  # table order, not part order
+    assert report["elapsed_s"] == 100.0 and report["note"] == "n" and report["summary"]["compared"] == 2
+    with pytest.raises(SystemExit, match="more than one part"):
+        bench_published.merged([whole, part("cmd d", [first], 1.0)], note="")
 
 
 def test_filters_select_by_source_and_by_name():
