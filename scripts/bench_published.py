@@ -16,6 +16,7 @@ quoted from their sources.
     python scripts/bench_published.py                       # all setups: benchmarks/results/published.{json,md}
     python scripts/bench_published.py --sources megatron,zero-offload --out-prefix /tmp/new
     python scripts/bench_published.py --rows "MPT-7b,Llama" --out-prefix /tmp/some
+    python scripts/bench_published.py --sources colossalai-pl --hardware a100-40gb-pcie --out-prefix /tmp/pcie
 """
 
 from __future__ import annotations
@@ -396,6 +397,11 @@ def main() -> None:
         "--sources", default="", help=f"only these source families, comma-separated: {', '.join(SOURCE_KEYS)}"
     )
     parser.add_argument("--rows", default="", help="only setups whose name contains one of these comma-separated texts")
+    parser.add_argument(
+        "--hardware",
+        default="",
+        help="a sensitivity check: compare on this preset (or hardware file) instead of each setup's own",
+    )
     parser.add_argument("--note", default="", help="a closing note for the markdown (e.g. before/after figures)")
     parser.add_argument(
         "--render", action="store_true", help="no search: write PREFIX.md again from PREFIX.json and --note"
@@ -423,7 +429,7 @@ def main() -> None:
     started = time.perf_counter()
     rows = []
     for setup in selected(args.sources, args.rows):
-        row = run_setup(setup)
+        row = run_setup(dataclasses.replace(setup, hardware=args.hardware) if args.hardware else setup)
         rows.append(row)
         print(
             f"{row['name']}: ratio {row.get('ratio', float('nan')):.3f}, "
@@ -431,7 +437,9 @@ def main() -> None:
             flush=True,
         )
     command = COMMAND + "".join(
-        f" --{key} {value!r}" for key, value in (("sources", args.sources), ("rows", args.rows)) if value
+        f" --{key} {value!r}"
+        for key, value in (("sources", args.sources), ("rows", args.rows), ("hardware", args.hardware))
+        if value
     )
     report = {
         "command": command,
