@@ -13,7 +13,10 @@ the configuration it ran and the figure in tokens per second per GPU. Sources:
 * ``colossalai-pl``: hpcaitech's GPT-2 benchmark of Colossal-AI Gemini (the chunk manager Elixir
   grew from) and DeepSpeed ZeRO-3 (with and without offload) on 1, 4 and 8 A100 40GB, fp16, seq 1024,
   every block checkpointed: the setting of the Elixir paper's GPT-2 tables, whose figures are not
-  reachable here (``LEFT_OUT``).
+  reachable here (``LEFT_OUT``);
+* ``colossalai-gemini``: Colossal-AI's GPT-2 Gemini example (0.1.13) on 1, 2 and 4 A100 80GB over PCIe,
+  host offload policies 'cpu', 'auto' and 'const', published as TFLOPS per GPU with Elixir's own
+  metric (batch x params x seq x 8 / step time).
 
 The presets' compute rates were fitted to other rows of the llm-foundry tables only; the
 torchtitan, Megatron-LM, ZeRO-Offload and Colossal-AI rows are held out (``Setup.fitted_source``).
@@ -22,6 +25,23 @@ torchtitan, Megatron-LM, ZeRO-Offload and Colossal-AI rows are held out (``Setup
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from published_colossalai import (
+    BATCH_TABLE,
+    COLOSSAL_GEMINI,
+    COLOSSAL_GEMINI_MISMATCHES,
+    COLOSSAL_GEMINI_MODELS,
+    COLOSSAL_GEMINI_POLICY,
+    COLOSSAL_PL,
+    COLOSSAL_PL_MISMATCHES,
+    COLOSSAL_PL_MODELS,
+    COLOSSAL_PL_STRATEGY,
+    POLICY_TABLE,
+    SCALING,
+    SMALL,
+    TP_TABLE,
+    gpt2_params,
+)
 
 LLM_FOUNDRY = (
     "mosaicml/llm-foundry scripts/train/benchmarking/README.md @ 8c8dd48f72168c5d51e2f7b151595892a8fba43d "
@@ -41,11 +61,6 @@ ZERO_OFFLOAD = (
     "@ 38327e07f6cd39b63418f60cedd1651b0be3e7c3 (image of 2020-09-10); launch flags of "
     "microsoft/DeepSpeedExamples Megatron-LM/scripts/ds_zero-offload_10B_pretrain_gpt2_model_parallel.sh "
     "@ 19624a6fa66f35c9e8cc0e8b8f3324911c23bb65"
-)
-COLOSSAL_PL = (
-    "hpcaitech/ColossalAI-Pytorch-lightning benchmark/gpt/README.md @ 6a82b8015e06288da507d43f17cd40cc644bff03 "
-    "(2022-08-18), table '{table}'; models from benchmark/gpt/model.py, flags from benchmark/gpt/train.py at "
-    "the same commit"
 )
 H100_TABLE = "H100 80GB BF16"
 A100_TABLE = "A100 80GB with 1600 Gbps node-node interconnect (RoCE)"
@@ -97,25 +112,6 @@ ZERO_OFFLOAD_MISMATCHES = (
     "the plan keeps them on the GPU",
     "vocabulary 50257 (GPT-2 BPE; Megatron pads it to a multiple of 128)",
 )
-COLOSSAL_PL_MISMATCHES = (
-    "'A100 (40G)': form factor and interconnect not stated; compared on the a100-40gb-sxm preset (8 on NVSwitch, "
-    "rates assumed those of the 80GB SXM part); a PCIe machine would have slower collectives and host links",
-    "the README does not say how its step time was taken (3 steps of one epoch; the first step may be counted)",
-    "transformers' GPT-2 of 2022: eager attention (the seq x seq scores kept), learned positions, tied head, "
-    "vocabulary 50257, random tokens; Lightning's precision 16 modelled as fp16 compute with fp32 master weights",
-    "gradient_checkpointing_enable(): every block checkpointed",
-)
-COLOSSAL_PL_STRATEGY = {
-    "ddp": "torch DDP replicates weights, gradients and Adam states (one all-reduce per step, torch.optim.Adam); "
-    "the plan shards them in chunks (all-gather + reduce-scatter, the same bytes per step)",
-    "zero3": "DeepSpeed ZeRO-3 (FusedAdam) shards per parameter; the plan shards in chunks the search sizes",
-    "zero3-offload": "DeepSpeed ZeRO-3 with offload_parameters and offload_optimizer (DeepSpeedCPUAdam): all model "
-    "states on the host, modelled as every chunk offloaded (offload 1.0, cache blocks free)",
-    "gemini-cuda": "Colossal-AI Gemini, placement_policy 'cuda': every chunk on the GPU (offload 0)",
-    "gemini-auto": "Colossal-AI Gemini, placement_policy 'auto' with gpu_margin_mem_ratio 0.9: its runtime memory "
-    "tracer moves chunks between host and GPU and puts optimizer states on the GPU in 90% of the spare memory; "
-    "the pinned plan leaves the offload share to the search",
-}
 
 
 @dataclass(frozen=True)
@@ -248,11 +244,6 @@ def _megatron(size: str, hidden: int, layers: int, heads: int, tp: int, pp: int,
     )
 
 
-# ColossalAI-Pytorch-lightning benchmark/gpt/model.py: (hidden, layers, heads) of the models the README ran.
-COLOSSAL_PL_MODELS = {"gpt2_xl": (1600, 48, 25), "gpt2_12B": (4096, 60, 16), "gpt2_18B": (4096, 90, 16),
-                      "gpt2_24B": (8192, 30, 16)}  # fmt: skip
-
-
 def _colossal_pl(model: str, gpus: int, strategy: str, micro: int, tokens_per_s_per_gpu: float, table: str,
                  row: str) -> Setup:  # fmt: skip
     hidden, layers, heads = COLOSSAL_PL_MODELS[model]
@@ -280,8 +271,30 @@ def _colossal_pl(model: str, gpus: int, strategy: str, micro: int, tokens_per_s_
     )
 
 
-SCALING = "Model scaling"  # batch size 1 per GPU, seq 1024; figure: step time (sec)
-SMALL = "Small model comparison"  # GPT2-XL on 4x A100 (40G); figure: global throughput (samples/sec)
+def _colossal_gemini(model: str, gpus: int, policy: str, batch: int, tflops: str, table: str) -> Setup:
+    hidden, layers, heads = COLOSSAL_GEMINI_MODELS[model]
+    return Setup(
+        name=f"GPT-2 {model.removeprefix('gpt2_').upper()} {gpus}xA100-80G-PCIe (Gemini {policy}, batch {batch})",
+        source=COLOSSAL_GEMINI.format(table=table),
+        source_key="colossalai-gemini",
+        row=f"| {model} | {gpus} | {policy} | 1 | {batch} | {tflops} | (model, #GPU, policy, TP, batch per DP, Tflops); "
+        f"torchrun --nproc_per_node={gpus} train_gpt_demo.py --tp_degree=1 --model_type={model} --batch_size={batch} "
+        f"--placement {policy} --distplan colossalai",
+        model=f"colossalai-gemini-{model.replace('_', '-')}",
+        gpt=(hidden, layers, heads, 50257, False),
+        hardware="a100-80gb-pcie",
+        gpus_per_node=gpus,
+        nodes=1,
+        seq_len=1024,
+        micro_batch_size=batch,
+        grad_accum_steps=1,
+        checkpointing="all",
+        tokens_per_s_per_gpu=float(tflops) * 1e12 / (8 * gpt2_params(hidden, layers)),
+        dtype="fp16",
+        offload=1.0 if policy == "cpu" else None,
+        mismatches=COLOSSAL_GEMINI_MISMATCHES + (COLOSSAL_GEMINI_POLICY[policy],),
+    )
+
 
 PUBLISHED: tuple[Setup, ...] = (
     _foundry(H100_TABLE, "760m", 2048, 8, "34.9", 24, 2, 63147, False),
@@ -435,6 +448,14 @@ PUBLISHED: tuple[Setup, ...] = (
         SMALL,
         row="| colssalai (cuda) | 160 | 19.36 | 24003.394 |; python train.py --np 4 --strategy colossal --batch_size 40",
     ),
+    # Colossal-AI's Gemini GPT-2 example, the rows without tensor parallelism (TP 1), figures as printed.
+    _colossal_gemini("gpt2_10b", 2, "cpu", 32, "122.046", BATCH_TABLE),
+    _colossal_gemini("gpt2_10b", 2, "cpu", 16, "82.649", BATCH_TABLE),
+    _colossal_gemini("gpt2_10b", 2, "cpu", 8, "61.354", BATCH_TABLE),
+    _colossal_gemini("gpt2_10b", 4, "auto", 8, "88.657", POLICY_TABLE),
+    _colossal_gemini("gpt2_10b", 4, "cpu", 8, "61.354", POLICY_TABLE),
+    _colossal_gemini("gpt2_10b", 4, "const", 8, "82.137", POLICY_TABLE),
+    _colossal_gemini("gpt2_20b", 1, "cpu", 8, "43.102", TP_TABLE),
 )
 SOURCE_KEYS = tuple(dict.fromkeys(setup.source_key for setup in PUBLISHED))
 # Sources looked at and left out, with the reason (the report lists them).
@@ -448,9 +469,14 @@ LEFT_OUT = (
     "sequence length with it; the tutorial's logged run above is used instead",
     "The Elixir paper's GPT-2 tables (arXiv 2212.05339v3, TFLOPS per GPU on 1, 2 and 4 A100): the stored copies "
     "reachable here (ar5iv.labs.arxiv.org/html/2212.05339 and summaries of it) give the abstract and introduction "
-    "only, and no repository holds the paper's text; the Elixir code (colossalai/elixir/README.md of "
-    "hpcaitech/ColossalAI) has no figures. The ColossalAI-Pytorch-lightning rows above (Gemini, the system Elixir "
-    "grew from, on GPT-2 at seq 1024, fp16, checkpointed, 1-8 A100 40GB) stand in for them",
+    "only, and no repository holds the paper's text; the paper's benchmark code (hpcaitech/Elixir @ e9ccbd9, "
+    "example/benchmark: the GPT-2 4B-20B models and scripts) and colossalai/elixir/README.md of hpcaitech/ColossalAI "
+    "have no results. The two Colossal-AI sources above (Gemini, the system Elixir grew from, on GPT-2 at seq 1024, "
+    "fp16, checkpointed, 1-8 A100, the 'colossalai-gemini' rows in Elixir's own TFLOPS metric) stand in for them",
+    "Colossal-AI's Gemini example rows with tensor parallelism (TP 2 and 4, examples/language/gpt/README.md @ "
+    "d96cc37e): Colossal's 1D split of transformers' GPT-2 (c_attn, c_proj, c_fc and the embeddings column-split) "
+    "is not a layout a plan can pin (transformers ships no tensor-parallel plan for GPT-2), and the script's "
+    "TFLOPS counts the local shard's parameters",
     "ZeRO-Infinity (arXiv 2104.07857; its single-DGX-2 throughput by model size): the paper's text is not reachable "
     "here (abstract pages only); its SC21 slides (microsoft/DeepSpeed docs/assets/files/SC21-ZeRO-Infinity.pdf @ "
     "38327e07) draw the throughput as bar charts with no printed values and give no batch size or sequence "

@@ -15,6 +15,7 @@ from elixir_tune import paths
 sys.path.insert(0, str(paths.REPO_DIR / "scripts"))
 import bench_published  # noqa: E402
 import published_setups  # noqa: E402
+from published_colossalai import gpt2_params  # noqa: E402
 from published_setups import PUBLISHED, SOURCE_KEYS, megatron_tokens_per_s  # noqa: E402
 
 from elixir_tune.hardware import load_hardware  # noqa: E402
@@ -56,7 +57,24 @@ def test_megatron_rows_reproduce_their_published_percent_of_peak():
 def test_only_the_llm_foundry_rows_share_a_source_with_the_fitted_rates():
     fitted = {setup.source_key for setup in PUBLISHED if setup.fitted_source}
     assert fitted == {"llm-foundry"}
-    assert {"megatron", "zero-offload", "torchtitan", "colossalai-pl"} <= set(SOURCE_KEYS)
+    assert {"megatron", "zero-offload", "torchtitan", "colossalai-pl", "colossalai-gemini"} <= set(SOURCE_KEYS)
+
+
+def test_gemini_rows_reproduce_their_tflops_with_the_profiles_parameter_count():
+    """Colossal-AI's TFLOPS = batch x params x 1024 x 8 / step time, params as model.parameters() sums them."""
+    rows = [setup for setup in PUBLISHED if setup.source_key == "colossalai-gemini"]
+    assert len(rows) == 7
+    for setup in rows:
+        cells = [cell.strip() for cell in setup.row.split(";")[0].split("|")[1:-1]]
+        model, gpus, policy, tp, batch, tflops = cells[:6]
+        assert (int(gpus), int(tp), int(batch)) == (setup.gpus, 1, setup.micro_batch_size)
+        assert setup.offload == (1.0 if policy == "cpu" else None)
+        params = bench_published.profile_of(setup).num_params
+        assert params == gpt2_params(*setup.gpt[:2])  # the analytic profile counts what the script counted
+        assert setup.tokens_per_s_per_gpu * 8 * params == pytest.approx(float(tflops) * 1e12)
+    # The 10B row at batch 32 by hand: 122.046 TFLOPS / (8 x 10,279,047,168) = 1484.2 tokens/s per GPU.
+    assert gpt2_params(4096, 50) == 50 * (12 * 4096**2 + 13 * 4096) + (50257 + 1024) * 4096 + 2 * 4096
+    assert rows[0].tokens_per_s_per_gpu == pytest.approx(1484.2, abs=0.1)
 
 
 def test_colossalai_rows_reproduce_their_quoted_figures():
