@@ -295,7 +295,7 @@ def markdown(report: dict) -> str:
         f"Command: `{report['command']}` ({report['elapsed_s']} s). Predictions of the cost model only (nothing ran "
         "on a GPU), against figures quoted from their sources (below each table row's source and the quoted row)."
         + (
-            f" Run here as {len(report['parts'])} parts in parallel, merged with `--merge` (same rows and code): "
+            f" Run here as {len(report['parts'])} parts (in parallel or one after another), merged with `--merge`: "
             + "; ".join(f"`{command}`" for command in report["parts"])
             + "."
             if report.get("parts")

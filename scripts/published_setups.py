@@ -474,7 +474,7 @@ LEFT_OUT = (
     "have no results. The two Colossal-AI sources above (Gemini, the system Elixir grew from, on GPT-2 at seq 1024, "
     "fp16, checkpointed, 1-8 A100, the 'colossalai-gemini' rows in Elixir's own TFLOPS metric) stand in for them",
     "Colossal-AI's Gemini example rows with tensor parallelism (TP 2 and 4, examples/language/gpt/README.md @ "
-    "d96cc37e): Colossal's 1D split of transformers' GPT-2 (c_attn, c_proj, c_fc and the embeddings column-split) "
+    "d96cc37e): Colossal's 1D split of transformers' GPT-2 (attention c_attn and c_proj, mlp c_fc and the embeddings column-split, mlp c_proj row-split) "
     "is not a layout a plan can pin (transformers ships no tensor-parallel plan for GPT-2), and the script's "
     "TFLOPS counts the local shard's parameters",
     "ZeRO-Infinity (arXiv 2104.07857; its single-DGX-2 throughput by model size): the paper's text is not reachable "
