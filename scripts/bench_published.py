@@ -364,25 +364,29 @@ def selected(sources: str, rows: str) -> list[Setup]:
 def merged(parts: list[dict], note: str) -> dict:
     """One report from parts run separately: their rows in table order, summarised again.
 
-    A part that is itself a merge contributes the commands of its own parts, so the report names every
-    command that produced a row.
-
-    Raises:
-        SystemExit: when two parts hold the same setup (merge the newer part with the others instead).
+    A setup in more than one part keeps the row of the last part that has it, so a table can be merged
+    with a rerun of some of its rows (``--merge published.json rerun.json``); ``replaced`` names those
+    setups. A part that is itself a merge contributes the commands of its own parts (each command once),
+    so the report names every command that produced a row.
     """
     order = {setup.name: index for index, setup in enumerate(PUBLISHED)}
-    rows = sorted((row for part in parts for row in part["rows"]), key=lambda row: order.get(row["name"], len(order)))
-    names = [row["name"] for row in rows]
-    repeated = sorted({name for name in names if names.count(name) > 1})
-    if repeated:
-        raise SystemExit(f"--merge: these setups are in more than one part: {', '.join(repeated)}")
+    latest: dict[str, dict] = {}
+    replaced = []
+    for part in parts:
+        for row in part["rows"]:
+            if row["name"] in latest:
+                replaced.append(row["name"])
+            latest[row["name"]] = row
+    rows = sorted(latest.values(), key=lambda row: order.get(row["name"], len(order)))
+    commands = [command for part in parts for command in part.get("parts") or [part["command"]]]
     return {
         "command": COMMAND,
-        "parts": [command for part in parts for command in part.get("parts") or [part["command"]]],
+        "parts": list(dict.fromkeys(commands)),
         "elapsed_s": max(part["elapsed_s"] for part in parts),
         "summary": summary(rows),
         "rows": rows,
         "note": note,
+        "replaced": replaced,
     }
 
 
@@ -411,13 +415,17 @@ def main() -> None:
         nargs="+",
         default=[],
         metavar="PART.json",
-        help="no search: one report from parts run in parallel (each with --sources/--rows), rows in table order",
+        help="no search: one report from parts run separately (each with --sources/--rows), rows in table order; "
+        "a setup in several parts keeps the last part's row",
     )
     args = parser.parse_args()
     prefix = Path(args.out_prefix)
     if args.merge:
         parts = [json.loads(Path(path).read_text()) for path in args.merge]
-        write_report(prefix, merged(parts, args.note), f" from {len(parts)} parts")
+        report = merged(parts, args.note)
+        if report["replaced"]:
+            print(f"rows of later parts replace earlier ones: {', '.join(report['replaced'])}")
+        write_report(prefix, report, f" from {len(parts)} parts")
         return
     if args.render:
         report = json.loads(prefix.with_suffix(".json").read_text())

@@ -99,19 +99,21 @@ def test_colossalai_rows_reproduce_their_quoted_figures():
     assert rows[0].tokens_per_s_per_gpu == pytest.approx(26.04, abs=0.01)
 
 
-def test_merging_parts_keeps_every_command_and_refuses_a_setup_twice():
-    def part(command, names, elapsed_s, parts=None):
-        rows = [{"name": name, "ratio": 1.1, "defines_bound": False, "free": {}} for name in names]
+def test_merging_parts_keeps_every_command_and_the_last_row_of_a_setup():
+    def part(command, names, elapsed_s, ratio=1.1, parts=None):
+        rows = [{"name": name, "ratio": ratio, "defines_bound": False, "free": {}} for name in names]
         return {"command": command, "elapsed_s": elapsed_s, "rows": rows, **({"parts": parts} if parts else {})}
 
     first, last = PUBLISHED[0].name, PUBLISHED[-1].name
-    whole = part("python scripts/bench_published.py", [first], 100.0, parts=["cmd a", "cmd b"])
+    whole = part("python scripts/bench_published.py", [first, last], 100.0, parts=["cmd a", "cmd b"])
     report = bench_published.merged([part("cmd c", [last], 40.0), whole], note="n")
     assert report["parts"] == ["cmd c", "cmd a", "cmd b"]
     assert [row["name"] for row in report["rows"]] == [first, last]  # table order, not part order
     assert report["elapsed_s"] == 100.0 and report["note"] == "n" and report["summary"]["compared"] == 2
-    with pytest.raises(SystemExit, match="more than one part"):
-        bench_published.merged([whole, part("cmd d", [first], 1.0)], note="")
+    # A rerun of some rows merged after the table replaces them; a repeated command is listed once.
+    rerun = bench_published.merged([whole, part("cmd b", [last], 5.0, ratio=0.9)], note="")
+    assert rerun["replaced"] == [last] and rerun["parts"] == ["cmd a", "cmd b"]
+    assert [row["ratio"] for row in rerun["rows"]] == [1.1, 0.9]
 
 
 def test_filters_select_by_source_and_by_name():
