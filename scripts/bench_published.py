@@ -16,6 +16,7 @@ quoted from their sources.
     python scripts/bench_published.py                       # all setups: benchmarks/results/published.{json,md}
     python scripts/bench_published.py --sources megatron,zero-offload --out-prefix /tmp/new
     python scripts/bench_published.py --rows "MPT-7b,Llama" --out-prefix /tmp/some
+    python scripts/bench_published.py --sources colossalai-pl --hardware a100-40gb-pcie --out-prefix /tmp/pcie
 """
 
 from __future__ import annotations
@@ -294,7 +295,7 @@ def markdown(report: dict) -> str:
         f"Command: `{report['command']}` ({report['elapsed_s']} s). Predictions of the cost model only (nothing ran "
         "on a GPU), against figures quoted from their sources (below each table row's source and the quoted row)."
         + (
-            f" Run here as {len(report['parts'])} parts in parallel, merged with `--merge` (same rows and code): "
+            f" Run here as {len(report['parts'])} parts (in parallel or one after another), merged with `--merge`: "
             + "; ".join(f"`{command}`" for command in report["parts"])
             + "."
             if report.get("parts")
@@ -360,6 +361,35 @@ def selected(sources: str, rows: str) -> list[Setup]:
     return chosen
 
 
+def merged(parts: list[dict], note: str) -> dict:
+    """One report from parts run separately: their rows in table order, summarised again.
+
+    A setup in more than one part keeps the row of the last part that has it, so a table can be merged
+    with a rerun of some of its rows (``--merge published.json rerun.json``); ``replaced`` names those
+    setups. A part that is itself a merge contributes the commands of its own parts (each command once),
+    so the report names every command that produced a row.
+    """
+    order = {setup.name: index for index, setup in enumerate(PUBLISHED)}
+    latest: dict[str, dict] = {}
+    replaced = []
+    for part in parts:
+        for row in part["rows"]:
+            if row["name"] in latest:
+                replaced.append(row["name"])
+            latest[row["name"]] = row
+    rows = sorted(latest.values(), key=lambda row: order.get(row["name"], len(order)))
+    commands = [command for part in parts for command in part.get("parts") or [part["command"]]]
+    return {
+        "command": COMMAND,
+        "parts": list(dict.fromkeys(commands)),
+        "elapsed_s": max(part["elapsed_s"] for part in parts),
+        "summary": summary(rows),
+        "rows": rows,
+        "note": note,
+        "replaced": replaced,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -371,6 +401,11 @@ def main() -> None:
         "--sources", default="", help=f"only these source families, comma-separated: {', '.join(SOURCE_KEYS)}"
     )
     parser.add_argument("--rows", default="", help="only setups whose name contains one of these comma-separated texts")
+    parser.add_argument(
+        "--hardware",
+        default="",
+        help="a sensitivity check: compare on this preset (or hardware file) instead of each setup's own",
+    )
     parser.add_argument("--note", default="", help="a closing note for the markdown (e.g. before/after figures)")
     parser.add_argument(
         "--render", action="store_true", help="no search: write PREFIX.md again from PREFIX.json and --note"
@@ -380,24 +415,16 @@ def main() -> None:
         nargs="+",
         default=[],
         metavar="PART.json",
-        help="no search: one report from parts run in parallel (each with --sources/--rows), rows in table order",
+        help="no search: one report from parts run separately (each with --sources/--rows), rows in table order; "
+        "a setup in several parts keeps the last part's row",
     )
     args = parser.parse_args()
     prefix = Path(args.out_prefix)
     if args.merge:
         parts = [json.loads(Path(path).read_text()) for path in args.merge]
-        order = {setup.name: index for index, setup in enumerate(PUBLISHED)}
-        rows = sorted(
-            (row for part in parts for row in part["rows"]), key=lambda row: order.get(row["name"], len(order))
-        )
-        report = {
-            "command": COMMAND,
-            "parts": [part["command"] for part in parts],
-            "elapsed_s": max(part["elapsed_s"] for part in parts),
-            "summary": summary(rows),
-            "rows": rows,
-            "note": args.note,
-        }
+        report = merged(parts, args.note)
+        if report["replaced"]:
+            print(f"rows of later parts replace earlier ones: {', '.join(report['replaced'])}")
         write_report(prefix, report, f" from {len(parts)} parts")
         return
     if args.render:
@@ -410,7 +437,7 @@ def main() -> None:
     started = time.perf_counter()
     rows = []
     for setup in selected(args.sources, args.rows):
-        row = run_setup(setup)
+        row = run_setup(dataclasses.replace(setup, hardware=args.hardware) if args.hardware else setup)
         rows.append(row)
         print(
             f"{row['name']}: ratio {row.get('ratio', float('nan')):.3f}, "
@@ -418,7 +445,9 @@ def main() -> None:
             flush=True,
         )
     command = COMMAND + "".join(
-        f" --{key} {value!r}" for key, value in (("sources", args.sources), ("rows", args.rows)) if value
+        f" --{key} {value!r}"
+        for key, value in (("sources", args.sources), ("rows", args.rows), ("hardware", args.hardware))
+        if value
     )
     report = {
         "command": command,

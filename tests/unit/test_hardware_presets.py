@@ -24,6 +24,8 @@ from elixir_tune.hardware import (
 GiB = 2**30
 REQUIRED = {
     "a100-40gb-pcie",
+    "a100-40gb-sxm",
+    "a100-80gb-pcie",
     "a100-80gb-sxm",
     "h100-80gb-sxm",
     "h200-141gb",

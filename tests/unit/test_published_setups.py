@@ -15,6 +15,7 @@ from elixir_tune import paths
 sys.path.insert(0, str(paths.REPO_DIR / "scripts"))
 import bench_published  # noqa: E402
 import published_setups  # noqa: E402
+from published_colossalai import gpt2_params  # noqa: E402
 from published_setups import PUBLISHED, SOURCE_KEYS, megatron_tokens_per_s  # noqa: E402
 
 from elixir_tune.hardware import load_hardware  # noqa: E402
@@ -56,7 +57,63 @@ def test_megatron_rows_reproduce_their_published_percent_of_peak():
 def test_only_the_llm_foundry_rows_share_a_source_with_the_fitted_rates():
     fitted = {setup.source_key for setup in PUBLISHED if setup.fitted_source}
     assert fitted == {"llm-foundry"}
-    assert {"megatron", "zero-offload", "torchtitan"} <= set(SOURCE_KEYS)
+    assert {"megatron", "zero-offload", "torchtitan", "colossalai-pl", "colossalai-gemini"} <= set(SOURCE_KEYS)
+
+
+def test_gemini_rows_reproduce_their_tflops_with_the_profiles_parameter_count():
+    """Colossal-AI's TFLOPS = batch x params x 1024 x 8 / step time, params as model.parameters() sums them."""
+    rows = [setup for setup in PUBLISHED if setup.source_key == "colossalai-gemini"]
+    assert len(rows) == 7
+    for setup in rows:
+        cells = [cell.strip() for cell in setup.row.split(";")[0].split("|")[1:-1]]
+        model, gpus, policy, tp, batch, tflops = cells[:6]
+        assert (int(gpus), int(tp), int(batch)) == (setup.gpus, 1, setup.micro_batch_size)
+        assert setup.offload == (1.0 if policy == "cpu" else None)
+        params = bench_published.profile_of(setup).num_params
+        assert params == gpt2_params(*setup.gpt[:2])  # the analytic profile counts what the script counted
+        assert setup.tokens_per_s_per_gpu * 8 * params == pytest.approx(float(tflops) * 1e12)
+    # The 10B row at batch 32 by hand: 122.046 TFLOPS / (8 x 10,279,047,168) = 1484.2 tokens/s per GPU.
+    assert gpt2_params(4096, 50) == 50 * (12 * 4096**2 + 13 * 4096) + (50257 + 1024) * 4096 + 2 * 4096
+    assert rows[0].tokens_per_s_per_gpu == pytest.approx(1484.2, abs=0.1)
+
+
+def test_colossalai_rows_reproduce_their_quoted_figures():
+    """Step time rows: 1024 tokens per GPU per step; throughput rows: samples/s x 1024 over 4 GPUs."""
+    rows = [setup for setup in PUBLISHED if setup.source_key == "colossalai-pl"]
+    assert len(rows) == 7
+    for setup in rows:
+        cells = [cell.strip() for cell in setup.row.split(";")[0].split("|")[1:-1]]
+        assert setup.seq_len == 1024 and setup.dtype == "fp16" and setup.checkpointing == "all"
+        assert setup.hardware == "a100-40gb-sxm" and not setup.gpt[4]  # eager attention
+        if "--epochs 1" in setup.row:  # model scaling: | strategy | GPUs | B | MB | s |
+            assert int(cells[1]) == setup.gpus and setup.micro_batch_size == 1
+            assert setup.tokens_per_s_per_gpu == pytest.approx(1024 / float(cells[4]))
+        else:  # small model comparison: | strategy | global batch | samples/s | MB |, 4 GPUs
+            assert int(cells[1]) == setup.global_batch_size and setup.gpus == 4
+            assert setup.tokens_per_s_per_gpu == pytest.approx(float(cells[2]) * 1024 / 4)
+        # Offloading is pinned where the strategy fixes it, and left to the search for Gemini's 'auto'.
+        expected = 1.0 if "offload" in cells[0] else None if "auto" in cells[0] else 0.0
+        assert setup.offload == expected
+    # The 18B row by hand: one 1024-token sample per step of 39.32 s.
+    assert rows[0].name == "GPT-2 18B 1xA100-40G (ZeRO-3 offload)"
+    assert rows[0].tokens_per_s_per_gpu == pytest.approx(26.04, abs=0.01)
+
+
+def test_merging_parts_keeps_every_command_and_the_last_row_of_a_setup():
+    def part(command, names, elapsed_s, ratio=1.1, parts=None):
+        rows = [{"name": name, "ratio": ratio, "defines_bound": False, "free": {}} for name in names]
+        return {"command": command, "elapsed_s": elapsed_s, "rows": rows, **({"parts": parts} if parts else {})}
+
+    first, last = PUBLISHED[0].name, PUBLISHED[-1].name
+    whole = part("python scripts/bench_published.py", [first, last], 100.0, parts=["cmd a", "cmd b"])
+    report = bench_published.merged([part("cmd c", [last], 40.0), whole], note="n")
+    assert report["parts"] == ["cmd c", "cmd a", "cmd b"]
+    assert [row["name"] for row in report["rows"]] == [first, last]  # table order, not part order
+    assert report["elapsed_s"] == 100.0 and report["note"] == "n" and report["summary"]["compared"] == 2
+    # A rerun of some rows merged after the table replaces them; a repeated command is listed once.
+    rerun = bench_published.merged([whole, part("cmd b", [last], 5.0, ratio=0.9)], note="")
+    assert rerun["replaced"] == [last] and rerun["parts"] == ["cmd a", "cmd b"]
+    assert [row["ratio"] for row in rerun["rows"]] == [1.1, 0.9]
 
 
 def test_filters_select_by_source_and_by_name():
