@@ -146,6 +146,8 @@ def pinned_choices(setup: Setup) -> dict:
         # A plan's pipeline runs its micro-batches breadth-first (layered); the peers' is 1F1B.
         "accumulation": "standard" if setup.pipeline == 1 else "layered",
     }
+    if setup.pipeline > 1:
+        pinned["assignment"] = setup.assignment
     if setup.offload is not None:
         pinned["offload"] = setup.offload
     return pinned

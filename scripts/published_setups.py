@@ -100,8 +100,14 @@ MEGATRON_MISMATCHES = (
     "no fused/flash attention in 2021: the seq x seq scores are kept (modelled so)",
 )
 MEGATRON_PIPELINE = (
-    "Megatron's 1F1B pipeline schedule{interleaved} modelled as the plan's pipeline, which runs its "
-    "micro-batches breadth-first over modular stages (layered)"
+    "Megatron's 1F1B pipeline schedule (one run of {per_stage} consecutive layers per stage) pinned as the plan's "
+    "contiguous assignment: its breadth-first (GPipe-order) schedule has 1F1B's bubble, (P - 1) / (N + P - 1) of "
+    "the step, but holds the activations of all N micro-batches where 1F1B holds at most P (layered)"
+)
+MEGATRON_INTERLEAVED = (
+    "Megatron's interleaved 1F1B ({virtual} layers per virtual stage, {runs} per rank: bubble (P - 1) / (v N + P - 1) "
+    "= {bubble:.1%} of the step) has no plan form: the plan's modular assignment runs one block per virtual stage "
+    "({modular:.1%}), its contiguous one a run per stage ({contiguous:.1%}); pinned modular (layered), the nearer"
 )
 ZERO_OFFLOAD_MISMATCHES = (
     "the micro-batch per step from the log itself: SamplesPerSec 0.386 x 25.8 s per iteration = 10 samples, "
@@ -137,6 +143,8 @@ class Setup:
         dtype: compute dtype.
         tensor: tensor-parallel degree the peer ran.
         pipeline: pipeline stages the peer ran.
+        assignment: the plan's assignment of blocks to stages that matches the peer's schedule best
+            (``contiguous``: one run of layers per stage, as 1F1B; ``modular``: one block per virtual stage).
         offload: share of the shards on the host in the pinned plan (None: the search picks).
         mismatches: what the pinned plan cannot express.
         defines_bound: the row is the best MFU published for its hardware, which the preset's
@@ -161,6 +169,7 @@ class Setup:
     dtype: str = "bf16"
     tensor: int = 1
     pipeline: int = 1
+    assignment: str = "modular"
     offload: float | None = 0.0
     mismatches: tuple[str, ...] = ()
     defines_bound: bool = False
@@ -216,8 +225,21 @@ def megatron_tokens_per_s(
 def _megatron(size: str, hidden: int, layers: int, heads: int, tp: int, pp: int, micro: int, batch: int,
               gpus: int, tflops: int, percent: int, virtual: int = 0) -> Setup:  # fmt: skip
     data = gpus // (tp * pp)
-    interleaved = f" (interleaved, {virtual} layers per virtual stage)" if virtual else ""
-    mismatches = MEGATRON_MISMATCHES + ((MEGATRON_PIPELINE.format(interleaved=interleaved),) if pp > 1 else ())
+    micro_batches = batch // (micro * data)
+    pipeline: tuple[str, ...] = ()
+    if pp > 1 and virtual:
+        runs = layers // (pp * virtual)
+        pipeline = (
+            MEGATRON_INTERLEAVED.format(
+                virtual=virtual,
+                runs=runs,
+                bubble=(pp - 1) / (runs * micro_batches + pp - 1),
+                modular=(pp - 1) / (layers // pp * micro_batches + pp - 1),
+                contiguous=(pp - 1) / (micro_batches + pp - 1),
+            ),
+        )
+    elif pp > 1:
+        pipeline = (MEGATRON_PIPELINE.format(per_stage=layers // pp),)
     return Setup(
         name=f"Megatron GPT-{size} {gpus}xA100 (t{tp} p{pp})",
         source=MEGATRON.format(size=size),
@@ -234,13 +256,14 @@ def _megatron(size: str, hidden: int, layers: int, heads: int, tp: int, pp: int,
         nodes=gpus // 8,
         seq_len=2048,
         micro_batch_size=micro,
-        grad_accum_steps=batch // (micro * data),
+        grad_accum_steps=micro_batches,
         checkpointing="all",
         tokens_per_s_per_gpu=megatron_tokens_per_s(tflops, layers, hidden),
         dtype="fp16",
         tensor=tp,
         pipeline=pp,
-        mismatches=mismatches,
+        assignment="contiguous" if pp > 1 and not virtual else "modular",
+        mismatches=MEGATRON_MISMATCHES + pipeline,
     )
 
 

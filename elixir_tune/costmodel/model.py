@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from elixir_tune.costmodel.cache import CacheSim, simulate_cache
 from elixir_tune.costmodel.expert import RankExperts
 from elixir_tune.costmodel.layout import ChunkLayout, largest_trainable_numel, max_module_chunks, pack_chunks
+from elixir_tune.costmodel.links import data_ranks_per_node
 from elixir_tune.costmodel.memory import MemoryEstimate, checkpointed_blocks, estimate_memory
 from elixir_tune.costmodel.offload import offload_orders
 from elixir_tune.costmodel.parallel import DATA_ONLY, Layout, critical_stage, rank_profile
@@ -173,8 +174,9 @@ class CostModel:
     def costs(self, chunk_size: int) -> TransferCosts:
         """Per-chunk operation times (cached)."""
         if chunk_size not in self._costs:
+            ranks = data_ranks_per_node(self.gpus_per_node, self.parallel_layout.model_parallel)
             self._costs[chunk_size] = transfer_costs(
-                self.hardware, chunk_size, self.data_size, self.gpus_per_node, self.nodes, self.dtype
+                self.hardware, chunk_size, self.data_size, self.gpus_per_node, self.nodes, self.dtype, ranks
             )
         return self._costs[chunk_size]
 

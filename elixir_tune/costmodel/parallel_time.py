@@ -6,7 +6,8 @@ Prices the formulas of ``costmodel/parallel.py`` with the hardware's links:
   presets, PCIe on PCIe presets; the search keeps T within a node), one ``collective_latency_s``
   each, and sit on the compute stream: a layer's matmul waits for its gathered input;
 * a pipeline stage's sends go to the neighbouring stage: on the node's links while a pipeline
-  group (P x T consecutive ranks) fits in a node, else over the inter-node network. They overlap the
+  group (P x T consecutive ranks) fits in a node, else over the sending rank's share of the node's
+  network (``costmodel/links.py``: the node's other ranks send at the same time). They overlap the
   next micro-batch's compute in a breadth-first schedule; what is exposed is one send per stage hop
   to fill the pipeline and one to drain it, plus whatever the sends take beyond the compute (on a
   CPU device, where gloo sends on the compute cores, all of them);
@@ -40,6 +41,7 @@ from __future__ import annotations
 import math
 
 from elixir_tune.costmodel.expert import expert_all_to_all_s
+from elixir_tune.costmodel.links import inter_node_bytes_per_s
 from elixir_tune.costmodel.parallel import (
     TP_1D_FORWARD_COLLECTIVES,
     Layout,
@@ -130,7 +132,11 @@ class ParallelTimes:
         )
         self.intra_bps = hardware.allgather_gbps * 1e9
         fits_node = layout.model_parallel <= gpus_per_node
-        self.pipeline_bps = (hardware.allgather_gbps if fits_node else hardware.inter_node_gbps) * 1e9
+        # Off the node a stage's rank sends to the next stage's over its share of the node's network
+        # (``costmodel/links.py``): the node's other ranks send at the same time.
+        self.pipeline_bps = (
+            hardware.allgather_gbps * 1e9 if fits_node else inter_node_bytes_per_s(hardware, gpus_per_node, 1)
+        )
         # A measured block-rate curve is read at the rank's (smaller) block already; without one the
         # narrower matrices follow the documented rule.
         has_curve = bool(hardware.block_tflops_curves.get(dtype) or hardware.block_tflops_curves.get("fp32"))

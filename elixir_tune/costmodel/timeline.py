@@ -39,6 +39,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from elixir_tune.costmodel.links import inter_node_bytes_per_s
 from elixir_tune.hardware.spec import HardwareSpec
 from elixir_tune.plan.schema import DTYPE_BYTES
 
@@ -68,7 +69,13 @@ class TransferCosts:
 
 
 def transfer_costs(
-    hardware: HardwareSpec, chunk_size: int, world_size: int, gpus_per_node: int, nodes: int, dtype: str
+    hardware: HardwareSpec,
+    chunk_size: int,
+    world_size: int,
+    gpus_per_node: int,
+    nodes: int,
+    dtype: str,
+    group_ranks_per_node: int | None = None,
 ) -> TransferCosts:
     """Per-chunk operation times from the hardware's measured bandwidths and latencies.
 
@@ -79,6 +86,9 @@ def transfer_costs(
         gpus_per_node: ranks per node (they share the host links).
         nodes: number of nodes (collectives across nodes use the inter-node bandwidth).
         dtype: compute dtype.
+        group_ranks_per_node: the data group's ranks on one node (default: every rank of the
+            node); across nodes the group gets that share of the node's bandwidth
+            (``costmodel/links.py``).
 
     Returns:
         The costs.
@@ -94,8 +104,10 @@ def transfer_costs(
     gather_s, reduce_s, norm_s = cast_s, accumulate_s, 0.0
     if world_size > 1:
         wire_bytes = chunk_size * dtype_bytes * (world_size - 1) / world_size
-        ag_bps = (hardware.inter_node_gbps if nodes > 1 else hardware.allgather_gbps) * 1e9
-        rs_bps = (hardware.inter_node_gbps if nodes > 1 else hardware.reduce_scatter_gbps) * 1e9
+        group = gpus_per_node if group_ranks_per_node is None else group_ranks_per_node
+        inter_bps = inter_node_bytes_per_s(hardware, gpus_per_node, group)
+        ag_bps = inter_bps if nodes > 1 else hardware.allgather_gbps * 1e9
+        rs_bps = inter_bps if nodes > 1 else hardware.reduce_scatter_gbps * 1e9
         gather_s += hardware.collective_latency_s + wire_bytes / ag_bps
         reduce_s += hardware.collective_latency_s + wire_bytes / rs_bps
         norm_s = hardware.collective_latency_s

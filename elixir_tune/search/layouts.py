@@ -8,7 +8,8 @@ Rules (docs/DESIGN.md section 7.1):
   mode 1d for each, and 2d where T is a square q x q >= 4 and every style of the table has a grid
   form (``grid_problem``: the same table the engine's 2D plan is built from); only for models with a tensor table
   (``plan/tensor_layout.py``: from the model's transformers tensor plan, recorded in the profile);
-* pipeline degree P: divisors of world / T up to the number of blocks, modular assignment and the
+* pipeline degree P: divisors of world / T up to the number of blocks, modular assignment (or the
+  pinned one, ``--fix assignment=contiguous``: one run of blocks per stage, GPipe's bubble) and the
   looped breadth-first schedule;
 * the data degree world / (P x T) must divide the global batch;
 * pipeline and tensor parallelism together (world = data x P x T, each stage tensor-parallel in its
@@ -36,7 +37,7 @@ from dataclasses import replace
 from elixir_tune.costmodel.expert import expert_param_indices
 from elixir_tune.costmodel.parallel import Layout, cast_mode, pipeline_degrees, tensor_degrees
 from elixir_tune.plan.capabilities import expert_parallel_conflicts, expert_parallel_limits, frozen_layout_problem
-from elixir_tune.plan.schema import TensorMode
+from elixir_tune.plan.schema import PipelineAssignment, TensorMode
 from elixir_tune.plan.tensor_layout import grid_problem, local_shape, table_for
 from elixir_tune.profiler.schema import ModelProfile
 
@@ -141,7 +142,9 @@ def layout_choices(
                 continue
             if profile.lora and frozen_layout_problem(stages, degree, mode):
                 continue  # a LoRA base in frozen chunks: not every layout runs it yet (plan/capabilities.py)
-            layouts.append(Layout(pipeline=stages, tensor=degree, tensor_mode=cast_mode(mode)))
+            # A pinned assignment applies to pipelines; the search's own is modular (the smaller bubble).
+            assignment: PipelineAssignment = fixed.get("assignment", "modular") if stages > 1 else "modular"
+            layouts.append(Layout(pipeline=stages, tensor=degree, tensor_mode=cast_mode(mode), assignment=assignment))
     stages = fixed.get("pipeline", 1)
     if stages > 1 and fixed.get("accumulation") == "standard":
         raise ValueError(

@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from elixir_tune.plan.memory import ALIGN_ELEMENTS
-from elixir_tune.plan.schema import ACCUMULATIONS, DTYPES, TENSOR_MODES
+from elixir_tune.plan.schema import ACCUMULATIONS, DTYPES, PIPELINE_ASSIGNMENTS, TENSOR_MODES
 
 FIX_KEYS = {
     "chunk_size": "elements per chunk (a multiple of the world size, at least the largest parameter)",
@@ -18,6 +18,7 @@ FIX_KEYS = {
     "dtype": "fp32, bf16 or fp16",
     "accumulation": "standard or layered (micro-batches run layer by layer)",
     "pipeline": "pipeline stages P, an integer (1: none)",
+    "assignment": "blocks to pipeline stages: modular (block i on stage i mod P, the default) or contiguous",
     "tensor": "tensor-parallel degree T, an integer dividing the GPUs of a node and the heads (1: none)",
     "tensor_mode": "1d (Megatron) or 2d (Optimus, square T >= 4)",
     "expert": "expert degree E, an integer dividing the data-parallel size and the experts per block (1: none)",
@@ -103,6 +104,10 @@ def parse_fixed(fixed: dict[str, Any] | list[str] | None) -> dict[str, Any]:
         elif key == "accumulation":
             if str(value) not in ACCUMULATIONS:
                 raise ValueError(f"--fix accumulation={value}: expected one of {', '.join(ACCUMULATIONS)}")
+            out[key] = str(value)
+        elif key == "assignment":
+            if str(value) not in PIPELINE_ASSIGNMENTS:
+                raise ValueError(f"--fix assignment={value}: expected one of {', '.join(PIPELINE_ASSIGNMENTS)}")
             out[key] = str(value)
         elif key == "tensor_mode":
             if str(value).lower() not in TENSOR_MODES:

@@ -114,7 +114,8 @@ class StageScorer:
         peak_host = max(c.memory.peak_host_bytes for _, c in stages)
         if peak_host > host_bytes or any(c.memory.required_gpu_bytes > usable_gpu_bytes for _, c in stages):
             return None
-        slowest = max((c for _, c in stages), key=lambda c: c.step_time_s)
+        # Stages clamped to the same bound: the slowest simulated step (``Candidate.rank_key``) speaks for the pipeline.
+        slowest = max((c for _, c in stages), key=lambda c: c.rank_key()[:2])
         largest = max((c for _, c in stages), key=lambda c: c.memory.required_gpu_bytes)
         return PipelineCandidate(
             shape=candidate.shape,

@@ -52,6 +52,31 @@ def test_pins_are_honoured(small, fixed, layout):
         assert all(c.shape.micro_batch_size % 2 == 0 for c in result.candidates)
 
 
+def test_a_pinned_contiguous_assignment_runs_one_run_of_blocks_per_stage(small):
+    # A peer's 1F1B pipeline (one run of consecutive blocks per stage) pinned as such: the plan says
+    # contiguous, and the bubble is GPipe's (P - 1) / (N + P - 1), not the modular split's smaller one.
+    hardware = example_hardware(gpus_per_node=4)
+    pins = ["pipeline=2", "tensor=1", "micro_batch_size=1", "checkpointing=none", "cache_blocks=all"]
+    fb = {"gpus_per_node": 4, "global_batch_size": 8, "loop": "forward_backward"}
+    contiguous = search(small, hardware, fixed=[*pins, "assignment=contiguous"], **fb)
+    modular = search(small, hardware, fixed=pins, **fb)
+    assert contiguous.plan.parallel.pipeline.assignment == "contiguous"
+    assert modular.plan.parallel.pipeline.assignment == "modular"
+    assert validate(contiguous.plan) == []
+    best = contiguous.candidates[0]
+    assert best.layout == Layout(pipeline=2, assignment="contiguous")
+    accum = best.shape.grad_accum_steps
+    bubble_s = best.estimate.breakdown["pipeline_bubble_s"]
+    # busy x f / (1 - f) with f = 1 / (N + 1): the stage's compute over N
+    assert bubble_s == pytest.approx(best.estimate.breakdown["compute_s"] / accum, rel=0.05)
+    assert bubble_s > modular.candidates[0].estimate.breakdown["pipeline_bubble_s"]
+    # Data parallelism only ignores the pin (no stages to assign blocks to).
+    unpiped = search(small, hardware, fixed=[*pins[1:], "pipeline=1", "assignment=contiguous"], **fb)
+    assert unpiped.candidates[0].layout == DATA_ONLY
+    with pytest.raises(ValueError, match="expected one of modular, contiguous"):
+        search(small, hardware, fixed=["assignment=round_robin"], **fb)
+
+
 @pytest.mark.parametrize(
     "fixed,message",
     [
