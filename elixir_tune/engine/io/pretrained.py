@@ -13,6 +13,12 @@ first rank of each data-parallel group (the ranks of world rank 0's tensor group
 assemble each parameter from their pieces over the tensor group (``TensorSplit.full_state``) for
 rank 0 to write at its full shape. Rank 0 then holds one gathered chunk and one full parameter at
 a time.
+
+Under a pipeline plan each stage's ranks hold that stage's weights (``pretrained_stages.py``): the
+stages' tensor lists are exchanged first (names, shapes, dtypes), so that rank 0 lays out every file
+and the index before any weight moves; then stage after stage, the first rank of the stage produces
+its tensors as above and broadcasts each, one at a time, over world rank 0's pipeline group for
+rank 0 to append.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 import torch
@@ -195,28 +202,58 @@ def save_pretrained(
     Returns:
         The directory.
 
-    Raises:
-        NotImplementedError: a pipeline plan (each rank holds one stage's weights; not streamed yet).
+    Under a pipeline plan rank 0 writes every stage's tensors, each streamed to it from the first rank of
+    its stage (``pretrained_stages.py``); a tied weight whose stages differ (an embedding and its head)
+    is written once, under the first stage's name, as without a pipeline.
     """
     engine = model.engine
     model.check_finite()  # NonFiniteError before anything is written (engine/finite.py)
-    if engine.pipeline is not None:
-        raise NotImplementedError(
-            "save_pretrained does not stream a pipeline plan's stages yet: save a checkpoint "
-            "(elixir_tune.save_checkpoint; its model.pt holds the full weights), or write "
-            "model.state_dict() (merged on rank 0) with transformers' save_pretrained of a plain model"
-        )
     directory = Path(directory)
-    split = engine.tensor_parallel
     entries, by_tensor = _entries(engine, dtype)
+    if engine.pipeline is not None:
+        from elixir_tune.engine.io.pretrained_stages import save_stages
+
+        save_stages(engine, directory, entries, by_tensor, parse_size(max_shard_size), dtype)
+        return directory
     files = _split(entries, parse_size(max_shard_size))
-    rank0 = engine.comm.rank == 0
-    writer = None
-    if rank0:
-        directory.mkdir(parents=True, exist_ok=True)
-        for old in list(directory.glob("model*.safetensors")) + [directory / INDEX_NAME]:
-            old.unlink(missing_ok=True)
-        writer = _Writer(directory, entries, files)
+    writer = _open_writer(directory, entries, files) if engine.comm.rank == 0 else None
+    try:
+        for entry, value in _values(engine, by_tensor):
+            if writer is not None:
+                writer.write(entry, value)
+    finally:
+        if writer is not None:
+            writer.close()
+    if writer is not None:  # rank 0
+        _finish(engine, directory, writer, dtype)
+    engine.comm.barrier()  # nobody reads the directory before it is complete
+    return directory
+
+
+def _open_writer(directory: Path, entries: list[_Entry], files: int) -> _Writer:
+    """Rank 0's writer, after removing the ``model*.safetensors`` files and index of an earlier save."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for old in list(directory.glob("model*.safetensors")) + [directory / INDEX_NAME]:
+        old.unlink(missing_ok=True)
+    return _Writer(directory, entries, files)
+
+
+def _finish(engine, directory: Path, writer: _Writer, dtype: torch.dtype | None) -> None:
+    """Rank 0, after the last tensor: the index (several files) and the configs."""
+    if writer.files > 1:
+        index = {
+            "metadata": {"total_size": sum(e.nbytes for e in writer.entries)},
+            "weight_map": {e.name: writer.names[e.file] for e in writer.entries},
+        }
+        (directory / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True))
+    _save_configs(engine.model, directory, dtype or torch.float32)
+
+
+def _values(engine, by_tensor: dict[int, _Entry]) -> Iterator[tuple[_Entry, torch.Tensor]]:
+    """This rank's tensors at their full shapes, one at a time, in ``_entries``' order (a collective over
+    the data group, and over the tensor group for split ones): on the first rank of the data group (each
+    tensor rank of it gets the full value); the other ranks get nothing."""
+    split = engine.tensor_parallel
 
     def whole(entry: _Entry, param: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
         """The full value from this rank's piece (a collective over the tensor group when split, over
@@ -227,34 +264,16 @@ def save_pretrained(
             return piece
         return split.full_state({entry.name: piece}, {entry.name: param})[entry.name]
 
-    try:
-        for chunk, flat in engine.gathered_chunks(all_ranks=False):
-            if flat is None:  # not the first rank of its data group: its tensor group does not write
-                continue
-            for slot in chunk.slots:
-                entry = by_tensor.get(id(slot.param))
-                if entry is not None:
-                    value = whole(entry, slot.param, flat[slot.offset : slot.offset + slot.numel].view(slot.shape))
-                    if writer is not None:
-                        writer.write(entry, value)
-        if engine.comm.rank == 0:
-            chunked = {id(slot.param) for slot in engine.slots}
-            for name, value in engine.model.state_dict(keep_vars=True).items():
-                entry = by_tensor.get(id(value))
-                if id(value) not in chunked and entry is not None and entry.name == name:
-                    value = whole(entry, value, local_data(value).detach().cpu())
-                    if writer is not None:
-                        writer.write(entry, value)
-    finally:
-        if writer is not None:
-            writer.close()
-    if writer is not None:  # rank 0
-        if files > 1:
-            index = {
-                "metadata": {"total_size": sum(e.nbytes for e in entries)},
-                "weight_map": {e.name: writer.names[e.file] for e in entries},
-            }
-            (directory / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True))
-        _save_configs(engine.model, directory, dtype or torch.float32)
-    engine.comm.barrier()  # nobody reads the directory before it is complete
-    return directory
+    for chunk, flat in engine.gathered_chunks(all_ranks=False):
+        if flat is None:  # not the first rank of its data group: its tensor group does not write
+            continue
+        for slot in chunk.slots:
+            entry = by_tensor.get(id(slot.param))
+            if entry is not None:
+                yield entry, whole(entry, slot.param, flat[slot.offset : slot.offset + slot.numel].view(slot.shape))
+    if engine.comm.rank == 0:
+        chunked = {id(slot.param) for slot in engine.slots}
+        for name, value in engine.model.state_dict(keep_vars=True).items():
+            entry = by_tensor.get(id(value))
+            if id(value) not in chunked and entry is not None and entry.name == name:
+                yield entry, whole(entry, value, local_data(value).detach().cpu())
