@@ -109,8 +109,7 @@ def pipeline_sums(
         rows = max(batch["input_ids"].shape[0] for batch in call)
         call = [_pad_rows(batch, rows) for batch in call]
         weights = {
-            id(batch): predicted_tokens(batch) if i < len(mine) else 0
-            for i, batch in zip(indices, call, strict=True)
+            id(batch): predicted_tokens(batch) if i < len(mine) else 0 for i, batch in zip(indices, call, strict=True)
         }
         mean = model.forward_backward(call, loss_fn=weighted_loss, weight_by_tokens=False)
         sums += torch.tensor([float(mean) * per_call, sum(weights.values())], dtype=torch.float64)

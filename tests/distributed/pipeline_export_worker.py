@@ -120,7 +120,9 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
             "tensors": saved_tensors(out),
             "plain_tensors": {name: kind for name, kind in saved_tensors(plain_dir).items()},
             "files": sorted(path.name for path in out.iterdir()),
-            "index_files": sorted(set(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"].values()))
+            "index_files": sorted(
+                set(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"].values())
+            )
             if (out / "model.safetensors.index.json").exists()
             else [],
             "missing": sorted(set(state) - set(loaded)),

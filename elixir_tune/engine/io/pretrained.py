@@ -27,9 +27,9 @@ import json
 import os
 import re
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 import torch
