@@ -17,6 +17,7 @@ with ``recipes.evaluation.evaluate``. Rank 0 then reports:
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -85,6 +86,7 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
     data = world // (stages * tensor)
     out = Path(out_path).parent / f"saved-{index}"
     dtype = getattr(torch, case["dtype"]) if case.get("dtype") else None
+    start = time.perf_counter()
     with quiet_transformers():
         model, opt = build_stage_family(case["family"])
         stage_plan = resolve_stage_plan(model)
@@ -104,6 +106,7 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
         result = evaluate(model, split, elixir_tune.data_rank(), elixir_tune.data_size(), torch.device("cpu"))
         state = model.state_dict()  # merged on rank 0 (a collective)
     report: dict = {"case": case, "eval": {"loss": result.loss, "tokens": result.tokens}}
+    report["engine_s"] = time.perf_counter() - start
     if rank != 0:
         return report
     with quiet_transformers():
@@ -133,6 +136,7 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
         # The evaluation's reference: plain PyTorch on the weights written (fp32 cases), on the same split.
         eval_model = AutoModelForCausalLM.from_pretrained(out) if dtype is None else reference
         report["eval"]["plain_loss"], report["eval"]["plain_tokens"] = plain_eval(eval_model, split)
+    report["case_s"] = time.perf_counter() - start
     return report
 
 
