@@ -1,7 +1,7 @@
 """Worker for test_pipeline_export.py: ``save_pretrained`` and the recipes' evaluation under pipeline plans.
 
 Each case is a dict: ``family`` (tests/unit/models/stage_families.py, 3 blocks), ``stages``, ``tensor``,
-``steps``, ``max_shard_size`` and ``dtype`` (``save_pretrained``'s; dtype a torch dtype's name or absent).
+``assignment`` and ``schedule`` (default modular, looped_bfs), ``steps``, ``max_shard_size`` and ``dtype`` (``save_pretrained``'s; dtype a torch dtype's name or absent).
 The world is data x stages x tensor. Every rank trains ``steps`` steps through ``forward_backward`` (each data
 rank its own micro-batches), writes the model with ``elixir_tune.save_pretrained`` and evaluates the eval split
 with ``recipes.evaluation.evaluate``. Rank 0 then reports:
@@ -93,7 +93,8 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
         assert not isinstance(stage_plan, str), stage_plan
         plan = make_plan(
             model, world, 4096, block_list=stage_plan.block_list, micro_batch_size=MICRO, grad_accum_steps=ACCUM,
-            seq_len=SEQ, stages=stages, tensor=tensor,
+            seq_len=SEQ, stages=stages, tensor=tensor, assignment=case.get("assignment", "modular"),
+            schedule=case.get("schedule", "looped_bfs"),
         )  # fmt: skip
         model, opt = elixir_tune.setup(model, opt, plan=plan)
         steps = stage_family_batches(case["steps"], data)

@@ -4,8 +4,9 @@
 
 One launch of 4 processes, tiny causal LMs of 3 blocks (hidden 32) trained 2 steps on 2 stages:
 
-* Llama, pipeline 2 x data 2, files of at most 20 KB (several files and an index);
-* GPT-2, pipeline 2 x data 2, tied embedding and head on different stages, stored in bf16;
+* Llama, pipeline 2 x data 2, contiguous stages under 1f1b, files of at most 20 KB (several files and an index);
+* GPT-2, pipeline 2 x data 2 (modular stages, as the next case, under looped_bfs), tied embedding and head on
+  different stages, stored in bf16;
 * Qwen2, pipeline 2 x tensor 2, tied embedding and head, each stage's pieces assembled over its tensor group.
 
 Each directory loads with ``AutoModelForCausalLM.from_pretrained``; its files hold the tensor names plain
@@ -26,7 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 LOSS_REL = 1e-5
 WEIGHT_ABS = 1e-5
 CASES = [
-    dict(family="llama", stages=2, steps=2, max_shard_size="20KB"),
+    dict(family="llama", stages=2, steps=2, max_shard_size="20KB", assignment="contiguous", schedule="1f1b"),
     dict(family="gpt2", stages=2, steps=2, dtype="bfloat16"),
     dict(family="qwen2", stages=2, tensor=2, steps=2),
 ]
