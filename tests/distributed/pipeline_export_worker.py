@@ -3,8 +3,8 @@
 Each case is a dict: ``family`` (tests/unit/models/stage_families.py, 3 blocks), ``stages``, ``tensor``,
 ``assignment`` and ``schedule`` (default modular, looped_bfs), ``steps``, ``max_shard_size`` and ``dtype`` (``save_pretrained``'s; dtype a torch dtype's name or absent).
 The world is data x stages x tensor. Every rank trains ``steps`` steps through ``forward_backward`` (each data
-rank its own micro-batches), writes the model with ``elixir_tune.save_pretrained`` and evaluates the eval split
-with ``recipes.evaluation.evaluate``. Rank 0 then reports:
+rank its own micro-batches; the split evaluated once after the first step), writes the model with
+``elixir_tune.save_pretrained`` and evaluates the eval split with ``recipes.evaluation.evaluate``. Rank 0 then reports:
 
 * ``saved``: what the files hold (names, dtypes), read with safetensors, against what plain transformers'
   ``save_pretrained`` of the same model writes; the largest difference of every tensor loaded back with
@@ -98,12 +98,14 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
         )  # fmt: skip
         model, opt = elixir_tune.setup(model, opt, plan=plan)
         steps = stage_family_batches(case["steps"], data)
-        for per_rank in steps:
+        split = eval_split()
+        for step, per_rank in enumerate(steps):
+            if step == 1:  # an evaluation between steps: the steps after it train as if it had not run
+                evaluate(model, split, elixir_tune.data_rank(), elixir_tune.data_size(), torch.device("cpu"))
             model.forward_backward(per_rank[elixir_tune.data_rank()])
             opt.step()
             opt.zero_grad()
         elixir_tune.save_pretrained(model, out, max_shard_size=case.get("max_shard_size", "5GB"), dtype=dtype)
-        split = eval_split()
         result = evaluate(model, split, elixir_tune.data_rank(), elixir_tune.data_size(), torch.device("cpu"))
         state = model.state_dict()  # merged on rank 0 (a collective)
     report: dict = {"case": case, "eval": {"loss": result.loss, "tokens": result.tokens}}

@@ -11,7 +11,8 @@ One launch of 4 processes, tiny causal LMs of 3 blocks (hidden 32) trained 2 ste
 
 Each directory loads with ``AutoModelForCausalLM.from_pretrained``; its files hold the tensor names plain
 transformers writes for the model (the tied head once, under the embedding's name) in the stored dtype, every
-tensor equal to the engine's merged ``state_dict()`` and within 1e-5 of plain PyTorch after the same steps. The
+tensor equal to the engine's merged ``state_dict()`` and within 1e-5 of plain PyTorch after the same steps (an
+evaluation between the two steps changes nothing). The
 evaluation loss (a split with a stand-in round, a batch without loss tokens, a padded one and a smaller last
 batch) is plain PyTorch's on the written weights within 1e-5 relative, with the same token count, on every rank.
 """

@@ -216,7 +216,8 @@ def save_pretrained(
         save_stages(engine, directory, entries, by_tensor, parse_size(max_shard_size), dtype)
         return directory
     files = _split(entries, parse_size(max_shard_size))
-    writer = _open_writer(directory, entries, files) if engine.comm.rank == 0 else None
+    # World rank 0 alone: under tensor parallelism every tensor rank of data index 0 is its data group's rank 0.
+    writer = _open_writer(directory, entries, files) if engine.mesh.world.rank == 0 else None
     try:
         for entry, value in _values(engine, by_tensor):
             if writer is not None:
@@ -226,7 +227,7 @@ def save_pretrained(
             writer.close()
     if writer is not None:  # rank 0
         _finish(engine, directory, writer, dtype)
-    engine.comm.barrier()  # nobody reads the directory before it is complete
+    engine.mesh.world.barrier()  # nobody reads the directory before it is complete
     return directory
 
 

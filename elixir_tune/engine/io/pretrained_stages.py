@@ -30,16 +30,16 @@ from elixir_tune.engine.io.pretrained import _Entry, _finish, _open_writer, _spl
 
 
 def _stage_entries(engine, entries: list[_Entry], by_tensor: dict[int, _Entry]) -> list[_Entry]:
-    """This stage's entries less the shared chunks' tensors that an earlier stage using them writes."""
+    """This stage's entries less the tensors of the shared chunks that an earlier stage using them writes."""
     pipeline = engine.pipeline
-    later = {id(slot.param) for chunk, _ in pipeline.shared for slot in chunk.slots}
-    later = {key for key in later if pipeline.stage != min(pipeline.layout.shared[_chunk_of(engine, key)])}
-    dropped = {id(by_tensor[key]) for key in later if key in by_tensor}
-    return [entry for entry in entries if id(entry) not in dropped]
-
-
-def _chunk_of(engine, param_id: int) -> int:
-    return engine.slot_of[param_id].chunk.id
+    left = {
+        id(by_tensor[id(slot.param)])
+        for chunk, _ in pipeline.shared
+        if pipeline.stage != min(pipeline.layout.shared[chunk.id])
+        for slot in chunk.slots
+        if id(slot.param) in by_tensor
+    }
+    return [entry for entry in entries if id(entry) not in left]
 
 
 def save_stages(
