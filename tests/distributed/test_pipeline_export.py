@@ -1,5 +1,5 @@
 """Fine-tuning's exits under pipeline plans: ``save_pretrained`` streams every stage's weights to rank 0
-(engine/io/pretrained_stages.py) and the recipes' evaluation runs the schedule's forwards only
+(engine/io/pretrained.py `save_stages`) and the recipes' evaluation runs the schedule's forwards only
 (recipes/evaluation.py), both against plain PyTorch and transformers.
 
 One launch of 4 processes, tiny causal LMs of 3 blocks (hidden 32) trained 2 steps on 2 stages:
