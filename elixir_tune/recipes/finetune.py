@@ -43,7 +43,6 @@ from elixir_tune.recipes.options import (  # noqa: E402
     OptionsError,
     RecipeParser,
     add_training_args,
-    eval_refusal,
     parse_options,
     resolve_model_dir,
 )
@@ -117,9 +116,6 @@ def preflight(argv: list[str], plan_path: str) -> list[str]:
     plan = elixir_tune.load_plan(plan_path)
     found, data_format = data_problems(args, plan)
     problems += found
-    refusal = eval_refusal(plan) if args.eval_fraction or args.eval_data else None
-    if refusal:
-        problems.append(refusal)
     try:
         model_dir = resolve_model_dir(args.model or plan.model.source, plan_path)
     except ValueError as error:

@@ -25,7 +25,6 @@ import elixir_tune
 from elixir_tune.cli.progress import Reporter
 from elixir_tune.engine.io.checkpoint_files import LATEST_NAME, CheckpointError
 from elixir_tune.recipes.evaluation import evaluate
-from elixir_tune.recipes.options import eval_refusal
 
 BEST_DIR_NAME = "best"  # --keep-best: the best evaluation's checkpoint, a root of its own under --save
 
@@ -121,9 +120,6 @@ def train(
         return fail_once(
             "--eval-every/--keep-best need an evaluation split: add --eval-fraction F or --eval-data", rank
         )
-    refusal = eval_refusal(plan) if eval_batches else None
-    if refusal:
-        return fail_once(refusal, rank)
     start_step = 0
     try:  # a second job saving to the same directory is refused before it trains
         if args.save:

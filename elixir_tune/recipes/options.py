@@ -131,17 +131,6 @@ def option_problems(args: argparse.Namespace) -> list[str]:
     return problems
 
 
-def eval_refusal(plan) -> str | None:
-    """Why evaluation cannot run under ``plan`` (None when it can)."""
-    if plan.parallel.pipeline.stages > 1:
-        return (
-            "evaluation needs a forward without backward, which a pipeline plan "
-            f"({plan.parallel.pipeline.stages} stages) does not run; search with --fix pipeline=1, or drop "
-            "--eval-every/--eval-fraction/--eval-data"
-        )
-    return None
-
-
 def plan_and_device():
     """The plan elixir-run gave this worker ($ELIXIR_TUNE_PLAN), its path, and the device it runs on
     (the GPU of LOCAL_RANK for a cuda plan, made current; the CPU otherwise)."""

@@ -25,7 +25,6 @@ from elixir_tune.recipes.options import (  # noqa: E402
     OptionsError,
     RecipeParser,
     add_training_args,
-    eval_refusal,
     parse_options,
     resolve_model_spec,
 )
@@ -74,9 +73,6 @@ def preflight(argv: list[str], plan_path: str) -> list[str]:
             if path and not Path(path).is_file():
                 problems.append(f"{option} {path}: no such file")
     plan = elixir_tune.load_plan(plan_path)
-    refusal = eval_refusal(plan) if args.eval_fraction or args.eval_data else None
-    if refusal:
-        problems.append(refusal)
     try:
         load_model_source(resolve_model_spec(args.model or plan.model.source, plan_path))
     except ModelSourceError as error:

@@ -21,7 +21,6 @@ import time
 import torch
 
 import elixir_tune
-from elixir_tune.engine import save_pretrained
 from tests.distributed.engine_archs_worker import arch_config
 from tests.distributed.engine_plans import batches, make_plan, param_groups, tiny_gpt2_config
 from tests.distributed.engine_worker import (
@@ -138,7 +137,6 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
         errors = {"call": _error(lambda: model(**micro_batches[0]))}
         with_extra = [dict(b, token_type_ids=torch.zeros_like(b["input_ids"])) for b in micro_batches]
         errors["extra_keys"] = _error(lambda: model.forward_backward(with_extra))
-        errors["save_pretrained"] = _error(lambda: save_pretrained(model, "unused-directory"))
     full = model.state_dict()  # a collective: every rank calls it
     # No-sync's gradients held through a step: the engine's figure (its virtual stages and schedule),
     # what the steps measured, and (predict) the cost model's for this rank's stage.

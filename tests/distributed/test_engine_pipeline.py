@@ -138,4 +138,3 @@ def test_a_pipeline_model_is_called_through_forward_backward(world2):
     errors = first["errors"]
     assert "model.forward_backward(micro_batches)" in errors["call"]
     assert "token_type_ids" in errors["extra_keys"]
-    assert "save_checkpoint" in errors["save_pretrained"]  # refused (not streamed per stage yet), not half-written
