@@ -86,7 +86,7 @@ class RankExperts:
     Attributes:
         degree: E.
         replicas: ranks of the expert-data group (D / E), which shard and reduce the expert chunks.
-        params: indices of the expert tensors in the rank's profile (``parallel.rank_profile``).
+        params: indices of the expert tensors in the rank's profile (``stage_profile.rank_profile``).
         moe_blocks: indices of the rank's blocks that hold experts.
     """
 

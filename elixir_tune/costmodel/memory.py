@@ -16,7 +16,7 @@ The engine's other buffers follow ``elixir_tune.plan.memory`` (TRANSIENT_KEYS), 
 the gradient staging pool on the device; the compute-dtype upload copies of offloaded shards and
 the landing buffers of their gradients on the host, pinned (rounded to a power of two) on cuda; on a
 pipeline rank with several micro-batches per step, the gradients its no-sync step holds unsharded
-in compute dtype (``parallel.held_grad_numel``).
+in compute dtype (``stage_profile.held_grad_numel``).
 
 The rest of the device peak is frozen parameters outside the chunks (none in a searched plan), activations at the micro-batch size (a line
 from the profile, interpolated by blocks for every-k checkpointing), model buffers, and the
@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from elixir_tune.costmodel.parallel import StageProfile
+from elixir_tune.costmodel.stage_profile import StageProfile
 from elixir_tune.plan.memory import DEVICE_TRANSIENT_KEYS, HOST_TRANSIENT_KEYS, transient_bytes
 from elixir_tune.plan.schema import DTYPE_BYTES, SHARD_BYTES_PER_ELEMENT
 from elixir_tune.profiler.schema import ModelProfile

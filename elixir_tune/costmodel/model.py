@@ -14,10 +14,11 @@ from elixir_tune.costmodel.expert import RankExperts
 from elixir_tune.costmodel.layout import ChunkLayout, largest_trainable_numel, max_module_chunks, pack_chunks
 from elixir_tune.costmodel.memory import MemoryEstimate, checkpointed_blocks, estimate_memory
 from elixir_tune.costmodel.offload import offload_orders
-from elixir_tune.costmodel.parallel import DATA_ONLY, Layout, critical_stage, rank_profile
+from elixir_tune.costmodel.parallel import DATA_ONLY, Layout
 from elixir_tune.costmodel.parallel_time import ParallelTimes
 from elixir_tune.costmodel.rates import attention_flops_share, attention_scores_bytes, plausibility_bound
 from elixir_tune.costmodel.shape import Shape, StepEstimate
+from elixir_tune.costmodel.stage_profile import critical_stage, rank_profile
 from elixir_tune.costmodel.timeline import (
     LEFTOVER_ZERO,
     MicroBatchTime,
@@ -39,7 +40,7 @@ class CostModel:
 
     With pipeline or tensor parallelism (``layout``) the model is one rank's: ``profile`` is what a
     rank of one pipeline stage holds and runs at its tensor-parallel local shapes
-    (``parallel.rank_profile``; by default the critical stage, the one holding the most), chunks are
+    (``stage_profile.rank_profile``; by default the critical stage, the one holding the most), chunks are
     sharded over the data-parallel degree ``data_size`` = world / (P x T), and ``step_time`` adds
     the tensor-parallel collectives, the pipeline bubble, point-to-point sends and the
     tied-embedding all-reduce (``parallel_time.ParallelTimes``). ``full_profile`` is the whole model.
@@ -70,7 +71,7 @@ class CostModel:
             nodes: nodes.
             dtype: compute dtype (default: the profile's).
             layout: pipeline and tensor parallelism (default: data parallelism only).
-            stage: the pipeline stage to model (default: ``parallel.critical_stage``).
+            stage: the pipeline stage to model (default: ``stage_profile.critical_stage``).
 
         Raises:
             ValueError: the layout does not divide the world.
