@@ -202,7 +202,8 @@ class CostModel:
             adam_s_per_elem = 1 / self.cpu_adam_elems_per_s - 1 / self.hardware.gpu_adam_elems_per_s
             shard_numel = chunk_size // self.data_size
             costs = self.costs(chunk_size)
-            orders = offload_orders(layout, counts, 2, shard_numel, self.dtype, costs, adam_s_per_elem)
+            weights, expert = self.experts.shard_weights(layout), self.expert_costs(chunk_size)
+            orders = offload_orders(layout, counts, 2, shard_numel, self.dtype, costs, adam_s_per_elem, expert, weights)
             movable = set(self.experts.movable(layout))
             self._orders[key] = [[c for c in order if c in movable] for order in orders]
         return self._orders[key]
@@ -211,10 +212,15 @@ class CostModel:
         """The order a shape without explicit chunk ids offloads by: the first of ``offload_orders``."""
         return self.offload_orders(chunk_size, every, cache_blocks)[0]
 
-    def offloaded_trainable(self, shape: Shape) -> int:
-        """How many of the shape's offloaded shards are trainable (the rest are frozen: no host Adam)."""
+    def offloaded_shards(self, shape: Shape) -> tuple[int, int]:
+        """The shape's offloaded shards, trainable and frozen (no host Adam), counted in data-group
+        shards: an expert chunk's shard is E of them (``RankExperts.shards_of``)."""
         layout = self.layout(shape.chunk_size)
-        return sum(1 for c, off in enumerate(self.offload_mask(shape)) if off and not layout.chunks[c].frozen)
+        if not shape.num_offloaded or not (layout.num_frozen or self.experts.degree > 1 and layout.num_expert):
+            return shape.num_offloaded, 0  # every shard one trainable data shard
+        chunks = [c for c, off in enumerate(self.offload_mask(shape)) if off]
+        frozen = self.experts.shards_of(layout, [c for c in chunks if layout.chunks[c].frozen])
+        return self.experts.shards_of(layout, chunks) - frozen, frozen
 
     def offload_mask(self, shape: Shape) -> list[bool]:
         """Per chunk, whether its shard is offloaded."""
@@ -352,10 +358,8 @@ class CostModel:
     def memory(self, shape: Shape) -> MemoryEstimate:
         """Peak device and host memory of a candidate."""
         layout = self.layout(shape.chunk_size)
-        num_frozen_offloaded = 0
-        if layout.num_frozen:
-            offloaded = self.offload_mask(shape)
-            num_frozen_offloaded = sum(1 for c, chunk in enumerate(layout.chunks) if chunk.frozen and offloaded[c])
+        # Counted in data-group shards: an expert chunk's shard is E of them (sharded over D / E ranks).
+        trainable_offloaded, frozen_offloaded = self.offloaded_shards(shape)
         return estimate_memory(
             self.profile,
             chunk_size=shape.chunk_size,
@@ -364,12 +368,11 @@ class CostModel:
             dtype=self.dtype,
             cache_blocks=shape.cache_blocks,
             num_resident=layout.num_resident,
-            # An expert chunk's shard is E shards of the data group's size (sharded over D / E ranks).
             num_chunks=self.experts.shard_units(layout),
-            num_offloaded=shape.num_offloaded,
+            num_offloaded=trainable_offloaded + frozen_offloaded,
             frozen_numel=0,  # every frozen parameter is in a frozen chunk
-            num_frozen=layout.num_frozen,
-            num_frozen_offloaded=num_frozen_offloaded,
+            num_frozen=self.experts.shards_of(layout, [c for c, chunk in enumerate(layout.chunks) if chunk.frozen]),
+            num_frozen_offloaded=frozen_offloaded,
             micro_batch_size=shape.micro_batch_size,
             every=shape.every,
             activation_copies=shape.grad_accum_steps if shape.layered else 1,
@@ -481,12 +484,13 @@ class CostModel:
         """The step time raised to the plausibility bound (``rates.plausibility_bound``); the bounds
         go into ``breakdown``, with ``bound_clamp_s`` when the prediction was below them."""
         samples_per_gpu = shape.micro_batch_size * shape.grad_accum_steps * self.data_size / self.world_size
+        trainable_offloaded, frozen_offloaded = self.offloaded_shards(shape)
         bounds = plausibility_bound(
             self.hardware,
             self.dtype,
             useful_flops_per_gpu=self.full_profile.flops_per_sample * samples_per_gpu,
-            offloaded_numel_per_rank=shape.num_offloaded * shard_numel,
-            offloaded_trainable_numel_per_rank=self.offloaded_trainable(shape) * shard_numel,
+            offloaded_numel_per_rank=(trainable_offloaded + frozen_offloaded) * shard_numel,
+            offloaded_trainable_numel_per_rank=trainable_offloaded * shard_numel,
             ranks_on_node=self.gpus_per_node,
             world_size=self.world_size,
             scores_s=sum(self.scores_s_per_flop) * self.full_profile.flops_per_sample * samples_per_gpu,

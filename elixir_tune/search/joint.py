@@ -353,7 +353,7 @@ def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, f
                                     layered=layered,
                                 )
                                 # Adam steps trainable shards only: offloaded frozen ones (a LoRA base) have none.
-                                on_host = model.offloaded_trainable(shape)
+                                on_host = model.offloaded_shards(shape)[0]
                                 optimizer_s = max(
                                     (num_chunks - layout.num_frozen - on_host)
                                     * shard_numel
