@@ -120,6 +120,15 @@ class RankExperts:
         Where the shard lives (device or host) it holds that many data shards' bytes."""
         return [self.degree if chunk.expert else 1 for chunk in layout.chunks]
 
+    def landing_numels(self, layout: ChunkLayout, offloaded: list[bool], shard_numel: int) -> tuple[int, ...]:
+        """Elements of the host landing buffer each offloaded trainable expert chunk holds of its own on
+        cuda (its reduced shard, E data shards: the staging pool's are cut for the data group)."""
+        return tuple(
+            self.degree * shard_numel
+            for c, chunk in enumerate(layout.chunks)
+            if chunk.expert and not chunk.frozen and offloaded[c]
+        )
+
     def shards_of(self, layout: ChunkLayout, chunks: list[int]) -> int:
         """The data-group shards that the shards of ``chunks`` (ids in ``layout``) hold together."""
         return sum(self.degree if layout.chunks[c].expert else 1 for c in chunks)

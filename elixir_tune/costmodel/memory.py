@@ -229,6 +229,7 @@ def estimate_memory(
     communicators: int | None = None,
     num_frozen: int = 0,
     num_frozen_offloaded: int = 0,
+    own_landing_numels: tuple[int, ...] = (),
 ) -> MemoryEstimate:
     """Device and host peaks of one candidate.
 
@@ -261,6 +262,7 @@ def estimate_memory(
         communicators: communication groups of the rank (``margin_bytes``).
         num_frozen: frozen chunks (compute-dtype weights only), among ``num_chunks``.
         num_frozen_offloaded: frozen chunks among ``num_offloaded``.
+        own_landing_numels: elements of each host landing buffer of its own (``transient_bytes``).
 
     Returns:
         The estimate.
@@ -288,6 +290,7 @@ def estimate_memory(
         held_numel,
         device_is_host=device == "cpu",
         num_frozen_offloaded=num_frozen_offloaded,
+        own_landing_numels=own_landing_numels,
     )
     dtype_bytes = DTYPE_BYTES[dtype]
     frozen = frozen_numel * dtype_bytes

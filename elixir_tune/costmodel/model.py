@@ -360,6 +360,8 @@ class CostModel:
         layout = self.layout(shape.chunk_size)
         # Counted in data-group shards: an expert chunk's shard is E of them (sharded over D / E ranks).
         trainable_offloaded, frozen_offloaded = self.offloaded_shards(shape)
+        expert_offloaded = trainable_offloaded and self.experts.degree > 1 and layout.num_expert
+        mask = self.offload_mask(shape) if expert_offloaded else [False] * layout.num_chunks
         return estimate_memory(
             self.profile,
             chunk_size=shape.chunk_size,
@@ -373,6 +375,7 @@ class CostModel:
             frozen_numel=0,  # every frozen parameter is in a frozen chunk
             num_frozen=self.experts.shards_of(layout, [c for c, chunk in enumerate(layout.chunks) if chunk.frozen]),
             num_frozen_offloaded=frozen_offloaded,
+            own_landing_numels=self.experts.landing_numels(layout, mask, shape.chunk_size // self.data_size),
             micro_batch_size=shape.micro_batch_size,
             every=shape.every,
             activation_copies=shape.grad_accum_steps if shape.layered else 1,

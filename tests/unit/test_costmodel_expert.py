@@ -155,8 +155,8 @@ def test_tensor_parallel_moe_blocks_move_more_than_dense_ones(moe, h100):
 
 def test_an_offloaded_expert_chunk_moves_e_data_shards_to_the_host(moe, h100):
     """An expert chunk's shard (over the D / E ranks of its expert-data group) is E data-group shards:
-    offloading it moves E shards' master, gradient and Adam moments to the host and E shards' upload
-    copy, and its copies and host Adam count E shards' elements in the step's bounds and in the offload
+    offloading it moves E shards' master, gradient and Adam moments to the host, E shards' upload copy
+    and (cuda) a landing buffer of E shards of its own, and its copies and host Adam count E shards' elements in the step's bounds and in the offload
     order."""
     model = CostModel(moe, h100, gpus_per_node=4, dtype="bf16", layout=Layout(expert=2))
     chunk_size = 1 << 16
@@ -175,6 +175,10 @@ def test_an_offloaded_expert_chunk_moves_e_data_shards_to_the_host(moe, h100):
         assert states["host_shard_bytes"] == shards * shard_numel * 16, chunk  # fp32 master, grad, Adam m, v
         assert states["device_shard_bytes"] == (units - shards) * shard_numel * 16, chunk
         assert memory.transient_bytes["host_copy_bytes"] == pinned_bytes(shards * shard_numel * item, True), chunk
+        # The staging pool's landing shards, and on cuda an expert chunk's own (its shard is E of the pool's).
+        pool = pinned_bytes(shape(chunk).staging_buffers * shard_numel * item, True)
+        own = pinned_bytes(shards * shard_numel * item, True) if chunk == expert else 0
+        assert memory.transient_bytes["landing_bytes"] == pool + own, chunk
         bounds = model.step_time(shape(chunk)).breakdown
         assert bounds["bound_cpu_adam_s"] == pytest.approx(
             shards
