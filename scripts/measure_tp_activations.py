@@ -38,7 +38,7 @@ CONFIGS = [
 def predictions(models: list[str], micro: int, seq: int) -> dict[tuple, int]:
     """The cost model's activation bytes per rank for every configuration: the profile of the same
     model (traced on the meta device at ``micro`` x ``seq``) seen by one tensor rank
-    (``costmodel/parallel.py`` ``rank_profile``), its activation line at ``micro``."""
+    (``costmodel/stage_profile.py`` ``rank_profile``), its activation line at ``micro``."""
     import torch
 
     from elixir_tune.costmodel.model import CostModel

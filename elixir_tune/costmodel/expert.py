@@ -27,7 +27,9 @@ of their own, sharded over the expert-data group (D / E data ranks) instead of t
 shard of an expert chunk is E times a shard of another chunk, its all-gather and reduce-scatter run
 over D / E ranks (none when E = D), and the per-rank model state of the experts is the same as
 without expert parallelism (X / E elements over D / E ranks = X / D), while the gathered working
-set (cache blocks) holds only this rank's experts. Imports no torch.
+set (cache blocks) holds only this rank's experts. An offloaded expert chunk therefore moves E data
+shards' bytes to the host (master, gradient, Adam moments and its upload copy), and its copies and host
+Adam move E times the elements (``shard_weights``). Imports no torch.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ class RankExperts:
     Attributes:
         degree: E.
         replicas: ranks of the expert-data group (D / E), which shard and reduce the expert chunks.
-        params: indices of the expert tensors in the rank's profile (``parallel.rank_profile``).
+        params: indices of the expert tensors in the rank's profile (``stage_profile.rank_profile``).
         moe_blocks: indices of the rank's blocks that hold experts.
     """
 
@@ -112,6 +114,24 @@ class RankExperts:
         """The layout's chunks counted in shards of the data group's size: an expert chunk's shard
         (over D / E ranks) is E of them."""
         return layout.num_chunks + (self.degree - 1) * layout.num_expert
+
+    def shard_weights(self, layout: ChunkLayout) -> list[int]:
+        """Each chunk's shard in shards of the data group's size: E for an expert chunk, 1 otherwise.
+        Where the shard lives (device or host) it holds that many data shards' bytes."""
+        return [self.degree if chunk.expert else 1 for chunk in layout.chunks]
+
+    def landing_numels(self, layout: ChunkLayout, offloaded: list[bool], shard_numel: int) -> tuple[int, ...]:
+        """Elements of the host landing buffer each offloaded trainable expert chunk holds of its own on
+        cuda (its reduced shard, E data shards: the staging pool's are cut for the data group)."""
+        return tuple(
+            self.degree * shard_numel
+            for c, chunk in enumerate(layout.chunks)
+            if chunk.expert and not chunk.frozen and offloaded[c]
+        )
+
+    def shards_of(self, layout: ChunkLayout, chunks: list[int]) -> int:
+        """The data-group shards that the shards of ``chunks`` (ids in ``layout``) hold together."""
+        return sum(self.degree if layout.chunks[c].expert else 1 for c in chunks)
 
     def offloadable(self, layout: ChunkLayout) -> int:
         """Chunks whose shard may go to the host: all but the expert chunks where the engine keeps

@@ -16,7 +16,7 @@ The engine's other buffers follow ``elixir_tune.plan.memory`` (TRANSIENT_KEYS), 
 the gradient staging pool on the device; the compute-dtype upload copies of offloaded shards and
 the landing buffers of their gradients on the host, pinned (rounded to a power of two) on cuda; on a
 pipeline rank with several micro-batches per step, the gradients its no-sync step holds unsharded
-in compute dtype (``parallel.held_grad_numel``).
+in compute dtype (``stage_profile.held_grad_numel``).
 
 The rest of the device peak is frozen parameters outside the chunks (none in a searched plan), activations at the micro-batch size (a line
 from the profile, interpolated by blocks for every-k checkpointing), model buffers, and the
@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from elixir_tune.costmodel.parallel import StageProfile
+from elixir_tune.costmodel.stage_profile import StageProfile
 from elixir_tune.plan.memory import DEVICE_TRANSIENT_KEYS, HOST_TRANSIENT_KEYS, transient_bytes
 from elixir_tune.plan.schema import DTYPE_BYTES, SHARD_BYTES_PER_ELEMENT
 from elixir_tune.profiler.schema import ModelProfile
@@ -229,6 +229,7 @@ def estimate_memory(
     communicators: int | None = None,
     num_frozen: int = 0,
     num_frozen_offloaded: int = 0,
+    own_landing_numels: tuple[int, ...] = (),
 ) -> MemoryEstimate:
     """Device and host peaks of one candidate.
 
@@ -261,6 +262,7 @@ def estimate_memory(
         communicators: communication groups of the rank (``margin_bytes``).
         num_frozen: frozen chunks (compute-dtype weights only), among ``num_chunks``.
         num_frozen_offloaded: frozen chunks among ``num_offloaded``.
+        own_landing_numels: elements of each host landing buffer of its own (``transient_bytes``).
 
     Returns:
         The estimate.
@@ -288,6 +290,7 @@ def estimate_memory(
         held_numel,
         device_is_host=device == "cpu",
         num_frozen_offloaded=num_frozen_offloaded,
+        own_landing_numels=own_landing_numels,
     )
     dtype_bytes = DTYPE_BYTES[dtype]
     frozen = frozen_numel * dtype_bytes

@@ -15,10 +15,11 @@ from elixir_tune.costmodel.layout import ChunkLayout, largest_trainable_numel, m
 from elixir_tune.costmodel.links import data_ranks_per_node
 from elixir_tune.costmodel.memory import MemoryEstimate, checkpointed_blocks, estimate_memory
 from elixir_tune.costmodel.offload import offload_orders
-from elixir_tune.costmodel.parallel import DATA_ONLY, Layout, critical_stage, rank_profile
+from elixir_tune.costmodel.parallel import DATA_ONLY, Layout
 from elixir_tune.costmodel.parallel_time import ParallelTimes
 from elixir_tune.costmodel.rates import attention_flops_share, attention_scores_bytes, plausibility_bound
 from elixir_tune.costmodel.shape import Shape, StepEstimate
+from elixir_tune.costmodel.stage_profile import critical_stage, rank_profile
 from elixir_tune.costmodel.timeline import (
     LEFTOVER_ZERO,
     MicroBatchTime,
@@ -40,7 +41,7 @@ class CostModel:
 
     With pipeline or tensor parallelism (``layout``) the model is one rank's: ``profile`` is what a
     rank of one pipeline stage holds and runs at its tensor-parallel local shapes
-    (``parallel.rank_profile``; by default the critical stage, the one holding the most), chunks are
+    (``stage_profile.rank_profile``; by default the critical stage, the one holding the most), chunks are
     sharded over the data-parallel degree ``data_size`` = world / (P x T), and ``step_time`` adds
     the tensor-parallel collectives, the pipeline bubble, point-to-point sends and the
     tied-embedding all-reduce (``parallel_time.ParallelTimes``). ``full_profile`` is the whole model.
@@ -71,7 +72,7 @@ class CostModel:
             nodes: nodes.
             dtype: compute dtype (default: the profile's).
             layout: pipeline and tensor parallelism (default: data parallelism only).
-            stage: the pipeline stage to model (default: ``parallel.critical_stage``).
+            stage: the pipeline stage to model (default: ``stage_profile.critical_stage``).
 
         Raises:
             ValueError: the layout does not divide the world.
@@ -203,7 +204,8 @@ class CostModel:
             adam_s_per_elem = 1 / self.cpu_adam_elems_per_s - 1 / self.hardware.gpu_adam_elems_per_s
             shard_numel = chunk_size // self.data_size
             costs = self.costs(chunk_size)
-            orders = offload_orders(layout, counts, 2, shard_numel, self.dtype, costs, adam_s_per_elem)
+            weights, expert = self.experts.shard_weights(layout), self.expert_costs(chunk_size)
+            orders = offload_orders(layout, counts, 2, shard_numel, self.dtype, costs, adam_s_per_elem, expert, weights)
             movable = set(self.experts.movable(layout))
             self._orders[key] = [[c for c in order if c in movable] for order in orders]
         return self._orders[key]
@@ -212,10 +214,15 @@ class CostModel:
         """The order a shape without explicit chunk ids offloads by: the first of ``offload_orders``."""
         return self.offload_orders(chunk_size, every, cache_blocks)[0]
 
-    def offloaded_trainable(self, shape: Shape) -> int:
-        """How many of the shape's offloaded shards are trainable (the rest are frozen: no host Adam)."""
+    def offloaded_shards(self, shape: Shape) -> tuple[int, int]:
+        """The shape's offloaded shards, trainable and frozen (no host Adam), counted in data-group
+        shards: an expert chunk's shard is E of them (``RankExperts.shards_of``)."""
         layout = self.layout(shape.chunk_size)
-        return sum(1 for c, off in enumerate(self.offload_mask(shape)) if off and not layout.chunks[c].frozen)
+        if not shape.num_offloaded or not (layout.num_frozen or self.experts.degree > 1 and layout.num_expert):
+            return shape.num_offloaded, 0  # every shard one trainable data shard
+        chunks = [c for c, off in enumerate(self.offload_mask(shape)) if off]
+        frozen = self.experts.shards_of(layout, [c for c in chunks if layout.chunks[c].frozen])
+        return self.experts.shards_of(layout, chunks) - frozen, frozen
 
     def offload_mask(self, shape: Shape) -> list[bool]:
         """Per chunk, whether its shard is offloaded."""
@@ -353,10 +360,10 @@ class CostModel:
     def memory(self, shape: Shape) -> MemoryEstimate:
         """Peak device and host memory of a candidate."""
         layout = self.layout(shape.chunk_size)
-        num_frozen_offloaded = 0
-        if layout.num_frozen:
-            offloaded = self.offload_mask(shape)
-            num_frozen_offloaded = sum(1 for c, chunk in enumerate(layout.chunks) if chunk.frozen and offloaded[c])
+        # Counted in data-group shards: an expert chunk's shard is E of them (sharded over D / E ranks).
+        trainable_offloaded, frozen_offloaded = self.offloaded_shards(shape)
+        expert_offloaded = trainable_offloaded and self.experts.degree > 1 and layout.num_expert
+        mask = self.offload_mask(shape) if expert_offloaded else [False] * layout.num_chunks
         return estimate_memory(
             self.profile,
             chunk_size=shape.chunk_size,
@@ -365,12 +372,12 @@ class CostModel:
             dtype=self.dtype,
             cache_blocks=shape.cache_blocks,
             num_resident=layout.num_resident,
-            # An expert chunk's shard is E shards of the data group's size (sharded over D / E ranks).
             num_chunks=self.experts.shard_units(layout),
-            num_offloaded=shape.num_offloaded,
+            num_offloaded=trainable_offloaded + frozen_offloaded,
             frozen_numel=0,  # every frozen parameter is in a frozen chunk
-            num_frozen=layout.num_frozen,
-            num_frozen_offloaded=num_frozen_offloaded,
+            num_frozen=self.experts.shards_of(layout, [c for c, chunk in enumerate(layout.chunks) if chunk.frozen]),
+            num_frozen_offloaded=frozen_offloaded,
+            own_landing_numels=self.experts.landing_numels(layout, mask, shape.chunk_size // self.data_size),
             micro_batch_size=shape.micro_batch_size,
             every=shape.every,
             activation_copies=shape.grad_accum_steps if shape.layered else 1,
@@ -482,12 +489,13 @@ class CostModel:
         """The step time raised to the plausibility bound (``rates.plausibility_bound``); the bounds
         go into ``breakdown``, with ``bound_clamp_s`` when the prediction was below them."""
         samples_per_gpu = shape.micro_batch_size * shape.grad_accum_steps * self.data_size / self.world_size
+        trainable_offloaded, frozen_offloaded = self.offloaded_shards(shape)
         bounds = plausibility_bound(
             self.hardware,
             self.dtype,
             useful_flops_per_gpu=self.full_profile.flops_per_sample * samples_per_gpu,
-            offloaded_numel_per_rank=shape.num_offloaded * shard_numel,
-            offloaded_trainable_numel_per_rank=self.offloaded_trainable(shape) * shard_numel,
+            offloaded_numel_per_rank=(trainable_offloaded + frozen_offloaded) * shard_numel,
+            offloaded_trainable_numel_per_rank=trainable_offloaded * shard_numel,
             ranks_on_node=self.gpus_per_node,
             world_size=self.world_size,
             scores_s=sum(self.scores_s_per_flop) * self.full_profile.flops_per_sample * samples_per_gpu,

@@ -14,7 +14,10 @@ device byte freed first (a large need: trainable shards free 16 bytes per elemen
 and the cheapest per chunk first (a small need: a frozen shard pays uploads only). Ties go to the fewest
 fetches, then the last chunks first (their gradients are reduced earliest in backward, so their copies
 overlap the most). For a model without frozen chunks every shard frees the same bytes, the cost rises with
-the fetches alone, and the one order is the fewest fetches first, as before frozen chunks existed. The
+the fetches alone, and the one order is the fewest fetches first, as before frozen chunks existed. An
+expert chunk under expert parallelism has a shard E times a data-group shard (it is sharded over the
+D / E ranks of its expert-data group): its offload frees E times the bytes, and its copies and host Adam
+move E times the elements. The
 step time (``CostModel.step_time``) and the memory (``estimate_memory``) price each kind as above; an
 order only picks which chunks a count of offloaded shards means.
 """
@@ -49,6 +52,27 @@ def offload_cost_s(
     return uploads + passes * (costs.d2h_s + costs.host_add_s) + shard_numel * max(0.0, adam_s_per_elem)
 
 
+def freed_bytes(layout: ChunkLayout, shard_numel: int, dtype: str, shard_weights: list[int] | None = None) -> list[int]:
+    """Device bytes each chunk's offload frees: its shard's master, gradient and Adam moments
+    (``SHARD_BYTES`` per element), or a frozen chunk's compute-dtype weights.
+
+    Args:
+        layout: the chunk layout.
+        shard_numel: elements of one shard of the data group.
+        dtype: the compute dtype (a frozen shard's bytes per element).
+        shard_weights: each chunk's shard in data-group shards (an expert chunk's, sharded over the
+            expert-data group, is E of them: ``RankExperts.shard_weights``); None: 1 each.
+
+    Returns:
+        Bytes per chunk id.
+    """
+    weights = shard_weights or [1] * layout.num_chunks
+    return [
+        weights[c] * shard_numel * (DTYPE_BYTES[dtype] if chunk.frozen else SHARD_BYTES)
+        for c, chunk in enumerate(layout.chunks)
+    ]
+
+
 def offload_orders(
     layout: ChunkLayout,
     fetches: list[int],
@@ -57,6 +81,8 @@ def offload_orders(
     dtype: str,
     costs: TransferCosts,
     adam_s_per_elem: float,
+    chunk_costs: dict[int, TransferCosts] | None = None,
+    shard_weights: list[int] | None = None,
 ) -> list[list[int]]:
     """Chunk ids in the orders their shards go to the host, the first one first.
 
@@ -70,19 +96,31 @@ def offload_orders(
         layout: the chunk layout.
         fetches: each chunk's fetches over the counted passes.
         passes: the passes counted.
-        shard_numel: elements of one shard.
+        shard_numel: elements of one shard of the data group.
         dtype: the compute dtype (a frozen shard's bytes per element).
         costs: per-chunk operation times.
         adam_s_per_elem: host Adam's seconds per element minus the device's.
+        chunk_costs: operation times of the chunks whose shard differs from the data group's (expert
+            chunks: ``RankExperts.chunk_costs``), by chunk id.
+        shard_weights: each chunk's shard in data-group shards (``freed_bytes``).
 
     Returns:
         One or two orders, each of every chunk id once.
     """
-    cost_s, freed_bytes = [], []
-    for chunk in range(layout.num_chunks):
-        frozen = layout.chunks[chunk].frozen
-        cost_s.append(offload_cost_s(frozen, fetches[chunk], passes, shard_numel, costs, adam_s_per_elem))
-        freed_bytes.append(shard_numel * (DTYPE_BYTES[dtype] if frozen else SHARD_BYTES))
-    per_byte = sorted(range(layout.num_chunks), key=lambda c: (cost_s[c] / max(freed_bytes[c], 1), fetches[c], -c))
+    weights = shard_weights or [1] * layout.num_chunks
+    chunk_costs = chunk_costs or {}
+    cost_s = [
+        offload_cost_s(
+            layout.chunks[c].frozen,
+            fetches[c],
+            passes,
+            weights[c] * shard_numel,
+            chunk_costs.get(c, costs),
+            adam_s_per_elem,
+        )
+        for c in range(layout.num_chunks)
+    ]
+    freed = freed_bytes(layout, shard_numel, dtype, weights)
+    per_byte = sorted(range(layout.num_chunks), key=lambda c: (cost_s[c] / max(freed[c], 1), fetches[c], -c))
     per_chunk = sorted(range(layout.num_chunks), key=lambda c: (cost_s[c], fetches[c], -c))
     return [per_byte] if per_chunk == per_byte or not layout.num_frozen else [per_byte, per_chunk]

@@ -49,7 +49,6 @@ from elixir_tune.costmodel.parallel import (
     is_gated,
     layer_matmuls,
     p2p_sends_per_micro_batch,
-    tied_params,
     tp_1d_layer_bytes,
     tp_2d_layer_broadcasts,
     tp_2d_layer_elements,
@@ -57,6 +56,7 @@ from elixir_tune.costmodel.parallel import (
     tp_efficiency,
     virtual_stages,
 )
+from elixir_tune.costmodel.stage_profile import tied_params
 from elixir_tune.hardware.spec import HardwareSpec
 from elixir_tune.plan.schema import DTYPE_BYTES
 from elixir_tune.plan.stages import last_stage

@@ -15,8 +15,10 @@ Life of a micro-batch:
               next backward's need for a staging buffer) waits for them. Gradients accumulate in
               the shard until the optimizer step or zero_grad.
 
-The gradient path (staging, reductions, no-sync) is engine_grads.py's mixin; full state dicts and the
-memory accounting are engine_state.py's.
+This file builds the engine (chunks and their shards, the cache, which module uses which chunks, the
+hooks). What the hooks do in a micro-batch's forward and backward is engine_passes.py's mixin; the
+gradient path (staging, reductions, no-sync) is engine_grads.py's; full state dicts and the memory
+accounting are engine_state.py's.
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ import torch
 
 from elixir_tune.engine.chunks.cache import ChunkCache
 from elixir_tune.engine.chunks.chunk import Chunk, ParamSlot
-from elixir_tune.engine.chunks.states import GRAD_STAGED, TensorState, transition
 from elixir_tune.engine.comm import Comm, Mesh
 from elixir_tune.engine.engine_grads import EngineGrads
+from elixir_tune.engine.engine_passes import EnginePasses
 from elixir_tune.engine.engine_state import EngineState
 from elixir_tune.engine.hooks import install_grad_hooks, install_module_hooks, wrap_checkpointed
 from elixir_tune.engine.io.materialize import (
@@ -44,14 +46,13 @@ from elixir_tune.engine.io.weights import WeightsError
 from elixir_tune.engine.layered import Baton
 from elixir_tune.engine.parallel.expert_parallel import ExpertSplit
 from elixir_tune.engine.parallel.tensor_parallel import TensorSplit, local_data, set_local_data
-from elixir_tune.engine.read_guard import ReadGuard
 from elixir_tune.kv_cache import disable_kv_cache
 from elixir_tune.plan import Plan
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class Engine(EngineGrads, EngineState):
+class Engine(EnginePasses, EngineGrads, EngineState):
     """Runs ``model`` with its trainable parameters in chunks as ``plan`` says.
 
     Args:
@@ -365,134 +366,6 @@ class Engine(EngineGrads, EngineState):
         """The fp16 loss scale of the optimizer attached to this engine, a device tensor (reading it
         would synchronize); 1 otherwise."""
         return self.scaler.scale_tensor if self.scaler is not None else 1.0
-
-    # --- forward -------------------------------------------------------------------------------
-
-    def begin_forward(self) -> None:
-        """Called by the model wrapper before each forward (one micro-batch)."""
-        if self.in_backward:
-            self._abandon_backward()
-        self._running.clear()  # a forward stopped by an exception never ran its post-hooks
-        self.cache.start_microbatch()
-
-    def _abandon_backward(self) -> None:
-        """A backward stopped by an exception never ran its end callback: drop what it staged."""
-        self._drop_staged()
-        for chunk in self.chunks:
-            chunk.received = 0
-            for slot in chunk.slots:
-                slot.awaiting_grad = False
-                slot.state = transition(slot.state, "reduced")
-        self.cache.wait_all()
-        self._bwd_module, self._bwd_pins = None, []
-        self._recomputed.clear()
-        self._callback_queued = self.in_backward = False
-
-    def read_check(self) -> contextlib.AbstractContextManager:
-        """The context of a forward: until the first backward has completed, a ``ReadGuard`` that
-        raises when an operation reads a chunked parameter the engine did not gather (read_guard.py);
-        afterwards nothing."""
-        if self.backward_passes:
-            return contextlib.nullcontext()
-        return ReadGuard(self.slots, self._nan, self._running_names)
-
-    def _running_names(self) -> list[str]:
-        """Names of the hooked modules running now, outermost first."""
-        running = [self.module_names[m] for m, count in self._running.items() if count > 0]
-        return sorted(running, key=lambda name: (name.count("."), name))
-
-    def _layer_boundary(self) -> None:
-        """Layered step: the other micro-batches run up to here first (engine/layered.py)."""
-        if self.baton is not None:
-            self.baton.boundary()
-
-    def _pre_forward(self, module: torch.nn.Module) -> None:
-        if module not in self._checkpointed_block:
-            # Not inside a checkpointed block: those yield once, before their checkpoint saves the
-            # RNG state (a pre-hook on the block), so that the recomputation, which runs alone,
-            # draws the same random numbers (dropout) as the forward did.
-            self._layer_boundary()
-        self._running[module] = self._running.get(module, 0) + 1
-        if self.in_backward and module in self._checkpointed_block:
-            self._recomputed.add(self._checkpointed_block[module])
-        if self.in_backward and self._bwd_module is not None:
-            # A recomputation: the module waiting for it need not hold its chunks meanwhile (its
-            # own recomputed forward, which comes last, gathers them again and pins them).
-            self._set_state(self._bwd_module, "done")
-        self.cache.fetch(self.module_chunks[module], self.module_names[module])
-        self._set_state(module, "use")
-
-    def _post_forward(self, module: torch.nn.Module) -> None:
-        self._running[module] -= 1
-        if self._running[module] > 0:
-            return  # layered: another micro-batch is still inside this module (an ancestor of the others)
-        self._set_state(module, "done")
-        for ancestor in self._sharing_ancestors.get(module, ()):
-            if self._running.get(ancestor):
-                self._set_state(ancestor, "use")
-        if self.in_backward and module is self._bwd_module:
-            self._set_state(module, "use")
-
-    def _set_state(self, module: torch.nn.Module, event: str) -> None:
-        for slot in self.module_slots[module]:
-            slot.state = transition(slot.state, event)
-
-    # --- backward ------------------------------------------------------------------------------
-
-    def _queue_end_of_backward(self) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
-            self.in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-
-    def _pre_backward(self, module: torch.nn.Module) -> None:
-        # Pin the module and its ancestors that own parameters: the ancestors' own ops around
-        # this module may need their weights in backward too.
-        self._queue_end_of_backward()
-        if module in self._bwd_pins:
-            return  # an ancestor whose output hook fires after its child's: already pinned and gathered
-        pins = [module] + self.module_ancestors.get(module, [])
-        for old in self._bwd_pins:
-            self._set_state(old, "done")
-        self._bwd_pins = pins
-        self._bwd_module = module
-        block = self._checkpointed_block.get(module)
-        if (
-            block is not None
-            and block not in self._recomputed
-            and all(self._checkpointed_block.get(a) is not block for a in pins[1:])
-        ):
-            # The module's backward first recomputes its checkpointed block, whose forward hooks
-            # gather the module's chunks again (and pin them, it comes last): gathering them now
-            # would be a wasted fetch (the cost model's trace has none). Ancestors outside the
-            # block still get theirs.
-            pins = pins[1:]
-            chunks = list(dict.fromkeys(c for a in pins for c in self.module_chunks[a]))
-            if chunks:
-                self.cache.fetch(chunks, self.module_names[module])
-        else:
-            self.cache.fetch(self._chain_chunks(module), self.module_names[module])
-        for pinned in pins:
-            self._set_state(pinned, "use")
-        for slot in self.module_slots[module]:
-            if slot.state not in GRAD_STAGED and not slot.chunk.frozen:
-                slot.awaiting_grad = True
-
-    def _end_backward(self) -> None:
-        """The autograd callback after each backward: reduces what is left and unpins the chunks."""
-        self._reduce_rest()
-        for slot in self.slots:
-            slot.awaiting_grad = False
-            if slot.state is TensorState.COMPUTE:
-                slot.state = transition(slot.state, "done")
-        self.cache.wait_all()
-        self.cache.finish_recording()
-        self._bwd_module = None
-        self._bwd_pins = []
-        self._recomputed.clear()
-        self._callback_queued = False
-        self.in_backward = False
-        self.backward_passes += 1
 
     # --- around the optimizer step -------------------------------------------------------------
 

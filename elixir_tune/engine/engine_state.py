@@ -159,7 +159,9 @@ class EngineState:
         masters_inside = sum(c.master.nbytes for c in self.chunks if c.upload is not None and c.master is c.upload)
         report["staging_bytes"] = self.staging.device_bytes()
         report["host_copy_bytes"] = pinned_bytes(upload, self.pinned) - masters_inside
-        report["landing_bytes"] = pinned_bytes(self.staging.landing_nbytes(), self.pinned)
+        report["landing_bytes"] = pinned_bytes(self.staging.landing_nbytes(), self.pinned) + sum(
+            pinned_bytes(c.landing.nbytes, self.pinned) for c in self.chunks if c.landing is not None
+        )  # beside the pool's: each offloaded expert chunk's own (cuda)
         report["held_grad_bytes"] = self.pipeline.held_grad_bytes() if self.pipeline is not None else 0
         return report
 

@@ -1,6 +1,6 @@
 """This worker process's device and how long its collectives may wait: what the engine's process
 group needs from the environment (torchrun's LOCAL_RANK, CUDA_VISIBLE_DEVICES, elixir-run's
-$ELIXIR_TUNE_COLLECTIVE_TIMEOUT_S), without any process group of its own (engine/comm.py joins it)."""
+$ELIXIR_TUNE_COLLECTIVE_TIMEOUT_S), without any process group of its own (engine/comm/mesh.py joins it)."""
 
 from __future__ import annotations
 

@@ -10,8 +10,10 @@ them. Sizes are per rank.
                      themselves live in that block and are uploaded, so only its rounding counts here
     landing_bytes    host: ``staging_buffers`` shards in compute dtype that reduced gradients of
                      offloaded chunks land in before they are added into the fp32 host gradient;
-                     pinned on cuda, in one block; none on a cpu device (one memory: the reduced
-                     shard is added from the staging buffer)
+                     pinned on cuda, in one block; beside it, on cuda, each offloaded trainable
+                     expert chunk's own landing shard (its shard, over the expert-data group, is
+                     E times the pool's), a pinned block each; none on a cpu device (one memory:
+                     the reduced shard is added from the staging buffer)
     held_grad_bytes  device, pipeline plans with several micro-batches per step: the gradients a
                      stage holds unsharded in compute dtype (no-sync, ``param.grad``) from a
                      parameter's first micro-batch backward to its last, at the step's peak: under
@@ -50,6 +52,7 @@ def transient_bytes(
     held_grad_numel: int = 0,
     device_is_host: bool = False,
     num_frozen_offloaded: int = 0,
+    own_landing_numels: tuple[int, ...] = (),
 ) -> dict[str, int]:
     """The engine's buffers beside the model states, keys ``TRANSIENT_KEYS``.
 
@@ -66,6 +69,8 @@ def transient_bytes(
         num_frozen_offloaded: frozen chunks among ``num_offloaded``: their upload copy is their
             only copy of the weights (counted in host_shard_bytes), and they have no gradients
             to land.
+        own_landing_numels: elements of each landing buffer of its own (an offloaded trainable
+            expert chunk's shard on cuda: ``engine/chunks/chunk.py``).
 
     Returns:
         Bytes per key.
@@ -77,10 +82,11 @@ def transient_bytes(
     # Counted in host_shard_bytes: the masters in fp32, and the frozen shards in any dtype.
     masters_inside = host_copy if dtype == "fp32" else num_frozen_offloaded * shard_numel * item
     landing = staging_buffers * shard_numel * item if num_offloaded > num_frozen_offloaded and not device_is_host else 0
+    own_landing = 0 if device_is_host else sum(pinned_bytes(numel * item, pinned) for numel in own_landing_numels)
     return {
         "staging_bytes": staging_buffers * (chunk_size + out_numel) * item,
         "host_copy_bytes": pinned_bytes(host_copy, pinned) - masters_inside,
-        "landing_bytes": pinned_bytes(landing, pinned),
+        "landing_bytes": pinned_bytes(landing, pinned) + own_landing,
         "held_grad_bytes": held_grad_numel * item,
     }
 

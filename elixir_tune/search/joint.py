@@ -4,9 +4,11 @@ micro-batch size explored together, each candidate scored by simulated step time
 Loops run from the choices shared by many candidates (chunk size, checkpointing) to the ones
 that change only the timeline (offload share), so the cost model's caches are hit. Pruning:
 
-* the smallest offload share that fits is computed in closed form (device memory falls by at most
-  one trainable shard per offloaded chunk; a frozen one frees less, so each share is checked too);
-  smaller shares are never tried;
+* the smallest offload share that fits is the fewest offloaded chunks whose freed device bytes,
+  largest first, cover the need (``costmodel/offload.py`` ``freed_bytes``: a trainable shard frees
+  its master, gradient and Adam moments, a frozen one its weights only, an expert chunk's E data
+  shards' worth; the offload order may take others first, so each share is checked too); smaller
+  shares are never tried;
 * host memory grows with the offload share, so the offload loop stops at the first that
   overflows the host;
 * a lower bound on the step (compute of all micro-batches, then the optimizer) is checked
@@ -16,13 +18,16 @@ that change only the timeline (offload share), so the cost model's caches are hi
 
 from __future__ import annotations
 
+import bisect
 import heapq
+import itertools
 import math
 from dataclasses import dataclass, field
 
 from elixir_tune.costmodel.layout import largest_param_numel, least_padded_sizes
-from elixir_tune.costmodel.memory import SHARD_BYTES, MemoryEstimate
+from elixir_tune.costmodel.memory import MemoryEstimate
 from elixir_tune.costmodel.model import CostModel, Shape
+from elixir_tune.costmodel.offload import freed_bytes
 from elixir_tune.costmodel.parallel import Layout
 from elixir_tune.plan.capabilities import expert_parallel_conflicts
 from elixir_tune.plan.memory import ALIGN_ELEMENTS, chunk_size_multiple
@@ -65,8 +70,9 @@ class Exploration:
     Attributes:
         best: the best candidates, fastest first.
         num_scored: candidates whose step was simulated.
-        min_gpu_bytes: the least device memory any configuration needs (everything offloaded, or
-            the pinned offload share; None when the pinned choices allow no configuration at all).
+        min_gpu_bytes: the least device memory any configuration needs (everything offloaded, or at
+            the pinned offload share the chunks that free the most; each chunk frees what it holds:
+            ``offload.freed_bytes``; None when the pinned choices allow no configuration at all).
         min_host_bytes: the least host memory a configuration that fits the device needs
             (None when none fits the device; on a CPU device, device and host parts together).
         best_by_layout: the fastest candidate scored of each parallel layout (to say why one won).
@@ -297,8 +303,12 @@ def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, f
         num_chunks, cacheable = layout.num_chunks, layout.num_cacheable
         # Expert chunks stay on the device where the engine cannot offload them.
         offloadable = model.offloadable_chunks(chunk_size)
-        shard_state_bytes = chunk_size // world * SHARD_BYTES
         shard_numel = chunk_size // world
+        # most_freed[k]: the most device bytes k offloaded chunks free (those that free the most: a frozen
+        # chunk frees its weights only, an expert chunk E data shards' worth, the others one shard's state).
+        freed = freed_bytes(layout, shard_numel, model.dtype, model.experts.shard_weights(layout))
+        most_freed = list(itertools.accumulate(sorted((freed[c] for c in model.experts.movable(layout)), reverse=True)))
+        most_freed.insert(0, 0)
         costs = model.costs(chunk_size)
         most_offloaded = max(offload_choices(offloadable, 0, fixed, one_pool))
         for every in checkpointing_choices(model, fixed):
@@ -319,12 +329,11 @@ def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, f
                         base = model.memory(shape)
                         # The least device memory of this shape: every shard it may offload on the host
                         # (on a CPU device an offloaded shard stays in the same memory).
-                        freed = 0 if one_pool else most_offloaded * shard_state_bytes
-                        need_least = base.required_gpu_bytes - freed
+                        need_least = base.required_gpu_bytes - (0 if one_pool else most_freed[most_offloaded])
                         if found.min_gpu_bytes is None or need_least < found.min_gpu_bytes:
                             found.min_gpu_bytes = need_least
                         over = base.required_gpu_bytes - budget.usable_gpu_bytes  # the margin stays free
-                        smallest = max(0, -(-over // shard_state_bytes))
+                        smallest = bisect.bisect_left(most_freed, over)  # offloadable + 1: none covers it
                         if one_pool:
                             if over > 0:
                                 continue  # offloading would not make it fit: the host is the device
@@ -361,7 +370,7 @@ def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, f
                                     layered=layered,
                                 )
                                 # Adam steps trainable shards only: offloaded frozen ones (a LoRA base) have none.
-                                on_host = model.offloaded_trainable(shape)
+                                on_host = model.offloaded_shards(shape)[0]
                                 optimizer_s = max(
                                     (num_chunks - layout.num_frozen - on_host)
                                     * shard_numel

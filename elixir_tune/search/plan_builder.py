@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import cast
 
 from elixir_tune.costmodel.model import CostModel
-from elixir_tune.costmodel.parallel import tied_params
+from elixir_tune.costmodel.stage_profile import tied_params
 from elixir_tune.plan.schema import (
     Backend,
     Checkpointing,

@@ -1,4 +1,4 @@
-"""Worker for test_engine_comm.py: every collective of engine/comm.py, native and gloo-fallback paths."""
+"""Worker for test_engine_comm.py: every collective of engine/comm/, native and gloo-fallback paths."""
 
 from __future__ import annotations
 

@@ -23,6 +23,8 @@ from tests.distributed.engine_worker import compare, local_micro, mean_over_rank
 def run_engine(case: dict, rank: int, world: int) -> dict:
     model, opt = build(case, world)
     model, opt = elixir_tune.setup(model, opt, plan=case["plan"])
+    engine = model.engine
+    offloaded_expert_chunks = sum(1 for c in engine.chunks if c.offload and c.grad_divisor is not None)
     accum = case["accum"]
     local_experts = {
         name: p.shape[0] for name, p in model.module.named_parameters() if name.endswith(("gate_up_proj", "down_proj"))
@@ -35,6 +37,8 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
         opt.zero_grad()
     full = model.state_dict()  # a collective: every rank calls it
     return {
+        "memory_report": engine.memory_report(),  # after the steps: the optimizer state is allocated
+        "offloaded_expert_chunks": offloaded_expert_chunks,
         "losses": losses,
         "norms": [],
         "state": {k: v.tolist() for k, v in full.items()} if rank == 0 else None,
@@ -45,7 +49,8 @@ def run_engine(case: dict, rank: int, world: int) -> dict:
 def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> dict:
     engine = run_engine(case, rank, world)
     world_losses = mean_over_ranks(engine["losses"], world)
-    result = {"case": case, "world_losses": world_losses, "local_experts": engine["local_experts"]}
+    result = {"case": case, "world_losses": world_losses}
+    result.update({key: engine[key] for key in ("local_experts", "memory_report", "offloaded_expert_chunks")})
     if rank == 0:
         result.update(compare(engine, run_reference(case, world), world_losses))
     return result

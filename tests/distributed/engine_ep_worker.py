@@ -213,7 +213,7 @@ def meta_init_equal(case: dict, world: int) -> bool:
     initializer gives on one process (the same seed): each rank initialized its experts' rows only."""
     import transformers
 
-    from elixir_tune.engine.io.materialize import Initializer
+    from elixir_tune.engine.io.initializer import Initializer
     from elixir_tune.profiler.blocks import find_block_list
     from tests.zoo.models import build as build_zoo
 

@@ -73,7 +73,7 @@ def build_reference(case: dict):
     model's initializer gives for ``META_SEED`` (what the engine made, whatever the world)."""
     model, opt = build(case)
     if case.get("meta"):
-        from elixir_tune.engine.io.materialize import Initializer
+        from elixir_tune.engine.io.initializer import Initializer
 
         meta_model, _ = build(case, meta=True)
         initializer = Initializer(meta_model, META_SEED)

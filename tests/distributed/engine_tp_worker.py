@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 import elixir_tune
-from elixir_tune.engine.io.materialize import Initializer, InitSource, materialize_replicated
+from elixir_tune.engine.io.initializer import Initializer
+from elixir_tune.engine.io.materialize import InitSource, materialize_replicated
 from elixir_tune.engine.parallel.tensor_parallel import local_data
 from elixir_tune.plan.tensor_layout import local_shape
 from tests.distributed.engine_plans import batches, make_plan, tiny_gpt2, tiny_llama_gqa

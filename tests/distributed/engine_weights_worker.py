@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import elixir_tune
-from elixir_tune.engine.io import materialize
+from elixir_tune.engine.io import initializer
 from tests.distributed.engine_launch import worker_main
 from tests.distributed.engine_plans import make_plan, tiny_gpt2_config
 
@@ -125,5 +125,5 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
 
 
 if __name__ == "__main__":
-    materialize.UNIT_NUMEL = SMALL_UNIT_NUMEL
+    initializer.UNIT_NUMEL = SMALL_UNIT_NUMEL
     worker_main(run_case)

@@ -1,4 +1,4 @@
-"""engine/comm.py on real gloo processes: native collectives and the fallbacks old gloo needs."""
+"""engine/comm/ on real gloo processes: native collectives and the fallbacks old gloo needs."""
 
 import pytest
 

@@ -2,7 +2,10 @@
 ``--fix expert=2``) writes it for the zoo's tiny Qwen3-MoE (plain loop) and Mixtral
 (``forward_backward``), it passes ``validate``, and the engine runs it for 2 steps in one launch of
 2 processes (gloo), each rank holding 2 of the 4 experts of every block, with fp32 losses within
-1e-5 relative and weights within 1e-5 absolute of plain PyTorch on the global batch."""
+1e-5 relative and weights within 1e-5 absolute of plain PyTorch on the global batch. Mixtral's plan
+offloads half of its chunks (``--fix offload=0.5``, expert chunks among them: each one's shard is 2
+data-group shards), and every model-state and host figure the plan predicts is what the engine
+allocates, to the byte."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 FP32_REL = 1e-5
 FP32_WEIGHT_ABS = 1e-5
-MODELS = [("qwen3_moe", "plain"), ("mixtral", "forward_backward")]
+MODELS = [("qwen3_moe", "plain", []), ("mixtral", "forward_backward", ["offload=0.5"])]
 
 
 @pytest.fixture(scope="module")
@@ -28,11 +31,11 @@ def world2(tmp_path_factory):
 
     directory = tmp_path_factory.mktemp("ep-plans")
     cases, plans = [], []
-    for name, loop in MODELS:
+    for name, loop, pins in MODELS:
         with quiet_transformers():
             profile = profile_model(model_source(name), batch_size=2, seq_len=SEQ, checkpointing="all")
         plan = search(
-            profile, load_hardware("cpu"), gpus_per_node=2, global_batch_size=8, fixed=["expert=2"], loop=loop
+            profile, load_hardware("cpu"), gpus_per_node=2, global_batch_size=8, fixed=["expert=2", *pins], loop=loop
         ).plan
         path = directory / f"{name}.yaml"
         save_plan(plan, str(path))
@@ -51,7 +54,7 @@ def world2(tmp_path_factory):
     return plans, launch("engine_ep_search_worker.py", cases, 2, timeout_s=400)
 
 
-@pytest.mark.parametrize("index", range(len(MODELS)), ids=[name for name, _ in MODELS])
+@pytest.mark.parametrize("index", range(len(MODELS)), ids=[name for name, _, _ in MODELS])
 def test_search_emitted_expert_plan_runs_like_torch(world2, index):
     plans, results = world2
     plan = plans[index]
@@ -64,3 +67,8 @@ def test_search_emitted_expert_plan_runs_like_torch(world2, index):
     assert len(first["world_losses"]) == 2
     assert first["loss_rel"] <= FP32_REL, first["loss_rel"]
     assert first["weight_abs"] <= FP32_WEIGHT_ABS, first["weight_abs"]
+    if MODELS[index][2]:  # offloaded: expert chunks on the host, priced at their own shard size
+        predicted = {**plan.prediction.model_state_bytes, **plan.prediction.transient_bytes}
+        for rank, result in enumerate(ranks):
+            assert result["offloaded_expert_chunks"] >= 1, rank
+            assert result["memory_report"] == predicted, rank

@@ -1,4 +1,4 @@
-"""engine/comm.py's mesh on real gloo processes: groups follow rank = (data * P + stage) * T + tensor."""
+"""engine/comm/mesh.py's mesh on real gloo processes: groups follow rank = (data * P + stage) * T + tensor."""
 
 import pytest
 

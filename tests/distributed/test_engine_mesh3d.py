@@ -1,6 +1,6 @@
 """Pipeline x tensor (x data) in one mesh against plain PyTorch: each pipeline stage's modules are
 tensor-parallel within its tensor group, the stages exchange the replicated hidden states, the chunks
-are sharded over the data group (engine/parallel/pipeline_tensor.py, engine/comm.py's Mesh).
+are sharded over the data group (engine/parallel/pipeline_tensor.py, engine/comm/mesh.py's Mesh).
 
 Tiny causal LMs (tests/unit/models/stage_families.py: hidden 32, 4 heads with 2 key/value heads,
 vocabulary 128), 3 blocks on 2 stages (modular: stage 0 runs blocks 0 and 2, stage 1 block 1, so stage 0

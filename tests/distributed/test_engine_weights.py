@@ -74,13 +74,13 @@ INIT_CASES = [
 
 
 def run_in_process(cases: list[dict]) -> list[dict]:
-    from elixir_tune.engine.io import materialize
+    from elixir_tune.engine.io import initializer
 
-    saved, materialize.UNIT_NUMEL = materialize.UNIT_NUMEL, worker.SMALL_UNIT_NUMEL
+    saved, initializer.UNIT_NUMEL = initializer.UNIT_NUMEL, worker.SMALL_UNIT_NUMEL
     try:
         return [dict(worker.run_case(case, index, 0, 1, ""), ok=True, case=case) for index, case in enumerate(cases)]
     finally:
-        materialize.UNIT_NUMEL = saved
+        initializer.UNIT_NUMEL = saved
 
 
 @pytest.fixture(scope="module")

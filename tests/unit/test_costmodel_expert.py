@@ -8,11 +8,13 @@ import pytest
 
 from elixir_tune.costmodel.expert import expert_all_to_all_bytes, expert_all_to_all_s, expert_param_indices
 from elixir_tune.costmodel.model import CostModel, Shape
+from elixir_tune.costmodel.offload import freed_bytes, offload_cost_s, offload_orders
 from elixir_tune.costmodel.parallel import Layout
 from elixir_tune.costmodel.parallel_time import TP_MOE_WIRE_FACTOR, ParallelTimes
 from elixir_tune.costmodel.timeline import transfer_costs
 from elixir_tune.hardware import load_hardware
 from elixir_tune.plan.capabilities import EXPERT_PARALLEL_RUNS_WITH
+from elixir_tune.plan.memory import pinned_bytes
 from elixir_tune.plan.schema import DTYPE_BYTES
 
 
@@ -149,3 +151,51 @@ def test_tensor_parallel_moe_blocks_move_more_than_dense_ones(moe, h100):
     # The cost model counts the profile's MoE blocks.
     model = CostModel(moe, h100, gpus_per_node=2, dtype="fp32", layout=Layout(tensor=2))
     assert model.tensor_comm_s(2, 0) == pytest.approx(dense + moe_extra_s)
+
+
+def test_an_offloaded_expert_chunk_moves_e_data_shards_to_the_host(moe, h100):
+    """An expert chunk's shard (over the D / E ranks of its expert-data group) is E data-group shards:
+    offloading it moves E shards' master, gradient and Adam moments to the host, E shards' upload copy
+    and (cuda) a landing buffer of E shards of its own, and its copies and host Adam count E shards' elements in the step's bounds and in the offload
+    order."""
+    model = CostModel(moe, h100, gpus_per_node=4, dtype="bf16", layout=Layout(expert=2))
+    chunk_size = 1 << 16
+    layout = model.layout(chunk_size)
+    expert = next(c for c, chunk in enumerate(layout.chunks) if chunk.expert)
+    dense = next(c for c, chunk in enumerate(layout.chunks) if not chunk.expert and not chunk.resident)
+    shard_numel, item = chunk_size // model.data_size, DTYPE_BYTES[model.dtype]
+    units = model.experts.shard_units(layout)
+
+    def shape(offloaded: int) -> Shape:
+        return Shape(chunk_size, layout.num_cacheable, 1, 0, 0, 2, 2, offloaded=(offloaded,))
+
+    for chunk, shards in ((dense, 1), (expert, 2)):
+        memory = model.memory(shape(chunk))
+        states = memory.model_state_bytes
+        assert states["host_shard_bytes"] == shards * shard_numel * 16, chunk  # fp32 master, grad, Adam m, v
+        assert states["device_shard_bytes"] == (units - shards) * shard_numel * 16, chunk
+        assert memory.transient_bytes["host_copy_bytes"] == pinned_bytes(shards * shard_numel * item, True), chunk
+        # The staging pool's landing shards, and on cuda an expert chunk's own (its shard is E of the pool's).
+        pool = pinned_bytes(shape(chunk).staging_buffers * shard_numel * item, True)
+        own = pinned_bytes(shards * shard_numel * item, True) if chunk == expert else 0
+        assert memory.transient_bytes["landing_bytes"] == pool + own, chunk
+        bounds = model.step_time(shape(chunk)).breakdown
+        assert bounds["bound_cpu_adam_s"] == pytest.approx(
+            shards
+            * shard_numel
+            * 4
+            / (h100.cpu_adam_node_elems_per_s or h100.cpu_adam_elems_per_s * h100.gpus_per_node)
+        ), chunk
+    # The offload order weighs the expert chunk's seconds against the E shards' bytes it frees.
+    costs, expert_costs = model.costs(chunk_size), model.expert_costs(chunk_size)
+    weights = model.experts.shard_weights(layout)
+    assert weights[expert] == 2 and weights[dense] == 1
+    freed = freed_bytes(layout, shard_numel, model.dtype, weights)
+    assert freed[expert] == 2 * freed[dense] == 2 * shard_numel * 16
+    fetches = [1] * layout.num_chunks
+    order = offload_orders(layout, fetches, 2, shard_numel, model.dtype, costs, 1e-9, expert_costs, weights)[0]
+    per_byte = {
+        c: offload_cost_s(False, 1, 2, weights[c] * shard_numel, expert_costs.get(c, costs), 1e-9) / freed[c]
+        for c in range(layout.num_chunks)
+    }
+    assert [per_byte[c] for c in order] == sorted(per_byte.values())

@@ -13,7 +13,7 @@ from elixir_tune.costmodel.model import CostModel, Shape
 from elixir_tune.costmodel.rates import plausibility_bound
 from elixir_tune.hardware import load_hardware
 from elixir_tune.profiler import profile_model
-from elixir_tune.search import search
+from elixir_tune.search import InfeasibleError, search
 
 LORA = dict(rank=4, alpha=8.0, dropout=0.0, target_modules="q_proj,v_proj")
 CHUNK = 1 << 20  # one frozen chunk (the base) and one trainable chunk (the adapters)
@@ -128,3 +128,28 @@ def test_a_model_without_frozen_chunks_keeps_one_order_by_fetches(model_dir, har
         fetches[chunk] += 1
     orders = model.offload_orders(chunk_size, 0, cache)
     assert orders == [sorted(range(len(fetches)), key=lambda c: (fetches[c], -c))]
+
+
+def test_nothing_fits_names_what_offloading_the_frozen_base_really_frees(lora_profile, hardware):
+    """The "nothing fits" error's figure: the device need with every shard offloaded, where the frozen
+    base's shard frees its bf16 weights only (not a trainable shard's master, gradient and Adam)."""
+    model = CostModel(lora_profile, hardware, gpus_per_node=GPUS)
+    frozen, trainable = chunks_by_kind(model)
+    cache = model.min_cache_blocks(CHUNK, 0)
+    fixed = {
+        "chunk_size": CHUNK,
+        "checkpointing": "none",
+        "micro_batch_size": 2,
+        "cache_blocks": cache,
+        "prefetch": 0,
+        "pipeline": 1,
+        "tensor": 1,
+    }
+    with pytest.raises(InfeasibleError) as caught:
+        search(lora_profile, hardware, GPUS, global_batch_size=4, fixed=fixed, device_memory_bytes=1 << 20)
+    all_offloaded = model.memory(shape(model, (frozen, trainable))).required_gpu_bytes
+    base = model.memory(shape(model, ())).required_gpu_bytes
+    shard_numel = CHUNK // GPUS
+    assert base - all_offloaded == shard_numel * (BF16_BYTES + SHARD_BYTES)
+    assert caught.value.required_gpu_bytes == all_offloaded
+    assert f"{all_offloaded / 2**30:.2f} GiB" in str(caught.value)

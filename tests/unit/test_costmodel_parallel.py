@@ -1,5 +1,6 @@
 """Pipeline and tensor parallelism in the cost model: the formulas against numbers worked by hand,
-and one rank's view of a profile (costmodel/parallel.py, costmodel/parallel_time.py)."""
+and one rank's view of a profile (costmodel/parallel.py, costmodel/stage_profile.py,
+costmodel/parallel_time.py)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,9 @@ from elixir_tune.costmodel.model import CostModel, Shape
 from elixir_tune.costmodel.parallel import (
     Layout,
     bubble_fraction,
-    critical_stage,
     data_degree,
     layer_matmuls,
     p2p_sends_per_micro_batch,
-    rank_profile,
     tensor_degrees,
     tp_1d_layer_bytes,
     tp_2d_layer_elements,
@@ -25,6 +24,7 @@ from elixir_tune.costmodel.parallel import (
     tp_efficiency,
     virtual_stages,
 )
+from elixir_tune.costmodel.stage_profile import critical_stage, rank_profile
 from elixir_tune.costmodel.synthetic import example_hardware, gpt2_profile
 from elixir_tune.costmodel.timeline import transfer_costs
 
@@ -184,7 +184,7 @@ def test_tensor_collectives_are_on_the_step(profile):
 def test_an_uneven_modular_split_puts_the_head_with_the_last_block():
     # 3 blocks on 2 stages: blocks 0 and 2 on stage 0, so the final norm, the head, the loss and the
     # tied embedding all live on stage 0 (the engine's placement); stage 1 holds block 1 only.
-    from elixir_tune.costmodel.parallel import tied_params
+    from elixir_tune.costmodel.stage_profile import tied_params
 
     three = gpt2_profile("p3", hidden=HIDDEN, layers=3, heads=HEADS, vocab=VOCAB, positions=SEQ, seq_len=SEQ)
     layout = Layout(pipeline=2)

@@ -1,4 +1,4 @@
-"""The gradients a pipeline step holds unsharded (no-sync) in the cost model: ``parallel.held_grad_numel``
+"""The gradients a pipeline step holds unsharded (no-sync) in the cost model: ``stage_profile.held_grad_numel``
 against numbers worked by hand, and the term in ``CostModel.memory`` and in the search's prediction."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import pytest
 
 from elixir_tune.costmodel.memory import estimate_memory
 from elixir_tune.costmodel.model import CostModel, Shape
-from elixir_tune.costmodel.parallel import DATA_ONLY, Layout, StageProfile, rank_profile
+from elixir_tune.costmodel.parallel import DATA_ONLY, Layout
+from elixir_tune.costmodel.stage_profile import StageProfile, rank_profile
 from elixir_tune.costmodel.synthetic import example_hardware, gpt2_profile
 from elixir_tune.profiler.schema import ModelProfile
 from elixir_tune.search import search

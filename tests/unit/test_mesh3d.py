@@ -1,5 +1,5 @@
 """Pipeline x tensor x data in one mesh, the parts that need no process group: which ranks form each
-group (``elixir_tune.ranks.mesh_groups``, the order ``engine/comm.py``'s Mesh builds), what ``setup``
+group (``elixir_tune.ranks.mesh_groups``, the order ``engine/comm/mesh.py``'s Mesh builds), what ``setup``
 refuses for such a plan, and the stage boundary's lengths (``engine/parallel/pipeline_tensor.py``).
 The engine itself runs in tests/distributed/test_engine_mesh3d.py."""
 

@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from elixir_tune.costmodel.parallel import DATA_ONLY, Layout, rank_profile
+from elixir_tune.costmodel.parallel import DATA_ONLY, Layout
+from elixir_tune.costmodel.stage_profile import rank_profile
 from elixir_tune.costmodel.synthetic import example_hardware, gpt2_profile
 from elixir_tune.hardware import load_hardware
 from elixir_tune.plan import dump_plan, validate

@@ -1,6 +1,6 @@
 """Pipeline stages whose modules are tensor-parallel: what crosses a stage boundary.
 
-With pipeline P and tensor T in one plan (world = data x P x T, ``engine/comm.py``'s ``Mesh``), the
+With pipeline P and tensor T in one plan (world = data x P x T, ``engine/comm/mesh.py``'s ``Mesh``), the
 model is first split over its tensor group (``tensor_parallel.py``) and then cut into stages
 (``pipeline_stages.py``): each rank runs its stage's modules on its tensor-parallel pieces. Stage s at
 tensor index t sends to stage s + 1 at the same tensor index (the pipeline group is

@@ -6,7 +6,7 @@ A block holds a router (replicated) and the experts, whose weights are 3-D tenso
 every rank runs every expert on the tokens routed to it, and the ranks' outputs are summed: the
 routing stays the same on every rank (the router sees every token), and there is no token dispatch.
 The experts' own forward runs on ordinary tensors (their local pieces), as transformers' own
-integration does; the sums are DTensor redistributions, so only ``engine/comm.py`` talks to the
+integration does; the sums are DTensor redistributions, so only ``engine/comm/`` talks to the
 process group.
 
 The block's input is gathered whole (from sequence shards with sequence parallelism) as an ordinary

@@ -1,4 +1,4 @@
-"""A worker whose process group is the engine's (engine/comm.py init_comm, with its collective
+"""A worker whose process group is the engine's (engine/comm/mesh.py init_comm, with its collective
 timeout): all-reduces forever so that a test can stop, hang or kill one rank.
 
 Each rank writes ``rank<R>.json`` (pid, rank, the timeout it was given) into --out once the group

@@ -1,0 +1,182 @@
+"""The life of a micro-batch in the engine: what its module hooks do in forward and backward.
+
+A mixin of ``Engine`` (engine.py), whose hooks (``hooks.py``) call these methods:
+    forward   a module's pre-hook fetches its chunks through the cache (all-gather) and marks them in
+              use, its post-hook marks them idle; a layered step hands over to the other
+              micro-batches at each layer boundary (``layered.py``);
+    backward  a module's output hook (``_pre_backward``) fetches its chunks again, with those of its
+              ancestors that own parameters, and pins them (a checkpointed block's are gathered by
+              its recomputation instead); an autograd callback (``_end_backward``) queued on the
+              first one reduces what is left (``engine_grads.py``) and unpins every chunk.
+A backward stopped by an exception never runs its callback: the next forward drops what it staged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from elixir_tune.engine.chunks.states import GRAD_STAGED, TensorState, transition
+from elixir_tune.engine.read_guard import ReadGuard
+
+if TYPE_CHECKING:
+    from elixir_tune.engine.chunks.cache import ChunkCache
+    from elixir_tune.engine.chunks.chunk import Chunk, ParamSlot
+    from elixir_tune.engine.layered import Baton
+
+
+class EnginePasses:
+    """Forward and backward hooks' work of an ``Engine`` (its attributes are declared here for them)."""
+
+    cache: ChunkCache
+    chunks: list[Chunk]
+    slots: list[ParamSlot]
+    module_names: dict[torch.nn.Module, str]
+    module_chunks: dict[torch.nn.Module, list[Chunk]]
+    module_slots: dict[torch.nn.Module, list[ParamSlot]]
+    module_ancestors: dict[torch.nn.Module, list[torch.nn.Module]]
+    _sharing_ancestors: dict[torch.nn.Module, list[torch.nn.Module]]
+    _checkpointed_block: dict[torch.nn.Module, torch.nn.Module]
+    _recomputed: set[torch.nn.Module]
+    _running: dict[torch.nn.Module, int]
+    _bwd_module: torch.nn.Module | None
+    _bwd_pins: list[torch.nn.Module]
+    _callback_queued: bool
+    _nan: torch.Tensor
+    baton: Baton | None
+    in_backward: bool
+    backward_passes: int
+    _chain_chunks: Callable[[torch.nn.Module], list[Chunk]]
+    _drop_staged: Callable[[], None]
+    _reduce_rest: Callable[[], None]
+
+    # --- forward -------------------------------------------------------------------------------
+
+    def begin_forward(self) -> None:
+        """Called by the model wrapper before each forward (one micro-batch)."""
+        if self.in_backward:
+            self._abandon_backward()
+        self._running.clear()  # a forward stopped by an exception never ran its post-hooks
+        self.cache.start_microbatch()
+
+    def _abandon_backward(self) -> None:
+        """A backward stopped by an exception never ran its end callback: drop what it staged."""
+        self._drop_staged()
+        for chunk in self.chunks:
+            chunk.received = 0
+            for slot in chunk.slots:
+                slot.awaiting_grad = False
+                slot.state = transition(slot.state, "reduced")
+        self.cache.wait_all()
+        self._bwd_module, self._bwd_pins = None, []
+        self._recomputed.clear()
+        self._callback_queued = self.in_backward = False
+
+    def read_check(self) -> contextlib.AbstractContextManager:
+        """The context of a forward: until the first backward has completed, a ``ReadGuard`` that
+        raises when an operation reads a chunked parameter the engine did not gather (read_guard.py);
+        afterwards nothing."""
+        if self.backward_passes:
+            return contextlib.nullcontext()
+        return ReadGuard(self.slots, self._nan, self._running_names)
+
+    def _running_names(self) -> list[str]:
+        """Names of the hooked modules running now, outermost first."""
+        running = [self.module_names[m] for m, count in self._running.items() if count > 0]
+        return sorted(running, key=lambda name: (name.count("."), name))
+
+    def _layer_boundary(self) -> None:
+        """Layered step: the other micro-batches run up to here first (engine/layered.py)."""
+        if self.baton is not None:
+            self.baton.boundary()
+
+    def _pre_forward(self, module: torch.nn.Module) -> None:
+        if module not in self._checkpointed_block:
+            # Not inside a checkpointed block: those yield once, before their checkpoint saves the
+            # RNG state (a pre-hook on the block), so that the recomputation, which runs alone,
+            # draws the same random numbers (dropout) as the forward did.
+            self._layer_boundary()
+        self._running[module] = self._running.get(module, 0) + 1
+        if self.in_backward and module in self._checkpointed_block:
+            self._recomputed.add(self._checkpointed_block[module])
+        if self.in_backward and self._bwd_module is not None:
+            # A recomputation: the module waiting for it need not hold its chunks meanwhile (its
+            # own recomputed forward, which comes last, gathers them again and pins them).
+            self._set_state(self._bwd_module, "done")
+        self.cache.fetch(self.module_chunks[module], self.module_names[module])
+        self._set_state(module, "use")
+
+    def _post_forward(self, module: torch.nn.Module) -> None:
+        self._running[module] -= 1
+        if self._running[module] > 0:
+            return  # layered: another micro-batch is still inside this module (an ancestor of the others)
+        self._set_state(module, "done")
+        for ancestor in self._sharing_ancestors.get(module, ()):
+            if self._running.get(ancestor):
+                self._set_state(ancestor, "use")
+        if self.in_backward and module is self._bwd_module:
+            self._set_state(module, "use")
+
+    def _set_state(self, module: torch.nn.Module, event: str) -> None:
+        for slot in self.module_slots[module]:
+            slot.state = transition(slot.state, event)
+
+    # --- backward ------------------------------------------------------------------------------
+
+    def _queue_end_of_backward(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            self.in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _pre_backward(self, module: torch.nn.Module) -> None:
+        # Pin the module and its ancestors that own parameters: the ancestors' own ops around
+        # this module may need their weights in backward too.
+        self._queue_end_of_backward()
+        if module in self._bwd_pins:
+            return  # an ancestor whose output hook fires after its child's: already pinned and gathered
+        pins = [module] + self.module_ancestors.get(module, [])
+        for old in self._bwd_pins:
+            self._set_state(old, "done")
+        self._bwd_pins = pins
+        self._bwd_module = module
+        block = self._checkpointed_block.get(module)
+        if (
+            block is not None
+            and block not in self._recomputed
+            and all(self._checkpointed_block.get(a) is not block for a in pins[1:])
+        ):
+            # The module's backward first recomputes its checkpointed block, whose forward hooks
+            # gather the module's chunks again (and pin them, it comes last): gathering them now
+            # would be a wasted fetch (the cost model's trace has none). Ancestors outside the
+            # block still get theirs.
+            pins = pins[1:]
+            chunks = list(dict.fromkeys(c for a in pins for c in self.module_chunks[a]))
+            if chunks:
+                self.cache.fetch(chunks, self.module_names[module])
+        else:
+            self.cache.fetch(self._chain_chunks(module), self.module_names[module])
+        for pinned in pins:
+            self._set_state(pinned, "use")
+        for slot in self.module_slots[module]:
+            if slot.state not in GRAD_STAGED and not slot.chunk.frozen:
+                slot.awaiting_grad = True
+
+    def _end_backward(self) -> None:
+        """The autograd callback after each backward: reduces what is left and unpins the chunks."""
+        self._reduce_rest()
+        for slot in self.slots:
+            slot.awaiting_grad = False
+            if slot.state is TensorState.COMPUTE:
+                slot.state = transition(slot.state, "done")
+        self.cache.wait_all()
+        self.cache.finish_recording()
+        self._bwd_module = None
+        self._bwd_pins = []
+        self._recomputed.clear()
+        self._callback_queued = False
+        self.in_backward = False
+        self.backward_passes += 1
