@@ -68,8 +68,20 @@ class HardwareSpec:
         pointwise_gbps: rate of memory-bound pointwise ops, in bytes they write per second
             (``elixir_tune.pointwise``), measured on an unfused tanh-GELU's forward+backward. When
             set, the block curve is net of the probe block's own pointwise time and a model's
-            pointwise bytes are priced at this rate; 0 (presets, older files): the block or model
-            rate stands for them.
+            pointwise bytes are priced at this rate; 0 (older files): the block or model rate
+            stands for them.
+        rate_pointwise_elems: pointwise output elements per layer, token and hidden unit (forward
+            + backward) that the block or model rate already includes: those of the model a
+            preset's rate was fitted to, whose pointwise ops ran inside the measured time (MPT as
+            llm-foundry runs it: 15, ``scripts/published_pointwise.py``). A model is priced at
+            ``pointwise_gbps`` only for its pointwise bytes beyond them. 0: the rate is net of all
+            pointwise ops (the probe's curve).
+        rate_has_scores: the block or model rate was taken from a model whose attention writes
+            its seq x seq scores (Megatron-LM's of 2020), so an eager attention's score traffic is
+            in it. False: the rate is a fused attention's (llm-foundry's FlashAttention runs, the
+            probe block's SDPA on a GPU) and an eager attention's scores are priced at
+            ``hbm_gbps`` (``costmodel.rates.attention_scores_bytes``); on a CPU device, whose SDPA
+            writes the scores inside the probe block's time, they are never priced.
         thread_handoff_s: one hand-over between two Python threads, as layered accumulation
             makes at every layer of every micro-batch; 0: not measured.
         shared_host_link: the GPUs have no NVLink, so collectives cross the same PCIe link as the
@@ -133,6 +145,8 @@ class HardwareSpec:
     shared_host_link: bool = False
     block_call_overhead_s: float = 0.0
     pointwise_gbps: float = 0.0
+    rate_pointwise_elems: float = 0.0
+    rate_has_scores: bool = False
     thread_handoff_s: float = 0.0
     attention_tflops: dict[str, float] = field(default_factory=dict)
     best_mfu: dict[str, float] = field(default_factory=dict)
