@@ -104,8 +104,9 @@ class CostModel:
         # pointwise rate (``pointwise_s``): the share of them that is beyond.
         self.pointwise_share = pointwise_beyond_rate(profile, hardware, self.dtype)
         # An eager attention's scores through HBM, per FLOP of the model (a stage or a tensor shard
-        # moves its FLOPs' share); not where the rate already holds them (``rate_has_scores``, a CPU).
-        priced = hardware.device != "cpu" and not hardware.rate_has_scores
+        # moves its FLOPs' share); beside a fused kernel's attention rate or a flat rate taken from
+        # fused-attention runs, which leave them out.
+        priced = self.attention_flops_per_s > 0 or hardware.rate_fused_attention
         scores = (
             attention_scores_bytes(profile, self.dtype, dropout_counted=self.pointwise_share > 0)
             if priced

@@ -147,7 +147,7 @@ def spec_problems(spec: HardwareSpec) -> list[str]:
     node_adam = spec.cpu_adam_node_elems_per_s
     if not _is_number(node_adam) or node_adam < 0:
         problems.append(f"cpu_adam_node_elems_per_s: expected a number >= 0 (0: derived), got {node_adam!r}")
-    for name in ("shared_host_link", "rate_has_scores"):
+    for name in ("shared_host_link", "rate_fused_attention"):
         if not isinstance(getattr(spec, name), bool):
             problems.append(f"{name}: expected true or false, got {getattr(spec, name)!r}")
     for name in ("pointwise_gbps", "rate_pointwise_elems"):

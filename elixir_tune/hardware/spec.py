@@ -76,12 +76,11 @@ class HardwareSpec:
             llm-foundry runs it: 15, ``scripts/published_pointwise.py``). A model is priced at
             ``pointwise_gbps`` only for its pointwise bytes beyond them. 0: the rate is net of all
             pointwise ops (the probe's curve).
-        rate_has_scores: the block or model rate was taken from a model whose attention writes
-            its seq x seq scores (Megatron-LM's of 2020), so an eager attention's score traffic is
-            in it. False: the rate is a fused attention's (llm-foundry's FlashAttention runs, the
-            probe block's SDPA on a GPU) and an eager attention's scores are priced at
-            ``hbm_gbps`` (``costmodel.rates.attention_scores_bytes``); on a CPU device, whose SDPA
-            writes the scores inside the probe block's time, they are never priced.
+        rate_fused_attention: the flat model rate was taken from runs of a fused attention
+            (llm-foundry's FlashAttention runs), so an eager attention's seq x seq score traffic is
+            not in it and is priced at ``hbm_gbps`` (``costmodel.rates.attention_scores_bytes``), as
+            it is beside an ``attention_tflops`` rate. False (a CPU, a probed file, a rate from an
+            eager attention such as Megatron-LM's of 2020): the rate stands for the scores.
         thread_handoff_s: one hand-over between two Python threads, as layered accumulation
             makes at every layer of every micro-batch; 0: not measured.
         shared_host_link: the GPUs have no NVLink, so collectives cross the same PCIe link as the
@@ -146,7 +145,7 @@ class HardwareSpec:
     block_call_overhead_s: float = 0.0
     pointwise_gbps: float = 0.0
     rate_pointwise_elems: float = 0.0
-    rate_has_scores: bool = False
+    rate_fused_attention: bool = False
     thread_handoff_s: float = 0.0
     attention_tflops: dict[str, float] = field(default_factory=dict)
     best_mfu: dict[str, float] = field(default_factory=dict)
