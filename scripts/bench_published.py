@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -54,7 +56,13 @@ TIME_PARTS = (
 
 
 def profile_of(setup: Setup) -> ModelProfile:
-    """The profile of a setup's model: analytic for GPT-shaped ones, traced on the meta device otherwise."""
+    """The profile of a setup's model: traced on the meta device when the peer ran a transformers model
+    (``transformers_gpt2_profile``) or a model YAML names it, analytic for other GPT-shaped ones."""
+    if setup.transformers and setup.gpt is not None:
+        hidden, layers, heads, vocab, _flash = setup.gpt
+        return transformers_gpt2_profile(
+            hidden, layers, heads, vocab, setup.seq_len, setup.dtype, setup.checkpointing != "none"
+        )
     if setup.gpt is not None:
         hidden, layers, heads, vocab, flash = setup.gpt
         return gpt2_profile(
@@ -73,6 +81,26 @@ def profile_of(setup: Setup) -> ModelProfile:
     return profile_model(
         str(paths.MODEL_CONFIGS_DIR / f"{setup.model}.yaml"), batch_size=1, seq_len=setup.seq_len, dtype=setup.dtype
     )
+
+
+@functools.cache
+def transformers_gpt2_profile(
+    hidden: int, layers: int, heads: int, vocab: int, seq_len: int, dtype: str, checkpointed: bool
+) -> ModelProfile:
+    """transformers' GPT-2 of one shape as the peer built it (``GPT2Config`` defaults otherwise, eager
+    attention as in 2022), profiled on the meta device like a user's model YAML: its pointwise ops
+    are counted (``elixir_tune.pointwise``), where ``gpt2_profile`` has none. Cached per shape."""
+    from elixir_tune.profiler import profile_model
+
+    text = (
+        f"name: transformers-gpt2-h{hidden}-l{layers}\narchitecture: gpt2\nattn_implementation: eager\n"
+        f"config: {{n_embd: {hidden}, n_layer: {layers}, n_head: {heads}, vocab_size: {vocab}, n_positions: {seq_len}}}\n"
+    )
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "model.yaml"
+        path.write_text(text)
+        checkpointing = "all" if checkpointed else "none"
+        return profile_model(str(path), batch_size=1, seq_len=seq_len, dtype=dtype, checkpointing=checkpointing)
 
 
 def _lifted(hardware: HardwareSpec) -> HardwareSpec:

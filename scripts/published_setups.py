@@ -140,6 +140,9 @@ class Setup:
         tokens_per_s_per_gpu: the published figure (tokens per second per GPU).
         gpt: (hidden, layers, heads, vocab, flash attention) of a GPT-2-shaped model, None when
             ``model`` names a YAML.
+        transformers: the peer ran transformers' ``GPT2LMHeadModel`` of the ``gpt`` shape (config
+            defaults otherwise: its GELU written op by op, dropout 0.1, eager attention): the model
+            is profiled from it as a user's would be, its pointwise ops counted, not analytically.
         dtype: compute dtype.
         tensor: tensor-parallel degree the peer ran.
         pipeline: pipeline stages the peer ran.
@@ -174,6 +177,7 @@ class Setup:
     mismatches: tuple[str, ...] = ()
     defines_bound: bool = False
     fitted_source: bool = False
+    transformers: bool = False
 
     @property
     def gpus(self) -> int:
@@ -280,6 +284,7 @@ def _colossal_pl(model: str, gpus: int, strategy: str, micro: int, tokens_per_s_
         row=row,
         model=f"colossalai-pl-{model.replace('_', '-').lower()}",
         gpt=(hidden, layers, heads, 50257, False),
+        transformers=True,
         hardware="a100-40gb-sxm",
         gpus_per_node=gpus,
         nodes=1,
@@ -305,6 +310,7 @@ def _colossal_gemini(model: str, gpus: int, policy: str, batch: int, tflops: str
         f"--placement {policy} --distplan colossalai",
         model=f"colossalai-gemini-{model.replace('_', '-')}",
         gpt=(hidden, layers, heads, 50257, False),
+        transformers=True,
         hardware="a100-80gb-pcie",
         gpus_per_node=gpus,
         nodes=1,

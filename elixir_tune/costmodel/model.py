@@ -17,7 +17,12 @@ from elixir_tune.costmodel.memory import MemoryEstimate, checkpointed_blocks, es
 from elixir_tune.costmodel.offload import offload_orders
 from elixir_tune.costmodel.parallel import DATA_ONLY, Layout
 from elixir_tune.costmodel.parallel_time import ParallelTimes
-from elixir_tune.costmodel.rates import attention_flops_share, attention_scores_bytes, plausibility_bound
+from elixir_tune.costmodel.rates import (
+    attention_flops_share,
+    attention_scores_bytes,
+    plausibility_bound,
+    pointwise_beyond_rate,
+)
 from elixir_tune.costmodel.shape import Shape, StepEstimate
 from elixir_tune.costmodel.stage_profile import critical_stage, rank_profile
 from elixir_tune.costmodel.timeline import (
@@ -97,9 +102,18 @@ class CostModel:
         # share of the FLOPs is the whole model's, which a stage or a tensor shard keeps.
         self.attention_flops_per_s = hardware.attention_tflops.get(self.dtype, 0.0) * 1e12
         self.attention_share = attention_flops_share(profile) if self.attention_flops_per_s else 0.0
+        # A traced model's pointwise bytes beyond those the rate already includes are priced at the
+        # pointwise rate (``pointwise_s``): the share of them that is beyond.
+        self.pointwise_share = pointwise_beyond_rate(profile, hardware, self.dtype)
         # An eager attention's scores through HBM, per FLOP of the model (a stage or a tensor shard
-        # moves its FLOPs' share); only beside a fused kernel's attention rate, which leaves them out.
-        scores = attention_scores_bytes(profile, self.dtype) if self.attention_flops_per_s else (0.0, 0.0)
+        # moves its FLOPs' share); beside a fused kernel's attention rate or a flat rate taken from
+        # fused-attention runs, which leave them out.
+        priced = self.attention_flops_per_s > 0 or hardware.rate_fused_attention
+        scores = (
+            attention_scores_bytes(profile, self.dtype, dropout_counted=self.pointwise_share > 0)
+            if priced
+            else (0.0, 0.0)
+        )
         hbm_bytes_per_s = hardware.hbm_gbps * 1e9
         self.scores_s_per_flop = (
             tuple(bytes_ / hbm_bytes_per_s / profile.flops_per_sample for bytes_ in scores)
@@ -254,16 +268,17 @@ class CostModel:
 
     def pointwise_s(self, micro_batch_size: int, every: int) -> tuple[float, float]:
         """Seconds of one micro-batch's memory-bound pointwise ops at the hardware's pointwise rate:
-        (forward+backward, recomputation); (0, 0) when the hardware has no such rate (then the
-        block rate stands for them)."""
+        (forward+backward, recomputation), for the share of them beyond those the rate includes
+        (``pointwise_beyond_rate``); (0, 0) when the hardware has no such rate (then the block rate
+        stands for them)."""
         rate_bps = self.hardware.pointwise_gbps * 1e9
-        if rate_bps <= 0:
+        if rate_bps <= 0 or self.pointwise_share <= 0:
             return 0.0, 0.0
         profile = self.profile
         recompute_bytes = profile.recompute_pointwise_bytes_per_sample * self.recompute_share(every)
         return (
-            micro_batch_size * profile.pointwise_bytes_per_sample / rate_bps,
-            micro_batch_size * recompute_bytes / rate_bps,
+            micro_batch_size * profile.pointwise_bytes_per_sample * self.pointwise_share / rate_bps,
+            micro_batch_size * recompute_bytes * self.pointwise_share / rate_bps,
         )
 
     def block_numel(self) -> float:

@@ -48,7 +48,7 @@ def attention_flops_share(profile: ModelProfile) -> float:
     return min(1.0, attention / profile.flops_per_sample)
 
 
-def attention_scores_bytes(profile: ModelProfile, dtype: str) -> tuple[float, float]:
+def attention_scores_bytes(profile: ModelProfile, dtype: str, dropout_counted: bool = False) -> tuple[float, float]:
     """HBM bytes one sample's attention scores move when the attention writes them to memory.
 
     The attention rate (``attention_tflops``) is a fused kernel's: FlashAttention keeps the
@@ -61,9 +61,14 @@ def attention_scores_bytes(profile: ModelProfile, dtype: str) -> tuple[float, fl
     dropout's backward (2b + 1), softmax's backward reading the gradient and the probabilities and
     writing the scores' gradient (3b), that read for dQ and for dK (2b): 9b + 1.
 
+    A traced profile's pointwise bytes (``elixir_tune.pointwise``) already hold the dropout's
+    multiplications (and the masking and scaling ops this count leaves out); when those bytes are
+    priced (``dropout_counted``), the dropout's 2b + 1 leaves each direction: 4b and 7b.
+
     Args:
         profile: the whole model's profile (heads, layers and sequence from its architecture).
         dtype: compute dtype.
+        dropout_counted: the profile's priced pointwise bytes include the dropout on the scores.
 
     Returns:
         (forward, backward) bytes of one sample over all layers; (0, 0) when the profile's attention
@@ -74,6 +79,8 @@ def attention_scores_bytes(profile: ModelProfile, dtype: str) -> tuple[float, fl
         return 0.0, 0.0
     elements = arch.num_layers * arch.num_heads * profile.seq_len**2
     width = DTYPE_BYTES.get(dtype, 4)
+    if dropout_counted:
+        return float(elements * 4 * width), float(elements * 7 * width)
     return float(elements * (6 * width + 1)), float(elements * (9 * width + 1))
 
 
@@ -135,3 +142,35 @@ def binding_bound(breakdown: dict[str, float]) -> tuple[str, float] | None:
     """The largest bound of a step's breakdown and its seconds (None when it records none)."""
     present = [(key, breakdown[key]) for key in BOUND_KEYS if breakdown.get(key, 0.0) > 0]
     return max(present, key=lambda item: item[1]) if present else None
+
+
+def pointwise_beyond_rate(profile: ModelProfile, hardware: HardwareSpec, dtype: str) -> float:
+    """The share of a model's pointwise bytes that its compute rate does not already pay for.
+
+    A preset's rate was fitted to whole-model runs (llm-foundry's MPT), whose own pointwise ops
+    (``hardware.rate_pointwise_elems`` elements per layer, token and hidden unit) ran inside the
+    measured time; a model written with more of them (transformers' GPT-2: its GELU as eight ops,
+    dropout, bias adds, the masking and scaling of its scores) pays for the rest at
+    ``pointwise_gbps``. A probed rate is net of the probe block's pointwise ops (the field is 0):
+    every byte is priced.
+
+    Args:
+        profile: the whole model's profile (its pointwise bytes and architecture).
+        hardware: the node spec.
+        dtype: compute dtype (the bytes of an element).
+
+    Returns:
+        A share in [0, 1]; 0 without a pointwise rate or without counted pointwise bytes.
+    """
+    total = profile.pointwise_bytes_per_sample
+    if hardware.pointwise_gbps <= 0 or total <= 0:
+        return 0.0
+    arch = profile.arch
+    included = (
+        hardware.rate_pointwise_elems
+        * DTYPE_BYTES.get(dtype, 4)
+        * profile.seq_len
+        * max(arch.num_layers, 0)
+        * max(arch.hidden_size, 0)
+    )
+    return max(0.0, 1.0 - included / total)

@@ -147,8 +147,13 @@ def spec_problems(spec: HardwareSpec) -> list[str]:
     node_adam = spec.cpu_adam_node_elems_per_s
     if not _is_number(node_adam) or node_adam < 0:
         problems.append(f"cpu_adam_node_elems_per_s: expected a number >= 0 (0: derived), got {node_adam!r}")
-    if not isinstance(spec.shared_host_link, bool):
-        problems.append(f"shared_host_link: expected true or false, got {spec.shared_host_link!r}")
+    for name in ("shared_host_link", "rate_fused_attention"):
+        if not isinstance(getattr(spec, name), bool):
+            problems.append(f"{name}: expected true or false, got {getattr(spec, name)!r}")
+    for name in ("pointwise_gbps", "rate_pointwise_elems"):
+        value = getattr(spec, name)
+        if not _is_number(value) or value < 0:
+            problems.append(f"{name}: expected a number >= 0 (0: not known), got {value!r}")
     for dtype, value in (spec.model_tflops or {}).items():
         if not _is_number(value) or value <= 0:
             problems.append(f"model_tflops.{dtype}: expected a positive number, got {value!r}")

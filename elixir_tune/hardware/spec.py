@@ -68,8 +68,19 @@ class HardwareSpec:
         pointwise_gbps: rate of memory-bound pointwise ops, in bytes they write per second
             (``elixir_tune.pointwise``), measured on an unfused tanh-GELU's forward+backward. When
             set, the block curve is net of the probe block's own pointwise time and a model's
-            pointwise bytes are priced at this rate; 0 (presets, older files): the block or model
-            rate stands for them.
+            pointwise bytes are priced at this rate; 0 (older files): the block or model rate
+            stands for them.
+        rate_pointwise_elems: pointwise output elements per layer, token and hidden unit (forward
+            + backward) that the block or model rate already includes: those of the model a
+            preset's rate was fitted to, whose pointwise ops ran inside the measured time (MPT as
+            llm-foundry runs it: 15, ``scripts/published_pointwise.py``). A model is priced at
+            ``pointwise_gbps`` only for its pointwise bytes beyond them. 0: the rate is net of all
+            pointwise ops (the probe's curve).
+        rate_fused_attention: the flat model rate was taken from runs of a fused attention
+            (llm-foundry's FlashAttention runs), so an eager attention's seq x seq score traffic is
+            not in it and is priced at ``hbm_gbps`` (``costmodel.rates.attention_scores_bytes``), as
+            it is beside an ``attention_tflops`` rate. False (a CPU, a probed file, a rate from an
+            eager attention such as Megatron-LM's of 2020): the rate stands for the scores.
         thread_handoff_s: one hand-over between two Python threads, as layered accumulation
             makes at every layer of every micro-batch; 0: not measured.
         shared_host_link: the GPUs have no NVLink, so collectives cross the same PCIe link as the
@@ -133,6 +144,8 @@ class HardwareSpec:
     shared_host_link: bool = False
     block_call_overhead_s: float = 0.0
     pointwise_gbps: float = 0.0
+    rate_pointwise_elems: float = 0.0
+    rate_fused_attention: bool = False
     thread_handoff_s: float = 0.0
     attention_tflops: dict[str, float] = field(default_factory=dict)
     best_mfu: dict[str, float] = field(default_factory=dict)
