@@ -212,6 +212,65 @@ def fixed_cost_s(measured_s: float, predicted_s: float, predicted_with_step_s: f
     return max(0.0, (measured_s - predicted_s) / slope)
 
 
+def tiny_profile(work: Path):
+    """The profile of ``ENGINE_MODEL_YAML`` (written to ``work/model.yaml``) and the model's path."""
+    from elixir_tune.profiler import load_model_source, profile_model
+
+    model_path = work / "model.yaml"
+    model_path.write_text(ENGINE_MODEL_YAML)
+    profile = profile_model(load_model_source(str(model_path)), batch_size=GLOBAL_BATCH // WORLD, seq_len=SEQ_LEN)
+    return profile, model_path
+
+
+def layout_plans(profile, spec: HardwareSpec) -> dict:
+    """The plans the engine is timed under (``LAYOUT_PINS``), searched on ``spec`` with the fixed costs
+    next to 0: each plan's prediction is its step without them."""
+    bare = _with_fixed(spec, dict.fromkeys(FIXED_FIELDS.values(), BASE_FIXED_S))
+    return {name: _plan(profile, bare, {**COMMON_PINS, **pins}) for name, pins in LAYOUT_PINS.items()}
+
+
+def fit_fixed_costs(profile, spec: HardwareSpec, plans: dict, measured_s: dict[str, float], steps: int) -> HardwareSpec:
+    """``spec`` with each layout's fixed cost set so that its plan's prediction is the measured step.
+
+    Args:
+        profile: the tiny model's profile.
+        spec: the probed spec.
+        plans: ``layout_plans(profile, spec)``.
+        measured_s: plan name -> the engine's median step.
+        steps: timed steps behind each median (for the sources).
+
+    Returns:
+        A copy of ``spec`` with ``pipeline_stage_microbatch_s``, ``tensor2_block_fixed_s`` and their sources.
+    """
+    bare = _with_fixed(spec, dict.fromkeys(FIXED_FIELDS.values(), BASE_FIXED_S))
+    predicted = {name: plan.prediction.step_time_s for name, plan in plans.items()}
+    data_note = (
+        f"data parallelism alone at the same shape measured {measured_s['data'] * 1e3:.1f} ms against "
+        f"{predicted['data'] * 1e3:.1f} ms predicted"
+    )
+    fields: dict[str, float] = {}
+    sources = dict(spec.sources)
+    for name, field in FIXED_FIELDS.items():
+        plan = plans[name]
+        pins = {
+            **COMMON_PINS,
+            **LAYOUT_PINS[name],
+            "chunk_size": plan.memory.chunk_size,
+            "accumulation": plan.training.accumulation,
+        }
+        stepped = _plan(profile, _with_fixed(bare, {field: BASE_FIXED_S + SLOPE_STEP_S}), pins)
+        fields[field] = fixed_cost_s(measured_s[name], predicted[name], stepped.prediction.step_time_s)
+        per = "virtual stage" if name == "pipeline2" else "tensor-split block"
+        sources[field] = (
+            f"measured with the engine: elixir-tune probe trained a GPT-2 of hidden 32, 4 blocks, seq {SEQ_LEN} "
+            f"at world {WORLD} under the search's {name} plan ({plan.training.grad_accum_steps} micro-batch(es) of "
+            f"{plan.training.micro_batch_size}), median of {steps} steps {measured_s[name] * 1e3:.1f} ms against "
+            f"{predicted[name] * 1e3:.1f} ms predicted without this cost: the difference per {per} and micro-batch "
+            f"(cli/probe_engine.py); {data_note}"
+        )
+    return _with_fixed(spec, fields, sources)
+
+
 def engine_layout_costs(spec: HardwareSpec, quick: bool = True, progress: Progress = None) -> HardwareSpec:
     """``spec`` with ``pipeline_stage_microbatch_s`` and ``tensor2_block_fixed_s`` measured with the engine.
 
@@ -228,50 +287,21 @@ def engine_layout_costs(spec: HardwareSpec, quick: bool = True, progress: Progre
         RuntimeError: an engine worker failed or timed out.
     """
     from elixir_tune.plan import save_plan
-    from elixir_tune.profiler import load_model_source, profile_model
 
     if spec.device != "cpu" or spec.gpus_per_node != WORLD:
         raise ValueError(f"the engine's layout costs are measured on a CPU device of {WORLD} processes")
     if progress is not None:
         progress("the engine's pipeline 2 and tensor 2 steps (a tiny GPT-2, 2 processes)")
-    bare = _with_fixed(spec, dict.fromkeys(FIXED_FIELDS.values(), BASE_FIXED_S))
     warmup, steps = 2, 5 if quick else 15
     with tempfile.TemporaryDirectory(prefix="elixir-engine-probe-") as tmp:
         work = Path(tmp)
-        model_path = work / "model.yaml"
-        model_path.write_text(ENGINE_MODEL_YAML)
-        profile = profile_model(load_model_source(str(model_path)), batch_size=GLOBAL_BATCH // WORLD, seq_len=SEQ_LEN)
-        plans = {name: _plan(profile, bare, {**COMMON_PINS, **pins}) for name, pins in LAYOUT_PINS.items()}
+        profile, model_path = tiny_profile(work)
+        plans = layout_plans(profile, spec)
         paths = {}
         for name, plan in plans.items():
             paths[name] = work / f"{name}.yaml"
             save_plan(plan, paths[name])
         threads = max(1, spec.host_cores // WORLD)
         times = run_engine_workers(model_path, paths, threads, warmup, steps)
-    measured = {name: statistics.median(times[name]) for name in plans}
-    predicted = {name: plan.prediction.step_time_s for name, plan in plans.items()}
-    data_note = (
-        f"data parallelism alone at the same shape measured {measured['data'] * 1e3:.1f} ms against "
-        f"{predicted['data'] * 1e3:.1f} ms predicted"
-    )
-    fields: dict[str, float] = {}
-    sources = dict(spec.sources)
-    for name, field in FIXED_FIELDS.items():
-        plan = plans[name]
-        pins = {
-            **COMMON_PINS,
-            **LAYOUT_PINS[name],
-            "chunk_size": plan.memory.chunk_size,
-            "accumulation": plan.training.accumulation,
-        }
-        stepped = _plan(profile, _with_fixed(bare, {field: BASE_FIXED_S + SLOPE_STEP_S}), pins)
-        fields[field] = fixed_cost_s(measured[name], predicted[name], stepped.prediction.step_time_s)
-        per = "virtual stage" if name == "pipeline2" else "tensor-split block"
-        sources[field] = (
-            f"measured with the engine: elixir-tune probe trained a GPT-2 of hidden 32, 4 blocks, seq {SEQ_LEN} "
-            f"at world {WORLD} under the search's {name} plan ({plan.training.grad_accum_steps} micro-batches of "
-            f"{plan.training.micro_batch_size}), median step of {steps} {measured[name] * 1e3:.1f} ms against "
-            f"{predicted[name] * 1e3:.1f} ms predicted without this cost; the difference per {per} and micro-batch "
-            f"(cli/probe_engine.py); {data_note}"
-        )
-    return _with_fixed(spec, fields, sources)
+    measured_s = {name: statistics.median(times[name]) for name in plans}
+    return fit_fixed_costs(profile, spec, plans, measured_s, steps)
