@@ -3,8 +3,8 @@
 
     .venv/bin/python scripts/bench_prediction.py                       # ~4-5 min on 2 cores
     .venv/bin/python scripts/bench_prediction.py --steps 15 --warmup 3 --preset    # cpu preset, no probe
-    .venv/bin/python scripts/bench_prediction.py --layouts --out benchmarks/results/prediction-cpu-layouts.json \
-        --md benchmarks/results/prediction-cpu-layouts.md     # data only vs pipeline 2 vs tensor 2
+    .venv/bin/python scripts/bench_prediction.py --layouts     # data only vs pipeline 2 vs tensor 2
+                                                               # (benchmarks/results/prediction-cpu-layouts.*)
 
 What it does:
   1. measures this machine as ``elixir-tune probe --quick`` does (``cli/probe_engine.probe_with_engine``:
@@ -24,7 +24,8 @@ What it does:
   6. times plain PyTorch forward+backward and AdamW in this process (1 thread, as one worker gets)
      as a reference for the compute part of the prediction.
 
-Prints a table and saves JSON and a markdown table (default benchmarks/results/prediction-cpu.*).
+Prints a table and saves JSON and a markdown table (default benchmarks/results/prediction-cpu.*, with
+--layouts prediction-cpu-layouts.*).
 Measures only; it does not change the cost model.
 """
 
@@ -129,9 +130,17 @@ def parse_args() -> argparse.Namespace:
         help="instead of the chunk-engine shapes: the best plan of data parallelism only, pipeline 2 and tensor 2",
     )
     parser.add_argument("--run-timeout", type=float, default=180.0, help="seconds per elixir-run")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "prediction-cpu.json"))
-    parser.add_argument("--md", default=str(REPO / "benchmarks" / "results" / "prediction-cpu.md"))
-    return parser.parse_args()
+    parser.add_argument(
+        "--out", default=None, help="JSON results (default benchmarks/results/prediction-cpu[-layouts].json)"
+    )
+    parser.add_argument("--md", default=None, help="markdown table (default the JSON's path with .md)")
+    args = parser.parse_args()
+    results = REPO / "benchmarks" / "results"
+    if args.out is None:
+        args.out = str(results / ("prediction-cpu-layouts.json" if args.layouts else "prediction-cpu.json"))
+    if args.md is None:
+        args.md = str(Path(args.out).with_suffix(".md"))
+    return args
 
 
 def say(message: str) -> None:
