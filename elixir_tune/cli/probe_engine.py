@@ -8,7 +8,7 @@ hooks, token weighting and the loss. This module measures it where the layering 
 import the profiler, the search and the engine): it trains a tiny GPT-2 (``ENGINE_MODEL_YAML``, whose
 compute is next to nothing, so its step is mostly these fixed costs) with the engine in 2 worker
 processes (``probe_engine_worker.py``) under the search's plans for pipeline 2 and tensor 2 (and data
-parallelism alone, as a check of the rest of the spec at this size); then asks the cost model
+parallelism alone without ``quick``, as a check of the rest of the spec at this size); then asks the cost model
 what each plan takes without the layout's fixed cost (``pipeline_stage_microbatch_s``,
 ``tensor2_block_fixed_s`` next to 0) and with a small one, and sets each fixed cost to what makes the
 prediction the measured step:
@@ -222,11 +222,13 @@ def tiny_profile(work: Path):
     return profile, model_path
 
 
-def layout_plans(profile, spec: HardwareSpec) -> dict:
+def layout_plans(profile, spec: HardwareSpec, check: bool = True) -> dict:
     """The plans the engine is timed under (``LAYOUT_PINS``), searched on ``spec`` with the fixed costs
-    next to 0: each plan's prediction is its step without them."""
+    next to 0: each plan's prediction is its step without them. ``check`` False: without the
+    data-parallel one (the quick probe's)."""
     bare = _with_fixed(spec, dict.fromkeys(FIXED_FIELDS.values(), BASE_FIXED_S))
-    return {name: _plan(profile, bare, {**COMMON_PINS, **pins}) for name, pins in LAYOUT_PINS.items()}
+    names = list(LAYOUT_PINS) if check else list(FIXED_FIELDS)
+    return {name: _plan(profile, bare, {**COMMON_PINS, **LAYOUT_PINS[name]}) for name in names}
 
 
 def fit_fixed_costs(profile, spec: HardwareSpec, plans: dict, measured_s: dict[str, float], steps: int) -> HardwareSpec:
@@ -245,8 +247,10 @@ def fit_fixed_costs(profile, spec: HardwareSpec, plans: dict, measured_s: dict[s
     bare = _with_fixed(spec, dict.fromkeys(FIXED_FIELDS.values(), BASE_FIXED_S))
     predicted = {name: plan.prediction.step_time_s for name, plan in plans.items()}
     data_note = (
-        f"data parallelism alone at the same shape measured {measured_s['data'] * 1e3:.1f} ms against "
+        f"; data parallelism alone at the same shape measured {measured_s['data'] * 1e3:.1f} ms against "
         f"{predicted['data'] * 1e3:.1f} ms predicted"
+        if "data" in plans
+        else ""
     )
     fields: dict[str, float] = {}
     sources = dict(spec.sources)
@@ -266,7 +270,7 @@ def fit_fixed_costs(profile, spec: HardwareSpec, plans: dict, measured_s: dict[s
             f"at world {WORLD} under the search's {name} plan ({plan.training.grad_accum_steps} micro-batch(es) of "
             f"{plan.training.micro_batch_size}), median of {steps} steps {measured_s[name] * 1e3:.1f} ms against "
             f"{predicted[name] * 1e3:.1f} ms predicted without this cost: the difference per {per} and micro-batch "
-            f"(cli/probe_engine.py); {data_note}"
+            f"(cli/probe_engine.py){data_note}"
         )
     return _with_fixed(spec, fields, sources)
 
@@ -276,7 +280,7 @@ def engine_layout_costs(spec: HardwareSpec, quick: bool = True, progress: Progre
 
     Args:
         spec: a probed CPU spec of 2 processes (its rates predict the tiny model's steps).
-        quick: 5 timed steps per plan instead of 15.
+        quick: 5 timed steps per plan instead of 15, and no data-parallel plan (a check, not needed for the fit).
         progress: called with a short description as the measurement starts.
 
     Returns:
@@ -292,11 +296,12 @@ def engine_layout_costs(spec: HardwareSpec, quick: bool = True, progress: Progre
         raise ValueError(f"the engine's layout costs are measured on a CPU device of {WORLD} processes")
     if progress is not None:
         progress("the engine's pipeline 2 and tensor 2 steps (a tiny GPT-2, 2 processes)")
-    warmup, steps = 2, 5 if quick else 15
+    # The first step records the chunk trace and checks the model: untimed.
+    warmup, steps = (1, 5) if quick else (2, 15)
     with tempfile.TemporaryDirectory(prefix="elixir-engine-probe-") as tmp:
         work = Path(tmp)
         profile, model_path = tiny_profile(work)
-        plans = layout_plans(profile, spec)
+        plans = layout_plans(profile, spec, check=not quick)
         paths = {}
         for name, plan in plans.items():
             paths[name] = work / f"{name}.yaml"

@@ -41,6 +41,14 @@ def test_the_fit_recovers_the_fixed_costs_that_produced_the_steps():
         measured[name] = _plan(profile, _with_fixed(spec, {field: truth[field]}), pins).prediction.step_time_s
         assert measured[name] > plans[name].prediction.step_time_s
     fitted = fit_fixed_costs(profile, spec, plans, measured, steps=5)
+    assert "data parallelism alone" in fitted.sources["pipeline_stage_microbatch_s"]
+    # The quick probe's: the two layouts alone, the same fit, no check in the sources.
+    quick = {name: plans[name] for name in FIXED_FIELDS}
+    assert set(layout_plans(profile, spec, check=False)) == set(quick)
+    quick_fit = fit_fixed_costs(profile, spec, quick, measured, steps=5)
+    assert quick_fit.pipeline_stage_microbatch_s == fitted.pipeline_stage_microbatch_s
+    assert quick_fit.tensor2_block_fixed_s == fitted.tensor2_block_fixed_s
+    assert "data parallelism alone" not in quick_fit.sources["pipeline_stage_microbatch_s"]
     assert fitted.pipeline_stage_microbatch_s == pytest.approx(truth["pipeline_stage_microbatch_s"], rel=1e-6)
     assert fitted.tensor2_block_fixed_s == pytest.approx(truth["tensor2_block_fixed_s"], rel=1e-6)
     for field in FIXED_FIELDS.values():
