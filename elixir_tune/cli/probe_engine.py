@@ -34,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from elixir_tune.hardware import HardwareSpec, probe
-from elixir_tune.hardware.workers import _wait_all, free_port
+from elixir_tune.hardware.workers import free_port, wait_all
 
 # A GPT-2 (configs/models/ format) so small that its step is mostly fixed costs; 4 blocks as the
 # layout benchmark's pipeline (2 virtual stages per rank under pipeline 2).
@@ -176,7 +176,7 @@ def run_engine_workers(model_path: Path, plans: dict[str, Path], threads: int, w
             )
     killed = set()
     try:
-        _wait_all(procs, timeout_s)
+        wait_all(procs, timeout_s)
     finally:
         for rank, proc in enumerate(procs):
             if proc.poll() is None:
