@@ -51,7 +51,7 @@ def test_table_puts_measured_next_to_preset():
 def test_quick_probe_subprocess_writes_a_loadable_spec(tmp_path):
     out = tmp_path / "sub" / "hardware.yaml"
     proc = subprocess.run(
-        _elixir_tune() + ["probe", "--quick", "--out", str(out), "--json"], capture_output=True, text=True, timeout=120
+        _elixir_tune() + ["probe", "--quick", "--out", str(out), "--json"], capture_output=True, text=True, timeout=240
     )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
