@@ -3,11 +3,13 @@
 
     .venv/bin/python scripts/bench_prediction.py                       # ~4-5 min on 2 cores
     .venv/bin/python scripts/bench_prediction.py --steps 15 --warmup 3 --preset    # cpu preset, no probe
-    .venv/bin/python scripts/bench_prediction.py --layouts --out benchmarks/results/prediction-cpu-layouts.json \
-        --md benchmarks/results/prediction-cpu-layouts.md     # data only vs pipeline 2 vs tensor 2
+    .venv/bin/python scripts/bench_prediction.py --layouts     # data only vs pipeline 2 vs tensor 2
+                                                               # (benchmarks/results/prediction-cpu-layouts.*)
 
 What it does:
-  1. measures this machine with ``probe(quick=True)`` (or takes the ``cpu`` preset with --preset);
+  1. measures this machine as ``elixir-tune probe --quick`` does (``cli/probe_engine.probe_with_engine``:
+     the probe, then the layout fixed costs measured with the engine), or takes the ``cpu`` preset
+     with --preset;
   2. profiles a small GPT-2 (transformers, n_embd 256, 4 layers, 4 heads, vocab 256, seq 64 by
      default; a model YAML written under a temporary directory);
   3. searches plans for 2 CPU workers at global batch 16: the search's own best, then shapes that
@@ -22,7 +24,8 @@ What it does:
   6. times plain PyTorch forward+backward and AdamW in this process (1 thread, as one worker gets)
      as a reference for the compute part of the prediction.
 
-Prints a table and saves JSON and a markdown table (default benchmarks/results/prediction-cpu.*).
+Prints a table and saves JSON and a markdown table (default benchmarks/results/prediction-cpu.*, with
+--layouts prediction-cpu-layouts.*).
 Measures only; it does not change the cost model.
 """
 
@@ -120,16 +123,24 @@ def parse_args() -> argparse.Namespace:
         default=2,
         help="runs per shape, in alternating order (the machine is shared; this spreads drift)",
     )
-    parser.add_argument("--preset", action="store_true", help="use the cpu preset instead of probe(quick=True)")
+    parser.add_argument("--preset", action="store_true", help="use the cpu preset instead of a quick probe")
     parser.add_argument(
         "--layouts",
         action="store_true",
         help="instead of the chunk-engine shapes: the best plan of data parallelism only, pipeline 2 and tensor 2",
     )
     parser.add_argument("--run-timeout", type=float, default=180.0, help="seconds per elixir-run")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "prediction-cpu.json"))
-    parser.add_argument("--md", default=str(REPO / "benchmarks" / "results" / "prediction-cpu.md"))
-    return parser.parse_args()
+    parser.add_argument(
+        "--out", default=None, help="JSON results (default benchmarks/results/prediction-cpu[-layouts].json)"
+    )
+    parser.add_argument("--md", default=None, help="markdown table (default the JSON's path with .md)")
+    args = parser.parse_args()
+    results = REPO / "benchmarks" / "results"
+    if args.out is None:
+        args.out = str(results / ("prediction-cpu-layouts.json" if args.layouts else "prediction-cpu.json"))
+    if args.md is None:
+        args.md = str(Path(args.out).with_suffix(".md"))
+    return args
 
 
 def say(message: str) -> None:
@@ -287,7 +298,8 @@ def main() -> int:
     started = time.perf_counter()
     import torch
 
-    from elixir_tune.hardware import load_hardware, probe
+    from elixir_tune.cli.probe_engine import probe_with_engine
+    from elixir_tune.hardware import load_hardware
     from elixir_tune.profiler import load_model_source, profile_model
 
     command = "scripts/bench_prediction.py " + " ".join(sys.argv[1:])
@@ -295,7 +307,8 @@ def main() -> int:
         hardware, hw_how = load_hardware("cpu"), "preset cpu"
     else:
         say("probing this machine (quick)")
-        hardware, hw_how = probe(quick=True, procs=WORLD, device="cpu"), "probe(quick=True, procs=2)"
+        hardware = probe_with_engine(quick=True, procs=WORLD, device="cpu")
+        hw_how = "probe_with_engine(quick=True, procs=2): elixir-tune probe --quick"
     hw_fields = {
         k: getattr(hardware, k)
         for k in (
@@ -460,6 +473,11 @@ def main() -> int:
         "warmup": args.warmup,
         "hardware_source": hw_how,
         "hardware": hw_fields,
+        "layout_cost_sources": {
+            key: hardware.sources.get(key, "")
+            for key in ("tensor2_block_fixed_s", "pipeline_stage_microbatch_s")
+            if hardware.sources.get(key)
+        },
         "plain_pytorch_1thread": plain,
         "plain_pytorch_1thread_after": plain_after,
         "load_avg_1min_at_start": round(load_start, 2),

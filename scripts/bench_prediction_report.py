@@ -64,6 +64,7 @@ def markdown(record: dict) -> str:
         f"{hw.get('tensor2_block_extra_ratio', 0):.3g} x the whole block's time per micro-batch; a pipeline "
         f"{hw.get('pipeline_stage_microbatch_s', 0) * 1e3:.2f} ms per virtual stage and micro-batch + "
         f"{hw.get('pipeline_microbatch_extra_ratio', 0):.3g} x the stage's compute",
+        *(f"- {key}: {how}" for key, how in record.get("layout_cost_sources", {}).items()),
         f"- load: 1-minute load average {record['load_avg_1min_at_start']} at the start, "
         f"{record['load_avg_1min_at_end']} at the end (2 cores, shared with other jobs)",
         f"- measured: `elixir-run plan.yaml train_gpt2.py --synthetic --steps {record['steps']}` (rank 0 "

@@ -19,7 +19,8 @@ from elixir_tune.cli.console import (
     fail,
     print_json,
 )
-from elixir_tune.hardware import HardwareSpec, closest_preset, load_hardware, probe, save_hardware
+from elixir_tune.cli.probe_engine import probe_with_engine
+from elixir_tune.hardware import HardwareSpec, closest_preset, load_hardware, save_hardware
 from elixir_tune.units import gib
 
 
@@ -132,7 +133,7 @@ def probe_command(quick: bool, out_path: str, procs: int | None, as_json: bool) 
             progress.update(task, description=message)
 
         try:
-            spec = probe(quick=quick, progress=report, procs=procs)
+            spec = probe_with_engine(quick=quick, progress=report, procs=procs)
         except (RuntimeError, OSError, ValueError) as error:
             fail(
                 f"the probe failed: {error}",

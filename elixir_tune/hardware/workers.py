@@ -209,7 +209,7 @@ def worker_main(config: dict) -> None:
     Path(config["out_dir"], f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> None:
+def wait_all(procs: list[subprocess.Popen], timeout_s: float) -> None:
     """Waits until every worker exited, one failed (the others would wait for it), or time is up."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -291,7 +291,7 @@ def run_workers(
                 )
         killed = set()
         try:
-            _wait_all(procs, timeout_s)
+            wait_all(procs, timeout_s)
         finally:
             for rank, proc in enumerate(procs):
                 if proc.poll() is None:
