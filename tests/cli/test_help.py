@@ -1,4 +1,4 @@
-"""Every command answers --help with an example, through click and through the console scripts."""
+"""Every command answers --help with an example through click; both console scripts answer --help."""
 
 from __future__ import annotations
 
@@ -39,16 +39,16 @@ def _script(name: str) -> str:
     return str(found) if found.exists() else (shutil.which(name) or pytest.fail(f"{name} is not installed"))
 
 
-@pytest.mark.parametrize(
-    "argv", [["elixir-tune", "--help"], ["elixir-run", "--help"]] + [["elixir-tune", c, "--help"] for c in COMMANDS]
-)
-def test_help_through_console_scripts(argv: list[str]):
-    out = subprocess.run([_script(argv[0]), *argv[1:]], capture_output=True, text=True, timeout=120)
+@pytest.mark.parametrize("script", ["elixir-tune", "elixir-run"])
+def test_help_through_console_scripts(script: str):
+    # One fresh interpreter per script: `elixir-tune --help` loads every subcommand (main.py imports
+    # them all), whose own help test_help_through_click checks in-process.
+    out = subprocess.run([_script(script), "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "Usage:" in out.stdout
+    assert f"Usage: {script} " in out.stdout  # the program name the user typed
 
 
 def test_unknown_command_is_usage_error():
-    out = subprocess.run([_script("elixir-tune"), "frobnicate"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2
-    assert "No such command" in out.stderr
+    result = CliRunner().invoke(cli, ["frobnicate"])
+    assert result.exit_code == 2
+    assert "No such command" in result.stderr

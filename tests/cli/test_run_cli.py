@@ -66,11 +66,6 @@ def test_help_lists_options_and_example():
     assert "elixir-run --rdzv-timeout 120 --collective-timeout 600 plan.yaml train.py" in output
 
 
-def test_help_through_the_console_script():
-    out = subprocess.run([_script("elixir-run"), "--help"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and "Usage: elixir-run" in out.stdout
-
-
 def test_dry_run_prints_checks_and_the_exact_command(out_dir):
     code, output = _invoke(
         ["--max-restarts", "1", "--dry-run", "--monitor-interval=0.5", EXAMPLE_PLAN, WORKER, "--out", out_dir]

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import click.testing
 import pytest
 import yaml
 
@@ -38,6 +39,20 @@ def write_plan(path: Path, changes: dict | None = None) -> Path:
         node[leaf] = value
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
+
+
+def runnable_example_plan(path: Path) -> Path:
+    """The example plan (tiny GPT-2, an offloaded chunk, 2 micro-batches, recomputation) with the real
+    fingerprint of the model the pretrain recipe builds from it, so that elixir-run can train it."""
+    import torch
+
+    from elixir_tune.engine import model_fingerprint
+    from elixir_tune.profiler import load_model_source
+
+    model_yaml = REPO_DIR / "configs" / "models" / "gpt2-tiny.yaml"
+    torch.manual_seed(0)
+    model = load_model_source(str(model_yaml)).build_model()
+    return write_plan(path, {"model.fingerprint": model_fingerprint(model), "model.source": str(model_yaml)})
 
 
 def free_port() -> int:
@@ -100,17 +115,21 @@ def run_elixir(args: list[str], timeout_s: float = 120, cwd: Path = REPO_DIR) ->
     )
 
 
-def tune(args: list, cwd: Path = REPO_DIR, timeout_s: float = 180) -> subprocess.CompletedProcess:
-    """Runs ``elixir-tune ARGS`` and asserts it succeeded (its output in the message when not)."""
-    result = subprocess.run(
-        [console_script("elixir-tune"), *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        env=job_env(),
-        cwd=cwd,
-    )
-    assert result.returncode == 0, f"elixir-tune {args[0]} failed:\n{result.stdout}\n{result.stderr}"
+def tune(args: list, cwd: Path = REPO_DIR) -> click.testing.Result:
+    """Runs ``elixir-tune ARGS`` in this process from ``cwd`` and asserts it succeeded (its output in the
+    message when not). In-process: a fresh interpreter would spend seconds importing torch for each call, and
+    the console script itself is tested by tests/cli/test_help.py and test_profile_cli.py."""
+    from click.testing import CliRunner
+
+    from elixir_tune.cli.main import cli
+
+    previous = Path.cwd()
+    os.chdir(cwd)
+    try:
+        result = CliRunner().invoke(cli, [str(arg) for arg in args])
+    finally:
+        os.chdir(previous)
+    assert result.exit_code == 0, f"elixir-tune {args[0]} failed:\n{result.output}\n{result.exception!r}"
     return result
 
 

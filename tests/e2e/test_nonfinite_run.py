@@ -9,16 +9,15 @@ import json
 import pytest
 
 from elixir_tune.engine.io.checkpoint import read_meta  # the latest step directory
-from tests.e2e.launch_helpers import run_elixir
-from tests.e2e.test_resume import TRAIN, _runnable_plan
+from tests.e2e.launch_helpers import run_elixir, runnable_example_plan
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]  # torchrun with several worker processes
 
 
 def test_a_diverging_run_exits_non_zero_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
-    plan = _runnable_plan(tmp_path / "plan.yaml")
+    plan = runnable_example_plan(tmp_path / "plan.yaml")
     checkpoint, log = tmp_path / "ckpt", tmp_path / "log.json"
-    args = [plan, TRAIN, "--steps", 10, "--lr", 1e6, "--warmup-steps", 0, "--clip", 0]
+    args = [plan, "pretrain", "--steps", 10, "--lr", 1e6, "--warmup-steps", 0, "--clip", 0]
     result = run_elixir([*args, "--save", checkpoint, "--save-every", 1, "--log", log])
     output = result.stdout + result.stderr
     assert result.returncode != 0, output[-3000:]
