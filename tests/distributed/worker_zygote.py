@@ -84,8 +84,9 @@ def exit_code(code: object) -> int:
 
 
 def finish(code: int) -> None:
-    """Ends the child as the interpreter's exit does, less its teardown: joins the threads the script
-    left running, runs the atexit handlers, flushes stdout and stderr, then ``os._exit``.
+    """Ends the child as the interpreter's exit does, less its teardown: shuts down the thread pools
+    the script left (``concurrent.futures`` workers wait for work until then) and joins its threads,
+    runs the atexit handlers, flushes stdout and stderr, then ``os._exit``.
 
     Why: tearing the interpreter down frees every object of torch and transformers, and in a forked child
     each free writes to a page the zygote shares, so the kernel copies nearly its whole heap first: some
@@ -95,9 +96,7 @@ def finish(code: int) -> None:
     import atexit
     import threading
 
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    threading._shutdown()  # type: ignore[attr-defined]  # what exit does first: stops thread pools, joins threads
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
