@@ -9,7 +9,7 @@ Markers (registered in pyproject.toml):
     slow         multi-process or end-to-end, seconds each; ``scripts/test.sh --fast`` leaves them out
     distributed  starts several processes (gloo on the CPU); always also slow
     gpu          needs CUDA: skipped here when torch sees no GPU
-    heavy        8 processes on the CPU, a layout the other tests check at a smaller world: left out
+    heavy        6 or 8 processes on the CPU, a layout the other tests check at a smaller world: left out
                  by ``scripts/test.sh`` unless ``--all``; always also slow
 """
 

@@ -185,14 +185,16 @@ def launch(
         out = str(Path(tmp, "out"))
         argv = [str(HERE / script), str(cases_path), out]
         logs = [str(Path(tmp, f"log.rank{rank}")) for rank in range(world_size)]
-        deadline = time.monotonic() + timeout_s
         workers: list[Zygote] | list[FreshWorker] = []
         codes: list[int | None] = []
         try:
             if fresh:
+                deadline = time.monotonic() + timeout_s
                 workers = [FreshWorker(argv, worker_env(r, world_size, port), logs[r]) for r in range(world_size)]
             else:
                 workers = zygotes(world_size)
+                # From here: a zygote's first start (imports, minutes on a loaded machine) is not the launch's time.
+                deadline = time.monotonic() + timeout_s
                 for rank, zygote in enumerate(workers):
                     zygote.start(argv, worker_env(rank, world_size, port), logs[rank])
             codes = [worker.wait(deadline) for worker in workers]

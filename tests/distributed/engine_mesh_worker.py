@@ -1,21 +1,17 @@
-"""Worker for test_engine_mesh.py: the mesh's groups follow the documented rank layout."""
+"""Worker for test_engine_mesh.py: the mesh's groups follow the documented rank layout.
+
+Each case is ``{"pipeline": P, "tensor": T}``; one launch runs every case, each on a mesh of its own.
+"""
 
 from __future__ import annotations
-
-import json
-import os
-import sys
 
 import torch
 
 from elixir_tune.engine.comm import init_mesh
 
 
-def main() -> None:
-    with open(sys.argv[1]) as f:
-        (case,) = json.load(f)
+def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> dict:
     pipeline, tensor = case["pipeline"], case["tensor"]
-    world = int(os.environ["WORLD_SIZE"])
     mesh = init_mesh(world, "cpu", "gloo", pipeline=pipeline, tensor=tensor)
     rank = mesh.world.rank
     # rank = (data_index * P + stage) * T + tensor_index
@@ -29,15 +25,16 @@ def main() -> None:
         first = torch.tensor([float(rank)])
         comm.broadcast(first, src=0)
         sums[name].append(float(first) == comm.global_ranks[0])
-    report = {
+    return {
+        "case": case,
         "layout": expected == rank,
         "sizes": [mesh.data.world_size, mesh.pipeline.world_size, mesh.tensor.world_size],
         "sums": sums,
         "device_mesh": mesh.device_mesh is not None and list(mesh.device_mesh.mesh_dim_names),
     }
-    with open(f"{sys.argv[2]}.rank{rank}.json", "w") as f:
-        json.dump([report], f)
 
 
 if __name__ == "__main__":
-    main()
+    from tests.distributed.engine_launch import worker_main
+
+    worker_main(run_case)

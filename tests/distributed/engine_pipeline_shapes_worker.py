@@ -8,8 +8,9 @@ is skipped on every rank alike. Each case is a dict:
     blocks     stages     assignment: modular | contiguous
     schedule: looped_bfs | interleaved_1f1b | gpipe | 1f1b     accum (micro-batches per step)
 
-Rank 0 also trains the plain-PyTorch reference (fp32) and reports the largest differences of the
-losses and the weights (``model.state_dict()`` merges every stage's weights onto it).
+Rank 0 also trains the plain-PyTorch reference (fp32; once per model and global batch) and reports
+the largest differences of the losses and the weights (``model.state_dict()`` merges every stage's
+weights onto it).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ SEQ = 8
 MICRO = 2
 STEPS = 2
 BLOCK_LIST = "model.layers"
+# Plain PyTorch's run per (blocks, global batch size): the cases of one model and batch (assignments,
+# schedules) share it; the reference does not depend on the pipeline shape.
+_REFERENCES: dict[tuple[int, int], dict] = {}
 
 
 def build(blocks: int):
@@ -97,9 +101,12 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
         "world_losses": mean_over_ranks(losses, world),
     }
     if rank == 0:
-        with quiet_transformers():
-            reference_model, reference_opt = build(case["blocks"])
-            reference = plain_training(reference_model, reference_opt, global_batches)
+        key = (case["blocks"], plan.training.global_batch_size)
+        if key not in _REFERENCES:
+            with quiet_transformers():
+                reference_model, reference_opt = build(case["blocks"])
+                _REFERENCES[key] = plain_training(reference_model, reference_opt, global_batches)
+        reference = _REFERENCES[key]
         engine = {"state": {k: v.tolist() for k, v in state.items()}, "norms": []}
         result.update(compare(engine, reference, result["world_losses"]))
     return result

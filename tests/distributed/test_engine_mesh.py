@@ -1,4 +1,8 @@
-"""engine/comm/mesh.py's mesh on real gloo processes: groups follow rank = (data * P + stage) * T + tensor."""
+"""engine/comm/mesh.py's mesh on real gloo processes: groups follow rank = (data * P + stage) * T + tensor.
+
+One launch of world 4 builds the three meshes in turn: pipeline 2 x data 2, tensor 2 x data 2 and
+pipeline 2 x tensor 2.
+"""
 
 import pytest
 
@@ -6,13 +10,23 @@ from tests.distributed.engine_launch import launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
+WORLD = 4
+SHAPES = [(2, 1), (1, 2), (2, 2)]  # (pipeline, tensor)
 
-@pytest.mark.parametrize(("pipeline", "tensor"), [(2, 1), (1, 2), (2, 2)])
-def test_mesh_groups_follow_the_rank_layout(pipeline, tensor):
-    world = 4
-    data = world // (pipeline * tensor)
-    results = launch("engine_mesh_worker.py", [{"pipeline": pipeline, "tensor": tensor}], world, timeout_s=120)
-    for rank, (report,) in enumerate(results):
+
+@pytest.fixture(scope="module")
+def results():
+    cases = [{"pipeline": pipeline, "tensor": tensor} for pipeline, tensor in SHAPES]
+    return launch("engine_mesh_worker.py", cases, WORLD, timeout_s=240)
+
+
+@pytest.mark.parametrize("index", range(len(SHAPES)), ids=[f"pipeline{p}-tensor{t}" for p, t in SHAPES])
+def test_mesh_groups_follow_the_rank_layout(results, index):
+    pipeline, tensor = SHAPES[index]
+    data = WORLD // (pipeline * tensor)
+    for rank, rank_results in enumerate(results):
+        report = rank_results[index]
+        assert report["ok"], (rank, report.get("error"), report.get("trace"))
         assert report["layout"], (rank, report)
         assert report["sizes"] == [data, pipeline, tensor], report
         assert report["device_mesh"] == ["data", "pipeline", "tensor"]

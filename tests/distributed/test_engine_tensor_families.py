@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.engine_launch import launch
+from tests.distributed.tp_launches import tp_results
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -35,7 +35,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def world2():
-    return launch("engine_tp_worker.py", CASES, 2, timeout_s=400)
+    return tp_results("tensor_families", 2)  # one launch with test_engine_tensor_parallel.py's world 2
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=FAMILIES)

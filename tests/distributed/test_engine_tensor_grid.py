@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.engine_launch import launch
+from tests.distributed.tp_launches import tp_results
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -29,7 +29,7 @@ CASES = [dict(model=f"zoo:{name}", tensor=4, mode="2d", chunk_size=4096, clip=0.
 
 @pytest.fixture(scope="module")
 def world4():
-    return launch("engine_tp_worker.py", CASES, 4, timeout_s=600)
+    return tp_results("tensor_grid", 4)  # one launch with test_engine_tensor_parallel.py's world 4
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=FAMILIES)

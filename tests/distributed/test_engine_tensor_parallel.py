@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.engine_launch import launch
 from tests.distributed.engine_plans import VOCAB
+from tests.distributed.tp_launches import tp_results
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -78,7 +78,7 @@ def check(per_rank: list[list[dict]], index: int) -> None:
 
 @pytest.fixture(scope="module")
 def world2():
-    return launch("engine_tp_worker.py", WORLD2, 2, timeout_s=300)
+    return tp_results("tensor_parallel", 2)  # one launch with test_engine_tensor_families.py's cases
 
 
 @pytest.mark.parametrize("index", range(len(WORLD2)), ids=[str(c) for c in WORLD2])
@@ -88,7 +88,7 @@ def test_tensor2_matches_torch(world2, index):
 
 @pytest.fixture(scope="module")
 def world4():
-    return launch("engine_tp_worker.py", WORLD4, 4, timeout_s=400)
+    return tp_results("tensor_parallel", 4)  # one launch with test_engine_tensor_grid.py's cases
 
 
 @pytest.mark.parametrize("index", range(len(WORLD4)), ids=[str(c) for c in WORLD4])

@@ -27,6 +27,7 @@ from tests.zoo.harness import data_index
 from tests.zoo.models import ZOO, build, global_batches
 
 _references: dict[tuple[str, int, int], dict] = {}
+_controls: dict[tuple[str, int, int, int], float] = {}
 
 
 def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -92,9 +93,13 @@ def reference(name: str, steps: int, global_batch: int) -> dict:
 
 def control_difference(name: str, steps: int, global_batch: int, micro_batch: int) -> float:
     """How far plain PyTorch itself moves from the reference when it accumulates the engine's
-    micro-batches (fp32 sums in another order): the floor of any engine's weight difference."""
-    split = torch_training(name, steps, global_batch, global_batch // micro_batch)
-    return largest_differences(split["losses"], split["state"], reference(name, steps, global_batch))[1]
+    micro-batches (fp32 sums in another order): the floor of any engine's weight difference
+    (computed once per model and micro-batch: both loops' plans take micro-batches of 2)."""
+    key = (name, steps, global_batch, micro_batch)
+    if key not in _controls:
+        split = torch_training(name, steps, global_batch, global_batch // micro_batch)
+        _controls[key] = largest_differences(split["losses"], split["state"], reference(name, steps, global_batch))[1]
+    return _controls[key]
 
 
 def largest_differences(losses: list[float], state: dict, ref: dict) -> tuple[float, float]:
