@@ -5,8 +5,8 @@ its gradient into its chunk's staging buffer, taken from a bounded pool (staging
 gradients are all staged starts its reduce-scatter (asynchronous) into the fp32 shard gradient, and
 an offloaded chunk's reduced shard drains to the host gradient meanwhile (``GradDrain``). At the end
 of backward the chunks left incomplete are reduced in chunk order (``_reduce_rest``); the device-side
-reductions finish there, host-side ones when the optimizer or the next backward's need for a staging
-buffer waits for them (``drain_grads``). No-sync over several backward passes (a pipeline step's):
+reductions finish there, host-side ones when the optimizer, the next backward's need for a staging
+buffer (``drain_grads``) or the same chunk's next reduction (accumulation) waits for them. No-sync over several backward passes (a pipeline step's):
 ``hold_grads`` / ``end_held_grads``.
 """
 
@@ -82,6 +82,13 @@ class EngineGrads:
 
     def _start_reduce(self, chunk: Chunk) -> None:
         self._filling.remove(chunk)
+        if chunk.pending is not None:
+            # The chunk's reduction of an earlier backward (an offloaded chunk's, which
+            # ``_reduce_rest`` leaves draining to the host) is still in flight: a chunk holds one
+            # reduction at a time, so that one finishes first (its buffer back to the pool, its
+            # shard added to the host gradient) before the next overwrites it.
+            self._reducing.remove(chunk)
+            self.staging.release(chunk.finish_reduce())
         chunk.start_reduce(self.drain)
         self.reduce_scatters += 1
         self._reducing.append(chunk)

@@ -303,6 +303,7 @@ class Chunk:
         """
         buffer = self.staging
         assert buffer is not None, "start_reduce before any gradient was staged (see reduce_ready)"
+        assert self.pending is None, "start_reduce with a reduction in flight (finish_reduce it first)"
         self.staging = None
         self.staged = 0
         for slot in self.slots:
