@@ -34,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from elixir_tune.hardware import HardwareSpec, probe
-from elixir_tune.hardware.workers import free_port, wait_all
+from elixir_tune.hardware.workers import free_port, supervise
 
 # A GPT-2 (configs/models/ format) so small that its step is mostly fixed costs; 4 blocks as the
 # layout benchmark's pipeline (2 virtual stages per rank under pipeline 2).
@@ -174,21 +174,7 @@ def run_engine_workers(model_path: Path, plans: dict[str, Path], threads: int, w
                     stderr=subprocess.STDOUT,
                 )
             )
-    killed = set()
-    try:
-        wait_all(procs, timeout_s)
-    finally:
-        for rank, proc in enumerate(procs):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-                killed.add(rank)
-    failed = [rank for rank, proc in enumerate(procs) if proc.returncode != 0 and rank not in killed]
-    if failed or killed:
-        rank = failed[0] if failed else min(killed)
-        reason = f"exited with status {procs[rank].returncode}" if failed else f"timed out after {timeout_s} s"
-        tail = logs[rank].read_text(errors="replace")[-2000:]
-        raise RuntimeError(f"engine probe worker {rank} of {WORLD} {reason}:\n{tail}")
+    supervise(procs, logs, timeout_s, "engine probe worker")
     return json.loads(out_path.read_text())
 
 

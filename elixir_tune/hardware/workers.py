@@ -209,7 +209,7 @@ def worker_main(config: dict) -> None:
     Path(config["out_dir"], f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def wait_all(procs: list[subprocess.Popen], timeout_s: float) -> None:
+def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> None:
     """Waits until every worker exited, one failed (the others would wait for it), or time is up."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -217,6 +217,36 @@ def wait_all(procs: list[subprocess.Popen], timeout_s: float) -> None:
         if all(code is not None for code in codes) or any(code not in (None, 0) for code in codes):
             return
         time.sleep(0.05)
+
+
+def supervise(procs: list[subprocess.Popen], log_paths: list[Path], timeout_s: float, what: str) -> None:
+    """Waits for the workers, kills those still running when one failed or time is up, and raises for
+    the worker that failed by itself (not one stopped because of it).
+
+    Args:
+        procs: the workers, by rank.
+        log_paths: each worker's combined stdout/stderr, by rank.
+        timeout_s: hard limit.
+        what: names the workers in the error, e.g. "probe worker".
+
+    Raises:
+        RuntimeError: a worker failed or timed out (the message carries its log's tail).
+    """
+    killed = set()
+    try:
+        _wait_all(procs, timeout_s)
+    finally:
+        for rank, proc in enumerate(procs):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+                killed.add(rank)
+    failed = [rank for rank, proc in enumerate(procs) if proc.returncode != 0 and rank not in killed]
+    if failed or killed:
+        rank = failed[0] if failed else min(killed)
+        reason = f"exited with status {procs[rank].returncode}" if failed else f"timed out after {timeout_s:.0f} s"
+        tail = log_paths[rank].read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"{what} {rank} of {len(procs)} {reason}:\n{tail}")
 
 
 def run_workers(
@@ -289,22 +319,7 @@ def run_workers(
                         stderr=subprocess.STDOUT,
                     )
                 )
-        killed = set()
-        try:
-            wait_all(procs, timeout_s)
-        finally:
-            for rank, proc in enumerate(procs):
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-                    killed.add(rank)
-        # Report the worker that failed by itself, not one we stopped because of it.
-        failed = [r for r, proc in enumerate(procs) if proc.returncode != 0 and r not in killed]
-        if failed or killed:
-            rank = failed[0] if failed else min(killed)
-            reason = f"exited with status {procs[rank].returncode}" if failed else f"timed out after {timeout_s:.0f} s"
-            tail = log_paths[rank].read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"probe worker {rank} of {world_size} ({device}) {reason}:\n{tail}")
+        supervise(procs, log_paths, timeout_s, f"probe worker ({device})")
         results = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world_size)]
     return _merge(results)
 
