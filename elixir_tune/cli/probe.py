@@ -80,7 +80,11 @@ def _table(spec: HardwareSpec, preset_id: str | None) -> Table:
 
 
 @click.command("probe")
-@click.option("--quick", is_flag=True, help="Fewer sizes and repeats (~17 s on an idle 2-core machine).")
+@click.option(
+    "--quick",
+    is_flag=True,
+    help="Fewer sizes and repeats (~35 s on an idle 2-core machine, the engine's layout costs included).",
+)
 @click.option(
     "--out",
     "out_path",
