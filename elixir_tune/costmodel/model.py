@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from elixir_tune.costmodel.cache import CacheSim, simulate_cache
+from elixir_tune.costmodel.compute import ComputeTimes
 from elixir_tune.costmodel.expert import RankExperts
 from elixir_tune.costmodel.layout import ChunkLayout, largest_trainable_numel, max_module_chunks, pack_chunks
 from elixir_tune.costmodel.links import data_ranks_per_node
-from elixir_tune.costmodel.memory import MemoryEstimate, checkpointed_blocks, estimate_memory
+from elixir_tune.costmodel.memory import MemoryEstimate, estimate_memory
 from elixir_tune.costmodel.offload import offload_orders
 from elixir_tune.costmodel.parallel import DATA_ONLY, Layout
 from elixir_tune.costmodel.parallel_time import ParallelTimes
@@ -41,7 +42,7 @@ from elixir_tune.hardware.spec import HardwareSpec
 from elixir_tune.profiler.schema import ModelProfile
 
 
-class CostModel:
+class CostModel(ComputeTimes):
     """Memory and time of candidates for one (profile, cluster, dtype, parallel layout).
 
     With pipeline or tensor parallelism (``layout``) the model is one rank's: ``profile`` is what a
@@ -248,129 +249,7 @@ class CostModel:
             mask[chunk] = True
         return mask
 
-    # -- per candidate ---------------------------------------------------------------------------
-
-    def recompute_share(self, every: int) -> float:
-        """The part of all blocks' recomputation that every-k checkpointing does: the checkpointed
-        blocks' share of the blocks' forward FLOPs."""
-        blocks = self.profile.blocks
-        if every <= 0 or not blocks:
-            return 0.0
-        total = sum(b.fwd_flops_per_sample for b in blocks)
-        chosen = sum(b.fwd_flops_per_sample for b in blocks if b.index % every == 0)
-        return chosen / total if total else checkpointed_blocks(len(blocks), every) / len(blocks)
-
-    def recompute_flops_per_sample(self, every: int) -> float:
-        """Extra forward FLOPs per sample of every-k checkpointing: the profile's figure for all
-        blocks, shared out by the checkpointed blocks' forward FLOPs."""
-        full = self.profile.recompute_flops_per_sample or sum(b.fwd_flops_per_sample for b in self.profile.blocks)
-        return full * self.recompute_share(every)
-
-    def pointwise_s(self, micro_batch_size: int, every: int) -> tuple[float, float]:
-        """Seconds of one micro-batch's memory-bound pointwise ops at the hardware's pointwise rate:
-        (forward+backward, recomputation), for the share of them beyond those the rate includes
-        (``pointwise_beyond_rate``); (0, 0) when the hardware has no such rate (then the block rate
-        stands for them)."""
-        rate_bps = self.hardware.pointwise_gbps * 1e9
-        if rate_bps <= 0 or self.pointwise_share <= 0:
-            return 0.0, 0.0
-        profile = self.profile
-        recompute_bytes = profile.recompute_pointwise_bytes_per_sample * self.recompute_share(every)
-        return (
-            micro_batch_size * profile.pointwise_bytes_per_sample * self.pointwise_share / rate_bps,
-            micro_batch_size * recompute_bytes * self.pointwise_share / rate_bps,
-        )
-
-    def block_numel(self) -> float:
-        """Parameters of the mean block (of the whole model when the profile found no blocks):
-        where the block-rate curve is read."""
-        blocks = self.profile.blocks
-        params = self.profile.params
-        if not blocks:
-            return float(sum(p.numel for p in params))
-        total = sum(p.numel for b in blocks for p in params[b.first_param : b.first_param + b.num_params])
-        return total / len(blocks)
-
-    def flops_per_s_at(self, micro_batch_size: int) -> float:
-        """Compute rate (cached). On a block curve narrow models run slower; the micro-batch does not
-        change the rate (measured on the CPU: a 256-wide block at 128 and 512 tokens per call ran
-        within 1.3x, and plain PyTorch at micro-batch 2x4 as fast as 8x1)."""
-        if micro_batch_size not in self._rates:
-            costs = self.parallel_costs
-            # A measured tensor-split ratio covers the narrower matrices: read the whole block's rate.
-            numel = costs.full_block_numel() if costs.measured_tensor else self.block_numel()
-            tflops = self.hardware.compute_tflops(self.dtype, numel) * costs.rate_factor
-            self._rates[micro_batch_size] = tflops * 1e12
-        return self._rates[micro_batch_size]
-
-    def compute_s(self, micro_batch_size: int, every: int) -> tuple[float, float]:
-        """(compute, recompute part) seconds of one micro-batch.
-
-        The matrix products' FLOPs at the block rate (``flops_per_s_at``), the attention products'
-        at the hardware's attention rate when it has one (``rates.attention_flops_share``; the
-        share grows with the sequence); recomputation is the checkpointed blocks' forward FLOPs
-        again, split the same way. An eager attention's scores move through HBM at ``hbm_gbps``
-        beside a fused attention rate (``rates.attention_scores_bytes``; recomputed with their
-        blocks' forward). The model's own pointwise ops at the pointwise rate (the block
-        rate is net of the probe block's, ``pointwise_s``); plus the hardware's per-call overhead
-        for each block's forward+backward, and half of it for each recomputed block's forward (a
-        forward runs about half of a forward+backward's ops): it is what makes small
-        micro-batches of small models slow. Tensor-parallel collectives sit on the compute stream
-        (each matmul waits for its inputs), so they are part of it here (``tensor_comm_s`` says how
-        much).
-        """
-        rate = self.flops_per_s_at(micro_batch_size)
-        overhead_s = self.hardware.block_call_overhead_s
-        blocks = len(self.profile.blocks)
-        recomputed = checkpointed_blocks(blocks, every) if every > 0 else 0
-        pointwise, pointwise_recompute = self.pointwise_s(micro_batch_size, every)
-        flops = micro_batch_size * self.profile.flops_per_sample
-        recompute_flops = micro_batch_size * self.recompute_flops_per_sample(every)
-        share = self.attention_share
-        # The recomputed forward's attention: a third of the blocks' attention FLOPs, for the
-        # checkpointed blocks' share of them.
-        recompute_attention = min(recompute_flops, flops * share / 3 * self.recompute_share(every))
-        attention_s = flops * share / self.attention_flops_per_s if share else 0.0
-        recompute_attention_s = recompute_attention / self.attention_flops_per_s if share else 0.0
-        scores_forward, scores_backward = (flops * s_per_flop for s_per_flop in self.scores_s_per_flop)
-        recompute = (
-            (recompute_flops - recompute_attention) / rate
-            + recompute_attention_s
-            + recomputed * overhead_s / 2
-            + pointwise_recompute
-            + scores_forward * self.recompute_share(every)
-        )
-        compute = (
-            flops * (1 - share) / rate
-            + attention_s
-            + scores_forward
-            + scores_backward
-            + blocks * overhead_s
-            + pointwise
-            + recompute
-        )
-        communication = self.tensor_comm_s(micro_batch_size, every) + self.expert_comm_s(micro_batch_size, every)
-        return compute + communication, recompute
-
-    def tensor_comm_s(self, micro_batch_size: int, every: int) -> float:
-        """Seconds of tensor-parallel collectives in one micro-batch (recomputed blocks' forwards included)."""
-        blocks = self.profile.blocks
-        recomputed = {b.index for b in blocks if every > 0 and b.index % every == 0}
-        moe = self.parallel_costs.tensor_moe_blocks
-        return self.parallel_costs.tensor_comm_s(
-            micro_batch_size,
-            len(blocks),
-            len(recomputed),
-            sum(1 for b in blocks if b.index in moe),
-            len(recomputed & moe),
-        )
-
-    def expert_comm_s(self, micro_batch_size: int, every: int) -> float:
-        """Seconds of expert parallelism's all-to-alls in one micro-batch (recomputed blocks' forwards
-        included; 0 without expert parallelism)."""
-        moe_blocks = self.experts.moe_blocks
-        recomputed = sum(1 for b in moe_blocks if every > 0 and b % every == 0)
-        return self.parallel_costs.expert_comm_s(micro_batch_size, len(moe_blocks), recomputed)
+    # -- per candidate (compute and its collectives: costmodel/compute.py) -----------------------
 
     def memory(self, shape: Shape) -> MemoryEstimate:
         """Peak device and host memory of a candidate."""
