@@ -175,4 +175,7 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    sys.exit(record(main)())  # an unexpected error reaches elixir-run's failure report, not only this rank's output
+    from elixir_tune.recipes.loop import exit_worker
+
+    # record: an unexpected error reaches elixir-run's failure report, not only this rank's output
+    exit_worker(record(main)())
