@@ -22,10 +22,12 @@ COLOSSAL_GEMINI = (
     "run.sh and train_gpt_demo.py at the same commit (the 10B rows first published at 29868a9e, same code path)"
 )
 
+SCALING = "Model scaling"  # batch size 1 per GPU, seq 1024; figure: step time (sec)
+SMALL = "Small model comparison"  # GPT2-XL on 4x A100 (40G); figure: global throughput (samples/sec)
+
 COLOSSAL_PL_MISMATCHES = (
     "'A100 (40G)': form factor and interconnect not stated; compared on the a100-40gb-sxm preset (8 on NVSwitch, "
     "rates assumed those of the 80GB SXM part); a PCIe machine would have slower collectives and host links",
-    "the README does not say how its step time was taken (3 steps of one epoch; the first step may be counted)",
     "transformers' GPT-2 of 2022: eager attention (the seq x seq scores kept), learned positions, tied head, "
     "vocabulary 50257, random tokens; Lightning's precision 16 modelled as fp16 compute with fp32 master weights",
     "gradient_checkpointing_enable(): every block checkpointed",
@@ -38,10 +40,34 @@ COLOSSAL_PL_STRATEGY = {
     "zero3-offload": "DeepSpeed ZeRO-3 with offload_parameters and offload_optimizer (DeepSpeedCPUAdam): all model "
     "states on the host, modelled as every chunk offloaded (offload 1.0, cache blocks free)",
     "gemini-cuda": "Colossal-AI Gemini, placement_policy 'cuda': every chunk on the GPU (offload 0)",
-    "gemini-auto": "Colossal-AI Gemini, placement_policy 'auto' with gpu_margin_mem_ratio 0.9: its runtime memory "
-    "tracer moves chunks between host and GPU and puts optimizer states on the GPU in 90% of the spare memory; "
-    "the pinned plan leaves the offload share to the search (the best share, which Gemini's tracer need not find)",
+    "gemini-auto": "Colossal-AI Gemini, placement_policy 'auto' with gpu_margin_mem_ratio 0.9: the fp32 chunks "
+    "start on the host and ZeroOptimizer moves them to the GPU only into 90% of the memory the warm-up iteration "
+    "left spare (none here: the fp16 weights alone, 48 GB, exceed the 40 GB card), the fp16 chunks move by its "
+    "runtime tracer; the pinned plan leaves the offload share to the search (the best share)",
 }
+
+# Gemini at the versions used (colossalai/zero/utils/zero_hook_v2.py @ bbc58d88, 2022-08-18, 0.1.9, for the
+# Lightning rows; colossalai/zero/utils/gemini_hook.py @ d96cc37e for the example's rows): GeminiZeROHook.pre_op
+# calls adjust_layout and access_chunk (host->device move and all-gather) for an op's chunks when the op
+# starts, on the compute stream, and ZeroDDP.grad_handle reduces a chunk and moves it to its gradient
+# device as the gradient arrives: no prefetch, nothing overlapped.
+GEMINI_SYNCHRONOUS = (
+    "Gemini fetches each op's chunks when the op starts, on the compute stream, with no prefetch (GeminiZeROHook."
+    "pre_op: adjust_layout, access_chunk): pinned as prefetch 0 (each fetch waits for nothing ahead of it and the "
+    "compute waits for it); its reduce-scatters and gradient copies to the host (ZeroDDP.grad_handle) are also "
+    "synchronous, which a plan cannot pin: the model overlaps them with the backward"
+)
+
+# colossalai/nn/parallel/data_parallel.py @ d96cc37e: ZeroDDP registers fp16 and fp32 chunks with
+# cpu_offload = (placement policy != 'cuda'), so the fp32 chunks (master) are closed on the host, and
+# nn/optimizer/zero_optimizer.py moves them to the GPU only when gpu_margin_mem_ratio > 0 with 'auto';
+# train_gpt_demo.py builds GeminiAdamOptimizer(model, lr=1e-3, initial_scale=2**5): the ratio's default 0.0.
+GEMINI_HOST_ADAM = (
+    "with every placement policy but 'cuda' Gemini keeps the fp32 master and Adam states on the host and runs "
+    "HybridAdam there for every parameter (ZeroDDP: cpu_offload = policy != 'cuda'; ZeroOptimizer moves fp32 "
+    "chunks to the GPU only with gpu_margin_mem_ratio > 0, which train_gpt_demo.py leaves at 0.0): pinned as "
+    "offload 1.0; the policies differ in where the fp16 weights stay between uses"
+)
 
 COLOSSAL_GEMINI_MISMATCHES = (
     "published as TFLOPS per GPU = batch per GPU x params x 1024 x 8 / step time (train_gpt_demo.py get_tflops: "
@@ -58,13 +84,34 @@ COLOSSAL_GEMINI_MISMATCHES = (
 )
 
 COLOSSAL_GEMINI_POLICY = {
-    "cpu": "placement_policy 'cpu': every chunk (fp16 weights, fp32 master, Adam states) on the host, Adam on the "
-    "CPU (GeminiAdamOptimizer): pinned as offload 1.0",
-    "auto": "placement_policy 'auto': the runtime memory tracer moves chunks between host and GPU and Adam runs "
-    "where each chunk is: the pinned plan leaves the offload share to the search, so it predicts the best share, "
-    "which Gemini's policy need not find",
-    "const": "placement_policy 'const' with set_const_memory_boundary(10 * 1024): about 10 GiB of chunks stay on "
-    "each GPU, the rest on the host: the pinned plan leaves the offload share to the search (the best share)",
+    "cpu": "placement_policy 'cpu': CPUPlacementPolicy.evict_tensors moves every fp16 chunk not in use back to "
+    "the host, so each use (forward, recomputation, backward) uploads it again; the plan's cache is the search's "
+    "(a larger one uploads each shard once per step)",
+    "auto": "placement_policy 'auto': AutoPlacementPolicy evicts fp16 chunks only when the model data would "
+    "exceed 0.9 x the GPU's memory less the traced non-model data; the fp16 weights are 20.6 GB of 80 GB, so after "
+    "the warm-up step they all stay gathered on the GPU: pinned as cache_blocks all",
+    "const": "placement_policy 'const' with set_const_memory_boundary(10 * 1024): ConstPlacementPolicy keeps "
+    "gathered fp16 chunks on the GPU up to 10 GiB (about half of the 19.1 GiB) and moves the rest back to the host "
+    "after use; the plan's cache is the search's (its chunks differ from Gemini's)",
+}
+
+# How ColossalAI-Pytorch-lightning's figures were taken. benchmark/gpt/train.py and callback.py print no
+# timing (the callback reports memory only), so "Step time (sec)" and "samples/sec" are what Lightning's
+# default progress bar shows. In pytorch_lightning's TQDMProgressBar of August 2022 (src/pytorch_lightning/
+# callbacks/progress/tqdm_progress.py @ 090bbc86, unchanged to 1.8.0, the first release with the
+# ColossalAI strategy the script imports) the training bar is built with smoothing=0 and reset at every
+# on_train_epoch_start; tqdm's reset (std.py @ v4.64.0) restarts start_t, and with smoothing 0 its rate is
+# (n - initial) / (now - start_t). So the figure left on screen is the average over the last epoch's steps,
+# counted from that epoch's start.
+COLOSSAL_PL_WINDOW = {
+    SCALING: "step time read off Lightning's progress bar: the average over the only epoch's 3 steps "
+    "(--epochs 1 --steps_per_epoch 3; the bar's rate restarts at each epoch start, smoothing 0), so the run's "
+    "first step is in it, with its one-time costs (lazy CUDA/cuBLAS/NCCL initialization and allocator growth, "
+    "DeepSpeed ZeRO-3's first-iteration trace, Gemini's warm-up iteration): not a steady-state step, which is "
+    "what the model predicts (a separate class in the summary, marked f)",
+    SMALL: "throughput read off Lightning's progress bar: the average over the second epoch's 4 steps (defaults "
+    "--epochs 2 --steps_per_epoch 4; the bar's rate restarts at each epoch start, smoothing 0), so the run's "
+    "first step is not in it: a steady-state window",
 }
 
 # ColossalAI-Pytorch-lightning benchmark/gpt/model.py: (hidden, layers, heads) of the models the README ran.
@@ -83,6 +130,3 @@ COLOSSAL_GEMINI_MODELS = {"gpt2_10b": (4096, 50, 16), "gpt2_20b": (8192, 25, 16)
 BATCH_TABLE = "How dose Batch Size affect the efficency."
 POLICY_TABLE = "How dose the Placement Policy affect the efficency."
 TP_TABLE = "How dose the Tensor Parallel Degree affect the efficency."
-
-SCALING = "Model scaling"  # batch size 1 per GPU, seq 1024; figure: step time (sec)
-SMALL = "Small model comparison"  # GPT2-XL on 4x A100 (40G); figure: global throughput (samples/sec)
