@@ -48,7 +48,9 @@ COLOSSAL_PL_STRATEGY = {
     "zero3": "DeepSpeed ZeRO-3 (FusedAdam) shards per parameter; the plan shards in chunks the search sizes",
     "zero3-offload": "DeepSpeed ZeRO-3 with offload_parameters and offload_optimizer (DeepSpeedCPUAdam): all model "
     "states on the host, modelled as every chunk offloaded (offload 1.0, cache blocks free)",
-    "gemini-cuda": "Colossal-AI Gemini, placement_policy 'cuda': every chunk on the GPU (offload 0)",
+    "gemini-cuda": "Colossal-AI Gemini, placement_policy 'cuda': every chunk on the GPU (offload 0); Gemini 0.1.9 "
+    "(Aug 2022) scatters a chunk again at the op after its use (ChunkManager.exec_lazy_release), so it gathers "
+    "each chunk at every use; the plan's cache is the search's (a larger one gathers less)",
     "gemini-auto": "Colossal-AI Gemini, placement_policy 'auto' with gpu_margin_mem_ratio 0.9: the fp32 chunks "
     "start on the host and ZeroOptimizer moves them to the GPU only into 90% of the memory the warm-up iteration "
     "left spare (none here: the fp16 weights alone, 48 GB, exceed the 40 GB card), the fp16 chunks move by its "
