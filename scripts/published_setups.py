@@ -36,6 +36,9 @@ from published_colossalai import (
     COLOSSAL_PL_MISMATCHES,
     COLOSSAL_PL_MODELS,
     COLOSSAL_PL_STRATEGY,
+    COLOSSAL_PL_WINDOW,
+    GEMINI_HOST_ADAM,
+    GEMINI_SYNCHRONOUS,
     POLICY_TABLE,
     SCALING,
     SMALL,
@@ -149,6 +152,14 @@ class Setup:
         assignment: the plan's assignment of blocks to stages that matches the peer's schedule best
             (``contiguous``: one run of layers per stage, as 1F1B; ``modular``: one block per virtual stage).
         offload: share of the shards on the host in the pinned plan (None: the search picks).
+        prefetch: chunks fetched ahead in the pinned plan (None: the search picks; 0: each fetch is
+            issued at its own step, so the compute waits for it, as in a runtime that fetches
+            synchronously).
+        cache_blocks: gathered chunks held at once in the pinned plan (None: the search picks; "all":
+            every gathered chunk stays on the device).
+        first_step_in_window: the published figure averages a window that includes the run's first
+            training step (its one-time costs), so it is not a steady-state step, which is what the
+            model predicts: reported in a separate class (``bench_published.summary``).
         mismatches: what the pinned plan cannot express.
         defines_bound: the row is the best MFU published for its hardware, which the preset's
             ``best_mfu`` (the plausibility bound) quotes: its prediction is not independent.
@@ -174,6 +185,9 @@ class Setup:
     pipeline: int = 1
     assignment: str = "modular"
     offload: float | None = 0.0
+    prefetch: int | None = None
+    cache_blocks: int | str | None = None
+    first_step_in_window: bool = False
     mismatches: tuple[str, ...] = ()
     defines_bound: bool = False
     fitted_source: bool = False
@@ -277,6 +291,7 @@ def _colossal_pl(model: str, gpus: int, strategy: str, micro: int, tokens_per_s_
     label = {"ddp": "DDP", "zero3": "ZeRO-3", "zero3-offload": "ZeRO-3 offload", "gemini-cuda": "Gemini cuda",
              "gemini-auto": "Gemini auto"}[strategy]  # fmt: skip
     offload = {"zero3-offload": 1.0, "gemini-auto": None}.get(strategy, 0.0)
+    gemini = strategy.startswith("gemini")
     return Setup(
         name=f"GPT-2 {model.removeprefix('gpt2_').upper()} {gpus}xA100-40G ({label})",
         source=COLOSSAL_PL.format(table=table),
@@ -295,7 +310,11 @@ def _colossal_pl(model: str, gpus: int, strategy: str, micro: int, tokens_per_s_
         tokens_per_s_per_gpu=tokens_per_s_per_gpu,
         dtype="fp16",
         offload=offload,
-        mismatches=COLOSSAL_PL_MISMATCHES + (COLOSSAL_PL_STRATEGY[strategy],),
+        prefetch=0 if gemini else None,
+        first_step_in_window=table == SCALING,
+        mismatches=COLOSSAL_PL_MISMATCHES
+        + (COLOSSAL_PL_WINDOW[table], COLOSSAL_PL_STRATEGY[strategy])
+        + ((GEMINI_SYNCHRONOUS,) if gemini else ()),
     )
 
 
@@ -320,8 +339,10 @@ def _colossal_gemini(model: str, gpus: int, policy: str, batch: int, tflops: str
         checkpointing="all",
         tokens_per_s_per_gpu=float(tflops) * 1e12 / (8 * gpt2_params(hidden, layers)),
         dtype="fp16",
-        offload=1.0 if policy == "cpu" else None,
-        mismatches=COLOSSAL_GEMINI_MISMATCHES + (COLOSSAL_GEMINI_POLICY[policy],),
+        offload=1.0,  # every policy but 'cuda' keeps the fp32 chunks and Adam on the host (GEMINI_HOST_ADAM)
+        prefetch=0,
+        cache_blocks="all" if policy == "auto" else None,
+        mismatches=COLOSSAL_GEMINI_MISMATCHES + (GEMINI_HOST_ADAM, GEMINI_SYNCHRONOUS, COLOSSAL_GEMINI_POLICY[policy]),
     )
 
 

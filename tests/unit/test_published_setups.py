@@ -81,7 +81,13 @@ def test_gemini_rows_reproduce_their_tflops_with_the_profiles_parameter_count():
         cells = [cell.strip() for cell in setup.row.split(";")[0].split("|")[1:-1]]
         model, gpus, policy, tp, batch, tflops = cells[:6]
         assert (int(gpus), int(tp), int(batch)) == (setup.gpus, 1, setup.micro_batch_size)
-        assert setup.offload == (1.0 if policy == "cpu" else None)
+        # Every policy but 'cuda' keeps the fp32 master and Adam on the host (ZeroDDP's cpu_offload); Gemini
+        # fetches synchronously (prefetch 0); 'auto' keeps every gathered fp16 chunk on the 80 GB card.
+        assert setup.offload == 1.0 and setup.prefetch == 0 and not setup.first_step_in_window
+        assert setup.cache_blocks == ("all" if policy == "auto" else None)
+        pinned = bench_published.pinned_choices(setup)
+        assert pinned["offload"] == 1.0 and pinned["prefetch"] == 0
+        assert pinned.get("cache_blocks") == setup.cache_blocks
         params = bench_published.profile_of(setup).num_params
         assert params == gpt2_params(*setup.gpt[:2])  # the analytic profile counts what the script counted
         assert setup.tokens_per_s_per_gpu * 8 * params == pytest.approx(float(tflops) * 1e12)
@@ -107,6 +113,11 @@ def test_colossalai_rows_reproduce_their_quoted_figures():
         # Offloading is pinned where the strategy fixes it, and left to the search for Gemini's 'auto'.
         expected = 1.0 if "offload" in cells[0] else None if "auto" in cells[0] else 0.0
         assert setup.offload == expected
+        # Gemini fetches synchronously; DeepSpeed and DDP overlap (the search picks the prefetch).
+        assert setup.prefetch == (0 if "colssalai" in cells[0] else None)
+        # The figure is the progress bar's average over the last epoch: with one epoch of 3 steps it
+        # holds the run's first step; with the defaults (2 epochs of 4) it does not.
+        assert setup.first_step_in_window == ("--epochs 1 --steps_per_epoch 3" in setup.row)
     # The 18B row by hand: one 1024-token sample per step of 39.32 s.
     assert rows[0].name == "GPT-2 18B 1xA100-40G (ZeRO-3 offload)"
     assert rows[0].tokens_per_s_per_gpu == pytest.approx(26.04, abs=0.01)
@@ -158,3 +169,27 @@ def test_a_speedup_reason_names_the_choices_and_the_parts_that_shrink():
     reason = bench_published.speedup_reason(pinned, free)
     assert reason.startswith("micro_batch_size 16 -> 2; checkpointing 1 -> 0; layout tp2 -> dp only: ")
     assert reason.index("recompute_s") < reason.index("compute_s 3") < reason.index("tensor_comm_s")
+
+
+def test_rows_whose_window_holds_the_first_step_are_summarised_apart():
+    def row(name, ratio, first_step=False):
+        return {
+            "name": name,
+            "ratio": ratio,
+            "defines_bound": False,
+            "first_step_in_window": first_step,
+            "published_tokens_per_s_per_gpu": 100.0,
+            "pinned": {},
+            "free": {"error": "none"},
+        }
+
+    rows = [row("a", 1.02), row("b", 0.95), row("c", 1.3), row("d", 14.0, True), row("e", 2.0, True)]
+    summary = bench_published.summary(rows)
+    assert summary["compared"] == 5 and summary["beyond_25pct"] == 3
+    assert summary["steady"]["compared"] == 3 and summary["steady"]["beyond_25pct"] == 1
+    assert summary["steady"]["median_abs_error"] == pytest.approx(0.05)
+    assert summary["first_step"]["compared"] == 2 and summary["first_step"]["beyond_25pct"] == 2
+    # Rows of an older report carry no flag: they count as steady.
+    del rows[0]["first_step_in_window"]
+    assert bench_published.summary(rows)["steady"]["compared"] == 3
+    assert "`f`" in bench_published.table_row(rows[3]) and "`f`" not in bench_published.table_row(rows[0])
