@@ -171,6 +171,11 @@ def run_family(case: dict, rank: int, world: int, out_path: str) -> dict:
         result["resumed_losses"] = mean_over_ranks(train(steps[1:]), world)
         resumed = model.state_dict()
         result["resumed_equal"] = rank != 0 or all(torch.equal(resumed[k], v) for k, v in state.items())
+        ids = steps[0][0][0]["input_ids"]
+        try:  # position ids that are not one per token: refused on every rank alike, before any stage runs
+            model.forward_backward([{"input_ids": ids, "labels": ids, "position_ids": ids[:, 1:]}])
+        except ValueError as error:
+            result["bad_positions_error"] = str(error)
     frozen_slots = [slot for chunk in engine.chunks if chunk.frozen for slot in chunk.slots]
     table = plan.model.tensor_layout
     result.update(

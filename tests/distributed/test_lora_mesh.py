@@ -4,9 +4,10 @@ PEFT: one launch at world 4 (gloo, CPU; lora_mesh_worker.py), tiny models of sev
 
 * LoRA at pipeline 2 x tensor 2 (1d), adapters on q, v and down projections, the base in frozen chunks
   holding each rank's tensor pieces: Llama (sequence parallel, half of the chunks offloaded, a checkpoint
-  saved after step 1 and loaded to repeat step 2 bitwise), Qwen2 (the frozen embedding tied to the head,
-  shared by both stages; padded micro-batches), Qwen3 (per-head norms, no sequence parallelism) and
-  Gemma2 (four norms per block, tied, soft-capped logits), the last two on packed rows.
+  saved after step 1 and loaded to repeat step 2 bitwise; position ids of the wrong shape refused), Qwen2
+  (the frozen embedding tied to the head, shared by both stages; padded micro-batches), Qwen3 (per-head
+  norms, no sequence parallelism) and Gemma2 (four norms per block, tied, soft-capped logits), the last two
+  on packed rows.
 * Packed rows (``position_ids`` restarting at each sample, no mask) at pipeline 2 x data 2 on GPT-2, whose
   learned positions read them on the first stage, besides the packed LoRA cases above. Each packed case
   also shows that the rows' samples would see each other without their ``position_ids``.
@@ -75,6 +76,10 @@ def test_lora_and_packed_rows_on_stages_equal_plain_transformers(world4, index):
         assert abs(packed - leaky) / packed > LEAK_REL, (packed, leaky)
     if case.get("resume"):  # the checkpoint of step 1 repeats step 2 bitwise
         assert first["resumed_losses"] == first["losses"][1:] and all(row["resumed_equal"] for row in ranks)
+        for row in ranks:
+            assert row["bad_positions_error"].startswith(
+                "micro-batch 0: position_ids has shape (2, 7), input_ids (2, 8)"
+            )
 
 
 def test_lora_on_stages_of_tensor_pieces_saves_the_adapter_and_merged_model_peft_gives(world4):

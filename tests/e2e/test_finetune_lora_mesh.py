@@ -3,9 +3,10 @@ packed chat rows: a Llama-style directory -> ``elixir-tune profile DIR --lora-ra
 --loop forward_backward --fix pipeline=2 --fix tensor=2`` -> ``elixir-run plan.yaml finetune ... --packing
 --save-pretrained OUT --merge-lora`` on 4 CPU workers (one job).
 
-Checks: the plan is pipeline 2 x tensor 2 with the base in frozen chunks; the job trains and evaluates (packed
-rows through both stages of tensor pieces); OUT is a plain transformers model (the adapters merged) whose
-token-weighted loss over the same eval batches in one process equals the job's last evaluation (1e-5).
+Checks: the plan is pipeline 2 x tensor 2 with the base in frozen chunks on both stages; the job trains on packed
+rows (their position ids through both stages of tensor pieces) and evaluates; OUT is a plain transformers model
+(the adapters merged) whose token-weighted loss over the same eval batches in one process equals the job's last
+evaluation (1e-5).
 """
 
 from __future__ import annotations
