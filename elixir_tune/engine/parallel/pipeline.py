@@ -306,6 +306,12 @@ class Pipeline:
                 f"a pipeline plan feeds input_ids, attention_mask and position_ids to the model; the micro-batches "
                 f"also have {extra}: drop them, or read them in forward_backward(..., loss_fn=...)"
             )
+        if self.adapter.boundary.grid and any(batch.get("position_ids") is not None for batch in micro_batches):
+            raise ValueError(
+                "position_ids with 2d tensor parallelism: each grid row runs its own samples, but the positions "
+                "would reach the attention for every sample; drop position_ids (and packed rows), or search "
+                "for a 1d tensor plan"
+            )
         for index, batch in enumerate(micro_batches):
             for key in MODEL_INPUTS:
                 value = batch.get(key)
