@@ -78,14 +78,18 @@ EXPERT_LIMIT_REASONS = {
 def frozen_layout_problem(stages: int, tensor_degree: int, tensor_mode: str = "1d") -> str:
     """Why a layout cannot hold frozen chunks (a LoRA base, docs/DESIGN.md 9.9); "" when it can.
 
-    Frozen chunks run with data parallelism, with pipeline stages and with 1d tensor parallelism,
-    each tested against plain PEFT; pipeline and tensor together, and 2d, are not tested with them yet.
+    Frozen chunks run with data parallelism, with pipeline stages, with 1d tensor parallelism and with
+    pipeline stages x 1d tensor parallelism, each tested against plain PEFT; 2d tensor parallelism is not
+    tested with them yet.
+
+    Args:
+        stages: pipeline stages.
+        tensor_degree: tensor degree.
+        tensor_mode: ``1d`` or ``2d``.
+
+    Returns:
+        The reason, or "" when the engine runs frozen chunks under the layout.
     """
-    if stages > 1 and tensor_degree > 1:
-        return (
-            f"frozen chunks (a LoRA base) run with pipeline stages or tensor parallelism, not both at once yet "
-            f"(pipeline stages {stages}, tensor degree {tensor_degree})"
-        )
     if tensor_degree > 1 and tensor_mode != "1d":
         return f"frozen chunks (a LoRA base) run with 1d tensor parallelism, not {tensor_mode} yet"
     return ""

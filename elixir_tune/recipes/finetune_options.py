@@ -3,8 +3,8 @@
 Data: ``--data``, ``--format``, ``--text-mode``, ``--packing``, ``--eval-fraction`` and ``--eval-data`` map to
 ``elixir_tune.data.DataSpec`` (``data_spec``); ``data_problems`` runs ``inspect_data`` (the file parses and fits a
 format) and the checks that need the tokenizer or the plan: messages need a chat template, the non-text formats a
-tokenizer, and packed rows (``position_ids``, no ``attention_mask``) reach the model only under a plain or 1D
-tensor plan. LoRA: ``--lora-rank R`` (> 0 turns it on), ``--lora-alpha``, ``--lora-dropout``, ``--lora-targets``
+tokenizer, and packed rows (``position_ids``, no ``attention_mask``) reach the model under data-parallel, pipeline
+and 1D tensor plans (each pipeline stage passes the micro-batch's position ids to the model), not under a 2D one. LoRA: ``--lora-rank R`` (> 0 turns it on), ``--lora-alpha``, ``--lora-dropout``, ``--lora-targets``
 give ``apply_lora``'s arguments (``lora_options``); the plan's ``model.lora`` must be what they give, since the
 profile and the search priced that model (``lora_plan_problem``); ``lora_flags`` writes a profile's settings back
 as these options (search prints them). Nothing heavy is imported at module level.
@@ -168,11 +168,6 @@ def data_problems(args: argparse.Namespace, plan) -> tuple[list[str], str | None
         if path and not Path(path).exists()
     ]
     problems = list(missing)
-    if args.packing and plan.parallel.pipeline.stages > 1:
-        problems.append(
-            f"--packing: a pipeline plan ({plan.parallel.pipeline.stages} stages) does not carry the packed rows' "
-            "position_ids between stages; search with --fix pipeline=1, or drop --packing"
-        )
     if args.packing and plan.parallel.tensor.degree > 1 and plan.parallel.tensor.mode == "2d":
         problems.append(
             "--packing: a 2D tensor plan does not carry the packed rows' position_ids; search for a 1D tensor "

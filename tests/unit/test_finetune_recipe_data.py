@@ -1,7 +1,7 @@
 """The fine-tuning recipe's data path in one process (world 1): its options become ``elixir_tune.data``'s DataSpec
 and each format reaches the batches the loop trains on; the preflight (elixir-run's process, before any worker)
 gives one line per bad input: a file that fits no format, messages without a chat template, --packing under a
-pipeline or 2D tensor plan, LoRA options that are not the plan's, --merge-lora without LoRA."""
+2D tensor plan (a pipeline plan carries it), LoRA options that are not the plan's, --merge-lora without LoRA."""
 
 from __future__ import annotations
 
@@ -136,9 +136,8 @@ def test_packing_is_refused_where_the_plan_does_not_carry_position_ids(files):
     plain = load_plan(str(EXAMPLE_PLAN))
     assert data_problems(args, plain) == ([], "messages")
     pipeline = copy.deepcopy(plain)
-    pipeline.parallel.pipeline.stages = 2
-    (line,) = data_problems(args, pipeline)[0]
-    assert line.startswith("--packing: a pipeline plan (2 stages) does not carry the packed rows' position_ids")
+    pipeline.parallel.pipeline.stages = 2  # every stage passes the position ids to the model
+    assert data_problems(args, pipeline) == ([], "messages")
     grid = copy.deepcopy(plain)
     grid.parallel.tensor.degree, grid.parallel.tensor.mode = 4, "2d"
     (line,) = data_problems(args, grid)[0]

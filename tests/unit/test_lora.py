@@ -160,7 +160,7 @@ def test_plan_fields_round_trip_and_their_checks(lora_plan):
     assert any("no chunk is frozen" in p for p in validate(unfrozen))
     both = copy.deepcopy(raw)
     both["parallel"] = {"pipeline": {"stages": 2}, "tensor": {"degree": 2}}
-    assert any("not both at once" in p for p in validate(both))
+    assert not any("frozen chunks (a LoRA base)" in p for p in validate(both))  # pipeline x 1d tensor runs them
     grid = copy.deepcopy(raw)
     grid["parallel"] = {"tensor": {"degree": 4, "mode": "2d"}}
     assert any("frozen chunks (a LoRA base) run with 1d tensor parallelism" in p for p in validate(grid))
@@ -183,13 +183,18 @@ def test_the_search_makes_valid_lora_plans_on_stages_and_tensor_pieces(lora_prof
         assert plan.model.tensor_layout and any(q_proj in chunk.params for chunk in frozen)
 
 
-def test_the_search_refuses_pinned_layouts_that_frozen_chunks_do_not_run(lora_profile):
+def test_the_search_makes_valid_lora_plans_on_stages_of_tensor_pieces(lora_profile):
     profile, _ = lora_profile
-    fixed = {"pipeline": 2, "tensor": 2, "micro_batch_size": 2}
-    with pytest.raises(ValueError, match="not both at once"):
-        search(
-            profile, load_hardware("cpu"), gpus_per_node=4, global_batch_size=4, fixed=fixed, loop="forward_backward"
-        )
+    fixed = {"pipeline": 2, "tensor": 2, "chunk_size": 2048, "checkpointing": "none", "micro_batch_size": 2}
+    plan = search(
+        profile, load_hardware("cpu"), gpus_per_node=4, global_batch_size=4, fixed=fixed, loop="forward_backward"
+    ).plan
+    assert not validate(plan)
+    assert (plan.parallel.pipeline.stages, plan.parallel.tensor.degree, plan.parallel.tensor.mode) == (2, 2, "1d")
+    frozen = [chunk for chunk in plan.memory.chunks if chunk.frozen]
+    assert {chunk.stage for chunk in frozen} == {0, 1}
+    q_proj = "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
+    assert plan.model.tensor_layout and any(q_proj in chunk.params for chunk in frozen)
 
 
 def test_setup_refuses_a_model_whose_adapters_or_frozen_parameters_differ_from_the_plan(

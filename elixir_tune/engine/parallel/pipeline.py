@@ -70,23 +70,32 @@ from elixir_tune.plan.stages import schedule_problem
 class VirtualStage(nn.Module):
     """One virtual stage's forward: [embeddings], its blocks, [final norm and head], through the model's own
     forward (``StageAdapter.run``); ``micro_batch`` (the schedule passes it to every stage) picks the
-    micro-batch's padding mask, which every rank of the pipeline has (it was fed the same micro-batches)."""
+    micro-batch's padding mask and position ids, which every rank of the pipeline has (it was fed the same
+    micro-batches)."""
 
     def __init__(
-        self, adapter: StageAdapter, blocks: list[int], first: bool, last: bool, masks: Callable[[], Sequence[Any]]
+        self,
+        adapter: StageAdapter,
+        blocks: list[int],
+        first: bool,
+        last: bool,
+        model_inputs: Callable[[], Sequence[dict[str, torch.Tensor]]],
     ):
         super().__init__()
         self.adapter = adapter  # not a module: the model's modules stay registered in the model only
         self.block_indices = blocks
         self.first, self.last = first, last
-        self.masks = masks
+        self.model_inputs = model_inputs
 
     def forward(self, inputs: torch.Tensor, micro_batch: torch.Tensor) -> torch.Tensor:
-        mask = self.masks()[int(micro_batch.reshape(-1)[0])]
-        return self.adapter.run(inputs, self.block_indices, self.first, self.last, mask)
+        extra = self.model_inputs()[int(micro_batch.reshape(-1)[0])]
+        return self.adapter.run(inputs, self.block_indices, self.first, self.last, extra)
 
 
 LossFn = Callable[[Any, dict], torch.Tensor]
+# The micro-batch keys every stage passes to the model's forward besides the ids (read from its own copy of
+# the micro-batches): the padding mask and the position ids (restarting at each sample of a packed row).
+MODEL_INPUTS = ("attention_mask", "position_ids")
 MAX_SCHEDULES = 8  # schedules kept, one per (micro-batch count, padded input shape)
 
 
@@ -114,7 +123,8 @@ class Pipeline:
         self.mine = [i for i, (stage, _) in enumerate(layout.virtual) if stage == self.stage]
         self._schedules: dict[tuple, Any] = {}
         self._batches: Sequence[dict] = ()
-        self._masks: list[torch.Tensor | None] = []  # the step's padding masks, one per micro-batch
+        # The step's model inputs besides the ids, one dict per micro-batch: its padding mask, its position ids.
+        self._model_inputs: list[dict[str, torch.Tensor]] = []
         self._loss_fn: LossFn | None = None
         self._scales: list[Any] = []  # each micro-batch loss's factor in this step
         # Shared (tied) chunks: one group per set of stages sharing chunks, at this data/tensor index.
@@ -227,7 +237,9 @@ class Pipeline:
         last = len(virtual) - 1
         stages = []
         for index in self.mine:
-            module = VirtualStage(self.adapter, virtual[index][1], index == 0, index == last, lambda: self._masks)
+            module = VirtualStage(
+                self.adapter, virtual[index][1], index == 0, index == last, lambda: self._model_inputs
+            )
             stages.append(
                 torch_pipelining.PipelineStage(
                     module,
@@ -270,53 +282,75 @@ class Pipeline:
             loss = output.loss
         return loss * self._scales[int(target.reshape(-1)[0])]
 
-    def _step_inputs(self, micro_batches: Sequence[dict], loss_fn: LossFn | None) -> tuple[torch.Tensor, list]:
+    def _step_inputs(
+        self, micro_batches: Sequence[dict], loss_fn: LossFn | None
+    ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
         """The step's ``input_ids`` (micro-batches one after the other, each padded at the end to the longest)
-        and each micro-batch's padding mask (None for all when none has one and all have one length)."""
+        and each micro-batch's other model inputs: its padding mask and its position ids, where it has them.
+
+        A micro-batch's position ids (packed rows: ``elixir_tune/data/packing.py``) go to the model's forward on
+        every stage, which builds the rotary or learned positions and, when there is no padding mask, the
+        block-diagonal mask of the packed samples from them. Padding a micro-batch with position ids and no
+        mask gives the padded tail positions restarting at 0, a sequence of its own that no real token sees
+        (adding a mask instead would turn transformers' packed-sequence mask off)."""
         shapes = [tuple(batch["input_ids"].shape) if "input_ids" in batch else None for batch in micro_batches]
         if None in shapes or any(len(shape) != 2 for shape in shapes if shape) or len({s[0] for s in shapes if s}) != 1:
             raise ValueError(
                 "a pipeline plan's micro-batches each need input_ids of shape (batch, length), the same batch size "
                 f"in all (the stages exchange activations of one shape); got shapes {[str(s) for s in shapes]}"
             )
-        extra = sorted({key for batch in micro_batches for key in batch} - {"input_ids", "labels", "attention_mask"})
+        carried = ("input_ids", "labels", *MODEL_INPUTS)
+        extra = sorted({key for batch in micro_batches for key in batch} - set(carried))
         if extra and loss_fn is None:
             raise ValueError(
-                f"a pipeline plan feeds input_ids and attention_mask to the model; the micro-batches also have "
-                f"{extra}: drop them, or read them in forward_backward(..., loss_fn=...)"
+                f"a pipeline plan feeds input_ids, attention_mask and position_ids to the model; the micro-batches "
+                f"also have {extra}: drop them, or read them in forward_backward(..., loss_fn=...)"
+            )
+        if self.adapter.boundary.grid and any(batch.get("position_ids") is not None for batch in micro_batches):
+            raise ValueError(
+                "position_ids with 2d tensor parallelism: each grid row runs its own samples, but the positions "
+                "would reach the attention for every sample; drop position_ids (and packed rows), or search "
+                "for a 1d tensor plan"
             )
         for index, batch in enumerate(micro_batches):
-            mask = batch.get("attention_mask")
-            if mask is not None and tuple(mask.shape) != tuple(batch["input_ids"].shape):
-                raise ValueError(
-                    f"micro-batch {index}: attention_mask has shape {tuple(mask.shape)}, input_ids "
-                    f"{tuple(batch['input_ids'].shape)}; a padding mask has one entry per token"
-                )
+            for key in MODEL_INPUTS:
+                value = batch.get(key)
+                if value is not None and tuple(value.shape) != tuple(batch["input_ids"].shape):
+                    raise ValueError(
+                        f"micro-batch {index}: {key} has shape {tuple(value.shape)}, input_ids "
+                        f"{tuple(batch['input_ids'].shape)}; a pipeline plan takes one {key} entry per token"
+                    )
         longest = self.adapter.boundary.padded_length(max(shape[1] for shape in shapes if shape))
         padded = any(shape[1] != longest for shape in shapes if shape)
         device = self.engine.device
-        ids, masks = [], []
+        ids, model_inputs = [], []
         for batch in micro_batches:
             batch_ids = batch["input_ids"].to(device)
-            mask = batch.get("attention_mask")
-            if mask is None and padded:
+            mask, positions = batch.get("attention_mask"), batch.get("position_ids")
+            if mask is None and positions is None and padded:
                 mask = torch.ones_like(batch_ids)
             pad = longest - batch_ids.shape[1]
             ids.append(torch.nn.functional.pad(batch_ids, (0, pad)) if pad else batch_ids)
-            # The padded tail is masked: no real token attends to it, and its logits are cut off before the loss.
-            masks.append(None if mask is None else torch.nn.functional.pad(mask.to(device), (0, pad)))
-        return torch.cat(ids), masks
+            inputs: dict[str, torch.Tensor] = {}
+            if mask is not None:
+                # The padded tail is masked: no real token attends to it, and its logits are cut off before the loss.
+                inputs["attention_mask"] = torch.nn.functional.pad(mask.to(device), (0, pad))
+            if positions is not None:
+                tail = torch.arange(pad, dtype=positions.dtype, device=device).expand(positions.shape[0], pad)
+                inputs["position_ids"] = torch.cat([positions.to(device), tail], dim=1)
+            model_inputs.append(inputs)
+        return torch.cat(ids), model_inputs
 
     def forward_backward(
         self, micro_batches: Sequence[dict], loss_fn: LossFn | None, weights: list[float] | None = None
     ) -> torch.Tensor:
         """All micro-batches of a step through the pipeline; the step's loss on every rank (``weights``:
         each micro-batch's token weight, engine/token_weights.py; None: the mean of the micro-batch losses)."""
-        ids, masks = self._step_inputs(micro_batches, loss_fn)
+        ids, model_inputs = self._step_inputs(micro_batches, loss_fn)
         engine = self.engine
         count = len(micro_batches)
         schedule = self._schedule(count, (ids.shape[0] // count, ids.shape[1]))
-        self._batches, self._loss_fn, self._masks = micro_batches, loss_fn, masks
+        self._batches, self._loss_fn, self._model_inputs = micro_batches, loss_fn, model_inputs
         loss_scale = engine.loss_scale()
         self._scales = [loss_scale / count] * count if weights is None else [loss_scale * w for w in weights]
         before = [chunk.grad.clone() for chunk, _ in self.shared]
@@ -338,7 +372,7 @@ class Pipeline:
             engine.end_held_grads(flush=False)
             raise
         finally:
-            self._batches, self._loss_fn, self._masks = (), None, []
+            self._batches, self._loss_fn, self._model_inputs = (), None, []
             self._held.clear()  # the engine stages (or drops) what is left, without hooks
             self._held_now = 0
         engine.end_held_grads()

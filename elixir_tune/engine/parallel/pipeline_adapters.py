@@ -24,6 +24,7 @@ exactly as in an unsplit forward.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, cast
 
 import torch
@@ -105,7 +106,12 @@ class StageAdapter:
         ]
 
     def run(
-        self, inputs: torch.Tensor, block_indices: list[int], first: bool, last: bool, attention_mask: Any
+        self,
+        inputs: torch.Tensor,
+        block_indices: list[int],
+        first: bool,
+        last: bool,
+        model_inputs: Mapping[str, torch.Tensor],
     ) -> torch.Tensor:
         """One virtual stage's forward through the model's own forward.
 
@@ -114,7 +120,8 @@ class StageAdapter:
             block_indices: the stage's blocks (consecutive).
             first: the stage runs block 0 (and the modules before it).
             last: the stage runs the last block (and the modules after it, and the head).
-            attention_mask: the micro-batch's padding mask (None: none).
+            model_inputs: the micro-batch's other inputs to the model's forward: ``attention_mask`` (its padding
+                mask) and ``position_ids`` (packed rows), where it has them.
 
         Returns:
             The hidden states after the stage's last block, or the logits on the last stage.
@@ -132,7 +139,7 @@ class StageAdapter:
         self.body._modules.update(swapped)
         try:
             feed = {"input_ids": inputs} if first else {"inputs_embeds": self.boundary.widen(inputs)}
-            output = self.model(**feed, attention_mask=attention_mask, use_cache=False)
+            output = self.model(**feed, **model_inputs, use_cache=False)
         except _StageDone as done:
             if last:
                 raise

@@ -44,6 +44,7 @@ class StageBoundary:
     def __init__(self, split: TensorSplit | None = None):
         self.split = split
         grid = split is not None and split.mode == "2d"
+        self.grid = grid  # each rank runs its grid row's samples only
         self.sharded = split is not None and (grid or split.sequence_parallel)
         # How many ways one rank's piece divides (batch, sequence, hidden): 1d sequence shards, or the
         # 2d grid's samples over its rows and hidden features over its columns.
