@@ -102,14 +102,18 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
     # The ranks are still in step: the next collectives (the full weights gathered to rank 0) work.
     state = model.state_dict()
     report = {
+        "base": str(base),
         "error": error,
         "save_s": save_s,
         "in_step": rank != 0 or all(bool(torch.isfinite(v).all()) for v in state.values() if v.is_floating_point()),
     }
+    after = _tree_hashes(good) if rank == 0 else {}
+    leftovers = sorted(str(p.relative_to(base)) for p in base.rglob("*") if ".tmp" in p.name) if rank == 0 else []
+    # The same save with the harm gone succeeds, in place of the previous one.
+    _save(case, model, opt, good, 3)
     if rank == 0:
-        report["before"] = before
-        report["after"] = _tree_hashes(good)
-        report["leftovers"] = sorted(str(p.relative_to(base)) for p in base.rglob("*") if ".tmp" in p.name)
+        report.update(before=before, after=after, leftovers=leftovers, retried=_tree_hashes(good))
+        report["retry_leftovers"] = sorted(str(p.relative_to(base)) for p in base.rglob("*") if ".tmp" in p.name)
     return report
 
 
