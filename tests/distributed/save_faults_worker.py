@@ -2,7 +2,9 @@
 
 Run by ``engine_launch.py`` (argv: cases.json, output prefix). Each case is a dict:
 
-* ``save``: ``"pretrained"`` (``elixir_tune.save_pretrained``) or ``"checkpoint"`` (``save_checkpoint``);
+* ``save``: ``"pretrained"`` (``elixir_tune.save_pretrained``), ``"checkpoint"`` (``save_checkpoint``), or
+  ``"recipe_adapter"`` (the finetune recipe's ``write_usable_dir`` of a LoRA model: PEFT's files, written by
+  rank 0 alone after the last collective, on a tiny Llama);
 * ``stages``: 1 (a data-parallel plan on every rank) or 2 (a pipeline of 2 stages);
 * ``harm``: what makes rank 0's write fail: ``"file_too_large"`` (a file size limit of a few KiB on rank 0
   alone, ``RLIMIT_FSIZE``: the kernel answers EFBIG mid-file, as a full disk answers ENOSPC), or
@@ -17,6 +19,7 @@ of every file under the target before and after the failed save.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import resource
 import signal
@@ -31,6 +34,7 @@ from tests.distributed.engine_plans import make_plan
 from tests.distributed.torch_reference import MICRO, SEQ, build_stage_family, stage_family_batches
 
 ACCUM = 2
+LORA_OPTIONS = dict(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0, lora_targets=["q_proj", "v_proj"])
 SIZE_LIMIT_BYTES = 4096  # rank 0's file size limit under "file_too_large": each save writes more than that
 
 
@@ -45,10 +49,16 @@ def _tree_hashes(root: Path) -> dict[str, str]:
     }
 
 
-def _save(case: dict, model, opt, target: Path, step: int) -> Path:
+def _save(case: dict, model, opt, target: Path, step: int) -> None:
     if case["save"] == "pretrained":
-        return elixir_tune.save_pretrained(model, target, max_shard_size=case.get("max_shard_size", "5GB"))
-    return elixir_tune.save_checkpoint(target, model, opt, step=step)
+        elixir_tune.save_pretrained(model, target, max_shard_size=case.get("max_shard_size", "5GB"))
+    elif case["save"] == "recipe_adapter":  # the finetune recipe's --save-pretrained with --lora-rank
+        from elixir_tune.recipes.finetune import write_usable_dir
+
+        options = dict(save_pretrained=str(target), max_shard_size="5GB", merge_lora=False, **LORA_OPTIONS)
+        write_usable_dir(model, target.parent, argparse.Namespace(**options), dist.get_rank())
+    else:
+        elixir_tune.save_checkpoint(target, model, opt, step=step)
 
 
 def _train_step(model, opt, batches: list[dict]) -> None:
@@ -65,13 +75,19 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
     data = world // stages
     base = Path(out_path).parent / f"case-{index}"
     good = base / "out"  # the first save's place; the failed save goes there too, unless the harm says otherwise
+    lora = case["save"] == "recipe_adapter"
     with quiet_transformers():
-        model, opt = build_stage_family("gpt2")
+        model, opt = build_stage_family("llama" if lora else "gpt2")
+        if lora:
+            from elixir_tune.lora import apply_lora
+
+            model = apply_lora(model, rank=4, alpha=8.0, dropout=0.0, target_modules=LORA_OPTIONS["lora_targets"])
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         stage_plan = resolve_stage_plan(model)
         assert not isinstance(stage_plan, str), stage_plan
         plan = make_plan(
             model, world, 4096, block_list=stage_plan.block_list, micro_batch_size=MICRO, grad_accum_steps=ACCUM,
-            seq_len=SEQ, stages=stages,
+            seq_len=SEQ, stages=stages, frozen_chunks=lora,
         )  # fmt: skip
         model, opt = elixir_tune.setup(model, opt, plan=plan)
     steps = stage_family_batches(2, data)

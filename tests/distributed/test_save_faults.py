@@ -2,9 +2,11 @@
 
 Rank 0 writes for real into a place it cannot write: a file size limit of 4 KiB on rank 0 alone
 (``RLIMIT_FSIZE``: the kernel answers EFBIG in the middle of a file, as a full disk answers ENOSPC), or
-a target under a regular file (ENOTDIR). Five cases in one launch: ``save_pretrained`` under a
-data-parallel plan (both harms, several files) and a pipeline of 2 stages, and ``save_checkpoint``
-under both plans. Each saves a good copy first, then fails, then saves again with the harm gone.
+a target under a regular file (ENOTDIR). Six cases in one launch: ``save_pretrained`` under a
+data-parallel plan (both harms, several files) and a pipeline of 2 stages, ``save_checkpoint``
+under both plans, and the finetune recipe's ``--save-pretrained`` of a LoRA adapter (PEFT writes on
+rank 0 alone after the last collective: before, rank 0 failed alone and the others exited 0). Each
+saves a good copy first, then fails, then saves again with the harm gone.
 
 Every rank must raise the same one-line error naming rank 0, the file and the cause, within seconds
 (a rank left in a collective would wait for the collective timeout, set to 60 s here: the launch's
@@ -26,6 +28,7 @@ CASES = [
     dict(save="pretrained", stages=2, harm="file_too_large", max_shard_size="20KB"),
     dict(save="checkpoint", stages=1, harm="file_too_large"),
     dict(save="checkpoint", stages=2, harm="not_a_directory"),
+    dict(save="recipe_adapter", stages=1, harm="not_a_directory"),
 ]
 IDS = [f"{c['save']}-stages{c['stages']}-{c['harm']}" for c in CASES]
 BOUND_S = 20.0  # a failed save ends this fast on every rank (measured well under 1 s)
@@ -40,6 +43,8 @@ def results() -> list[list[dict]]:
 
 
 def _expected_error(case: dict) -> str:
+    if case["save"] == "recipe_adapter":  # PEFT's writer on rank 0, after the last collective
+        return "rank 0 could not write {base}/a-file/out: [Errno 20] Not a directory"
     if case["save"] == "pretrained":
         if case["harm"] == "not_a_directory":
             return "save_pretrained: rank 0 could not create {base}/a-file/out: [Errno 20] Not a directory"
@@ -57,7 +62,7 @@ def test_every_rank_raises_the_same_clear_error_at_once(results, index):
     errors = [result["error"] for result in ranks]
     assert errors[0] == errors[1], errors
     error = errors[0]
-    kind = "SaveError" if CASES[index]["save"] == "pretrained" else "CheckpointError"
+    kind = "CheckpointError" if CASES[index]["save"] == "checkpoint" else "SaveError"
     assert error.startswith(f"{kind}: "), error
     assert "\n" not in error and "Traceback" not in error
     assert _expected_error(CASES[index]).format(base=ranks[0]["base"]) in error, error
@@ -80,7 +85,7 @@ def test_the_previous_copy_is_untouched_and_nothing_half_written_is_left(results
 def test_the_save_succeeds_once_the_cause_is_gone(results, index):
     written = results[index][0]
     assert written["retry_leftovers"] == []
-    if CASES[index]["save"] == "pretrained":  # the same names, new weights (one more step trained)
+    if CASES[index]["save"] != "checkpoint":  # the same names, new weights (one more step trained)
         assert written["retried"].keys() == written["before"].keys()
         changed = [name for name in written["before"] if written["retried"][name] != written["before"][name]]
         assert any(name.endswith(".safetensors") for name in changed), changed
