@@ -303,6 +303,15 @@ def save_checkpoint(
     return final
 
 
+def _read_error(failure: Exception, rank: int) -> str:
+    """A failed read as one line; an OSError the file readers did not turn into a CheckpointError names
+    the rank (a file one rank cannot read, as on a filesystem not mounted alike everywhere)."""
+    if isinstance(failure, CheckpointError):
+        return str(failure)
+    what = getattr(failure, "filename", None) or "the checkpoint"
+    return f"rank {rank} cannot read {what}: " + " ".join(str(failure).split())
+
+
 def _free_text(root: Path) -> str:
     try:
         return files.human_bytes(files.free_bytes(root))
@@ -358,8 +367,8 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer) -> dict:
                 f"{directory / META_NAME} has format {meta['format']!r}; this elixir-tune reads formats up to "
                 f"{FORMAT_VERSION}: upgrade elixir-tune"
             )
-    except CheckpointError as failure:
-        error = str(failure)
+    except (CheckpointError, OSError) as failure:  # a rank that cannot read agrees, then raises
+        error = _read_error(failure, comm.rank)
     _agree(comm, error)
     _note(comm, notes)
     if meta.get("fingerprint") != plan.model.fingerprint:
@@ -380,8 +389,8 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer) -> dict:
         try:
             shard = _read_checked(directory, rank_file_name(comm.rank), records)
             _check_shard(shard, engine, directory / rank_file_name(comm.rank))
-        except CheckpointError as failure:
-            error = str(failure)
+        except (CheckpointError, OSError) as failure:  # a rank that cannot read agrees, then raises
+            error = _read_error(failure, comm.rank)
         _agree(comm, error, prefix=cannot)
         assert shard is not None  # every rank read its shard (_agree raised otherwise)
         _load_shards(shard, engine, optimizer)
@@ -402,8 +411,8 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer) -> dict:
     full, error = None, None
     try:
         full = _read_checked(directory, MODEL_NAME, records)
-    except CheckpointError as failure:
-        error = str(failure)
+    except (CheckpointError, OSError) as failure:  # a rank that cannot read agrees, then raises
+        error = _read_error(failure, comm.rank)
     _agree(comm, error, prefix=cannot)
     with torch.no_grad():
         model.load_state_dict(full)
