@@ -43,6 +43,7 @@ from elixir_tune.recipes.options import (  # noqa: E402
     OptionsError,
     RecipeParser,
     add_training_args,
+    output_problems,
     parse_options,
     resolve_model_dir,
 )
@@ -110,7 +111,7 @@ def preflight(argv: list[str], plan_path: str) -> list[str]:
         args = parse_options(build_parser(), argv, for_preflight=True)
     except OptionsError as error:
         return [f"finetune: {error}"]
-    problems = metric_problems(args) + lora_option_problems(args)
+    problems = metric_problems(args) + output_problems(args) + lora_option_problems(args)
     import elixir_tune
 
     plan = elixir_tune.load_plan(plan_path)
