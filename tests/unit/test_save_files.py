@@ -61,7 +61,9 @@ def test_a_path_under_a_regular_file_is_one_line_naming_the_rank_and_creates_not
     blocker.write_text("x")
     export = ExportDir(blocker / "out", rank=0)
     export.prepare()
-    assert export.error == f"rank 0 could not create {blocker / 'out'}: [Errno 20] Not a directory"
+    assert export.error == (
+        f"rank 0 could not create {blocker / 'out'}: [Errno 20] Not a directory; nothing in {blocker / 'out'} was replaced"
+    )
     export.abort()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
 
@@ -76,7 +78,10 @@ def test_a_failed_save_leaves_an_existing_directory_as_it_was(tmp_path):
     export.fail(f"write {export.final_path('model.safetensors')}", OSError(28, "No space left on device"))
     export.publish()  # refuses: nothing moves after a failure
     export.abort()
-    assert export.error == f"rank 0 could not write {out / 'model.safetensors'}: [Errno 28] No space left on device"
+    assert export.error == (
+        f"rank 0 could not write {out / 'model.safetensors'}: [Errno 28] No space left on device; nothing in {out} was "
+        "replaced"
+    )
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"] and not (out / STAGING_NAME).exists()
     assert (out / "model.safetensors").read_bytes() == before
 
@@ -101,3 +106,12 @@ def test_shared_errors_of_a_world_of_one():
     comm = Comm(0, 1, "local", torch.device("cpu"))
     assert shared_errors(comm, None) == []
     assert shared_errors(comm, "rank 0 could not write x") == ["rank 0 could not write x"]
+
+
+def test_a_rename_that_fails_midway_says_so(tmp_path):
+    out = tmp_path / "out"
+    (out / "model.safetensors.index.json").mkdir(parents=True)  # a directory where the index must go
+    (out / "model.safetensors.index.json" / "x").write_text("x")
+    export = _export(out, {"a": torch.ones(3), "b": torch.zeros(2)}, files=2)
+    assert export.error is not None and export.error.startswith(f"rank 0 could not move the new files into {out}: ")
+    assert export.error.endswith(f"; {out} may hold some of the new files beside the old ones")  # the weights moved

@@ -192,7 +192,7 @@ def _agree(world: Comm, export: ExportDir | None, directory: Path) -> None:
     if errors:
         if export is not None:
             export.abort()
-        raise SaveError(f"save_pretrained: {'; '.join(errors)}; nothing in {directory} was replaced")
+        raise SaveError(f"save_pretrained: {'; '.join(errors)}")
 
 
 def _finish(engine, writer: Writer, dtype: torch.dtype | None) -> None:

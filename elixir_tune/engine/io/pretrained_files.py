@@ -17,6 +17,7 @@ agree on the outcome. What this module promises:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -72,11 +73,17 @@ class ExportDir:
         self.rank = rank
         self.error: str | None = None  # the first failure, one line
         self._created = False  # whether this save created ``directory`` (removed again when it fails)
+        self._moved = False  # whether a new file has replaced one in ``directory`` yet
 
     def fail(self, what: str, failure: BaseException) -> None:
-        """Records the first failure: ``rank R could not WHAT: CAUSE``."""
+        """Records the first failure: ``rank R could not WHAT: CAUSE; what DIR holds now``."""
         if self.error is None:
-            self.error = f"rank {self.rank} could not {what}: {describe_failure(failure)}"
+            outcome = (
+                f"{self.directory} may hold some of the new files beside the old ones"
+                if self._moved
+                else f"nothing in {self.directory} was replaced"
+            )
+            self.error = f"rank {self.rank} could not {what}: {describe_failure(failure)}; {outcome}"
 
     def final_path(self, name: str) -> Path:
         """Where the staged file ``name`` ends up (the name errors show)."""
@@ -125,6 +132,7 @@ class ExportDir:
         try:
             for name in order:
                 os.replace(self.staging / name, self.directory / name)
+                self._moved = True
             stale = [path for path in self.directory.glob("model*.safetensors") if path.name not in staged]
             if INDEX_NAME not in staged:
                 stale.append(self.directory / INDEX_NAME)
@@ -217,12 +225,19 @@ class Writer:
             self.close()
 
     def close(self) -> None:
-        if self.handle is not None:
-            try:
-                self.handle.close()  # flushes: a full disk can show here
-            except OSError as failure:
-                self.export.fail(f"write {self.export.final_path(self.names[self.current])}", failure)
-            self.handle = None
+        """Closes the open file, on disk first (a full disk can show only here)."""
+        handle, self.handle = self.handle, None
+        if handle is None:
+            return
+        try:
+            if self.export.error is None:
+                handle.flush()
+                os.fsync(handle.fileno())  # on disk before the rename makes it the export
+        except OSError as failure:
+            self.export.fail(f"write {self.export.final_path(self.names[self.current])}", failure)
+        finally:
+            with contextlib.suppress(OSError):  # after a failure the buffer's rest fails again: already recorded
+                handle.close()
 
 
 def _save_configs(module: torch.nn.Module, directory: Path, dtype: torch.dtype) -> None:
