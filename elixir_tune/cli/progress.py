@@ -5,6 +5,7 @@ of every step and evaluation, and the metric sinks (TensorBoard, W&B; metrics.py
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 
@@ -103,7 +104,15 @@ class Reporter:
             if self.record["evals"]:
                 self.record["summary"]["last_eval_loss"] = self.record["evals"][-1]["loss"]
                 self.record["summary"]["best_eval_loss"] = min(e["loss"] for e in self.record["evals"])
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         partial = self.log_path.with_suffix(self.log_path.suffix + ".tmp")
-        partial.write_text(json.dumps(self.record, indent=1))
-        partial.replace(self.log_path)
+        try:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            partial.write_text(json.dumps(self.record, indent=1))
+            partial.replace(self.log_path)
+        except OSError as error:  # a full disk stops the log, not the run (the other ranks wait for this one)
+            self.say(
+                f"[bold yellow]warning[/]: cannot write the log {self.log_path} ({error}); training goes on without it"
+            )
+            with contextlib.suppress(OSError):
+                partial.unlink(missing_ok=True)
+            self.log_path = None

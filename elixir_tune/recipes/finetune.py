@@ -43,6 +43,7 @@ from elixir_tune.recipes.options import (  # noqa: E402
     OptionsError,
     RecipeParser,
     add_training_args,
+    output_problems,
     parse_options,
     resolve_model_dir,
 )
@@ -110,7 +111,7 @@ def preflight(argv: list[str], plan_path: str) -> list[str]:
         args = parse_options(build_parser(), argv, for_preflight=True)
     except OptionsError as error:
         return [f"finetune: {error}"]
-    problems = metric_problems(args) + lora_option_problems(args)
+    problems = metric_problems(args) + output_problems(args) + lora_option_problems(args)
     import elixir_tune
 
     plan = elixir_tune.load_plan(plan_path)
@@ -173,30 +174,51 @@ def write_usable_dir(model, model_dir: Path, args, rank: int) -> str:
 
     Returns:
         What was written, for the closing line.
+
+    Raises:
+        SaveError: on every rank, when rank 0 could not write (the message names the rank, the file
+            or directory and the cause): the ranks agree before any returns.
     """
     import elixir_tune
+    from elixir_tune.engine.comm import shared_errors
+    from elixir_tune.engine.io.pretrained_files import SaveError, describe_failure
     from elixir_tune.lora import save_adapter, save_merged
 
     out = args.save_pretrained
-    if lora_options(args) is None:
-        elixir_tune.save_pretrained(model, out, max_shard_size=args.max_shard_size)
-        written = "the model (load it with AutoModelForCausalLM.from_pretrained)"
-    elif args.merge_lora:
-        save_merged(model, out)
-        written = "the model with the LoRA adapters merged (load it with AutoModelForCausalLM.from_pretrained)"
-    else:
-        save_adapter(model, out)
-        written = f"the LoRA adapter (load it with PeftModel.from_pretrained(base, {out}))"
-    if rank != 0:
-        return written
+    error = None
+    # Rank 0 writes the adapter, the merged model and the tokenizer files alone, after the last collective:
+    # a failure there must reach the other ranks as well (shared_errors below), or they would exit 0.
+    try:
+        if lora_options(args) is None:
+            elixir_tune.save_pretrained(model, out, max_shard_size=args.max_shard_size)
+            written = "the model (load it with AutoModelForCausalLM.from_pretrained)"
+        elif args.merge_lora:
+            save_merged(model, out)
+            written = "the model with the LoRA adapters merged (load it with AutoModelForCausalLM.from_pretrained)"
+        else:
+            save_adapter(model, out)
+            written = f"the LoRA adapter (load it with PeftModel.from_pretrained(base, {out}))"
+        if rank == 0:
+            _write_tokenizer_files(model_dir, Path(out), args)
+    except SaveError as failure:  # save_pretrained's: already the same on every rank
+        error = str(failure)
+    except Exception as failure:  # noqa: BLE001  (PEFT's, transformers' and the tokenizer's writers)
+        error = f"rank {rank} could not write {out}: {describe_failure(failure)}"
+    errors = shared_errors(model.engine.mesh.world, error)
+    if errors:
+        raise SaveError("; ".join(errors))
+    return written
+
+
+def _write_tokenizer_files(model_dir: Path, out: Path, args) -> None:
+    """Rank 0: the source's tokenizer files and, for a full model, its generation config."""
     tokenizer = load_tokenizer(model_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     source_generation = model_dir / "generation_config.json"
     if source_generation.is_file() and (lora_options(args) is None or args.merge_lora):
         # the source's sampling defaults win over the one derived from config
-        shutil.copyfile(source_generation, Path(out) / "generation_config.json")
-    return written
+        shutil.copyfile(source_generation, out / "generation_config.json")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -273,9 +295,15 @@ def main(argv: list[str] | None = None) -> int:
         world=world,
     )
     if code == 0 and args.save_pretrained:
-        written = write_usable_dir(model, model_dir, args, rank)
-        if rank == 0:
-            print(f"wrote {args.save_pretrained}: {written}", flush=True)
+        from elixir_tune.engine.io.pretrained_files import SaveError
+
+        try:
+            written = write_usable_dir(model, model_dir, args, rank)
+        except SaveError as error:  # every rank has the same one-line error; the checkpoints are kept
+            code = fail_once(str(error), rank)
+        else:
+            if rank == 0:
+                print(f"wrote {args.save_pretrained}: {written}", flush=True)
     if code == 0 and dist.is_initialized():
         dist.destroy_process_group()
     return code

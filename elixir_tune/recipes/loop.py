@@ -25,7 +25,9 @@ import torch.distributed as dist
 
 import elixir_tune
 from elixir_tune.cli.progress import Reporter
+from elixir_tune.engine.comm import shared_errors
 from elixir_tune.engine.io.checkpoint_files import LATEST_NAME, CheckpointError
+from elixir_tune.engine.io.pretrained_files import describe_failure
 from elixir_tune.recipes.evaluation import evaluate
 
 BEST_DIR_NAME = "best"  # --keep-best: the best evaluation's checkpoint, a root of its own under --save
@@ -174,7 +176,23 @@ def train(
     }
     if args.resume:
         header["resumed_from"] = {"checkpoint": args.resume, "step": start_step}
-    reporter = Reporter(args, header, steps) if rank == 0 else None
+    # Rank 0 alone opens the log, TensorBoard's writer and W&B's run: its failure must reach every rank
+    # before the first step's collectives (shared_errors), or the others would wait for it there.
+    reporter, log_error = None, None
+    if rank == 0:
+        try:
+            if args.log:  # its place is writable now (a failed write later warns and training goes on: progress.py)
+                probe = Path(args.log).with_name(f".{Path(args.log).name}.probe")
+                probe.parent.mkdir(parents=True, exist_ok=True)
+                probe.write_text("")
+                probe.unlink()
+            reporter = Reporter(args, header, steps)
+        except Exception as failure:  # noqa: BLE001  (the writers raise OSError, wandb its own errors)
+            cause = " ".join(str(failure).split()) if isinstance(failure, OSError) else describe_failure(failure)
+            log_error = f"rank 0 could not open the run's logs (--log, --log-dir, --wandb): {cause}"
+    log_errors = shared_errors(model.engine.mesh.world, log_error)
+    if log_errors:
+        return fail_once(log_errors[0], rank)
     if reporter and start_step:
         reporter.progress.update(reporter.task, completed=start_step)
     if reporter:

@@ -183,3 +183,41 @@ def resolve_model_dir(spec: str, plan_path: str) -> Path:
         f"--model {spec}: no such directory (looked in {Path.cwd()} and beside the plan); give a Hugging Face "
         "model directory or a Hub name (owner/name) in the local cache"
     )
+
+
+# Where a recipe writes: option -> whether it names a directory (True) or a file (False).
+OUTPUT_OPTIONS = {"--log": False, "--log-dir": True, "--save": True, "--save-pretrained": True}
+
+
+def output_problems(args: argparse.Namespace) -> list[str]:
+    """The places the run will write that cannot be written, found before any worker starts: one line each.
+
+    A save or log that fails hours into a run loses that run's end; these are the failures a look at the
+    paths can show now (the same failures later are shared by every rank: engine/io, recipes/loop.py).
+
+    Args:
+        args: the recipe's parsed options (those of ``OUTPUT_OPTIONS`` it has).
+
+    Returns:
+        One line per option naming it, its value and what is in the way.
+    """
+    problems = []
+    for option, is_directory in OUTPUT_OPTIONS.items():
+        value = getattr(args, option.removeprefix("--").replace("-", "_"), None)
+        if not value:
+            continue
+        path = Path(value)
+        if is_directory and path.exists() and not path.is_dir():
+            problems.append(f"{option} {value}: a file is there, where the run writes a directory; give another path")
+            continue
+        if not is_directory and path.is_dir():
+            problems.append(f"{option} {value}: is a directory; give a file name")
+            continue
+        ancestor = path.absolute().parent
+        while not ancestor.exists():  # the nearest existing parent: the run creates the rest
+            ancestor = ancestor.parent
+        if not ancestor.is_dir():
+            problems.append(f"{option} {value}: {ancestor} is a file, not a directory; give another path")
+        elif not os.access(ancestor, os.W_OK | os.X_OK):
+            problems.append(f"{option} {value}: {ancestor} is not writable by this user")
+    return problems

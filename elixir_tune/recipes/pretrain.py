@@ -25,6 +25,7 @@ from elixir_tune.recipes.options import (  # noqa: E402
     OptionsError,
     RecipeParser,
     add_training_args,
+    output_problems,
     parse_options,
     resolve_model_spec,
 )
@@ -67,7 +68,7 @@ def preflight(argv: list[str], plan_path: str) -> list[str]:
         args = parse_options(build_parser(), argv, for_preflight=True)
     except OptionsError as error:
         return [f"pretrain: {error}"]
-    problems = metric_problems(args)
+    problems = metric_problems(args) + output_problems(args)
     if not args.synthetic:
         for option, path in (("--data", args.data), ("--eval-data", args.eval_data)):
             if path and not Path(path).is_file():

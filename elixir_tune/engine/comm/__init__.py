@@ -3,6 +3,7 @@
 Its modules, each for one job, and what callers import from here:
     * ``collectives.py``: ``Comm`` (one process group's collectives, with a local copy for a group
       of one and gloo's fallbacks) and the ``Handle`` of an asynchronous one; ``gather_objects``;
+      ``shared_errors`` (every rank learns every rank's failure before any raises);
     * ``mesh.py``: joining the process group (``init_comm``, ``init_mesh``), the data x pipeline x
       tensor ``Mesh``, the 2D tensor grid and groups over given ranks (``subgroup``);
     * ``experts.py``: expert parallelism's groups and its differentiable all-to-all;
@@ -19,7 +20,7 @@ import importlib
 import sys
 from typing import TYPE_CHECKING, Any, TypeGuard
 
-from elixir_tune.engine.comm.collectives import DONE, Comm, Handle, gather_objects
+from elixir_tune.engine.comm.collectives import DONE, Comm, Handle, gather_objects, shared_errors
 from elixir_tune.engine.comm.experts import all_to_all_rows, exchange_counts, expert_groups
 from elixir_tune.engine.comm.mesh import MESH_DIMS, Mesh, grid_device_mesh, init_comm, init_mesh, subgroup
 
@@ -113,5 +114,6 @@ __all__ = [
     "init_mesh",
     "is_dtensor",
     "pipelining",
+    "shared_errors",
     "subgroup",
 ]

@@ -184,3 +184,22 @@ def gather_objects(comm: Comm, obj: Any, all_ranks: bool = False) -> list[Any] |
         return objects
     dist.gather_object(obj, objects if comm.rank == 0 else None, dst=comm.global_ranks[0], group=comm.group)
     return objects if comm.rank == 0 else None
+
+
+def shared_errors(comm: Comm, error: str | None) -> list[str]:
+    """Every rank's error, on every rank (a collective: every rank of ``comm`` calls it, failed or not).
+
+    The status exchange that keeps a failure on one rank from hanging the others: a rank that
+    raised alone would leave its peers waiting in their next collective until the collective
+    timeout. Each rank passes what went wrong on it (None: nothing), and all of them get the
+    same list back, so that all raise the same error, or none does.
+
+    Args:
+        comm: the group whose ranks must agree.
+        error: this rank's one-line error, or None.
+
+    Returns:
+        The distinct errors in group-rank order (empty when every rank succeeded).
+    """
+    errors = gather_objects(comm, error, all_ranks=True) or [error]
+    return list(dict.fromkeys(text for text in errors if text))

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from elixir_tune.engine.comm import Comm, gather_objects
+from elixir_tune.engine.comm import Comm, gather_objects, shared_errors
 from elixir_tune.engine.io import checkpoint_files as files
 from elixir_tune.engine.io.checkpoint_files import META_NAME, MODEL_NAME, CheckpointError, rank_file_name
 from elixir_tune.plan import Plan
@@ -102,8 +102,7 @@ def _agree(comm: Comm, error: str | None, prefix: str = "") -> None:
     A rank that raised alone would leave the others waiting in their next collective (gloo then
     reports "Connection closed" on a rank that did nothing wrong).
     """
-    errors = gather_objects(comm, error, all_ranks=True) or [error]
-    distinct = list(dict.fromkeys(e for e in errors if e))
+    distinct = shared_errors(comm, error)
     if distinct:
         raise CheckpointError(prefix + "; ".join(distinct))
 
@@ -131,7 +130,7 @@ def lock_checkpoint_dir(path: str | os.PathLike, model) -> None:
         try:
             notes = files.acquire_lock(root)
         except CheckpointError as failure:
-            error = str(failure)
+            error = f"rank 0: {failure}"  # the writing rank names itself, as a failed write does
     _agree(comm, error)
     _note(comm, notes)
 
@@ -196,9 +195,9 @@ def save_checkpoint(
             notes = files.acquire_lock(root)
             notes += files.remove_temporaries(root)
         except CheckpointError as failure:
-            error = str(failure)
+            error = f"rank 0: {failure}"
         except OSError as failure:
-            error = f"cannot write checkpoints to {root}: {failure}"
+            error = f"rank 0: cannot write checkpoints to {root}: {failure}"
     _agree(comm, error)
     _note(comm, notes)
 
@@ -247,7 +246,7 @@ def save_checkpoint(
                     shutil.rmtree(temporary)
                 temporary.mkdir(parents=True)
             except OSError as failure:
-                error = f"{refused}cannot create {temporary}: {failure}"
+                error = f"{refused}rank 0: cannot create {temporary}: {failure}"
     _agree(comm, error)
 
     # 3. The files, into the temporary directory; any failure removes it.
@@ -298,10 +297,19 @@ def save_checkpoint(
                 )
         except (OSError, CheckpointError) as failure:
             shutil.rmtree(temporary, ignore_errors=True)
-            error = f"{refused}{failure}"
+            error = f"{refused}rank 0: {failure}"
     _agree(comm, error)  # nobody returns before the checkpoint is in place
     _note(comm, notes)
     return final
+
+
+def _read_error(failure: Exception, rank: int) -> str:
+    """A failed read as one line; an OSError the file readers did not turn into a CheckpointError names
+    the rank (a file one rank cannot read, as on a filesystem not mounted alike everywhere)."""
+    if isinstance(failure, CheckpointError):
+        return str(failure)
+    what = getattr(failure, "filename", None) or "the checkpoint"
+    return f"rank {rank} cannot read {what}: " + " ".join(str(failure).split())
 
 
 def _free_text(root: Path) -> str:
@@ -359,8 +367,8 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer) -> dict:
                 f"{directory / META_NAME} has format {meta['format']!r}; this elixir-tune reads formats up to "
                 f"{FORMAT_VERSION}: upgrade elixir-tune"
             )
-    except CheckpointError as failure:
-        error = str(failure)
+    except (CheckpointError, OSError) as failure:  # a rank that cannot read agrees, then raises
+        error = _read_error(failure, comm.rank)
     _agree(comm, error)
     _note(comm, notes)
     if meta.get("fingerprint") != plan.model.fingerprint:
@@ -381,8 +389,8 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer) -> dict:
         try:
             shard = _read_checked(directory, rank_file_name(comm.rank), records)
             _check_shard(shard, engine, directory / rank_file_name(comm.rank))
-        except CheckpointError as failure:
-            error = str(failure)
+        except (CheckpointError, OSError) as failure:  # a rank that cannot read agrees, then raises
+            error = _read_error(failure, comm.rank)
         _agree(comm, error, prefix=cannot)
         assert shard is not None  # every rank read its shard (_agree raised otherwise)
         _load_shards(shard, engine, optimizer)
@@ -403,8 +411,8 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer) -> dict:
     full, error = None, None
     try:
         full = _read_checked(directory, MODEL_NAME, records)
-    except CheckpointError as failure:
-        error = str(failure)
+    except (CheckpointError, OSError) as failure:  # a rank that cannot read agrees, then raises
+        error = _read_error(failure, comm.rank)
     _agree(comm, error, prefix=cannot)
     with torch.no_grad():
         model.load_state_dict(full)

@@ -125,14 +125,18 @@ def verify_file(path: Path, record: dict | None) -> None:
         raise CheckpointError(f"{path} is missing (the checkpoint is incomplete)")
     if record is None:
         return
-    size_bytes = path.stat().st_size
+    try:  # a rank that cannot read raises what the others can agree on, never a bare OSError alone
+        size_bytes = path.stat().st_size
+        digest = sha256_of(path) if size_bytes == record["size_bytes"] else ""
+    except OSError as error:
+        raise CheckpointError(f"{path} cannot be read: {_one_line(error)}") from error
     if size_bytes != record["size_bytes"]:
         what = "truncated" if size_bytes < record["size_bytes"] else "longer than saved"
         raise CheckpointError(
             f"{path} is {what}: {size_bytes} bytes, {META_NAME} records {record['size_bytes']} "
             "(an interrupted copy or a full disk?)"
         )
-    if sha256_of(path) != record["sha256"]:
+    if digest != record["sha256"]:
         raise CheckpointError(
             f"{path} is corrupt: its sha256 differs from the one {META_NAME} records (the file changed after the save)"
         )
@@ -246,12 +250,18 @@ def resolve(path: Path) -> tuple[Path, list[str]]:
         return found, notes
     latest = path / LATEST_NAME
     if latest.is_file():
-        name = latest.read_text(errors="replace").strip()
+        try:
+            name = latest.read_text(errors="replace").strip()
+        except OSError as error:
+            raise CheckpointError(f"{latest} cannot be read: {_one_line(error)}") from error
         found = _complete_copy(path / name, notes) if STEP_PATTERN.match(name) else None
         if found is not None:
             return found, notes
         notes.append(f"{latest} names {name[:80]!r}, which is not a complete checkpoint")
-    complete = step_dirs(path)
+    try:
+        complete = step_dirs(path)
+    except OSError as error:
+        raise CheckpointError(f"{path} cannot be listed: {_one_line(error)}") from error
     if complete:
         return complete[-1], [*notes, f"using the newest complete checkpoint there, {complete[-1]}"]
     raise CheckpointError(

@@ -32,6 +32,14 @@ can list the whole model's tensors by itself. The save runs in two passes:
 
 No rank holds more than one gathered chunk and one tensor in flight (the receiving ranks of other
 stages drop each broadcast tensor at once).
+
+A failure on rank 0 never leaves the other ranks in a collective. Rank 0 writes into a staging
+directory inside DIR and renames the complete files into place (``pretrained_files.py``); a write
+that fails there is recorded, and the stream goes on without writing, so that every rank reaches
+the end. Twice the ranks exchange rank 0's status (``shared_errors``): after rank 0 has created the
+directories, before any weight moves (a path that is not a directory, no permission), and at the
+end, in place of a barrier (a full disk mid-file). On a failure every rank raises the same
+:class:`SaveError`, and DIR keeps the files of the previous save.
 """
 
 from __future__ import annotations
@@ -39,30 +47,17 @@ from __future__ import annotations
 import json
 import os
 import re
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
 
 import torch
 
-from elixir_tune.engine.comm import gather_objects
-from elixir_tune.engine.io.weights import INDEX_NAME, WEIGHTS_NAME
+from elixir_tune.engine.comm import Comm, gather_objects, shared_errors
+from elixir_tune.engine.io.pretrained_files import ExportDir, SaveError, Writer
+from elixir_tune.engine.io.weights import INDEX_NAME
 from elixir_tune.engine.parallel.tensor_parallel import local_data
 
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -130,74 +125,6 @@ def _split(entries: list[_Entry], max_bytes: int) -> int:
     return file + 1 if entries else 0
 
 
-class _Writer:
-    """Rank 0's open safetensors file: header first (offsets known), then the data in order."""
-
-    def __init__(self, directory: Path, entries: list[_Entry], files: int):
-        self.directory = directory
-        self.entries = entries
-        self.files = files
-        self.names = [
-            WEIGHTS_NAME if files == 1 else f"model-{i + 1:05d}-of-{files:05d}.safetensors" for i in range(files)
-        ]
-        self.handle: BinaryIO | None = None
-        self.current = -1
-        self.expected: list[_Entry] = []
-
-    def _open(self, file: int) -> None:
-        self.close()
-        members = [e for e in self.entries if e.file == file]
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-        offset = 0
-        for entry in members:
-            header[entry.name] = {
-                "dtype": _SAFETENSORS_DTYPES[entry.dtype],
-                "shape": list(entry.shape),
-                "data_offsets": [offset, offset + entry.nbytes],
-            }
-            offset += entry.nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-        self.handle = open(self.directory / self.names[file], "wb")  # noqa: SIM115  (closed in close())
-        self.handle.write(struct.pack("<Q", len(raw)) + raw)
-        self.current = file
-        self.expected = members
-
-    def write(self, entry: _Entry, value: torch.Tensor) -> None:
-        if entry.file != self.current:
-            self._open(entry.file)
-        if not self.expected or self.expected[0] is not entry:
-            raise RuntimeError(f"save_pretrained: {entry.name} written out of order")  # a bug, not a user error
-        self.expected.pop(0)
-        data = value.detach().to(entry.dtype).contiguous().cpu().reshape(-1)
-        assert self.handle is not None  # opened by _open above or for an earlier entry of this file
-        self.handle.write(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
-
-    def close(self) -> None:
-        if self.handle is not None:
-            self.handle.close()
-            self.handle = None
-
-
-def _save_configs(module: torch.nn.Module, directory: Path, dtype: torch.dtype) -> None:
-    config = getattr(module, "config", None)
-    if config is not None and hasattr(config, "save_pretrained"):
-        import copy
-
-        config = copy.deepcopy(config)
-        name = str(dtype).removeprefix("torch.")
-        for field in ("dtype", "torch_dtype"):
-            if hasattr(config, field):
-                try:
-                    setattr(config, field, name)
-                except (AttributeError, TypeError, ValueError):
-                    pass
-        config.save_pretrained(directory)
-    generation = getattr(module, "generation_config", None)
-    if generation is not None and hasattr(generation, "save_pretrained"):
-        generation.save_pretrained(directory)
-
-
 @torch.no_grad()
 def save_pretrained(
     model, directory: str | os.PathLike, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None
@@ -209,12 +136,18 @@ def save_pretrained(
 
     Args:
         model: the ElixirModel from ``elixir_tune.setup``.
-        directory: created if needed; earlier ``model*.safetensors`` files and index there are replaced.
+        directory: created if needed; earlier ``model*.safetensors`` files and index there are replaced
+            once the new files are complete (other files there are left alone).
         max_shard_size: the largest file (bytes or a size such as ``"5GB"``); a bigger tensor gets its own.
         dtype: floating-point dtype to store (default fp32, the master weights).
 
     Returns:
         The directory.
+
+    Raises:
+        SaveError: on every rank, when rank 0 could not write (a path that is not a directory, no
+            permission, a full disk): the message names the rank, the file and the cause, and
+            ``directory`` holds what it held before.
 
     Under a pipeline plan rank 0 writes every stage's tensors, each streamed to it from the first rank of
     its stage (``save_stages``); a tied weight whose stages differ (an embedding and its head)
@@ -223,43 +156,56 @@ def save_pretrained(
     engine = model.engine
     model.check_finite()  # NonFiniteError before anything is written (engine/finite.py)
     directory = Path(directory)
+    world = engine.mesh.world
     entries, by_tensor = _entries(engine, dtype)
+    # World rank 0 alone writes: under tensor parallelism every tensor rank of data index 0 is its data group's rank 0.
+    export = ExportDir(directory, world.rank) if world.rank == 0 else None
+    if export is not None:
+        export.prepare()
+    _agree(world, export, directory)  # a bad path fails on every rank before any weight moves
     if engine.pipeline is not None:
-        save_stages(engine, directory, entries, by_tensor, parse_size(max_shard_size), dtype)
-        return directory
-    files = _split(entries, parse_size(max_shard_size))
-    # World rank 0 alone: under tensor parallelism every tensor rank of data index 0 is its data group's rank 0.
-    writer = _open_writer(directory, entries, files) if engine.mesh.world.rank == 0 else None
-    try:
-        for entry, value in _values(engine, by_tensor):
+        save_stages(engine, export, entries, by_tensor, parse_size(max_shard_size), dtype)
+    else:
+        files = _split(entries, parse_size(max_shard_size))
+        writer = Writer(export, entries, files) if export is not None else None
+        try:
+            for entry, value in _values(engine, by_tensor):
+                if writer is not None:
+                    writer.write(entry, value)
+        finally:
             if writer is not None:
-                writer.write(entry, value)
-    finally:
+                writer.close()
         if writer is not None:
-            writer.close()
-    if writer is not None:  # rank 0
-        _finish(engine, directory, writer, dtype)
-    engine.mesh.world.barrier()  # nobody reads the directory before it is complete
+            _finish(engine, writer, dtype)
+    _agree(world, export, directory)  # nobody returns before the directory is complete, or all raise
     return directory
 
 
-def _open_writer(directory: Path, entries: list[_Entry], files: int) -> _Writer:
-    """Rank 0's writer, after removing the ``model*.safetensors`` files and index of an earlier save."""
-    directory.mkdir(parents=True, exist_ok=True)
-    for old in list(directory.glob("model*.safetensors")) + [directory / INDEX_NAME]:
-        old.unlink(missing_ok=True)
-    return _Writer(directory, entries, files)
+def _agree(world: Comm, export: ExportDir | None, directory: Path) -> None:
+    """Every rank learns whether the writing rank failed; if it did, all raise the same SaveError.
+
+    The writing rank removes its staging files first, so that no rank returns while they are there.
+    """
+    if export is not None and export.error is not None:
+        export.abort()
+    errors = shared_errors(world, export.error if export is not None else None)
+    if errors:
+        if export is not None:
+            export.abort()
+        raise SaveError(f"save_pretrained: {'; '.join(errors)}")
 
 
-def _finish(engine, directory: Path, writer: _Writer, dtype: torch.dtype | None) -> None:
-    """Rank 0, after the last tensor: the index (several files) and the configs."""
+def _finish(engine, writer: Writer, dtype: torch.dtype | None) -> None:
+    """Rank 0, after the last tensor: the index (several files) and the configs, then every file into place."""
+    export = writer.export
     if writer.files > 1:
         index = {
             "metadata": {"total_size": sum(e.nbytes for e in writer.entries)},
             "weight_map": {e.name: writer.names[e.file] for e in writer.entries},
         }
-        (directory / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True))
-    _save_configs(engine.model, directory, dtype or torch.float32)
+        export.write_text(INDEX_NAME, json.dumps(index, indent=2, sort_keys=True))
+    export.save_configs(engine.model, dtype or torch.float32)
+    export.publish()
 
 
 def _values(engine, by_tensor: dict[int, _Entry]) -> Iterator[tuple[_Entry, torch.Tensor]]:
@@ -310,17 +256,18 @@ def _stage_entries(engine, entries: list[_Entry], by_tensor: dict[int, _Entry]) 
 
 def save_stages(
     engine,
-    directory: Path,
+    export: ExportDir | None,
     entries: list[_Entry],
     by_tensor: dict[int, _Entry],
     max_bytes: int,
     dtype: torch.dtype | None,
 ) -> None:
-    """Writes a pipeline plan's weights as one Hugging Face directory on rank 0 (a collective over the world).
+    """Streams a pipeline plan's weights into rank 0's files (a collective over the world; ``save_pretrained``
+    then puts them in place and makes the ranks agree on the outcome).
 
     Args:
         engine: this rank's chunk engine (``engine.pipeline`` set).
-        directory: where rank 0 writes.
+        export: the save's target on rank 0 (its staging directory, its first failure); None elsewhere.
         entries: this rank's tensors in writing order (``_entries``).
         by_tensor: id of each tensor -> its entry.
         max_bytes: the largest file (a bigger tensor gets its own).
@@ -348,7 +295,7 @@ def save_stages(
     kept_ids = {id(entry) for entry in mine}
     local = {key: laid_out[e.name] for key, e in by_tensor.items() if id(e) in kept_ids and e.name in laid_out}
     first_of_stage = mesh.data.rank == 0 and mesh.tensor.rank == 0  # world rank 0's pipeline group
-    writer: _Writer | None = _open_writer(directory, every, files) if mesh.world.rank == 0 else None
+    writer = Writer(export, every, files) if export is not None else None
     try:
         for stage, stage_entries in enumerate(per_stage):
             if stage == pipeline.stage:
@@ -369,8 +316,7 @@ def save_stages(
         if writer is not None:
             writer.close()
     if writer is not None:
-        _finish(engine, directory, writer, dtype)
-    mesh.world.barrier()  # nobody reads the directory before it is complete
+        _finish(engine, writer, dtype)
 
 
 def _send(comm, entry: _Entry, value: torch.Tensor, stage: int) -> None:
