@@ -5,7 +5,7 @@ the most parameters). Another stage can still be slower (it runs the output head
 need more memory (its share of the activations), so a candidate that would enter the ranking is
 carried over to every stage (``stage_shape``: the same chunk size, cache and offload share, more
 offloaded where a stage would not fit) and scored there. Its step is the slowest stage's, its
-memory the stage with the largest device need (host: the largest of any stage), and it is
+memory the stage with the highest device peak (host: the largest of any stage), and it is
 dropped when any stage overflows the device or the host. The critical stage's own score is a
 lower bound of that step, so the search's pruning stays valid.
 """
@@ -106,7 +106,7 @@ class StageScorer:
 
         Returns:
             A ``PipelineCandidate``: the slowest stage's step and throughput, the memory of the
-            stage that needs the most device memory with the largest host peak of any stage.
+            stage with the highest device peak with the largest host peak of any stage.
         """
         if self.model.parallel_layout.pipeline <= 1:
             return candidate
@@ -116,7 +116,7 @@ class StageScorer:
             return None
         # Stages clamped to the same bound: the slowest simulated step (``Candidate.rank_key``) speaks for the pipeline.
         slowest = max((c for _, c in stages), key=lambda c: c.rank_key()[:2])
-        largest = max((c for _, c in stages), key=lambda c: c.memory.required_gpu_bytes)
+        largest = max((c for _, c in stages), key=lambda c: (c.memory.peak_gpu_bytes, c.memory.required_gpu_bytes))
         return PipelineCandidate(
             shape=candidate.shape,
             num_chunks=candidate.num_chunks,
