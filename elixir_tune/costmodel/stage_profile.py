@@ -81,7 +81,10 @@ def held_grad_numel(profile: ModelProfile, layout: Layout, stage: int, local_num
 
     Block parameters go with their block's virtual stage, the others with the first virtual stage
     (used before the blocks: embeddings) or the last (final norm, head); a tied one before the blocks
-    (GPT-2's ``wte``, also the head) with both, where this stage runs them.
+    (GPT-2's ``wte``, also the head) with both, where this stage runs them. Under 1d tensor
+    parallelism an embedding's gradient on the first virtual stage is the whole table's, not this
+    rank's rows: torch's vocabulary-parallel embedding computes it whole on every tensor rank (the
+    engine slices it when it stages it; measured in tests/distributed/test_plan_memory_layouts.py).
 
     Args:
         profile: the whole model's profile.
@@ -111,8 +114,9 @@ def held_grad_numel(profile: ModelProfile, layout: Layout, stage: int, local_num
             targets = {first_run, last_run} if param.shared else {first_run}
         else:
             targets = {last_run}
+        whole_on_first = layout.tensor > 1 and layout.tensor_mode == "1d" and index < first_block_param
         for run in targets & held.keys():
-            held[run] += numel
+            held[run] += param.numel if whole_on_first and run == first_run else numel
     return max(held.values(), default=0)
 
 
