@@ -120,5 +120,6 @@ def test_each_rank_holds_what_the_plan_promises_at_world_2(tmp_path):
     assert gpt2_pipeline[0] != gpt2_pipeline[1]
 
 
+@pytest.mark.heavy  # 4 processes, 3 searches: pipeline x tensor's held gradients are checked at world 4 by test_engine_mesh3d.py
 def test_each_rank_holds_what_the_plan_promises_at_world_4(tmp_path):
     check(run(WORLD4, 4, tmp_path))

@@ -1,0 +1,51 @@
+"""Pipeline x tensor in the cost model's held gradients (``stage_profile.held_grad_numel``): under 1d
+tensor parallelism the first virtual stage holds the vocabulary-parallel embedding's gradient whole
+(torch's sharded embedding computes the whole table's on every tensor rank; the engine reports it so,
+tests/distributed/test_engine_mesh3d.py checks the report against what a step held), every other
+gradient at this rank's local size."""
+
+from __future__ import annotations
+
+import pytest
+
+from elixir_tune.costmodel.parallel import Layout
+from elixir_tune.costmodel.stage_profile import StageProfile, rank_profile
+from elixir_tune.costmodel.synthetic import gpt2_profile
+
+H, LAYERS, VOCAB, POSITIONS = 64, 4, 256, 32
+WTE, WPE, LN_F = VOCAB * H, POSITIONS * H, 2 * H
+
+
+@pytest.fixture(scope="module")
+def profile():
+    return gpt2_profile("p", hidden=H, layers=LAYERS, heads=4, vocab=VOCAB, positions=POSITIONS, seq_len=POSITIONS)
+
+
+def local_block_numel(rank: StageProfile, block: int) -> int:
+    info = next(b for b in rank.blocks if b.index == block)
+    return sum(p.numel for p in rank.params[info.first_param : info.first_param + info.num_params])
+
+
+@pytest.mark.parametrize("tensor", [1, 2])
+def test_the_first_virtual_stage_holds_the_embedding_whole_under_tensor_1d(profile, tensor):
+    layout = Layout(pipeline=2, tensor=tensor, assignment="modular")
+    first, last = rank_profile(profile, layout, 0), rank_profile(profile, layout, 1)
+    assert isinstance(first, StageProfile) and isinstance(last, StageProfile)
+    block = local_block_numel(first, 0)
+    assert block < 12 * H * H + 13 * H or tensor == 1  # the blocks are split
+    # Stage 0: [block 0 + wte + wpe] (held) and [block 2]; the embedding whole, the position table replicated.
+    assert first.held_grad_numel == block + WTE + WPE
+    # Stage 1: [block 1] and [block 3 + ln_f + the tied head]: the head's gradient is this rank's rows.
+    assert last.held_grad_numel == local_block_numel(last, 3) + LN_F + WTE // tensor
+
+
+def test_tensor_2d_holds_the_local_embedding(profile):
+    """2d (Optimus) embeddings are split by the engine's own style, not torch's: local size (not measured
+    against a step yet: the pipeline x tensor 2d launch is 8 processes)."""
+    layout = Layout(pipeline=2, tensor=4, tensor_mode="2d", assignment="modular")
+    first = rank_profile(profile, layout, 0)
+    assert isinstance(first, StageProfile)
+    wte_local = next(p.numel for p in first.params if p.name == "transformer.wte.weight")
+    wpe_local = next(p.numel for p in first.params if p.name == "transformer.wpe.weight")
+    assert wte_local < WTE
+    assert first.held_grad_numel == local_block_numel(first, 0) + wte_local + wpe_local
