@@ -367,7 +367,7 @@ class Prediction:
         breakdown: named parts of the step time in seconds (compute_s, exposed_fetch_s, ...).
         stages: with a pipeline, every stage's memory (``Plan.rank_memory`` picks a rank's); the
             memory figures above are then those of the stage with the highest device peak (the
-            host peak the largest of any stage). Empty without a pipeline.
+            host peak the fullest node's: its ranks' stages summed). Empty without a pipeline.
     """
 
     step_time_s: NonNegativeFloat

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import cast
 
+from elixir_tune.costmodel.memory import node_host_peak_bytes
 from elixir_tune.costmodel.model import CostModel
 from elixir_tune.costmodel.stage_profile import tied_params
 from elixir_tune.plan.schema import (
@@ -123,10 +124,13 @@ def build_plan(
     stages = stage_candidates(model, candidate, global_batch_size, usable_gpu_bytes)
     slowest = max((c for _, c in stages), key=lambda c: c.step_time_s)
     # Every memory figure of the prediction is one stage's: the one with the highest device peak (so
-    # that its parts add up to its peak); the host peak is the largest of any stage. Each stage's own
+    # that its parts add up to its peak); the host peak is the fullest node's. Each stage's own
     # figures follow in ``stages``: what each of its ranks' ``memory_report()`` says.
     largest = max((c for _, c in stages), key=lambda c: (c.memory.peak_gpu_bytes, c.memory.required_gpu_bytes)).memory
-    peak_host = max(c.memory.peak_host_bytes for _, c in stages)
+    # The fullest node's host bytes: a node holds ranks of several stages when G > T.
+    peak_host = node_host_peak_bytes(
+        [c.memory.peak_host_bytes for _, c in stages], model.gpus_per_node, model.nodes, model.parallel_layout.tensor
+    )
     prediction = Prediction(
         step_time_s=round(slowest.step_time_s, 6),
         tokens_per_s=round(slowest.tokens_per_s, 3),

@@ -49,3 +49,14 @@ def test_tensor_2d_holds_the_local_embedding(profile):
     wpe_local = next(p.numel for p in first.params if p.name == "transformer.wpe.weight")
     assert wte_local < WTE
     assert first.held_grad_numel == local_block_numel(first, 0) + wte_local + wpe_local
+
+
+def test_the_node_host_peak_sums_the_stages_of_its_ranks():
+    from elixir_tune.costmodel.memory import node_host_peak_bytes
+
+    per_rank = [10, 30]  # host bytes of one rank of stage 0 and of stage 1
+    stage_host = [4 * b for b in per_rank]  # each stage's figure: a node of 4 ranks all of that stage
+    # T = 1: rank r is on stage r % 2, so each node of 4 holds two ranks of each stage.
+    assert node_host_peak_bytes(stage_host, gpus_per_node=4, nodes=2, tensor=1) == 2 * 10 + 2 * 30
+    # T = 4: a node's 4 ranks are one tensor group, all of one stage; the fullest node is stage 1's.
+    assert node_host_peak_bytes(stage_host, gpus_per_node=4, nodes=2, tensor=4) == 4 * 30
