@@ -60,3 +60,19 @@ def test_the_node_host_peak_sums_the_stages_of_its_ranks():
     assert node_host_peak_bytes(stage_host, gpus_per_node=4, nodes=2, tensor=1) == 2 * 10 + 2 * 30
     # T = 4: a node's 4 ranks are one tensor group, all of one stage; the fullest node is stage 1's.
     assert node_host_peak_bytes(stage_host, gpus_per_node=4, nodes=2, tensor=4) == 4 * 30
+
+
+def test_the_gradient_in_flight_is_the_whole_embedding_under_tensor_1d(profile):
+    """Measured: in a tensor-2 step of the tiny Llama the embedding's gradient arrives as a replicated
+    DTensor of the whole 128 x 32 table while the rank holds 64 x 32 rows; the device peak's gradients
+    in flight (``GRADS_IN_FLIGHT`` x the largest) count it whole, on the stage that runs the embedding."""
+    from elixir_tune.costmodel.model import CostModel
+    from elixir_tune.costmodel.synthetic import example_hardware
+
+    hardware = example_hardware(gpus_per_node=4)
+    tensor2 = CostModel(profile, hardware, 2, layout=Layout(tensor=2))
+    assert tensor2.largest_numel == WTE
+    assert max(p.numel for p in tensor2.profile.params) < WTE  # every local piece is smaller
+    pipeline = Layout(pipeline=2, tensor=2, assignment="modular")
+    assert CostModel(profile, hardware, 4, layout=pipeline, stage=0).largest_numel == WTE
+    assert CostModel(profile, hardware, 4, layout=pipeline, stage=1).largest_numel < WTE  # the head: local rows
