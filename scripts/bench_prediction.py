@@ -154,22 +154,9 @@ def reports_match(report: dict | None, prediction) -> bool:
 
 
 def rank_predictions(profile, hardware, plan) -> list:
-    """Each rank's predicted memory: the plan's own prediction (the critical stage's), except that a
-    pipeline rank is compared with the cost model of its own stage (stages hold different chunks)."""
-    from elixir_tune.costmodel.model import CostModel, Shape
-    from elixir_tune.costmodel.parallel import Layout
-
-    pipeline, tensor = plan.parallel.pipeline, plan.parallel.tensor
-    if pipeline.stages == 1:
-        return [plan.prediction] * plan.world_size
-    layout = Layout.of_plan(plan.parallel)
-    by_stage = []
-    for stage in range(pipeline.stages):
-        model = CostModel(profile, hardware, WORLD, dtype=plan.training.dtype, layout=layout, stage=stage)
-        offloaded = sum(c.offload for c in plan.memory.chunks if c.stage == stage)
-        by_stage.append(model.memory(Shape.of_plan(plan, offloaded)))
-    # rank = (data index x P + stage) x T + tensor index
-    return [by_stage[(rank // tensor.degree) % pipeline.stages] for rank in range(plan.world_size)]
+    """Each rank's promised memory: its pipeline stage's entry of the plan's prediction (stages hold
+    different chunks), the plan's own figures without a pipeline (``Plan.rank_memory``)."""
+    return [plan.rank_memory(rank) for rank in range(plan.world_size)]
 
 
 def run_shape(name: str, plan, workdir: Path, args, extra_env: dict | None = None) -> dict:
@@ -424,6 +411,7 @@ def main() -> int:
                 "predicted_peak_device_bytes": pred.peak_gpu_bytes,
                 "predicted_peak_host_bytes_node": pred.peak_host_bytes,
                 "predicted_worker_bytes": pred_worker_bytes,
+                "predicted_worker_bytes_per_rank": [m.peak_gpu_bytes + m.peak_host_bytes // WORLD for m in expected],
                 "measured_peak_rss_bytes_per_rank": [r["peak_rss_bytes"] for r in measured["ranks"]],
                 "measured_rss_before_setup_bytes_per_rank": [r["rss_before_setup_bytes"] for r in measured["ranks"]],
                 "measured_rss_growth_bytes_per_rank": growth,

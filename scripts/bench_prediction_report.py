@@ -79,11 +79,14 @@ def markdown(record: dict) -> str:
         m = r["measured"]
         growth = "/".join(mib(g) for g in r["measured_rss_growth_bytes_per_rank"])
         peak = "/".join(mib(g) for g in r["measured_peak_rss_bytes_per_rank"])
+        # Pipeline stages hold different chunks: each rank's own promise (older records: the plan's one figure).
+        per_rank = r.get("predicted_worker_bytes_per_rank") or [r["predicted_worker_bytes"]]
+        worker = "/".join(mib(b) for b in per_rank) if len(set(per_rank)) > 1 else mib(per_rank[0])
         lines.append(
             f"| {r['name']} | {describe(r['shape'])} | {ms(r['predicted_step_time_s'])} | "
             f"{ms(r['measured_median_step_time_s'])} ({ms(m['min_step_time_s'])}-{ms(m['max_step_time_s'])}) | "
             f"{', '.join(ms(t) for t in m['round_medians_s'])} | {r['ratio_measured_over_predicted']:.2f} | {r['predicted_rank']} / {r['measured_rank']} | "
-            f"{'yes' if r['model_state_bytes_match'] else 'NO'} | {mib(r['predicted_worker_bytes'])} | "
+            f"{'yes' if r['model_state_bytes_match'] else 'NO'} | {worker} | "
             f"{growth} ({peak}) |"
         )
     rk = record["ranking"]
@@ -140,9 +143,11 @@ def markdown(record: dict) -> str:
         if "growth_bytes" in record["plain_pytorch_rss"]
         else "Plain PyTorch memory: failed (see JSON).",
         "",
-        "Memory columns: 'model states = engine' compares `prediction.model_state_bytes` and `transient_bytes` with "
-        "`model.memory_report()` of both ranks (world 2, the same plan); 'predicted worker' is "
-        "`peak_gpu_bytes + peak_host_bytes / 2` (on the CPU device and host are the same RAM); 'RSS growth' is "
+        "Memory columns: 'model states = engine' compares each rank's promised `model_state_bytes` and "
+        "`transient_bytes` (`plan.rank_memory(rank)`: its pipeline stage's entry of `prediction.stages`, the "
+        "prediction's own figures without a pipeline) with that rank's `model.memory_report()` (world 2, the same "
+        "plan); 'predicted worker' is `peak_gpu_bytes + peak_host_bytes / 2` of each rank's promise, rank 0 / rank 1 "
+        "where they differ (on the CPU device and host are the same RAM); 'RSS growth' is "
         "each rank's peak RSS (`ru_maxrss`) minus its RSS just before `elixir_tune.setup` (torch, transformers "
         "and the freshly built model already loaded), rank 0 / rank 1.",
         "",

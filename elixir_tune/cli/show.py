@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import click
@@ -238,7 +239,7 @@ def _summary(plan: Plan) -> dict:
             "model_state_bytes": states,
         },
         "placement": placement_runs(plan),
-        "prediction": vars(plan.prediction) if plan.prediction else None,
+        "prediction": dataclasses.asdict(plan.prediction) if plan.prediction else None,
         "bound": bound_line(plan) if plan.prediction else None,
         "search": ({k: v for k, v in vars(plan.search).items() if k != "alternatives"} if plan.search else None),
     }
@@ -247,7 +248,7 @@ def _summary(plan: Plan) -> dict:
 def _memory_table(plan: Plan, states: dict[str, int]) -> Table:
     of_rank = "per device (rank)"
     if plan.parallel.pipeline.stages > 1:  # the prediction's memory figures are all of one stage
-        of_rank = "per device (rank) of the pipeline stage that needs the most"
+        of_rank = "per device (rank) of the pipeline stage with the highest peak"
     table = Table(title=f"memory {of_rank} and per node, {plan.training.dtype}")
     table.add_column("part")
     table.add_column("bytes", justify="right")
@@ -279,6 +280,37 @@ def _memory_table(plan: Plan, states: dict[str, int]) -> Table:
             table.add_row(
                 "[bold]peak per worker (cpu: device and host are one memory)[/]", f"{per_rank:,}", human_bytes(per_rank)
             )
+    return table
+
+
+def _stages_table(plan: Plan) -> Table | None:
+    """Each pipeline stage's memory per rank (``prediction.stages``: what each rank's
+    ``memory_report()`` says), or None for a plan without them."""
+    stages = plan.prediction.stages if plan.prediction is not None else []
+    if not stages:
+        return None
+    cpu = plan.cluster.device == "cpu"
+    table = Table(title=f"memory per rank of each pipeline stage, {plan.training.dtype}")
+    for name in ("stage", "cache", "resident", "optimizer shards", "held gradients", "host shards", "peak per GPU"):
+        table.add_column(name, justify="left" if name == "stage" else "right")
+    if cpu:
+        table.add_column("peak per worker", justify="right")
+    for entry in stages:
+        states, held = entry.model_state_bytes, entry.transient_bytes.get("held_grad_bytes", 0)
+        row = [str(entry.stage)] + [
+            human_bytes(value)
+            for value in (
+                states["cache_bytes"],
+                states["resident_bytes"],
+                states["device_shard_bytes"],
+                held,
+                states["host_shard_bytes"],
+                entry.peak_gpu_bytes,
+            )
+        ]
+        if cpu:  # one memory: the rank's device part and its share of the node's host part
+            row.append(human_bytes(entry.peak_gpu_bytes + entry.peak_host_bytes // plan.cluster.gpus_per_node))
+        table.add_row(*row)
     return table
 
 
@@ -478,6 +510,9 @@ def show_command(
         for line in mesh_lines(plan):
             console.print(f"  {line}", soft_wrap=True)
     print_wide(_memory_table(plan, summary["memory"]["model_state_bytes"]))
+    stages_table = _stages_table(plan)
+    if stages_table is not None:
+        print_wide(stages_table)
     if plan.prediction is None:
         console.print(
             "[yellow]no prediction in this plan[/] (written by hand?): model-state bytes above follow "

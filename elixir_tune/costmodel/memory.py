@@ -135,6 +135,30 @@ def model_state_bytes(
     }
 
 
+def node_host_peak_bytes(stage_host_bytes: list[int], gpus_per_node: int, nodes: int, tensor: int) -> int:
+    """Host peak of the fullest node when pipeline stages hold different host bytes.
+
+    Ranks are laid out data x pipeline x tensor (rank = (data_index x P + stage) x T + tensor_index)
+    and a node holds G consecutive ranks, so a node holds ranks of several stages when G > T.
+
+    Args:
+        stage_host_bytes: per stage, the host peak of a node were all its ranks of that stage
+            (``MemoryEstimate.peak_host_bytes``: one rank's host bytes x G).
+        gpus_per_node: ranks per node (G).
+        nodes: nodes.
+        tensor: tensor-parallel degree (T).
+
+    Returns:
+        Bytes: the largest over nodes of the sum of its ranks' host bytes.
+    """
+    stages = len(stage_host_bytes)
+    per_rank = [host // gpus_per_node for host in stage_host_bytes]
+    return max(
+        sum(per_rank[rank // tensor % stages] for rank in range(node * gpus_per_node, (node + 1) * gpus_per_node))
+        for node in range(nodes)
+    )
+
+
 def checkpointed_blocks(num_blocks: int, every: int) -> int:
     """How many of ``num_blocks`` blocks recompute with every-k checkpointing."""
     return 0 if every <= 0 else math.ceil(num_blocks / every)

@@ -92,7 +92,8 @@ class CostModel(ComputeTimes):
         self.data_size = layout.data_degree(self.world_size)
         self.stage = critical_stage(profile, layout) if stage is None else stage
         self.profile = rank_profile(profile, layout, self.stage)
-        self.largest_numel = largest_trainable_numel(self.profile)  # read by every memory estimate
+        # Read by every memory estimate: the largest gradient in flight (a 1d embedding's arrives whole).
+        self.largest_numel = max(largest_trainable_numel(self.profile), getattr(self.profile, "whole_grad_numel", 0))
         self.dtype = dtype or profile.dtype
         # The model-level rate (block curve or model_tflops), not the bare matmul rate: a whole
         # model's forward+backward runs well below its GEMMs (llm-foundry: A100 MFU 44-56%, H100

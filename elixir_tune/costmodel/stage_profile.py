@@ -62,9 +62,14 @@ class StageProfile(ModelProfile):
     Attributes:
         held_grad_numel: gradient elements the rank holds unsharded at the step's peak when a step
             runs several micro-batches (``held_grad_numel``); 0 without a pipeline.
+        whole_grad_numel: elements of the largest gradient that arrives whole although its parameter
+            is split (the input embedding under 1d tensor parallelism, on the stage that runs it:
+            torch's vocabulary-parallel embedding computes the whole table's gradient on every
+            tensor rank); 0 when none does.
     """
 
     held_grad_numel: int = 0
+    whole_grad_numel: int = 0
 
 
 def held_grad_numel(profile: ModelProfile, layout: Layout, stage: int, local_numel: dict[int, int]) -> int:
@@ -81,7 +86,10 @@ def held_grad_numel(profile: ModelProfile, layout: Layout, stage: int, local_num
 
     Block parameters go with their block's virtual stage, the others with the first virtual stage
     (used before the blocks: embeddings) or the last (final norm, head); a tied one before the blocks
-    (GPT-2's ``wte``, also the head) with both, where this stage runs them.
+    (GPT-2's ``wte``, also the head) with both, where this stage runs them. Under 1d tensor
+    parallelism an embedding's gradient on the first virtual stage is the whole table's, not this
+    rank's rows: torch's vocabulary-parallel embedding computes it whole on every tensor rank (the
+    engine slices it when it stages it; measured in tests/distributed/test_plan_memory_layouts.py).
 
     Args:
         profile: the whole model's profile.
@@ -111,8 +119,9 @@ def held_grad_numel(profile: ModelProfile, layout: Layout, stage: int, local_num
             targets = {first_run, last_run} if param.shared else {first_run}
         else:
             targets = {last_run}
+        whole_on_first = layout.tensor > 1 and layout.tensor_mode == "1d" and index < first_block_param
         for run in targets & held.keys():
-            held[run] += numel
+            held[run] += param.numel if whole_on_first and run == first_run else numel
     return max(held.values(), default=0)
 
 
@@ -216,6 +225,16 @@ def rank_profile(profile: ModelProfile, layout: Layout, stage: int) -> ModelProf
             one_block,
         )
     held = held_grad_numel(profile, layout, stage, {old: p.numel for old, p in zip(keep, params, strict=True)})
+    whole = 0
+    if (
+        degree > 1
+        and mode == "1d"
+        and profile.blocks
+        and stage == stage_of_block(0, num_blocks, layout.pipeline, layout.assignment)
+    ):
+        first_block_param = min((b.first_param for b in profile.blocks if b.num_params), default=len(profile.params))
+        before = [profile.params[old] for old in keep if old < first_block_param]  # the embeddings
+        whole = max((p.numel for p in before if p.requires_grad), default=0)
     stage_profile = replace(
         profile,
         num_params=max(1, sum(p.numel for p in params)),
@@ -231,7 +250,11 @@ def rank_profile(profile: ModelProfile, layout: Layout, stage: int) -> ModelProf
         activation=activation,
         activation_checkpointed=checkpointed,
     )
-    return StageProfile(**{f.name: getattr(stage_profile, f.name) for f in fields(ModelProfile)}, held_grad_numel=held)
+    return StageProfile(
+        **{f.name: getattr(stage_profile, f.name) for f in fields(ModelProfile)},
+        held_grad_numel=held,
+        whole_grad_numel=whole,
+    )
 
 
 def critical_stage(profile: ModelProfile, layout: Layout) -> int:

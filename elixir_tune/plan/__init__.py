@@ -28,6 +28,7 @@ from elixir_tune.plan.schema import (
     Plan,
     Prediction,
     SearchInfo,
+    StagePrediction,
     TensorParallel,
     TrainingInfo,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "PipelineParallel",
     "Plan",
     "Prediction",
+    "StagePrediction",
     "SearchInfo",
     "TensorParallel",
     "TrainingInfo",

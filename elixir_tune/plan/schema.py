@@ -331,6 +331,26 @@ class MemoryPlan:
 
 
 @dataclass
+class StagePrediction:
+    """The memory of every rank of one pipeline stage (stages hold different chunks, cache slots and
+    held gradients; the tensor and data ranks of a stage hold the same).
+
+    Attributes:
+        stage: the pipeline stage, 0..P-1.
+        peak_gpu_bytes: peak device memory of one rank of the stage.
+        peak_host_bytes: peak host memory of a node were all its ranks of this stage.
+        model_state_bytes: keys MODEL_STATE_KEYS, one rank of the stage (its ``memory_report()``).
+        transient_bytes: keys TRANSIENT_KEYS, one rank of the stage.
+    """
+
+    stage: NonNegativeInt
+    peak_gpu_bytes: NonNegativeInt
+    peak_host_bytes: NonNegativeInt
+    model_state_bytes: dict[ModelStateKey, int] = field(default_factory=dict)
+    transient_bytes: dict[TransientKey, int] = field(default_factory=dict)
+
+
+@dataclass
 class Prediction:
     """What the cost model predicts for one optimizer step (all ranks in parallel).
 
@@ -345,6 +365,9 @@ class Prediction:
         transient_bytes: what the engine allocates beside the model states, keys TRANSIENT_KEYS
             (``elixir_tune.plan.memory``).
         breakdown: named parts of the step time in seconds (compute_s, exposed_fetch_s, ...).
+        stages: with a pipeline, every stage's memory (``Plan.rank_memory`` picks a rank's); the
+            memory figures above are then those of the stage with the highest device peak (the
+            host peak the fullest node's: its ranks' stages summed). Empty without a pipeline.
     """
 
     step_time_s: NonNegativeFloat
@@ -356,6 +379,7 @@ class Prediction:
     model_state_bytes: dict[ModelStateKey, int] = field(default_factory=dict)
     transient_bytes: dict[TransientKey, int] = field(default_factory=dict)
     breakdown: dict[str, float] = field(default_factory=dict)
+    stages: list[StagePrediction] = field(default_factory=list)
 
 
 @dataclass
@@ -401,6 +425,30 @@ class Plan:
         """The ranks each chunk is sharded over (and that split the global batch)."""
         return self.parallel.data_degree(self.cluster.world_size)
 
+    def stage_of_rank(self, rank: int) -> int:
+        """The pipeline stage of a global rank (ranks are laid out data x pipeline x tensor, row-major)."""
+        return rank // self.parallel.tensor.degree % self.parallel.pipeline.stages
+
+    def rank_memory(self, rank: int) -> StagePrediction:
+        """What the plan promises rank ``rank`` holds: its stage's entry of ``prediction.stages``, or
+        the prediction's own figures when it has none (no pipeline: every rank holds the same).
+
+        Raises:
+            ValueError: the plan has no prediction, or the rank is outside the world.
+        """
+        if self.prediction is None:
+            raise ValueError("the plan has no prediction section: make it with `elixir-tune search`")
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the plan's world of {self.world_size} ranks")
+        stage = self.stage_of_rank(rank)
+        for entry in self.prediction.stages:
+            if entry.stage == stage:
+                return entry
+        pred = self.prediction
+        return StagePrediction(
+            stage, pred.peak_gpu_bytes, pred.peak_host_bytes, dict(pred.model_state_bytes), dict(pred.transient_bytes)
+        )
+
     def chunk_of(self) -> dict[str, int]:
         """Maps each parameter name to the id of the chunk holding it."""
         return {name: chunk.id for chunk in self.memory.chunks for name in chunk.params}
@@ -422,4 +470,6 @@ class Plan:
                 del chunk["frozen"]
         if not raw["model"]["lora"]:
             del raw["model"]["lora"]
+        if "prediction" in raw and not raw["prediction"]["stages"]:
+            del raw["prediction"]["stages"]  # no pipeline: the file reads as before per-stage memory
         return raw

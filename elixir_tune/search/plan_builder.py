@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import cast
 
+from elixir_tune.costmodel.memory import node_host_peak_bytes
 from elixir_tune.costmodel.model import CostModel
 from elixir_tune.costmodel.stage_profile import tied_params
 from elixir_tune.plan.schema import (
@@ -34,6 +35,7 @@ from elixir_tune.plan.schema import (
     Plan,
     Prediction,
     SearchInfo,
+    StagePrediction,
     TensorParallel,
     TrainingInfo,
     TransientKey,
@@ -121,10 +123,14 @@ def build_plan(
     shape = candidate.shape
     stages = stage_candidates(model, candidate, global_batch_size, usable_gpu_bytes)
     slowest = max((c for _, c in stages), key=lambda c: c.step_time_s)
-    # Every memory figure of the prediction is one stage's: the one that needs the most device memory
-    # (so that its parts add up to its peak); the host peak is the largest of any stage.
-    largest = max((c for _, c in stages), key=lambda c: c.memory.required_gpu_bytes).memory
-    peak_host = max(c.memory.peak_host_bytes for _, c in stages)
+    # Every memory figure of the prediction is one stage's: the one with the highest device peak (so
+    # that its parts add up to its peak); the host peak is the fullest node's. Each stage's own
+    # figures follow in ``stages``: what each of its ranks' ``memory_report()`` says.
+    largest = max((c for _, c in stages), key=lambda c: (c.memory.peak_gpu_bytes, c.memory.required_gpu_bytes)).memory
+    # The fullest node's host bytes: a node holds ranks of several stages when G > T.
+    peak_host = node_host_peak_bytes(
+        [c.memory.peak_host_bytes for _, c in stages], model.gpus_per_node, model.nodes, model.parallel_layout.tensor
+    )
     prediction = Prediction(
         step_time_s=round(slowest.step_time_s, 6),
         tokens_per_s=round(slowest.tokens_per_s, 3),
@@ -136,6 +142,18 @@ def build_plan(
         model_state_bytes=cast("dict[ModelStateKey, int]", dict(largest.model_state_bytes)),
         transient_bytes=cast("dict[TransientKey, int]", dict(largest.transient_bytes)),
         breakdown={key: round(value, 6) for key, value in slowest.estimate.breakdown.items()},
+        stages=[
+            StagePrediction(
+                stage=stage,
+                peak_gpu_bytes=int(c.memory.peak_gpu_bytes),
+                peak_host_bytes=int(c.memory.peak_host_bytes),
+                model_state_bytes=cast("dict[ModelStateKey, int]", dict(c.memory.model_state_bytes)),
+                transient_bytes=cast("dict[TransientKey, int]", dict(c.memory.transient_bytes)),
+            )
+            for stage, (_, c) in enumerate(stages)
+        ]
+        if len(stages) > 1
+        else [],
     )
     device = model.hardware.device
     layout = model.parallel_layout

@@ -5,7 +5,7 @@ the most parameters). Another stage can still be slower (it runs the output head
 need more memory (its share of the activations), so a candidate that would enter the ranking is
 carried over to every stage (``stage_shape``: the same chunk size, cache and offload share, more
 offloaded where a stage would not fit) and scored there. Its step is the slowest stage's, its
-memory the stage with the largest device need (host: the largest of any stage), and it is
+memory the stage with the highest device peak (host: the fullest node's, its ranks' stages summed), and it is
 dropped when any stage overflows the device or the host. The critical stage's own score is a
 lower bound of that step, so the search's pruning stays valid.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from elixir_tune.costmodel.memory import node_host_peak_bytes
 from elixir_tune.costmodel.model import CostModel, Shape
 from elixir_tune.search.candidate import Candidate, score
 
@@ -106,17 +107,23 @@ class StageScorer:
 
         Returns:
             A ``PipelineCandidate``: the slowest stage's step and throughput, the memory of the
-            stage that needs the most device memory with the largest host peak of any stage.
+            stage with the highest device peak with the fullest node's host peak.
         """
         if self.model.parallel_layout.pipeline <= 1:
             return candidate
         stages = self.stages(candidate, global_batch_size, usable_gpu_bytes)
-        peak_host = max(c.memory.peak_host_bytes for _, c in stages)
+        # The fullest node's host bytes: a node holds ranks of several stages when G > T.
+        peak_host = node_host_peak_bytes(
+            [c.memory.peak_host_bytes for _, c in stages],
+            self.model.gpus_per_node,
+            self.model.nodes,
+            self.model.parallel_layout.tensor,
+        )
         if peak_host > host_bytes or any(c.memory.required_gpu_bytes > usable_gpu_bytes for _, c in stages):
             return None
         # Stages clamped to the same bound: the slowest simulated step (``Candidate.rank_key``) speaks for the pipeline.
         slowest = max((c for _, c in stages), key=lambda c: c.rank_key()[:2])
-        largest = max((c for _, c in stages), key=lambda c: c.memory.required_gpu_bytes)
+        largest = max((c for _, c in stages), key=lambda c: (c.memory.peak_gpu_bytes, c.memory.required_gpu_bytes))
         return PipelineCandidate(
             shape=candidate.shape,
             num_chunks=candidate.num_chunks,

@@ -169,7 +169,12 @@ def test_show_of_a_pipeline_plan_reports_one_stage_consistently(tmp_path):
     save_plan(plan, tmp_path / "plan.yaml")
     result = CliRunner().invoke(cli, ["show", str(tmp_path / "plan.yaml")])
     assert result.exit_code == 0, result.output
-    assert "stage that needs the most" in result.output and "(all stages)" in result.output
+    assert "stage with the highest peak" in result.output and "(all stages)" in result.output
+    # Each stage's own promise: its host shards are its offloaded chunks; the headline is the highest peak.
+    stages = plan.prediction.stages
+    assert [entry.model_state_bytes["host_shard_bytes"] for entry in stages] == [n * shard_bytes for n in per_stage]
+    assert plan.prediction.peak_gpu_bytes == max(entry.peak_gpu_bytes for entry in stages)
+    assert "memory per rank of each pipeline stage" in result.output
 
 
 def test_show_explains_an_expert_plan(tmp_path):

@@ -63,6 +63,8 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
         "losses": losses,
         "norms": norms,
         "world_losses": mean_over_ranks(losses, world),
+        # No-sync's held gradients: the engine's report (its plan promise) and what the steps held.
+        "held": [model.memory_report()["held_grad_bytes"], model.engine.memory_stats()["peak_held_grad_bytes"]],
     }
     if rank == 0:
         with quiet_transformers():  # padded: one data rank's micro-batches one by one, unpadded

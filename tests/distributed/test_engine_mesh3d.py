@@ -79,6 +79,8 @@ def check(results: list[list[dict]], index: int, case: dict, world: int) -> None
         assert result["losses"] == first_of_group["losses"], rank
         if case.get("clip"):
             assert result["norms"] == per_rank[0]["norms"], rank
+        if case.get("mode", "1d") == "1d":  # the report holds what the steps held (the embedding's whole table)
+            assert result["held"][0] == result["held"][1] > 0, (rank, result["held"])
     first = per_rank[0]
     assert len(first["losses"]) == case["steps"]
     assert first["loss_rel"] <= LOSS_REL, (case, first["loss_rel"], first["losses"], first["reference_losses"])

@@ -62,7 +62,7 @@ from elixir_tune.engine.parallel.pipeline_stages import (
     virtual_stage_modules,
 )
 from elixir_tune.engine.parallel.pipeline_tensor import StageBoundary
-from elixir_tune.engine.parallel.tensor_parallel import TensorSplit
+from elixir_tune.engine.parallel.tensor_parallel import TensorSplit, local_data
 from elixir_tune.plan import Plan
 from elixir_tune.plan.stages import schedule_problem
 
@@ -190,23 +190,32 @@ class Pipeline:
             return 0
         item = self.engine.compute_dtype.itemsize
         if self.schedule_name == "interleaved_1f1b" and count // self.stages > 1:
-            every = {id(slot): slot for slots in self._held_slots for slot in slots}
-            return sum(slot.numel for slot in every.values()) * item
-        return max((sum(slot.numel for slot in slots) * item for slots in self._held_slots), default=0)
+            every = {id(slot): numel for slots in self._held_slots for slot, numel in slots}
+            return sum(every.values()) * item
+        return max((sum(numel for _, numel in slots) * item for slots in self._held_slots), default=0)
 
-    def _chunked_params(self, index: int) -> list[ParamSlot]:
-        """The chunk slots of the trained parameters virtual stage ``index`` runs, each once."""
-        slots: dict[int, ParamSlot] = {}
+    def _chunked_params(self, index: int) -> list[tuple[ParamSlot, int]]:
+        """The chunk slots of the trained parameters virtual stage ``index`` runs, each once, with the
+        elements of the gradient the step holds for it: the slot's, except that torch's vocabulary-parallel
+        embedding (tensor 1d, ``RowwiseParallel`` on an ``nn.Embedding``) computes the whole table's
+        gradient on every tensor rank (a replicated DTensor, sliced to this rank's rows when staged)."""
+        tensor = self.engine.tensor_parallel
+        whole = set()
+        if index == 0 and tensor is not None and tensor.mode == "1d":
+            whole = {id(m.weight) for m in self.adapter.first_modules if isinstance(m, nn.Embedding)}
+        slots: dict[int, tuple[ParamSlot, int]] = {}
         for module in virtual_stage_modules(self.adapter, self.layout.virtual, index):
             for param in module.parameters():
-                if id(param) in self.engine.slot_of and not self.engine.slot_of[id(param)].chunk.frozen:
-                    slots[id(param)] = self.engine.slot_of[id(param)]
+                slot = self.engine.slot_of.get(id(param))
+                if slot is not None and not slot.chunk.frozen:
+                    slots[id(param)] = (slot, param.numel() if id(param) in whole else slot.numel)
         return list(slots.values())
 
     def _track_held(self, param: nn.Parameter) -> None:
         """After the engine's gradient hook: the gradient no-sync left in ``param.grad``, if any."""
         grad = param.grad
-        nbytes = 0 if grad is None else grad.nbytes
+        # This rank's bytes: a tensor-split parameter's gradient is a DTensor, whose nbytes is the whole tensor's.
+        nbytes = 0 if grad is None else local_data(grad).nbytes
         self._held_now += nbytes - self._held.pop(id(param), 0)
         if nbytes:
             self._held[id(param)] = nbytes
