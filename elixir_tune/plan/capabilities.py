@@ -40,7 +40,7 @@ from elixir_tune.plan.tensor_layout import supported_model_types
 # test builds each family and checks stage_plans.py accepts it.
 PIPELINE_MODEL_TYPES: tuple[str, ...] = (
     "deepseek_v3", "gemma2", "gpt2", "gpt_neox", "gptj", "granite", "llama", "mistral", "mixtral", "olmo2", "opt",
-    "phi3", "qwen2", "qwen3", "qwen3_moe",
+    "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
 )  # fmt: skip
 # ``unsupported_layouts(pipeline_problem=...)`` left out: the family list above decides.
 FROM_FAMILY = "from the family"

@@ -221,7 +221,12 @@ def _check_contract(parallel: dict, model: dict, training: dict, errors: list[st
     # The profile's record when the plan carries it; the family's otherwise (a plan written before it).
     recorded = model.get("tensor_layout")
     table: dict[str, str] = recorded if isinstance(recorded, dict) else {}
-    reasons = model.get("unsupported_layouts") or (layout_reasons_of_type(model_type, table) if model_type else {})
+    # An empty record is a record (the profile found nothing the engine cannot run), not a missing one.
+    recorded_reasons = model.get("unsupported_layouts")
+    if isinstance(recorded_reasons, dict):
+        reasons = recorded_reasons
+    else:
+        reasons = layout_reasons_of_type(model_type, table) if model_type else {}
     unknown = unknown_styles(table)
     if unknown:
         errors.append(

@@ -180,7 +180,9 @@ def test_validate_refuses_a_layout_the_model_cannot_run(profiles, tmp_path):
         "parallel.pipeline.stages: 2, but the engine cannot run pipeline parallelism for this model: no adapter "
         "here; set it to 1 (search again without --fix pipeline=2)"
     ]
-    raw["model"]["unsupported_layouts"] = {}
+    raw["model"]["unsupported_layouts"] = {}  # the profile's record: nothing it cannot run
+    assert validate_dict(raw) == []
+    del raw["model"]["unsupported_layouts"]
     raw["model"]["model_type"] = "falcon"  # an older plan without the record: its family decides
     assert "model type 'falcon' has no pipeline plan known to run" in " ".join(validate_dict(raw))
 

@@ -303,3 +303,14 @@ def test_pipeline_by_tensor_refusals_say_why(sections, expected):
     raw = _pipeline(**{"cluster__gpus_per_node": 8, **sections})
     problems = validate_dict(raw)
     assert len(problems) == 1 and problems[0].startswith(expected), problems
+
+
+def test_an_empty_layout_record_is_the_profiles_word_not_a_missing_one():
+    # The profile checked the model itself and found nothing it cannot run: a family outside the
+    # built-in list still gets its pipeline plan. Without a record, the family list answers.
+    recorded = _pipeline(model__model_type="my_family", model__unsupported_layouts={})
+    assert validate_dict(recorded) == []
+    unrecorded = _pipeline(model__model_type="my_family")
+    unrecorded["model"].pop("unsupported_layouts", None)
+    problems = validate_dict(unrecorded)
+    assert len(problems) == 1 and "cannot run pipeline parallelism for this model" in problems[0], problems

@@ -40,6 +40,9 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         **NO_DROPOUT)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         GQA, moe_intermediate_size=32, head_dim=8, num_experts=4, num_experts_per_tok=2, **NO_DROPOUT)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        GQA, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+        **NO_DROPOUT)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
         GQA, head_dim=8, num_local_experts=4, num_experts_per_tok=2, **NO_DROPOUT)),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
