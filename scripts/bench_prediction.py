@@ -48,7 +48,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 BIN = Path(sys.executable).parent
 
 from bench_prediction_reference import plain_reference, plain_rss_reference  # noqa: E402
-from bench_prediction_report import describe, markdown, mib, ms, rank_order, spearman  # noqa: E402
+from bench_prediction_report import describe, markdown, mib, ms, rank_order, spearman, tie_ranking  # noqa: E402
 from bench_prediction_shapes import GLOBAL_BATCH, WORLD, layout_shapes, make_shapes, shape_of  # noqa: E402
 
 # A GPT-2 model YAML (configs/models/ format) without dropout; gpu_validate.py sizes its model with it too.
@@ -448,6 +448,7 @@ def main() -> int:
         "spearman": round(spearman(predicted, measured_t), 3),
         "measured_fastest_by_min": min(rows, key=lambda r: r["measured"]["min_step_time_s"])["name"],
         "spearman_by_min": round(spearman(predicted, [r["measured"]["min_step_time_s"] for r in rows]), 3),
+        **tie_ranking(rows),
     }
     elapsed = time.perf_counter() - started
     record = {
