@@ -120,8 +120,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--rounds",
         type=int,
-        default=2,
-        help="runs per shape, in alternating order (the machine is shared; this spreads drift)",
+        default=None,
+        help="runs per shape, in alternating order (the machine is shared; this spreads drift); default 2, "
+        "3 with --layouts (one run slowed by other work on the machine then cannot decide the pooled median)",
     )
     parser.add_argument("--preset", action="store_true", help="use the cpu preset instead of a quick probe")
     parser.add_argument(
@@ -135,6 +136,8 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--md", default=None, help="markdown table (default the JSON's path with .md)")
     args = parser.parse_args()
+    if args.rounds is None:
+        args.rounds = 3 if args.layouts else 2
     results = REPO / "benchmarks" / "results"
     if args.out is None:
         args.out = str(results / ("prediction-cpu-layouts.json" if args.layouts else "prediction-cpu.json"))
