@@ -75,3 +75,29 @@ def test_a_bound_child_and_the_threads_it_starts_stay_on_its_share():
     first = core_share(allowed, 0, 2)
     assert json.loads(worker.stdout) == [first, first]
     assert set(first).isdisjoint(second)
+
+
+@pytest.mark.skipif(not HAS_AFFINITY or len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores and sched_setaffinity")
+def test_elixir_runs_worker_bootstrap_binds_before_the_script_runs(tmp_path):
+    allowed = sorted(os.sched_getaffinity(0))
+    script = tmp_path / "train.py"
+    script.write_text("import json, os\nprint(json.dumps(sorted(os.sched_getaffinity(0))))\n")
+    env = {**os.environ, CPU_BIND_ENV: "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "RANK": "1"}
+    for key in ("ELIXIR_TUNE_LAUNCHER_PID", "ELIXIR_TUNE_RUN_DIR"):
+        env.pop(key, None)
+    bound = subprocess.run(
+        [sys.executable, "-m", "elixir_tune.launcher.worker_main", str(script)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    )
+    assert json.loads(bound.stdout) == core_share(allowed, 1, 2)
+    free = subprocess.run(
+        [sys.executable, "-m", "elixir_tune.launcher.worker_main", str(script)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**env, CPU_BIND_ENV: "0"},
+    )
+    assert json.loads(free.stdout) == allowed
