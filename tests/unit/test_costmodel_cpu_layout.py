@@ -123,7 +123,9 @@ def test_a_tensor_split_on_the_cpu_costs_the_measured_share_of_the_plain_block(p
     assert with_blocks - without_blocks == pytest.approx(
         len(profile.blocks) * (cpu.tensor2_block_fixed_s + cpu.tensor2_block_extra_ratio * plain_s)
     )
-    # The blocks' norm-gradient all-reduces are inside the measured fixed cost; unmeasured, link-priced.
+    # Every collective of the split is inside the measured cost (none outside the blocks); unmeasured,
+    # the blocks' norm-gradient all-reduces are link-priced.
+    assert without_blocks == 0.0
     assert costs.block_norms_s > 0
     bare = dataclasses.replace(cpu, tensor2_block_extra_ratio=0.0, tensor2_block_fixed_s=0.0)
     linked = CostModel(profile, bare, gpus_per_node=2, layout=layout).parallel_costs
