@@ -48,7 +48,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 BIN = Path(sys.executable).parent
 
 from bench_prediction_reference import plain_reference, plain_rss_reference  # noqa: E402
-from bench_prediction_report import describe, markdown, mib, ms, rank_order, spearman  # noqa: E402
+from bench_prediction_report import describe, markdown, mib, ms, rank_order, spearman, tie_ranking  # noqa: E402
 from bench_prediction_shapes import GLOBAL_BATCH, WORLD, layout_shapes, make_shapes, shape_of  # noqa: E402
 
 # A GPT-2 model YAML (configs/models/ format) without dropout; gpu_validate.py sizes its model with it too.
@@ -120,8 +120,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--rounds",
         type=int,
-        default=2,
-        help="runs per shape, in alternating order (the machine is shared; this spreads drift)",
+        default=None,
+        help="runs per shape, in alternating order (the machine is shared; this spreads drift); default 2, "
+        "3 with --layouts (one run slowed by other work on the machine then cannot decide the pooled median)",
     )
     parser.add_argument("--preset", action="store_true", help="use the cpu preset instead of a quick probe")
     parser.add_argument(
@@ -135,6 +136,8 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--md", default=None, help="markdown table (default the JSON's path with .md)")
     args = parser.parse_args()
+    if args.rounds is None:
+        args.rounds = 3 if args.layouts else 2
     results = REPO / "benchmarks" / "results"
     if args.out is None:
         args.out = str(results / ("prediction-cpu-layouts.json" if args.layouts else "prediction-cpu.json"))
@@ -436,6 +439,7 @@ def main() -> int:
         "spearman": round(spearman(predicted, measured_t), 3),
         "measured_fastest_by_min": min(rows, key=lambda r: r["measured"]["min_step_time_s"])["name"],
         "spearman_by_min": round(spearman(predicted, [r["measured"]["min_step_time_s"] for r in rows]), 3),
+        **tie_ranking(rows),
     }
     elapsed = time.perf_counter() - started
     record = {

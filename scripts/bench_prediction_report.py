@@ -26,6 +26,84 @@ def spearman(a: list[float], b: list[float]) -> float:
     return num / den if den else float("nan")
 
 
+def run_spread_s(round_medians_s: list[float]) -> float:
+    """A shape's run-to-run spread: its largest run median less its smallest (0 with one run)."""
+    return max(round_medians_s) - min(round_medians_s) if round_medians_s else 0.0
+
+
+def near_ties(medians_s: dict[str, float], spreads_s: dict[str, float]) -> dict[str, list[str]]:
+    """Which shapes the measurement cannot order: two shapes are a near tie when their medians differ by
+    no more than the larger of their run-to-run spreads (``run_spread_s``).
+
+    Args:
+        medians_s: shape -> measured median step (seconds).
+        spreads_s: shape -> its run-to-run spread (seconds).
+
+    Returns:
+        shape -> the other shapes it is a near tie with, in measured order.
+    """
+    names = sorted(medians_s, key=lambda name: medians_s[name])
+    return {
+        a: [b for b in names if b != a and abs(medians_s[a] - medians_s[b]) <= max(spreads_s[a], spreads_s[b])]
+        for a in names
+    }
+
+
+def tie_aware_order(medians_s: dict[str, float], ties: dict[str, list[str]]) -> list[list[str]]:
+    """The measured order with near ties grouped: shapes sorted by median, a shape joining the group before
+    it when it is a near tie with any shape of that group."""
+    groups: list[list[str]] = []
+    for name in sorted(medians_s, key=lambda name: medians_s[name]):
+        if groups and any(other in ties[name] for other in groups[-1]):
+            groups[-1].append(name)
+        else:
+            groups.append([name])
+    return groups
+
+
+def order_agrees(predicted_s: dict[str, float], groups: list[list[str]]) -> bool:
+    """Whether the prediction orders every two shapes of different groups (``tie_aware_order``) as measured."""
+    rank = {name: index for index, group in enumerate(groups) for name in group}
+    return all(
+        (predicted_s[a] < predicted_s[b]) == (rank[a] < rank[b]) for a in rank for b in rank if rank[a] != rank[b]
+    )
+
+
+def format_order(groups: list[list[str]]) -> str:
+    """``a ≈ b < c``."""
+    return " < ".join(" ≈ ".join(group) for group in groups)
+
+
+def tie_ranking(rows: list[dict]) -> dict:
+    """The orders of the shapes (``bench_prediction.py``'s rows): predicted, measured strictly (by the
+    pooled medians) and measured with near ties grouped (``near_ties``, from each shape's run-to-run
+    spread), and whether the prediction agrees with each. Adds ``run_spread_s`` and ``near_ties`` to
+    every row."""
+    medians = {r["name"]: r["measured_median_step_time_s"] for r in rows}
+    spreads = {r["name"]: run_spread_s(r["measured"]["round_medians_s"]) for r in rows}
+    predicted = {r["name"]: r["predicted_step_time_s"] for r in rows}
+    ties = near_ties(medians, spreads)
+    for row in rows:
+        row["run_spread_s"], row["near_ties"] = spreads[row["name"]], ties[row["name"]]
+    strict = [[name] for name in sorted(medians, key=lambda name: medians[name])]
+    grouped = tie_aware_order(medians, ties)
+    return {
+        "predicted_order": format_order([[name] for name in sorted(predicted, key=lambda name: predicted[name])]),
+        "measured_order_strict": format_order(strict),
+        "measured_order_tie_aware": format_order(grouped),
+        "agree_strict": order_agrees(predicted, strict),
+        "agree_tie_aware": order_agrees(predicted, grouped),
+    }
+
+
+def tie_cell(row: dict) -> str:
+    """The 'near tie' cell: the shapes this one cannot be told from, and its run-to-run spread."""
+    if "run_spread_s" not in row:
+        return "-"
+    spread = f"{ms(row['run_spread_s'])} ms, {row['run_spread_s'] / row['measured_median_step_time_s']:.0%}"
+    return f"{' ≈ '.join(row['near_ties']) or 'none'} ({spread})"
+
+
 def describe(shape: dict) -> str:
     layout = "".join(f"{key} {shape[key]}, " for key in ("pipeline", "tensor") if shape.get(key, 1) > 1)
     return layout + (
@@ -72,8 +150,9 @@ def markdown(record: dict) -> str:
         f"of all runs after dropping {record['warmup']} warm-up steps of each (each run's median in the JSON)",
         "",
         "| shape | choices | predicted ms | measured ms (min-max) | per-run medians ms | measured / predicted "
-        "| rank pred / meas | model states = engine | predicted worker MiB | measured RSS growth MiB (peak RSS) |",
-        "|---|---|---:|---:|---:|---:|---:|---|---:|---:|",
+        "| rank pred / meas | near tie (run spread) | model states = engine | predicted worker MiB "
+        "| measured RSS growth MiB (peak RSS) |",
+        "|---|---|---:|---:|---:|---:|---:|---|---|---:|---:|",
     ]
     for r in record["shapes"]:
         m = r["measured"]
@@ -85,7 +164,8 @@ def markdown(record: dict) -> str:
         lines.append(
             f"| {r['name']} | {describe(r['shape'])} | {ms(r['predicted_step_time_s'])} | "
             f"{ms(r['measured_median_step_time_s'])} ({ms(m['min_step_time_s'])}-{ms(m['max_step_time_s'])}) | "
-            f"{', '.join(ms(t) for t in m['round_medians_s'])} | {r['ratio_measured_over_predicted']:.2f} | {r['predicted_rank']} / {r['measured_rank']} | "
+            f"{', '.join(ms(t) for t in m['round_medians_s'])} | {r['ratio_measured_over_predicted']:.2f} | "
+            f"{r['predicted_rank']} / {r['measured_rank']} | {tie_cell(r)} | "
             f"{'yes' if r['model_state_bytes_match'] else 'NO'} | {worker} | "
             f"{growth} ({peak}) |"
         )
@@ -96,6 +176,19 @@ def markdown(record: dict) -> str:
         f"Ranking: predicted fastest {', '.join(rk['predicted_fastest'])}; measured fastest {rk['measured_fastest']}; "
         f"agree: {'yes' if rk['agree'] else 'no'}; Spearman rank correlation {rk['spearman']} (by the minimum "
         f"step time: fastest {rk['measured_fastest_by_min']}, Spearman {rk['spearman_by_min']}).",
+        *(
+            [
+                "",
+                f"Order: predicted {rk['predicted_order']}; measured, strict (pooled medians) "
+                f"{rk['measured_order_strict']}: {'agrees' if rk['agree_strict'] else 'DIFFERS'}; measured, "
+                f"tie-aware {rk['measured_order_tie_aware']}: {'agrees' if rk['agree_tie_aware'] else 'DIFFERS'} "
+                "(≈: a near tie, medians apart by no more than the larger of the two shapes' run-to-run "
+                "spreads, the largest per-run median less the smallest; the tie-aware order asks the "
+                "prediction to order only shapes the measurement orders).",
+            ]
+            if "measured_order_strict" in rk
+            else []
+        ),
         "",
         "Predicted breakdown (ms):",
         "",

@@ -33,6 +33,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from elixir_tune.cpu_binding import binding_preexec
 from elixir_tune.hardware import HardwareSpec, probe
 from elixir_tune.hardware.workers import free_port, supervise
 
@@ -172,6 +173,8 @@ def run_engine_workers(model_path: Path, plans: dict[str, Path], threads: int, w
                     env=env,
                     stdout=log,
                     stderr=subprocess.STDOUT,
+                    # Each worker on cores of its own, as elixir-run binds a CPU plan's workers.
+                    preexec_fn=binding_preexec(rank, WORLD),
                 )
             )
     supervise(procs, logs, timeout_s, "engine probe worker")

@@ -12,6 +12,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from elixir_tune.dtypes import TORCH_DTYPES
 from elixir_tune.hardware.timing import median_time_s
@@ -170,6 +171,50 @@ def block_time(
     seconds = median_time_s(step, device, budget_s, warmup=2)
     numel = sum(p.numel() for p in block.parameters())
     return numel, float(counter.get_total_flops()), float(pointwise.bytes), seconds
+
+
+# The aten ops of scaled_dot_product_attention's kernels that never write the seq x seq scores: flash,
+# memory-efficient and cuDNN on a GPU, the flash kernel on a CPU; ``_math`` is the eager fallback.
+FUSED_ATTENTION_OPS = (
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
+)
+
+
+def is_fused_attention(op_names: set[str]) -> bool:
+    """Whether ops dispatched by an attention include a fused kernel (``FUSED_ATTENTION_OPS``; names as
+    ``aten._scaled_dot_product_flash_attention`` or without the namespace)."""
+    return any(name.rpartition(".")[2].startswith(FUSED_ATTENTION_OPS) for name in op_names)
+
+
+class _OpNames(TorchDispatchMode):
+    """Records the name of every aten op run under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def block_attention_fused(device: torch.device, dtype_name: str, shape: tuple[int, int, int, int]) -> bool:
+    """Whether the probe block's attention (``ProbeBlock``: ``scaled_dot_product_attention``) ran a fused
+    kernel on this device, dtype and shape (batch, seq, hidden, heads): one forward+backward with the
+    dispatched ops recorded. The kernel SDPA picks depends on all three, so this is what the block rate
+    really measured.
+    """
+    batch, seq, hidden, heads = shape
+    dtype = DTYPES[dtype_name]
+    block = ProbeBlock(hidden, heads).to(device=device, dtype=dtype)
+    x = torch.randn(batch, seq, hidden, device=device, dtype=dtype, requires_grad=True)
+    with _OpNames() as recorder:
+        block(x).sum().backward()
+    return is_fused_attention(recorder.names)
 
 
 def tanh_gelu_unfused(x: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ import socket
 import torch
 
 from elixir_tune.hardware import host
-from elixir_tune.hardware.bench_compute import adam_elems_per_s, copy_gbps, matmul_tflops
+from elixir_tune.hardware.bench_compute import adam_elems_per_s, block_attention_fused, copy_gbps, matmul_tflops
 from elixir_tune.hardware.bench_copy import (
     pinned_copy_curves,
     pinned_copy_curves_all,
@@ -71,6 +71,13 @@ def probe_cuda(quick: bool, progress: Progress) -> HardwareSpec:
     )
     model_rates = {dtype: curve[max(curve)] for dtype, curve in block_curves.items()}
     sources.update(block_sources(block_note(shapes, how), " (the first dtype the GPU runs)"))
+    # The flat model rate is the largest block's: was its attention fused (no seq x seq scores written)?
+    rate_dtype = next(iter(block_curves), "fp32")
+    fused_attention = block_attention_fused(gpu, rate_dtype, shapes[-1])
+    sources["rate_fused_attention"] = (
+        f"measured: the dispatched ops of the largest probe block's scaled_dot_product_attention ({rate_dtype}): "
+        + ("a fused kernel" if fused_attention else "the math fallback, which writes the scores")
+    )
 
     say(progress, "HBM copy bandwidth")
     copy_bytes = 256 * MiB if quick else GiB
@@ -208,4 +215,5 @@ def probe_cuda(quick: bool, progress: Progress) -> HardwareSpec:
         pointwise_gbps=rate_gbps,
         cpu_adam_node_elems_per_s=node_adam,
         shared_host_link=shared_link,
+        rate_fused_attention=fused_attention,
     )

@@ -79,8 +79,10 @@ class HardwareSpec:
         rate_fused_attention: the flat model rate was taken from runs of a fused attention
             (llm-foundry's FlashAttention runs), so an eager attention's seq x seq score traffic is
             not in it and is priced at ``hbm_gbps`` (``costmodel.rates.attention_scores_bytes``), as
-            it is beside an ``attention_tflops`` rate. False (a CPU, a probed file, a rate from an
-            eager attention such as Megatron-LM's of 2020): the rate stands for the scores.
+            it is beside an ``attention_tflops`` rate. A probed GPU file sets it from the kernel its
+            block's ``scaled_dot_product_attention`` dispatched (``bench_compute.block_attention_fused``).
+            False (a CPU, a rate from an eager attention such as Megatron-LM's of 2020): the rate
+            stands for the scores.
         thread_handoff_s: one hand-over between two Python threads, as layered accumulation
             makes at every layer of every micro-batch; 0: not measured.
         shared_host_link: the GPUs have no NVLink, so collectives cross the same PCIe link as the

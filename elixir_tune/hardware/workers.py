@@ -32,6 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elixir_tune.cpu_binding import binding_preexec
+
 # torch >= 2.13 renamed the tensor collectives; the old names still work there but warn.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -317,6 +319,8 @@ def run_workers(
                         env=env,
                         stdout=log,
                         stderr=subprocess.STDOUT,
+                        # CPU workers on cores of their own, as elixir-run binds a CPU plan's workers.
+                        preexec_fn=binding_preexec(rank, world_size) if device == "cpu" else None,
                     )
                 )
         supervise(procs, log_paths, timeout_s, f"probe worker ({device})")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from elixir_tune.cpu_binding import CPU_BIND_ENV
 from elixir_tune.plan import PLAN_ENV_VAR, Plan
 
 # For the workers' bootstrap (worker_main): elixir-run's pid, and the job's run directory.
@@ -42,6 +43,10 @@ def worker_env(
     # optimizer for offloaded chunks there. torchrun's own default (1 thread) starves both.
     if "OMP_NUM_THREADS" not in current:
         env["OMP_NUM_THREADS"] = str(max(1, cpu_cores // plan.cluster.gpus_per_node))
+    # CPU plans: each worker on its own cores (``elixir_tune/cpu_binding.py``: left to the kernel, a
+    # pipeline's two workers can share one core for a whole run). worker_main binds; "0" opts out.
+    if plan.cluster.device == "cpu" and CPU_BIND_ENV not in current:
+        env[CPU_BIND_ENV] = "1"
     if collective_timeout_s is not None:
         env[COLLECTIVE_TIMEOUT_ENV] = f"{collective_timeout_s:g}"
     return env

@@ -8,7 +8,8 @@ elixir-run runs torchrun's agent in its own process, so the workers are its chil
 script runs, each worker asks Linux to SIGKILL it when that parent dies (``PR_SET_PDEATHSIG``):
 a ``kill -9`` of elixir-run, which no handler can see, then ends every worker at once instead of
 leaving them training and saving without a launcher. Where prctl does not exist, a thread polls
-the parent instead. The worker also writes its pid (for elixir-run's watchdog) and, if the script
+the parent instead. On a CPU plan (``$ELIXIR_TUNE_CPU_BIND`` = 1, exported by elixir-run) the worker
+then binds itself to its share of the node's cores (``elixir_tune/cpu_binding.py``). The worker also writes its pid (for elixir-run's watchdog) and, if the script
 raises, the exception's last line (for elixir-run's failure report) into ``$ELIXIR_TUNE_RUN_DIR``.
 Imports no torch: the script's own imports come first. The launcher package does not import this
 module (python -m would warn that it was imported before it ran).
@@ -24,6 +25,7 @@ import sys
 import threading
 import time
 
+from elixir_tune.cpu_binding import bind_cpu_worker
 from elixir_tune.launcher.env import LAUNCHER_PID_ENV, RUN_DIR_ENV
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -74,6 +76,8 @@ def main(argv: list[str]) -> None:
     if not argv or argv[:1] == ["-m"] and len(argv) < 2:
         sys.exit("usage: python -m elixir_tune.launcher.worker_main (SCRIPT | -m MODULE) [ARGS...]")
     die_with_parent(int(os.environ.get(LAUNCHER_PID_ENV, "0") or 0))
+    # Before the script imports torch, so that its threads start on this worker's cores.
+    bind_cpu_worker()
     run_dir = os.environ.get(RUN_DIR_ENV, "")
     rank = os.environ.get("RANK", "0")
     if run_dir:

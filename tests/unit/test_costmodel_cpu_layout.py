@@ -121,9 +121,16 @@ def test_a_tensor_split_on_the_cpu_costs_the_measured_share_of_the_plain_block(p
     without_blocks = costs.tensor_comm_s(8, 0, 0)  # the edge collectives alone
     with_blocks = costs.tensor_comm_s(8, len(profile.blocks), 0)
     assert with_blocks - without_blocks == pytest.approx(
-        len(profile.blocks)
-        * (cpu.tensor2_block_fixed_s + cpu.tensor2_block_extra_ratio * plain_s + costs.block_norms_s)
+        len(profile.blocks) * (cpu.tensor2_block_fixed_s + cpu.tensor2_block_extra_ratio * plain_s)
     )
+    # Every collective of the split is inside the measured cost (none outside the blocks); unmeasured,
+    # the blocks' norm-gradient all-reduces are link-priced.
+    assert without_blocks == 0.0
+    assert costs.block_norms_s > 0
+    bare = dataclasses.replace(cpu, tensor2_block_extra_ratio=0.0, tensor2_block_fixed_s=0.0)
+    linked = CostModel(profile, bare, gpus_per_node=2, layout=layout).parallel_costs
+    linked_blocks_s = linked.tensor_comm_s(8, len(profile.blocks), 0) - linked.tensor_comm_s(8, 0, 0)
+    assert linked_blocks_s == pytest.approx(len(profile.blocks) * (linked.tensor_layer_s(8)[0] + linked.block_norms_s))
     # Doubling the ratio adds exactly one more share per block and micro-batch to the step.
     doubled = dataclasses.replace(cpu, tensor2_block_extra_ratio=2 * cpu.tensor2_block_extra_ratio)
     shape = _shape(model, 8, 1)
