@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_layout_ratios_come_from_real_timings():
