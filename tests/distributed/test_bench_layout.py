@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_layout_ratios_come_from_real_timings():
     done = subprocess.run(
         [
@@ -47,18 +47,15 @@ def test_layout_ratios_come_from_real_timings():
     assert all(math.isfinite(v) for v in result["median"].values())
 
 
-def test_a_bad_shape_is_refused():
-    done = subprocess.run(
-        [sys.executable, "-m", "elixir_tune.hardware.bench_layout", "--shape", "3,16,32"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 2 and "--shape: expected 4 integers" in done.stderr
-    done = subprocess.run(
-        [sys.executable, "-m", "elixir_tune.hardware.bench_layout", "--tiny-shape", "4,2,9,2"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 2 and "--tiny-shape 4,2,9,2: batch must divide" in done.stderr
+def test_a_bad_shape_is_refused(capsys):
+    # main() in this process: the argument checks run before any worker starts; the module's own entry
+    # point (``python -m``) is what the test above starts.
+    from elixir_tune.hardware.bench_layout import main
+
+    for argv, message in (
+        (["--shape", "3,16,32"], "--shape: expected 4 integers"),
+        (["--tiny-shape", "4,2,9,2"], "--tiny-shape 4,2,9,2: batch must divide"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
