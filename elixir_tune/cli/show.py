@@ -7,42 +7,14 @@ from pathlib import Path
 
 import click
 
-from elixir_tune.cli.console import Table, console, fail, print_json, print_wide
+from elixir_tune.cli.console import console, fail, print_json, print_wide
+from elixir_tune.cli.show_tables import memory_table, placement_runs, placement_table, stages_table, timeline_table
 from elixir_tune.costmodel.memory import model_state_bytes
 from elixir_tune.costmodel.rates import BOUND_LABELS, binding_bound
 from elixir_tune.plan import Plan, PlanError, load_plan
 from elixir_tune.plan.capabilities import LOOP_CONTRACT, plan_loop
 from elixir_tune.ranks import mesh_groups
 from elixir_tune.units import human_bytes
-
-_STATE_LABELS = {
-    "cache_bytes": "cache blocks (gathered chunks)",
-    "resident_bytes": "resident chunks",
-    "device_shard_bytes": "optimizer shards on the GPU",
-    "host_shard_bytes": "optimizer shards on the host",
-}
-_TIMELINE_LABELS = {
-    "compute_s": "compute (recompute included)",
-    "recompute_s": "  of which recompute",
-    "exposed_fetch_s": "compute waiting for fetches",
-    "grad_drain_s": "gradient reduce after the last compute",
-    "allgather_s": "all-gather busy",
-    "reduce_scatter_s": "reduce-scatter busy",
-    "h2d_s": "host->GPU copies busy",
-    "d2h_s": "GPU->host copies busy",
-    "optimizer_gpu_s": "Adam on the GPU",
-    "optimizer_cpu_s": "Adam on the CPU",
-    "optimizer_exposed_s": "optimizer after backward (norm + Adam)",
-    "tensor_comm_s": "tensor-parallel collectives (on the compute stream)",
-    "expert_comm_s": "expert-parallel all-to-alls (on the compute stream)",
-    "pipeline_bubble_s": "pipeline bubble (idle)",
-    "p2p_s": "pipeline sends exposed",
-    "tied_allreduce_s": "tied-embedding all-reduce (first and last stage)",
-    "bound_compute_s": "bound: useful FLOPs at the best published MFU",
-    "bound_pcie_s": "bound: offloaded shards over PCIe",
-    "bound_cpu_adam_s": "bound: host Adam at the node's rate",
-    "bound_clamp_s": "raised to the bound (the simulation was faster)",
-}
 
 
 def bound_line(plan: Plan) -> str:
@@ -60,36 +32,6 @@ def bound_line(plan: Plan) -> str:
         )
     step_s = plan.prediction.step_time_s if plan.prediction else 0.0
     return f"{BOUND_LABELS[key]} is the tightest bound, {bound_s:.4g} s ({bound_s / step_s:.0%} of the predicted step)"
-
-
-def placement_runs(plan: Plan) -> list[dict]:
-    """Consecutive chunks with the same placement, as rows (first/last id, count, placement, params)."""
-    runs: list[dict] = []
-    device = "GPU" if plan.cluster.device == "cuda" else "device (CPU)"
-    for chunk in plan.memory.chunks:
-        where = (
-            ("frozen, " if chunk.frozen else "")
-            + ("resident" if chunk.resident else "cached")
-            + (", shard on host" if chunk.offload else f", shard on {device}")
-        )
-        if runs and runs[-1]["placement"] == where and runs[-1]["last"] == chunk.id - 1:
-            run = runs[-1]
-            run.update(
-                last=chunk.id, count=run["count"] + 1, numel=run["numel"] + chunk.numel, last_param=chunk.params[-1]
-            )
-        else:
-            runs.append(
-                {
-                    "first": chunk.id,
-                    "last": chunk.id,
-                    "count": 1,
-                    "placement": where,
-                    "numel": chunk.numel,
-                    "first_param": chunk.params[0],
-                    "last_param": chunk.params[-1],
-                }
-            )
-    return runs
 
 
 def plan_states(plan: Plan) -> dict[str, int]:
@@ -245,118 +187,6 @@ def _summary(plan: Plan) -> dict:
     }
 
 
-def _memory_table(plan: Plan, states: dict[str, int]) -> Table:
-    of_rank = "per device (rank)"
-    if plan.parallel.pipeline.stages > 1:  # the prediction's memory figures are all of one stage
-        of_rank = "per device (rank) of the pipeline stage with the highest peak"
-    table = Table(title=f"memory {of_rank} and per node, {plan.training.dtype}")
-    table.add_column("part")
-    table.add_column("bytes", justify="right")
-    table.add_column("size", justify="right")
-    device_states = 0
-    for key in ("cache_bytes", "resident_bytes", "device_shard_bytes"):
-        table.add_row(_STATE_LABELS[key], f"{states[key]:,}", human_bytes(states[key]))
-        device_states += states[key]
-    prediction = plan.prediction
-    if prediction is not None:
-        held = prediction.transient_bytes.get("held_grad_bytes", 0)
-        if held:
-            table.add_row("gradients a pipeline step holds (no-sync)", f"{held:,}", human_bytes(held))
-        rest = prediction.peak_gpu_bytes - device_states - held
-        table.add_row("activations, frozen params, buffers, gradient staging", f"{rest:,}", human_bytes(rest))
-        table.add_row("[bold]peak per GPU[/]", f"{prediction.peak_gpu_bytes:,}", human_bytes(prediction.peak_gpu_bytes))
-    table.add_row(
-        _STATE_LABELS["host_shard_bytes"] + " (per rank)",
-        f"{states['host_shard_bytes']:,}",
-        human_bytes(states["host_shard_bytes"]),
-    )
-    if prediction is not None:
-        table.add_row(
-            "[bold]peak host per node[/]", f"{prediction.peak_host_bytes:,}", human_bytes(prediction.peak_host_bytes)
-        )
-        if plan.cluster.device == "cpu":
-            # One memory: the host part is the node's, shared by its workers; each byte counted once.
-            per_rank = prediction.peak_gpu_bytes + prediction.peak_host_bytes // plan.cluster.gpus_per_node
-            table.add_row(
-                "[bold]peak per worker (cpu: device and host are one memory)[/]", f"{per_rank:,}", human_bytes(per_rank)
-            )
-    return table
-
-
-def _stages_table(plan: Plan) -> Table | None:
-    """Each pipeline stage's memory per rank (``prediction.stages``: what each rank's
-    ``memory_report()`` says), or None for a plan without them."""
-    stages = plan.prediction.stages if plan.prediction is not None else []
-    if not stages:
-        return None
-    cpu = plan.cluster.device == "cpu"
-    table = Table(title=f"memory per rank of each pipeline stage, {plan.training.dtype}")
-    for name in ("stage", "cache", "resident", "optimizer shards", "held gradients", "host shards", "peak per GPU"):
-        table.add_column(name, justify="left" if name == "stage" else "right")
-    if cpu:
-        table.add_column("peak per worker", justify="right")
-    for entry in stages:
-        states, held = entry.model_state_bytes, entry.transient_bytes.get("held_grad_bytes", 0)
-        row = [str(entry.stage)] + [
-            human_bytes(value)
-            for value in (
-                states["cache_bytes"],
-                states["resident_bytes"],
-                states["device_shard_bytes"],
-                held,
-                states["host_shard_bytes"],
-                entry.peak_gpu_bytes,
-            )
-        ]
-        if cpu:  # one memory: the rank's device part and its share of the node's host part
-            row.append(human_bytes(entry.peak_gpu_bytes + entry.peak_host_bytes // plan.cluster.gpus_per_node))
-        table.add_row(*row)
-    return table
-
-
-def _timeline_table(plan: Plan) -> Table:
-    prediction = plan.prediction
-    assert prediction is not None, "only plans with a prediction have a timeline"
-    table = Table(
-        title=(
-            f"predicted step: {prediction.step_time_s:.4g} s, {prediction.tokens_per_s:,.0f} tokens/s, "
-            f"{prediction.tflops_per_gpu:.1f} TFLOPS/GPU, MFU {prediction.mfu:.0%}"
-        )
-    )
-    table.add_column("part of the step")
-    table.add_column("seconds", justify="right")
-    table.add_column("share of step", justify="right")
-    for key, value in prediction.breakdown.items():
-        share = value / prediction.step_time_s if prediction.step_time_s else 0.0
-        table.add_row(_TIMELINE_LABELS.get(key, key), f"{value:.4g}", f"{share:.0%}")
-    return table
-
-
-def _placement_table(plan: Plan) -> Table:
-    memory = plan.memory
-    chunks = memory.chunks
-    cacheable = sum(1 for c in chunks if not c.resident)
-    table = Table(
-        title=(
-            f"chunk placement: {len(chunks)} chunks of {memory.chunk_size:,} elements, "
-            f"{memory.cache_blocks} of {cacheable} cacheable held at once, prefetch {memory.prefetch}, "
-            f"{sum(1 for c in chunks if c.offload)} shards on the host"
-            + (" (all stages)" if plan.parallel.pipeline.stages > 1 else "")
-        )
-    )
-    for name in ("chunks", "count", "placement", "elements", "parameters"):
-        table.add_column(name, justify="right" if name in ("count", "elements") else "left")
-    for run in placement_runs(plan):
-        ids = str(run["first"]) if run["first"] == run["last"] else f"{run['first']}-{run['last']}"
-        params = (
-            run["first_param"]
-            if run["first_param"] == run["last_param"]
-            else f"{run['first_param']} .. {run['last_param']}"
-        )
-        table.add_row(ids, str(run["count"]), run["placement"], f"{run['numel']:,}", params)
-    return table
-
-
 def _expert_bytes(plan: Plan, given: str | None) -> int | None:
     """The all-to-all bytes a rank sends per micro-batch under the plan's expert parallelism, from
     its profile (given, or the one the plan names) when it is there; None otherwise."""
@@ -509,10 +339,10 @@ def show_command(
         console.print(f"[bold]mesh[/] ({order}):", soft_wrap=True)
         for line in mesh_lines(plan):
             console.print(f"  {line}", soft_wrap=True)
-    print_wide(_memory_table(plan, summary["memory"]["model_state_bytes"]))
-    stages_table = _stages_table(plan)
-    if stages_table is not None:
-        print_wide(stages_table)
+    print_wide(memory_table(plan, summary["memory"]["model_state_bytes"]))
+    per_stage = stages_table(plan)
+    if per_stage is not None:
+        print_wide(per_stage)
     if plan.prediction is None:
         console.print(
             "[yellow]no prediction in this plan[/] (written by hand?): model-state bytes above follow "
@@ -520,9 +350,9 @@ def show_command(
             soft_wrap=True,
         )
     else:
-        print_wide(_timeline_table(plan))
+        print_wide(timeline_table(plan))
         console.print(f"[bold]plausibility bound:[/] {bound_line(plan)}", soft_wrap=True)
-    print_wide(_placement_table(plan))
+    print_wide(placement_table(plan))
     if plan.search is not None:
         console.print(
             f"found by the {plan.search.strategy} search: {plan.search.candidates} candidates in "
