@@ -87,9 +87,16 @@ def bind_cpu_worker(env: Mapping[str, str] | None = None) -> list[int] | None:
     return cores
 
 
-def binding_preexec(local_rank: int, local_world: int) -> Callable[[], None] | None:
+def binding_preexec(
+    local_rank: int, local_world: int, env: Mapping[str, str] | None = None
+) -> Callable[[], None] | None:
     """For ``subprocess.Popen(preexec_fn=...)``: binds a CPU worker the probe starts, in the child before
-    it runs Python, so every thread it ever starts is on its cores; None when it is not to be bound."""
+    it runs Python, so every thread it ever starts is on its cores; None when it is not to be bound
+    (also when the user set ``CPU_BIND_ENV`` to "0": the probe then measures unbound workers, as that
+    user's elixir-run jobs run)."""
+    env = os.environ if env is None else env
+    if env.get(CPU_BIND_ENV) == "0":
+        return None
     cores = worker_cores(local_rank, local_world)
     if cores is None:
         return None

@@ -101,3 +101,10 @@ def test_elixir_runs_worker_bootstrap_binds_before_the_script_runs(tmp_path):
         env={**env, CPU_BIND_ENV: "0"},
     )
     assert json.loads(free.stdout) == allowed
+
+
+def test_the_opt_out_leaves_the_probes_workers_unbound_too():
+    # A user who sets ELIXIR_TUNE_CPU_BIND=0 runs unbound workers; the probe must measure the same.
+    assert binding_preexec(0, 2, env={CPU_BIND_ENV: "0"}) is None
+    if HAS_AFFINITY and len(os.sched_getaffinity(0)) >= 2:
+        assert binding_preexec(0, 2, env={}) is not None
