@@ -30,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from published_checks import checks_text, issue_checks
 from published_setups import LEFT_OUT, PUBLISHED, SOURCE_KEYS, Setup
 
 from elixir_tune import paths
@@ -110,7 +111,9 @@ def _lifted(hardware: HardwareSpec) -> HardwareSpec:
     return lifted
 
 
-def best_plan(profile: ModelProfile, setup: Setup, fixed: dict, lift_memory: bool = False) -> dict:
+def best_plan(
+    profile: ModelProfile, setup: Setup, fixed: dict, lift_memory: bool = False, hardware: HardwareSpec | None = None
+) -> dict:
     """The best plan of one setup under ``fixed``, as a report entry.
 
     Args:
@@ -119,12 +122,13 @@ def best_plan(profile: ModelProfile, setup: Setup, fixed: dict, lift_memory: boo
         fixed: pinned choices (``search.space.FIX_KEYS``).
         lift_memory: when nothing fits, search again with the device memory limit lifted (the peer
             ran the configuration, so the memory model is what over-predicts) and say so.
+        hardware: a spec to compare on instead of the setup's preset (a sensitivity check).
 
     Returns:
         ``{"error": ...}`` when no plan is found, else its tokens/s per GPU, MFU, step time,
         shape, layout, breakdown and peak memory.
     """
-    hardware = load_hardware(setup.hardware)
+    hardware = hardware or load_hardware(setup.hardware)
     over_memory = False
     attempts = [hardware, _lifted(hardware)] if lift_memory else [hardware]
     result = None
@@ -291,6 +295,7 @@ def summary(rows: list[dict]) -> dict:
         1 for row in rows if "breakdown" in row["free"] and row["free"]["breakdown"].get("bound_clamp_s", 0) > 0
     )
     out["free_speedups_over_1_3"] = sum(1 for row in rows if row.get("free_speedup", 0) > EXPLAIN_SPEEDUP)
+    out["checks"] = issue_checks(rows, EXPLAIN_SPEEDUP)
     return out
 
 
@@ -358,6 +363,8 @@ def markdown(report: dict) -> str:
         f"{_stats_text(s.get('first_step', {}))}. Free plans raised to the "
         f"plausibility bound: {s['free_plans_clamped_to_bound']}; free plans over {EXPLAIN_SPEEDUP}x the pinned "
         f"one: {s['free_speedups_over_1_3']} (reasons below the table).",
+        "",
+        checks_text(s.get("checks") or issue_checks(report["rows"], EXPLAIN_SPEEDUP), EXPLAIN_SPEEDUP),
         "",
         "`unbounded ratio`: the pinned prediction before the plausibility bound raised it (equal to ratio when the "
         "bound does not bind).",

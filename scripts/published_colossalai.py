@@ -100,9 +100,13 @@ COLOSSAL_GEMINI_MISMATCHES = (
 GEMINI_HOST_ROOM = (
     "With that placement the published step ({step} s) leaves {room} s for Adam over 10.28e9 elements on "
     "the host after the model's compute with recomputation (5.58 s) and its synchronous fetches (1.40 s): "
-    "{rate} elements/s, above the 7.3e9/s the testbed's DRAM allows at 28 B per element (one EPYC 7543: 8 "
-    "x DDR4-3200, 204.8 GB/s) and the preset's 1.8e9/s: the preset's compute or PCIe estimates are slower "
-    "than that machine, or the figure is not a whole step; not resolved, nothing fitted"
+    "{rate} elements/s, above the preset's 1.8e9/s and the 7.3e9/s that 204.8 GB/s moves at 28 B per element "
+    "(AMD's EPYC 7543 datasheet: at most 8 channels of DDR4-3200; the README names one such CPU with 512 GB, "
+    "not how its memory is populated). Elixir's own search assumes host Adam at (1.66 ln n + 5.15)e9 elements/s "
+    "with n ranks (colossalai/elixir/search/simulator.py @ 206280408; its machine and units are not stated): at "
+    "that rate this row predicts {elixir}x, but the same rate puts the 'cpu' rows at up to 1.30x and the 1-GPU "
+    "20B row at 1.96x (scripts/published_gemini_host.py), so no one host rate explains the Gemini rows; the "
+    "preset is unchanged, nothing fitted"
 )
 
 COLOSSAL_GEMINI_POLICY = {
@@ -112,11 +116,11 @@ COLOSSAL_GEMINI_POLICY = {
     "auto": "placement_policy 'auto': AutoPlacementPolicy evicts fp16 chunks only when the model data would "
     "exceed 0.9 x the GPU's memory less the traced non-model data; the fp16 weights are 20.6 GB of 80 GB, so after "
     "the warm-up step they all stay gathered on the GPU: pinned as cache_blocks all. "
-    + GEMINI_HOST_ROOM.format(step=7.60, room=0.62, rate="1.7e10"),
+    + GEMINI_HOST_ROOM.format(step=7.60, room=0.62, rate="1.7e10", elixir="0.90"),
     "const": "placement_policy 'const' with set_const_memory_boundary(10 * 1024): ConstPlacementPolicy keeps "
     "gathered fp16 chunks on the GPU up to 10 GiB (about half of the 19.1 GiB) and moves the rest back to the host "
     "after use; the plan's cache is the search's (its chunks differ from Gemini's). "
-    + GEMINI_HOST_ROOM.format(step=8.20, room=1.22, rate="8.4e9"),
+    + GEMINI_HOST_ROOM.format(step=8.20, room=1.22, rate="8.4e9", elixir="0.97"),
 }
 
 # How ColossalAI-Pytorch-lightning's figures were taken. benchmark/gpt/train.py and callback.py print no
@@ -150,6 +154,14 @@ def gpt2_params(hidden: int, layers: int, vocab: int = 50257, positions: int = 1
 
 # Colossal-AI examples/language/gpt/model_zoo.py: (hidden, layers, heads).
 COLOSSAL_GEMINI_MODELS = {"gpt2_10b": (4096, 50, 16), "gpt2_20b": (8192, 25, 16)}
+
+# examples/language/gpt/README.md @ d96cc37e prints 43.102 twice: in the tensor-parallel table for gpt2_20b on
+# 1 GPU, TP 1, batch 8 (the row compared) and under "Touch the bar" for gpt2_20b on 4 GPUs, TP 2, batch 8.
+GEMINI_20B_FIGURE = (
+    "the README prints the same 43.102 TFLOPS for this run (1 GPU, TP 1, batch 8) and for gpt2_20b on 4 GPUs with "
+    "TP 2 at batch 8 (its 'Touch the bar' table); different runs giving the same five digits suggests one is a "
+    "copy, and the README does not say which: the figure is compared as printed"
+)
 
 BATCH_TABLE = "How dose Batch Size affect the efficency."
 POLICY_TABLE = "How dose the Placement Policy affect the efficency."
