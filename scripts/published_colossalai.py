@@ -104,9 +104,10 @@ GEMINI_HOST_ROOM = (
     "(AMD's EPYC 7543 datasheet: at most 8 channels of DDR4-3200; the README names one such CPU with 512 GB, "
     "not how its memory is populated). Elixir's own search assumes host Adam at (1.66 ln n + 5.15)e9 elements/s "
     "with n ranks (colossalai/elixir/search/simulator.py @ 206280408; its machine and units are not stated): at "
-    "that rate this row predicts {elixir}x, but the same rate puts the 'cpu' rows at up to 1.30x and the 1-GPU "
-    "20B row at 1.96x (scripts/published_gemini_host.py), so no one host rate explains the Gemini rows; the "
-    "preset is unchanged, nothing fitted"
+    "that rate this row predicts {elixir}x, and the six 10B rows 0.83-1.11x when the 'cpu' rows also upload each "
+    "chunk again at every use as that policy does (0.87-1.30x with the search's cache), but the 1-GPU 20B row "
+    "1.76-1.96x (scripts/published_gemini_host.py, --cpu-cache 2). A rate with no stated machine is not put in "
+    "the preset: unchanged, nothing fitted"
 )
 
 COLOSSAL_GEMINI_POLICY = {

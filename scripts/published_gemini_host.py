@@ -15,11 +15,19 @@ per rank is the preset's rule (``HardwareSpec.cpu_adam_rate_per_rank``): min(one
 rate / ranks on the node), with velocity_cpu(1) as one process's rate and velocity_cpu(G) as the node's.
 Nothing is fitted: the constants are Elixir's as written.
 
+``--cpu-cache N`` pins the 'cpu' rows' cache at N gathered chunks instead of leaving it to the search:
+CPUPlacementPolicy.evict_tensors moves every chunk not in the current op back to the host (colossalai/gemini/
+placement_policy.py and gemini_mgr.py ``adjust_layout`` @ d96cc37e), so each use uploads its chunk again. How
+many chunks an op holds depends on Gemini's own chunking, which the plan's does not reproduce, so the table
+leaves the cache to the search and this shows what the pin would do.
+
     python scripts/published_gemini_host.py
+    python scripts/published_gemini_host.py --cpu-cache 2
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 
@@ -35,9 +43,14 @@ def elixir_velocity_cpu(ranks_on_node: int) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cpu-cache", type=int, default=0, help="pin the 'cpu' rows' cache blocks (0: the search's)")
+    args = parser.parse_args()
     for setup in PUBLISHED:
         if setup.source_key != "colossalai-gemini":
             continue
+        if args.cpu_cache and "(Gemini cpu," in setup.name:
+            setup = dataclasses.replace(setup, cache_blocks=args.cpu_cache)
         preset = load_hardware(setup.hardware)
         elixir = dataclasses.replace(
             preset,
@@ -57,7 +70,8 @@ def main() -> None:
             ratio = result["tokens_per_s_per_gpu"] / setup.tokens_per_s_per_gpu
             figures.append(
                 f"{label} {spec.cpu_adam_rate_per_rank(setup.gpus_per_node):.3g}/s per rank: step "
-                f"{result['step_time_s']:.2f} s (host Adam exposed {breakdown.get('optimizer_exposed_s', 0):.2f} s), "
+                f"{result['step_time_s']:.2f} s (host Adam exposed {breakdown.get('optimizer_exposed_s', 0):.2f} s, "
+                f"fetches exposed {breakdown.get('exposed_fetch_s', 0):.2f} s), "
                 f"ratio {ratio:.2f}"
             )
         print(f"{setup.name}: " + "; ".join(figures), flush=True)
