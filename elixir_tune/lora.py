@@ -16,7 +16,9 @@ Out: ``save_adapter`` writes PEFT's adapter format (``adapter_config.json`` +
 ``adapter_model.safetensors``) that ``PeftModel.from_pretrained(base, DIR)`` reads;
 ``save_merged`` writes a full Hugging Face directory with the adapters merged into the weights.
 Both gather on rank 0 (from every data shard, pipeline stage and tensor rank) and write there;
-every rank must call them. Under pipeline and tensor plans a PEFT model's stage plan and tensor
+every rank must call them. They keep ``save_pretrained``'s promise: the files are staged in
+``DIR/.elixir-save.tmp`` and renamed into place when complete, so a failed save leaves DIR as it was,
+and every rank raises the same ``SaveError`` (no rank is left waiting, none returns as if it worked). Under pipeline and tensor plans a PEFT model's stage plan and tensor
 table come from ``lora_layout.py``.
 
 PEFT is imported only when a model is wrapped or saved (it is in the ``finetune`` extra).
@@ -27,18 +29,14 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 from torch import nn
 
-# PEFT's default adapter name: its parameters are ``...lora_A.default.weight``.
-ADAPTER_NAME = "default"
-PEFT_PREFIX = "base_model.model."
-_ADAPTER_PART = re.compile(r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vector)(\.|$)")
+from elixir_tune.lora_layout import ADAPTER_NAME, base_name, is_adapter_name
 
 
 class LoraError(ValueError):
@@ -143,23 +141,7 @@ def lora_settings(model: nn.Module) -> dict[str, Any]:
     }
 
 
-# --- names ----------------------------------------------------------------------------------------
-
-
-def is_adapter_name(name: str) -> bool:
-    """A PEFT adapter parameter (``...q_proj.lora_A.default.weight``): in no base checkpoint."""
-    return bool(_ADAPTER_PART.search(name))
-
-
-def base_name(name: str) -> str:
-    """A PEFT model's name of a base parameter -> the base model's (the checkpoint's) name.
-
-    ``base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight`` ->
-    ``model.layers.0.self_attn.q_proj.weight``; other names are returned as they are.
-    """
-    if name.startswith(PEFT_PREFIX):
-        name = name[len(PEFT_PREFIX) :]
-    return name.replace(".base_layer.", ".")
+# --- adapters' first values ----------------------------------------------------------------------
 
 
 def adapter_init(name: str, shape: Sequence[int], seed: int) -> torch.Tensor:
@@ -215,28 +197,92 @@ def _gatherer(engine: Any) -> Any:
     return engine.pipeline or engine
 
 
-def _is_writer(model: nn.Module) -> bool:
-    engine = getattr(model, "engine", None)
-    return engine is None or engine.mesh.world.rank == 0
-
-
 def save_adapter(model: nn.Module, out_dir: str | os.PathLike) -> None:
     """Writes the adapters in PEFT's format: ``adapter_config.json`` + ``adapter_model.safetensors``.
 
     ``PeftModel.from_pretrained(base_model, out_dir)`` reads it. On the engine every rank must call
-    it (the adapters are gathered from the shards); rank 0 writes.
+    it (the adapters are gathered from the shards); rank 0 writes, staged (``_write_staged``): a failed
+    save leaves ``out_dir`` as it was, and every rank raises the same error.
 
     Args:
         model: the ``ElixirModel`` of a LoRA model (or the PEFT model itself).
         out_dir: directory to write (created).
+
+    Raises:
+        LoraError: the model has no LoRA adapters.
+        SaveError: on every rank, when rank 0 could not write (the message names the rank, the file or
+            directory and the cause).
     """
     peft_model = _peft_model_of(model)
     state = _trainable_state(model)
-    if not _is_writer(model):
-        return
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    peft_model.save_pretrained(str(out_dir), state_dict=state, safe_serialization=True)
-    _write_missing_adapters(Path(out_dir), state)
+
+    def write(staging: Path) -> None:
+        peft_model.save_pretrained(str(staging), state_dict=state, safe_serialization=True)
+        _write_missing_adapters(staging, state)
+
+    _write_staged(model, Path(out_dir), "save_adapter", write, replaces_model=False)
+
+
+def _write_staged(
+    model: nn.Module, out_dir: Path, caller: str, write: Callable[[Path], None], replaces_model: bool
+) -> None:
+    """Runs ``write(staging)`` on the writing rank, then agrees with every rank on the outcome.
+
+    The contract of ``save_pretrained`` (engine/io/pretrained_files.py): the files go into
+    ``out_dir/.elixir-save.tmp`` and reach disk there; only when all of them are complete are they
+    renamed into ``out_dir``. A failure there (disk full, a file size limit, a path that is not a
+    directory, PEFT's or transformers' own errors) is kept as one line; the staging files go, and the
+    ranks exchange it (a collective, in place of a barrier), so that no rank returns while rank 0 is
+    still writing and all of them raise the same error.
+
+    Raises:
+        SaveError: on every rank, with ``caller`` and the writing rank's failure.
+    """
+    # Imported here: the engine's weight reading imports this module's names (lora_layout), and a plain
+    # PEFT model saved without the engine needs no process group.
+    from elixir_tune.engine.io.pretrained_files import ExportDir, SaveError
+
+    engine = getattr(model, "engine", None)
+    world = engine.mesh.world if engine is not None else None
+    export = None
+    if world is None or world.rank == 0:
+        export = ExportDir(out_dir, world.rank if world is not None else 0, replaces_model=replaces_model)
+        export.prepare()
+        if export.error is None:
+            try:
+                write(export.staging)
+                _sync_files(export.staging)
+            except Exception as failure:  # noqa: BLE001  (PEFT's, transformers' and safetensors' writers)
+                export.fail(_failed_write(export, failure), failure)
+        export.publish()
+        if export.error is not None:
+            export.abort()
+    error = export.error if export is not None else None
+    errors = [error] if error else []
+    if world is not None:
+        from elixir_tune.engine.comm import shared_errors
+
+        errors = shared_errors(world, error)
+    if errors:
+        raise SaveError(f"{caller}: {'; '.join(errors)}")
+
+
+def _sync_files(directory: Path) -> None:
+    """Every file in ``directory`` on disk (a full disk can show only here), before the renames."""
+    for path in sorted(directory.iterdir()):
+        descriptor = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+
+
+def _failed_write(export: Any, failure: BaseException) -> str:
+    """What could not be done, for the error: the file under its final name when the failure names one."""
+    filename = getattr(failure, "filename", None)
+    if isinstance(filename, (str, os.PathLike)) and Path(filename).parent == export.staging:
+        return f"write {export.final_path(Path(filename).name)}"
+    return f"write {export.directory}"
 
 
 def _write_missing_adapters(out_dir: Path, state: dict[str, torch.Tensor]) -> None:
@@ -321,24 +367,33 @@ def save_merged(model: nn.Module, out_dir: str | os.PathLike, dtype: torch.dtype
     """Writes a full Hugging Face directory with the adapters merged into the base weights.
 
     ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it without PEFT. Rank 0 holds the whole
-    model on the CPU meanwhile (the other ranks nothing); every rank must call it.
+    model on the CPU meanwhile (the other ranks nothing); every rank must call it. Rank 0 writes,
+    staged as ``save_adapter`` does: a failed save leaves ``out_dir`` as it was (the earlier model
+    loadable), and every rank raises the same error.
 
     Args:
         model: the ``ElixirModel`` of a LoRA model (or the PEFT model itself).
         out_dir: directory to write (created).
         dtype: dtype to store (default fp32).
+
+    Raises:
+        LoraError: the model has no LoRA adapters.
+        SaveError: on every rank, when rank 0 could not merge or write (an adapter merging does not
+            support, a full disk, a bad path: the message names the rank and the cause).
     """
     peft_model = _peft_model_of(model)
+    if getattr(peft_model.peft_config[ADAPTER_NAME], "fan_in_fan_out", False):  # known on every rank: all raise
+        raise LoraError("fan_in_fan_out layers (GPT-2's Conv1D) are not merged; save the adapter instead")
     engine = getattr(model, "engine", None)
     if engine is not None:
         full = _gatherer(engine).full_state_dict()
     else:
         full = {name: value.detach().float().cpu() for name, value in peft_model.state_dict().items()}
-    if not _is_writer(model):
-        return
-    merged = merged_state_dict(full, peft_model)
-    if dtype is not None:
-        merged = {k: v.to(dtype) if v.is_floating_point() else v for k, v in merged.items()}
-    base = peft_model.get_base_model()
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    base.save_pretrained(str(out_dir), state_dict=merged, safe_serialization=True)
+
+    def write(staging: Path) -> None:
+        merged = merged_state_dict(full, peft_model)
+        if dtype is not None:
+            merged = {k: v.to(dtype) if v.is_floating_point() else v for k, v in merged.items()}
+        peft_model.get_base_model().save_pretrained(str(staging), state_dict=merged, safe_serialization=True)
+
+    _write_staged(model, Path(out_dir), "save_merged", write, replaces_model=True)

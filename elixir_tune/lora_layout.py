@@ -1,4 +1,5 @@
-"""Where a PEFT (LoRA) model keeps its base model, and the tensor-table entries of its LoRA layers.
+"""Where a PEFT (LoRA) model keeps its base model, its parameters' names, and the tensor-table entries
+of its LoRA layers.
 
 No torch import (duck-typed, like ``stage_plans.py`` and ``tensor_table.py``, which use it): the
 profiler and the engine read the same answers.
@@ -20,11 +21,15 @@ parallelism each LoRA layer's entry becomes entries for its parts (docs/DESIGN.m
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from elixir_tune.plan.tensor_layout import module_style
 
+# PEFT's default adapter name: its parameters are ``...lora_A.default.weight``.
+ADAPTER_NAME = "default"
 PEFT_PREFIX = "base_model.model."
+_ADAPTER_PART = re.compile(r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vector)(\.|$)")
 # Styles a LoRA layer's base may have under tensor parallelism, and its parts' entries for each.
 _COLWISE_PARTS = {"colwise": "colwise", "colwise_gather": "colwise_gather"}
 
@@ -41,6 +46,22 @@ def peft_base(model: Any) -> tuple[Any, str]:
     base = get_base()
     path = next((name for name, module in model.named_modules() if module is base and name), "")
     return (base, f"{path}.") if path else (model, "")
+
+
+def is_adapter_name(name: str) -> bool:
+    """A PEFT adapter parameter (``...q_proj.lora_A.default.weight``): in no base checkpoint."""
+    return bool(_ADAPTER_PART.search(name))
+
+
+def base_name(name: str) -> str:
+    """A PEFT model's name of a base parameter -> the base model's (the checkpoint's) name.
+
+    ``base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight`` ->
+    ``model.layers.0.self_attn.q_proj.weight``; other names are returned as they are.
+    """
+    if name.startswith(PEFT_PREFIX):
+        name = name[len(PEFT_PREFIX) :]
+    return name.replace(".base_layer.", ".")
 
 
 def lora_layer_paths(model: Any) -> list[str]:

@@ -34,12 +34,10 @@ from elixir_tune.data.packing import packed_rows
 from tests.distributed import lora_worker
 from tests.distributed.engine_plans import make_plan
 from tests.distributed.engine_worker import mean_over_ranks
-from tests.distributed.torch_reference import adamw, build_stage_family
+from tests.distributed.torch_reference import MICRO, SEQ, adamw, build_stage_family, step_batches, token_micro
 
 STEPS = 2
-MICRO = 2
-ACCUM = 2
-SEQ = 8
+ACCUM = 2  # torch_reference's MICRO rows of SEQ tokens per micro-batch, fewer of them per step
 PADDED_LENGTHS = (7, 5)
 PACKED_LENGTHS = (16, 12)
 # Packed cases scale the models' matrices by this: at the builders' small initial weights attention is near
@@ -87,28 +85,14 @@ def batches(case: dict, data: int) -> list[list[list[dict]]]:
     """Each step's micro-batches of each data rank, ``[step][data_rank][micro]`` (seeded: the same everywhere)."""
     from tests.unit.models.stage_families import VOCAB
 
-    generator = torch.Generator().manual_seed(2)
     kind = case.get("batches", "plain")
-    steps = []
-    for _ in range(STEPS):
-        per_rank = []
-        for _ in range(data):
-            micro = []
-            for k in range(ACCUM):
-                if kind == "packed":
-                    micro.append(packed_micro(generator, PACKED_LENGTHS[k], VOCAB))
-                    continue
-                length = PADDED_LENGTHS[k] if kind == "padded" else SEQ
-                ids = torch.randint(5, VOCAB, (MICRO, length), generator=generator)
-                batch = {"input_ids": ids, "labels": ids.clone()}
-                if kind == "padded":
-                    batch["attention_mask"] = torch.ones_like(ids)
-                    batch["attention_mask"][1, -2:] = 0
-                    batch["labels"][1, -2:] = -100
-                micro.append(batch)
-            per_rank.append(micro)
-        steps.append(per_rank)
-    return steps
+
+    def micro(generator: torch.Generator, k: int) -> dict:
+        if kind == "packed":
+            return packed_micro(generator, PACKED_LENGTHS[k], VOCAB)
+        return token_micro(generator, PADDED_LENGTHS[k] if kind == "padded" else SEQ, padded=kind == "padded")
+
+    return step_batches(STEPS, data, ACCUM, 2, micro)
 
 
 def reference(case: dict, steps: list[list[list[dict]]], drop: tuple[str, ...] = ()) -> dict:

@@ -2,9 +2,10 @@
 
 Run by ``engine_launch.py`` (argv: cases.json, output prefix). Each case is a dict:
 
-* ``save``: ``"pretrained"`` (``elixir_tune.save_pretrained``), ``"checkpoint"`` (``save_checkpoint``), or
+* ``save``: ``"pretrained"`` (``elixir_tune.save_pretrained``), ``"checkpoint"`` (``save_checkpoint``),
   ``"recipe_adapter"`` (the finetune recipe's ``write_usable_dir`` of a LoRA model: PEFT's files, written by
-  rank 0 alone after the last collective, on a tiny Llama);
+  rank 0 alone after the last collective, on a tiny Llama), or ``"adapter"`` / ``"merged"`` (a user's script
+  calling ``lora.save_adapter`` / ``lora.save_merged`` on that LoRA model);
 * ``stages``: 1 (a data-parallel plan on every rank) or 2 (a pipeline of 2 stages);
 * ``harm``: what makes rank 0's write fail: ``"file_too_large"`` (a file size limit of a few KiB on rank 0
   alone, ``RLIMIT_FSIZE``: the kernel answers EFBIG mid-file, as a full disk answers ENOSPC), or
@@ -52,6 +53,14 @@ def _tree_hashes(root: Path) -> dict[str, str]:
 def _save(case: dict, model, opt, target: Path, step: int) -> None:
     if case["save"] == "pretrained":
         elixir_tune.save_pretrained(model, target, max_shard_size=case.get("max_shard_size", "5GB"))
+    elif case["save"] == "adapter":
+        from elixir_tune.lora import save_adapter
+
+        save_adapter(model, target)
+    elif case["save"] == "merged":
+        from elixir_tune.lora import save_merged
+
+        save_merged(model, target)
     elif case["save"] == "recipe_adapter":  # the finetune recipe's --save-pretrained with --lora-rank
         from elixir_tune.recipes.finetune import write_usable_dir
 
@@ -75,7 +84,7 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
     data = world // stages
     base = Path(out_path).parent / f"case-{index}"
     good = base / "out"  # the first save's place; the failed save goes there too, unless the harm says otherwise
-    lora = case["save"] == "recipe_adapter"
+    lora = case["save"] in ("recipe_adapter", "adapter", "merged")
     with quiet_transformers():
         model, opt = build_stage_family("llama" if lora else "gpt2")
         if lora:

@@ -2,11 +2,13 @@
 
 Rank 0 writes for real into a place it cannot write: a file size limit of 4 KiB on rank 0 alone
 (``RLIMIT_FSIZE``: the kernel answers EFBIG in the middle of a file, as a full disk answers ENOSPC), or
-a target under a regular file (ENOTDIR). Six cases in one launch: ``save_pretrained`` under a
+a target under a regular file (ENOTDIR). Eight cases in one launch: ``save_pretrained`` under a
 data-parallel plan (both harms, several files) and a pipeline of 2 stages, ``save_checkpoint``
-under both plans, and the finetune recipe's ``--save-pretrained`` of a LoRA adapter (PEFT writes on
-rank 0 alone after the last collective: before, rank 0 failed alone and the others exited 0). Each
-saves a good copy first, then fails, then saves again with the harm gone.
+under both plans, the finetune recipe's ``--save-pretrained`` of a LoRA adapter, and a user's own
+``lora.save_adapter`` (a pipeline of 2 stages) and ``lora.save_merged`` (PEFT and transformers write on
+rank 0 alone after the last collective: before, rank 0 failed alone, the others returned as if the save
+had worked, and a half-written file replaced the good one). Each saves a good copy first, then fails,
+then saves again with the harm gone.
 
 Every rank must raise the same one-line error naming rank 0, the file and the cause, within seconds
 (a rank left in a collective would wait for the collective timeout, set to 60 s here: the launch's
@@ -29,6 +31,8 @@ CASES = [
     dict(save="checkpoint", stages=1, harm="file_too_large"),
     dict(save="checkpoint", stages=2, harm="not_a_directory"),
     dict(save="recipe_adapter", stages=1, harm="not_a_directory"),
+    dict(save="adapter", stages=2, harm="file_too_large"),
+    dict(save="merged", stages=1, harm="file_too_large"),
 ]
 IDS = [f"{c['save']}-stages{c['stages']}-{c['harm']}" for c in CASES]
 BOUND_S = 20.0  # a failed save ends this fast on every rank (measured well under 1 s)
@@ -43,8 +47,10 @@ def results() -> list[list[dict]]:
 
 
 def _expected_error(case: dict) -> str:
-    if case["save"] == "recipe_adapter":  # PEFT's writer on rank 0, after the last collective
-        return "rank 0 could not write {base}/a-file/out: [Errno 20] Not a directory"
+    if case["save"] == "recipe_adapter":  # save_adapter's error, passed on by the recipe
+        return "save_adapter: rank 0 could not create {base}/a-file/out: [Errno 20] Not a directory"
+    if case["save"] in ("adapter", "merged"):  # PEFT's or transformers' writer, staged on rank 0
+        return f"save_{case['save']}: rank 0 could not write {{base}}/out"
     if case["save"] == "pretrained":
         if case["harm"] == "not_a_directory":
             return "save_pretrained: rank 0 could not create {base}/a-file/out: [Errno 20] Not a directory"
@@ -68,6 +74,8 @@ def test_every_rank_raises_the_same_clear_error_at_once(results, index):
     assert _expected_error(CASES[index]).format(base=ranks[0]["base"]) in error, error
     if CASES[index]["harm"] == "file_too_large" and CASES[index]["save"] == "pretrained":
         assert ".safetensors: [Errno 27] File too large" in error
+    if CASES[index]["harm"] == "file_too_large" and CASES[index]["save"] != "checkpoint":
+        assert "File too large" in error and error.endswith("was replaced"), error  # and it says so
     assert all(result["save_s"] < BOUND_S for result in ranks), [result["save_s"] for result in ranks]
     assert all(result["in_step"] for result in ranks)
 

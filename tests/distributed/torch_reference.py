@@ -9,6 +9,8 @@ the same in every process (seeded).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from tests.distributed.engine_plans import param_groups
@@ -35,8 +37,37 @@ def build_stage_family(family: str) -> tuple[torch.nn.Module, torch.optim.AdamW]
     return model, adamw(model)
 
 
+def token_micro(generator: torch.Generator, length: int, padded: bool = False) -> dict:
+    """One micro-batch of ``MICRO`` rows of ``length`` random token ids (from 5 up, labels the ids).
+
+    Args:
+        generator: the seeded generator the ids are drawn from (one per run: the same in every process).
+        length: tokens per row.
+        padded: the second row is padded over its last 2 tokens (attention mask 0, labels -100).
+    """
+    from tests.unit.models.stage_families import VOCAB
+
+    ids = torch.randint(5, VOCAB, (MICRO, length), generator=generator)
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    if padded:
+        batch["attention_mask"] = torch.ones_like(ids)
+        batch["attention_mask"][1, -2:] = 0
+        batch["labels"][1, -2:] = -100
+    return batch
+
+
+def step_batches(
+    steps: int, data: int, accum: int, seed: int, micro: Callable[[torch.Generator, int], dict]
+) -> list[list[list[dict]]]:
+    """Each step's micro-batches of each data rank, ``[step][data_rank][micro]``: ``micro(generator, k)``
+    for the k-th of a rank's ``accum`` micro-batches, all drawn in that order from one generator seeded
+    with ``seed`` (the same in every process)."""
+    generator = torch.Generator().manual_seed(seed)
+    return [[[micro(generator, k) for k in range(accum)] for _ in range(data)] for _ in range(steps)]
+
+
 def stage_family_batches(steps: int, data: int = 1, lengths: tuple[int, ...] | None = None) -> list[list[list[dict]]]:
-    """Each step's micro-batches of each data rank, ``[step][data_rank][micro]``.
+    """Each step's micro-batches of each data rank, ``[step][data_rank][micro]`` (``ACCUM`` per rank and step).
 
     Args:
         steps: training steps.
@@ -48,25 +79,13 @@ def stage_family_batches(steps: int, data: int = 1, lengths: tuple[int, ...] | N
     Returns:
         The batches (token ids from 5 up, labels the ids).
     """
-    from tests.unit.models.stage_families import VOCAB
-
-    generator = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(steps):
-        per_rank = []
-        for _ in range(data):
-            micro = []
-            for k in range(ACCUM):
-                ids = torch.randint(5, VOCAB, (MICRO, lengths[k] if lengths else SEQ), generator=generator)
-                batch = {"input_ids": ids, "labels": ids.clone()}
-                if lengths:
-                    batch["attention_mask"] = torch.ones_like(ids)
-                    batch["attention_mask"][1, -2:] = 0
-                    batch["labels"][1, -2:] = -100
-                micro.append(batch)
-            per_rank.append(micro)
-        out.append(per_rank)
-    return out
+    return step_batches(
+        steps,
+        data,
+        ACCUM,
+        1,
+        lambda generator, k: token_micro(generator, lengths[k] if lengths else SEQ, bool(lengths)),
+    )
 
 
 def plain_micro_training(model, opt, steps: list[list[dict]], reverse: bool = False) -> dict:

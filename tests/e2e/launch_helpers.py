@@ -1,9 +1,12 @@
-"""Helpers for launcher and end-to-end tests: plans made from the example, ports, processes."""
+"""Helpers for launcher and end-to-end tests: plans made from the example, ports, processes, and the setup of
+the LoRA fine-tunes of chat data."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -165,3 +168,57 @@ def finish_all(processes: list[subprocess.Popen], timeout_s: float) -> list[str]
         for process in processes:
             if process.poll() is None:
                 process.kill()
+
+
+# --- LoRA fine-tunes of chat data (test_finetune_chat_lora.py, test_finetune_lora_mesh.py) --------------------
+
+
+@dataclasses.dataclass
+class ChatLoraRun:
+    """What a LoRA fine-tune of chat data starts from: a tiny Llama-style directory (tokenizer with a chat
+    template), a ``messages`` JSONL file to train on, and a saved ``datasets`` directory of chats to evaluate."""
+
+    model_dir: Path
+    chat: Path
+    eval_dir: Path
+
+
+def profiled_chat_lora(tmp_path: Path, seq_len: int, batch_size: int, lora: list[str]) -> ChatLoraRun:
+    """Writes the model directory and the data under ``tmp_path`` and runs ``elixir-tune profile DIR
+    --batch-size B --seq-len S LORA...`` there (profile.yaml in ``tmp_path``)."""
+    from tests.fixtures.tiny_hf import CONVERSATIONS, make_llama_dir, write_formats
+
+    model_dir = make_llama_dir(tmp_path / "tiny-llama")
+    files = write_formats(tmp_path / "data")
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CONVERSATIONS * 3))
+    tune(["profile", model_dir, "--batch-size", batch_size, "--seq-len", seq_len, *lora], tmp_path)
+    return ChatLoraRun(model_dir, chat, files["messages_dataset"])
+
+
+def printed_finetune(search_output: str) -> str:
+    """The ``finetune ...`` command that ``elixir-tune search`` printed for ``elixir-run plan.yaml``."""
+    printed = re.search(r"run it with `elixir-run plan\.yaml (finetune [^`]+)`", search_output)
+    assert printed, search_output[-1500:]
+    return printed.group(1)
+
+
+def packed_eval_loss(model, tokenizer, run: ChatLoraRun, seq_len: int, batch_size: int) -> tuple[float, int]:
+    """(token-weighted mean loss over ``run``'s eval chats, their loss tokens) of ``model`` on one process, the
+    eval rows packed as the finetune recipe's ``--packing`` packs them, ``batch_size`` rows per batch."""
+    import torch
+
+    from elixir_tune.data import load_data
+    from elixir_tune.recipes.finetune import build_parser
+    from elixir_tune.recipes.finetune_options import data_spec
+
+    args = build_parser().parse_args(["--data", str(run.chat), "--eval-data", str(run.eval_dir), "--packing"])
+    split = load_data(data_spec(args), tokenizer, seq_len)
+    weighted, tokens = 0.0, 0
+    with torch.no_grad():
+        for batch in split.eval_batches(batch_size):
+            count = int((batch["labels"][:, 1:] != -100).sum())
+            if count:
+                weighted += float(model(**batch).loss) * count
+                tokens += count
+    return weighted / tokens, tokens

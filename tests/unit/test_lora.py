@@ -13,7 +13,8 @@ from elixir_tune.cli.main import cli
 from elixir_tune.costmodel.model import CostModel
 from elixir_tune.engine.setup import check_plan_matches
 from elixir_tune.hardware import load_hardware
-from elixir_tune.lora import LoraError, adapter_init, apply_lora, base_name, is_adapter_name, lora_settings
+from elixir_tune.lora import LoraError, adapter_init, apply_lora, lora_settings
+from elixir_tune.lora_layout import base_name, is_adapter_name
 from elixir_tune.plan import fingerprint, load_plan, model_fingerprint, plan_from_dict, save_plan, validate
 from elixir_tune.plan.schema import DTYPE_BYTES, SHARD_BYTES_PER_ELEMENT
 from elixir_tune.profiler import profile_model

@@ -65,12 +65,16 @@ class ExportDir:
     Args:
         directory: the Hugging Face directory the user asked for.
         rank: the writing rank's global rank (named in the error).
+        replaces_model: whether the save is a model's weights, which replace the earlier save's: its
+            ``model*.safetensors`` files and index that the new save lacks are removed (a LoRA adapter's
+            save leaves them).
     """
 
-    def __init__(self, directory: Path, rank: int) -> None:
+    def __init__(self, directory: Path, rank: int, replaces_model: bool = True) -> None:
         self.directory = directory
         self.staging = directory / STAGING_NAME
         self.rank = rank
+        self.replaces_model = replaces_model
         self.error: str | None = None  # the first failure, one line
         self._created = False  # whether this save created ``directory`` (removed again when it fails)
         self._moved = False  # whether a new file has replaced one in ``directory`` yet
@@ -133,9 +137,11 @@ class ExportDir:
             for name in order:
                 os.replace(self.staging / name, self.directory / name)
                 self._moved = True
-            stale = [path for path in self.directory.glob("model*.safetensors") if path.name not in staged]
-            if INDEX_NAME not in staged:
-                stale.append(self.directory / INDEX_NAME)
+            stale: list[Path] = []
+            if self.replaces_model:
+                stale = [path for path in self.directory.glob("model*.safetensors") if path.name not in staged]
+                if INDEX_NAME not in staged:
+                    stale.append(self.directory / INDEX_NAME)
             for path in stale:
                 path.unlink(missing_ok=True)
             self.staging.rmdir()
