@@ -12,6 +12,7 @@ from elixir_tune.hardware.bench_copy import (
     host_copy_curve,
     host_copy_latency_s,
 )
+from elixir_tune.hardware.bench_layout import COSTS as LAYOUT_COSTS
 from elixir_tune.hardware.bench_layout import LAYOUT_SHAPE, TINY_SHAPE
 from elixir_tune.hardware.bench_threads import thread_handoff_s
 from elixir_tune.hardware.probe_common import (
@@ -30,6 +31,11 @@ from elixir_tune.hardware.probe_common import (
 )
 from elixir_tune.hardware.spec import HardwareSpec
 from elixir_tune.hardware.timing import GiB, MiB, asymptotic_gbps, size_ladder
+
+# Rounds of the layout benchmark (hardware/bench_layout.py) at 2 processes. The quick probe's 3 moved
+# tensor2_block_extra_ratio 0.09-0.26 from probe to probe (and tensor 2's prediction with it); each round
+# takes about a third of a second on an idle 2-core machine.
+LAYOUT_REPEATS_QUICK, LAYOUT_REPEATS = 7, 9
 
 
 def probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
@@ -97,7 +103,7 @@ def probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
             budget_s=2 * budget,
             timeout_s=150 if quick else 420,
             block_shapes=block_shapes,
-            layout_repeats=(3 if quick else 9) if procs == 2 else 0,
+            layout_repeats=(LAYOUT_REPEATS_QUICK if quick else LAYOUT_REPEATS) if procs == 2 else 0,
         )
         allgather, reduce_scatter = workers["allgather"], workers["reduce_scatter"]
         # On the CPU a collective's fixed cost is what it takes between compute (ranks arriving
@@ -131,16 +137,16 @@ def probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
         if layout:
             layout_note = (
                 f"measured: hardware/bench_layout.py at degree 2, a GPT-2 block {LAYOUT_SHAPE} (batch, seq, hidden, "
-                f"heads) and a tiny one {TINY_SHAPE} for the fixed costs, median over rounds, both processes at "
-                f"once, {how}"
+                f"heads) and a tiny one {TINY_SHAPE} for the fixed costs, median over "
+                f"{LAYOUT_REPEATS_QUICK if quick else LAYOUT_REPEATS} rounds, both processes at once, {how}"
             )
-            for name in (
-                "tensor2_block_extra_ratio",
-                "pipeline_microbatch_extra_ratio",
-                "tensor2_block_fixed_s",
-                "pipeline_stage_microbatch_s",
-            ):
-                sources[name] = layout_note
+            for name in LAYOUT_COSTS:
+                spread = (
+                    f"; quartiles over the rounds {layout[name + '_q1']:.3g}-{layout[name + '_q3']:.3g}"
+                    if name + "_q1" in layout
+                    else ""
+                )
+                sources[name] = layout_note + spread
     else:
         layout = {}
         say(progress, "CPU Adam")
