@@ -126,7 +126,9 @@ def parse_args() -> argparse.Namespace:
         type=int,
         default=None,
         help="runs per shape, in alternating order (the machine is shared; this spreads drift); default 2, "
-        "3 with --layouts (one run slowed by other work on the machine then cannot decide the pooled median)",
+        "4 with --layouts (one run slowed by other work on the machine then cannot decide the pooled median). "
+        "An even count puts every shape at the same mean position in time (ABC CBA ...), so a steady drift "
+        "of the machine's speed slows none more than another; with 3 the last shape of round 1 ran latest",
     )
     hardware = parser.add_mutually_exclusive_group()
     hardware.add_argument("--preset", action="store_true", help="use the cpu preset instead of a quick probe")
@@ -150,7 +152,7 @@ def parse_args() -> argparse.Namespace:
     if args.hardware is not None and not Path(args.hardware).is_file():
         parser.error(f"--hardware {args.hardware}: no such file; write one with `elixir-tune probe --out FILE`")
     if args.rounds is None:
-        args.rounds = 3 if args.layouts else 2
+        args.rounds = 4 if args.layouts else 2
     results = REPO / "benchmarks" / "results"
     if args.out is None:
         args.out = str(results / ("prediction-cpu-layouts.json" if args.layouts else "prediction-cpu.json"))

@@ -2,6 +2,11 @@
 """Which measured hardware figures move the CPU layouts' predictions, and how far probe-to-probe noise moves them.
 
     .venv/bin/python scripts/bench_prediction_sensitivity.py hw1.yaml [hw2.yaml ...] [--step 0.1]
+    .venv/bin/python scripts/bench_prediction_sensitivity.py benchmarks/results/prediction-cpu-layouts-idle-run*.json
+
+A bench result (.json) stands for the spec its run predicted with: the ``cpu`` preset with every figure the
+run recorded (``hardware`` in the JSON: all the CPU cost model reads) put in; its predictions are printed
+beside the run's own as a check of that.
 
 For the model of ``scripts/bench_prediction.py --layouts`` (its defaults: GPT-2 n_embd 256, 4 layers, seq 64,
 global batch 16 on 2 workers) and each spec file (written by ``elixir-tune probe``), prints the predicted
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
 import sys
 import tempfile
@@ -65,6 +71,27 @@ def scaled(spec, figure: str, factor: float):
     return dataclasses.replace(spec, **changes)
 
 
+def spec_of(path: str):
+    """The spec a spec file holds, or the one a bench result's run predicted with (module docstring)."""
+    from elixir_tune.hardware import load_hardware
+
+    if not path.endswith(".json"):
+        return load_hardware(path), None
+    record = json.loads(Path(path).read_text())
+    fields = {k: v for k, v in record["hardware"].items() if k != "name"}
+    for key in ("block_tflops_curves",):  # JSON keys are strings
+        fields[key] = {dtype: {int(n): r for n, r in c.items()} for dtype, c in fields[key].items()}
+    spec = dataclasses.replace(
+        load_hardware("cpu"),
+        name=f"{record['hardware']['name']} (from {Path(path).name})",
+        d2h_gbps=fields["h2d_gbps"],
+        d2h_gbps_all=fields["h2d_gbps_all"],
+        cpu_adam_node_elems_per_s=fields["cpu_adam_elems_per_s"] * record["world_size"],
+        **fields,
+    )
+    return spec, {row["name"]: row["predicted_step_time_s"] for row in record["shapes"]}
+
+
 def predictions_s(profile, spec) -> dict[str, float]:
     """Layout name -> the predicted step of the search's best plan of that layout on ``spec``."""
     return {name: result.plan.prediction.step_time_s for name, _pins, result in layout_shapes(profile, spec)}
@@ -85,17 +112,18 @@ def main() -> int:
     parser.add_argument("specs", nargs="+", help="hardware spec files (elixir-tune probe --out FILE)")
     parser.add_argument("--step", type=float, default=0.1, help="relative change of each figure (default 0.1)")
     args = parser.parse_args()
-    from elixir_tune.hardware import load_hardware
-
     profile = bench_profile()
-    specs = [load_hardware(path) for path in args.specs]
+    loaded = [spec_of(path) for path in args.specs]
+    specs = [spec for spec, _ in loaded]
     print("predicted step (ms) per spec:")
     table = []
-    for path, spec in zip(args.specs, specs, strict=True):
+    for path, (spec, recorded) in zip(args.specs, loaded, strict=True):
         row = predictions_s(profile, spec)
         table.append(row)
         order = " < ".join(sorted(row, key=row.get))
         print(f"  {path}: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in row.items()) + f"  ({order})")
+        if recorded:
+            print("    the run predicted " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in recorded.items()))
     if len(table) > 1:
         for name in table[0]:
             values = [row[name] for row in table]

@@ -33,8 +33,9 @@ from elixir_tune.hardware.spec import HardwareSpec
 from elixir_tune.hardware.timing import GiB, MiB, asymptotic_gbps, size_ladder
 
 # Rounds of the layout benchmark (hardware/bench_layout.py) at 2 processes. The quick probe's 3 moved
-# tensor2_block_extra_ratio 0.09-0.26 from probe to probe (and tensor 2's prediction with it); each round
-# takes about a third of a second on an idle 2-core machine.
+# tensor2_block_extra_ratio 0.09-0.26 from probe to probe (and tensor 2's prediction with it). A round took
+# 2.4 s at load 8 on the 2-core VM (the sum of bench_layout's 8 median call times), so about 0.6 s idle
+# (an estimate: a quarter of that); 4 more rounds add some 2.5 s to the quick probe.
 LAYOUT_REPEATS_QUICK, LAYOUT_REPEATS = 7, 9
 
 

@@ -111,10 +111,12 @@ def _loaded_latency_s(device: torch.device, shape: tuple[int, int, int, int], bu
     Back to back, a collective finds its peers waiting and its threads awake (the idle latency).
     In training it comes after compute: the ranks arrive apart and on the CPU gloo's threads must
     win a core back from compute. Every rank runs pairs at once: the block alone, then the block and
-    a 1 KiB all-gather; each pair's times are the slowest rank's, and the cost is the median of the
-    pairs' differences (``timing.median_paired_extra_s``: a change of the machine's load between pairs
-    cancels out, where the difference of two medians, each rank's own, once moved it 1.4-3.9 ms from
-    probe to probe).
+    a 1 KiB all-gather. On each rank the cost is the median of its pairs' differences
+    (``timing.median_paired_extra_s``: a change of the machine's load between pairs cancels out of
+    each difference, where it did not out of the difference of the two medians, which moved the quick
+    probe's figure 1.4-3.9 ms from probe to probe); the figure is the largest rank's, as before: the
+    rank that arrives first waits for the other, and that wait is part of what a collective costs
+    between compute.
     """
     from elixir_tune.hardware.bench_compute import ProbeBlock
 
@@ -148,10 +150,9 @@ def _loaded_latency_s(device: torch.device, shape: tuple[int, int, int, int], bu
             begin = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - begin)
-    slowest = torch.tensor([times["alone"], times["gather"]], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    alone, gather = slowest.tolist()
-    return median_paired_extra_s(alone, gather)
+    extra = torch.tensor([median_paired_extra_s(times["alone"], times["gather"])], dtype=torch.float64)
+    dist.all_reduce(extra, op=dist.ReduceOp.MAX)
+    return extra.item()
 
 
 def worker_main(config: dict) -> None:
