@@ -107,10 +107,41 @@ def bench_profile():
         return profile_model(load_model_source(str(path)), batch_size=GLOBAL_BATCH // WORLD, seq_len=64)
 
 
+def swap_to_median(profile, specs: list, index: int, predicted_s: dict[str, float]) -> None:
+    """Prints the predictions of ``specs[index]`` with one figure at a time set to its median over ``specs``:
+    which figure's probe-to-probe spread moved that spec's prediction (and the predicted order)."""
+    target = specs[index]
+    print(f"spec {index} with one figure at the median of {len(specs)} specs (ms):")
+    for figure in FIGURES:
+        if figure == "block_tflops_curves":
+            tops = sorted(specs, key=lambda s: max(s.model_tflops.values()))
+            middle = tops[(len(tops) - 1) // 2]
+            spec = dataclasses.replace(
+                target, block_tflops_curves=middle.block_tflops_curves, model_tflops=middle.model_tflops
+            )
+            label = f"{figure} of {middle.name}"
+        else:
+            value = statistics.median(getattr(s, figure) for s in specs)
+            spec = dataclasses.replace(target, **{figure: value})
+            label = f"{figure} = {value:.4g}"
+        row = predictions_s(profile, spec)
+        order = " < ".join(sorted(row, key=row.get))
+        cells = ", ".join(f"{name} {row[name] * 1e3:.1f} ({row[name] / predicted_s[name] - 1:+.1%})" for name in row)
+        print(f"  {label}: {cells}  ({order})")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("specs", nargs="+", help="hardware spec files (elixir-tune probe --out FILE)")
     parser.add_argument("--step", type=float, default=0.1, help="relative change of each figure (default 0.1)")
+    parser.add_argument(
+        "--swap",
+        type=int,
+        default=None,
+        metavar="INDEX",
+        help="also: the spec at INDEX (0-based) with each figure in turn set to its median over all the specs "
+        "(the block curve: the curve of the spec whose top rate is the median), its predictions printed",
+    )
     args = parser.parse_args()
     profile = bench_profile()
     loaded = [spec_of(path) for path in args.specs]
@@ -138,6 +169,8 @@ def main() -> int:
             middle = statistics.median(values)
             spread = (max(values) - min(values)) / middle if middle else 0.0
             print(f"  {figure}: {', '.join(f'{v:.4g}' for v in values)}  spread {spread:.0%}")
+    if args.swap is not None:
+        swap_to_median(profile, specs, args.swap, table[args.swap])
     base = table[0]
     print(f"elasticity on {args.specs[0]} (relative change of the prediction / {args.step:+.0%}):")
     print("  figure".ljust(36) + "".join(name.rjust(12) for name in base))
