@@ -11,9 +11,10 @@
 What it does:
   1. measures this machine as ``elixir-tune probe --quick`` does (``cli/probe_engine.probe_with_engine``:
      the probe, then the layout fixed costs measured with the engine), or takes the ``cpu`` preset
-     with --preset, or a spec file written earlier by ``elixir-tune probe`` with --hardware FILE (as a
-     user probes once and searches many times: successive runs then share one prediction, and their
-     measured/predicted ratios differ only by the measurement);
+     with --preset, or probes without --quick with --full-probe (steadier, a few minutes), or takes a
+     spec file written earlier by ``elixir-tune probe`` with --hardware FILE (as a user probes once and
+     searches many times: successive runs then share one prediction, and their measured/predicted
+     ratios differ only by the measurement);
   2. profiles a small GPT-2 (transformers, n_embd 256, 4 layers, 4 heads, vocab 256, seq 64 by
      default; a model YAML written under a temporary directory);
   3. searches plans for 2 CPU workers at global batch 16: the search's own best, then shapes that
@@ -137,6 +138,12 @@ def parse_args() -> argparse.Namespace:
         default=None,
         metavar="FILE",
         help="a spec written by `elixir-tune probe --out FILE` instead of a fresh quick probe",
+    )
+    hardware.add_argument(
+        "--full-probe",
+        action="store_true",
+        help="a fresh full probe (`elixir-tune probe` without --quick: more sizes, rounds and engine steps, "
+        "a few minutes) instead of the quick one",
     )
     parser.add_argument(
         "--layouts",
@@ -331,9 +338,10 @@ def main() -> int:
             return 2
         hw_how = f"spec file {args.hardware} ({hardware.name})"
     else:
-        say("probing this machine (quick)")
-        hardware = probe_with_engine(quick=True, procs=WORLD, device="cpu")
-        hw_how = "probe_with_engine(quick=True, procs=2): elixir-tune probe --quick"
+        quick = not args.full_probe
+        say(f"probing this machine ({'quick' if quick else 'full'})")
+        hardware = probe_with_engine(quick=quick, procs=WORLD, device="cpu")
+        hw_how = f"probe_with_engine(quick={quick}, procs=2): elixir-tune probe{' --quick' if quick else ''}"
     hw_fields = {
         k: getattr(hardware, k)
         for k in (
