@@ -52,7 +52,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 BIN = Path(sys.executable).parent
 
-from bench_prediction_reference import plain_reference, plain_rss_reference  # noqa: E402
+from bench_prediction_reference import plain_reference, plain_rss_reference, plain_step_s  # noqa: E402
 from bench_prediction_report import describe, markdown, mib, ms, rank_order, spearman, tie_ranking  # noqa: E402
 from bench_prediction_shapes import GLOBAL_BATCH, WORLD, layout_shapes, make_shapes, shape_of  # noqa: E402
 
@@ -410,6 +410,8 @@ def main() -> int:
             f"(profile activations + 16 B/param: {mib(plain_rss['predicted_bytes'])} MiB)"
         )
     load_start = os.getloadavg()[0]
+    torch.manual_seed(0)
+    speed_model = source.build_model()
 
     runs: dict[str, list[dict]] = {name: [] for name, _, _ in shapes}
     for round_index in range(args.rounds):
@@ -420,10 +422,13 @@ def main() -> int:
                 f"round {round_index + 1}, {name}: {describe(shape_of(plan))}: predicted "
                 f"{ms(plan.prediction.step_time_s)} ms; running"
             )
+            speed_s = plain_step_s(speed_model, args)
             measured = run_shape(name, plan, workdir, args)
+            measured["plain_fwd_bwd_8x1_before_s"] = round(speed_s, 5)
             runs[name].append(measured)
             say(
                 f"round {round_index + 1}, {name}: measured median {ms(measured['median_step_time_s'])} ms "
+                f"(plain PyTorch 8 x 1 just before: {ms(speed_s)} ms) "
                 f"(wall {measured['wall_s']} s, load {measured['load_avg_1min_before']}, "
                 f"steal {measured['cpu_steal_share']:.1%})"
             )

@@ -62,3 +62,12 @@ def test_a_bench_result_gives_back_the_spec_its_run_predicted_with():
             assert getattr(changed, figure) == pytest.approx(1.5 * getattr(spec, figure))
         others = [f for f in FIGURES if f != figure and f != "block_tflops_curves"]
         assert all(getattr(changed, f) == getattr(spec, f) for f in others)
+
+
+def test_the_report_states_how_the_machines_speed_moved_over_the_runs():
+    from bench_prediction_report import speed_note
+
+    runs = [{"plain_fwd_bwd_8x1_before_s": t} for t in (0.225, 0.300)]
+    record = {"shapes": [{"measured": {"runs": runs}}, {"measured": {"runs": [{"plain_fwd_bwd_8x1_before_s": 0.356}]}}]}
+    assert "each of the 3 runs" in speed_note(record) and "225.0-356.0 ms (median 300.0)" in speed_note(record)
+    assert speed_note({"shapes": [{"measured": {"runs": [{}]}}]}) == ""  # a record from before
