@@ -117,7 +117,8 @@ def probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
         sources["reduce_scatter_gbps"] = coll_note + f", op {workers['reduce_scatter_impl']}"
         sources["collective_latency_s"] = (
             "measured: a gloo all-gather of 1 KiB per process right after a block forward+backward, less the "
-            f"block alone, all processes at once (back to back it takes {workers['latency_s'] * 1e6:.0f} us)"
+            "block alone, all processes at once, the median of paired runs' differences, the largest process's "
+            f"(back to back it takes {workers['latency_s'] * 1e6:.0f} us)"
         )
         sources["h2d_gbps_all"] = sources["d2h_gbps_all"] = (
             f"measured: host copy in all {procs} processes at once, mean per process, {asymptotic_note(copy_all)}"
