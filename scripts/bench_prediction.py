@@ -5,11 +5,16 @@
     .venv/bin/python scripts/bench_prediction.py --steps 15 --warmup 3 --preset    # cpu preset, no probe
     .venv/bin/python scripts/bench_prediction.py --layouts     # data only vs pipeline 2 vs tensor 2
                                                                # (benchmarks/results/prediction-cpu-layouts.*)
+    elixir-tune probe --out hw.yaml && .venv/bin/python scripts/bench_prediction.py --layouts --hardware hw.yaml
+                                                               # probe once, then every run predicts alike
 
 What it does:
   1. measures this machine as ``elixir-tune probe --quick`` does (``cli/probe_engine.probe_with_engine``:
      the probe, then the layout fixed costs measured with the engine), or takes the ``cpu`` preset
-     with --preset;
+     with --preset, or probes without --quick with --full-probe (steadier, a few minutes), or takes a
+     spec file written earlier by ``elixir-tune probe`` with --hardware FILE (as a user probes once and
+     searches many times: successive runs then share one prediction, and their measured/predicted
+     ratios differ only by the measurement);
   2. profiles a small GPT-2 (transformers, n_embd 256, 4 layers, 4 heads, vocab 256, seq 64 by
      default; a model YAML written under a temporary directory);
   3. searches plans for 2 CPU workers at global batch 16: the search's own best, then shapes that
@@ -47,7 +52,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 BIN = Path(sys.executable).parent
 
-from bench_prediction_reference import plain_reference, plain_rss_reference  # noqa: E402
+from bench_prediction_reference import plain_reference, plain_rss_reference, plain_step_s  # noqa: E402
 from bench_prediction_report import describe, markdown, mib, ms, rank_order, spearman, tie_ranking  # noqa: E402
 from bench_prediction_shapes import GLOBAL_BATCH, WORLD, layout_shapes, make_shapes, shape_of  # noqa: E402
 
@@ -122,9 +127,24 @@ def parse_args() -> argparse.Namespace:
         type=int,
         default=None,
         help="runs per shape, in alternating order (the machine is shared; this spreads drift); default 2, "
-        "3 with --layouts (one run slowed by other work on the machine then cannot decide the pooled median)",
+        "4 with --layouts (one run slowed by other work on the machine then cannot decide the pooled median). "
+        "An even count puts every shape at the same mean position in time (ABC CBA ...), so a steady drift "
+        "of the machine's speed slows none more than another; with 3 the last shape of round 1 ran latest",
     )
-    parser.add_argument("--preset", action="store_true", help="use the cpu preset instead of a quick probe")
+    hardware = parser.add_mutually_exclusive_group()
+    hardware.add_argument("--preset", action="store_true", help="use the cpu preset instead of a quick probe")
+    hardware.add_argument(
+        "--hardware",
+        default=None,
+        metavar="FILE",
+        help="a spec written by `elixir-tune probe --out FILE` instead of a fresh quick probe",
+    )
+    hardware.add_argument(
+        "--full-probe",
+        action="store_true",
+        help="a fresh full probe (`elixir-tune probe` without --quick: more sizes, rounds and engine steps, "
+        "a few minutes) instead of the quick one",
+    )
     parser.add_argument(
         "--layouts",
         action="store_true",
@@ -136,8 +156,10 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--md", default=None, help="markdown table (default the JSON's path with .md)")
     args = parser.parse_args()
+    if args.hardware is not None and not Path(args.hardware).is_file():
+        parser.error(f"--hardware {args.hardware}: no such file; write one with `elixir-tune probe --out FILE`")
     if args.rounds is None:
-        args.rounds = 3 if args.layouts else 2
+        args.rounds = 4 if args.layouts else 2
     results = REPO / "benchmarks" / "results"
     if args.out is None:
         args.out = str(results / ("prediction-cpu-layouts.json" if args.layouts else "prediction-cpu.json"))
@@ -160,6 +182,15 @@ def rank_predictions(profile, hardware, plan) -> list:
     """Each rank's promised memory: its pipeline stage's entry of the plan's prediction (stages hold
     different chunks), the plan's own figures without a pipeline (``Plan.rank_memory``)."""
     return [plan.rank_memory(rank) for rank in range(plan.world_size)]
+
+
+def cpu_ticks() -> tuple[int, int]:
+    """(steal, total) jiffies of all CPUs so far (/proc/stat; (0, 0) where there is none)."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
 
 
 def run_shape(name: str, plan, workdir: Path, args, extra_env: dict | None = None) -> dict:
@@ -186,9 +217,11 @@ def run_shape(name: str, plan, workdir: Path, args, extra_env: dict | None = Non
     ]
     env = {**os.environ, "BENCH_MEM_DIR": str(mem_dir), **(extra_env or {})}
     load_before = os.getloadavg()[0]
+    steal_before, total_before = cpu_ticks()
     started = time.perf_counter()
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.run_timeout)
     wall_s = time.perf_counter() - started
+    steal_after, total_after = cpu_ticks()
     if proc.returncode != 0 or not log_path.exists():
         tail = (proc.stdout + proc.stderr)[-3000:]
         raise RuntimeError(f"{name}: elixir-run exited {proc.returncode}:\n{tail}")
@@ -204,6 +237,8 @@ def run_shape(name: str, plan, workdir: Path, args, extra_env: dict | None = Non
         "wall_s": round(wall_s, 1),
         "load_avg_1min_before": round(load_before, 2),
         "load_avg_1min_after": round(os.getloadavg()[0], 2),
+        # A VM's stolen time (the hypervisor ran someone else on our vCPUs): noise no code here causes.
+        "cpu_steal_share": round((steal_after - steal_before) / max(1, total_after - total_before), 4),
         "step_times_s": [round(t, 5) for t in times],
         "median_step_time_s": statistics.median(timed),
         "min_step_time_s": min(timed),
@@ -295,10 +330,18 @@ def main() -> int:
     command = "scripts/bench_prediction.py " + " ".join(sys.argv[1:])
     if args.preset:
         hardware, hw_how = load_hardware("cpu"), "preset cpu"
+    elif args.hardware is not None:
+        try:
+            hardware = load_hardware(args.hardware)
+        except ValueError as error:
+            print(f"bench_prediction.py: --hardware: {error}", file=sys.stderr)
+            return 2
+        hw_how = f"spec file {args.hardware} ({hardware.name})"
     else:
-        say("probing this machine (quick)")
-        hardware = probe_with_engine(quick=True, procs=WORLD, device="cpu")
-        hw_how = "probe_with_engine(quick=True, procs=2): elixir-tune probe --quick"
+        quick = not args.full_probe
+        say(f"probing this machine ({'quick' if quick else 'full'})")
+        hardware = probe_with_engine(quick=quick, procs=WORLD, device="cpu")
+        hw_how = f"probe_with_engine(quick={quick}, procs=2): elixir-tune probe{' --quick' if quick else ''}"
     hw_fields = {
         k: getattr(hardware, k)
         for k in (
@@ -367,6 +410,8 @@ def main() -> int:
             f"(profile activations + 16 B/param: {mib(plain_rss['predicted_bytes'])} MiB)"
         )
     load_start = os.getloadavg()[0]
+    torch.manual_seed(0)
+    speed_model = source.build_model()
 
     runs: dict[str, list[dict]] = {name: [] for name, _, _ in shapes}
     for round_index in range(args.rounds):
@@ -377,11 +422,15 @@ def main() -> int:
                 f"round {round_index + 1}, {name}: {describe(shape_of(plan))}: predicted "
                 f"{ms(plan.prediction.step_time_s)} ms; running"
             )
+            speed_s = plain_step_s(speed_model, args)
             measured = run_shape(name, plan, workdir, args)
+            measured["plain_fwd_bwd_8x1_before_s"] = round(speed_s, 5)
             runs[name].append(measured)
             say(
                 f"round {round_index + 1}, {name}: measured median {ms(measured['median_step_time_s'])} ms "
-                f"(wall {measured['wall_s']} s, load {measured['load_avg_1min_before']})"
+                f"(plain PyTorch 8 x 1 just before: {ms(speed_s)} ms) "
+                f"(wall {measured['wall_s']} s, load {measured['load_avg_1min_before']}, "
+                f"steal {measured['cpu_steal_share']:.1%})"
             )
     world1 = world1_reference(profile, hardware, shapes[0][2].plan, workdir, args)
 

@@ -95,3 +95,25 @@ def plain_reference(source, profile, args) -> dict:
         return out
     finally:
         torch.set_num_threads(threads)
+
+
+def plain_step_s(model, args, repeats: int = 4) -> float:
+    """Plain PyTorch forward+backward of micro-batch 8 (1 thread, in this process), the median of ``repeats``
+    after one untimed: the machine's speed at this moment, timed before each run of the bench. A VM's speed
+    drifts over minutes (the idle runs' own reference took 225-356 ms from run to run) and a drift between
+    the probe and the runs, or between rounds, moves measured/predicted with no error of the model."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ids = torch.randint(0, args.vocab, (8, args.seq))
+        samples = []
+        for step in range(repeats + 1):
+            started = time.perf_counter()
+            model(input_ids=ids, labels=ids).loss.backward()
+            if step:
+                samples.append(time.perf_counter() - started)
+        return statistics.median(samples)
+    finally:
+        torch.set_num_threads(threads)

@@ -113,6 +113,24 @@ def describe(shape: dict) -> str:
     )
 
 
+def speed_note(record: dict) -> str:
+    """`` Timed just before each run, ...``: how the machine's own speed moved over the runs (the plain
+    forward+backward the bench times before each run), or "" for a record without it."""
+    times = [
+        run["plain_fwd_bwd_8x1_before_s"]
+        for row in record["shapes"]
+        for run in row["measured"]["runs"]
+        if "plain_fwd_bwd_8x1_before_s" in run
+    ]
+    if not times:
+        return ""
+    return (
+        f" Timed just before each of the {len(times)} runs, the micro-batch 8 forward+backward took "
+        f"{ms(min(times))}-{ms(max(times))} ms (median {ms(statistics.median(times))}): the machine's own "
+        "speed over the runs, which moves measured/predicted with no error of the model."
+    )
+
+
 def markdown(record: dict) -> str:
     hw = record["hardware"]
     lines = [
@@ -224,7 +242,7 @@ def markdown(record: dict) -> str:
         f"{ms(plain['adamw_step_s'])} ms ({plain['num_modules']} modules, {plain['num_param_tensors']} "
         f"parameter tensors); after the runs: {ms(record['plain_pytorch_1thread_after']['fwd_bwd_8x1_s'])} ms / "
         f"{ms(record['plain_pytorch_1thread_after']['fwd_bwd_2x4_s'])} ms. The machine is shared: 1-minute load "
-        f"average {record['load_avg_1min_at_start']} at the start; per shape in the JSON.",
+        f"average {record['load_avg_1min_at_start']} at the start; per shape in the JSON.{speed_note(record)}",
         "",
         (
             f"Plain PyTorch memory (fresh process, 1 thread, micro-batch {record['plain_pytorch_rss']['micro_batch_size']}, "

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from elixir_tune.cpu_binding import binding_preexec
 from elixir_tune.hardware import HardwareSpec, probe
+from elixir_tune.hardware.timing import quartiles_note
 from elixir_tune.hardware.workers import free_port, supervise
 
 # A GPT-2 (configs/models/ format) so small that its step is mostly fixed costs; 4 blocks as the
@@ -70,6 +71,9 @@ LAYOUT_PINS = {
 # The spec field each layout's fixed cost is, and the step by which its slope is taken (seconds).
 FIXED_FIELDS = {"pipeline2": "pipeline_stage_microbatch_s", "tensor2": "tensor2_block_fixed_s"}
 SLOPE_STEP_S = 1e-3
+# Timed engine steps per plan (after 1 or 2 untimed). The quick probe's 5 moved tensor2_block_fixed_s
+# 45-57 ms from probe to probe; a step of the tiny model takes 0.1-0.25 s.
+ENGINE_STEPS_QUICK, ENGINE_STEPS = 10, 15
 # The fixed cost of the prediction "without it": not 0, which the cost model reads as "not measured"
 # (it then prices the layout's sends and collectives on the links instead).
 BASE_FIXED_S = 1e-9
@@ -220,7 +224,14 @@ def layout_plans(profile, spec: HardwareSpec, check: bool = True) -> dict:
     return {name: _plan(profile, bare, {**COMMON_PINS, **LAYOUT_PINS[name]}) for name in names}
 
 
-def fit_fixed_costs(profile, spec: HardwareSpec, plans: dict, measured_s: dict[str, float], steps: int) -> HardwareSpec:
+def fit_fixed_costs(
+    profile,
+    spec: HardwareSpec,
+    plans: dict,
+    measured_s: dict[str, float],
+    steps: int,
+    spreads: dict[str, str] | None = None,
+) -> HardwareSpec:
     """``spec`` with each layout's fixed cost set so that its plan's prediction is the measured step.
 
     Args:
@@ -229,6 +240,7 @@ def fit_fixed_costs(profile, spec: HardwareSpec, plans: dict, measured_s: dict[s
         plans: ``layout_plans(profile, spec)``.
         measured_s: plan name -> the engine's median step.
         steps: timed steps behind each median (for the sources).
+        spreads: plan name -> how its steps spread (``timing.quartiles_note``), for the sources.
 
     Returns:
         A copy of ``spec`` with ``pipeline_stage_microbatch_s``, ``tensor2_block_fixed_s`` and their sources.
@@ -260,6 +272,7 @@ def fit_fixed_costs(profile, spec: HardwareSpec, plans: dict, measured_s: dict[s
             f"{plan.training.micro_batch_size}), median of {steps} steps {measured_s[name] * 1e3:.1f} ms against "
             f"{predicted[name] * 1e3:.1f} ms predicted without this cost: the difference per {per} and micro-batch "
             f"(cli/probe_engine.py){data_note}"
+            + (f"; the steps: {spreads[name]}" if spreads and name in spreads else "")
         )
     return _with_fixed(spec, fields, sources)
 
@@ -269,7 +282,8 @@ def engine_layout_costs(spec: HardwareSpec, quick: bool = True, progress: Progre
 
     Args:
         spec: a probed CPU spec of 2 processes (its rates predict the tiny model's steps).
-        quick: 5 timed steps per plan instead of 15, and no data-parallel plan (a check, not needed for the fit).
+        quick: ``ENGINE_STEPS_QUICK`` timed steps per plan instead of ``ENGINE_STEPS``, and no data-parallel
+            plan (a check, not needed for the fit).
         progress: called with a short description as the measurement starts.
 
     Returns:
@@ -286,7 +300,7 @@ def engine_layout_costs(spec: HardwareSpec, quick: bool = True, progress: Progre
     if progress is not None:
         progress("the engine's pipeline 2 and tensor 2 steps (a tiny GPT-2, 2 processes)")
     # The first step records the chunk trace and checks the model: untimed.
-    warmup, steps = (1, 5) if quick else (2, 15)
+    warmup, steps = (1, ENGINE_STEPS_QUICK) if quick else (2, ENGINE_STEPS)
     with tempfile.TemporaryDirectory(prefix="elixir-engine-probe-") as tmp:
         work = Path(tmp)
         profile, model_path = tiny_profile(work)
@@ -298,4 +312,5 @@ def engine_layout_costs(spec: HardwareSpec, quick: bool = True, progress: Progre
         threads = max(1, spec.host_cores // WORLD)
         times = run_engine_workers(model_path, paths, threads, warmup, steps)
     measured_s = {name: statistics.median(times[name]) for name in plans}
-    return fit_fixed_costs(profile, spec, plans, measured_s, steps)
+    spreads = {name: quartiles_note(times[name]) for name in plans}
+    return fit_fixed_costs(profile, spec, plans, measured_s, steps, spreads)

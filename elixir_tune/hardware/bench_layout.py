@@ -168,6 +168,13 @@ def _times_at(shape: tuple[int, int, int, int]) -> dict[str, Callable[[], None]]
     }
 
 
+# What the cost model reads of this benchmark (hardware/spec.py fields).
+COSTS = (
+    "tensor2_block_extra_ratio",
+    "pipeline_microbatch_extra_ratio",
+    "tensor2_block_fixed_s",
+    "pipeline_stage_microbatch_s",
+)
 # Forward+backward calls of a virtual stage a rank makes in the pipeline step: 2 blocks per rank,
 # each for every micro-batch.
 STAGE_MICRO_BATCHES = MICRO_BATCHES * PIPELINE_BLOCKS // 2
@@ -218,9 +225,10 @@ def layout_ratios(
 
     Returns:
         The medians over the rounds of ``tensor2_block_extra_ratio``, ``pipeline_microbatch_extra_ratio``,
-        ``tensor2_block_fixed_s``, ``pipeline_stage_microbatch_s`` (each round's from that round's
-        times, ``_shares``) and of the times (``plain_block_s``, ``tensor2_block_s``,
-        ``micro_batch_s``, ``pipeline2_s``; the tiny shape's with a ``tiny_`` prefix).
+        ``tensor2_block_fixed_s``, ``pipeline_stage_microbatch_s`` (``COSTS``: each round's from that
+        round's times, ``_shares``) and of the times (``plain_block_s``, ``tensor2_block_s``,
+        ``micro_batch_s``, ``pipeline2_s``; the tiny shape's with a ``tiny_`` prefix); with more than
+        one round also each cost's quartiles over the rounds (``<cost>_q1``, ``<cost>_q3``).
 
     Raises:
         ValueError: the group does not have 2 ranks.
@@ -235,7 +243,12 @@ def layout_ratios(
         main = {key: value for key, value in times.items() if not key.startswith("tiny_")}
         tiny = {key[len("tiny_") :]: value for key, value in times.items() if key.startswith("tiny_")}
         times.update(_shares(main, tiny))
-    return {key: statistics.median(times[key] for times in rounds) for key in rounds[0]}
+    medians = {key: statistics.median(times[key] for times in rounds) for key in rounds[0]}
+    if len(rounds) > 1:  # the spread of the costs the cost model reads, for the spec's sources
+        for key in COSTS:
+            q1, _, q3 = statistics.quantiles([times[key] for times in rounds], n=4, method="inclusive")
+            medians[f"{key}_q1"], medians[f"{key}_q3"] = q1, q3
+    return medians
 
 
 def _worker(

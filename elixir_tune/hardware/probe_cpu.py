@@ -12,6 +12,7 @@ from elixir_tune.hardware.bench_copy import (
     host_copy_curve,
     host_copy_latency_s,
 )
+from elixir_tune.hardware.bench_layout import COSTS as LAYOUT_COSTS
 from elixir_tune.hardware.bench_layout import LAYOUT_SHAPE, TINY_SHAPE
 from elixir_tune.hardware.bench_threads import thread_handoff_s
 from elixir_tune.hardware.probe_common import (
@@ -30,6 +31,12 @@ from elixir_tune.hardware.probe_common import (
 )
 from elixir_tune.hardware.spec import HardwareSpec
 from elixir_tune.hardware.timing import GiB, MiB, asymptotic_gbps, size_ladder
+
+# Rounds of the layout benchmark (hardware/bench_layout.py) at 2 processes. The quick probe's 3 moved
+# tensor2_block_extra_ratio 0.09-0.26 from probe to probe (and tensor 2's prediction with it). A round took
+# 2.4 s at load 8 on the 2-core VM (the sum of bench_layout's 8 median call times), so about 0.6 s idle
+# (an estimate: a quarter of that); 4 more rounds add some 2.5 s to the quick probe.
+LAYOUT_REPEATS_QUICK, LAYOUT_REPEATS = 7, 9
 
 
 def probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
@@ -97,7 +104,7 @@ def probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
             budget_s=2 * budget,
             timeout_s=150 if quick else 420,
             block_shapes=block_shapes,
-            layout_repeats=(3 if quick else 9) if procs == 2 else 0,
+            layout_repeats=(LAYOUT_REPEATS_QUICK if quick else LAYOUT_REPEATS) if procs == 2 else 0,
         )
         allgather, reduce_scatter = workers["allgather"], workers["reduce_scatter"]
         # On the CPU a collective's fixed cost is what it takes between compute (ranks arriving
@@ -110,7 +117,8 @@ def probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
         sources["reduce_scatter_gbps"] = coll_note + f", op {workers['reduce_scatter_impl']}"
         sources["collective_latency_s"] = (
             "measured: a gloo all-gather of 1 KiB per process right after a block forward+backward, less the "
-            f"block alone, all processes at once (back to back it takes {workers['latency_s'] * 1e6:.0f} us)"
+            "block alone, all processes at once, the median of paired runs' differences, the largest process's "
+            f"(back to back it takes {workers['latency_s'] * 1e6:.0f} us)"
         )
         sources["h2d_gbps_all"] = sources["d2h_gbps_all"] = (
             f"measured: host copy in all {procs} processes at once, mean per process, {asymptotic_note(copy_all)}"
@@ -131,16 +139,16 @@ def probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
         if layout:
             layout_note = (
                 f"measured: hardware/bench_layout.py at degree 2, a GPT-2 block {LAYOUT_SHAPE} (batch, seq, hidden, "
-                f"heads) and a tiny one {TINY_SHAPE} for the fixed costs, median over rounds, both processes at "
-                f"once, {how}"
+                f"heads) and a tiny one {TINY_SHAPE} for the fixed costs, median over "
+                f"{LAYOUT_REPEATS_QUICK if quick else LAYOUT_REPEATS} rounds, both processes at once, {how}"
             )
-            for name in (
-                "tensor2_block_extra_ratio",
-                "pipeline_microbatch_extra_ratio",
-                "tensor2_block_fixed_s",
-                "pipeline_stage_microbatch_s",
-            ):
-                sources[name] = layout_note
+            for name in LAYOUT_COSTS:
+                spread = (
+                    f"; quartiles over the rounds {layout[name + '_q1']:.3g}-{layout[name + '_q3']:.3g}"
+                    if name + "_q1" in layout
+                    else ""
+                )
+                sources[name] = layout_note + spread
     else:
         layout = {}
         say(progress, "CPU Adam")

@@ -66,6 +66,36 @@ def median_time_s(
     return statistics.median(samples)
 
 
+def median_paired_extra_s(base_s: list[float], with_extra_s: list[float]) -> float:
+    """What an extra piece of work adds, from runs taken in pairs (the base alone, then base and extra).
+
+    The median of each pair's difference, not the difference of the two medians: the two runs of a pair
+    are moments apart, so a change in the machine's load between pairs cancels out of every difference
+    (with the difference of medians it does not, and on a shared machine it decided the result).
+
+    Args:
+        base_s: the base alone, one time per pair.
+        with_extra_s: the base and the extra, the same pairs in the same order.
+
+    Returns:
+        Seconds, never below 0.
+
+    Raises:
+        ValueError: no pairs, or the two lists differ in length.
+    """
+    if not base_s or len(base_s) != len(with_extra_s):
+        raise ValueError(f"need the same number (> 0) of both runs, got {len(base_s)} and {len(with_extra_s)}")
+    return max(0.0, statistics.median(extra - base for base, extra in zip(base_s, with_extra_s, strict=True)))
+
+
+def quartiles_note(values_s: list[float], unit_s: float = 1e-3, unit: str = "ms") -> str:
+    """``"median M (quartiles Q1-Q3) ms of N"``: a measurement's centre and spread for a spec's ``sources``."""
+    if len(values_s) < 2:
+        return f"{values_s[0] / unit_s:.3g} {unit} of 1" if values_s else "no samples"
+    q1, median, q3 = statistics.quantiles(values_s, n=4, method="inclusive")
+    return f"median {median / unit_s:.3g} (quartiles {q1 / unit_s:.3g}-{q3 / unit_s:.3g}) {unit} of {len(values_s)}"
+
+
 def asymptotic_gbps(curve: dict[int, float]) -> float:
     """The large-transfer rate of a {bytes: GB/s} curve.
 

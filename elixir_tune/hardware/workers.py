@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from elixir_tune.cpu_binding import binding_preexec
+from elixir_tune.hardware.timing import median_paired_extra_s
 
 # torch >= 2.13 renamed the tensor collectives; the old names still work there but warn.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -109,8 +110,13 @@ def _loaded_latency_s(device: torch.device, shape: tuple[int, int, int, int], bu
 
     Back to back, a collective finds its peers waiting and its threads awake (the idle latency).
     In training it comes after compute: the ranks arrive apart and on the CPU gloo's threads must
-    win a core back from compute. The median of (block, then a 1 KiB all-gather) less the median
-    of the block alone, every rank doing both at once, is that cost.
+    win a core back from compute. Every rank runs pairs at once: the block alone, then the block and
+    a 1 KiB all-gather. On each rank the cost is the median of its pairs' differences
+    (``timing.median_paired_extra_s``: a change of the machine's load between pairs cancels out of
+    each difference, where it did not out of the difference of the two medians, which moved the quick
+    probe's figure 1.4-3.9 ms from probe to probe); the figure is the largest rank's, as before: the
+    rank that arrives first waits for the other, and that wait is part of what a collective costs
+    between compute.
     """
     from elixir_tune.hardware.bench_compute import ProbeBlock
 
@@ -144,9 +150,9 @@ def _loaded_latency_s(device: torch.device, shape: tuple[int, int, int, int], bu
             begin = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - begin)
-    extra = torch.tensor([statistics.median(times["gather"]) - statistics.median(times["alone"])], dtype=torch.float64)
+    extra = torch.tensor([median_paired_extra_s(times["alone"], times["gather"])], dtype=torch.float64)
     dist.all_reduce(extra, op=dist.ReduceOp.MAX)
-    return max(0.0, extra.item())
+    return extra.item()
 
 
 def worker_main(config: dict) -> None:
