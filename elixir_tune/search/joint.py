@@ -22,7 +22,7 @@ import bisect
 import heapq
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from elixir_tune.costmodel.layout import largest_param_numel, least_padded_sizes
 from elixir_tune.costmodel.memory import MemoryEstimate
@@ -31,6 +31,7 @@ from elixir_tune.costmodel.offload import freed_bytes
 from elixir_tune.costmodel.parallel import Layout
 from elixir_tune.plan.capabilities import expert_parallel_conflicts
 from elixir_tune.plan.memory import ALIGN_ELEMENTS, chunk_size_multiple
+from elixir_tune.plan.stages import schedule_problem
 from elixir_tune.search.candidate import Candidate, score
 from elixir_tune.search.space import (
     ALL,
@@ -76,6 +77,7 @@ class Exploration:
         min_host_bytes: the least host memory a configuration that fits the device needs
             (None when none fits the device; on a CPU device, device and host parts together).
         best_by_layout: the fastest candidate scored of each parallel layout (to say why one won).
+        fitted_layouts: layouts with a shape whose searched stage fits the device and the host.
     """
 
     best: list[Candidate]
@@ -83,12 +85,14 @@ class Exploration:
     min_gpu_bytes: int | None
     min_host_bytes: int | None
     best_by_layout: dict[Layout, Candidate] = field(default_factory=dict)
+    fitted_layouts: set[Layout] = field(default_factory=set)
 
 
 def _covers(a: tuple, b: tuple) -> bool:
     """Negated ``Candidate.rank_key``s: ``a`` is as good as ``b`` or better in step time, simulated
-    (unclamped) step time, device and host bytes (the offload count only breaks ties)."""
-    return a[0] >= b[0] and a[1] >= b[1] and a[3] >= b[3] and a[4] >= b[4]
+    (unclamped) step time, schedule preference, device and host bytes (the offload count only breaks
+    ties)."""
+    return a[0] >= b[0] and a[1] >= b[1] and a[2] >= b[2] and a[4] >= b[4] and a[5] >= b[5]
 
 
 class _TopK:
@@ -124,11 +128,11 @@ class _TopK:
             gpu_bytes = host_bytes = gpu_bytes * self.gpus_per_node + host_bytes
         key = tuple(-value for value in candidate.rank_key(gpu_bytes, host_bytes))
         item = (*key, -self._count, candidate)
-        if any(_covers(kept[:5], key) for kept in self._heap):
+        if any(_covers(kept[:6], key) for kept in self._heap):
             return
-        if len(self._heap) >= self.k and item[:6] <= self._heap[0][:6]:
+        if len(self._heap) >= self.k and item[:7] <= self._heap[0][:7]:
             return
-        survivors = [kept for kept in self._heap if not _covers(key, kept[:5])]
+        survivors = [kept for kept in self._heap if not _covers(key, kept[:6])]
         if len(survivors) != len(self._heap):
             self._heap = survivors
             heapq.heapify(self._heap)
@@ -138,7 +142,7 @@ class _TopK:
             heapq.heapreplace(self._heap, item)
 
     def ranked(self) -> list[Candidate]:
-        return [item[-1] for item in sorted(self._heap, key=lambda item: item[:6], reverse=True)]
+        return [item[-1] for item in sorted(self._heap, key=lambda item: item[:7], reverse=True)]
 
 
 def chunk_sizes(model: CostModel, fixed: dict) -> list[int]:
@@ -276,7 +280,11 @@ def explore(model: CostModel | list[CostModel], budget: Budget, fixed: dict, top
     top = _TopK(top_k, one_memory=first.hardware.device == "cpu", gpus_per_node=first.gpus_per_node)
     found = Exploration(best=[], num_scored=0, min_gpu_bytes=None, min_host_bytes=None)
     refusals: list[ValueError] = []
+    layouts = {each.parallel_layout for each in models}
     for each in models:
+        sibling = breadth_first_sibling(each.parallel_layout)
+        if sibling in layouts and sibling in found.fitted_layouts:
+            continue  # a memory fallback (``breadth_first_sibling``): the modular pipeline fits
         try:
             _explore_layout(each, budget, fixed, top, found)
         except ValueError as error:
@@ -286,6 +294,17 @@ def explore(model: CostModel | list[CostModel], budget: Budget, fixed: dict, top
         raise refusals[0]  # a pin no layout can take: say why (the data-parallel layout's reason)
     found.best = top.ranked()
     return found
+
+
+def breadth_first_sibling(layout: Layout) -> Layout | None:
+    """The modular breadth-first layout a contiguous 1F1B one (``layouts.schedule_choices`` without a
+    pinned assignment) stands in for, else None. 1F1B needs one run of blocks per stage, so beside a
+    modular pipeline it also changes the assignment (a larger bubble, fewer sends); the search
+    explores it only where the modular breadth-first pipeline fits nothing, so that a plan that fits
+    keeps its pipeline and 1F1B is the choice where memory decides."""
+    if layout.schedule != "1f1b" or layout.assignment != "contiguous":
+        return None
+    return replace(layout, assignment="modular", schedule="looped_bfs")
 
 
 def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, found: Exploration) -> None:
@@ -298,6 +317,7 @@ def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, f
     grid_rows = math.isqrt(tensor.tensor) if tensor.tensor_mode == "2d" else 1
     scorer = StageScorer(model)
     one_pool = hardware.device == "cpu"
+    num_blocks = len(model.full_profile.blocks)
     for chunk_size in chunk_sizes(model, fixed):
         layout = model.layout(chunk_size)
         num_chunks, cacheable = layout.num_chunks, layout.num_cacheable
@@ -316,6 +336,8 @@ def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, f
             for micro_batch, layered in micro_batch_accumulation_choices(per_rank, fixed, stages):
                 if micro_batch % grid_rows:
                     continue  # 2D tensor parallelism splits each micro-batch over the q rows of its grid
+                if schedule_problem(num_blocks, stages, tensor.assignment, tensor.schedule, per_rank // micro_batch):
+                    continue  # e.g. 1F1B with fewer micro-batches than stages (plan/stages.py)
                 if tensor.expert > 1 and expert_parallel_conflicts(
                     stages, tensor.tensor, "layered" if layered else "standard"
                 ):
@@ -348,6 +370,8 @@ def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, f
                             )
                         )
                         host_need = _one_pool_bytes(fitting, model) if one_pool else fitting.peak_host_bytes
+                        if host_need <= budget.host_bytes:
+                            found.fitted_layouts.add(model.parallel_layout)
                         if found.min_host_bytes is None or host_need < found.min_host_bytes:
                             found.min_host_bytes = host_need
                         if compute_s >= top.threshold_s:
