@@ -57,8 +57,12 @@ WORLD2 = [
 # (stage 0 at most 2, stage 1 one).
 SCHEDULES = ("looped_bfs", "1f1b")
 MAX_OVER = 1.15  # the prediction at most this far above the measured peak (test_memory_fidelity.py's bound)
-UNDER = {("gpt2", 0), ("gpt2", 1)}  # (family, rank) measured above the promise (``check_measured_peaks``)
-UNDER_LEAST = 0.85  # and how far
+# (family, schedule, stage) measured above the promise (``check_measured_peaks``), and how far at most.
+UNDER = {("gpt2", schedule, stage) for schedule in SCHEDULES for stage in (0, 1)} | {
+    ("llama", "1f1b", 0),
+    ("llama", "1f1b", 1),
+}
+UNDER_LEAST = 0.85
 MEASURED = [
     (family, dict(pipeline=2, assignment="contiguous", schedule=schedule, checkpointing="none"), 2, 16, None)
     for family in ("gpt2", "llama")
@@ -145,15 +149,20 @@ def check_measured_peaks(results: list[list[dict]]) -> None:
     least the measured peak; and stage 0 under 1F1B is predicted and measured below stage 0 under the
     looped breadth-first schedule.
 
-    Not covered, under both schedules: GPT-2's stages (predicted 0.88-0.96x of the measured peak;
-    Llama's 0.99-1.13x). Stage 0's measured bytes per held micro-batch are ~13% above the prediction
-    (stage 1's within 2%, Llama's below): ``stage_profile.rank_profile`` gives the activations beyond
-    the blocks to the last stage only, so the embedding outputs a first stage keeps per micro-batch
-    are in no stage's figure; stage 1 misses ~75 KB that do not grow with the micro-batches held.
-    ``UNDER`` pins the gap where it is, so that a change to it shows."""
+    Not covered (``UNDER``, pinned where it is so that a new gap shows): GPT-2's stages under
+    both schedules (predicted 0.88-0.96x of the measured peak) and Llama's under 1F1B (0.99x; under
+    the breadth-first schedule 1.06-1.13x). GPT-2 stage 0's measured bytes per held micro-batch are
+    ~13% above the prediction (stage 1's within 2%, Llama's below it): ``stage_profile.rank_profile``
+    gives the activations beyond the blocks to the last stage only, so the embedding outputs a first
+    stage keeps per micro-batch are in no stage's figure. Beside that each stage misses 10-80 KB
+    that do not grow with the micro-batches held; torch's ``PipelineStage`` allocates a receive
+    buffer per micro-batch (inputs on a non-first stage, gradients on a non-last one), which the
+    cost model does not price (not measured apart here)."""
     from elixir_tune.plan import load_plan
 
-    rows, stage0 = [], {}
+    rows: list[tuple[str, int, int, int]] = []
+    under: list[tuple[tuple[str, str, int], int, int]] = []
+    stage0: dict[tuple[str, str], tuple[int, int]] = {}
     for rank, per_case in enumerate(results):
         for result in per_case:
             if not result["case"].get("measure"):
@@ -163,15 +172,15 @@ def check_measured_peaks(results: list[list[dict]]) -> None:
             predicted = promise.peak_gpu_bytes + promise.peak_host_bytes // plan.cluster.gpus_per_node
             measured = result["measured"]["peak_bytes"]
             rows.append((result["case"]["label"], rank, measured, predicted))
+            family, schedule = result["case"]["label"].split()[0], plan.parallel.pipeline.schedule
+            under.append(((family, schedule, result["stage"]), measured, predicted))
             if result["stage"] == 0:
-                family = result["case"]["label"].split()[0]
-                stage0[family, plan.parallel.pipeline.schedule] = (measured, predicted)
+                stage0[family, schedule] = (measured, predicted)
     table = "\n".join(f"{label} rank {rank}: measured {m} predicted {p} ({p / m:.3f}x)" for label, rank, m, p in rows)
     print(table)  # pytest -s shows the figures
     assert len(rows) == 2 * len(MEASURED), table
     assert all(p <= MAX_OVER * m for _, _, m, p in rows), table
-    under = {(label.split()[0], rank) for label, rank, m, p in rows if p < m}
-    assert under <= UNDER, table
+    assert {key for key, m, p in under if p < m} <= UNDER, table
     assert all(p >= UNDER_LEAST * m for _, _, m, p in rows), table
     for family in ("gpt2", "llama"):
         (looped_m, looped_p), (f1b_m, f1b_p) = (stage0[family, schedule] for schedule in SCHEDULES)
