@@ -22,7 +22,7 @@ import bisect
 import heapq
 import itertools
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from elixir_tune.costmodel.layout import largest_param_numel, least_padded_sizes
 from elixir_tune.costmodel.memory import MemoryEstimate
@@ -77,7 +77,6 @@ class Exploration:
         min_host_bytes: the least host memory a configuration that fits the device needs
             (None when none fits the device; on a CPU device, device and host parts together).
         best_by_layout: the fastest candidate scored of each parallel layout (to say why one won).
-        fitted_layouts: layouts with a shape whose searched stage fits the device and the host.
     """
 
     best: list[Candidate]
@@ -85,7 +84,6 @@ class Exploration:
     min_gpu_bytes: int | None
     min_host_bytes: int | None
     best_by_layout: dict[Layout, Candidate] = field(default_factory=dict)
-    fitted_layouts: set[Layout] = field(default_factory=set)
 
 
 def _covers(a: tuple, b: tuple) -> bool:
@@ -280,11 +278,7 @@ def explore(model: CostModel | list[CostModel], budget: Budget, fixed: dict, top
     top = _TopK(top_k, one_memory=first.hardware.device == "cpu", gpus_per_node=first.gpus_per_node)
     found = Exploration(best=[], num_scored=0, min_gpu_bytes=None, min_host_bytes=None)
     refusals: list[ValueError] = []
-    layouts = {each.parallel_layout for each in models}
     for each in models:
-        sibling = breadth_first_sibling(each.parallel_layout)
-        if sibling in layouts and sibling in found.fitted_layouts:
-            continue  # a memory fallback (``breadth_first_sibling``): the modular pipeline fits
         try:
             _explore_layout(each, budget, fixed, top, found)
         except ValueError as error:
@@ -294,17 +288,6 @@ def explore(model: CostModel | list[CostModel], budget: Budget, fixed: dict, top
         raise refusals[0]  # a pin no layout can take: say why (the data-parallel layout's reason)
     found.best = top.ranked()
     return found
-
-
-def breadth_first_sibling(layout: Layout) -> Layout | None:
-    """The modular breadth-first layout a contiguous 1F1B one (``layouts.schedule_choices`` without a
-    pinned assignment) stands in for, else None. 1F1B needs one run of blocks per stage, so beside a
-    modular pipeline it also changes the assignment (a larger bubble, fewer sends); the search
-    explores it only where the modular breadth-first pipeline fits nothing, so that a plan that fits
-    keeps its pipeline and 1F1B is the choice where memory decides."""
-    if layout.schedule != "1f1b" or layout.assignment != "contiguous":
-        return None
-    return replace(layout, assignment="modular", schedule="looped_bfs")
 
 
 def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, found: Exploration) -> None:
@@ -370,8 +353,6 @@ def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, f
                             )
                         )
                         host_need = _one_pool_bytes(fitting, model) if one_pool else fitting.peak_host_bytes
-                        if host_need <= budget.host_bytes:
-                            found.fitted_layouts.add(model.parallel_layout)
                         if found.min_host_bytes is None or host_need < found.min_host_bytes:
                             found.min_host_bytes = host_need
                         if compute_s >= top.threshold_s:

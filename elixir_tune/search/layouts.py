@@ -10,11 +10,11 @@ Rules (docs/DESIGN.md section 7.1):
   (``plan/tensor_layout.py``: from the model's transformers tensor plan, recorded in the profile);
 * pipeline degree P: divisors of world / T up to the number of blocks, modular assignment (or the
   pinned one, ``--fix assignment=contiguous``: one run of blocks per stage, GPipe's bubble) and the
-  looped breadth-first schedule; beside it 1F1B (``schedule_choices``) on the split that runs it
-  (one virtual stage per rank: the pinned assignment, else modular when P equals the blocks, else
-  contiguous): GPipe's bubble, but stage s holds at most P - s micro-batches' activations, so it
-  wins where memory decides. The joint search gives it only steps of at least P micro-batches
-  (``plan/stages.py`` ``schedule_problem``); ``--fix schedule`` pins either;
+  looped breadth-first schedule; beside it 1F1B (``schedule_choices``) where that split runs it
+  (one virtual stage per rank: contiguous, or modular with P equal to the blocks): GPipe's bubble,
+  but stage s holds at most P - s micro-batches' activations, so it wins where memory decides. The
+  joint search gives it only steps of at least P micro-batches (``plan/stages.py``
+  ``schedule_problem``); ``--fix schedule`` pins either;
 * the data degree world / (P x T) must divide the global batch;
 * pipeline and tensor parallelism together (world = data x P x T, each stage tensor-parallel in its
   tensor group), 1d or 2d (a stage sends each rank's piece of the residual stream to its peer);
@@ -190,10 +190,11 @@ def layout_choices(
 def schedule_choices(num_blocks: int, stages: int, fixed: dict) -> list[tuple[PipelineAssignment, str]]:
     """(assignment, schedule) pairs a pipeline of ``stages`` is searched with, looped breadth-first first.
 
-    The looped breadth-first schedule runs any split: the pinned assignment, else modular (the
-    smaller bubble). 1F1B runs one virtual stage per rank (``schedule_problem``): the pinned
-    assignment where it gives that, else modular where P equals the blocks, else contiguous.
-    ``--fix schedule`` keeps one of the two.
+    The split is the pinned assignment, else modular (the smaller bubble). The looped breadth-first
+    schedule runs any split; 1F1B one virtual stage per rank (``schedule_problem``: contiguous, or
+    modular with P equal to the blocks). 1F1B on another split than the breadth-first one would
+    also change the assignment (a contiguous split: a larger bubble, fewer sends), which the search
+    leaves to ``--fix assignment=contiguous``. ``--fix schedule`` keeps one of the two.
 
     Args:
         num_blocks: blocks in the model's block list.
@@ -205,15 +206,10 @@ def schedule_choices(num_blocks: int, stages: int, fixed: dict) -> list[tuple[Pi
     """
     if stages <= 1:
         return [("modular", "looped_bfs")]
-    pinned_assignment, pinned_schedule = fixed.get("assignment"), fixed.get("schedule")
-    out: list[tuple[PipelineAssignment, str]] = []
-    if pinned_schedule in (None, "looped_bfs"):
-        out.append((pinned_assignment or "modular", "looped_bfs"))
-    if pinned_schedule in (None, "1f1b"):
-        runs = [a for a in (pinned_assignment,) if a] or ["modular", "contiguous"]
-        fitting = [a for a in runs if schedule_problem(num_blocks, stages, a, "1f1b") is None]
-        out += [(fitting[0], "1f1b")] if fitting else []
-    return out
+    assignment: PipelineAssignment = fixed.get("assignment", "modular")
+    pinned = fixed.get("schedule")
+    schedules = [pinned] if pinned else ["looped_bfs", "1f1b"]
+    return [(assignment, s) for s in schedules if schedule_problem(num_blocks, stages, assignment, s) is None]
 
 
 def expert_degrees(profile: ModelProfile, data_size: int) -> list[int]:

@@ -62,12 +62,14 @@ def test_held_activation_copies():
 
 
 def test_schedule_choices_follow_schedule_problem():
-    # 4 blocks on 2 stages: modular gives each rank two runs, so 1F1B goes contiguous.
-    assert schedule_choices(4, 2, {}) == [("modular", "looped_bfs"), ("contiguous", "1f1b")]
-    # One block per stage: modular is one run per rank, 1F1B keeps it.
+    # 4 blocks on 2 stages, modular: two runs per rank, which 1F1B cannot run.
+    assert schedule_choices(4, 2, {}) == [("modular", "looped_bfs")]
+    # One block per stage, or one run per stage: 1F1B beside the breadth-first schedule.
     assert schedule_choices(4, 4, {}) == [("modular", "looped_bfs"), ("modular", "1f1b")]
-    assert schedule_choices(4, 2, {"assignment": "modular"}) == [("modular", "looped_bfs")]
+    both = [("contiguous", "looped_bfs"), ("contiguous", "1f1b")]
+    assert schedule_choices(4, 2, {"assignment": "contiguous"}) == both
     assert schedule_choices(4, 2, {"assignment": "contiguous", "schedule": "1f1b"}) == [("contiguous", "1f1b")]
+    assert schedule_choices(4, 2, {"schedule": "1f1b"}) == []  # modular: the search says why
     assert schedule_choices(4, 1, {}) == [("modular", "looped_bfs")]
 
 
@@ -131,19 +133,17 @@ def test_search_keeps_breadth_first_on_a_tie_and_picks_1f1b_where_memory_decides
         search(profile, hardware, fixed={**PINS, "assignment": "modular", "schedule": "1f1b"}, **arguments)
 
 
-def test_free_search_offers_1f1b_only_where_the_modular_pipeline_fits_nothing(profiles):
-    profile = profiles["llama"]
-    hardware = example_hardware(gpus_per_node=2)
-    arguments = dict(gpus_per_node=2, global_batch_size=8, loop="forward_backward", top_k=10)
-    roomy = search(profile, hardware, fixed=PINS, **arguments)
-    assert {c.layout.schedule for c in roomy.candidates} == {"looped_bfs"}
-    # The modular pipeline needs room for all 8 micro-batches' activations on a stage; 1F1B for 2.
-    looped = roomy.candidates[0]
-    one = Shape(looped.shape.chunk_size, looped.shape.cache_blocks, 0, 0, 0, 1, 1)
-    copy_bytes = CostModel(profile, hardware, 2, dtype="fp32", layout=Layout(pipeline=2)).memory(one).activation_bytes
-    budget = looped.memory.required_gpu_bytes - copy_bytes
-    pins = {**PINS, "chunk_size": looped.shape.chunk_size}
-    tight = search(profile, hardware, fixed=pins, device_memory_bytes=budget, **arguments)
-    assert tight.plan.parallel.pipeline.schedule == "1f1b"
-    assert tight.plan.parallel.pipeline.assignment == "contiguous"
-    validate(tight.plan)
+def test_free_search_offers_1f1b_where_the_modular_split_runs_it(profiles):
+    """4 blocks on 4 stages: the modular split is one block per stage, 1F1B runs it; on 2 stages it
+    does not, and the search offers the breadth-first schedule only."""
+    profile = profiles["qwen2"]
+    arguments = dict(global_batch_size=16, loop="forward_backward", top_k=20)
+    four = search(
+        profile, example_hardware(gpus_per_node=4), gpus_per_node=4, fixed={**PINS, "pipeline": 4}, **arguments
+    )
+    schedules = {c.layout.schedule for c in four.candidates}
+    assert schedules == {"looped_bfs", "1f1b"}, schedules
+    assert four.plan.parallel.pipeline.schedule == "looped_bfs"  # the same step: breadth-first kept
+    assert all(c.shape.grad_accum_steps >= 4 for c in four.candidates if c.layout.schedule == "1f1b")
+    two = search(profile, example_hardware(gpus_per_node=2), gpus_per_node=2, fixed=PINS, **arguments)
+    assert {c.layout.schedule for c in two.candidates} == {"looped_bfs"}
