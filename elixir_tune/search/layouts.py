@@ -163,9 +163,20 @@ def layout_choices(
             f"--fix pipeline={stages}: the model has {num_blocks} repeated blocks; a stage needs at least one"
         )
     pinned_schedule = fixed.get("schedule")
-    if stages > 1 and pinned_schedule and not schedule_choices(num_blocks, stages, fixed):
-        why = schedule_problem(num_blocks, stages, fixed.get("assignment", "modular"), pinned_schedule)
-        raise ValueError(f"--fix schedule={pinned_schedule}: {why}")
+    if stages > 1 and pinned_schedule:
+        assignment = fixed.get("assignment", "modular")
+        why = schedule_problem(num_blocks, stages, assignment, pinned_schedule)
+        if why:
+            raise ValueError(f"--fix schedule={pinned_schedule}: {why}")
+        # The most micro-batches a step can have: the smallest micro-batch on the fewest data ranks.
+        per_rank = max((global_batch_size // layout.data_degree(world) for layout in layouts), default=0)
+        most = per_rank // fixed.get("micro_batch_size", 1)
+        if layouts and schedule_problem(num_blocks, stages, assignment, pinned_schedule, most):
+            raise ValueError(
+                f"--fix schedule={pinned_schedule}: it needs at least {stages} micro-batches per step, and a global "
+                f"batch of {global_batch_size} leaves at most {most} per data rank; raise the global batch, lower "
+                "--fix micro_batch_size, or pin schedule=looped_bfs"
+            )
     frozen_problem = frozen_layout_problem(
         fixed.get("pipeline", 1), fixed.get("tensor", 1), fixed.get("tensor_mode", "1d")
     )

@@ -147,3 +147,13 @@ def test_free_search_offers_1f1b_where_the_modular_split_runs_it(profiles):
     assert all(c.shape.grad_accum_steps >= 4 for c in four.candidates if c.layout.schedule == "1f1b")
     two = search(profile, example_hardware(gpus_per_node=2), gpus_per_node=2, fixed=PINS, **arguments)
     assert {c.layout.schedule for c in two.candidates} == {"looped_bfs"}
+    # 1F1B pinned on a step of one micro-batch: the search says what to change.
+    with pytest.raises(ValueError, match="needs at least 2 micro-batches per step.*raise the global batch"):
+        search(
+            profile,
+            example_hardware(gpus_per_node=2),
+            gpus_per_node=2,
+            global_batch_size=2,
+            fixed={"pipeline": 2, "assignment": "contiguous", "schedule": "1f1b", "micro_batch_size": 2},
+            loop="forward_backward",
+        )
