@@ -195,7 +195,9 @@ def micro_batch_choices(per_rank_batch: int, fixed: dict) -> list[int]:
 def micro_batch_accumulation_choices(per_rank_batch: int, fixed: dict, pipeline: int = 1) -> list[tuple[int, bool]]:
     """(micro-batch size, layered) pairs: layered accumulation is tried wherever a step has more than
     one micro-batch (with one it is the same as standard); ``--fix accumulation`` pins it. A
-    pipeline's looped breadth-first schedule runs the micro-batches layer by layer: always layered."""
+    pipeline plan with several micro-batches is always layered: its schedule orders them (the
+    engine's pipeline step runs no layered threads), and the cost model prices its copies by the
+    schedule (``CostModel.activation_copies``)."""
     pinned = fixed.get("accumulation")
     pairs = []
     for micro_batch in micro_batch_choices(per_rank_batch, fixed):
