@@ -175,11 +175,12 @@ def pinned_choices(setup: Setup) -> dict:
         "checkpointing": setup.checkpointing,
         "pipeline": setup.pipeline,
         "tensor": setup.tensor,
-        # A plan's pipeline runs its micro-batches breadth-first (layered); the peers' is 1F1B.
+        # A pipeline plan's accumulation is layered (its schedule, not the accumulation, orders the micro-batches).
         "accumulation": "standard" if setup.pipeline == 1 else "layered",
     }
     if setup.pipeline > 1:
         pinned["assignment"] = setup.assignment
+        pinned["schedule"] = setup.schedule
     if setup.offload is not None:
         pinned["offload"] = setup.offload
     if setup.prefetch is not None:

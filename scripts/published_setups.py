@@ -105,8 +105,8 @@ MEGATRON_MISMATCHES = (
 )
 MEGATRON_PIPELINE = (
     "Megatron's 1F1B pipeline schedule (one run of {per_stage} consecutive layers per stage) pinned as the plan's "
-    "contiguous assignment: its breadth-first (GPipe-order) schedule has 1F1B's bubble, (P - 1) / (N + P - 1) of "
-    "the step, but holds the activations of all N micro-batches where 1F1B holds at most P (layered)"
+    "contiguous assignment with schedule 1f1b: GPipe's bubble, (P - 1) / (N + P - 1) of the step, stage s holding "
+    "at most P - s micro-batches' activations"
 )
 MEGATRON_INTERLEAVED = (
     "Megatron's interleaved 1F1B ({virtual} layers per virtual stage, {runs} per rank: bubble (P - 1) / (v N + P - 1) "
@@ -152,6 +152,7 @@ class Setup:
         pipeline: pipeline stages the peer ran.
         assignment: the plan's assignment of blocks to stages that matches the peer's schedule best
             (``contiguous``: one run of layers per stage, as 1F1B; ``modular``: one block per virtual stage).
+        schedule: the plan's pipeline schedule (``1f1b`` where the peer ran plain 1F1B).
         offload: share of the shards on the host in the pinned plan (None: the search picks).
         prefetch: chunks fetched ahead in the pinned plan (None: the search picks; 0: each fetch is
             issued at its own step, so the compute waits for it, as in a runtime that fetches
@@ -185,6 +186,7 @@ class Setup:
     tensor: int = 1
     pipeline: int = 1
     assignment: str = "modular"
+    schedule: str = "looped_bfs"
     offload: float | None = 0.0
     prefetch: int | None = None
     cache_blocks: int | str | None = None
@@ -282,6 +284,7 @@ def _megatron(size: str, hidden: int, layers: int, heads: int, tp: int, pp: int,
         tensor=tp,
         pipeline=pp,
         assignment="contiguous" if pp > 1 and not virtual else "modular",
+        schedule="1f1b" if pp > 1 and not virtual else "looped_bfs",
         mismatches=MEGATRON_MISMATCHES + pipeline,
     )
 

@@ -186,7 +186,7 @@ def candidates_table(rows: list[dict], title: str) -> Table:
     metavar="KEY=VALUE",
     help="Pin a choice (repeatable): chunk_size=<elements>, cache_blocks=<n>|all, offload=<0..1>, "
     "prefetch=<n>, micro_batch_size=<n>, checkpointing=none|all|every:<k>, dtype=fp32|bf16|fp16, accumulation=standard|layered, "
-    "pipeline=<stages>, assignment=modular|contiguous, tensor=<degree>, tensor_mode=1d|2d, expert=<degree>.",
+    "pipeline=<stages>, assignment=modular|contiguous, schedule=looped_bfs|1f1b, tensor=<degree>, tensor_mode=1d|2d, expert=<degree>.",
 )
 @click.option(
     "--loop",

@@ -250,6 +250,7 @@ def estimate_memory(
     device_memory_bytes: int = 0,
     largest_param_numel: int = 0,
     activation_copies: int = 1,
+    micro_batches: int = 1,
     communicators: int | None = None,
     num_frozen: int = 0,
     num_frozen_offloaded: int = 0,
@@ -280,9 +281,11 @@ def estimate_memory(
             before they are staged).
         activation_copies: micro-batches whose activations are held at once (layered accumulation
             keeps all of a step's: their block boundaries, and in backward the recomputed blocks of
-            every micro-batch side by side). More than one on a pipeline rank (whose schedule runs
-            breadth-first, layered: the search's pipeline shapes with several micro-batches) also
-            means its step holds the stage's gradients unsharded.
+            every micro-batch side by side; a pipeline stage what its schedule holds:
+            ``parallel.held_activation_copies``).
+        micro_batches: micro-batches per step. More than one on a pipeline rank means its step
+            holds the stage's gradients unsharded until their last micro-batch, whatever the
+            schedule and however few activations it holds.
         communicators: communication groups of the rank (``margin_bytes``).
         num_frozen: frozen chunks (compute-dtype weights only), among ``num_chunks``.
         num_frozen_offloaded: frozen chunks among ``num_offloaded``.
@@ -303,7 +306,7 @@ def estimate_memory(
         num_frozen_offloaded,
     )
     # A pipeline step with several micro-batches holds gradients until each parameter's last one.
-    held_numel = profile.held_grad_numel if isinstance(profile, StageProfile) and activation_copies > 1 else 0
+    held_numel = profile.held_grad_numel if isinstance(profile, StageProfile) and micro_batches > 1 else 0
     transients = transient_bytes(
         chunk_size,
         world_size,

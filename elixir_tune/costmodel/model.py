@@ -16,7 +16,7 @@ from elixir_tune.costmodel.layout import ChunkLayout, largest_trainable_numel, m
 from elixir_tune.costmodel.links import data_ranks_per_node
 from elixir_tune.costmodel.memory import MemoryEstimate, estimate_memory
 from elixir_tune.costmodel.offload import offload_orders
-from elixir_tune.costmodel.parallel import DATA_ONLY, Layout
+from elixir_tune.costmodel.parallel import DATA_ONLY, Layout, held_activation_copies
 from elixir_tune.costmodel.parallel_time import ParallelTimes
 from elixir_tune.costmodel.rates import (
     attention_flops_share,
@@ -275,7 +275,8 @@ class CostModel(ComputeTimes):
             own_landing_numels=self.experts.landing_numels(layout, mask, shape.chunk_size // self.data_size),
             micro_batch_size=shape.micro_batch_size,
             every=shape.every,
-            activation_copies=shape.grad_accum_steps if shape.layered else 1,
+            activation_copies=self.activation_copies(shape),
+            micro_batches=shape.grad_accum_steps,
             allocator_overhead_bytes=self.hardware.allocator_overhead_bytes,
             prefetch=shape.prefetch,
             staging_buffers=shape.staging_buffers,
@@ -284,6 +285,16 @@ class CostModel(ComputeTimes):
             largest_param_numel=self.largest_numel,
             communicators=self.parallel_costs.communicators(self.data_size),
         )
+
+    def activation_copies(self, shape: Shape) -> int:
+        """Micro-batches whose activations this rank holds at once: on a pipeline stage what its
+        schedule holds (``parallel.held_activation_copies``: every micro-batch breadth-first, at most
+        P - s under 1F1B; the engine's pipeline runs its schedule whatever the plan's accumulation),
+        otherwise all of a layered step's, one of a standard step's."""
+        layout, accum = self.parallel_layout, shape.grad_accum_steps
+        if layout.pipeline > 1:
+            return held_activation_copies(layout.schedule, layout.pipeline, self.stage, accum)
+        return accum if shape.layered else 1
 
     def step_time(self, shape: Shape, record: list[tuple[str, float, float, str, int]] | None = None) -> StepEstimate:
         """Simulated step time of a candidate.

@@ -16,7 +16,14 @@ Sources of the formulas:
   micro-batches and v virtual stages per rank (Lamy-Poirier, "Breadth-First Pipeline Parallelism",
   arXiv 2211.05953; the same as Narayanan et al. 2021's interleaved (P - 1) / (v N) of the ideal
   time). Modular assignment gives every rank v = blocks / P virtual stages of one block; a
-  contiguous one v = 1 (GPipe's (P - 1) / (N + P - 1)).
+  contiguous one v = 1 (GPipe's (P - 1) / (N + P - 1)). ``gpipe`` and ``1f1b`` run one virtual stage
+  per rank (``plan/stages.py`` ``schedule_problem``): v = 1, the same bubble (Narayanan et al. 2021:
+  1F1B's bubble is GPipe's, it changes the activations held, not the idle time).
+* activations held by a stage (``held_activation_copies``): breadth-first schedules (``looped_bfs``,
+  ``gpipe``) run every micro-batch's forward before the first backward, so stage s holds all N
+  micro-batches' activations; ``1f1b`` (torch's ``Schedule1F1B``, Megatron's non-interleaved
+  schedule) runs P - s warm-up forwards before its first backward, then one forward per backward:
+  at most min(N, P - s) (Narayanan et al. 2021, section 2.2).
 * 1D tensor parallelism with sequence parallelism (Korthikanti et al., "Reducing Activation
   Recomputation in Large Transformer Models", arXiv 2205.05198): per layer, forward 2 all-gathers
   and 2 reduce-scatters of the b x s x h activations, backward the same; activations per rank
@@ -35,7 +42,7 @@ import math
 from dataclasses import dataclass
 from typing import cast
 
-from elixir_tune.plan.schema import ParallelPlan, PipelineAssignment, TensorMode
+from elixir_tune.plan.schema import ParallelPlan, PipelineAssignment, PipelineSchedule, TensorMode
 from elixir_tune.plan.tensor_layout import grid_problem, has_table, table_for
 from elixir_tune.profiler.schema import ModelProfile
 
@@ -67,6 +74,8 @@ class Layout:
         sequence_parallel: 1d only: norms and dropout sequence-sharded.
         expert: expert degree E (``costmodel/expert.py``): each group of E data ranks holds every
             expert once; it adds no ranks.
+        schedule: the pipeline's micro-batch schedule (``plan.schema.PipelineSchedule``): what a
+            stage holds (``held_activation_copies``).
     """
 
     pipeline: int = 1
@@ -75,6 +84,7 @@ class Layout:
     assignment: PipelineAssignment = "modular"
     sequence_parallel: bool = True
     expert: int = 1
+    schedule: PipelineSchedule = "looped_bfs"
 
     @classmethod
     def of_plan(cls, parallel: ParallelPlan) -> Layout:
@@ -87,6 +97,7 @@ class Layout:
             pipeline.assignment,
             tensor.sequence_parallel,
             parallel.expert.degree,
+            pipeline.schedule,
         )
 
     @property
@@ -102,7 +113,8 @@ class Layout:
         """A short name, e.g. ``pp2 tp4(2d)`` or ``ep4``; ``dp only`` without any."""
         parts = []
         if self.pipeline > 1:
-            parts.append(f"pp{self.pipeline}" + ("" if self.assignment == "modular" else "(contiguous)"))
+            details = [part for part in (self.assignment, self.schedule) if part not in ("modular", "looped_bfs")]
+            parts.append(f"pp{self.pipeline}" + (f"({', '.join(details)})" if details else ""))
         if self.tensor > 1:
             parts.append(f"tp{self.tensor}" + ("(2d)" if self.tensor_mode == "2d" else ""))
         if self.expert > 1:
@@ -130,6 +142,28 @@ def virtual_stages(num_blocks: int, stages: int, assignment: str) -> float:
     if stages <= 1:
         return 1.0
     return num_blocks / stages if assignment == "modular" else 1.0
+
+
+def held_activation_copies(schedule: str, stages: int, stage: int, micro_batches: int) -> int:
+    """Micro-batches whose activations one pipeline stage holds at its peak.
+
+    ``1f1b``: stage s runs P - s forwards before its first backward and one forward per backward
+    after, so it never holds more than min(N, P - s). ``looped_bfs`` and ``gpipe`` run all N forwards
+    of a (virtual) stage before its backwards: N. ``interleaved_1f1b`` is priced at N too, an upper
+    bound (its warm-up holds fewer; the search does not offer it).
+
+    Args:
+        schedule: the plan's ``parallel.pipeline.schedule``.
+        stages: P.
+        stage: s, 0-based.
+        micro_batches: N per step.
+
+    Returns:
+        The copies (N without a pipeline: the caller decides what one rank holds then).
+    """
+    if stages > 1 and schedule == "1f1b":
+        return max(1, min(micro_batches, stages - stage))
+    return micro_batches
 
 
 def bubble_fraction(stages: int, micro_batches: int, virtual: float) -> float:

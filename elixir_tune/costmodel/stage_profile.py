@@ -78,7 +78,7 @@ def held_grad_numel(profile: ModelProfile, layout: Layout, stage: int, local_num
     The engine's pipeline step is no-sync (``engine/parallel/pipeline.py``): each parameter's gradient stays
     in ``param.grad``, in compute dtype and whole (not sharded), from its first micro-batch's
     backward until its last one's, when it is staged and reduce-scattered. Under ``looped_bfs`` (the
-    search's schedule; torch's ``ScheduleLoopedBFS``) a rank runs the backwards of its virtual stages
+    search's default schedule; torch's ``ScheduleLoopedBFS``) a rank runs the backwards of its virtual stages
     one after the other, all micro-batches of each, so the gradients of one virtual stage are held at
     a time: the peak is the largest virtual stage's trainable elements. ``gpipe`` and ``1f1b`` run one
     virtual stage per rank: the same formula. (``interleaved_1f1b`` with N >= 2P micro-batches holds

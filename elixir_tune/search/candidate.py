@@ -54,10 +54,11 @@ class Candidate:
 
     def rank_key(
         self, gpu_bytes: int | None = None, host_bytes: int | None = None
-    ) -> tuple[float, float, int, int, int]:
+    ) -> tuple[float, float, int, int, int, int]:
         """What the search ranks by, smaller first: the predicted step; among steps the plausibility
         bound raised to the same figure, the simulated (unclamped) step to 4 significant digits, then
-        fewer offloaded shards,
+        the looped breadth-first schedule before 1F1B (a pipeline keeps its schedule when 1F1B
+        gains no time), then fewer offloaded shards,
         then less device and host memory. Without the second key the plans clamped to a bound tie,
         and the least device memory (the most offload) would win whatever the offload costs.
 
@@ -69,6 +70,7 @@ class Candidate:
             self.step_time_s,
             # Read to 4 significant digits: a float's noise between equal simulations breaks no tie.
             float(f"{self.unclamped_step_s:.4g}"),
+            0 if self.layout.schedule == "looped_bfs" else 1,
             self.shape.num_offloaded,
             self.memory.peak_gpu_bytes if gpu_bytes is None else gpu_bytes,
             self.memory.peak_host_bytes if host_bytes is None else host_bytes,
@@ -94,6 +96,7 @@ class Candidate:
             "tensor": self.layout.tensor,
             "tensor_mode": self.layout.tensor_mode,
             "expert": self.layout.expert,
+            "schedule": self.layout.schedule,
             "step_time_s": round(self.step_time_s, 6),
             "tokens_per_s": round(self.tokens_per_s, 2),
             "tflops_per_gpu": round(self.tflops_per_gpu, 3),

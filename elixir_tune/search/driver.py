@@ -22,6 +22,13 @@ from elixir_tune.units import gib, human_bytes
 
 STRATEGIES = ("joint", "elixir")
 DEFAULT_BATCH_PER_GPU = 8
+# How the why-line names each pipeline schedule (plan.schema.PipelineSchedule).
+SCHEDULE_WORDS = {
+    "looped_bfs": "looped breadth-first",
+    "1f1b": "1F1B",
+    "gpipe": "GPipe",
+    "interleaved_1f1b": "interleaved 1F1B",
+}
 
 
 class InfeasibleError(ValueError):
@@ -180,7 +187,7 @@ def explain_layout(best: Candidate, by_layout: dict[Layout, Candidate] | None = 
     parts = []
     if layout.pipeline > 1:
         parts.append(
-            f"pipeline {layout.pipeline} stages ({layout.assignment}, looped breadth-first): bubble "
+            f"pipeline {layout.pipeline} stages ({layout.assignment}, {SCHEDULE_WORDS[layout.schedule]}): bubble "
             f"{b.get('pipeline_bubble_s', 0.0) / step:.1%} of the step, point-to-point sends "
             f"{b.get('p2p_s', 0.0) / step:.1%} exposed"
         )
@@ -254,7 +261,12 @@ def explain_winner(
     line = (
         f"{what}; compute is {compute_share:.0%} of the step, {b.get('exposed_fetch_s', 0.0):.3g} s of fetches exposed"
     )
-    if s.layered and best.layout.pipeline > 1:
+    if best.layout.pipeline > 1 and best.layout.schedule == "1f1b" and s.grad_accum_steps > 1:
+        line += (
+            f"; the {s.grad_accum_steps} micro-batches run one forward, one backward (1F1B): stage s holds "
+            f"at most {best.layout.pipeline} - s micro-batches' activations, not {s.grad_accum_steps}"
+        )
+    elif s.layered and best.layout.pipeline > 1:
         line += (
             f"; the {s.grad_accum_steps} micro-batches run layer by layer, breadth-first through each stage's blocks (each chunk "
             "fetched once per pass and reduced once per step, their activations held together)"

@@ -31,6 +31,7 @@ from elixir_tune.costmodel.offload import freed_bytes
 from elixir_tune.costmodel.parallel import Layout
 from elixir_tune.plan.capabilities import expert_parallel_conflicts
 from elixir_tune.plan.memory import ALIGN_ELEMENTS, chunk_size_multiple
+from elixir_tune.plan.stages import schedule_problem
 from elixir_tune.search.candidate import Candidate, score
 from elixir_tune.search.space import (
     ALL,
@@ -87,8 +88,9 @@ class Exploration:
 
 def _covers(a: tuple, b: tuple) -> bool:
     """Negated ``Candidate.rank_key``s: ``a`` is as good as ``b`` or better in step time, simulated
-    (unclamped) step time, device and host bytes (the offload count only breaks ties)."""
-    return a[0] >= b[0] and a[1] >= b[1] and a[3] >= b[3] and a[4] >= b[4]
+    (unclamped) step time, schedule preference, device and host bytes (the offload count only breaks
+    ties)."""
+    return a[0] >= b[0] and a[1] >= b[1] and a[2] >= b[2] and a[4] >= b[4] and a[5] >= b[5]
 
 
 class _TopK:
@@ -124,11 +126,11 @@ class _TopK:
             gpu_bytes = host_bytes = gpu_bytes * self.gpus_per_node + host_bytes
         key = tuple(-value for value in candidate.rank_key(gpu_bytes, host_bytes))
         item = (*key, -self._count, candidate)
-        if any(_covers(kept[:5], key) for kept in self._heap):
+        if any(_covers(kept[:6], key) for kept in self._heap):
             return
-        if len(self._heap) >= self.k and item[:6] <= self._heap[0][:6]:
+        if len(self._heap) >= self.k and item[:7] <= self._heap[0][:7]:
             return
-        survivors = [kept for kept in self._heap if not _covers(key, kept[:5])]
+        survivors = [kept for kept in self._heap if not _covers(key, kept[:6])]
         if len(survivors) != len(self._heap):
             self._heap = survivors
             heapq.heapify(self._heap)
@@ -138,7 +140,7 @@ class _TopK:
             heapq.heapreplace(self._heap, item)
 
     def ranked(self) -> list[Candidate]:
-        return [item[-1] for item in sorted(self._heap, key=lambda item: item[:6], reverse=True)]
+        return [item[-1] for item in sorted(self._heap, key=lambda item: item[:7], reverse=True)]
 
 
 def chunk_sizes(model: CostModel, fixed: dict) -> list[int]:
@@ -193,7 +195,9 @@ def micro_batch_choices(per_rank_batch: int, fixed: dict) -> list[int]:
 def micro_batch_accumulation_choices(per_rank_batch: int, fixed: dict, pipeline: int = 1) -> list[tuple[int, bool]]:
     """(micro-batch size, layered) pairs: layered accumulation is tried wherever a step has more than
     one micro-batch (with one it is the same as standard); ``--fix accumulation`` pins it. A
-    pipeline's looped breadth-first schedule runs the micro-batches layer by layer: always layered."""
+    pipeline plan with several micro-batches is always layered: its schedule orders them (the
+    engine's pipeline step runs no layered threads), and the cost model prices its copies by the
+    schedule (``CostModel.activation_copies``)."""
     pinned = fixed.get("accumulation")
     pairs = []
     for micro_batch in micro_batch_choices(per_rank_batch, fixed):
@@ -298,6 +302,7 @@ def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, f
     grid_rows = math.isqrt(tensor.tensor) if tensor.tensor_mode == "2d" else 1
     scorer = StageScorer(model)
     one_pool = hardware.device == "cpu"
+    num_blocks = len(model.full_profile.blocks)
     for chunk_size in chunk_sizes(model, fixed):
         layout = model.layout(chunk_size)
         num_chunks, cacheable = layout.num_chunks, layout.num_cacheable
@@ -316,6 +321,8 @@ def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, f
             for micro_batch, layered in micro_batch_accumulation_choices(per_rank, fixed, stages):
                 if micro_batch % grid_rows:
                     continue  # 2D tensor parallelism splits each micro-batch over the q rows of its grid
+                if schedule_problem(num_blocks, stages, tensor.assignment, tensor.schedule, per_rank // micro_batch):
+                    continue  # e.g. 1F1B with fewer micro-batches than stages (plan/stages.py)
                 if tensor.expert > 1 and expert_parallel_conflicts(
                     stages, tensor.tensor, "layered" if layered else "standard"
                 ):

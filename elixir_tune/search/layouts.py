@@ -10,7 +10,11 @@ Rules (docs/DESIGN.md section 7.1):
   (``plan/tensor_layout.py``: from the model's transformers tensor plan, recorded in the profile);
 * pipeline degree P: divisors of world / T up to the number of blocks, modular assignment (or the
   pinned one, ``--fix assignment=contiguous``: one run of blocks per stage, GPipe's bubble) and the
-  looped breadth-first schedule;
+  looped breadth-first schedule; beside it 1F1B (``schedule_choices``) where that split runs it
+  (one virtual stage per rank: contiguous, or modular with P equal to the blocks): GPipe's bubble,
+  but stage s holds at most P - s micro-batches' activations, so it wins where memory decides. The
+  joint search gives it only steps of at least P micro-batches (``plan/stages.py``
+  ``schedule_problem``); ``--fix schedule`` pins either;
 * the data degree world / (P x T) must divide the global batch;
 * pipeline and tensor parallelism together (world = data x P x T, each stage tensor-parallel in its
   tensor group), 1d or 2d (a stage sends each rank's piece of the residual stream to its peer);
@@ -33,11 +37,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import cast
 
 from elixir_tune.costmodel.expert import expert_param_indices
 from elixir_tune.costmodel.parallel import Layout, cast_mode, pipeline_degrees, tensor_degrees
 from elixir_tune.plan.capabilities import expert_parallel_conflicts, expert_parallel_limits, frozen_layout_problem
-from elixir_tune.plan.schema import PipelineAssignment, TensorMode
+from elixir_tune.plan.schema import PipelineAssignment, PipelineSchedule, TensorMode
+from elixir_tune.plan.stages import schedule_problem
 from elixir_tune.plan.tensor_layout import grid_problem, local_shape, table_for
 from elixir_tune.profiler.schema import ModelProfile
 
@@ -142,9 +148,10 @@ def layout_choices(
                 continue
             if profile.lora and frozen_layout_problem(stages, degree, mode):
                 continue  # a LoRA base in frozen chunks: not every layout runs it yet (plan/capabilities.py)
-            # A pinned assignment applies to pipelines; the search's own is modular (the smaller bubble).
-            assignment: PipelineAssignment = fixed.get("assignment", "modular") if stages > 1 else "modular"
-            layouts.append(Layout(pipeline=stages, tensor=degree, tensor_mode=cast_mode(mode), assignment=assignment))
+            for assignment, schedule in schedule_choices(num_blocks, stages, fixed):
+                layouts.append(
+                    Layout(stages, degree, cast_mode(mode), assignment, schedule=cast(PipelineSchedule, schedule))
+                )
     stages = fixed.get("pipeline", 1)
     if stages > 1 and fixed.get("accumulation") == "standard":
         raise ValueError(
@@ -155,6 +162,21 @@ def layout_choices(
         raise ValueError(
             f"--fix pipeline={stages}: the model has {num_blocks} repeated blocks; a stage needs at least one"
         )
+    pinned_schedule = fixed.get("schedule")
+    if stages > 1 and pinned_schedule:
+        assignment = fixed.get("assignment", "modular")
+        why = schedule_problem(num_blocks, stages, assignment, pinned_schedule)
+        if why:
+            raise ValueError(f"--fix schedule={pinned_schedule}: {why}")
+        # The most micro-batches a step can have: the smallest micro-batch on the fewest data ranks.
+        per_rank = max((global_batch_size // layout.data_degree(world) for layout in layouts), default=0)
+        most = per_rank // fixed.get("micro_batch_size", 1)
+        if layouts and schedule_problem(num_blocks, stages, assignment, pinned_schedule, most):
+            raise ValueError(
+                f"--fix schedule={pinned_schedule}: it needs at least {stages} micro-batches per step, and a global "
+                f"batch of {global_batch_size} leaves at most {most} per data rank; raise the global batch, lower "
+                "--fix micro_batch_size, or pin schedule=looped_bfs"
+            )
     frozen_problem = frozen_layout_problem(
         fixed.get("pipeline", 1), fixed.get("tensor", 1), fixed.get("tensor_mode", "1d")
     )
@@ -174,6 +196,31 @@ def layout_choices(
             "(raise the global batch to a multiple of the data-parallel degree)"
         )
     return layouts
+
+
+def schedule_choices(num_blocks: int, stages: int, fixed: dict) -> list[tuple[PipelineAssignment, str]]:
+    """(assignment, schedule) pairs a pipeline of ``stages`` is searched with, looped breadth-first first.
+
+    The split is the pinned assignment, else modular (the smaller bubble). The looped breadth-first
+    schedule runs any split; 1F1B one virtual stage per rank (``schedule_problem``: contiguous, or
+    modular with P equal to the blocks). 1F1B on another split than the breadth-first one would
+    also change the assignment (a contiguous split: a larger bubble, fewer sends), which the search
+    leaves to ``--fix assignment=contiguous``. ``--fix schedule`` keeps one of the two.
+
+    Args:
+        num_blocks: blocks in the model's block list.
+        stages: P (1: no pipeline, one pair).
+        fixed: pinned choices (``parse_fixed``).
+
+    Returns:
+        The pairs (empty when the pinned schedule cannot run the pinned split).
+    """
+    if stages <= 1:
+        return [("modular", "looped_bfs")]
+    assignment: PipelineAssignment = fixed.get("assignment", "modular")
+    pinned = fixed.get("schedule")
+    schedules = [pinned] if pinned else ["looped_bfs", "1f1b"]
+    return [(assignment, s) for s in schedules if schedule_problem(num_blocks, stages, assignment, s) is None]
 
 
 def expert_degrees(profile: ModelProfile, data_size: int) -> list[int]:

@@ -183,7 +183,7 @@ def build_plan(
             backend=BACKEND_OF_DEVICE.get(device, "gloo"),
         ),
         parallel=ParallelPlan(
-            pipeline=PipelineParallel(stages=layout.pipeline, assignment=layout.assignment),
+            pipeline=PipelineParallel(stages=layout.pipeline, assignment=layout.assignment, schedule=layout.schedule),
             tensor=TensorParallel(
                 degree=layout.tensor, mode=layout.tensor_mode, sequence_parallel=layout.sequence_parallel
             ),

@@ -19,11 +19,15 @@ FIX_KEYS = {
     "accumulation": "standard or layered (micro-batches run layer by layer)",
     "pipeline": "pipeline stages P, an integer (1: none)",
     "assignment": "blocks to pipeline stages: modular (block i on stage i mod P, the default) or contiguous",
+    "schedule": "pipeline schedule: looped_bfs or 1f1b (one run of blocks per stage, at least P micro-batches)",
     "tensor": "tensor-parallel degree T, an integer dividing the GPUs of a node and the heads (1: none)",
     "tensor_mode": "1d (Megatron) or 2d (Optimus, square T >= 4)",
     "expert": "expert degree E, an integer dividing the data-parallel size and the experts per block (1: none)",
 }
 ALL = "all"
+# Pipeline schedules the search offers (``search/layouts.py``): the cost model prices what each
+# stage holds under them (``costmodel/parallel.py`` ``held_activation_copies``).
+SEARCH_SCHEDULES = ("looped_bfs", "1f1b")
 # Checkpointing options the search tries when the model has blocks: none, all, every 2nd, every 4th.
 CHECKPOINTING_CHOICES = (0, 1, 2, 4)
 # Prefetch depths the search tries (each capped by the room the cache leaves).
@@ -108,6 +112,13 @@ def parse_fixed(fixed: dict[str, Any] | list[str] | None) -> dict[str, Any]:
         elif key == "assignment":
             if str(value) not in PIPELINE_ASSIGNMENTS:
                 raise ValueError(f"--fix assignment={value}: expected one of {', '.join(PIPELINE_ASSIGNMENTS)}")
+            out[key] = str(value)
+        elif key == "schedule":
+            if str(value) not in SEARCH_SCHEDULES:
+                raise ValueError(
+                    f"--fix schedule={value}: the search prices {' and '.join(SEARCH_SCHEDULES)}; "
+                    "a plan may name the others (gpipe, interleaved_1f1b) by hand"
+                )
             out[key] = str(value)
         elif key == "tensor_mode":
             if str(value).lower() not in TENSOR_MODES:

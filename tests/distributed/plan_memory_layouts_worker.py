@@ -3,7 +3,8 @@ set up on this rank; what the engine reports it holds (``memory_report``) before
 training step, and the gradients the step really held (``memory_stats``).
 
 Each case: ``model`` (the model YAML the plan was searched for), ``plan`` (the plan file), ``lora``
-(optional ``apply_lora`` arguments, as the profile was made with).
+(optional ``apply_lora`` arguments, as the profile was made with), ``measure`` (optional: the step's
+real peak, ``memory_probe``, after a warm-up step).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 
 import elixir_tune
 from tests.distributed.engine_launch import worker_main
+from tests.distributed.memory_probe import peak_step_bytes
 
 
 def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> dict:
@@ -31,9 +33,15 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
         model, optimizer = elixir_tune.setup(model, optimizer, plan=plan)
         before = model.memory_report()
         batch = source.example_batch(plan.training.micro_batch_size, plan.training.seq_len)
-        model.forward_backward([batch] * plan.training.grad_accum_steps)
-        optimizer.step()
-        optimizer.zero_grad()
+
+        def train_step() -> None:
+            model.forward_backward([batch] * plan.training.grad_accum_steps)
+            optimizer.step()
+            optimizer.zero_grad()
+
+        measured = peak_step_bytes(train_step, torch.device("cpu"), train_step) if case.get("measure") else None
+        if measured is None:
+            train_step()
     mesh = model.engine.mesh
     return {
         "case": case,
@@ -43,6 +51,7 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
         "report_before": before,
         "report_after": model.memory_report(),
         "peak_held_grad_bytes": model.engine.memory_stats()["peak_held_grad_bytes"],
+        "measured": measured,
     }
 
 

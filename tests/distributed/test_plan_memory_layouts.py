@@ -42,12 +42,31 @@ FAMILIES = {
 LORA = dict(rank=4, alpha=8.0, dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
 
 # (family, pins, micro-batch, global batch, LoRA)
+PIPELINE_1F1B = dict(pipeline=2, assignment="contiguous", schedule="1f1b")
 WORLD2 = [
     ("gpt2", dict(pipeline=2, assignment="modular"), 2, 8, None),
     ("llama", dict(pipeline=2, assignment="contiguous", offload=0.5), 2, 8, None),
     ("qwen2", dict(pipeline=2), 2, 8, LORA),
     ("gpt2", dict(tensor=2, offload=0.5, cache_blocks=2), 2, 4, None),
     ("qwen2_moe", dict(expert=2), 2, 4, None),
+    ("gpt2", PIPELINE_1F1B, 2, 8, None),
+    ("llama", PIPELINE_1F1B, 2, 8, None),
+]
+# Measured (``memory_probe``) at world 2, each after the rows above: 2 contiguous stages, 8 micro-batches of
+# 2, under the looped breadth-first schedule (every stage holds 8 micro-batches' activations) and 1F1B
+# (stage 0 at most 2, stage 1 one).
+SCHEDULES = ("looped_bfs", "1f1b")
+MAX_OVER = 1.15  # the prediction at most this far above the measured peak (test_memory_fidelity.py's bound)
+# (family, schedule, stage) measured above the promise (``check_measured_peaks``), and how far at most.
+UNDER = {("gpt2", schedule, stage) for schedule in SCHEDULES for stage in (0, 1)} | {
+    ("llama", "1f1b", 0),
+    ("llama", "1f1b", 1),
+}
+UNDER_LEAST = 0.85
+MEASURED = [
+    (family, dict(pipeline=2, assignment="contiguous", schedule=schedule, checkpointing="none"), 2, 16, None)
+    for family in ("gpt2", "llama")
+    for schedule in SCHEDULES
 ]
 WORLD4 = [
     ("llama", dict(pipeline=2, tensor=2), 2, 8, None),
@@ -56,8 +75,9 @@ WORLD4 = [
 ]
 
 
-def make_cases(rows: list, world: int, tmp: Path) -> list[dict]:
-    """Profiles each model, searches its plan with the layout pinned, saves it; the workers' cases."""
+def make_cases(rows: list, world: int, tmp: Path, measure: bool = False) -> list[dict]:
+    """Profiles each model, searches its plan with the layout pinned, saves it; the workers' cases
+    (``measure``: each also measures its step's peak)."""
     from elixir_tune.hardware import load_hardware
     from elixir_tune.plan import save_plan
     from elixir_tune.profiler import profile_model
@@ -74,9 +94,10 @@ def make_cases(rows: list, world: int, tmp: Path) -> list[dict]:
             profile = profile_model(str(model_path), batch_size=micro, seq_len=SEQ, lora=lora)
         fixed = dict(pins, micro_batch_size=micro)
         result = search(profile, hardware, world, global_batch_size=global_batch, fixed=fixed, loop="forward_backward")
-        plan_path = tmp / f"plan{world}-{index}.yaml"
+        plan_path = tmp / f"plan{world}-{'measured-' if measure else ''}{index}.yaml"
         save_plan(result.plan, plan_path)
-        cases.append(dict(model=str(model_path), plan=str(plan_path), lora=lora, label=f"{family} {pins}"))
+        case = dict(model=str(model_path), plan=str(plan_path), lora=lora, label=f"{family} {pins}")
+        cases.append(dict(case, measure=True) if measure else case)
     return cases
 
 
@@ -113,11 +134,57 @@ def check(results: list[list[dict]]) -> None:
 
 
 def test_each_rank_holds_what_the_plan_promises_at_world_2(tmp_path):
-    results = run(WORLD2, 2, tmp_path)
+    cases = make_cases(WORLD2, 2, tmp_path) + make_cases(MEASURED, 2, tmp_path, measure=True)
+    results = launch("plan_memory_layouts_worker.py", cases, 2, timeout_s=600)
     check(results)
     # The stages of a pipeline plan hold different amounts (else the per-stage promise would be moot).
     gpt2_pipeline = [per_case[0]["report_before"] for per_case in results]
     assert gpt2_pipeline[0] != gpt2_pipeline[1]
+    check_measured_peaks(results)
+
+
+def check_measured_peaks(results: list[list[dict]]) -> None:
+    """Each measured rank's peak against its stage's promise (device peak plus the rank's share of the
+    node's host peak: on a CPU device one pool): at most ``MAX_OVER`` above it and, where covered, at
+    least the measured peak; and stage 0 under 1F1B is predicted and measured below stage 0 under the
+    looped breadth-first schedule.
+
+    Not covered (``UNDER``, pinned where it is so that a new gap shows): GPT-2's stages under
+    both schedules (predicted 0.88-0.96x of the measured peak) and Llama's under 1F1B (0.99x; under
+    the breadth-first schedule 1.06-1.13x). GPT-2 stage 0's measured bytes per held micro-batch are
+    ~13% above the prediction (stage 1's within 2%, Llama's below it): ``stage_profile.rank_profile``
+    gives the activations beyond the blocks to the last stage only, so the embedding outputs a first
+    stage keeps per micro-batch are in no stage's figure. Beside that each stage misses 10-80 KB
+    that do not grow with the micro-batches held; torch's ``PipelineStage`` allocates a receive
+    buffer per micro-batch (inputs on a non-first stage, gradients on a non-last one), which the
+    cost model does not price (not measured apart here)."""
+    from elixir_tune.plan import load_plan
+
+    rows: list[tuple[str, int, int, int]] = []
+    under: list[tuple[tuple[str, str, int], int, int]] = []
+    stage0: dict[tuple[str, str], tuple[int, int]] = {}
+    for rank, per_case in enumerate(results):
+        for result in per_case:
+            if not result["case"].get("measure"):
+                continue
+            plan = load_plan(result["case"]["plan"])
+            promise = plan.rank_memory(rank)
+            predicted = promise.peak_gpu_bytes + promise.peak_host_bytes // plan.cluster.gpus_per_node
+            measured = result["measured"]["peak_bytes"]
+            rows.append((result["case"]["label"], rank, measured, predicted))
+            family, schedule = result["case"]["label"].split()[0], plan.parallel.pipeline.schedule
+            under.append(((family, schedule, result["stage"]), measured, predicted))
+            if result["stage"] == 0:
+                stage0[family, schedule] = (measured, predicted)
+    table = "\n".join(f"{label} rank {rank}: measured {m} predicted {p} ({p / m:.3f}x)" for label, rank, m, p in rows)
+    print(table)  # pytest -s shows the figures
+    assert len(rows) == 2 * len(MEASURED), table
+    assert all(p <= MAX_OVER * m for _, _, m, p in rows), table
+    assert {key for key, m, p in under if p < m} <= UNDER, table
+    assert all(p >= UNDER_LEAST * m for _, _, m, p in rows), table
+    for family in ("gpt2", "llama"):
+        (looped_m, looped_p), (f1b_m, f1b_p) = (stage0[family, schedule] for schedule in SCHEDULES)
+        assert f1b_p < looped_p and f1b_m < looped_m, table
 
 
 @pytest.mark.heavy  # 4 processes, 3 searches: pipeline x tensor's held gradients are checked at world 4 by test_engine_mesh3d.py

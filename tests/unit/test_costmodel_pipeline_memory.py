@@ -72,7 +72,7 @@ def test_memory_adds_the_held_gradients_when_a_step_runs_several_micro_batches(p
     arguments = dict(
         chunk_size=chunk, world_size=1, gpus_per_node=2, dtype="fp32", cache_blocks=1,
         num_resident=model.layout(chunk).num_resident, num_chunks=model.layout(chunk).num_chunks, num_offloaded=0,
-        frozen_numel=0, micro_batch_size=1, every=0, allocator_overhead_bytes=0, activation_copies=4,
+        frozen_numel=0, micro_batch_size=1, every=0, allocator_overhead_bytes=0, activation_copies=4, micro_batches=4,
     )  # fmt: skip
     with_held = estimate_memory(stage, **arguments)
     without = estimate_memory(plain, **arguments)
