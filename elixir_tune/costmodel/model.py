@@ -134,6 +134,7 @@ class CostModel(ComputeTimes):
         self._sims: dict[tuple[int, int, int, int], tuple[CacheSim, list[tuple[int, int, int]]]] = {}
         self._costs: dict[int, TransferCosts] = {}
         self._orders: dict[tuple[int, int, int], list[list[int]]] = {}
+        self._issues: dict[tuple[int, int, int, int, int, bool], list[int]] = {}
 
     # -- shared pieces ---------------------------------------------------------------------------
 
@@ -321,10 +322,11 @@ class CostModel(ComputeTimes):
             if record is not None:
                 blocks = []
                 records.append(blocks)
+            steady = fetches is sim.steady
             return simulate_micro_batch(
                 step_compute,
                 fetches,
-                issue_steps(fetches, shape.prefetch),
+                self._issue_steps(shape, traced, steady, fetches),
                 reduce_after,
                 offloaded,
                 costs,
@@ -379,6 +381,14 @@ class CostModel(ComputeTimes):
         if record is not None:
             record += step_blocks(parts, records, costs, gpu_adam, cpu_adam, on_cpu)
         return StepEstimate(step_time_s=step_time, breakdown=breakdown)
+
+    def _issue_steps(self, shape: Shape, traced: int, steady: bool, fetches: list[tuple[int, int, int]]) -> list[int]:
+        """``issue_steps`` of a cached fetch list (cold or steady), itself cached: candidates that differ only in
+        offload or micro-batch size issue their fetches alike."""
+        key = (shape.chunk_size, shape.every, shape.cache_blocks, traced, shape.prefetch, steady)
+        if key not in self._issues:
+            self._issues[key] = issue_steps(fetches, shape.prefetch)
+        return self._issues[key]
 
     def _bounded(self, shape: Shape, shard_numel: int, step_time_s: float, breakdown: dict[str, float]) -> float:
         """The step time raised to the plausibility bound (``rates.plausibility_bound``); the bounds

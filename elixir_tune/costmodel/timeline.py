@@ -151,8 +151,10 @@ def issue_steps(fetches: list[tuple[int, int, int]], prefetch: int) -> list[int]
     """
     out = []
     for index, (step, _chunk, free_after) in enumerate(fetches):
+        # min(step, max(earliest, free_after + 1)) without the builtins' call cost (the search's inner loop)
         earliest = fetches[index - prefetch][0] if index >= prefetch else 0
-        out.append(min(step, max(earliest, free_after + 1)))
+        issue = free_after + 1 if free_after + 1 > earliest else earliest
+        out.append(issue if issue < step else step)
     return out
 
 
@@ -248,7 +250,15 @@ def simulate_micro_batch(
                 exposed += start + gather_s - end
                 end = coll_free = start + gather_s
             else:
-                coll_free = max(coll_free, ready, h2d_free, d2h_free) if shared_link else max(coll_free, ready)
+                # The latest of the stream and what it waits for (max() without its call cost: the
+                # search's inner loop; same value, the first of equals kept as max() keeps it).
+                if ready > coll_free:
+                    coll_free = ready
+                if shared_link:
+                    if h2d_free > coll_free:
+                        coll_free = h2d_free
+                    if d2h_free > coll_free:
+                        coll_free = d2h_free
                 coll_free += gather_s
             if record is not None:
                 record.append(("all-gather", coll_free - gather_s, coll_free, chunk))
@@ -267,7 +277,13 @@ def simulate_micro_batch(
             rs_s = (
                 chunk_costs[chunk].reduce_scatter_s if chunk_costs and chunk in chunk_costs else costs.reduce_scatter_s
             )
-            coll_free = max(coll_free, end, h2d_free, d2h_free) if shared_link else max(coll_free, end)
+            if end > coll_free:
+                coll_free = end
+            if shared_link:
+                if h2d_free > coll_free:
+                    coll_free = h2d_free
+                if d2h_free > coll_free:
+                    coll_free = d2h_free
             coll_free += rs_s
             if record is not None:
                 record.append(("reduce-scatter", coll_free - rs_s, coll_free, chunk))
