@@ -100,6 +100,7 @@ class CostModel(ComputeTimes):
         # ~565 TFLOP/s HFU against ~800 TFLOP/s GEMMs; REFERENCE.md 'Published figures').
         hardware.compute_tflops(self.dtype)  # fails early when the spec has no rate for the dtype
         self._rates: dict[int, float] = {}
+        self._per_micro_batch: dict[tuple[int, int], tuple[tuple[float, float], float, float]] = {}
         # The attention products' own rate (0: they run at the block rate with the rest); their
         # share of the FLOPs is the whole model's, which a stage or a tensor shard keeps.
         self.attention_flops_per_s = hardware.attention_tflops.get(self.dtype, 0.0) * 1e12
