@@ -31,6 +31,7 @@ from elixir_tune.costmodel.timeline import (
     MicroBatchTime,
     TransferCosts,
     combine_step,
+    issue_groups,
     issue_steps,
     micro_batches,
     simulate_micro_batch,
@@ -135,7 +136,7 @@ class CostModel(ComputeTimes):
         self._sims: dict[tuple[int, int, int, int], tuple[CacheSim, list[tuple[int, int, int]]]] = {}
         self._costs: dict[int, TransferCosts] = {}
         self._orders: dict[tuple[int, int, int], list[list[int]]] = {}
-        self._issues: dict[tuple[int, int, int, int, int, bool], list[int]] = {}
+        self._issues: dict[tuple[int, int, int, int, int, bool], tuple[list[int], list[list[tuple[int, int]]]]] = {}
 
     # -- shared pieces ---------------------------------------------------------------------------
 
@@ -323,11 +324,11 @@ class CostModel(ComputeTimes):
             if record is not None:
                 blocks = []
                 records.append(blocks)
-            steady = fetches is sim.steady
+            issue, issued_at = self._issue_steps(shape, traced, fetches is sim.steady, fetches, len(step_compute))
             return simulate_micro_batch(
                 step_compute,
                 fetches,
-                self._issue_steps(shape, traced, steady, fetches),
+                issue,
                 reduce_after,
                 offloaded,
                 costs,
@@ -336,6 +337,7 @@ class CostModel(ComputeTimes):
                 shared_link=self.shared_link,
                 record=blocks,
                 busy_s=busy_s,
+                issued_at=issued_at,
             )
 
         # Later micro-batches start from the steady cache, and with what the one before left busy.
@@ -383,12 +385,15 @@ class CostModel(ComputeTimes):
             record += step_blocks(parts, records, costs, gpu_adam, cpu_adam, on_cpu)
         return StepEstimate(step_time_s=step_time, breakdown=breakdown)
 
-    def _issue_steps(self, shape: Shape, traced: int, steady: bool, fetches: list[tuple[int, int, int]]) -> list[int]:
-        """``issue_steps`` of a cached fetch list (cold or steady), itself cached: candidates that differ only in
-        offload or micro-batch size issue their fetches alike."""
+    def _issue_steps(
+        self, shape: Shape, traced: int, steady: bool, fetches: list[tuple[int, int, int]], num_steps: int
+    ) -> tuple[list[int], list[list[tuple[int, int]]]]:
+        """``issue_steps`` and ``issue_groups`` of a cached fetch list (cold or steady), themselves cached:
+        candidates that differ only in offload or micro-batch size issue their fetches alike."""
         key = (shape.chunk_size, shape.every, shape.cache_blocks, traced, shape.prefetch, steady)
         if key not in self._issues:
-            self._issues[key] = issue_steps(fetches, shape.prefetch)
+            issue = issue_steps(fetches, shape.prefetch)
+            self._issues[key] = (issue, issue_groups(fetches, issue, num_steps))
         return self._issues[key]
 
     def _bounded(self, shape: Shape, shard_numel: int, step_time_s: float, breakdown: dict[str, float]) -> float:
