@@ -34,11 +34,13 @@ def belady(
     """
     if any(len(step) > cache_blocks for step in steps):
         raise ValueError(f"a step needs more than {cache_blocks} chunks at once")
-    next_use: list[tuple[int, ...]] = [()] * len(steps)
+    next_use: list[list[int]] = [[]] * len(steps)
     seen: dict[int, int] = {}
+    get = seen.get
     for position in range(len(steps) - 1, -1, -1):
-        next_use[position] = tuple(seen.get(chunk, _NEVER) for chunk in steps[position])
-        for chunk in steps[position]:
+        step = steps[position]
+        next_use[position] = [get(chunk, _NEVER) for chunk in step]
+        for chunk in step:
             seen[chunk] = position
     last_used = dict(cached or {})
     upcoming = {chunk: seen.get(chunk, _NEVER) for chunk in last_used}

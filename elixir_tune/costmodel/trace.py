@@ -132,11 +132,17 @@ def chunk_trace(profile: ModelProfile, layout: ChunkLayout, every: int, micro_ba
     first_use = [-1] * layout.num_chunks
     last_use = [-1] * layout.num_chunks
     previous: set[int] | None = None
+    # The trace repeats its parameter lists (the same list objects: backward and recomputation of a
+    # forward, a layered step's micro-batches), so each list's chunks and elements are worked out once.
+    seen: dict[int, tuple[set[int], set[int], int]] = {}
     for params, kind in checkpointed_trace(profile, every, micro_batches):
-        touched = {chunk_of[i] for i in params if chunk_of[i] >= 0}
+        known = seen.get(id(params))
+        if known is None:
+            touched = {chunk_of[i] for i in params if chunk_of[i] >= 0}
+            known = seen[id(params)] = (touched, {c for c in touched if not resident[c]}, sum(numel[i] for i in params))
+        touched, cacheable, params_numel = known
         copies = 1 if kind in _ONE_MICRO_BATCH else micro_batches
-        weight = copies * _KIND_FLOPS[kind] * sum(numel[i] for i in params)
-        cacheable = {c for c in touched if not resident[c]}
+        weight = copies * _KIND_FLOPS[kind] * params_numel
         if previous is not None and cacheable <= previous:
             weights[-1] += weight
         else:
