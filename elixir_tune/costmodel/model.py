@@ -273,7 +273,9 @@ class CostModel(ComputeTimes):
             num_chunks=self.experts.shard_units(layout),
             num_offloaded=trainable_offloaded + frozen_offloaded,
             frozen_numel=0,  # every frozen parameter is in a frozen chunk
-            num_frozen=self.experts.shards_of(layout, [c for c, chunk in enumerate(layout.chunks) if chunk.frozen]),
+            num_frozen=self.experts.shards_of(layout, [c for c, chunk in enumerate(layout.chunks) if chunk.frozen])
+            if layout.num_frozen
+            else 0,
             num_frozen_offloaded=frozen_offloaded,
             own_landing_numels=self.experts.landing_numels(layout, mask, shape.chunk_size // self.data_size),
             micro_batch_size=shape.micro_batch_size,
