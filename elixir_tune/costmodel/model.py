@@ -38,7 +38,7 @@ from elixir_tune.costmodel.timeline import (
     step_blocks,
     transfer_costs,
 )
-from elixir_tune.costmodel.trace import ChunkTrace, chunk_trace
+from elixir_tune.costmodel.trace import ChunkTrace, checkpointed_trace, chunk_trace
 from elixir_tune.hardware.spec import HardwareSpec
 from elixir_tune.profiler.schema import ModelProfile
 
@@ -133,6 +133,8 @@ class CostModel(ComputeTimes):
         self._module_chunks: dict[int, int] = {}
         self._layouts: dict[int, ChunkLayout] = {}
         self._traces: dict[tuple[int, int, int], tuple[ChunkTrace, list[tuple[int, ...]]]] = {}
+        # (checkpointing, micro-batches) -> the module-level trace, the same for every chunk size
+        self._module_traces: dict[tuple[int, int], list[tuple[list[int], int]]] = {}
         self._sims: dict[tuple[int, int, int, int], tuple[CacheSim, list[tuple[int, int, int]]]] = {}
         self._costs: dict[int, TransferCosts] = {}
         self._orders: dict[tuple[int, int, int], list[list[int]]] = {}
@@ -156,7 +158,10 @@ class CostModel(ComputeTimes):
         key = (chunk_size, every, micro_batches)
         if key not in self._traces:
             layout = self.layout(chunk_size)
-            trace = chunk_trace(self.profile, layout, every, micro_batches)
+            module_key = (every, micro_batches)
+            if module_key not in self._module_traces:
+                self._module_traces[module_key] = checkpointed_trace(self.profile, every, micro_batches)
+            trace = chunk_trace(self.profile, layout, every, micro_batches, self._module_traces[module_key])
             reduce_after: list[list[int]] = [[] for _ in trace.steps]
             for chunk, step in enumerate(trace.last_use):
                 if step >= 0 and not layout.chunks[chunk].frozen:  # a frozen chunk is never reduced

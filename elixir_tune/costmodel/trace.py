@@ -110,7 +110,13 @@ class ChunkTrace:
     max_step_chunks: int
 
 
-def chunk_trace(profile: ModelProfile, layout: ChunkLayout, every: int, micro_batches: int = 1) -> ChunkTrace:
+def chunk_trace(
+    profile: ModelProfile,
+    layout: ChunkLayout,
+    every: int,
+    micro_batches: int = 1,
+    module_trace: list[tuple[list[int], int]] | None = None,
+) -> ChunkTrace:
     """Maps the module trace to chunks, merging steps that cannot miss.
 
     Args:
@@ -120,6 +126,8 @@ def chunk_trace(profile: ModelProfile, layout: ChunkLayout, every: int, micro_ba
         micro_batches: > 1 for one layered step of that many micro-batches: forward and backward
             steps carry all of their FLOPs, and each checkpointed block's forward and
             recomputation run once per micro-batch.
+        module_trace: ``checkpointed_trace(profile, every, micro_batches)`` when the caller keeps it
+            (it does not depend on the chunk size).
 
     Returns:
         The merged chunk trace of one micro-batch.
@@ -135,7 +143,9 @@ def chunk_trace(profile: ModelProfile, layout: ChunkLayout, every: int, micro_ba
     # The trace repeats its parameter lists (the same list objects: backward and recomputation of a
     # forward, a layered step's micro-batches), so each list's chunks and elements are worked out once.
     seen: dict[int, tuple[set[int], set[int], int]] = {}
-    for params, kind in checkpointed_trace(profile, every, micro_batches):
+    if module_trace is None:
+        module_trace = checkpointed_trace(profile, every, micro_batches)
+    for params, kind in module_trace:
         known = seen.get(id(params))
         if known is None:
             touched = {chunk_of[i] for i in params if chunk_of[i] >= 0}

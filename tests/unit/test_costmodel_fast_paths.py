@@ -306,11 +306,15 @@ def test_fast_chunk_trace_equals_the_reference():
     compared = 0
     for profile in profiles:
         largest = max(p.numel for p in profile.params)
-        for chunk_size in (largest, 2 * largest, 5 * largest, sum(p.numel for p in profile.params)):
-            layout = pack_chunks(profile, chunk_size)
-            for every in (0, 1, 2, 3):
-                for micro_batches in (1, 2, 4):
-                    fast = chunk_trace(profile, layout, every, micro_batches)
-                    assert fast == reference_chunk_trace(profile, layout, every, micro_batches)
+        sizes = (largest, 2 * largest, 5 * largest, sum(p.numel for p in profile.params))
+        for every in (0, 1, 2, 3):
+            for micro_batches in (1, 2, 4):
+                # The cost model keeps one module trace per (checkpointing, micro-batches) for every chunk size.
+                module_trace = checkpointed_trace(profile, every, micro_batches)
+                for chunk_size in sizes:
+                    layout = pack_chunks(profile, chunk_size)
+                    expected = reference_chunk_trace(profile, layout, every, micro_batches)
+                    assert chunk_trace(profile, layout, every, micro_batches) == expected
+                    assert chunk_trace(profile, layout, every, micro_batches, module_trace) == expected
                     compared += 1
     assert compared == 96
