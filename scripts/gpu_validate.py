@@ -49,6 +49,11 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 PY = sys.executable
 GiB = 2**30
+# `elixir-tune` subcommands that a dry run runs inside this interpreter (same arguments, same exit
+# status and output): they only plan, so nothing they do is measured, and each fresh interpreter would
+# import torch and transformers again. Training, peers and the probe always get processes of their own.
+CLI = [PY, "-m", "elixir_tune.cli.main"]
+IN_PROCESS_IN_DRY_RUN = ("profile", "search")
 
 from bench_prediction import MODEL_YAML  # noqa: E402
 from gpu_validate_report import error_line, summary, write_markdown  # noqa: E402
@@ -71,6 +76,27 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="training steps per shape (default 4; dry run 3)")
     parser.add_argument("--params", type=float, default=None, help="model size to build instead of sizing it")
     return parser.parse_args()
+
+
+def cli_in_process(args: list[str]) -> tuple[int, str]:
+    """Runs ``elixir-tune ARGS`` in this interpreter: (exit status, stdout and stderr together)."""
+    import contextlib
+    import io
+    import traceback
+
+    from elixir_tune.cli.main import cli
+
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+        try:
+            cli.main(args, prog_name="elixir-tune", standalone_mode=True)
+            rc = 0
+        except SystemExit as exit_:
+            rc = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+        except Exception:  # what the interpreter would print before exiting 1
+            traceback.print_exc()
+            rc = 1
+    return rc, output.getvalue()
 
 
 class Validation:
@@ -128,6 +154,10 @@ class Validation:
         step = {"name": name, "command": shlex.join(command), "timeout_s": round(timeout_s)}
         self.say(f"{name}: {step['command']}")
         started = time.monotonic()
+        if self.dry and command[:3] == CLI and command[3] in IN_PROCESS_IN_DRY_RUN:
+            step["rc"], output = cli_in_process(command[3:])
+            step["in_process"] = True
+            return self._done(name, step, started, output)
         # Own session: on a timeout the whole tree (torchrun and its workers, which hold GPU memory)
         # is killed, not only the launcher.
         proc = subprocess.Popen(
@@ -148,6 +178,10 @@ class Validation:
             output, _ = proc.communicate()
             step["rc"] = "timeout"
         self.current = None
+        return self._done(name, step, started, output)
+
+    def _done(self, name: str, step: dict, started: float, output: str) -> dict:
+        """Records a finished step with its time and output tail, returns it."""
         step["elapsed_s"] = round(time.monotonic() - started, 1)
         step["output_tail"] = output[-2500:]
         self.record["steps"].append(step)
@@ -216,7 +250,7 @@ class Validation:
         if self.args.hardware:
             self.skip("probe", f"--hardware {self.args.hardware} given")
             return self.args.hardware
-        command = [PY, "-m", "elixir_tune.cli.main", "probe", "--out", str(target)]
+        command = [*CLI, "probe", "--out", str(target)]
         if self.args.quick or self.dry:
             command.append("--quick")
         step = self.run("probe", command, 240 if not self.args.quick else 90)
@@ -260,7 +294,7 @@ class Validation:
         model_path = self.work / f"{name}.yaml"
         model_path.write_text(MODEL_YAML.format(name=name, **dims))
         profile_path = self.work / "profile.yaml"
-        command = [PY, "-m", "elixir_tune.cli.main", "profile", str(model_path), "--batch-size", str(batch)]
+        command = [*CLI, "profile", str(model_path), "--batch-size", str(batch)]
         command += ["--seq-len", str(dims["seq"]), "--dtype", dtype, "--checkpointing", "all"]
         step = self.run("profile", command + ["--out", str(profile_path)], 180)
         if step["rc"] != 0:
@@ -289,7 +323,7 @@ class Validation:
     def plan(self, name: str, world: int, hardware: str, model: dict, pins: list[str], strategy: str) -> dict:
         """Searches one shape's plan; a row (without measurements yet) or the reason there is none."""
         out = self.work / f"plan-{name}-w{world}.yaml"
-        command = [PY, "-m", "elixir_tune.cli.main", "search", "--gpus", str(world), "--profile", model["profile"]]
+        command = [*CLI, "search", "--gpus", str(world), "--profile", model["profile"]]
         command += ["--hardware", hardware, "--global-batch-size", str(model["per_rank_batch"] * world)]
         command += ["--loop", "forward_backward"]  # elixir-run trains through the pretrain recipe's forward_backward
         command += [arg for pin in pins for arg in ("--fix", pin)] + ["--strategy", strategy, "--out", str(out)]

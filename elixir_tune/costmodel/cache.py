@@ -32,18 +32,22 @@ def belady(
         free_after_step is the last step that used the evicted chunk (-1 when the block was free
         or its chunk was last used before this trace).
     """
-    if any(len(step) > cache_blocks for step in steps):
+    if steps and max(map(len, steps)) > cache_blocks:
         raise ValueError(f"a step needs more than {cache_blocks} chunks at once")
-    next_use: list[tuple[int, ...]] = [()] * len(steps)
+    next_use: list[list[int]] = [[]] * len(steps)
     seen: dict[int, int] = {}
+    get = seen.get
     for position in range(len(steps) - 1, -1, -1):
-        next_use[position] = tuple(seen.get(chunk, _NEVER) for chunk in steps[position])
-        for chunk in steps[position]:
+        step = steps[position]
+        next_use[position] = [get(chunk, _NEVER) for chunk in step]
+        for chunk in step:
             seen[chunk] = position
     last_used = dict(cached or {})
     upcoming = {chunk: seen.get(chunk, _NEVER) for chunk in last_used}
     heap = [(-use, chunk) for chunk, use in upcoming.items()]
     heapq.heapify(heap)
+    # Local names: the search replays thousands of traces (each step's chunks pushed once).
+    push, pop, next_of = heapq.heappush, heapq.heappop, upcoming.get
     fetches = []
     for position, step in enumerate(steps):
         for chunk in step:
@@ -52,17 +56,17 @@ def belady(
             free_after = -1
             if len(upcoming) >= cache_blocks:
                 while True:
-                    negative_use, victim = heapq.heappop(heap)
-                    if upcoming.get(victim) == -negative_use:
+                    negative_use, victim = pop(heap)
+                    if next_of(victim) == -negative_use:
                         break
                 del upcoming[victim]
                 free_after = max(last_used.pop(victim), -1)
             fetches.append((position, chunk, free_after))
             upcoming[chunk] = position
-        for chunk, use in zip(step, next_use[position], strict=True):
+        for chunk, use in zip(step, next_use[position]):  # noqa: B905 (equal lengths: built from step above)
             upcoming[chunk] = use
             last_used[chunk] = position
-            heapq.heappush(heap, (-use, chunk))
+            push(heap, (-use, chunk))
     return fetches, last_used
 
 

@@ -27,6 +27,8 @@ class ComputeTimes:
     scores_s_per_flop: tuple[float, ...]  # (forward, backward) seconds of score traffic per FLOP
     pointwise_share: float
     _rates: dict[int, float]
+    # (micro-batch size, checkpointing) -> compute_s, tensor_comm_s, expert_comm_s: read for every candidate
+    _per_micro_batch: dict[tuple[int, int], tuple[tuple[float, float], float, float]]
 
     def recompute_share(self, every: int) -> float:
         """The part of all blocks' recomputation that every-k checkpointing does: the checkpointed
@@ -82,7 +84,35 @@ class ComputeTimes:
         return self._rates[micro_batch_size]
 
     def compute_s(self, micro_batch_size: int, every: int) -> tuple[float, float]:
-        """(compute, recompute part) seconds of one micro-batch.
+        """(compute, recompute part) seconds of one micro-batch (cached: ``_compute_s``)."""
+        return self._micro_batch_times(micro_batch_size, every)[0]
+
+    def tensor_comm_s(self, micro_batch_size: int, every: int) -> float:
+        """Seconds of tensor-parallel collectives in one micro-batch (recomputed blocks' forwards included)."""
+        return self._micro_batch_times(micro_batch_size, every)[1]
+
+    def expert_comm_s(self, micro_batch_size: int, every: int) -> float:
+        """Seconds of expert parallelism's all-to-alls in one micro-batch (recomputed blocks' forwards
+        included; 0 without expert parallelism)."""
+        return self._micro_batch_times(micro_batch_size, every)[2]
+
+    def _micro_batch_times(self, micro_batch_size: int, every: int) -> tuple[tuple[float, float], float, float]:
+        """``compute_s``, ``tensor_comm_s`` and ``expert_comm_s`` of one (micro-batch size, checkpointing),
+        computed once: every candidate the search scores reads them."""
+        key = (micro_batch_size, every)
+        if key not in self._per_micro_batch:
+            tensor_s = self._tensor_comm_s(micro_batch_size, every)
+            expert_s = self._expert_comm_s(micro_batch_size, every)
+            self._per_micro_batch[key] = (
+                self._compute_s(micro_batch_size, every, tensor_s + expert_s),
+                tensor_s,
+                expert_s,
+            )
+        return self._per_micro_batch[key]
+
+    def _compute_s(self, micro_batch_size: int, every: int, communication_s: float) -> tuple[float, float]:
+        """(compute, recompute part) seconds of one micro-batch; ``communication_s``: its tensor- and
+        expert-parallel collectives.
 
         The matrix products' FLOPs at the block rate (``flops_per_s_at``), the attention products'
         at the hardware's attention rate when it has one (``rates.attention_flops_share``; the
@@ -127,11 +157,10 @@ class ComputeTimes:
             + pointwise
             + recompute
         )
-        communication = self.tensor_comm_s(micro_batch_size, every) + self.expert_comm_s(micro_batch_size, every)
-        return compute + communication, recompute
+        return compute + communication_s, recompute
 
-    def tensor_comm_s(self, micro_batch_size: int, every: int) -> float:
-        """Seconds of tensor-parallel collectives in one micro-batch (recomputed blocks' forwards included)."""
+    def _tensor_comm_s(self, micro_batch_size: int, every: int) -> float:
+        """``tensor_comm_s``, computed."""
         blocks = self.profile.blocks
         recomputed = {b.index for b in blocks if every > 0 and b.index % every == 0}
         moe = self.parallel_costs.tensor_moe_blocks
@@ -143,9 +172,8 @@ class ComputeTimes:
             len(recomputed & moe),
         )
 
-    def expert_comm_s(self, micro_batch_size: int, every: int) -> float:
-        """Seconds of expert parallelism's all-to-alls in one micro-batch (recomputed blocks' forwards
-        included; 0 without expert parallelism)."""
+    def _expert_comm_s(self, micro_batch_size: int, every: int) -> float:
+        """``expert_comm_s``, computed."""
         moe_blocks = self.experts.moe_blocks
         recomputed = sum(1 for b in moe_blocks if every > 0 and b % every == 0)
         return self.parallel_costs.expert_comm_s(micro_batch_size, len(moe_blocks), recomputed)

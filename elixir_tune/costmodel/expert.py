@@ -123,6 +123,8 @@ class RankExperts:
     def landing_numels(self, layout: ChunkLayout, offloaded: list[bool], shard_numel: int) -> tuple[int, ...]:
         """Elements of the host landing buffer each offloaded trainable expert chunk holds of its own on
         cuda (its reduced shard, E data shards: the staging pool's are cut for the data group)."""
+        if not layout.num_expert:  # read for every candidate: most layouts have no expert chunk
+            return ()
         return tuple(
             self.degree * shard_numel
             for c, chunk in enumerate(layout.chunks)

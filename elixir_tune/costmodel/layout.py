@@ -12,6 +12,7 @@ and offloaded like any chunk. Under expert parallelism the expert tensors get ch
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from elixir_tune.plan.memory import align_up
 from elixir_tune.profiler.schema import ModelProfile
@@ -55,11 +56,13 @@ class ChunkLayout:
     frozen_numel: int
     param_numels: tuple[int, ...] = ()
 
+    # The counts are read for every candidate the search scores; a layout is complete when made
+    # (``pack_chunks``), so each is counted once.
     @property
     def num_chunks(self) -> int:
         return len(self.chunks)
 
-    @property
+    @cached_property
     def num_resident(self) -> int:
         return sum(1 for chunk in self.chunks if chunk.resident)
 
@@ -67,11 +70,11 @@ class ChunkLayout:
     def num_cacheable(self) -> int:
         return self.num_chunks - self.num_resident
 
-    @property
+    @cached_property
     def num_frozen(self) -> int:
         return sum(1 for chunk in self.chunks if chunk.frozen)
 
-    @property
+    @cached_property
     def num_expert(self) -> int:
         return sum(1 for chunk in self.chunks if chunk.expert)
 

@@ -31,13 +31,14 @@ from elixir_tune.costmodel.timeline import (
     MicroBatchTime,
     TransferCosts,
     combine_step,
+    issue_groups,
     issue_steps,
     micro_batches,
     simulate_micro_batch,
     step_blocks,
     transfer_costs,
 )
-from elixir_tune.costmodel.trace import ChunkTrace, chunk_trace
+from elixir_tune.costmodel.trace import ChunkTrace, checkpointed_trace, chunk_trace
 from elixir_tune.hardware.spec import HardwareSpec
 from elixir_tune.profiler.schema import ModelProfile
 
@@ -100,6 +101,7 @@ class CostModel(ComputeTimes):
         # ~565 TFLOP/s HFU against ~800 TFLOP/s GEMMs; REFERENCE.md 'Published figures').
         hardware.compute_tflops(self.dtype)  # fails early when the spec has no rate for the dtype
         self._rates: dict[int, float] = {}
+        self._per_micro_batch: dict[tuple[int, int], tuple[tuple[float, float], float, float]] = {}
         # The attention products' own rate (0: they run at the block rate with the rest); their
         # share of the FLOPs is the whole model's, which a stage or a tensor shard keeps.
         self.attention_flops_per_s = hardware.attention_tflops.get(self.dtype, 0.0) * 1e12
@@ -131,9 +133,12 @@ class CostModel(ComputeTimes):
         self._module_chunks: dict[int, int] = {}
         self._layouts: dict[int, ChunkLayout] = {}
         self._traces: dict[tuple[int, int, int], tuple[ChunkTrace, list[tuple[int, ...]]]] = {}
+        # (checkpointing, micro-batches) -> the module-level trace, the same for every chunk size
+        self._module_traces: dict[tuple[int, int], list[tuple[list[int], int]]] = {}
         self._sims: dict[tuple[int, int, int, int], tuple[CacheSim, list[tuple[int, int, int]]]] = {}
         self._costs: dict[int, TransferCosts] = {}
         self._orders: dict[tuple[int, int, int], list[list[int]]] = {}
+        self._issues: dict[tuple[int, int, int, int, int, bool], tuple[list[int], list[list[tuple[int, int]]]]] = {}
 
     # -- shared pieces ---------------------------------------------------------------------------
 
@@ -153,7 +158,10 @@ class CostModel(ComputeTimes):
         key = (chunk_size, every, micro_batches)
         if key not in self._traces:
             layout = self.layout(chunk_size)
-            trace = chunk_trace(self.profile, layout, every, micro_batches)
+            module_key = (every, micro_batches)
+            if module_key not in self._module_traces:
+                self._module_traces[module_key] = checkpointed_trace(self.profile, every, micro_batches)
+            trace = chunk_trace(self.profile, layout, every, micro_batches, self._module_traces[module_key])
             reduce_after: list[list[int]] = [[] for _ in trace.steps]
             for chunk, step in enumerate(trace.last_use):
                 if step >= 0 and not layout.chunks[chunk].frozen:  # a frozen chunk is never reduced
@@ -270,7 +278,9 @@ class CostModel(ComputeTimes):
             num_chunks=self.experts.shard_units(layout),
             num_offloaded=trainable_offloaded + frozen_offloaded,
             frozen_numel=0,  # every frozen parameter is in a frozen chunk
-            num_frozen=self.experts.shards_of(layout, [c for c, chunk in enumerate(layout.chunks) if chunk.frozen]),
+            num_frozen=self.experts.shards_of(layout, [c for c, chunk in enumerate(layout.chunks) if chunk.frozen])
+            if layout.num_frozen
+            else 0,
             num_frozen_offloaded=frozen_offloaded,
             own_landing_numels=self.experts.landing_numels(layout, mask, shape.chunk_size // self.data_size),
             micro_batch_size=shape.micro_batch_size,
@@ -332,10 +342,11 @@ class CostModel(ComputeTimes):
             if record is not None:
                 blocks = []
                 records.append(blocks)
+            issue, issued_at = self._issue_steps(shape, traced, fetches is sim.steady, fetches, len(step_compute))
             return simulate_micro_batch(
                 step_compute,
                 fetches,
-                issue_steps(fetches, shape.prefetch),
+                issue,
                 reduce_after,
                 offloaded,
                 costs,
@@ -344,6 +355,7 @@ class CostModel(ComputeTimes):
                 shared_link=self.shared_link,
                 record=blocks,
                 busy_s=busy_s,
+                issued_at=issued_at,
             )
 
         # Later micro-batches start from the steady cache, and with what the one before left busy.
@@ -390,6 +402,17 @@ class CostModel(ComputeTimes):
         if record is not None:
             record += step_blocks(parts, records, costs, gpu_adam, cpu_adam, on_cpu)
         return StepEstimate(step_time_s=step_time, breakdown=breakdown)
+
+    def _issue_steps(
+        self, shape: Shape, traced: int, steady: bool, fetches: list[tuple[int, int, int]], num_steps: int
+    ) -> tuple[list[int], list[list[tuple[int, int]]]]:
+        """``issue_steps`` and ``issue_groups`` of a cached fetch list (cold or steady), themselves cached:
+        candidates that differ only in offload or micro-batch size issue their fetches alike."""
+        key = (shape.chunk_size, shape.every, shape.cache_blocks, traced, shape.prefetch, steady)
+        if key not in self._issues:
+            issue = issue_steps(fetches, shape.prefetch)
+            self._issues[key] = (issue, issue_groups(fetches, issue, num_steps))
+        return self._issues[key]
 
     def _bounded(self, shape: Shape, shard_numel: int, step_time_s: float, breakdown: dict[str, float]) -> float:
         """The step time raised to the plausibility bound (``rates.plausibility_bound``); the bounds

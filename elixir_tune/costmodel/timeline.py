@@ -151,9 +151,25 @@ def issue_steps(fetches: list[tuple[int, int, int]], prefetch: int) -> list[int]
     """
     out = []
     for index, (step, _chunk, free_after) in enumerate(fetches):
+        # min(step, max(earliest, free_after + 1)) without the builtins' call cost (the search's inner loop)
         earliest = fetches[index - prefetch][0] if index >= prefetch else 0
-        out.append(min(step, max(earliest, free_after + 1)))
+        issue = free_after + 1 if free_after + 1 > earliest else earliest
+        out.append(issue if issue < step else step)
     return out
+
+
+def issue_groups(fetches: list[tuple[int, int, int]], issue: list[int], num_steps: int) -> list[list[tuple[int, int]]]:
+    """Per step, the fetches issued at its hook as (step that needs it, chunk), in fetch order.
+
+    Args:
+        fetches: (step, chunk, free_after_step) in order.
+        issue: issue step of each fetch (``issue_steps``).
+        num_steps: steps of the micro-batch.
+    """
+    issued_at: list[list[tuple[int, int]]] = [[] for _ in range(num_steps)]
+    for (fetch_step, chunk, _free), step in zip(fetches, issue, strict=True):
+        issued_at[step].append((fetch_step, chunk))
+    return issued_at
 
 
 @dataclass
@@ -198,6 +214,7 @@ def simulate_micro_batch(
     record: list[tuple[str, float, float, int]] | None = None,
     busy_s: tuple[float, float, float, float] = LEFTOVER_ZERO,
     chunk_costs: dict[int, TransferCosts] | None = None,
+    issued_at: list[list[tuple[int, int]]] | None = None,
 ) -> MicroBatchTime:
     """Runs one micro-batch's timeline.
 
@@ -217,41 +234,51 @@ def simulate_micro_batch(
             CPU are still busy when it starts (the previous micro-batch's ``leftover_s``).
         chunk_costs: chunks whose all-gather and reduce-scatter take other times than ``costs``
             (expert chunks, sharded over another group), with theirs.
+        issued_at: ``issue_groups(fetches, issue, len(step_compute_s))`` when the caller keeps it (the
+            search simulates each fetch list many times).
 
     Returns:
         The micro-batch's times.
     """
     num_steps = len(step_compute_s)
-    issued_at: list[list[int]] = [[] for _ in range(num_steps)]
-    for index, step in enumerate(issue):
-        issued_at[step].append(index)
+    if issued_at is None:
+        issued_at = issue_groups(fetches, issue, num_steps)
     needed = [0.0] * num_steps
-    h2d_s, d2h_s = costs.h2d_s, costs.d2h_s
+    h2d_s, d2h_s, host_add_s = costs.h2d_s, costs.d2h_s, costs.host_add_s
+    allgather_s, reduce_scatter_s = costs.allgather_s, costs.reduce_scatter_s
+    recording = record is not None
     # h2d_free / d2h_free: the inbound / outbound host link of this GPU.
     coll_free, h2d_free, d2h_free, host_free = busy_s
     end = exposed = 0.0
     h2d_count = d2h_count = 0
     gathered_s = reduced_s = 0.0
-    for step in range(num_steps):
-        for index in issued_at[step]:
-            fetch_step, chunk, _free = fetches[index]
-            gather_s = chunk_costs[chunk].allgather_s if chunk_costs and chunk in chunk_costs else costs.allgather_s
+    for step, (issued, compute_s, reduced) in enumerate(zip(issued_at, step_compute_s, reduce_after, strict=False)):
+        for fetch_step, chunk in issued:
+            gather_s = chunk_costs[chunk].allgather_s if chunk_costs and chunk in chunk_costs else allgather_s
             ready = end
             if offloaded[chunk]:
                 h2d_free = (h2d_free if h2d_free > ready else ready) + h2d_s
                 ready = h2d_free
                 h2d_count += 1
-                if record is not None:
-                    record.append(("host-to-device", h2d_free - h2d_s, h2d_free, chunk))
+                if recording:
+                    record.append(("host-to-device", h2d_free - h2d_s, h2d_free, chunk))  # type: ignore[union-attr]
             if shared_compute:  # the gather stalls the compute stream while it runs
                 start = end if end > ready else ready
                 exposed += start + gather_s - end
                 end = coll_free = start + gather_s
             else:
-                coll_free = max(coll_free, ready, h2d_free, d2h_free) if shared_link else max(coll_free, ready)
+                # The latest of the stream and what it waits for (max() without its call cost: the
+                # search's inner loop; same value, the first of equals kept as max() keeps it).
+                if ready > coll_free:
+                    coll_free = ready
+                if shared_link:
+                    if h2d_free > coll_free:
+                        coll_free = h2d_free
+                    if d2h_free > coll_free:
+                        coll_free = d2h_free
                 coll_free += gather_s
-            if record is not None:
-                record.append(("all-gather", coll_free - gather_s, coll_free, chunk))
+            if recording:
+                record.append(("all-gather", coll_free - gather_s, coll_free, chunk))  # type: ignore[union-attr]
             if shared_link:
                 h2d_free = d2h_free = coll_free
             gathered_s += gather_s
@@ -260,17 +287,21 @@ def simulate_micro_batch(
         if needed[step] > end:
             exposed += needed[step] - end
             end = needed[step]
-        end += step_compute_s[step]
-        if record is not None:
-            record.append(("compute", end - step_compute_s[step], end, step))
-        for chunk in reduce_after[step]:
-            rs_s = (
-                chunk_costs[chunk].reduce_scatter_s if chunk_costs and chunk in chunk_costs else costs.reduce_scatter_s
-            )
-            coll_free = max(coll_free, end, h2d_free, d2h_free) if shared_link else max(coll_free, end)
+        end += compute_s
+        if recording:
+            record.append(("compute", end - compute_s, end, step))  # type: ignore[union-attr]
+        for chunk in reduced:
+            rs_s = chunk_costs[chunk].reduce_scatter_s if chunk_costs and chunk in chunk_costs else reduce_scatter_s
+            if end > coll_free:
+                coll_free = end
+            if shared_link:
+                if h2d_free > coll_free:
+                    coll_free = h2d_free
+                if d2h_free > coll_free:
+                    coll_free = d2h_free
             coll_free += rs_s
-            if record is not None:
-                record.append(("reduce-scatter", coll_free - rs_s, coll_free, chunk))
+            if recording:
+                record.append(("reduce-scatter", coll_free - rs_s, coll_free, chunk))  # type: ignore[union-attr]
             if shared_link:
                 h2d_free = d2h_free = coll_free
             if shared_compute:
@@ -278,12 +309,12 @@ def simulate_micro_batch(
             reduced_s += rs_s
             if offloaded[chunk]:
                 d2h_free = (d2h_free if d2h_free > coll_free else coll_free) + d2h_s
-                host_free = (host_free if host_free > d2h_free else d2h_free) + costs.host_add_s
+                host_free = (host_free if host_free > d2h_free else d2h_free) + host_add_s
                 d2h_count += 1
-                if record is not None:
-                    record.append(("device-to-host", d2h_free - d2h_s, d2h_free, chunk))
-                    if costs.host_add_s > 0:
-                        record.append(("cpu optimizer", host_free - costs.host_add_s, host_free, chunk))
+                if recording:
+                    record.append(("device-to-host", d2h_free - d2h_s, d2h_free, chunk))  # type: ignore[union-attr]
+                    if host_add_s > 0:
+                        record.append(("cpu optimizer", host_free - host_add_s, host_free, chunk))  # type: ignore[union-attr]
     return MicroBatchTime(
         compute_end_s=end,
         drained_s=max(end, coll_free, h2d_free, d2h_free, host_free),

@@ -110,7 +110,13 @@ class ChunkTrace:
     max_step_chunks: int
 
 
-def chunk_trace(profile: ModelProfile, layout: ChunkLayout, every: int, micro_batches: int = 1) -> ChunkTrace:
+def chunk_trace(
+    profile: ModelProfile,
+    layout: ChunkLayout,
+    every: int,
+    micro_batches: int = 1,
+    module_trace: list[tuple[list[int], int]] | None = None,
+) -> ChunkTrace:
     """Maps the module trace to chunks, merging steps that cannot miss.
 
     Args:
@@ -120,6 +126,8 @@ def chunk_trace(profile: ModelProfile, layout: ChunkLayout, every: int, micro_ba
         micro_batches: > 1 for one layered step of that many micro-batches: forward and backward
             steps carry all of their FLOPs, and each checkpointed block's forward and
             recomputation run once per micro-batch.
+        module_trace: ``checkpointed_trace(profile, every, micro_batches)`` when the caller keeps it
+            (it does not depend on the chunk size).
 
     Returns:
         The merged chunk trace of one micro-batch.
@@ -132,11 +140,19 @@ def chunk_trace(profile: ModelProfile, layout: ChunkLayout, every: int, micro_ba
     first_use = [-1] * layout.num_chunks
     last_use = [-1] * layout.num_chunks
     previous: set[int] | None = None
-    for params, kind in checkpointed_trace(profile, every, micro_batches):
-        touched = {chunk_of[i] for i in params if chunk_of[i] >= 0}
+    # The trace repeats its parameter lists (the same list objects: backward and recomputation of a
+    # forward, a layered step's micro-batches), so each list's chunks and elements are worked out once.
+    seen: dict[int, tuple[set[int], set[int], int]] = {}
+    if module_trace is None:
+        module_trace = checkpointed_trace(profile, every, micro_batches)
+    for params, kind in module_trace:
+        known = seen.get(id(params))
+        if known is None:
+            touched = {chunk_of[i] for i in params if chunk_of[i] >= 0}
+            known = seen[id(params)] = (touched, {c for c in touched if not resident[c]}, sum(numel[i] for i in params))
+        touched, cacheable, params_numel = known
         copies = 1 if kind in _ONE_MICRO_BATCH else micro_batches
-        weight = copies * _KIND_FLOPS[kind] * sum(numel[i] for i in params)
-        cacheable = {c for c in touched if not resident[c]}
+        weight = copies * _KIND_FLOPS[kind] * params_numel
         if previous is not None and cacheable <= previous:
             weights[-1] += weight
         else:

@@ -349,9 +349,21 @@ def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, f
                             continue
                         if smallest > most_offloaded:
                             continue  # does not fit the device at the pinned offload share
-                        fitting = model.memory(
-                            Shape(
-                                chunk_size, cache_blocks, smallest, prefetch, every, micro_batch, accum, layered=layered
+                        # The same shape as ``base`` when nothing need be offloaded: its estimate is ``base``'s.
+                        fitting = (
+                            base
+                            if smallest == 0
+                            else model.memory(
+                                Shape(
+                                    chunk_size,
+                                    cache_blocks,
+                                    smallest,
+                                    prefetch,
+                                    every,
+                                    micro_batch,
+                                    accum,
+                                    layered=layered,
+                                )
                             )
                         )
                         host_need = _one_pool_bytes(fitting, model) if one_pool else fitting.peak_host_bytes
@@ -386,7 +398,9 @@ def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, f
                                 )
                                 if compute_s + costs.grad_norm_s + optimizer_s >= top.threshold_s:
                                     continue  # the optimizer bound is V-shaped in the offload share
-                                memory = model.memory(shape)
+                                # The first order's smallest share is the ``fitting`` shape: its estimate is known.
+                                same = order_index == 0 and offloaded == smallest
+                                memory = fitting if same else model.memory(shape)
                                 if memory.peak_host_bytes > budget.host_bytes:
                                     break
                                 if memory.required_gpu_bytes > budget.usable_gpu_bytes:

@@ -38,6 +38,9 @@ def test_dry_run_plans_trains_and_compares_with_peers(tmp_path):
     assert len(peers["fsdp2"]["step_times_s"]) == 3 and all(t > 0 for t in peers["fsdp2"]["step_times_s"])
     commands = [step.get("command", "") for step in record["steps"]]
     assert any("elixir_tune.cli.run" in c for c in commands) and any("fsdp2_step.py" in c for c in commands)
+    # The dry run plans inside its own interpreter (profile and search only plan); training gets processes.
+    in_process = {step["name"].split()[0] for step in record["steps"] if step.get("in_process")}
+    assert in_process == {"profile", "search"}, in_process
     markdown = json_path.with_suffix(".md").read_text()
     assert "| fsdp2 |" in markdown and "skipped: dry run on the CPU" in markdown
     assert "gpu_validate:" in proc.stdout  # the summary

@@ -157,41 +157,79 @@ def every_shape(model: CostModel, per_rank: int, fixed: dict):
                                 )
 
 
-def exhaustive_best(profile, hardware, gpus: int, global_batch: int, fixed: dict):
-    """Scores every candidate of every parallel layout that fits device and host memory (no bound,
-    no early stop).
+class ExhaustiveSpace:
+    """Every candidate of every parallel layout of one space (GPUs, global batch, pins), scored once.
 
-    Returns:
-        ((step time, device bytes, host bytes), candidate) of the best, and how many were scored.
+    The cost model reads neither the device memory a rank may use nor the host's (only the search's
+    budget does), so the budgets of one space share its cost models, every shape's memory and every
+    score; ``best`` still filters and ranks every candidate for each budget (no bound, no early stop).
     """
-    best, scored = None, 0
-    for layout in layout_choices(profile, gpus, 1, global_batch, fixed):
-        model = CostModel(profile, hardware, gpus, dtype=fixed.get("dtype"), layout=layout)
-        best, scored = _best_of_layout(model, hardware, global_batch, fixed, best, scored)
-    return best, scored
+
+    def __init__(self, profile, hardware, gpus: int, global_batch: int, fixed: dict):
+        self.hardware, self.global_batch = hardware, global_batch
+        self.layouts = []  # (cost model, stage scorer, [(shape, memory)])
+        for layout in layout_choices(profile, gpus, 1, global_batch, fixed):
+            model = CostModel(profile, hardware, gpus, dtype=fixed.get("dtype"), layout=layout)
+            shapes = [
+                (shape, model.memory(shape)) for shape in every_shape(model, global_batch // model.data_size, fixed)
+            ]
+            self.layouts.append((model, StageScorer(model), shapes))
+        self._scores: dict[tuple[int, int], object] = {}
+
+    def score(self, layout_index: int, shape_index: int):
+        """The critical stage's scored candidate (computed on first use)."""
+        key = (layout_index, shape_index)
+        if key not in self._scores:
+            model, _, shapes = self.layouts[layout_index]
+            shape, memory = shapes[shape_index]
+            self._scores[key] = score(model, shape, memory, self.global_batch)
+        return self._scores[key]
+
+    def best(self, hardware):
+        """Scores every candidate that fits ``hardware``'s device and host memory.
+
+        Args:
+            hardware: this space's hardware with other memory limits (nothing else may differ).
+
+        Returns:
+            ((step time, device bytes, host bytes), candidate) of the best (None when nothing fits), and
+            how many were scored.
+        """
+        limits = {"usable_memory_bytes": 0, "host_memory_bytes": 0}
+        assert dataclasses.replace(hardware, **limits) == dataclasses.replace(self.hardware, **limits)
+        usable, host = hardware.usable_memory_bytes, hardware.host_memory_bytes
+        best, scored = None, 0
+        for layout_index, (_model, scorer, shapes) in enumerate(self.layouts):
+            for shape_index, (_shape, memory) in enumerate(shapes):
+                # required = the peak plus the margin the search keeps free (costmodel.memory.margin_bytes)
+                if memory.required_gpu_bytes > usable or memory.peak_host_bytes > host:
+                    continue
+                candidate = self.score(layout_index, shape_index)
+                # A pipeline runs at its slowest stage's pace and fits only if every stage fits.
+                whole = scorer.whole(candidate, self.global_batch, usable, host)
+                if whole is None:
+                    continue
+                scored += 1
+                key = key_of(whole)
+                if best is None or key < best[0]:
+                    best = (key, whole)
+        return best, scored
 
 
-def _best_of_layout(model: CostModel, hardware, global_batch: int, fixed: dict, best, scored: int):
-    scorer = StageScorer(model)
-    for shape in every_shape(model, global_batch // model.data_size, fixed):
-        memory = model.memory(shape)
-        # required = the peak plus the margin the search keeps free (costmodel.memory.margin_bytes)
-        if (
-            memory.required_gpu_bytes > hardware.usable_memory_bytes
-            or memory.peak_host_bytes > hardware.host_memory_bytes
-        ):
-            continue
-        candidate = score(model, shape, memory, global_batch)
-        # A pipeline runs at its slowest stage's pace and fits only if every stage fits.
-        whole = scorer.whole(candidate, global_batch, hardware.usable_memory_bytes, hardware.host_memory_bytes)
-        if whole is None:
-            continue
-        candidate = whole
-        scored += 1
-        key = (candidate.step_time_s, candidate.memory.peak_gpu_bytes, candidate.memory.peak_host_bytes)
-        if best is None or key < best[0]:
-            best = (key, candidate)
-    return best, scored
+@pytest.fixture(scope="module")
+def exhaustive_spaces(small_profile):
+    """``ExhaustiveSpace`` per (GPUs, pins), made on first use and shared by the budgets of the test below
+    (dropped with the module: they hold every shape's memory and score)."""
+    spaces: dict[tuple, ExhaustiveSpace] = {}
+
+    def space_of(gpus: int, fixed: dict) -> ExhaustiveSpace:
+        key = (gpus, tuple(sorted(fixed.items())))
+        if key not in spaces:
+            hardware = example_hardware(gpu_memory_gib=4, gpus_per_node=gpus)
+            spaces[key] = ExhaustiveSpace(small_profile, hardware, gpus, 4 * gpus, parse_fixed(fixed))
+        return spaces[key]
+
+    return space_of
 
 
 def key_of(candidate):
@@ -212,19 +250,19 @@ SPACES = [
 
 
 @pytest.mark.parametrize("gpus,usable_mib,fixed", SPACES, ids=[f"{g}gpu-{u}MiB-{f}" for g, u, f in SPACES])
-def test_pruned_search_finds_the_exhaustive_best(small_profile, gpus, usable_mib, fixed):
+def test_pruned_search_finds_the_exhaustive_best(small_profile, exhaustive_spaces, gpus, usable_mib, fixed):
     nccl_bytes = NCCL_BUFFER_BYTES if gpus > 1 else 0
     node = dataclasses.replace(
         example_hardware(gpu_memory_gib=4, gpus_per_node=gpus), usable_memory_bytes=usable_mib * MIB + nccl_bytes
     )
     global_batch = 4 * gpus
-    pinned = parse_fixed(fixed)
+    space = exhaustive_spaces(gpus, fixed)
     # top_k=1: the bounds are checked against the best so far, the most pruning they can do.
     # forward_backward: the whole space, layered accumulation included (the plain loop pins it standard).
     result = search(
         small_profile, node, gpus_per_node=gpus, global_batch_size=global_batch, fixed=fixed, top_k=1, loop=LOOP
     )
-    (best_key, best), scored = exhaustive_best(small_profile, node, gpus, global_batch, pinned)
+    (best_key, best), scored = space.best(node)
     assert key_of(result.candidates[0]) == best_key, (result.candidates[0].shape, best.shape)
     # The pruning never scores more than every candidate (in the tightest spaces it may skip none).
     assert result.num_scored <= scored
@@ -232,7 +270,7 @@ def test_pruned_search_finds_the_exhaustive_best(small_profile, gpus, usable_mib
     # The same space with host memory just below what the winner needs: the host bound decides.
     if best.memory.peak_host_bytes > 0:
         tight = dataclasses.replace(node, host_memory_bytes=best.memory.peak_host_bytes - 1)
-        expected, _ = exhaustive_best(small_profile, tight, gpus, global_batch, pinned)
+        expected, _ = space.best(tight)
         if expected is None:
             with pytest.raises(InfeasibleError):
                 search(small_profile, tight, gpus_per_node=gpus, global_batch_size=global_batch, fixed=fixed, loop=LOOP)
