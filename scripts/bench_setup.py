@@ -101,6 +101,7 @@ def make_plan(model, world: int, chunk_size: int, tensor: int = 1, name: str = M
     import math
 
     from elixir_tune.engine import model_fingerprint
+    from elixir_tune.models.tensor_table import model_tensor_table
     from elixir_tune.plan import (
         ChunkPlan,
         ClusterInfo,
@@ -113,7 +114,6 @@ def make_plan(model, world: int, chunk_size: int, tensor: int = 1, name: str = M
     )
     from elixir_tune.plan.memory import align_up, chunk_size_multiple, padded_offsets
     from elixir_tune.plan.tensor_layout import local_shape
-    from elixir_tune.tensor_table import model_tensor_table
 
     data = world // tensor
     config = getattr(model, "config", None)

@@ -46,7 +46,7 @@ from elixir_tune.engine.io.weights import WeightsError
 from elixir_tune.engine.layered import Baton
 from elixir_tune.engine.parallel.expert_parallel import ExpertSplit
 from elixir_tune.engine.parallel.tensor_parallel import TensorSplit, local_data, set_local_data
-from elixir_tune.kv_cache import disable_kv_cache
+from elixir_tune.models.kv_cache import disable_kv_cache
 from elixir_tune.plan import Plan
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

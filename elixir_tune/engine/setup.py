@@ -81,7 +81,7 @@ def check_lora_matches(model: torch.nn.Module, plan: Plan) -> None:
     The fingerprint already covers the adapters' names and shapes (targets and rank); this also
     compares alpha and dropout, which change the training but no parameter.
     """
-    from elixir_tune.lora import lora_settings
+    from elixir_tune.models.lora import lora_settings
 
     found = lora_settings(model)
     if found == plan.model.lora:

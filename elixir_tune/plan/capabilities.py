@@ -3,7 +3,7 @@
 One place answers both questions (docs/DESIGN.md section 8.2), so that the profiler, the search,
 ``validate``, ``elixir-run``'s checks and the engine agree:
 
-* **layouts**: pipeline stages need a stage plan for the model (``elixir_tune/stage_plans.py``:
+* **layouts**: pipeline stages need a stage plan for the model (``elixir_tune/models/stage_plans.py``:
   transformers' ``config.base_model_pp_plan``, or our table for GPT-2 and OPT), tensor parallelism a
   tensor table (``plan/tensor_layout.py``: translated from the model's ``config.base_model_tp_plan``
   when every style in it is one the engine runs, else the family's built-in table); both run

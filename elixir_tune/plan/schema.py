@@ -112,7 +112,7 @@ class ModelInfo:
             engine reads it from the model).
         num_experts: experts per mixture-of-experts block when the model ships an expert plan
             (transformers' ``config.base_model_ep_plan``); 0: expert parallelism cannot run it.
-        lora: the LoRA adapters the profile was made with (``elixir_tune.lora``: rank, alpha,
+        lora: the LoRA adapters the profile was made with (``elixir_tune.models.lora``: rank, alpha,
             dropout, target_modules); empty for full fine-tuning. ``setup`` refuses a model whose
             adapters differ.
     """

@@ -16,7 +16,7 @@ index) to a style, in the order they are tried (docs/DESIGN.md 9.5):
 * ``norm``: a norm on the residual stream: replicated; with sequence parallelism it runs on sequence
   shards and its gradient is summed over the tensor group;
 * ``lora_colwise``, ``lora_rowwise``, ``rowwise_partial``, ``replicated_linear``: a PEFT model's LoRA
-  layers and their parts (``elixir_tune/lora_layout.py``);
+  layers and their parts (``elixir_tune/models/lora_layout.py``);
 * ``experts``: a mixture-of-experts module holding every expert's weights as 3-D tensors
   (transformers' ``moe_tp_experts``): each rank runs its slice of every expert on all tokens and the
   ranks' outputs are summed; its parameters have entries of their own (parameter paths):
@@ -50,7 +50,7 @@ ModuleStyle = Literal[
     "norm",
     "experts",
     "packed_colwise",
-    # A PEFT model's LoRA layers (elixir_tune/lora_layout.py): the layer itself, and its parts.
+    # A PEFT model's LoRA layers (elixir_tune/models/lora_layout.py): the layer itself, and its parts.
     "lora_colwise",
     "lora_rowwise",
     "rowwise_partial",

@@ -54,7 +54,7 @@ def _check_chunks(chunks: list[dict | None], chunk_size: int | None, path: str, 
 
 
 def _check_lora(model: dict, chunks: list[dict], errors: list[str]) -> None:
-    """``model.lora``: the settings ``elixir_tune.lora.lora_settings`` records, and frozen chunks with them."""
+    """``model.lora``: the settings ``elixir_tune.models.lora.lora_settings`` records, and frozen chunks with them."""
     lora = model.get("lora") or {}
     if not isinstance(lora, dict) or not lora:
         return

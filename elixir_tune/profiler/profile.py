@@ -17,9 +17,11 @@ import torch
 from torch import nn
 
 from elixir_tune.dtypes import DTYPE_ALIASES, TORCH_DTYPES, dtype_name
-from elixir_tune.kv_cache import disable_kv_cache
-from elixir_tune.lora import LoraError, apply_lora, lora_settings
-from elixir_tune.model_output import find_loss
+from elixir_tune.models.kv_cache import disable_kv_cache
+from elixir_tune.models.lora import LoraError, apply_lora, lora_settings
+from elixir_tune.models.model_output import find_loss
+from elixir_tune.models.stage_plans import pipeline_problem
+from elixir_tune.models.tensor_table import model_tensor_table
 from elixir_tune.plan.capabilities import unsupported_layouts
 from elixir_tune.plan.fingerprint import model_fingerprint
 from elixir_tune.plan.schema import Dtype, ForeignRead, LayoutName
@@ -30,8 +32,6 @@ from elixir_tune.profiler.meter import LiveMemoryMeter, MetaOpCache
 from elixir_tune.profiler.schema import ActivationLine, BlockInfo, ModelProfile, ParamInfo
 from elixir_tune.profiler.source import ModelSource, ModelSourceError, load_model_source, quiet_transformers
 from elixir_tune.profiler.trace import FORWARD, AccessRecorder, BlockStats, Step, ordered_trace
-from elixir_tune.stage_plans import pipeline_problem
-from elixir_tune.tensor_table import model_tensor_table
 from elixir_tune.units import gib
 
 CHECKPOINTING = ("none", "all")
@@ -72,7 +72,7 @@ def profile_model(
         checkpointing: "all" also records the access trace with every block checkpointed;
             activation memory with checkpointing is measured either way.
         progress: called with a short description before each stage.
-        lora: LoRA adapters to add before tracing (``elixir_tune.lora.apply_lora``'s keyword
+        lora: LoRA adapters to add before tracing (``elixir_tune.models.lora.apply_lora``'s keyword
             arguments: rank, alpha, dropout, target_modules): the base is then frozen, and the
             profile (so the search) sees a frozen base and trainable adapters.
 

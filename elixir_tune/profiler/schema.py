@@ -156,7 +156,7 @@ class ModelProfile:
         foreign_reads: trainable parameters a module reads in its forward while none of their
             owning modules runs (Mamba's mixer reads ``conv1d.weight``), by reading module; the
             trace counts them in the reader's steps. Empty in profiles made before they were found.
-        lora: the LoRA settings the model was profiled with (``elixir_tune.lora.lora_settings``:
+        lora: the LoRA settings the model was profiled with (``elixir_tune.models.lora.lora_settings``:
             rank, alpha, dropout, target_modules); empty for full fine-tuning. The plan copies it.
     """
 

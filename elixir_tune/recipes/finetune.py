@@ -140,7 +140,7 @@ def plan_fit_problem(model_dir: Path, plan, lora: dict | None = None) -> str | N
     LoRA settings (``apply_lora``'s arguments, or None), built on meta."""
     import torch
 
-    from elixir_tune.lora import LoraError, apply_lora, lora_settings
+    from elixir_tune.models.lora import LoraError, apply_lora, lora_settings
     from elixir_tune.plan import model_fingerprint
     from elixir_tune.profiler import ModelSourceError, load_model_source
 
@@ -182,7 +182,7 @@ def write_usable_dir(model, model_dir: Path, args, rank: int) -> str:
     import elixir_tune
     from elixir_tune.engine.comm import shared_errors
     from elixir_tune.engine.io.pretrained_files import SaveError, describe_failure
-    from elixir_tune.lora import save_adapter, save_merged
+    from elixir_tune.models.lora import save_adapter, save_merged
 
     out = args.save_pretrained
     error = None
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import elixir_tune
     from elixir_tune.data import DataError, load_data
-    from elixir_tune.lora import LoraError, apply_lora
+    from elixir_tune.models.lora import LoraError, apply_lora
     from elixir_tune.profiler import load_model_source
     from elixir_tune.recipes.finetune_options import data_spec
     from elixir_tune.recipes.loop import fail_once, train

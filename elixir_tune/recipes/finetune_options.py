@@ -101,7 +101,7 @@ def lora_flags(settings: dict[str, Any]) -> str:
     """A plan's or profile's ``lora`` settings as the recipe's options (what ``profile --lora-*`` was given).
 
     Args:
-        settings: ``rank``, ``alpha``, ``dropout`` and ``target_modules`` (``elixir_tune.lora.lora_settings``).
+        settings: ``rank``, ``alpha``, ``dropout`` and ``target_modules`` (``elixir_tune.models.lora.lora_settings``).
 
     Returns:
         ``--lora-rank 8 --lora-alpha 16 --lora-targets q_proj,v_proj`` (dropout only when not 0).

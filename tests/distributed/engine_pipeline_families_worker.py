@@ -33,8 +33,8 @@ LENGTHS = (8, 5, 8, 6)  # the padded cases' micro-batch lengths
 
 
 def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> dict:
+    from elixir_tune.models.stage_plans import resolve_stage_plan
     from elixir_tune.profiler.source import quiet_transformers
-    from elixir_tune.stage_plans import resolve_stage_plan
 
     with quiet_transformers():
         model, opt = build_stage_family(case["family"])

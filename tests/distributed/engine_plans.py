@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from elixir_tune.lora import lora_settings
+from elixir_tune.models.lora import lora_settings
+from elixir_tune.models.tensor_table import model_tensor_table
 from elixir_tune.plan import (
     Checkpointing,
     ChunkPlan,
@@ -32,7 +33,6 @@ from elixir_tune.plan import (
 )
 from elixir_tune.plan.memory import align_up, chunk_size_multiple, padded_offsets
 from elixir_tune.profiler.arch import model_arch
-from elixir_tune.tensor_table import model_tensor_table
 
 
 def model_fingerprint(model: nn.Module) -> str:

@@ -49,7 +49,7 @@ TARGETS = ["q_proj", "v_proj", "down_proj"]
 def build(case: dict):
     """The family's model (seeded: every rank and the reference alike), with LoRA adapters when asked; its
     AdamW over the trained parameters."""
-    from elixir_tune.lora import apply_lora
+    from elixir_tune.models.lora import apply_lora
 
     model, _ = build_stage_family(case["family"])
     if case.get("batches") == "packed":
@@ -115,9 +115,9 @@ def reference(case: dict, steps: list[list[list[dict]]], drop: tuple[str, ...] =
 
 
 def run_family(case: dict, rank: int, world: int, out_path: str) -> dict:
+    from elixir_tune.models.stage_plans import resolve_stage_plan
     from elixir_tune.plan.tensor_layout import local_shape
     from elixir_tune.profiler.source import quiet_transformers
-    from elixir_tune.stage_plans import resolve_stage_plan
 
     stages, tensor = case["stages"], case.get("tensor", 1)
     data = world // (stages * tensor)

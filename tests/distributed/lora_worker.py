@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 import elixir_tune
-from elixir_tune.lora import adapter_init, apply_lora, save_adapter, save_merged
+from elixir_tune.models.lora import adapter_init, apply_lora, save_adapter, save_merged
 from tests.distributed.engine_launch import worker_main
 from tests.distributed.engine_plans import make_plan
 
@@ -194,8 +194,8 @@ def run_parallel(case: dict, rank: int, world: int) -> dict:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from elixir_tune.models.stage_plans import resolve_stage_plan
     from elixir_tune.plan.tensor_layout import local_shape
-    from elixir_tune.stage_plans import resolve_stage_plan
 
     stages, tensor = case.get("stages", 1), case.get("tensor", 1)
     model = lora_model()

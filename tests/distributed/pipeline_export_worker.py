@@ -79,8 +79,8 @@ def saved_tensors(directory: Path) -> dict[str, str]:
 def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> dict:
     from transformers import AutoModelForCausalLM
 
+    from elixir_tune.models.stage_plans import resolve_stage_plan
     from elixir_tune.profiler.source import quiet_transformers
-    from elixir_tune.stage_plans import resolve_stage_plan
 
     stages, tensor = case["stages"], case.get("tensor", 1)
     data = world // (stages * tensor)

@@ -17,7 +17,7 @@ from tests.distributed.memory_probe import peak_step_bytes
 
 
 def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> dict:
-    from elixir_tune.lora import apply_lora
+    from elixir_tune.models.lora import apply_lora
     from elixir_tune.plan import load_plan
     from elixir_tune.profiler import load_model_source
     from elixir_tune.profiler.source import quiet_transformers

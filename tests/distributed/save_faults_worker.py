@@ -54,11 +54,11 @@ def _save(case: dict, model, opt, target: Path, step: int) -> None:
     if case["save"] == "pretrained":
         elixir_tune.save_pretrained(model, target, max_shard_size=case.get("max_shard_size", "5GB"))
     elif case["save"] == "adapter":
-        from elixir_tune.lora import save_adapter
+        from elixir_tune.models.lora import save_adapter
 
         save_adapter(model, target)
     elif case["save"] == "merged":
-        from elixir_tune.lora import save_merged
+        from elixir_tune.models.lora import save_merged
 
         save_merged(model, target)
     elif case["save"] == "recipe_adapter":  # the finetune recipe's --save-pretrained with --lora-rank
@@ -77,8 +77,8 @@ def _train_step(model, opt, batches: list[dict]) -> None:
 
 
 def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> dict:
+    from elixir_tune.models.stage_plans import resolve_stage_plan
     from elixir_tune.profiler.source import quiet_transformers
-    from elixir_tune.stage_plans import resolve_stage_plan
 
     stages = case.get("stages", 1)
     data = world // stages
@@ -88,7 +88,7 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
     with quiet_transformers():
         model, opt = build_stage_family("llama" if lora else "gpt2")
         if lora:
-            from elixir_tune.lora import apply_lora
+            from elixir_tune.models.lora import apply_lora
 
             model = apply_lora(model, rank=4, alpha=8.0, dropout=0.0, target_modules=LORA_OPTIONS["lora_targets"])
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

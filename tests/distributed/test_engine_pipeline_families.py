@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 
+from elixir_tune.models.stage_plans import HAND_PLANS
 from elixir_tune.plan.capabilities import PIPELINE_MODEL_TYPES
-from elixir_tune.stage_plans import HAND_PLANS
 from tests.distributed.engine_launch import launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]

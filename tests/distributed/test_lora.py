@@ -125,7 +125,7 @@ def test_lora_on_stages_and_tensor_pieces_equals_plain_peft_and_saves_what_peft_
         names = [set(row["frozen_names"]) for row in ranks]
         assert not names[0] & names[1]
         assert any(".layers.0." in n for n in names[0]) and any(".layers.1." in n for n in names[1])
-    else:  # the base's attention and MLP weights are split; the adapters as elixir_tune/lora_layout.py places them
+    else:  # the base's attention and MLP weights are split; the adapters as elixir_tune/models/lora_layout.py places them
         assert first["frozen_split"] >= 8
         placed = first["placements"]
         assert placed["self_attn.q_proj.base_layer.weight"] == "(Shard(dim=0),)"

@@ -61,8 +61,8 @@ def test_the_pipeline_families_are_those_whose_stage_plan_the_engine_accepts():
     """The torch-free fallback list equals the families of stage_families.py whose tiny causal LM
     stage_plans.py accepts (the profile's record and the engine's check); the others are refused
     with the reason. Our own tables cover only families that ship no plan."""
+    from elixir_tune.models.stage_plans import HAND_PLANS, pipeline_problem, resolve_stage_plan
     from elixir_tune.profiler.source import quiet_transformers
-    from elixir_tune.stage_plans import HAND_PLANS, pipeline_problem, resolve_stage_plan
     from tests.unit.models import stage_families
 
     accepted, sources = set(), {}

@@ -42,10 +42,10 @@ def _why(text: str) -> str:
 
 
 def family_rows() -> list[list[str]]:
+    from elixir_tune.models.stage_plans import pipeline_problem, resolve_stage_plan
+    from elixir_tune.models.tensor_table import model_tensor_table
     from elixir_tune.profiler.arch import model_arch
     from elixir_tune.profiler.source import quiet_transformers
-    from elixir_tune.stage_plans import pipeline_problem, resolve_stage_plan
-    from elixir_tune.tensor_table import model_tensor_table
     from tests.unit.models import stage_families
 
     rows = []

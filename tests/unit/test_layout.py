@@ -39,6 +39,9 @@ FORBIDDEN = {
     # The recipe registry elixir-run reads: a recipe's own module imports torch, the registry nothing heavy.
     "elixir_tune.recipes": ["torch", "click", "rich", "transformers"],
     "elixir_tune.hf_cache": ["torch", "click", "rich"],
+    # The model-side modules (docs/DESIGN.md section 3, rule 7): the profiler and the engine both read them.
+    "elixir_tune.models.stage_plans": ["torch", "elixir_tune.engine", "elixir_tune.profiler", "click", "rich"],
+    "elixir_tune.models.lora": ["peft", "elixir_tune.engine", "elixir_tune.profiler", "elixir_tune.cli", "rich"],
     "elixir_tune": ["torch", "click", "rich"],
 }
 

@@ -13,8 +13,8 @@ from elixir_tune.cli.main import cli
 from elixir_tune.costmodel.model import CostModel
 from elixir_tune.engine.setup import check_plan_matches
 from elixir_tune.hardware import load_hardware
-from elixir_tune.lora import LoraError, adapter_init, apply_lora, lora_settings
-from elixir_tune.lora_layout import base_name, is_adapter_name
+from elixir_tune.models.lora import LoraError, adapter_init, apply_lora, lora_settings
+from elixir_tune.models.lora_layout import base_name, is_adapter_name
 from elixir_tune.plan import fingerprint, load_plan, model_fingerprint, plan_from_dict, save_plan, validate
 from elixir_tune.plan.schema import DTYPE_BYTES, SHARD_BYTES_PER_ELEMENT
 from elixir_tune.profiler import profile_model
@@ -111,7 +111,7 @@ def test_a_lora_profile_sees_a_frozen_base_and_records_the_settings(lora_profile
     assert frozen and trained and all(is_adapter_name(p.name) for p in trained)
     assert profile.lora == {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
     # Pipeline stages and 1d tensor parallelism run a LoRA model: its tensor table places the LoRA
-    # layers' parts (elixir_tune/lora_layout.py).
+    # layers' parts (elixir_tune/models/lora_layout.py).
     assert not profile.layout_reasons()
     table = profile.arch.tensor_layout
     layer = "base_model.model.model.layers.*.self_attn.q_proj"
@@ -239,8 +239,8 @@ def test_lora_tensor_tables_refuse_what_the_engine_does_not_split(tiny_llama):
     import transformers
     from peft import LoraConfig, get_peft_model
 
-    from elixir_tune.stage_plans import resolve_stage_plan
-    from elixir_tune.tensor_table import model_tensor_table
+    from elixir_tune.models.stage_plans import resolve_stage_plan
+    from elixir_tune.models.tensor_table import model_tensor_table
 
     table, why = model_tensor_table(apply_lora(tiny_llama(), rank=2, target_modules="down_proj"))
     assert not why and table["base_model.model.model.layers.*.mlp.down_proj.lora_A.*"] == "rowwise_partial"

@@ -1,10 +1,10 @@
-"""Where the profiler and forward_backward find a model's loss (elixir_tune/model_output.py)."""
+"""Where the profiler and forward_backward find a model's loss (elixir_tune/models/model_output.py)."""
 
 from __future__ import annotations
 
 import torch
 
-from elixir_tune.model_output import find_loss
+from elixir_tune.models.model_output import find_loss
 
 
 def test_the_shapes_a_loss_comes_in():

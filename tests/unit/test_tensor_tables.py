@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from elixir_tune.models.tensor_table import model_tensor_table
 from elixir_tune.plan.tensor_layout import BUILTIN_TABLES, local_shape, module_style, tensor_table
-from elixir_tune.tensor_table import model_tensor_table
 
 SMALL = dict(
     hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,

@@ -208,7 +208,7 @@ def global_batches(name: str, steps: int, size: int, seed: int = 1) -> list[dict
 
 def model_source(name: str) -> ModelSource:
     """What the profiler takes for the zoo model ``name`` (the model itself: a ``(logits, loss)``
-    tuple is read by ``elixir_tune.model_output.find_loss``)."""
+    tuple is read by ``elixir_tune.models.model_output.find_loss``)."""
     builder = ZOO[name].build
 
     def build_for_profile() -> nn.Module:

@@ -34,8 +34,8 @@ from torch import nn
 from elixir_tune.engine.comm import is_dtensor
 from elixir_tune.engine.io.initializer import Initializer, MaterializeError, tensor_registrations
 from elixir_tune.engine.io.weights import WeightsReader
-from elixir_tune.lora import adapter_init
-from elixir_tune.lora_layout import is_adapter_name
+from elixir_tune.models.lora import adapter_init
+from elixir_tune.models.lora_layout import is_adapter_name
 
 if TYPE_CHECKING:
     from elixir_tune.engine.comm import DTensor

@@ -12,8 +12,8 @@ Names follow Hugging Face's conventions: a file saved from the base model (``GPT
 of GPT-2) is one tensor with several names, and any of them in the file sets it; the model class's
 ``_keys_to_ignore_on_load_unexpected`` / ``_keys_to_ignore_on_load_missing`` patterns are honoured.
 A LoRA model (PEFT) reads the base checkpoint: its base parameters' names are mapped back
-(``elixir_tune.lora_layout.base_name``) and its adapter parameters, in no base checkpoint, are not missing
-(they start as PEFT starts them, ``elixir_tune.lora.adapter_init``).
+(``elixir_tune.models.lora_layout.base_name``) and its adapter parameters, in no base checkpoint, are not missing
+(they start as PEFT starts them, ``elixir_tune.models.lora.adapter_init``).
 A mixture-of-experts model's fused expert tensors are read from the one-tensor-per-expert files
 transformers writes and the Hub holds (``stacked.py``: transformers' own conversion rules).
 """
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from elixir_tune.engine.io.stacked import Stacked, find_stacked, stack_rules
-from elixir_tune.lora_layout import base_name, is_adapter_name
+from elixir_tune.models.lora_layout import base_name, is_adapter_name
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"

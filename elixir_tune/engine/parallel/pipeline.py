@@ -6,7 +6,7 @@ A plan with ``parallel.pipeline.stages`` P > 1 splits the model's blocks over P 
 every block is one, so a rank holds N/P non-contiguous virtual stages, the "looped" pipeline;
 contiguous: one per rank). The embeddings run in virtual stage 0, the final norm, head and loss in
 the last one; ``pipeline_adapters.py`` runs them through the model's own forward, cut where its stage
-plan says (``elixir_tune/stage_plans.py``).
+plan says (``elixir_tune/models/stage_plans.py``).
 
 What each rank does:
 

@@ -1,6 +1,6 @@
 """The stage adapter: how a transformers causal LM runs piece by piece on pipeline stages.
 
-One adapter for every family, driven by the model's stage plan (``elixir_tune/stage_plans.py``:
+One adapter for every family, driven by the model's stage plan (``elixir_tune/models/stage_plans.py``:
 transformers' ``config.base_model_pp_plan``, or our table in the same format for GPT-2 and OPT). A
 virtual stage runs some consecutive blocks; the first also the modules before the blocks
 (embeddings), the last also those after them (final norm), the ``lm_head`` and the loss
@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from elixir_tune.engine.parallel.pipeline_tensor import StageBoundary
-from elixir_tune.stage_plans import StagePlan, resolve_stage_plan
+from elixir_tune.models.stage_plans import StagePlan, resolve_stage_plan
 
 
 class _StageDone(Exception):

@@ -45,6 +45,7 @@ from elixir_tune.engine.comm import (
 )
 from elixir_tune.engine.parallel.tp_experts import ExpertsParallel, MoeBlock
 from elixir_tune.engine.parallel.tp_layout import Layout, TensorParallelError
+from elixir_tune.models.tensor_table import model_tensor_table
 from elixir_tune.plan.tensor_layout import (
     MODULE_STYLES,
     PACKED_PARTS,
@@ -54,7 +55,6 @@ from elixir_tune.plan.tensor_layout import (
     moe_blocks,
     unknown_styles,
 )
-from elixir_tune.tensor_table import model_tensor_table
 
 # --- GPT-2's Conv1D -----------------------------------------------------------------------------------
 
@@ -212,7 +212,7 @@ class RegionInput(ParallelStyle):
 
 class ReplicatedLinear(ParallelStyle):
     """A linear replicated over the tensor group as DTensors (a LoRA layer's adapter beside a split
-    base, ``elixir_tune/lora_layout.py``): it takes a DTensor input (a plain one is replicated) and
+    base, ``elixir_tune/models/lora_layout.py``): it takes a DTensor input (a plain one is replicated) and
     gives a DTensor, so a partial-sum input gives partial sums and its gradient, a partial sum, is
     summed over the tensor group by the engine (``local_grad``)."""
 

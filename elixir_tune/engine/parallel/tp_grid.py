@@ -43,8 +43,8 @@ from elixir_tune.engine.parallel.tp_adapters import (
     tied_parameters,
 )
 from elixir_tune.engine.parallel.tp_layout import TensorParallelError
+from elixir_tune.models.tensor_table import model_tensor_table
 from elixir_tune.plan.tensor_layout import TensorTable, grid_problem, in_region, local_shape, module_style
-from elixir_tune.tensor_table import model_tensor_table
 
 # The residual stream between blocks: batch over the grid rows, hidden over the grid columns.
 RESIDUAL = (Shard(0), Shard(2))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from elixir_tune.lora_layout import peft_base
+from elixir_tune.models.lora_layout import peft_base
 
 # Our plans for families whose transformers config ships no base_model_pp_plan: (base module of the
 # causal LM, its modules in forward order). A module that a configuration may leave out (OPT's

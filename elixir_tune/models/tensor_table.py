@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from elixir_tune.lora_layout import inside_lora_layer, lora_layer_paths, lora_tensor_table, peft_base
+from elixir_tune.models.lora_layout import inside_lora_layer, lora_layer_paths, lora_tensor_table, peft_base
 from elixir_tune.plan.tensor_layout import BUILTIN_TABLES, module_style, tensor_table
 
 
