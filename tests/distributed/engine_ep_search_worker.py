@@ -10,14 +10,15 @@ Run by ``engine_launch.py`` as N processes (gloo, CPU). Each case is a dict:
 
 The model and data are those of ``engine_ep_worker.py`` (routers skewed so that the ranks exchange
 unequal numbers of rows); rank 0 also trains plain PyTorch on each whole global batch and reports the
-largest differences.
+largest differences, and plain PyTorch accumulated over the engine's micro-batches (the control: plain
+PyTorch's own fp32 floor).
 """
 
 from __future__ import annotations
 
 import elixir_tune
 from tests.distributed.engine_ep_worker import build, global_batches, run_reference, step_loss
-from tests.distributed.engine_worker import compare, local_micro, mean_over_ranks
+from tests.distributed.engine_worker import compare, local_micro, mean_over_ranks, plain_accumulated_training
 
 
 def run_engine(case: dict, rank: int, world: int) -> dict:
@@ -52,7 +53,15 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
     result = {"case": case, "world_losses": world_losses}
     result.update({key: engine[key] for key in ("local_experts", "memory_report", "offloaded_expert_chunks")})
     if rank == 0:
-        result.update(compare(engine, run_reference(case, world), world_losses))
+        reference = run_reference(case, world)
+        result.update(compare(engine, reference, world_losses))
+        # Plain PyTorch against itself: each global batch as the world x accum micro-batches the engine's
+        # ranks run (loss / (world x accum), gradients accumulated), the same mathematics in the engine's
+        # summation order. How far its weights drift from the reference is plain PyTorch's own fp32 floor
+        # for this model and machine (a top-k router turns a last-bit difference into another expert).
+        model, opt = build(case, world)
+        control = plain_accumulated_training(model, opt, global_batches(case, world), world * case["accum"])
+        result["control_weight_abs"] = compare(control, reference, control["losses"])["weight_abs"]
     return result
 
 

@@ -20,6 +20,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 FP32_REL = 1e-5
 FP32_WEIGHT_ABS = 1e-5
+CONTROL_FACTOR = 2.0  # or within twice plain PyTorch's own difference under the engine's micro-batching
 MODELS = [("qwen3_moe", "plain", []), ("mixtral", "forward_backward", ["offload=0.5"])]
 
 
@@ -66,7 +67,10 @@ def test_search_emitted_expert_plan_runs_like_torch(world2, index):
     first = ranks[0]
     assert len(first["world_losses"]) == 2
     assert first["loss_rel"] <= FP32_REL, first["loss_rel"]
-    assert first["weight_abs"] <= FP32_WEIGHT_ABS, first["weight_abs"]
+    # Seen at 1.54e-5 on an AVX-512 CPU (the same code passed at 1e-5 elsewhere): the bound is plain
+    # PyTorch's own drift under the same micro-batching where that is larger.
+    bound = max(FP32_WEIGHT_ABS, CONTROL_FACTOR * first["control_weight_abs"])
+    assert first["weight_abs"] <= bound, (first["weight_abs"], first["control_weight_abs"])
     if MODELS[index][2]:  # offloaded: expert chunks on the host, priced at their own shard size
         predicted = {**plan.prediction.model_state_bytes, **plan.prediction.transient_bytes}
         for rank, result in enumerate(ranks):
