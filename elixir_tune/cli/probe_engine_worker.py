@@ -81,4 +81,7 @@ def main(config_path: str) -> None:
 
 
 if __name__ == "__main__":
+    from elixir_tune.worker_exit import exit_worker
+
     main(sys.argv[1])
+    exit_worker(0)  # the times are written: no C++ teardown to abort in (elixir_tune/worker_exit.py)

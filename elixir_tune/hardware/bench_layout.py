@@ -270,6 +270,9 @@ def _worker(
     if rank == 0:
         with open(out_path, "w") as out:
             json.dump(results, out)
+    from elixir_tune.worker_exit import exit_worker
+
+    exit_worker(0)  # spawned worker, results written: no C++ teardown to abort in (elixir_tune/worker_exit.py)
 
 
 def _parse_shape(parser: argparse.ArgumentParser, option: str, text: str) -> tuple[int, int, int, int]:

@@ -365,4 +365,7 @@ def _merge(results: list[dict]) -> dict:
 
 
 if __name__ == "__main__":
+    from elixir_tune.worker_exit import exit_worker
+
     worker_main(json.loads(sys.argv[1]))
+    exit_worker(0)  # the results are written: no C++ teardown to abort in (elixir_tune/worker_exit.py)

@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from elixir_tune.recipes.loop import exit_worker
+    from elixir_tune.worker_exit import exit_worker
 
     # record: an unexpected error reaches elixir-run's failure report, not only this rank's output
     exit_worker(record(main)())

@@ -10,13 +10,11 @@ gives each data-parallel rank its rows of a step's global batch.
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import math
 import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -323,25 +321,3 @@ def train(
                 + (f"; log: {reporter.log_path}" if reporter.log_path else "")
             )
     return 0
-
-
-def exit_worker(code: int | None) -> None:
-    """Ends a recipe's process with ``code`` without the interpreter's final teardown.
-
-    A finished pipeline run (checkpoint saved, process group destroyed) was seen to abort in that
-    teardown ("terminate called without an active exception", SIGABRT, no Python frame): a gloo
-    worker thread still held async work whose tensors it released after Python had begun to shut
-    down, so elixir-run reported a failed job after a good run. Everything a normal exit does for us
-    runs first (non-daemon threads joined, atexit handlers such as the metric writers' close, output
-    flushed); only the C++ teardown is skipped.
-
-    Args:
-        code: the exit status (``main()``'s return value; None is 0, as for ``sys.exit``).
-    """
-    shutdown = getattr(threading, "_shutdown", None)  # what the interpreter calls at exit to join threads
-    if shutdown is not None:
-        shutdown()
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code or 0)
