@@ -19,7 +19,8 @@ pipeline rank with several micro-batches per step, the gradients its no-sync ste
 in compute dtype (``stage_profile.held_grad_numel``).
 
 The rest of the device peak is frozen parameters outside the chunks (none in a searched plan), activations at the micro-batch size (a line
-from the profile, interpolated by blocks for every-k checkpointing), model buffers, and the
+from the profile, interpolated by blocks for every-k checkpointing; on a CPU device also the attention
+scores its math path keeps where the attention has dropout, ``cpu_attention_dropout_bytes``), model buffers, and the
 gradients autograd holds before the engine copies them into the staging buffer (twice the largest
 parameter, at fp32 width). That is what a step allocates (``peak_gpu_bytes``). Beside it the search keeps a
 margin free (``margin_bytes``) for what tensors do not show: allocator fragmentation and
@@ -164,7 +165,39 @@ def checkpointed_blocks(num_blocks: int, every: int) -> int:
     return 0 if every <= 0 else math.ceil(num_blocks / every)
 
 
-def activation_bytes(profile: ModelProfile, micro_batch_size: int, every: int, dtype: str) -> int:
+# Bytes a CPU training step keeps per attention score element where the attention has dropout:
+# torch's CPU flash kernel takes no dropout, so scaled_dot_product_attention runs its math path and
+# keeps the softmax, the dropout noise and the dropped probabilities for backward. Measured with
+# torch 2.13 on the CPU (saved-tensor hooks around one call, batch 2, 4 heads, seq 64, causal):
+# 14.0 bytes per score element in fp32, 15.0 in bf16 and fp16; 0.06 without dropout (flash).
+CPU_DROPOUT_ATTENTION_BYTES = {"fp32": 14, "bf16": 15, "fp16": 15}
+
+
+def cpu_attention_dropout_bytes(profile: ModelProfile, micro_batch_size: int, every: int, dtype: str) -> int:
+    """What a CPU device's attention keeps beyond the profile where the attention has dropout.
+
+    The profile counts the fused kernels a GPU runs (``profiler/meta_kernels.py``); with dropout a CPU
+    runs the math path instead, whose scores each block keeps for backward. Blocks that recompute
+    (every-k checkpointing) keep none but the one recomputing in backward.
+
+    Args:
+        profile: the model profile (``BlockInfo.dropout_scores_per_sample``).
+        micro_batch_size: samples per micro-batch.
+        every: checkpointing (0 none, k every k-th block).
+        dtype: compute dtype.
+
+    Returns:
+        Bytes (0 for a model without attention dropout, or a profile older than the field).
+    """
+    scores = [b.dropout_scores_per_sample for b in profile.blocks]
+    if not any(scores):
+        return 0
+    share = checkpointed_blocks(len(scores), every) / len(scores)
+    kept = min(sum(scores), sum(scores) * (1 - share) + (max(scores) if share else 0))
+    return int(micro_batch_size * kept * CPU_DROPOUT_ATTENTION_BYTES[dtype])
+
+
+def activation_bytes(profile: ModelProfile, micro_batch_size: int, every: int, dtype: str, device: str = "cuda") -> int:
     """Peak activation memory of one micro-batch.
 
     Args:
@@ -172,6 +205,7 @@ def activation_bytes(profile: ModelProfile, micro_batch_size: int, every: int, d
         micro_batch_size: samples per micro-batch.
         every: checkpointing (0 none, k every k-th block).
         dtype: compute dtype (activations scale with its size).
+        device: ``cuda`` or ``cpu`` (a CPU keeps attention scores where the attention has dropout).
 
     Returns:
         Bytes.
@@ -181,7 +215,10 @@ def activation_bytes(profile: ModelProfile, micro_batch_size: int, every: int, d
     if every > 0 and full is not None and profile.blocks:
         share = checkpointed_blocks(len(profile.blocks), every) / len(profile.blocks)
         plain = plain + (full.at(micro_batch_size) - plain) * share
-    return int(plain * DTYPE_BYTES[dtype] / DTYPE_BYTES.get(profile.dtype, DTYPE_BYTES[dtype]))
+    line = int(plain * DTYPE_BYTES[dtype] / DTYPE_BYTES.get(profile.dtype, DTYPE_BYTES[dtype]))
+    if device == "cpu":
+        line += cpu_attention_dropout_bytes(profile, micro_batch_size, every, dtype)
+    return line
 
 
 @dataclass
@@ -321,7 +358,7 @@ def estimate_memory(
     )
     dtype_bytes = DTYPE_BYTES[dtype]
     frozen = frozen_numel * dtype_bytes
-    activations = activation_copies * activation_bytes(profile, micro_batch_size, every, dtype)
+    activations = activation_copies * activation_bytes(profile, micro_batch_size, every, dtype, device)
     buffers = profile.buffers_bytes + GRADS_IN_FLIGHT * largest_param_numel * GRAD_KERNEL_BYTES
     peak_gpu = (
         states["cache_bytes"]

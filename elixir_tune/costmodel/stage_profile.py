@@ -185,6 +185,7 @@ def rank_profile(profile: ModelProfile, layout: Layout, stage: int) -> ModelProf
             fwd_flops_per_sample=b.fwd_flops_per_sample / degree,
             activation_bytes_per_sample=int(b.activation_bytes_per_sample * act_factor),
             boundary_bytes_per_sample=int(b.boundary_bytes_per_sample * boundary_factor),
+            dropout_scores_per_sample=b.dropout_scores_per_sample // degree,  # the rank's heads (or grid share)
         )
         for b in mine
         if b.num_params == 0 or b.first_param in new_index

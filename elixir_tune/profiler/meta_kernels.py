@@ -5,7 +5,12 @@ seq x seq attention matrix for backward. GPUs (flash / memory-efficient kernels)
 for CPU) keep only the output and a log-sum-exp per row, so the math path would overstate
 activation memory by far at seq 1024 and beyond. While profiling, calls on meta tensors go to
 the memory-efficient kernel's meta implementation instead: same outputs kept, same FLOPs counted
-by torch's flop formulas. The fused kernels take 4-D (batch, heads, seq, head dim) inputs with as
+by torch's flop formulas. Except with dropout on the CPU: torch's CPU flash kernel takes no dropout, so
+a training step with ``dropout_p > 0`` (GPT-2's ``attn_pdrop``) runs the math path there, keeping the
+scores' softmax, dropout noise and dropped probabilities (measured: 14 bytes per score element in fp32, 15
+in bf16). The profile is the GPU's; each such call's score elements (batch x heads x query x key) go to
+``on_dropout_scores`` so that the cost model can add what a CPU device keeps
+(``costmodel/memory.py`` ``cpu_attention_dropout_bytes``). The fused kernels take 4-D (batch, heads, seq, head dim) inputs with as
 many key/value heads as query heads, or fewer with ``enable_gqa``: a call outside that (Falcon's
 one key/value head broadcast over the query heads, without ``enable_gqa``) runs the math path on a
 real device, and is profiled on it too (checked against a real forward on the CPU:
@@ -21,6 +26,8 @@ same tensors saved (the tokens, and a view of the weight).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
@@ -31,9 +38,13 @@ GROUPED_MM_FUNCTIONS = tuple(f for f in (getattr(F, "grouped_mm", None), getattr
 class FusedKernelsOnMeta(TorchFunctionMode):
     """Routes attention and grouped matmuls on meta tensors to what a fused kernel keeps and counts."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_dropout_scores: Callable[[int], None] | None = None) -> None:
+        """Args:
+        on_dropout_scores: called with the score elements of each fused call with dropout (module docstring).
+        """
         super().__init__()
         self._fused_works = hasattr(torch.ops.aten, "_scaled_dot_product_efficient_attention")
+        self._on_dropout_scores = on_dropout_scores
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -47,9 +58,15 @@ class FusedKernelsOnMeta(TorchFunctionMode):
             and _fused_kernel_takes(args, kwargs)
         ):
             try:
-                return _efficient_attention(*args, **kwargs)
+                out = _efficient_attention(*args, **kwargs)
             except (RuntimeError, TypeError, NotImplementedError):
                 self._fused_works = False  # this torch has no meta kernel for it: keep the math path
+            else:
+                dropout_p = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+                if dropout_p and self._on_dropout_scores is not None:
+                    query, key = args[0], args[1] if len(args) > 1 else kwargs["key"]
+                    self._on_dropout_scores(query.shape[:-1].numel() * key.shape[-2])
+                return out
         return func(*args, **kwargs)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, cast
 
 import torch
@@ -290,7 +291,7 @@ class _Tracer:
             # The attention mode is left before backward (a torch-function mode would swallow the
             # whole backward call); checkpointed blocks enter it again when they recompute.
             with quiet_transformers(), meter, blocks, where:
-                with FusedKernelsOnMeta():
+                with FusedKernelsOnMeta(partial(_count_dropout_scores, meter, recorder)):
                     loss = _loss_of(self.source, self.model, batch)
                 meter.in_backward = True
                 loss.backward()
@@ -335,6 +336,12 @@ def _loss_of(source: ModelSource, model: nn.Module, batch: dict) -> torch.Tensor
     if not loss.requires_grad:
         raise ModelSourceError(f"{source.source}: the loss does not require grad (are all parameters frozen?)")
     return loss
+
+
+def _count_dropout_scores(meter: LiveMemoryMeter, recorder: AccessRecorder, elements: int) -> None:
+    """Adds a fused attention call's dropout score elements to the block running it."""
+    if meter.block is not None:
+        recorder.blocks[meter.block].dropout_scores += elements
 
 
 def _drop_grad(param: torch.Tensor) -> None:
@@ -393,6 +400,7 @@ def _block_infos(
                 fwd_flops_per_sample=plain[0].block_fwd_flops.get(i, 0.0) / sizes[0],
                 activation_bytes_per_sample=max(0, (retained[1] - retained[0]) // delta),
                 boundary_bytes_per_sample=plain[0].blocks[i].boundary_bytes // sizes[0],
+                dropout_scores_per_sample=plain[0].blocks[i].dropout_scores // sizes[0],
             )
         )
     return infos

@@ -56,6 +56,10 @@ class BlockInfo:
         fwd_flops_per_sample: forward FLOPs for one sample at the profiled seq_len.
         activation_bytes_per_sample: activation memory the block keeps for backward, one sample.
         boundary_bytes_per_sample: the block's input, what checkpointing keeps, one sample.
+        dropout_scores_per_sample: attention score elements (heads x query x key) of one sample that
+            the block's fused attention computes with dropout: counted in neither figure above (a GPU
+            keeps none of them), kept by a CPU device, whose attention takes the math path with
+            dropout (``costmodel/memory.py`` ``cpu_attention_dropout_bytes``). 0 in older profiles.
     """
 
     index: NonNegativeInt
@@ -64,6 +68,7 @@ class BlockInfo:
     fwd_flops_per_sample: NonNegativeFloat
     activation_bytes_per_sample: NonNegativeInt
     boundary_bytes_per_sample: NonNegativeInt
+    dropout_scores_per_sample: NonNegativeInt = 0
 
 
 @dataclass

@@ -46,10 +46,13 @@ class BlockStats:
     Attributes:
         retained_bytes: live bytes its forward added and left for backward (its output included).
         boundary_bytes: bytes of its input hidden states.
+        dropout_scores: attention score elements its fused attention computed with dropout
+            (``meta_kernels.FusedKernelsOnMeta``: a CPU device runs them on the math path).
     """
 
     retained_bytes: int = 0
     boundary_bytes: int = 0
+    dropout_scores: int = 0
 
 
 @dataclass

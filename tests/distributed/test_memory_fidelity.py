@@ -6,6 +6,9 @@ On a CPU plan device and host are one pool: the prediction compared is the devic
 rank's share of the node's host peak. The prediction must never be under the measurement, and at
 most 15% over it.
 
+GPT-2 tiny with GPT-2's attention dropout (``gpt2_dropout.yaml``), without and with checkpointing: the CPU
+runs its attention on the math path, which keeps the scores (``memory.cpu_attention_dropout_bytes``).
+
 Issue 23's GPT-2 of 12.8M parameters (``gpt2_13m.yaml``, ``offload=1 cache_blocks=2 prefetch=1``,
 micro-batch 4, fp32, the search's chunk size) at offload 0, 0.5 and 1, in the same launch: on a CPU
 device an offloaded chunk holds what a device chunk holds (its fp32 master is its upload copy, its
@@ -46,6 +49,12 @@ CASES += [
     for offload in OFFLOAD_SHARES
 ]
 ONE_POOL_RANGE = (0.85, 1.0)  # measured / predicted, GPT-2 13M
+# GPT-2 with attention dropout: on the CPU its attention keeps the scores (math path), all blocks or one recomputing.
+GPT2_DROPOUT = str(Path(__file__).with_name("gpt2_dropout.yaml"))
+CASES += [
+    dict(shape(0.0, "all", 0, checkpointing, mb=2, accum=1, dtype="fp32"), model=GPT2_DROPOUT)
+    for checkpointing in ("none", "all")
+]
 
 
 @pytest.fixture(scope="module")

@@ -167,6 +167,27 @@ def test_activation_line_interpolates_by_checkpointed_blocks_and_scales_with_dty
     assert activation_bytes(profile, 2, 0, "fp32") == 3600
 
 
+def test_a_cpu_device_keeps_the_attention_scores_of_blocks_with_dropout():
+    """Blocks of 50 and 30 score elements per sample whose attention has dropout: on a CPU device every
+    block that keeps its activations keeps them (14 B each in fp32, 15 in bf16), a checkpointed one only
+    while it recomputes (the largest, once); a GPU keeps none."""
+    from dataclasses import replace
+
+    from elixir_tune.costmodel.memory import cpu_attention_dropout_bytes
+
+    profile = small_profile()
+    profile = replace(
+        profile, blocks=[replace(b, dropout_scores_per_sample=n) for b, n in zip(profile.blocks, (50, 30), strict=True)]
+    )
+    assert cpu_attention_dropout_bytes(profile, 2, 0, "fp32") == 2 * 80 * 14
+    assert cpu_attention_dropout_bytes(profile, 2, 0, "bf16") == 2 * 80 * 15
+    assert cpu_attention_dropout_bytes(profile, 2, 1, "fp32") == 2 * 50 * 14  # all recompute: one at a time
+    assert cpu_attention_dropout_bytes(profile, 2, 2, "fp32") == 2 * 80 * 14  # one of two: capped at all kept
+    assert activation_bytes(profile, 2, 0, "fp32", "cpu") == activation_bytes(profile, 2, 0, "fp32") + 2 * 80 * 14
+    assert activation_bytes(profile, 2, 0, "fp32", "cuda") == activation_bytes(profile, 2, 0, "fp32")
+    assert cpu_attention_dropout_bytes(small_profile(), 2, 0, "fp32") == 0  # no dropout (or an older profile)
+
+
 def test_forward_length_finds_the_mirror():
     assert forward_length(small_profile().trace) == 5
 

@@ -95,3 +95,56 @@ def test_profile_activation_bytes_match_a_real_forward(family: str):
     print(detail)
     assert abs(profiled_blocks / blocks_per_sample - 1) <= BLOCK_TOLERANCE, detail
     assert saved_per_sample <= peak <= PEAK_OVER_SAVED_MAX * saved_per_sample, detail
+
+
+def _gpt2_with_dropout():
+    import transformers
+
+    config = transformers.GPT2Config(
+        vocab_size=stage_families.VOCAB, n_embd=32, n_head=4, n_layer=2, n_positions=64, use_cache=False
+    )  # GPT-2's default dropout: 0.1 on the attention, the residuals and the embeddings
+    return transformers.GPT2LMHeadModel(config)
+
+
+def test_attention_dropout_on_the_cpu_keeps_the_scores_the_profile_records():
+    """GPT-2 with its default attention dropout: torch's CPU attention then runs its math path, which
+    saves the scores for backward; the profile (a GPU's fused kernel) records the score elements per
+    block (heads x seq^2), and with the CPU's bytes per score element
+    (``memory.CPU_DROPOUT_ATTENTION_BYTES``) the blocks' bytes match the real forward's within 10%,
+    where without them they fall short by more than that."""
+    from elixir_tune.costmodel.memory import CPU_DROPOUT_ATTENTION_BYTES
+
+    source = ModelSource(
+        name="gpt2-dropout",
+        source="gpt2-dropout",
+        vocab_size=stage_families.VOCAB,
+        max_seq_len=64,
+        _build=_gpt2_with_dropout,
+        _batch=example_batch,
+    )
+    profile = profile_model(source, batch_size=BATCH, seq_len=SEQ)
+    assert [b.dropout_scores_per_sample for b in profile.blocks] == [4 * SEQ * SEQ] * 2
+    torch.manual_seed(0)
+    model = _gpt2_with_dropout().train()
+    _, small_blocks = saved_bytes(model, example_batch(BATCH, SEQ))
+    _, large_blocks = saved_bytes(model, example_batch(2 * BATCH, SEQ))
+    blocks_per_sample = (large_blocks - small_blocks) / BATCH
+    fused = sum(block.activation_bytes_per_sample for block in profile.blocks)
+    cpu = fused + sum(b.dropout_scores_per_sample for b in profile.blocks) * CPU_DROPOUT_ATTENTION_BYTES["fp32"]
+    detail = f"forward saves {blocks_per_sample:.0f} B/sample in blocks; profile {fused}, with the CPU's scores {cpu}"
+    print(detail)
+    assert abs(cpu / blocks_per_sample - 1) <= BLOCK_TOLERANCE, detail
+    assert fused / blocks_per_sample < 1 - BLOCK_TOLERANCE, detail
+    without = profile_model(
+        ModelSource(
+            name="gpt2",
+            source="stage_families:gpt2",
+            vocab_size=stage_families.VOCAB,
+            max_seq_len=64,
+            _build=lambda: stage_families.build("gpt2"),
+            _batch=example_batch,
+        ),
+        batch_size=BATCH,
+        seq_len=SEQ,
+    )
+    assert all(b.dropout_scores_per_sample == 0 for b in without.blocks)
