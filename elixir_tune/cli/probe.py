@@ -44,6 +44,8 @@ def _rows(spec: HardwareSpec) -> list[tuple[str, str]]:
         rows.append(("pointwise ops", _rate(spec.pointwise_gbps, "GB/s written")))
     if spec.thread_handoff_s:
         rows.append(("thread hand-over", f"{spec.thread_handoff_s * 1e6:.3g} us"))
+    if spec.dropout_attention_s_per_score:
+        rows.append(("attention with dropout", f"{spec.dropout_attention_s_per_score * 1e9:.3g} ns per score element"))
     rows += [
         ("memory copy", _rate(spec.hbm_gbps, "GB/s")),
         ("h2d / d2h alone", f"{spec.h2d_gbps:.3g} / {spec.d2h_gbps:.3g} GB/s"),

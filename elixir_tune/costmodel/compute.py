@@ -25,6 +25,7 @@ class ComputeTimes:
     attention_share: float
     attention_flops_per_s: float
     scores_s_per_flop: tuple[float, ...]  # (forward, backward) seconds of score traffic per FLOP
+    dropout_attention_s_per_sample: float  # a CPU's math-path attention with dropout, one sample
     pointwise_share: float
     _rates: dict[int, float]
     # (micro-batch size, checkpointing) -> compute_s, tensor_comm_s, expert_comm_s: read for every candidate
@@ -119,7 +120,8 @@ class ComputeTimes:
         share grows with the sequence); recomputation is the checkpointed blocks' forward FLOPs
         again, split the same way. An eager attention's scores move through HBM at ``hbm_gbps``
         beside a fused attention rate (``rates.attention_scores_bytes``; recomputed with their
-        blocks' forward). The model's own pointwise ops at the pointwise rate (the block
+        blocks' forward); on a CPU device an attention with dropout runs the math path, its score
+        elements at ``dropout_attention_s_per_score`` (a third again where recomputed). The model's own pointwise ops at the pointwise rate (the block
         rate is net of the probe block's, ``pointwise_s``); plus the hardware's per-call overhead
         for each block's forward+backward, and half of it for each recomputed block's forward (a
         forward runs about half of a forward+backward's ops): it is what makes small
@@ -141,18 +143,22 @@ class ComputeTimes:
         attention_s = flops * share / self.attention_flops_per_s if share else 0.0
         recompute_attention_s = recompute_attention / self.attention_flops_per_s if share else 0.0
         scores_forward, scores_backward = (flops * s_per_flop for s_per_flop in self.scores_s_per_flop)
+        # A CPU's attention with dropout (math path); a recomputed block's forward, about a third of it, again.
+        dropout_s = micro_batch_size * self.dropout_attention_s_per_sample
         recompute = (
             (recompute_flops - recompute_attention) / rate
             + recompute_attention_s
             + recomputed * overhead_s / 2
             + pointwise_recompute
             + scores_forward * self.recompute_share(every)
+            + dropout_s * self.recompute_share(every) / 3
         )
         compute = (
             flops * (1 - share) / rate
             + attention_s
             + scores_forward
             + scores_backward
+            + dropout_s
             + blocks * overhead_s
             + pointwise
             + recompute

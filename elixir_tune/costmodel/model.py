@@ -124,6 +124,13 @@ class CostModel(ComputeTimes):
             if profile.flops_per_sample
             else (0.0, 0.0)
         )
+        # On a CPU device an attention with dropout runs the math path: its score elements' extra time
+        # per sample (``HardwareSpec.dropout_attention_s_per_score``; the block rate is flash's).
+        self.dropout_attention_s_per_sample = (
+            sum(b.dropout_scores_per_sample for b in self.profile.blocks) * hardware.dropout_attention_s_per_score
+            if hardware.device == "cpu"
+            else 0.0
+        )
         # Host Adam with every rank of the node stepping at once (min of process and node rates).
         self.cpu_adam_elems_per_s = hardware.cpu_adam_rate_per_rank(gpus_per_node)
         # PCIe-only GPUs: collectives and host copies share each GPU's link (world 1 has no collectives).

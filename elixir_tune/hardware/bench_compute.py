@@ -251,6 +251,37 @@ def pointwise_gbps(device: torch.device, dtype_name: str, numel: int, budget_s: 
     return counter.bytes / median_time_s(step, device, budget_s, warmup=2) / 1e9
 
 
+# (batch, heads, seq, head dim) of the attention timed with and without dropout: a small GPT-2's.
+DROPOUT_ATTENTION_SHAPE = (2, 4, 256, 32)
+DROPOUT_P = 0.1
+
+
+def dropout_attention_s_per_score(budget_s: float, shape: tuple[int, int, int, int] = DROPOUT_ATTENTION_SHAPE) -> float:
+    """Seconds one attention score element with dropout adds to a causal attention's forward+backward
+    on the CPU: torch's CPU flash kernel takes no dropout, so ``scaled_dot_product_attention`` runs
+    the math path (measured on a 2-core VM at 8.5-13.6 ns per score element, 1 thread, against flash
+    without dropout; the ``cpu`` preset's source).
+
+    Args:
+        budget_s: time to spend, roughly (half on each variant).
+        shape: (batch, heads, seq, head dim).
+
+    Returns:
+        Seconds per score element (batch x heads x seq^2), never below 0.
+    """
+    cpu = torch.device("cpu")
+    query = torch.randn(*shape, requires_grad=True)
+
+    def step(dropout_p: float) -> None:
+        F.scaled_dot_product_attention(query, query, query, dropout_p=dropout_p, is_causal=True).sum().backward()
+        query.grad = None
+
+    fused_s = median_time_s(lambda: step(0.0), cpu, budget_s / 2, warmup=3)
+    math_s = median_time_s(lambda: step(DROPOUT_P), cpu, budget_s / 2, warmup=3)
+    batch, heads, seq, _ = shape
+    return max(0.0, (math_s - fused_s) / (batch * heads * seq * seq))
+
+
 # The smallest block: its time is nearly all per-call overhead (op dispatch, kernel launches).
 OVERHEAD_BLOCK = (1, 8, 64, 4)
 

@@ -128,6 +128,7 @@ def spec_problems(spec: HardwareSpec) -> list[str]:
         "block_call_overhead_s",
         "tensor2_block_fixed_s",
         "pipeline_stage_microbatch_s",
+        "dropout_attention_s_per_score",
     ):
         value = getattr(spec, name)
         if not _is_number(value) or not 0 <= value < 1:

@@ -32,6 +32,11 @@ POINTWISE_NOTE = (
     "measured: forward+backward of a tanh-GELU written op by op, over the middle block shape's MLP activation; "
     "pointwise output bytes (elixir_tune.pointwise) / median time"
 )
+DROPOUT_ATTENTION_NOTE = (
+    "measured: a causal scaled_dot_product_attention of (batch, heads, seq, head dim) {shape}, forward+backward "
+    "with dropout 0.1 (the CPU's math path) less without (flash), median times, per score element, one process "
+    "with {threads} thread(s)"
+)
 HANDOFF_NOTE = (
     "measured: 4 Python threads taking turns through conditions on one lock, a 64x64 matmul between turns, "
     "median per hand-over net of the matmuls"

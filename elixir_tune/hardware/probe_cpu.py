@@ -7,7 +7,13 @@ import socket
 import torch
 
 from elixir_tune.hardware import host
-from elixir_tune.hardware.bench_compute import adam_elems_per_s, copy_gbps, matmul_tflops
+from elixir_tune.hardware.bench_compute import (
+    DROPOUT_ATTENTION_SHAPE,
+    adam_elems_per_s,
+    copy_gbps,
+    dropout_attention_s_per_score,
+    matmul_tflops,
+)
 from elixir_tune.hardware.bench_copy import (
     host_copy_curve,
     host_copy_latency_s,
@@ -17,6 +23,7 @@ from elixir_tune.hardware.bench_layout import LAYOUT_SHAPE, TINY_SHAPE
 from elixir_tune.hardware.bench_threads import thread_handoff_s
 from elixir_tune.hardware.probe_common import (
     CPU_BLOCKS,
+    DROPOUT_ATTENTION_NOTE,
     HANDOFF_NOTE,
     ProbeError,
     Progress,
@@ -181,6 +188,11 @@ def probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
         block_how = how
     say(progress, "thread hand-overs")
     handoff_s = thread_handoff_s(budget)
+    say(progress, "attention with dropout (the CPU's math path)")
+    dropout_score_s = dropout_attention_s_per_score(budget)
+    sources["dropout_attention_s_per_score"] = DROPOUT_ATTENTION_NOTE.format(
+        shape=DROPOUT_ATTENTION_SHAPE, threads=threads
+    )
     for dtype_name, tflops in matmul.items():
         if dtype_name != "fp32":
             ratio = tflops / matmul["fp32"]
@@ -225,6 +237,7 @@ def probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
         block_call_overhead_s=overhead_s,
         pointwise_gbps=rate_gbps,
         thread_handoff_s=handoff_s,
+        dropout_attention_s_per_score=dropout_score_s,
         cpu_adam_node_elems_per_s=node_adam,
         shared_host_link=shared_link,
         tensor2_block_extra_ratio=max(0.0, layout.get("tensor2_block_extra_ratio", 0.0)),

@@ -83,6 +83,12 @@ class HardwareSpec:
             block's ``scaled_dot_product_attention`` dispatched (``bench_compute.block_attention_fused``).
             False (a CPU, a rate from an eager attention such as Megatron-LM's of 2020): the rate
             stands for the scores.
+        dropout_attention_s_per_score: on a CPU device, the seconds one attention score element
+            (heads x query x key) with dropout adds to a forward+backward: torch's CPU flash kernel
+            takes no dropout, so such an attention runs the math path (the whole seq^2 products, a
+            softmax, the dropout's random numbers and multiplications) where the block rate was
+            measured on the flash kernel (``bench_compute.dropout_attention_s_per_score``); 0: not
+            measured, not priced.
         thread_handoff_s: one hand-over between two Python threads, as layered accumulation
             makes at every layer of every micro-batch; 0: not measured.
         shared_host_link: the GPUs have no NVLink, so collectives cross the same PCIe link as the
@@ -149,6 +155,7 @@ class HardwareSpec:
     rate_pointwise_elems: float = 0.0
     rate_fused_attention: bool = False
     thread_handoff_s: float = 0.0
+    dropout_attention_s_per_score: float = 0.0
     attention_tflops: dict[str, float] = field(default_factory=dict)
     best_mfu: dict[str, float] = field(default_factory=dict)
     tensor2_block_extra_ratio: float = 0.0

@@ -60,6 +60,8 @@ def test_quick_probe_writes_a_loadable_spec(tmp_path):
         assert len(spec.block_tflops_curves["fp32"]) == 3 and spec.block_call_overhead_s > 0
         assert "all 2 processes at once" in spec.sources["block_tflops_curves"]
         assert spec.pointwise_gbps > 0 and spec.thread_handoff_s > 0
+        # an attention with dropout runs the CPU's math path: slower than flash without it
+        assert spec.dropout_attention_s_per_score > 0 and "math path" in spec.sources["dropout_attention_s_per_score"]
         # between compute a collective costs at least its back-to-back latency
         assert "right after a block forward+backward" in spec.sources["collective_latency_s"]
         assert spec.sources["allgather_gbps"].startswith("measured: gloo, 2 local processes")

@@ -114,3 +114,27 @@ def test_the_preset_figures_are_what_transformers_models_run():
     assert gpt2_elems == pytest.approx(89.0)
     assert gpt2_ratio == pytest.approx(1.45, abs=0.01)
     assert per_layer("mpt", "other")[0] == pytest.approx(load_hardware("a100-80gb-sxm").rate_pointwise_elems)
+
+
+def test_a_cpu_prices_the_math_path_of_an_attention_with_dropout():
+    """(4) On a CPU device an attention with dropout runs torch's math path: each block's dropout score
+    elements cost ``dropout_attention_s_per_score`` in forward+backward (a third again where the block
+    recomputes); a GPU (its fused kernel takes the dropout) and a model without dropout pay nothing."""
+    cpu = load_hardware("cpu")
+    assert cpu.dropout_attention_s_per_score > 0 and "dropout_attention_s_per_score" in cpu.sources
+    assert spec_problems(cpu) == []
+    plain = gpt2_profile(**SIZES)
+    scores = SIZES["heads"] * SIZES["seq_len"] ** 2
+    dropout = dataclasses.replace(
+        plain, blocks=[dataclasses.replace(b, dropout_scores_per_sample=scores) for b in plain.blocks]
+    )
+    extra_s = 2 * SIZES["layers"] * scores * cpu.dropout_attention_s_per_score
+    for every, share in ((0, 0.0), (1, 1.0)):
+        with_s = CostModel(dropout, cpu, gpus_per_node=1, dtype="fp32")._compute_s(2, every, 0.0)
+        without_s = CostModel(plain, cpu, gpus_per_node=1, dtype="fp32")._compute_s(2, every, 0.0)
+        assert with_s[0] - without_s[0] == pytest.approx(extra_s * (1 + share / 3))
+        assert with_s[1] - without_s[1] == pytest.approx(extra_s * share / 3)
+    gpu = example_hardware()
+    assert CostModel(dropout, gpu, 1, dtype="bf16")._compute_s(2, 0, 0.0) == CostModel(
+        plain, gpu, 1, dtype="bf16"
+    )._compute_s(2, 0, 0.0)
