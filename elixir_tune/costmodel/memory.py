@@ -20,9 +20,10 @@ in compute dtype (``stage_profile.held_grad_numel``).
 
 The rest of the device peak is frozen parameters outside the chunks (none in a searched plan), activations at the micro-batch size (a line
 from the profile, interpolated by blocks for every-k checkpointing; on a CPU device also the attention
-scores its math path keeps where the attention has dropout, ``cpu_attention_dropout_bytes``), model buffers, and the
+scores its math path keeps where the attention has dropout, ``cpu_attention_dropout_bytes``), model buffers, the
 gradients autograd holds before the engine copies them into the staging buffer (twice the largest
-parameter, at fp32 width). That is what a step allocates (``peak_gpu_bytes``). Beside it the search keeps a
+parameter, at fp32 width), and on a pipeline rank the receive buffers of every micro-batch
+(``stage_profile.recv_buffer_bytes``). That is what a step allocates (``peak_gpu_bytes``). Beside it the search keeps a
 margin free (``margin_bytes``) for what tensors do not show: allocator fragmentation and
 workspaces, and the buffers of the communication library.
 """
@@ -360,6 +361,9 @@ def estimate_memory(
     frozen = frozen_numel * dtype_bytes
     activations = activation_copies * activation_bytes(profile, micro_batch_size, every, dtype, device)
     buffers = profile.buffers_bytes + GRADS_IN_FLIGHT * largest_param_numel * GRAD_KERNEL_BYTES
+    if isinstance(profile, StageProfile):  # a pipeline stage's receive buffers, one set per micro-batch
+        scale = DTYPE_BYTES[dtype] / DTYPE_BYTES.get(profile.dtype, DTYPE_BYTES[dtype])
+        buffers += int(micro_batches * micro_batch_size * profile.recv_buffer_bytes_per_sample * scale)
     peak_gpu = (
         states["cache_bytes"]
         + states["resident_bytes"]

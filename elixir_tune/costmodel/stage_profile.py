@@ -66,10 +66,46 @@ class StageProfile(ModelProfile):
             is split (the input embedding under 1d tensor parallelism, on the stage that runs it:
             torch's vocabulary-parallel embedding computes the whole table's gradient on every
             tensor rank); 0 when none does.
+        recv_buffer_bytes_per_sample: the receive buffers torch's ``PipelineStage`` allocates for
+            each micro-batch of a step, one sample's worth (``recv_buffer_bytes``); 0 without a pipeline.
     """
 
     held_grad_numel: int = 0
     whole_grad_numel: int = 0
+    recv_buffer_bytes_per_sample: int = 0
+
+
+def recv_buffer_bytes(profile: ModelProfile, layout: Layout, stage: int) -> int:
+    """Bytes of one sample in the receive buffers of one rank of pipeline stage ``stage``.
+
+    torch's ``PipelineStage`` allocates, for every micro-batch of the step and for every virtual
+    stage of the rank, a buffer for the activations it receives (each virtual stage but the
+    pipeline's first) and one for the gradient of its output (each but the last), and keeps them
+    from step to step. The received activations are the virtual stage's inputs, which no block's
+    figure holds (a block's retained bytes start at its input), so under every schedule the rank
+    holds one of each per micro-batch, even where 1F1B holds fewer micro-batches' activations.
+
+    Args:
+        profile: the whole model's profile (the blocks' input bytes).
+        layout: the parallel layout (hidden states / T with sequence parallelism).
+        stage: the pipeline stage.
+
+    Returns:
+        Bytes per sample (0 with one stage).
+    """
+    if layout.pipeline <= 1 or not profile.blocks:
+        return 0
+    runs = stage_runs(len(profile.blocks), layout.pipeline, layout.assignment)
+    boundary = [b.boundary_bytes_per_sample for b in profile.blocks]
+    total = 0
+    for index, (run_stage, blocks) in enumerate(runs):
+        if run_stage != stage:
+            continue
+        if index > 0:  # activations in
+            total += boundary[blocks[0]]
+        if index < len(runs) - 1:  # the output's gradient in: the next block's input
+            total += boundary[blocks[-1] + 1]
+    return int(total * tp_boundary_factor(layout.tensor_mode, layout.tensor, layout.sequence_parallel))
 
 
 def held_grad_numel(profile: ModelProfile, layout: Layout, stage: int, local_numel: dict[int, int]) -> int:
@@ -196,16 +232,30 @@ def rank_profile(profile: ModelProfile, layout: Layout, stage: int) -> ModelProf
     flops = (3 * mine_fwd + (head_flops if is_last else 0.0)) / degree
     fwd_share = mine_fwd / all_fwd if all_fwd else (1.0 if is_last else 0.0)
 
-    def stage_line(line: ActivationLine, per_block: list[int], mine_per_block: list[int], factor: float, tail: float):
+    runs_block0 = bool(profile.blocks) and stage == stage_of_block(0, num_blocks, layout.pipeline, layout.assignment)
+    moved = min(profile.prologue_bytes_per_sample, profile.blocks[0].boundary_bytes_per_sample) if profile.blocks else 0
+
+    def stage_line(
+        line: ActivationLine,
+        per_block: list[int],
+        mine_per_block: list[int],
+        factor: float,
+        tail: float,
+        prologue: float = 0.0,
+    ):
         total = sum(per_block)
         blocks_part = min(line.per_sample_bytes, total)
         share = sum(mine_per_block) / total if total else 0.0
         if is_last:
             # What lies beyond the blocks (logits and loss) stays whole under TP: the engine gathers the
             # logits before the model's own loss (the vocabulary-parallel loss is opt-in and no plan
-            # field selects it); measured, benchmarks/results/tp-activations-cpu.md.
-            tail = line.per_sample_bytes - blocks_part
-        return _scaled_line(line, blocks_part * share * factor + tail)
+            # field selects it); measured, benchmarks/results/tp-activations-cpu.md. Of what lies
+            # before them (the prologue) the first stage holds block 0's input instead; the rest (a
+            # causal mask, position tensors) every stage's forward builds again, so it stays here too.
+            tail = line.per_sample_bytes - blocks_part - (0.0 if runs_block0 else moved)
+        elif runs_block0:
+            tail += prologue * boundary_factor
+        return _scaled_line(line, blocks_part * share * factor + max(0.0, tail))
 
     activation = stage_line(
         profile.activation,
@@ -213,6 +263,8 @@ def rank_profile(profile: ModelProfile, layout: Layout, stage: int) -> ModelProf
         [b.activation_bytes_per_sample for b in mine],
         act_factor,
         0.0,
+        # Checkpointed, block 0's input is its boundary, counted with the blocks: the prologue only here.
+        profile.prologue_bytes_per_sample,
     )
     checkpointed = None
     if profile.activation_checkpointed is not None:
@@ -255,6 +307,7 @@ def rank_profile(profile: ModelProfile, layout: Layout, stage: int) -> ModelProf
         **{f.name: getattr(stage_profile, f.name) for f in fields(ModelProfile)},
         held_grad_numel=held,
         whole_grad_numel=whole,
+        recv_buffer_bytes_per_sample=recv_buffer_bytes(profile, layout, stage),
     )
 
 

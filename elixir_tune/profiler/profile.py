@@ -178,6 +178,7 @@ def profile_model(
         ),
         activation_checkpointed=activation_ckpt,
         buffers_bytes=buffers_bytes,
+        prologue_bytes_per_sample=_prologue_per_sample(plain, sizes),
         arch=arch,
         unsupported_layouts=cast(
             "dict[LayoutName, str]",
@@ -404,6 +405,13 @@ def _block_infos(
             )
         )
     return infos
+
+
+def _prologue_per_sample(results: list[_Pass], sizes: tuple[int, int]) -> int:
+    """One sample's activation bytes live when block 0 began (0 without blocks)."""
+    if not results[0].blocks:
+        return 0
+    return max(0, (results[1].blocks[0].entry_bytes - results[0].blocks[0].entry_bytes) // (sizes[1] - sizes[0]))
 
 
 def _line(results: list[_Pass], sizes: tuple[int, int]) -> ActivationLine:

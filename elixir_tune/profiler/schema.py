@@ -151,6 +151,9 @@ class ModelProfile:
             forward + backward (``elixir_tune.pointwise``); 0 in profiles made before it was counted.
         recompute_pointwise_bytes_per_sample: the extra of it when every block recomputes.
         activation: peak activation memory over forward+backward, no checkpointing.
+        prologue_bytes_per_sample: of it, one sample's activations live when the first block begins
+            (the embeddings' output, a causal mask, the forward's locals: an upper bound of what a
+            pipeline's first stage keeps for them); 0 in older profiles.
         activation_checkpointed: the same with every block checkpointed.
         buffers_bytes: bytes of the model's buffers (not trained, kept on the device).
         summary: one-line human description.
@@ -184,6 +187,7 @@ class ModelProfile:
     recompute_pointwise_bytes_per_sample: NonNegativeFloat = 0.0
     activation_checkpointed: ActivationLine | None = None
     buffers_bytes: NonNegativeInt = 0
+    prologue_bytes_per_sample: NonNegativeInt = 0
     summary: str = ""
     arch: ModelArch = field(default_factory=ModelArch)
     unsupported_layouts: dict[LayoutName, str] | None = None

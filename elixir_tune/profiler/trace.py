@@ -48,11 +48,14 @@ class BlockStats:
         boundary_bytes: bytes of its input hidden states.
         dropout_scores: attention score elements its fused attention computed with dropout
             (``meta_kernels.FusedKernelsOnMeta``: a CPU device runs them on the math path).
+        entry_bytes: live activation bytes when its forward began (block 0's: what the modules
+            before the blocks left, the embeddings' output among them).
     """
 
     retained_bytes: int = 0
     boundary_bytes: int = 0
     dropout_scores: int = 0
+    entry_bytes: int = 0
 
 
 @dataclass
@@ -165,7 +168,7 @@ class AccessRecorder:
             if self.meter.in_backward:
                 return
             self.meter.block = index
-            self._entry_live_bytes = self.meter.live_bytes
+            self._entry_live_bytes = self.blocks[index].entry_bytes = self.meter.live_bytes
             first = next(iter(_tensors((args, kwargs.get("hidden_states")))), None)
             self.blocks[index].boundary_bytes = first.numel() * first.element_size() if first is not None else 0
 

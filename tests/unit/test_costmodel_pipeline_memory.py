@@ -1,5 +1,7 @@
 """The gradients a pipeline step holds unsharded (no-sync) in the cost model: ``stage_profile.held_grad_numel``
-against numbers worked by hand, and the term in ``CostModel.memory`` and in the search's prediction."""
+against numbers worked by hand, and the term in ``CostModel.memory`` and in the search's prediction; the
+receive buffers of every micro-batch (``stage_profile.recv_buffer_bytes``) and the activations before the
+first block (the prologue), which the first stage holds."""
 
 from __future__ import annotations
 
@@ -77,7 +79,10 @@ def test_memory_adds_the_held_gradients_when_a_step_runs_several_micro_batches(p
     with_held = estimate_memory(stage, **arguments)
     without = estimate_memory(plain, **arguments)
     assert without.transient_bytes["held_grad_bytes"] == 0
-    assert with_held.peak_gpu_bytes - without.peak_gpu_bytes == (BLOCK + WTE + WPE) * 4
+    # and the receive buffers of its 4 micro-batches (stage 0 of 2 modular stages: 3 hidden x seq, bf16)
+    assert stage.recv_buffer_bytes_per_sample == 3 * H * POSITIONS * 2
+    recv = 4 * stage.recv_buffer_bytes_per_sample * 2  # at fp32, the estimate's dtype
+    assert with_held.peak_gpu_bytes - without.peak_gpu_bytes == (BLOCK + WTE + WPE) * 4 + recv
     assert with_held.device_parts()["held gradients (pipeline)"] == (BLOCK + WTE + WPE) * 4
     # One micro-batch per step: every gradient is staged as it arrives.
     assert model.memory(Shape(chunk, 1, 0, 0, 0, 1, 1)).transient_bytes["held_grad_bytes"] == 0
@@ -108,3 +113,34 @@ def test_the_search_prediction_carries_the_held_gradients(profile):
     assert plan.prediction.peak_gpu_bytes == largest.peak_gpu_bytes
     # Stage 0 holds 2 blocks + wte + wpe unsharded at its peak.
     assert stages[0][1].memory.transient_bytes["held_grad_bytes"] == (BLOCK + WTE + WPE) * 4
+
+
+def test_receive_buffers_per_micro_batch_and_the_prologue_on_the_first_stage(profile):
+    """torch's PipelineStage keeps, per micro-batch, a buffer for the activations each virtual stage
+    receives (all but the pipeline's first) and for the gradient of its output (all but the last); the
+    activations live before block 0 count on the stage that runs it, and block 0's input leaves the last
+    stage's figure (a mask or positions, which every stage builds, stay there too)."""
+    boundary = profile.blocks[0].boundary_bytes_per_sample
+    assert boundary == H * POSITIONS * 2  # bf16
+
+    def recv(stages: int, assignment: str, stage: int, **layout) -> int:
+        rank = rank_profile(profile, Layout(pipeline=stages, assignment=assignment, **layout), stage)
+        return rank.recv_buffer_bytes_per_sample if isinstance(rank, StageProfile) else 0
+
+    assert [recv(2, "contiguous", s) for s in (0, 1)] == [boundary, boundary]  # gradients in / activations in
+    # Modular: stage 0 runs blocks 0 and 2 (gradients in; activations and gradients in), stage 1 blocks 1 and 3.
+    assert [recv(2, "modular", s) for s in (0, 1)] == [3 * boundary, 3 * boundary]
+    assert [recv(4, "modular", s) for s in range(4)] == [boundary, 2 * boundary, 2 * boundary, boundary]
+    assert recv(2, "contiguous", 0, tensor=2) == boundary // 2  # sequence-parallel hidden states
+    assert rank_profile(profile, Layout(tensor=2), 0).recv_buffer_bytes_per_sample == 0
+
+    prologue = 3 * boundary  # what a traced GPT-2 keeps before block 0: the embeddings' sum and its dropout
+    traced = dataclasses.replace(profile, prologue_bytes_per_sample=prologue)
+    lines = [rank_profile(traced, Layout(pipeline=2, assignment="contiguous"), s).activation for s in (0, 1)]
+    before = [rank_profile(profile, Layout(pipeline=2, assignment="contiguous"), s).activation for s in (0, 1)]
+    assert lines[0].per_sample_bytes == before[0].per_sample_bytes + prologue
+    assert lines[1].per_sample_bytes == before[1].per_sample_bytes - boundary
+    # Without a pipeline the one stage keeps it where it was.
+    assert rank_profile(traced, Layout(tensor=2), 0).activation.per_sample_bytes == (
+        rank_profile(profile, Layout(tensor=2), 0).activation.per_sample_bytes
+    )

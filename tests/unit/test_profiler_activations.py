@@ -95,6 +95,14 @@ def test_profile_activation_bytes_match_a_real_forward(family: str):
     print(detail)
     assert abs(profiled_blocks / blocks_per_sample - 1) <= BLOCK_TOLERANCE, detail
     assert saved_per_sample <= peak <= PEAK_OVER_SAVED_MAX * saved_per_sample, detail
+    # What is live when block 0 begins (a pipeline's first stage holds it): block 0's input at least
+    # (hidden 32 in fp32), at most a few hidden-sized tensors (GPT-2's forward still holds its
+    # inputs_embeds then; OPT's 4-D causal mask and BLOOM's alibi are seq-sized per sample).
+    hidden_bytes = 32 * SEQ * 4
+    assert hidden_bytes <= profile.prologue_bytes_per_sample <= 4 * hidden_bytes, (
+        family,
+        profile.prologue_bytes_per_sample,
+    )
 
 
 def _gpt2_with_dropout():
