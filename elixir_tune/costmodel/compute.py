@@ -121,8 +121,9 @@ class ComputeTimes:
         again, split the same way. An eager attention's scores move through HBM at ``hbm_gbps``
         beside a fused attention rate (``rates.attention_scores_bytes``; recomputed with their
         blocks' forward); on a CPU device an attention with dropout runs the math path, its score
-        elements at ``dropout_attention_s_per_score`` (a third again where recomputed). The model's own pointwise ops at the pointwise rate (the block
-        rate is net of the probe block's, ``pointwise_s``); plus the hardware's per-call overhead
+        elements at ``dropout_attention_s_per_score`` (a third again where recomputed). The
+        model's own pointwise ops at the pointwise rate (the block rate is net of the probe
+        block's, ``pointwise_s``); plus the hardware's per-call overhead
         for each block's forward+backward, and half of it for each recomputed block's forward (a
         forward runs about half of a forward+backward's ops): it is what makes small
         micro-batches of small models slow. Tensor-parallel collectives sit on the compute stream

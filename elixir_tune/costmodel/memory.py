@@ -18,14 +18,15 @@ the landing buffers of their gradients on the host, pinned (rounded to a power o
 pipeline rank with several micro-batches per step, the gradients its no-sync step holds unsharded
 in compute dtype (``stage_profile.held_grad_numel``).
 
-The rest of the device peak is frozen parameters outside the chunks (none in a searched plan), activations at the micro-batch size (a line
-from the profile, interpolated by blocks for every-k checkpointing; on a CPU device also the attention
-scores its math path keeps where the attention has dropout, ``cpu_attention_dropout_bytes``), model buffers, the
-gradients autograd holds before the engine copies them into the staging buffer (twice the largest
-parameter, at fp32 width), and on a pipeline rank the receive buffers of every micro-batch
-(``stage_profile.recv_buffer_bytes``). That is what a step allocates (``peak_gpu_bytes``). Beside it the search keeps a
-margin free (``margin_bytes``) for what tensors do not show: allocator fragmentation and
-workspaces, and the buffers of the communication library.
+The rest of the device peak is frozen parameters outside the chunks (none in a searched plan),
+activations at the micro-batch size (a line from the profile, interpolated by blocks for every-k
+checkpointing; on a CPU device also the attention scores its math path keeps where the attention has
+dropout, ``cpu_attention_dropout_bytes``), model buffers, the gradients autograd holds before the
+engine copies them into the staging buffer (twice the largest parameter, at fp32 width), and on a
+pipeline rank the receive buffers of every micro-batch (``stage_profile.recv_buffer_bytes``). That is
+what a step allocates (``peak_gpu_bytes``). Beside it the search keeps a margin free (``margin_bytes``)
+for what tensors do not show: allocator fragmentation and workspaces, and the buffers of the
+communication library.
 """
 
 from __future__ import annotations

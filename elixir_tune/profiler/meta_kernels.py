@@ -5,13 +5,13 @@ seq x seq attention matrix for backward. GPUs (flash / memory-efficient kernels)
 for CPU) keep only the output and a log-sum-exp per row, so the math path would overstate
 activation memory by far at seq 1024 and beyond. While profiling, calls on meta tensors go to
 the memory-efficient kernel's meta implementation instead: same outputs kept, same FLOPs counted
-by torch's flop formulas. Except with dropout on the CPU: torch's CPU flash kernel takes no dropout, so
-a training step with ``dropout_p > 0`` (GPT-2's ``attn_pdrop``) runs the math path there, keeping the
-scores' softmax, dropout noise and dropped probabilities (measured: 14 bytes per score element in fp32, 15
-in bf16). The profile is the GPU's; each such call's score elements (batch x heads x query x key) go to
-``on_dropout_scores`` so that the cost model can add what a CPU device keeps
-(``costmodel/memory.py`` ``cpu_attention_dropout_bytes``). The fused kernels take 4-D (batch, heads, seq, head dim) inputs with as
-many key/value heads as query heads, or fewer with ``enable_gqa``: a call outside that (Falcon's
+by torch's flop formulas. Except with dropout on the CPU: torch's CPU flash kernel takes no
+dropout, so a training step with ``dropout_p > 0`` (GPT-2's ``attn_pdrop``) runs the math path
+there, keeping the scores' softmax, dropout noise and dropped probabilities (measured: 14 bytes per
+score element in fp32, 15 in bf16). The profile is the GPU's; each such call's score elements
+(batch x heads x query x key) go to ``on_dropout_scores`` so that the cost model can add what a CPU
+device keeps (``costmodel/memory.py`` ``cpu_attention_dropout_bytes``). The fused kernels take 4-D
+(batch, heads, seq, head dim) inputs with as many key/value heads as query heads, or fewer with ``enable_gqa``: a call outside that (Falcon's
 one key/value head broadcast over the query heads, without ``enable_gqa``) runs the math path on a
 real device, and is profiled on it too (checked against a real forward on the CPU:
 tests/unit/test_profiler_activations.py).
