@@ -27,6 +27,11 @@ Prices the formulas of ``costmodel/parallel.py`` with the hardware's links:
   ``pipeline_stage_microbatch_s`` per virtual stage and micro-batch plus
   ``pipeline_microbatch_extra_ratio`` x the stage's compute, and the bubble's idle slots are
   slots of that whole busy time;
+* the output head under 1D tensor parallelism splits the logits by vocabulary and gathers them whole
+  before the model's loss (``engine/parallel/tp_adapters.py``: the vocabulary-parallel loss is opt-in
+  and no plan field selects it): one all-gather of micro-batch x seq x vocab elements per micro-batch
+  on the last stage, on the compute stream (``logits_gather_s``; on a CPU device with measured
+  layout costs its bytes only, its call being in the measured fixed cost);
 * a tied parameter held by the first and the last stage (GPT-2's ``wte``) is all-reduced between
   them once per step, after backward;
 * a mixture-of-experts block under 1D tensor parallelism (``engine/parallel/tp_experts.py``) sums
@@ -322,7 +327,19 @@ class ParallelTimes:
             # the probe's fit of the fixed cost: 24 ms, 5 ms, then 0 (clamped).
             edges_s = norms_s = 0.0
         recomputed_s = recomputed_blocks * layer_s * forward_share
-        return blocks * layer_s + recomputed_s + moe_extra_s + edges_s + norms_s
+        return (
+            blocks * layer_s + recomputed_s + moe_extra_s + edges_s + norms_s + self.logits_gather_s(micro_batch_size)
+        )
+
+    def logits_gather_s(self, micro_batch_size: int) -> float:
+        """Seconds of the last stage's all-gather of the vocabulary-split logits in one micro-batch
+        (1D tensor parallelism; 0 elsewhere). On a CPU device with measured layout costs the bytes
+        only: the call's latency is in the fixed cost the probe measured with the engine."""
+        vocab, degree = self.full.arch.vocab_size, self.layout.tensor
+        if degree <= 1 or self.layout.tensor_mode != "1d" or self.stage != self.last_stage or not vocab:
+            return 0.0
+        wire = micro_batch_size * self.full.seq_len * vocab * self.dtype_bytes * (degree - 1) / degree
+        return wire / self.intra_bps + (0.0 if self.measured_tensor else self.latency_s)
 
     def pipeline_s(self, stage_compute_s: float, micro_batch_size: int, micro_batches: int) -> dict[str, float]:
         """What a pipeline adds to the step of one stage.

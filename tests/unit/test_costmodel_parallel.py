@@ -171,6 +171,8 @@ def test_tensor_collectives_are_on_the_step(profile):
     # once per micro-batch: 2 (T-1)/T of its bf16 bytes on the wire.
     norms_s = (6 * LAYERS + 2) * (hardware.collective_latency_s + HIDDEN * 2 * 1.0 / (hardware.allgather_gbps * 1e9))
     edges_s = 4 * tensor.parallel_costs.latency_s + 4 * SEQ * HIDDEN * 2 / 2 / (hardware.allgather_gbps * 1e9)
+    # and the head's vocabulary-split logits gathered whole before the loss (seq x vocab, bf16, half of it in)
+    edges_s += tensor.parallel_costs.latency_s + SEQ * VOCAB * 2 / 2 / (hardware.allgather_gbps * 1e9)
     assert tensor.tensor_comm_s(1, 0) == pytest.approx(LAYERS * layer_s + edges_s + norms_s)
     no_sp = CostModel(profile, hardware, gpus_per_node=2, layout=Layout(tensor=2, sequence_parallel=False))
     no_sp_layer_s = no_sp.parallel_costs.tensor_layer_s(micro_batch_size=1)[0]
