@@ -175,6 +175,11 @@ def checkpointed_blocks(num_blocks: int, every: int) -> int:
 CPU_DROPOUT_ATTENTION_BYTES = {"fp32": 14, "bf16": 15, "fp16": 15}
 
 
+def dtype_scale(profile: ModelProfile, dtype: str) -> float:
+    """Bytes of ``dtype`` per byte of the profile's own dtype (its byte figures were traced in it)."""
+    return DTYPE_BYTES[dtype] / DTYPE_BYTES.get(profile.dtype, DTYPE_BYTES[dtype])
+
+
 def cpu_attention_dropout_bytes(profile: ModelProfile, micro_batch_size: int, every: int, dtype: str) -> int:
     """What a CPU device's attention keeps beyond the profile where the attention has dropout.
 
@@ -217,7 +222,7 @@ def activation_bytes(profile: ModelProfile, micro_batch_size: int, every: int, d
     if every > 0 and full is not None and profile.blocks:
         share = checkpointed_blocks(len(profile.blocks), every) / len(profile.blocks)
         plain = plain + (full.at(micro_batch_size) - plain) * share
-    line = int(plain * DTYPE_BYTES[dtype] / DTYPE_BYTES.get(profile.dtype, DTYPE_BYTES[dtype]))
+    line = int(plain * dtype_scale(profile, dtype))
     if device == "cpu":
         line += cpu_attention_dropout_bytes(profile, micro_batch_size, every, dtype)
     return line
@@ -363,8 +368,9 @@ def estimate_memory(
     activations = activation_copies * activation_bytes(profile, micro_batch_size, every, dtype, device)
     buffers = profile.buffers_bytes + GRADS_IN_FLIGHT * largest_param_numel * GRAD_KERNEL_BYTES
     if isinstance(profile, StageProfile):  # a pipeline stage's receive buffers, one set per micro-batch
-        scale = DTYPE_BYTES[dtype] / DTYPE_BYTES.get(profile.dtype, DTYPE_BYTES[dtype])
-        buffers += int(micro_batches * micro_batch_size * profile.recv_buffer_bytes_per_sample * scale)
+        buffers += int(
+            micro_batches * micro_batch_size * profile.recv_buffer_bytes_per_sample * dtype_scale(profile, dtype)
+        )
     peak_gpu = (
         states["cache_bytes"]
         + states["resident_bytes"]

@@ -233,7 +233,6 @@ def rank_profile(profile: ModelProfile, layout: Layout, stage: int) -> ModelProf
     fwd_share = mine_fwd / all_fwd if all_fwd else (1.0 if is_last else 0.0)
 
     runs_block0 = bool(profile.blocks) and stage == stage_of_block(0, num_blocks, layout.pipeline, layout.assignment)
-    moved = min(profile.prologue_bytes_per_sample, profile.blocks[0].boundary_bytes_per_sample) if profile.blocks else 0
 
     def stage_line(
         line: ActivationLine,
@@ -252,7 +251,8 @@ def rank_profile(profile: ModelProfile, layout: Layout, stage: int) -> ModelProf
             # field selects it); measured, benchmarks/results/tp-activations-cpu.md. Of what lies
             # before them (the prologue) the first stage holds block 0's input instead; the rest (a
             # causal mask, position tensors) every stage's forward builds again, so it stays here too.
-            tail = line.per_sample_bytes - blocks_part - (0.0 if runs_block0 else moved)
+            moved = min(prologue, profile.blocks[0].boundary_bytes_per_sample) if prologue and not runs_block0 else 0.0
+            tail = line.per_sample_bytes - blocks_part - moved
         elif runs_block0:
             tail += prologue * boundary_factor
         return _scaled_line(line, blocks_part * share * factor + max(0.0, tail))
@@ -279,12 +279,7 @@ def rank_profile(profile: ModelProfile, layout: Layout, stage: int) -> ModelProf
         )
     held = held_grad_numel(profile, layout, stage, {old: p.numel for old, p in zip(keep, params, strict=True)})
     whole = 0
-    if (
-        degree > 1
-        and mode == "1d"
-        and profile.blocks
-        and stage == stage_of_block(0, num_blocks, layout.pipeline, layout.assignment)
-    ):
+    if degree > 1 and mode == "1d" and runs_block0:
         first_block_param = min((b.first_param for b in profile.blocks if b.num_params), default=len(profile.params))
         before = [profile.params[old] for old in keep if old < first_block_param]  # the embeddings
         whole = max((p.numel for p in before if p.requires_grad), default=0)

@@ -140,6 +140,12 @@ def test_receive_buffers_per_micro_batch_and_the_prologue_on_the_first_stage(pro
     before = [rank_profile(profile, Layout(pipeline=2, assignment="contiguous"), s).activation for s in (0, 1)]
     assert lines[0].per_sample_bytes == before[0].per_sample_bytes + prologue
     assert lines[1].per_sample_bytes == before[1].per_sample_bytes - boundary
+    # Checkpointed, block 0's input is counted with the blocks' boundaries already: no stage's line moves.
+    contiguous = Layout(pipeline=2, assignment="contiguous")
+    assert profile.activation_checkpointed is not None
+    assert [rank_profile(traced, contiguous, s).activation_checkpointed for s in (0, 1)] == [
+        rank_profile(profile, contiguous, s).activation_checkpointed for s in (0, 1)
+    ]
     # Without a pipeline the one stage keeps it where it was.
     assert rank_profile(traced, Layout(tensor=2), 0).activation.per_sample_bytes == (
         rank_profile(profile, Layout(tensor=2), 0).activation.per_sample_bytes
