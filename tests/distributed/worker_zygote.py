@@ -91,19 +91,12 @@ def finish(code: int) -> None:
     Why: tearing the interpreter down frees every object of torch and transformers, and in a forked child
     each free writes to a page the zygote shares, so the kernel copies nearly its whole heap first: some
     3 s of CPU per rank and launch (the work itself often takes less). Files the script closed, and its
-    process groups (``worker_main`` destroys them after a barrier), are unaffected.
+    process groups (``worker_main`` destroys them after a barrier), are unaffected. The package's
+    workers end the same way (``elixir_tune/worker_exit.py``), against gloo's teardown abort.
     """
-    import atexit
-    import threading
+    from elixir_tune.worker_exit import exit_worker
 
-    threading._shutdown()  # type: ignore[attr-defined]  # what exit does first: stops thread pools, joins threads
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # closed by the script
-            pass
-    os._exit(code)
+    exit_worker(code)
 
 
 def main() -> None:
