@@ -162,3 +162,17 @@ def test_hardware_package_imports_no_torch():
 
 def test_presets_live_in_the_configs_dir():
     assert preset_path("cpu").parent == paths.HARDWARE_CONFIGS_DIR
+
+
+@pytest.mark.parametrize("preset_id", sorted(REQUIRED - {"cpu"}))
+def test_gpu_preset_rates_are_useful_flop_rates_within_their_bound(preset_id):
+    """A flat model rate is a whole model's useful-FLOP rate, so no faster than the class's best published
+    MFU allows (a hardware-FLOPs rate, recomputation counted, is); a preset without a bound says why."""
+    spec = load_hardware(preset_id)
+    if not spec.best_mfu:
+        assert "# best_mfu: none" in preset_path(preset_id).read_text()
+        return
+    for dtype, best in spec.best_mfu.items():
+        if spec.block_tflops_curves.get(dtype):
+            continue  # a curve is the blocks' matmuls alone; the search clamps whole plans to the bound
+        assert spec.model_tflops[dtype] <= best * spec.matmul_peak_tflops[dtype], dtype
