@@ -86,7 +86,8 @@ COLOSSAL_GEMINI_MISMATCHES = (
     "the script logs each of its 10 steps with its TFLOPS; which one the README reports is not stated (the "
     "2-GPU and 4-GPU 'cpu' rows at batch 8 show the same 61.354)",
     "testbed '8xA100 (80GB) and 1xAMD EPYC 7543 32-Core Processor (512 GB), GPUs connected via PCI-e': compared "
-    "on the a100-80gb-pcie preset, whose compute rates are the a100-40gb-pcie preset's estimates (an assumption)",
+    "on the a100-80gb-pcie preset, whose compute rates are the a100-40gb-pcie preset's (the a100-80gb-sxm "
+    "preset's block curves and attention rate x 200/230, the ratio of the boards' matmul estimates: an assumption)",
     "transformers' GPT-2 of 2022: eager attention (the seq x seq scores kept), learned positions, tied head, "
     "vocabulary 50257, random tokens, fp16 (ColoInitContext dtype half, fp32 master in the optimizer)",
     "gradient_checkpointing_enable(): every block checkpointed",
