@@ -7,6 +7,8 @@ raising, so none waits in a collective for the other), and name the file and wha
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.distributed.engine_launch import launch
@@ -109,6 +111,8 @@ def test_a_failed_write_names_the_rank_and_file_and_leaves_nothing(results):
     ranks = results["write_fails"]
     error = _same_error_on_both(ranks, "save")
     assert "rank 1: could not write " in error and ".step-000002.tmp/rank-00001.pt" in error, error
+    # The free space is the failing rank's reading, so both ranks raise the same text (they once each measured it).
+    assert re.search(r"rank-00001\.pt: .*\(free on that filesystem: [0-9.]+ [KMGT]?i?B\);", error), error
     assert ranks[0]["disk"]["entries"] == [".lock", "latest", "step-000001"]  # the partial save removed
     _previous_checkpoint_loads(ranks)
 

@@ -256,17 +256,16 @@ def save_checkpoint(
         if comm.rank == 0:
             records[MODEL_NAME] = files.write_tensors(full, temporary / MODEL_NAME)
     except CheckpointError as failure:
-        error = f"rank {comm.rank}: {failure}"
+        # The free space as the failing rank saw it, inside its gathered text: every rank then raises the
+        # same message (each measuring for itself would differ as the disk fills).
+        error = f"rank {comm.rank}: {failure} (free on that filesystem: {_free_text(root)})"
     written = gather_objects(comm, (error, records), all_ranks=True)
     assert written is not None
     errors = [e for e, _ in written if e]
     if errors:
         if comm.rank == 0:
             shutil.rmtree(temporary, ignore_errors=True)
-        raise CheckpointError(
-            f"{refused}{'; '.join(errors)} (free on that filesystem: {_free_text(root)}); the checkpoints "
-            "already there are kept"
-        )
+        raise CheckpointError(f"{refused}{'; '.join(errors)}; the checkpoints already there are kept")
 
     # 4. meta.json last (it marks the directory complete), then rename, point latest, rotate.
     error, notes = None, []
