@@ -324,8 +324,11 @@ class ParallelTimes:
             # all-reduces and the edges' and final norm's (the engine's probe model has 4 blocks, so it
             # spreads those 6 over 4 blocks). Priced apart at the collective latency, which the probe
             # measures between blocks and which under load came out 1.6, 4.9 and 77 ms, they decided
-            # the probe's fit of the fixed cost: 24 ms, 5 ms, then 0 (clamped).
-            edges_s = norms_s = 0.0
+            # the probe's fit of the fixed cost: 24 ms, 5 ms, then 0 (clamped). The edges' bytes (b x s x h
+            # each, as the logits' below) grow with the model where the probe's hidden-32 run had next to
+            # none: they are priced, their calls are not.
+            edges_s = self.edge_collectives * edge_bytes / self.intra_bps
+            norms_s = 0.0
         recomputed_s = recomputed_blocks * layer_s * forward_share
         return (
             blocks * layer_s + recomputed_s + moe_extra_s + edges_s + norms_s + self.logits_gather_s(micro_batch_size)

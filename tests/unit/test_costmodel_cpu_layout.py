@@ -125,10 +125,13 @@ def test_a_tensor_split_on_the_cpu_costs_the_measured_share_of_the_plain_block(p
         len(profile.blocks) * (cpu.tensor2_block_fixed_s + cpu.tensor2_block_extra_ratio * plain_s)
     )
     # Every collective of the split is inside the measured cost (none outside the blocks) but the bytes
-    # of the logits' all-gather (micro-batch x seq x vocab, half of them through each of 2 ranks), which
-    # grow with the vocabulary; unmeasured, the blocks' norm-gradient all-reduces are link-priced.
+    # of the logits' all-gather (micro-batch x seq x vocab, half of them through each of 2 ranks) and of
+    # the 4 edge collectives (micro-batch x seq x hidden, half each), which grow with the model where the
+    # probe's run had next to none; unmeasured, the blocks' norm-gradient all-reduces are link-priced.
     logits_bytes = 8 * profile.seq_len * profile.arch.vocab_size * DTYPE_BYTES[model.dtype] / 2
-    assert without_blocks > 0 and without_blocks == pytest.approx(logits_bytes / (cpu.allgather_gbps * 1e9))
+    edge_bytes = 4 * 8 * profile.seq_len * profile.arch.hidden_size * DTYPE_BYTES[model.dtype] / 2
+    link_bps = cpu.allgather_gbps * 1e9
+    assert without_blocks > 0 and without_blocks == pytest.approx((logits_bytes + edge_bytes) / link_bps)
     assert costs.block_norms_s > 0
     bare = dataclasses.replace(cpu, tensor2_block_extra_ratio=0.0, tensor2_block_fixed_s=0.0)
     linked = CostModel(profile, bare, gpus_per_node=2, layout=layout).parallel_costs
