@@ -4,9 +4,9 @@ A worker whose work is done (results written, process group destroyed) was seen 
 interpreter's final teardown ("terminate called without an active exception", SIGABRT, no Python
 frame): a gloo thread still held async work whose tensors it released after Python had begun to shut
 down. (The tests' forked workers end the same way for another reason: a forked child's teardown
-copies the heap it shares with its zygote, tests/distributed/worker_zygote.py.) The parent then saw status -6 after a good run: elixir-run reported a failed job, and
-`elixir-tune probe` failed with "probe worker (cpu) 1 of 2 exited with status -6" after its
-collectives. ``exit_worker`` runs everything a normal exit does for us (non-daemon threads joined,
+copies the heap it shares with its zygote, tests/distributed/worker_zygote.py.) The parent then saw
+status -6 after a good run: elixir-run reported a failed job, and `elixir-tune probe` failed with
+"probe worker (cpu) 1 of 2 exited with status -6" after its collectives. ``exit_worker`` runs everything a normal exit does for us (non-daemon threads joined,
 atexit handlers, output flushed) and skips only that teardown. Used by the recipes' workers and the
 probe's. Imports no torch.
 """

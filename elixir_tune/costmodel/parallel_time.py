@@ -316,19 +316,19 @@ class ParallelTimes:
             # Measured on this machine: what the split adds to a block, a fixed cost and a share of
             # the whole-width block's time.
             layer_s = self.tensor_fixed_s + self.tensor_extra_ratio * self.plain_block_s(micro_batch_size)
+        # Measured on a CPU, the cost per block holds every collective call of the split: the blocks'
+        # norm-gradient all-reduces and the edges' and final norm's (the engine's probe model has 4 blocks,
+        # so it spreads those 6 over 4 blocks). Priced apart at the collective latency, which the probe
+        # measures between blocks and which under load came out 1.6, 4.9 and 77 ms, they decided the
+        # probe's fit of the fixed cost: 24 ms, 5 ms, then 0 (clamped). The edges' bytes (b x s x h each,
+        # as the logits' below) grow with the model where the probe's hidden-32 run had next to none:
+        # they are priced, their calls are not.
         edge_bytes = micro_batch_size * self.full.seq_len * self.hidden * self.dtype_bytes * (degree - 1) / degree
-        edges_s = self.edge_collectives * (self.latency_s + edge_bytes / self.intra_bps)
-        norms_s = blocks * self.block_norms_s + (self.edge_norms_s if self.stage == self.last_stage else 0.0)
-        if self.measured_tensor:
-            # The measured cost per block holds every collective of the split: the blocks' norm-gradient
-            # all-reduces and the edges' and final norm's (the engine's probe model has 4 blocks, so it
-            # spreads those 6 over 4 blocks). Priced apart at the collective latency, which the probe
-            # measures between blocks and which under load came out 1.6, 4.9 and 77 ms, they decided
-            # the probe's fit of the fixed cost: 24 ms, 5 ms, then 0 (clamped). The edges' bytes (b x s x h
-            # each, as the logits' below) grow with the model where the probe's hidden-32 run had next to
-            # none: they are priced, their calls are not.
-            edges_s = self.edge_collectives * edge_bytes / self.intra_bps
-            norms_s = 0.0
+        edge_call_s = 0.0 if self.measured_tensor else self.latency_s
+        edges_s = self.edge_collectives * (edge_call_s + edge_bytes / self.intra_bps)
+        norms_s = 0.0
+        if not self.measured_tensor:
+            norms_s = blocks * self.block_norms_s + (self.edge_norms_s if self.stage == self.last_stage else 0.0)
         recomputed_s = recomputed_blocks * layer_s * forward_share
         return (
             blocks * layer_s + recomputed_s + moe_extra_s + edges_s + norms_s + self.logits_gather_s(micro_batch_size)

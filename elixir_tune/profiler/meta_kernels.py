@@ -11,10 +11,10 @@ there, keeping the scores' softmax, dropout noise and dropped probabilities (mea
 score element in fp32, 15 in bf16). The profile is the GPU's; each such call's score elements
 (batch x heads x query x key) go to ``on_dropout_scores`` so that the cost model can add what a CPU
 device keeps (``costmodel/memory.py`` ``cpu_attention_dropout_bytes``). The fused kernels take 4-D
-(batch, heads, seq, head dim) inputs with as many key/value heads as query heads, or fewer with ``enable_gqa``: a call outside that (Falcon's
-one key/value head broadcast over the query heads, without ``enable_gqa``) runs the math path on a
-real device, and is profiled on it too (checked against a real forward on the CPU:
-tests/unit/test_profiler_activations.py).
+(batch, heads, seq, head dim) inputs with as many key/value heads as query heads, or fewer with
+``enable_gqa``: a call outside that (Falcon's one key/value head broadcast over the query heads,
+without ``enable_gqa``) runs the math path on a real device, and is profiled on it too (checked
+against a real forward on the CPU: tests/unit/test_profiler_activations.py).
 
 Grouped matmuls (mixture-of-experts layers: each token's rows times its expert's matrix). torch's
 meta kernel for ``grouped_mm`` accepts bf16 only, while the model may be profiled in fp32 or fp16;
