@@ -2,6 +2,7 @@
 
 Public API:
     load_model_source(spec) -> ModelSource   resolve file.py[:builder], model YAML or config name
+    check_model_source(spec) -> name         the same checks without importing a Python file (plans are inert)
     profile_model(source, batch_size, seq_len, dtype, checkpointing) -> ModelProfile
     ModelProfile, save_profile, load_profile (schema.py, torch-free)
 """
@@ -15,6 +16,7 @@ __all__ = [
     "ModelSource",
     "ModelSourceError",
     "ParamInfo",
+    "check_model_source",
     "load_model_source",
     "load_profile",
     "profile_model",
@@ -24,7 +26,7 @@ __all__ = [
 
 def __getattr__(name: str):
     # torch is imported only when the profiler itself is used, so reading a profile stays light.
-    if name in ("ModelSource", "ModelSourceError", "load_model_source"):
+    if name in ("ModelSource", "ModelSourceError", "check_model_source", "load_model_source"):
         from elixir_tune.profiler import source
 
         return getattr(source, name)

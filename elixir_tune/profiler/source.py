@@ -13,6 +13,7 @@ is that model's directory in the local Hugging Face cache (elixir_tune/hf_cache.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib.util
 import json
@@ -137,6 +138,51 @@ def load_model_source(spec: str) -> ModelSource:
         f"{spec}: MODEL must be a .py file (optionally file.py:builder), a model .yaml, a config name, "
         "or a Hugging Face model directory (with config.json)"
     )
+
+
+def check_model_source(spec: str) -> str:
+    """Checks a model spec the way ``load_model_source`` would, without running any of its code.
+
+    A plan names its model by ``model.source``; a plan received from someone else must be safe to
+    validate, show and dry-run, so a Python file is read and parsed here, never imported: it must
+    exist, parse, and define the builder and ``example_batch`` at its top level. A model YAML, a
+    config name or a Hugging Face directory is data and is loaded as usual (no remote code).
+
+    Args:
+        spec: as for ``load_model_source``.
+
+    Returns:
+        The model's name (the file's stem for a Python file).
+
+    Raises:
+        ModelSourceError: what ``load_model_source`` would refuse and can be seen without importing.
+    """
+    spec = str(spec)
+    head, sep, tail = spec.rpartition(":")
+    path_part, builder = (head, tail) if sep and head.endswith(".py") and tail.isidentifier() else (spec, "build_model")
+    path = Path(path_part)
+    if path.suffix != ".py" or path.is_dir():
+        return load_model_source(spec).name
+    if not path.is_file():
+        raise ModelSourceError(f"{path}: no such file")
+    try:
+        tree = ast.parse(path.read_bytes(), filename=str(path))
+    except (SyntaxError, ValueError) as exc:
+        raise ModelSourceError(f"{path}: not valid Python: {exc}") from exc
+    defined = set()
+    for node in tree.body:  # top-level definitions and assignments, as getattr(module, name) would find them
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            defined.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            defined.update(target.id for target in targets if isinstance(target, ast.Name))
+    if builder not in defined:
+        raise ModelSourceError(f"{path}: no builder function {builder}() (define it, or name one as {path}:my_builder)")
+    if "example_batch" not in defined:
+        raise ModelSourceError(f"{path}: no example_batch(batch_size, seq_len) function returning a dict of inputs")
+    return path.stem
 
 
 def available_model_configs() -> list[str]:

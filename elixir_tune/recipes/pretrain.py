@@ -61,7 +61,7 @@ def preflight(argv: list[str], plan_path: str) -> list[str]:
     from pathlib import Path
 
     import elixir_tune
-    from elixir_tune.profiler import ModelSourceError, load_model_source
+    from elixir_tune.profiler import ModelSourceError, check_model_source
     from elixir_tune.recipes.metrics import metric_problems
 
     try:
@@ -74,8 +74,8 @@ def preflight(argv: list[str], plan_path: str) -> list[str]:
             if path and not Path(path).is_file():
                 problems.append(f"{option} {path}: no such file")
     plan = elixir_tune.load_plan(plan_path)
-    try:
-        load_model_source(resolve_model_spec(args.model or plan.model.source, plan_path))
+    try:  # read, never imported: a plan from someone else runs no code before the user starts the job
+        check_model_source(resolve_model_spec(args.model or plan.model.source, plan_path))
     except ModelSourceError as error:
         problems.append(str(error))
     return problems
