@@ -19,7 +19,6 @@ from elixir_tune.cli.console import (
     fail,
     print_json,
 )
-from elixir_tune.cli.probe_engine import probe_with_engine
 from elixir_tune.hardware import HardwareSpec, closest_preset, load_hardware, save_hardware
 from elixir_tune.units import gib
 
@@ -139,6 +138,9 @@ def probe_command(quick: bool, out_path: str, procs: int | None, as_json: bool) 
             progress.update(task, description=message)
 
         try:
+            # Imported here: it loads torch, which `elixir-tune --help` must not wait for.
+            from elixir_tune.cli.probe_engine import probe_with_engine
+
             spec = probe_with_engine(quick=quick, progress=report, procs=procs)
         except (RuntimeError, OSError, ValueError) as error:
             fail(

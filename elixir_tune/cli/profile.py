@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from elixir_tune.cli.console import Table, console, err_console, fail, print_json
@@ -92,6 +94,11 @@ def profile_command(
         elixir-tune profile path/to/Llama-2-7b-hf --seq-len 1024 --dtype bf16   # a downloaded model
         elixir-tune profile path/to/Llama-2-7b-hf --lora-rank 16 --lora-targets q_proj,v_proj   # LoRA
     """
+    # A missing file is answered before the profiler's imports (torch, transformers: seconds).
+    head, colon, tail = model.rpartition(":")
+    model_path = Path(head if colon and head.endswith(".py") and tail.isidentifier() else model)
+    if model_path.suffix in (".py", ".yaml", ".yml") and not model_path.exists():
+        fail(f"{model_path}: no such file", MODEL_HINT)
     from elixir_tune.profiler import ModelSourceError, profile_model, save_profile
 
     if lora_rank is None and (lora_alpha is not None or lora_targets is not None or lora_dropout):

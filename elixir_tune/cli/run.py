@@ -158,7 +158,10 @@ def run_command(
     if as_json and not dry_run:
         fail("--json goes with --dry-run (a running job's output is the workers' own)", code=EXIT_USAGE)
     try:
-        torchrun_options, plan_path, script, script_args = split_command_line(command_line, torchrun_option_arity())
+        # torchrun's parser (which loads torch, seconds) only when torchrun options come before PLAN.
+        leading_option = bool(command_line) and command_line[0].startswith("-") and command_line[0] != "--"
+        arity = torchrun_option_arity() if leading_option else {}
+        torchrun_options, plan_path, script, script_args = split_command_line(command_line, arity)
     except ArgvError as error:
         fail(
             str(error),

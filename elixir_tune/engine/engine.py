@@ -348,6 +348,8 @@ class Engine(EnginePasses, EngineGrads, EngineState):
                 "the plan's model.block_list names no blocks (activation checkpointing applies to its items)"
             )
         blocks = self.model.get_submodule(self.plan.model.block_list)
+        if isinstance(blocks, torch.nn.ModuleDict):  # torchtitan's layers: keys "0".."n-1" (profiler/blocks.py)
+            return torch.nn.ModuleList(blocks.values())
         if not isinstance(blocks, (torch.nn.ModuleList, torch.nn.Sequential)):
             raise ValueError(
                 f"model.block_list {self.plan.model.block_list!r} is a {type(blocks).__name__}, not a ModuleList"

@@ -13,6 +13,10 @@ from torch.utils import checkpoint as torch_checkpoint
 def find_block_list(model: nn.Module) -> tuple[str, list[nn.Module]]:
     """Finds the repeated blocks: the largest ModuleList whose items all have one type.
 
+    A ModuleDict keyed "0", "1", ... in order (torchtitan's ``model.layers``) counts as a list too: its
+    parameters are named ``layers.<i>.…`` as a ModuleList's are, which is what the plan's block indices
+    (``plan.stages.block_index_of``) read. A ModuleDict with other keys is no block list.
+
     Args:
         model: the model.
 
@@ -22,9 +26,14 @@ def find_block_list(model: nn.Module) -> tuple[str, list[nn.Module]]:
     """
     best: tuple[int, int, str, list[nn.Module]] = (0, 0, "", [])
     for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+        if isinstance(module, nn.ModuleDict):
+            if list(module.keys()) != [str(index) for index in range(len(module))]:
+                continue
+        elif not isinstance(module, nn.ModuleList):
             continue
-        items = list(module)
+        if len(module) == 0:
+            continue
+        items = list(module.values()) if isinstance(module, nn.ModuleDict) else list(module)
         if len({type(item) for item in items}) != 1:
             continue
         numel = sum(p.numel() for p in module.parameters())

@@ -199,6 +199,11 @@ def _load_python(path: Path, builder: str, spec: str) -> ModelSource:
         raise ModelSourceError(f"{path}: cannot be imported as a Python module")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module  # dataclasses and pickling look the module up by name
+    # As `python model.py` would: the file's folder first on the import path, so that it imports the modules
+    # beside it (at import, or later inside build_model) without PYTHONPATH=.
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     try:
         module_spec.loader.exec_module(module)
     except Exception as exc:

@@ -121,6 +121,10 @@ def preflight(argv: list[str], plan_path: str) -> list[str]:
         model_dir = resolve_model_dir(args.model or plan.model.source, plan_path)
     except ValueError as error:
         return [*problems, str(error)]
+    if any(problem.startswith("--data ") and problem.endswith(": no such file") for problem in found):
+        # The tokenizer and the meta model cost seconds of imports (transformers, torch): a missing file is
+        # answered at once, and those checks run once it is there.
+        return problems
     try:
         tokenizer = load_tokenizer(model_dir)
     except Exception as error:  # transformers raises many kinds; the user needs the first line
