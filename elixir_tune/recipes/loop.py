@@ -27,6 +27,7 @@ from elixir_tune.engine.comm import shared_errors
 from elixir_tune.engine.io.checkpoint_files import LATEST_NAME, CheckpointError
 from elixir_tune.engine.io.pretrained_files import describe_failure
 from elixir_tune.recipes.evaluation import evaluate
+from elixir_tune.recipes.fp16_watch import Fp16Watch
 
 BEST_DIR_NAME = "best"  # --keep-best: the best evaluation's checkpoint, a root of its own under --save
 
@@ -146,6 +147,12 @@ def train(
                         flush=True,
                     )
     stop_step = min(steps, args.stop_at) if args.stop_at is not None else steps
+    if stop_step <= start_step:  # nothing would run, and a save would relabel the checkpoint as done
+        what = f"--stop-at {args.stop_at}" if args.stop_at is not None and args.stop_at < steps else f"--steps {steps}"
+        return fail_once(
+            f"{what} is not after the checkpoint's step {start_step}: nothing would train; give a later step", rank
+        )
+    fp16_watch = Fp16Watch(optimizer) if plan.training.dtype == "fp16" else None
 
     micro, accum = training.micro_batch_size, training.grad_accum_steps
     # Each data-parallel index trains on its rows; the ranks of one pipeline (or tensor) group share them.
@@ -282,12 +289,20 @@ def train(
                         }
                     )
                 steps_done = step + 1
+                # fp16: a skipped or non-finite step is not saved as progress; a run of them stops the run
+                bad_step = fp16_watch.after_step(steps_done, mean_loss) if fp16_watch else False
                 if stop_now > 0:
                     save(steps_done)
                     raise KeyboardInterrupt
                 if eval_batches and args.eval_every and steps_done % args.eval_every == 0 and steps_done < stop_step:
                     run_eval(steps_done)
-                if args.save and args.save_every and steps_done % args.save_every == 0 and steps_done < stop_step:
+                if (
+                    args.save
+                    and args.save_every
+                    and steps_done % args.save_every == 0
+                    and steps_done < stop_step
+                    and not bad_step
+                ):
                     save(steps_done)
             if eval_batches and steps_done > start_step:
                 run_eval(steps_done)

@@ -7,6 +7,7 @@ option is a problem line, not an exit) and by each worker.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from pathlib import Path
 from typing import NoReturn
@@ -122,12 +123,39 @@ def option_problems(args: argparse.Namespace) -> list[str]:
             )
     if args.epochs is not None and args.epochs <= 0:
         problems.append(f"--epochs must be above 0, not {args.epochs:g}")
+    problems += number_problems(args)
     if not 0.0 <= args.eval_fraction < 1.0:
         problems.append(f"--eval-fraction is a share of the samples, 0 <= F < 1, not {args.eval_fraction:g}")
     if args.eval_fraction and args.eval_data:
         problems.append("give --eval-fraction or --eval-data, not both")
     if args.keep_best and not args.save:
         problems.append("--keep-best keeps the best checkpoint under --save DIR: add --save")
+    return problems
+
+
+def number_problems(args: argparse.Namespace) -> list[str]:
+    """The schedule's numbers that parse but cannot mean what was asked (NaN, negative, a stop before the start).
+
+    Args:
+        args: the recipe's parsed options.
+
+    Returns:
+        One line per bad value, naming the option, the value and what it accepts.
+    """
+    problems = []
+    lr = args.lr
+    if not math.isfinite(lr) or lr <= 0:
+        problems.append(f"--lr must be a finite number above 0 (e.g. --lr 3e-4), not {lr:g}")
+    if not math.isfinite(args.clip) or args.clip < 0:
+        problems.append(
+            f"--clip is the largest gradient norm kept, a finite number >= 0 (0: no clipping), not {args.clip:g}"
+        )
+    for name, least in (("warmup_steps", 0), ("stop_at", 1), ("print_every", 1)):
+        value = getattr(args, name, None)
+        if value is not None and value < least:
+            problems.append(f"--{name.replace('_', '-')} must be {least} or more, not {value}")
+    if args.epochs is not None and not math.isfinite(args.epochs):
+        problems.append(f"--epochs must be a finite number above 0, not {args.epochs:g}")
     return problems
 
 

@@ -89,8 +89,9 @@ def _harm_files(case: dict, step_dir: Path, rank: int, marker: Path) -> None:
             target = step_dir / "rank-00001.pt"
             torch.save({"masters": [Payload(marker)]}, target)
             meta["files"]["rank-00001.pt"] = {"size_bytes": target.stat().st_size, "sha256": files.sha256_of(target)}
+            meta[files.META_CHECKSUM_KEY] = files.meta_checksum(meta)  # and meta.json's own checksum
             if harm == "pickle_old_format":
-                del meta["files"]
+                del meta["files"], meta[files.META_CHECKSUM_KEY]
                 meta["format"] = 1
             meta_path.write_text(json.dumps(meta))
         elif harm == "corrupt":
@@ -106,8 +107,20 @@ def _harm_files(case: dict, step_dir: Path, rank: int, marker: Path) -> None:
         elif harm == "garbled_meta":
             meta_path.write_text('{"format": 2, "step": 1, garbled')
         elif harm == "old_format":  # a checkpoint from before checksums: loads, with a note
-            del meta["files"]
+            del meta["files"], meta[files.META_CHECKSUM_KEY]
             meta["format"] = 1
+            meta_path.write_text(json.dumps(meta))
+        elif harm in ("meta_step_edited", "meta_fingerprint_edited"):  # edited by hand: its checksum is stale
+            key, value = ("step", 7) if harm == "meta_step_edited" else ("fingerprint", "0123456789abcdef")
+            meta[key] = value
+            meta_path.write_text(json.dumps(meta, indent=1))
+        elif harm == "meta_step_text":  # a format-2 meta.json (no checksum of itself) whose step is no number
+            del meta[files.META_CHECKSUM_KEY]
+            meta["format"], meta["step"] = 2, "ten"
+            meta_path.write_text(json.dumps(meta))
+        elif harm == "other_model":  # a consistent checkpoint of another model, as its own save wrote it
+            meta["fingerprint"] = "0123456789abcdef"
+            meta[files.META_CHECKSUM_KEY] = files.meta_checksum(meta)
             meta_path.write_text(json.dumps(meta))
     dist.barrier()
 

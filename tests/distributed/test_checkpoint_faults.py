@@ -23,6 +23,10 @@ HARMS = [
     "missing",
     "garbled_meta",
     "old_format",
+    "meta_step_edited",
+    "meta_fingerprint_edited",
+    "meta_step_text",
+    "other_model",
     "nan",
     "no_space",
     "write_fails",
@@ -77,6 +81,10 @@ def test_a_pickle_payload_never_runs(results, harm):
         ("truncated", "step-000001/rank-00000.pt is truncated"),
         ("missing", "step-000001/rank-00001.pt is missing"),
         ("garbled_meta", "step-000001/meta.json is not valid JSON"),
+        ("meta_step_edited", "step-000001/meta.json was changed after the save (its meta_sha256 does not match"),
+        ("meta_fingerprint_edited", "step-000001/meta.json was changed after the save"),
+        ("meta_step_text", "step-000001/meta.json: step is 'ten', not a non-negative integer"),
+        ("other_model", "was saved for another model: its fingerprint is 0123456789abcdef"),
     ],
 )
 def test_damage_is_found_and_named_on_every_rank(results, harm, expected):

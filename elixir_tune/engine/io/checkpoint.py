@@ -37,8 +37,9 @@ from elixir_tune.engine.io import checkpoint_files as files
 from elixir_tune.engine.io.checkpoint_files import META_NAME, MODEL_NAME, CheckpointError, rank_file_name
 from elixir_tune.plan import Plan
 
-# 2: meta.json records each file's size and sha256 (1: no checksums; still loaded, with a note).
-FORMAT_VERSION = 2
+# 3: meta.json also carries its own sha256 (an edited step or fingerprint is refused); 2: each file's size and
+# sha256 (still loaded: its metadata is only type-checked); 1: no checksums (still loaded, with a note).
+FORMAT_VERSION = files.META_CHECKSUM_FORMAT
 DEFAULT_KEEP = 2
 
 
@@ -131,6 +132,11 @@ def lock_checkpoint_dir(path: str | os.PathLike, model) -> None:
             notes = files.acquire_lock(root)
         except CheckpointError as failure:
             error = f"rank 0: {failure}"  # the writing rank names itself, as a failed write does
+        except OSError as failure:  # a full disk or a read-only place: every rank gets this line, none a traceback
+            error = (
+                f"rank 0: cannot write checkpoints to {root}: {' '.join(str(failure).split())} (free on that "
+                f"filesystem: {_free_text(root if root.exists() else root.parent)}); free space or give another --save"
+            )
     _agree(comm, error)
     _note(comm, notes)
 
@@ -285,6 +291,7 @@ def save_checkpoint(
             "saved_at": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "files": {name: record for _, part in written for name, record in sorted(part.items())},
         }
+        meta[files.META_CHECKSUM_KEY] = files.meta_checksum(meta)
         try:
             files.write_json_atomically(temporary / META_NAME, meta)
             files.publish(temporary, final)
@@ -350,7 +357,7 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer) -> dict:
         CheckpointError: on every rank, before any state changes: not a complete checkpoint, a
             damaged meta.json, a missing, truncated, corrupt or unsafe file (named), or a shard that
             does not fit this plan.
-        ValueError: the checkpoint belongs to another model (fingerprint differs).
+        CheckpointError: the checkpoint belongs to another model (fingerprint differs; a ValueError, as before).
     """
     engine = model.engine
     comm, plan = _world_and_plan(engine)
@@ -370,10 +377,11 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer) -> dict:
         error = _read_error(failure, comm.rank)
     _agree(comm, error)
     _note(comm, notes)
-    if meta.get("fingerprint") != plan.model.fingerprint:
-        raise ValueError(
+    if meta.get("fingerprint") != plan.model.fingerprint:  # a CheckpointError: the recipes' one line, no traceback
+        raise CheckpointError(
             f"checkpoint {directory} was saved for another model: its fingerprint is {meta.get('fingerprint')}, "
-            f"this model's plan has {plan.model.fingerprint} (parameter names, shapes or dtypes differ)"
+            f"this model's plan has {plan.model.fingerprint} (parameter names, shapes or dtypes differ): resume with "
+            "the plan and model it was saved with, or start without --resume"
         )
     optimizer.steps_done = int(meta.get("step", 0))  # a NonFiniteError names steps as the whole run counts them
     records = meta.get("files")

@@ -33,6 +33,9 @@ from typing import Any, BinaryIO
 import torch
 
 META_NAME = "meta.json"
+# meta.json's checksum of itself, and the first format that always carries it.
+META_CHECKSUM_KEY = "meta_sha256"
+META_CHECKSUM_FORMAT = 3
 MODEL_NAME = "model.pt"
 LATEST_NAME = "latest"
 LOCK_NAME = ".lock"
@@ -206,7 +209,29 @@ def read_meta(path: Path) -> dict:
     ]
     if missing:
         raise CheckpointError(f"{path} is not an elixir-tune checkpoint's metadata (no {', '.join(missing)})")
+    recorded = meta.get(META_CHECKSUM_KEY)
+    if recorded is not None or (isinstance(meta["format"], int) and meta["format"] >= META_CHECKSUM_FORMAT):
+        if recorded != meta_checksum(meta):
+            raise CheckpointError(
+                f"{path} was changed after the save (its {META_CHECKSUM_KEY} does not match its contents): the step, "
+                "fingerprint or layout it states cannot be trusted; restore the file or resume from another checkpoint"
+            )
+    # A metadata file from before the checksum is read as it is: its fields must at least have their types.
+    for key, kind in (("format", int), ("step", int), ("world_size", int), ("fingerprint", str)):
+        value = meta[key]
+        if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):
+            raise CheckpointError(
+                f"{path}: {key} is {value!r}, not a {'non-negative integer' if kind is int else 'string'}: the "
+                "checkpoint's metadata is damaged; resume from another checkpoint"
+            )
     return meta
+
+
+def meta_checksum(meta: dict) -> str:
+    """The sha256 of a checkpoint's metadata without its own checksum field (keys sorted, compact JSON):
+    a meta.json edited after the save (its step, fingerprint or file records) no longer matches it."""
+    body = {key: value for key, value in meta.items() if key != META_CHECKSUM_KEY}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def write_json_atomically(path: Path, data: Any) -> None:
