@@ -206,13 +206,18 @@ def check_launch(
         )
 
     prediction = plan.prediction
-    if prediction and facts.host_memory_bytes and prediction.peak_host_bytes:
-        ok = prediction.peak_host_bytes <= facts.host_memory_bytes
+    # A cpu plan's "device" is host memory: its per-worker peak is in peak_gpu_bytes and its host peak is 0,
+    # so the node needs each of its workers' device peak on top of the host peak.
+    worker_bytes = prediction.peak_gpu_bytes * procs if prediction and cluster.device == "cpu" else 0
+    node_bytes = prediction.peak_host_bytes + worker_bytes if prediction else 0
+    if prediction and facts.host_memory_bytes and node_bytes:
+        ok = node_bytes <= facts.host_memory_bytes
+        workers = f" ({procs} worker(s) x {gib(prediction.peak_gpu_bytes)})" if worker_bytes else ""
         checks.append(
             Check(
                 "host memory",
                 ok,
-                f"plan needs {gib(prediction.peak_host_bytes)} per node, node has {gib(facts.host_memory_bytes)}",
+                f"plan needs {gib(node_bytes)} per node{workers}, node has {gib(facts.host_memory_bytes)}",
                 hint="search with this machine's hardware (elixir-tune probe, then elixir-tune search "
                 "--hardware hardware.yaml), or pass --force to run anyway (the job may then be killed "
                 "when host memory runs out)",

@@ -89,14 +89,14 @@ def test_json_errors_name_the_file_and_position(tmp_path):
         load_json(path, "checkpoint metadata")
 
 
-def _plan_needing(tmp_path: Path, host_bytes: int) -> Path:
+def _plan_needing(tmp_path: Path, host_bytes: int, worker_bytes: int = 0) -> Path:
     raw = yaml.safe_load(EXAMPLE_PLAN.read_text())
     raw["prediction"] = {
         "step_time_s": 0.03,
         "tokens_per_s": 1000.0,
         "tflops_per_gpu": 0.01,
         "mfu": 0.01,
-        "peak_gpu_bytes": 0,
+        "peak_gpu_bytes": worker_bytes,
         "peak_host_bytes": host_bytes,
     }
     path = tmp_path / "big.yaml"
@@ -114,6 +114,19 @@ def test_a_plan_bigger_than_this_nodes_memory_is_refused(tmp_path):
     assert "cannot run here: host memory: plan needs 1048576.00 GiB per node" in result.output
     assert "--force" in result.output
     assert not list(out.iterdir())
+
+
+def test_a_cpu_plans_workers_count_against_host_memory(tmp_path):
+    """A cpu plan's workers live in host memory, and its prediction puts their peak in peak_gpu_bytes with the host
+    peak at 0: a plan of 2 x 1 PiB per worker passed --dry-run on any machine."""
+    plan = _plan_needing(tmp_path, 0, worker_bytes=1 << 50)
+    result = CliRunner().invoke(run_command, ["--dry-run", str(plan), str(WORKER)])
+    _no_traceback(result)
+    assert result.exit_code == 1, result.output
+    assert "host memory: plan needs 2097152.00 GiB per node (2 worker(s) x 1048576.00 GiB)" in result.output
+    small = _plan_needing(tmp_path, 0, worker_bytes=1 << 20)
+    result = CliRunner().invoke(run_command, ["--dry-run", str(small), str(WORKER)])
+    assert result.exit_code == 0 and "ok host memory: plan needs 0.00 GiB per node (2 worker(s) x" in result.output
 
 
 def test_force_runs_it_with_a_warning(tmp_path):
