@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from torch import nn
 
+from elixir_tune.files import InputFileError, load_yaml
 from elixir_tune.hf_cache import ModelNotCachedError, cached_model_dir, looks_like_hub_name
 from elixir_tune.paths import MODEL_CONFIGS_DIR
 
@@ -243,10 +243,10 @@ def _load_hf_directory(path: Path, spec: str, name: str | None = None) -> ModelS
 def _load_yaml(path: Path, spec: str) -> ModelSource:
     if not path.is_file():
         raise ModelSourceError(f"{path}: no such file")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ModelSourceError(f"{path}: not valid YAML: {exc}") from exc
+    try:  # the one input loader: binary, non-UTF-8 or broken YAML is one line naming the file
+        raw = load_yaml(path, "model YAML")
+    except InputFileError as exc:
+        raise ModelSourceError(str(exc)) from None
     if not isinstance(raw, dict) or "architecture" not in raw:
         raise ModelSourceError(
             f"{path}: a model YAML needs at least `architecture:` (a transformers model_type) and `config:`"

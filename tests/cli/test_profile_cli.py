@@ -61,6 +61,24 @@ def test_errors_are_messages_with_exit_status(args, code, message, tmp_path):
     assert not (tmp_path / "p.yaml").exists()
 
 
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (bytes(range(256)) * 4, "is a binary file, not a model YAML"),
+        (b"\xdb\xff garbage " * 50, "is not UTF-8 text (byte 0xdb at offset 0); not a model YAML"),
+        (b"architecture: [gpt2\n", "YAML syntax error at line 2, column 1"),
+    ],
+)
+def test_a_model_yaml_that_is_no_yaml_is_one_line(tmp_path, content, message):
+    """The profiler read model YAMLs with its own yaml.safe_load: random bytes ended in a UnicodeDecodeError."""
+    model = tmp_path / "model.yaml"
+    model.write_bytes(content)
+    result = run(str(model), "--out", str(tmp_path / "p.yaml"))
+    assert result.exit_code == 1, result.output
+    assert f"{model}: {message}" in result.output, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
 @pytest.mark.slow  # a fresh interpreter imports torch and transformers: seconds
 def test_console_script_runs(tmp_path):
     script = Path(sys.executable).parent / "elixir-tune"
