@@ -73,6 +73,8 @@ def preflight(argv: list[str], plan_path: str) -> list[str]:
         for option, path in (("--data", args.data), ("--eval-data", args.eval_data)):
             if path and not Path(path).is_file():
                 problems.append(f"{option} {path}: no such file")
+            elif path and Path(path).stat().st_size == 0:
+                problems.append(f"{option} {path}: the file is empty; give a text file (its bytes are the tokens)")
     plan = elixir_tune.load_plan(plan_path)
     try:  # read, never imported: a plan from someone else runs no code before the user starts the job
         check_model_source(resolve_model_spec(args.model or plan.model.source, plan_path))
@@ -102,7 +104,10 @@ def load_data(args, seq_len: int, vocab_size: int | None):
         if not os.path.isfile(path):
             raise DataProblem(f"{option} {path}: no such file")
         with open(path, "rb") as file:
-            return torch.frombuffer(bytearray(file.read()), dtype=torch.uint8).long()
+            content = file.read()
+        if not content:  # torch.frombuffer raises on an empty buffer
+            raise DataProblem(f"{option} {path}: the file is empty; give a text file (its bytes are the tokens)")
+        return torch.frombuffer(bytearray(content), dtype=torch.uint8).long()
 
     tokens = read(args.data, "--data")
     eval_tokens = None

@@ -34,3 +34,13 @@ def test_a_bad_number_is_one_line_before_anything_starts(recipe, options, expect
     assert expected in result.output, result.output
     assert "Traceback" not in result.output
     assert result.output.count("error:") == 1, result.output
+
+
+def test_an_empty_data_file_is_one_line_before_anything_starts(tmp_path):
+    """An empty --data file passed the preflight and every worker died in torch.frombuffer's ValueError."""
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    result = CliRunner().invoke(run_command, [str(EXAMPLE_PLAN), "pretrain", "--data", str(empty), "--steps", "2"])
+    assert result.exit_code == 2, result.output
+    assert f"--data {empty}: the file is empty; give a text file (its bytes are the tokens)" in result.output
+    assert "nothing was started" in result.output and "Traceback" not in result.output
