@@ -10,9 +10,11 @@ import json
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from elixir_tune.recipes.metrics import MetricSinks
+from elixir_tune.recipes.throughput import compare
 
 
 class Reporter:
@@ -62,15 +64,25 @@ class Reporter:
             tps=f"{entry['tokens_per_s']:,.0f}",
             mem=f"{entry['memory_bytes'] / 2**20:,.0f} MiB",
         )
-        number = entry["step"] + 1
-        self.sinks.log(
-            number, {"train/loss": entry["loss"], "train/lr": entry["lr"], "train/tokens_per_s": entry["tokens_per_s"]}
-        )
+        number = entry["step"]  # counted from 1
+        scalars = {
+            "train/loss": entry["loss"],
+            "train/lr": entry["lr"],
+            "train/tokens_per_s": entry["tokens_per_s"],
+            "train/computed_tokens_per_s": entry["computed_tokens_per_s"],
+            "train/padding_fraction": entry["tokens_padding"] / max(1, entry["tokens_computed"]),
+            "train/no_loss_fraction": entry["tokens_no_loss"] / max(1, entry["tokens_computed"]),
+        }
+        if entry.get("mfu") is not None:
+            scalars["train/mfu"] = entry["mfu"]
+        self.sinks.log(number, scalars)
         if number == 1 or number % self.print_every == 0 or number == self.steps:
             self.say(
-                f"step {number:>5}/{self.steps}  loss {entry['loss']:.4f}  {entry['tokens_per_s']:>9,.0f} tok/s  "
-                f"{entry['tflops_per_gpu']:.4f} TFLOPS/worker  {entry['step_time_s'] * 1000:7.1f} ms  "
-                f"mem {entry['memory_bytes'] / 2**20:,.0f} MiB  lr {entry['lr']:.2e}  epoch {entry['epoch']:.2f}"
+                f"step {number:>5}/{self.steps}  loss {entry['loss']:.4f}  {entry['tokens_per_s']:>9,.0f} tok/s "
+                f"learned{split_note(entry)}  {entry['tflops_per_gpu']:.4f} TFLOPS/worker"
+                + (f" (MFU {entry['mfu']:.1%})" if entry.get("mfu") is not None else "")
+                + f"  {entry['step_time_s'] * 1000:7.1f} ms  mem {entry['memory_bytes'] / 2**20:,.0f} MiB  "
+                f"lr {entry['lr']:.2e}  epoch {entry['epoch']:.2f}"
             )
         self.write()
 
@@ -85,10 +97,35 @@ class Reporter:
         )
         self.write()
 
-    def write(self, status: str = "running") -> None:
-        """The JSON log, replaced whole (readers never see a half-written one)."""
-        if not self.log_path:
+    def say_prediction(self) -> None:
+        """The run's last lines: predicted against measured step time and peak memory, and what to do about a
+        gap beyond 1.5x (``write`` with the run's final status computes them, for the JSON log too)."""
+        check = self.record.get("summary", {}).get("prediction")
+        if not check:
             return
+        measured_ms = check["measured_step_time_s"] * 1000
+        measured_mib = check["measured_peak_memory_bytes"] / 2**20
+        if check["step_time_ratio"] is None:
+            self.say(
+                f"plan vs run: the plan has no prediction (plans from `elixir-tune search` carry one); measured "
+                f"{measured_ms:.1f} ms/step, peak memory {measured_mib:,.0f} MiB"
+            )
+            return
+        line = (
+            f"plan vs run: step time {check['predicted_step_time_s'] * 1000:.1f} ms predicted, {measured_ms:.1f} ms "
+            f"measured ({check['step_time_ratio']:.2f}x)"
+        )
+        if check["memory_ratio"] is not None:
+            line += (
+                f"; peak memory {check['predicted_peak_memory_bytes'] / 2**20:,.0f} MiB predicted, "
+                f"{measured_mib:,.0f} MiB measured ({check['memory_ratio']:.2f}x)"
+            )
+        self.say(line)
+        for advice in check["advice"]:
+            self.say(f"[yellow]note[/]: {escape(advice)}")
+
+    def write(self, status: str = "running") -> None:
+        """The summary, and the JSON log replaced whole (readers never see a half-written one)."""
         steps = self.record["steps"]
         if steps:
             timed = steps[1:] or steps  # the first step includes warm-up work
@@ -98,12 +135,26 @@ class Reporter:
                 "first_loss": steps[0]["loss"],
                 "last_loss": steps[-1]["loss"],
                 "mean_tokens_per_s": sum(s["tokens_per_s"] for s in timed) / len(timed),
+                "mean_computed_tokens_per_s": sum(s["computed_tokens_per_s"] for s in timed) / len(timed),
+                "tokens": sum(s["tokens"] for s in steps),
+                "tokens_padding": sum(s["tokens_padding"] for s in steps),
+                "tokens_no_loss": sum(s["tokens_no_loss"] for s in steps),
+                "tokens_computed": sum(s["tokens_computed"] for s in steps),
                 "mean_step_time_s": sum(s["step_time_s"] for s in timed) / len(timed),
                 "peak_memory_bytes": max(s["memory_bytes"] for s in steps),
             }
+            if status != "running":  # the run's end: the plan's promise beside what was measured
+                self.record["summary"]["prediction"] = compare(
+                    self.record,
+                    self.record["summary"]["mean_step_time_s"],
+                    self.record["summary"]["peak_memory_bytes"],
+                    str(self.record.get("device", "")),
+                )
             if self.record["evals"]:
                 self.record["summary"]["last_eval_loss"] = self.record["evals"][-1]["loss"]
                 self.record["summary"]["best_eval_loss"] = min(e["loss"] for e in self.record["evals"])
+        if not self.log_path:
+            return
         partial = self.log_path.with_suffix(self.log_path.suffix + ".tmp")
         try:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -116,3 +167,15 @@ class Reporter:
             with contextlib.suppress(OSError):
                 partial.unlink(missing_ok=True)
             self.log_path = None
+
+
+def split_note(entry: dict) -> str:
+    """Where the step's other token positions went: `` (of 3,456/s computed: 58% padding, 6% no loss)``, or
+    nothing when every position had a loss."""
+    computed = entry["tokens_computed"]
+    if not computed or entry["tokens"] == computed:
+        return ""
+    parts = [f"{entry['tokens_padding'] / computed:.0%} padding"] if entry["tokens_padding"] else []
+    if entry["tokens_no_loss"]:
+        parts.append(f"{entry['tokens_no_loss'] / computed:.0%} no loss")
+    return f" (of {entry['computed_tokens_per_s']:,.0f}/s computed: {', '.join(parts)})"

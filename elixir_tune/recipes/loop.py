@@ -28,6 +28,7 @@ from elixir_tune.engine.io.checkpoint_files import LATEST_NAME, CheckpointError
 from elixir_tune.engine.io.pretrained_files import describe_failure
 from elixir_tune.recipes.evaluation import evaluate
 from elixir_tune.recipes.fp16_watch import Fp16Watch
+from elixir_tune.recipes.throughput import promise, step_figures, token_counts
 
 BEST_DIR_NAME = "best"  # --keep-best: the best evaluation's checkpoint, a root of its own under --save
 
@@ -157,7 +158,6 @@ def train(
     micro, accum = training.micro_batch_size, training.grad_accum_steps
     # Each data-parallel index trains on its rows; the ranks of one pipeline (or tensor) group share them.
     data_rank, data_size = elixir_tune.data_rank(), elixir_tune.data_size()
-    tokens_per_step = training.global_batch_size * training.seq_len
     # describe() may encode every training sample to count tokens: rank 0 alone reports it.
     described = data.describe().removeprefix("data: ") if rank == 0 else ""
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, steps // 10)
@@ -177,7 +177,7 @@ def train(
         "lr": args.lr,
         "seed": args.seed,
         "steps_planned": steps,
-        "predicted_step_time_s": plan.prediction.step_time_s if plan.prediction else None,
+        **promise(plan, rank),
     }
     if args.resume:
         header["resumed_from"] = {"checkpoint": args.resume, "step": start_step}
@@ -255,6 +255,7 @@ def train(
                     group["lr"] = lr
                 started = time.perf_counter()
                 rows = data.batch(step, training.global_batch_size, data_rank, data_size)
+                counts = token_counts(rows, getattr(data, "pad_id", None))
                 micro_batches = [
                     {k: v[begin : begin + micro].to(device, non_blocking=True) for k, v in rows.items()}
                     for begin in range(0, micro * accum, micro)
@@ -266,25 +267,29 @@ def train(
                 optimizer.step()
                 optimizer.zero_grad()
                 # The step's loss is the mean of the ranks' shares (for the log), and the stop flag goes with it.
-                flagged = torch.stack([loss_share, torch.tensor(float(bool(stop_requested)), device=device)])
-                loss_sum, stop_now = sum_over_ranks(flagged, world).unbind()
+                # float64: the token counts stay exact summed over every rank. The ranks of one pipeline or
+                # tensor group had the same rows, so the sum counts each row world / data_size times.
+                stop_flag = torch.tensor([float(bool(stop_requested))], dtype=torch.float64)
+                flagged = torch.cat([loss_share.double().reshape(1), stop_flag.to(device), counts.to(device)])
+                loss_sum, stop_now, *summed = sum_over_ranks(flagged, world).unbind()
                 mean_loss = float(loss_sum) / world
+                step_counts = torch.stack(summed).cpu() / (world // data_size)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 step_time_s = time.perf_counter() - started
                 if reporter:
                     reporter.step(
                         {
-                            "step": step,
+                            "step": step + 1,  # counted from 1, as the console and the checkpoints count
                             "loss": mean_loss,
                             "lr": lr,
                             "epoch": data.epoch(step + 1, training.global_batch_size),
                             "step_time_s": step_time_s,
                             "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                            "tokens": tokens_per_step,
-                            "tokens_per_s": tokens_per_step / step_time_s,
-                            # model FLOPs: 6 per parameter per token (forward + backward), per worker
-                            "tflops_per_gpu": 6 * num_params * tokens_per_step / step_time_s / world / 1e12,
+                            # tokens/s and TFLOP/s of the tokens with a loss; padding and the rest apart
+                            **step_figures(
+                                step_counts, step_time_s, num_params, world, header.get("peak_tflops_per_worker")
+                            ),
                             "memory_bytes": memory_bytes(device),
                         }
                     )
@@ -316,7 +321,8 @@ def train(
     except KeyboardInterrupt:
         if reporter:
             reporter.write(status="interrupted")
-            reporter.say(f"interrupted at step {step}; log so far: {reporter.log_path}")
+            reporter.say(f"interrupted after step {steps_done}; log so far: {reporter.log_path}")
+            reporter.say_prediction()
             if args.save and (Path(args.save) / LATEST_NAME).exists():
                 reporter.say(f"continue with --resume {args.save} (same --steps, --seed and --lr)")
         return 130
@@ -330,9 +336,11 @@ def train(
         if summary:
             reporter.say(
                 f"[bold green]done[/]: loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over "
-                f"{summary['steps_done']} steps, {summary['mean_tokens_per_s']:,.0f} tokens/s, "
+                f"{summary['steps_done']} steps, {summary['mean_tokens_per_s']:,.0f} tokens/s learned "
+                f"({summary['mean_computed_tokens_per_s']:,.0f} computed), "
                 f"{summary['mean_step_time_s'] * 1000:.1f} ms/step"
                 + (f"; best eval loss {summary['best_eval_loss']:.4f}" if "best_eval_loss" in summary else "")
                 + (f"; log: {reporter.log_path}" if reporter.log_path else "")
             )
+        reporter.say_prediction()
     return 0
