@@ -304,12 +304,13 @@ def search_command(
     # A Hugging Face model (a directory or a cached Hub name) is fine-tuned from its weights; other models
     # train from scratch. Recipe names work from any directory; the model path is made absolute for the same reason.
     source_dir = Path(str(profile.source))
+    run_note = ""
     if source_dir.is_dir() and (source_dir / "config.json").is_file():
         run_script = f"finetune --model {shlex.quote(str(source_dir.resolve()))} --data FILE"
     elif looks_like_hub_name(str(profile.source)):
         run_script = f"finetune --model {shlex.quote(str(profile.source))} --data FILE"
     else:
-        run_script = "pretrain"
+        run_script, run_note = pretrain_command(profile)
     if profile.lora and run_script.startswith("finetune"):  # the recipe must build the model the profile priced
         from elixir_tune.recipes.finetune_options import lora_flags
 
@@ -322,7 +323,7 @@ def search_command(
         f"{prediction.tflops_per_gpu:.1f} TFLOPS/GPU, peak {gib(prediction.peak_gpu_bytes)} per GPU.\n"
         f"Why: {result.why}\n"
         f"Explain: elixir-tune show {out_path}\n"
-        f"Run:     elixir-run {out_path} {run_script}"
+        f"Run:     elixir-run {out_path} {run_script}" + (f"  # {run_note}" if run_note else "")
     )
     save_plan(plan, out_path, header=header)
     if timeline_path:
@@ -349,9 +350,35 @@ def search_command(
     console.print(f"[bold]why #1:[/] {result.why}", soft_wrap=True)
     console.print(
         f"wrote [bold]{out_path}[/]; explain it with `elixir-tune show {out_path}`, run it with "
-        f"`elixir-run {out_path} {run_script}`",
+        f"`elixir-run {out_path} {run_script}`" + (f" ({run_note})" if run_note else ""),
         soft_wrap=True,
     )
+
+
+# What the pretrain recipe hands the model: the forward must take these (and may take the optional ones).
+PRETRAIN_INPUTS = {"input_ids", "labels"}
+OPTIONAL_INPUTS = {"attention_mask", "position_ids"}
+BYTE_VOCAB = 256  # pretrain's text tokens are bytes
+
+
+def pretrain_command(profile) -> tuple[str, str]:
+    """What runs a model trained from scratch: the pretrain recipe when the model takes what it feeds
+    (input_ids and labels; bytes of text need a vocabulary of 256), else the user's own script.
+
+    Returns:
+        (SCRIPT and its arguments for ``elixir-run PLAN``, a note on why it is not the recipe, or "").
+    """
+    inputs = set(profile.inputs)
+    if inputs and not (PRETRAIN_INPUTS <= inputs <= PRETRAIN_INPUTS | OPTIONAL_INPUTS):
+        return "train.py", (
+            f"your own training script: the model takes {', '.join(profile.inputs)}, and the pretrain recipe feeds "
+            "input_ids and labels only; elixir_tune.setup(model, optimizer) in the script reads the plan"
+        )
+    if 0 < profile.token_vocab < BYTE_VOCAB:
+        return "pretrain --synthetic --steps 100", (
+            f"random tokens: the model's vocabulary of {profile.token_vocab} cannot hold the recipe's byte tokens"
+        )
+    return "pretrain", ""
 
 
 def _draw(path: str, result, limit_bytes: int) -> None:

@@ -57,3 +57,22 @@ def model_arch(model: Any) -> ModelArch:
         experts_per_token=top_k if dispatches else 0,
         attention_scores=getattr(config, "_attn_implementation", None) == "eager",
     )
+
+
+def token_vocab(model: Any) -> int:
+    """The token ids the model's input takes: its config's ``vocab_size``, else the rows of its first
+    ``nn.Embedding`` (a model of one's own); 0 when it has neither.
+
+    Args:
+        model: the model (on any device, meta included).
+
+    Returns:
+        The vocabulary size, or 0.
+    """
+    from torch import nn
+
+    vocab = _positive_int(getattr(model, "config", None), "vocab_size")
+    if vocab:
+        return vocab
+    embedding = next((module for module in model.modules() if isinstance(module, nn.Embedding)), None)
+    return int(embedding.num_embeddings) if embedding is not None else 0

@@ -26,7 +26,7 @@ from elixir_tune.models.tensor_table import model_tensor_table
 from elixir_tune.plan.capabilities import unsupported_layouts
 from elixir_tune.plan.fingerprint import model_fingerprint
 from elixir_tune.plan.schema import Dtype, ForeignRead, LayoutName
-from elixir_tune.profiler.arch import model_arch
+from elixir_tune.profiler.arch import model_arch, token_vocab
 from elixir_tune.profiler.blocks import checkpointed, find_block_list
 from elixir_tune.profiler.meta_kernels import FusedKernelsOnMeta
 from elixir_tune.profiler.meter import LiveMemoryMeter, MetaOpCache
@@ -191,9 +191,17 @@ def profile_model(
         ),
         foreign_reads=_foreign_reads(model, [*plain, *ckpt], [named[pos][0] for pos in order], new_index),
         lora=lora_settings(model) if lora else {},
+        inputs=_input_names(source, seq_len),
+        token_vocab=token_vocab(model),
     )
     profile.summary = summarize(profile)
     return profile
+
+
+def _input_names(source: ModelSource, seq_len: int) -> list[str]:
+    """The keys of the model's example batch (built on meta: no memory)."""
+    with torch.device("meta"):
+        return [str(key) for key in source.example_batch(1, seq_len)]
 
 
 def summarize(profile: ModelProfile) -> str:

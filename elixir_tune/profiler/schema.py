@@ -166,6 +166,10 @@ class ModelProfile:
             trace counts them in the reader's steps. Empty in profiles made before they were found.
         lora: the LoRA settings the model was profiled with (``elixir_tune.models.lora.lora_settings``:
             rank, alpha, dropout, target_modules); empty for full fine-tuning. The plan copies it.
+        inputs: the keys of the model's example batch, what its forward takes (``input_ids``,
+            ``labels``, ...); the search names the command that feeds them. Empty in older profiles.
+        token_vocab: the token ids the model's input takes (``arch.token_vocab``: the config's
+            vocab_size, else its first embedding's rows); 0 when unknown or in older profiles.
     """
 
     name: str
@@ -193,6 +197,8 @@ class ModelProfile:
     unsupported_layouts: dict[LayoutName, str] | None = None
     foreign_reads: list[ForeignRead] = field(default_factory=list)
     lora: dict[str, Any] = field(default_factory=dict)
+    inputs: list[str] = field(default_factory=list)
+    token_vocab: NonNegativeInt = 0
     version: int = PROFILE_VERSION
 
     def layout_reasons(self) -> dict[str, str]:

@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import elixir_tune
     from elixir_tune.profiler import load_model_source
+    from elixir_tune.profiler.arch import token_vocab
     from elixir_tune.recipes.loop import fail_once, train
     from elixir_tune.recipes.metrics import metric_problems
     from elixir_tune.recipes.options import plan_and_device
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     source = load_model_source(resolve_model_spec(args.model or plan.model.source, plan_path))
     model = source.build_model()
     num_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    vocab_size = source.vocab_size or getattr(getattr(model, "config", None), "vocab_size", None)
+    vocab_size = source.vocab_size or token_vocab(model) or None  # a model file's own: its embedding's rows
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     try:
         model, optimizer = elixir_tune.setup(model, optimizer, plan=plan)

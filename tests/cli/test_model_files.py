@@ -118,8 +118,6 @@ def test_a_module_dict_of_blocks_is_the_block_list_and_checkpointing_runs_on_it(
 
     sys.path.insert(0, str(tmp_path))
     try:
-        import titan_blocks_b  # noqa: F401  (model.py's import)
-
         namespace: dict = {}
         exec(compile(model_file.read_text(), str(model_file), "exec"), namespace)
     finally:
@@ -145,3 +143,47 @@ def test_a_module_dict_of_blocks_is_the_block_list_and_checkpointing_runs_on_it(
         plain_optimizer.step()
         plain_optimizer.zero_grad()
         torch.testing.assert_close(loss.detach(), plain.detach(), rtol=1e-6, atol=1e-6)
+
+
+def _searched(tmp_path: Path, model: str) -> str:
+    """``elixir-tune profile MODEL`` and ``search`` in ``tmp_path``; the command line search says to run."""
+    runner = CliRunner()
+    previous = Path.cwd()
+    os.chdir(tmp_path)
+    try:
+        result = runner.invoke(cli, ["profile", model, "-b", "2", "-s", "8"])
+        assert result.exit_code == 0, result.output
+        result = runner.invoke(cli, ["search", "--gpus", "1", "--hardware", "cpu", "--global-batch-size", "2"])
+        assert result.exit_code == 0, result.output
+    finally:
+        os.chdir(previous)
+    printed = " ".join(result.output.split())  # rich wraps long lines
+    return printed[printed.index("run it with `") + len("run it with `") :]
+
+
+def test_search_prints_a_command_that_runs_for_this_model(tmp_path: Path):
+    """A model whose forward takes other inputs than input_ids and labels is run by the user's own script; a
+    token model with a vocabulary under 256 (bytes) by pretrain --synthetic, which then trains for real."""
+    mlp = Path(__file__).resolve().parent.parent / "unit" / "models" / "tiny_mlp.py"
+    (tmp_path / "mlp").mkdir()
+    printed = _searched(tmp_path / "mlp", str(mlp))
+    assert printed.startswith("elixir-run plan.yaml train.py` (your own training script: the model takes tokens, ")
+    assert "pretrain recipe feeds input_ids and labels only" in printed
+
+    titan = write_model(tmp_path / "titan", "titan_blocks_c")
+    printed = _searched(tmp_path / "titan", str(titan))
+    assert printed.startswith(
+        "elixir-run plan.yaml pretrain --synthetic --steps 100` (random tokens: the model's vocabulary of 64"
+    ), printed
+    command = printed[: printed.index("`")].split()[1:]
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "OMP_NUM_THREADS")}
+    result = subprocess.run(
+        [str(BIN_DIR / "elixir-run"), *command, "--steps", "2"],
+        cwd=tmp_path / "titan",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "done: loss" in result.stdout
