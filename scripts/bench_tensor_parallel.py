@@ -15,7 +15,7 @@ search is run with the parallel layout free and pinned:
 * for the mixture of experts, ``ep E`` for E = 2, 4, 8: ``--fix expert=E --fix pipeline=1 --fix tensor=1``
   (expert parallelism runs beside data parallelism only in this version).
 
-Everything is a prediction of the cost model (docs/DESIGN.md section 6), nothing runs.
+Everything is a prediction of the cost model (docs/costmodel-and-search.md), nothing runs.
 
     .venv/bin/python scripts/bench_tensor_parallel.py      # writes benchmarks/results/tensor-parallel.{json,md}
     .venv/bin/python scripts/bench_tensor_parallel.py --models mixtral-8x7b   # reruns those, keeps the other cases

@@ -5,7 +5,7 @@ Offloading a chunk's shard frees its device bytes and adds host-link and host wo
 * a trainable chunk frees its fp32 master, gradient and Adam moments (``SHARD_BYTES`` per element) and
   pays an upload per fetch (the compute-dtype copy), a copy down and a host add of its reduced gradient
   per backward pass, and Adam on the CPU instead of the device;
-* a frozen chunk (a LoRA base, section 9.9 of docs/DESIGN.md) frees its compute-dtype weights only and
+* a frozen chunk (a LoRA base, docs/finetune-data.md) frees its compute-dtype weights only and
   pays only the uploads: it is never reduced and has no optimizer state.
 
 Each chunk's offload cost is the seconds it adds (over the counted passes and one optimizer step,

@@ -199,7 +199,7 @@ def split_command_line(tokens: Sequence[str], takes_value: Mapping[str, bool]) -
     if len(rest) < 2:
         raise ArgvError("missing SCRIPT (the training script to run on every worker)")
     script_args = rest[2:]
-    # `elixir-run plan.yaml train.py -- --steps 10` (the form of docs/DESIGN.md section 2) means the same as without `--`.
+    # `elixir-run plan.yaml train.py -- --steps 10` (the form of docs/overview.md, commands) means the same as without `--`.
     if script_args[:1] == ["--"]:
         script_args = script_args[1:]
     return options, rest[0], rest[1], script_args

@@ -4,7 +4,7 @@
 are frozen (requires_grad False) and small adapter matrices ``lora_A`` / ``lora_B`` are added to
 the target modules. The profiler, the search and the engine then see a model whose base is frozen:
 it goes into frozen chunks (compute dtype only, no master, gradient or optimizer state, sharded and
-offloadable like any chunk) and only the adapters train (docs/DESIGN.md, "Frozen chunks and LoRA").
+offloadable like any chunk) and only the adapters train (docs/finetune-data.md, "Frozen chunks").
 
 Names: PEFT renames the base model's parameters (``base_model.model.`` in front, ``.base_layer``
 inside each adapted module); ``base_name`` maps them back to the checkpoint's, so

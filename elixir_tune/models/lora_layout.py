@@ -8,7 +8,7 @@ A PEFT model wraps the causal LM (``base_model.model.`` in front of every path) 
 adapted linear by a LoRA layer holding the frozen ``base_layer`` and the adapters ``lora_A.<name>``
 (in -> r) and ``lora_B.<name>`` (r -> out); its output is ``base_layer(x) + lora_B(lora_A(x)) x scale``.
 The stage plan and the tensor table are the causal LM's, under that prefix; for tensor
-parallelism each LoRA layer's entry becomes entries for its parts (docs/DESIGN.md 9.9):
+parallelism each LoRA layer's entry becomes entries for its parts (docs/finetune-data.md):
 
 * a column-parallel base (``colwise``, ``colwise_gather``): the base and ``lora_B`` split their
   outputs alike, ``lora_A`` is replicated (it reads the whole input) with its gradient summed over

@@ -1,6 +1,6 @@
 """What the engine can run for a model, and what a plan asks of the training script.
 
-One place answers both questions (docs/DESIGN.md section 8.2), so that the profiler, the search,
+One place answers both questions (docs/plan.md, "The plan is a contract"), so that the profiler, the search,
 ``validate``, ``elixir-run``'s checks and the engine agree:
 
 * **layouts**: pipeline stages need a stage plan for the model (``elixir_tune/models/stage_plans.py``:
@@ -76,7 +76,7 @@ EXPERT_LIMIT_REASONS = {
 
 
 def frozen_layout_problem(stages: int, tensor_degree: int, tensor_mode: str = "1d") -> str:
-    """Why a layout cannot hold frozen chunks (a LoRA base, docs/DESIGN.md 9.9); "" when it can.
+    """Why a layout cannot hold frozen chunks (a LoRA base, docs/finetune-data.md); "" when it can.
 
     Frozen chunks run with data parallelism, with pipeline stages, with 1d tensor parallelism and with
     pipeline stages x 1d tensor parallelism, each tested against plain PEFT; 2d tensor parallelism is not

@@ -3,7 +3,7 @@
 A plan is written by `elixir-tune search` (or by hand), checked by `validate`, and read by the
 engine and the launcher. This module imports no torch, so a plan can be loaded anywhere.
 
-These dataclasses are the single source of truth of the plan format (docs/DESIGN.md section 8):
+These dataclasses are the single source of truth of the plan format (docs/plan.md):
 types, ``Literal`` choices, bounds (``PositiveInt``, ``NonNegativeInt``, ...) and defaults here
 are what ``validate`` checks and what its messages say (see ``plan/fields.py``). Cross-field
 rules (batch product, chunk size a multiple of the world size, ...) live in ``plan/validate.py``.

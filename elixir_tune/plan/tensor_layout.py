@@ -1,7 +1,7 @@
 """Tensor-parallel layout of a model: which modules split, along which dimension (no torch).
 
 A model's **tensor table** maps module path patterns (``*`` stands for one path component, the layer
-index) to a style, in the order they are tried (docs/DESIGN.md 9.5):
+index) to a style, in the order they are tried (docs/parallel.md):
 
 * ``colwise``: a column-parallel linear (its outputs split; weight dim 0 and bias split);
 * ``colwise_gather``: the same, with its output gathered whole afterwards (transformers'
@@ -211,7 +211,7 @@ NO_GRID_STYLES: dict[str, str] = {
 def grid_problem(table: TensorTable) -> str:
     """Why 2D (grid) tensor parallelism cannot run a model with this tensor table ("" when it can).
 
-    Every other 1D style has a grid form (docs/DESIGN.md 9.5): column-parallel linears enter a
+    Every other 1D style has a grid form (docs/parallel.md): column-parallel linears enter a
     region (attention or MLP) run on this rank's samples and heads, row-parallel ones leave it, the
     vocabulary split, the residual-stream norms and the per-head norms follow.
     """

@@ -1,6 +1,6 @@
 """The parallel layouts the joint search tries: tensor degree and mode, pipeline degree.
 
-Rules (docs/DESIGN.md section 7.1):
+Rules (docs/costmodel-and-search.md, decision map):
 
 * tensor degree T: divisors of the GPUs of one node (tensor traffic is per layer and latency-bound,
   so it stays on the node's links) that divide the attention heads and the key/value heads, and

@@ -129,7 +129,7 @@ def test_split_command_line():
     assert options == ["--redirects", "3", "--monitor-interval=1", "--no-python"]
     assert (plan, script, args) == ("plan.yaml", "train.py", ["--steps", "3", "--dry-run"])
     assert not script_is_a_file(options) and script_is_a_file(["--redirects", "3"])
-    # The form of docs/DESIGN.md section 2, `PLAN SCRIPT -- ARGS`, means the same as without `--`.
+    # The form of docs/overview.md (commands), `PLAN SCRIPT -- ARGS`, means the same as without `--`.
     assert split_command_line(["p.yaml", "t.py", "--", "--steps", "2"], arity)[3] == ["--steps", "2"]
 
 

@@ -1,11 +1,11 @@
-"""The families x layouts table of docs/DESIGN.md 9.5 is what the engine accepts: each family's tiny
+"""The families x layouts table of docs/parallel.md is what the engine accepts: each family's tiny
 causal LM (tests/unit/models/stage_families.py, on the meta device) is asked whether it gets a tensor
 table (``tensor_table.model_tensor_table``), whether that table has a 2D grid form
 (``tensor_layout.grid_problem``, what the engine's ``tp_grid.grid_plan`` and the search check), a stage plan
 (``stage_plans.pipeline_problem``) and whether its config ships an expert plan; the table rendered
-from the answers must be the one in DESIGN, between its markers.
+from the answers must be the one in docs/parallel.md, between its markers.
 
-To rewrite DESIGN's table after a change: ``PYTHONPATH=. python tests/unit/test_family_table.py``.
+To rewrite the page's table after a change: ``PYTHONPATH=. python tests/unit/test_family_table.py``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from elixir_tune.plan.tensor_layout import grid_problem
 from tests.distributed.test_engine_tensor_families import FAMILIES as TENSOR_FAMILIES
 from tests.distributed.test_engine_tensor_grid import FAMILIES as GRID_FAMILIES
 
-DESIGN = Path(__file__).resolve().parents[2] / "docs" / "DESIGN.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "parallel.md"
 BEGIN, END = "<!-- families x layouts: begin (tests/unit/test_family_table.py) -->", "<!-- families x layouts: end -->"
 # Verified against plain PyTorch at world 2 (tests/distributed/test_engine_tensor_families.py and
 # test_engine_tensor_parallel.py; every pipeline family in test_engine_pipeline_families.py).
@@ -86,16 +86,18 @@ def render() -> str:
 
 
 def design_table() -> str:
-    text = DESIGN.read_text()
+    text = PAGE.read_text()
     return text[text.index(BEGIN) + len(BEGIN) : text.index(END)].strip()
 
 
 def test_design_table_is_what_the_engine_accepts():
     expected = render()
-    assert design_table() == expected, f"docs/DESIGN.md's families x layouts table is stale; it should be:\n{expected}"
+    assert design_table() == expected, (
+        f"docs/parallel.md's families x layouts table is stale; it should be:\n{expected}"
+    )
 
 
 if __name__ == "__main__":
-    text = DESIGN.read_text()
+    text = PAGE.read_text()
     start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
-    DESIGN.write_text(text[:start] + "\n" + render() + "\n" + text[end:])
+    PAGE.write_text(text[:start] + "\n" + render() + "\n" + text[end:])

@@ -1,4 +1,4 @@
-"""No module of elixir_tune imports another that imports it back (docs/DESIGN.md section 3, rule 6).
+"""No module of elixir_tune imports another that imports it back (docs/overview.md, import rule 6).
 
 The graph is built statically from the source: every ``import`` and ``from ... import`` at any
 depth (function-level imports included, since they only hide a cycle), resolved to the package's

@@ -1,4 +1,4 @@
-"""The dependency rules of docs/DESIGN.md section 3, checked by importing each package in a fresh
+"""The dependency rules of docs/overview.md (import rules), checked by importing each package in a fresh
 interpreter and looking at what came along."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ FORBIDDEN = {
     # The recipe registry elixir-run reads: a recipe's own module imports torch, the registry nothing heavy.
     "elixir_tune.recipes": ["torch", "click", "rich", "transformers"],
     "elixir_tune.hf_cache": ["torch", "click", "rich"],
-    # The model-side modules (docs/DESIGN.md section 3, rule 7): the profiler and the engine both read them.
+    # The model-side modules (docs/overview.md, import rule 7): the profiler and the engine both read them.
     "elixir_tune.models.stage_plans": ["torch", "elixir_tune.engine", "elixir_tune.profiler", "click", "rich"],
     "elixir_tune.models.lora": ["peft", "elixir_tune.engine", "elixir_tune.profiler", "elixir_tune.cli", "rich"],
     "elixir_tune": ["torch", "click", "rich"],
@@ -83,7 +83,7 @@ def test_only_the_programs_users_run_import_rich_and_only_cli_imports_click():
 
 
 def test_only_comm_calls_torch_distributed_in_the_engine():
-    """The engine's torch.distributed calls all sit in its comm/ package (docs/DESIGN.md section 3, rule 4)."""
+    """The engine's torch.distributed calls all sit in its comm/ package (docs/overview.md, import rule 4)."""
     import re
     from pathlib import Path
 

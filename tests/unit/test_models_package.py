@@ -1,4 +1,4 @@
-"""The model-side modules live in ``elixir_tune.models``: the README's imports are the real ones, and the path
+"""The model-side modules live in ``elixir_tune.models``: the imports the README and docs/ show are real, and the path
 it documented first for LoRA (``elixir_tune.lora``) gives the same functions."""
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from elixir_tune.paths import REPO_DIR
 IMPORT = re.compile(r"^\s*(from elixir_tune[\w.]* import [\w, ]+|import elixir_tune[\w.]*)\s*(#.*)?$")
 
 
-def test_every_import_the_readme_shows_works():
-    lines = (Path(REPO_DIR) / "README.md").read_text().splitlines()
+def test_every_import_the_readme_and_docs_show_works():
+    pages = [Path(REPO_DIR) / "README.md", *sorted((Path(REPO_DIR) / "docs").rglob("*.md"))]
+    lines = [line for page in pages for line in page.read_text().splitlines()]
     imports = [match.group(1) for line in lines if (match := IMPORT.match(line))]
-    assert any("elixir_tune.models.lora" in line for line in imports), imports  # the LoRA example's
+    assert any("elixir_tune.models.lora" in line for line in imports), imports  # the LoRA example's (docs/guides)
     for line in imports:
         exec(line, {})  # raises ImportError for a module or name that is not there
 

@@ -1,4 +1,4 @@
-"""Oracles for two choices of the search (docs/DESIGN.md section 7.1):
+"""Oracles for two choices of the search (docs/costmodel-and-search.md, decision map):
 
 * which chunks are offloaded: for every count, the chosen chunks must be the ones whose shards
   cross host->device least often in a step (measured through the timeline simulation, one chunk

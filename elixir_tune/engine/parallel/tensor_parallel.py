@@ -2,7 +2,7 @@
 
 ``apply_tensor_parallel`` turns an unmodified transformers model into its tensor-parallel form on
 this rank's tensor group (``engine/parallel/tp_adapters.py`` builds the 1D styles from the model's tensor
-table, ``plan/tensor_layout.py``; ``engine/parallel/tp_grid.py`` holds the 2D ones; docs/DESIGN.md 9.5 describes both): the split
+table, ``plan/tensor_layout.py``; ``engine/parallel/tp_grid.py`` holds the 2D ones; docs/parallel.md describes both): the split
 parameters become DTensors whose local tensors hold this rank's piece. The chunk engine then packs
 those LOCAL pieces into its chunks and shards them over the data-parallel group, as FSDP2 composes
 with tensor parallelism.

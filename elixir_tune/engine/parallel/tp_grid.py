@@ -12,12 +12,12 @@ MLP columns (1/q of them): the block's input is gathered over the grid columns o
 read it), the entry linears (q, k, v, gate, up; GPT-2's c_attn, c_fc) give local outputs, and the
 exit linear (o, down; GPT-2's c_proj) takes them back as a DTensor. The matrix products themselves
 are DTensor's: its sharding propagation picks each op's redistribution (all-gathers, reduce-scatters,
-all-reduces of partial sums), which is exact whatever it picks; docs/DESIGN.md 9.5 compares the bytes
+all-reduces of partial sums), which is exact whatever it picks; docs/parallel.md compares the bytes
 it moves with SUMMA's (measured: about 1.3x on a small GPT-2).
 
 The plan is derived from the model's 1D tensor table (``plan/tensor_layout.py``, the same one 1D,
-the search and ``validate`` read), style by style, for every family (``grid_plan``; docs/DESIGN.md
-9.5 "2D from the tensor table"): column-parallel linears are entry linears and mark their parent as a
+the search and ``validate`` read), style by style, for every family (``grid_plan``; docs/parallel.md,
+"Tensor parallelism", 2d): column-parallel linears are entry linears and mark their parent as a
 region, row-parallel ones exit linears, the vocabulary split and the residual-stream norms follow,
 and per-head norms (or unplaced weights inside a region) stay whole with a gradient summed over the
 grid. A mixture's experts have no grid form (``grid_problem``). GPT-2 adds its fused q | k | v.
@@ -208,7 +208,7 @@ def _head() -> Linear2D:
 
 
 def _styles(model: nn.Module, table: TensorTable) -> dict[str, ParallelStyle]:
-    """Each module's 2D style from its 1D tensor-table style (the generic rule, DESIGN 9.5)."""
+    """Each module's 2D style from its 1D tensor-table style (the generic rule, docs/parallel.md)."""
     styles: dict[str, ParallelStyle] = {}
     regions = set()
     for path, module in model.named_modules():
