@@ -35,6 +35,7 @@ from elixir_tune.engine.comm import Comm, Mesh
 from elixir_tune.engine.engine_grads import EngineGrads
 from elixir_tune.engine.engine_passes import EnginePasses
 from elixir_tune.engine.engine_state import EngineState
+from elixir_tune.engine.grad_view import ShardedGrad
 from elixir_tune.engine.hooks import install_grad_hooks, install_module_hooks, wrap_checkpointed
 from elixir_tune.engine.io.materialize import (
     MaterializeError,
@@ -46,6 +47,7 @@ from elixir_tune.engine.io.weights import WeightsError
 from elixir_tune.engine.layered import Baton
 from elixir_tune.engine.parallel.expert_parallel import ExpertSplit
 from elixir_tune.engine.parallel.tensor_parallel import TensorSplit, local_data, set_local_data
+from elixir_tune.engine.uneven import ForwardAgreement
 from elixir_tune.models.kv_cache import disable_kv_cache
 from elixir_tune.plan import Plan
 
@@ -164,6 +166,13 @@ class Engine(EnginePasses, EngineGrads, EngineState):
                 self.module_names[module] = name or "<model>"
                 self.module_chunks[module] = [c for c in chunks if not c.resident]
                 self.module_slots[module] = slots
+        self.module_index = {module: index for index, module in enumerate(self.module_names)}
+        # Set by setup where a forward has collectives and ranks may run forwards alone (uneven.py).
+        self.agreement: ForwardAgreement | None = None
+        self.optimizer: Any = None  # the ShardedOptimizer, attached by it (model.zero_grad clears through it)
+        # p.grad placeholders between a backward and the next forward (grad_view.py); None: off (a
+        # pipeline plan, whose no-sync keeps real gradients in p.grad across passes).
+        self.grad_placeholders: dict[int, ShardedGrad] | None = None
         self.module_ancestors = self._hooked_ancestors()
         # A module that shares parameters with a running ancestor (it reads them too, or owns what the
         # ancestor reads) must not mark them idle when it returns: the ancestor may read them again.

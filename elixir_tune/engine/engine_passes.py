@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from elixir_tune.engine.chunks.states import GRAD_STAGED, TensorState, transition
+from elixir_tune.engine.grad_view import ShardedGrad, hide_placeholders, show_placeholders
 from elixir_tune.engine.read_guard import ReadGuard
+from elixir_tune.engine.uneven import EVAL, POST, PRE, TRAIN, ForwardAgreement
 
 if TYPE_CHECKING:
     from elixir_tune.engine.chunks.cache import ChunkCache
@@ -46,6 +48,9 @@ class EnginePasses:
     _bwd_pins: list[torch.nn.Module]
     _callback_queued: bool
     _nan: torch.Tensor
+    agreement: ForwardAgreement | None
+    module_index: dict[torch.nn.Module, int]
+    grad_placeholders: dict[int, ShardedGrad] | None
     baton: Baton | None
     in_backward: bool
     backward_passes: int
@@ -59,8 +64,16 @@ class EnginePasses:
         """Called by the model wrapper before each forward (one micro-batch)."""
         if self.in_backward:
             self._abandon_backward()
+        if self.agreement is not None:  # ranks that evaluate alone lead, the others follow (uneven.py)
+            self.agreement.enter(TRAIN if torch.is_grad_enabled() else EVAL)
+        self.start_microbatch()
+
+    def start_microbatch(self) -> None:
+        """The engine's side of a new forward (also what a follower replays for its leader)."""
         self._running.clear()  # a forward stopped by an exception never ran its post-hooks
         self.cache.start_microbatch()
+        if self.grad_placeholders is not None:  # autograd must find no p.grad to add to
+            hide_placeholders([slot.param for slot in self.slots])
 
     def _abandon_backward(self) -> None:
         """A backward stopped by an exception never ran its end callback: drop what it staged."""
@@ -94,6 +107,8 @@ class EnginePasses:
             self.baton.boundary()
 
     def _pre_forward(self, module: torch.nn.Module) -> None:
+        if self.agreement is not None and self.agreement.leading:
+            self.agreement.announce(PRE, self.module_index[module])
         if module not in self._checkpointed_block:
             # Not inside a checkpointed block: those yield once, before their checkpoint saves the
             # RNG state (a pre-hook on the block), so that the recomputation, which runs alone,
@@ -110,6 +125,8 @@ class EnginePasses:
         self._set_state(module, "use")
 
     def _post_forward(self, module: torch.nn.Module) -> None:
+        if self.agreement is not None and self.agreement.leading:
+            self.agreement.announce(POST, self.module_index[module])
         self._running[module] -= 1
         if self._running[module] > 0:
             return  # layered: another micro-batch is still inside this module (an ancestor of the others)
@@ -180,3 +197,5 @@ class EnginePasses:
         self._callback_queued = False
         self.in_backward = False
         self.backward_passes += 1
+        if self.grad_placeholders is not None:  # torch code reading p.grad now meets grad_view's placeholder
+            show_placeholders([s.param for s in self.slots if not s.chunk.frozen], self.grad_placeholders)

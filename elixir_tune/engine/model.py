@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, overload
 
@@ -10,13 +11,37 @@ import torch
 from elixir_tune.engine.contract import check_shared_inputs
 from elixir_tune.engine.engine import Engine
 from elixir_tune.engine.layered import MicroBatchThreads, run_layer_major
+from elixir_tune.engine.module_view import stand_in_for_module
 from elixir_tune.engine.parallel.pipeline_stages import pipeline_call_message
 from elixir_tune.engine.parallel.tensor_parallel import plain
 from elixir_tune.engine.token_weights import is_causal_lm, token_weights, wants_token_weights
+from elixir_tune.engine.uneven import STATE
 
 LossFn = Callable[[Any, dict], torch.Tensor]
 
 T_destination = TypeVar("T_destination", bound=dict[str, Any])
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """The loss in a model's output: the output itself when it is a scalar tensor, its ``loss``
+    (Hugging Face), or the one scalar tensor of a tuple (``(logits, loss)``, as nanoGPT returns).
+
+    Raises:
+        AttributeError: no loss can be told apart; says to pass ``loss_fn``.
+    """
+    if isinstance(output, torch.Tensor) and output.dim() == 0:
+        return output
+    if getattr(output, "loss", None) is not None:
+        return output.loss
+    if isinstance(output, (tuple, list)):
+        scalars = [item for item in output if isinstance(item, torch.Tensor) and item.dim() == 0]
+        if len(scalars) == 1:
+            return scalars[0]
+    raise AttributeError(
+        f"the model's output ({type(output).__name__}) has no loss that forward_backward can tell apart (a scalar "
+        "tensor, an output with .loss, or a tuple with one scalar tensor): pass labels in the batch or "
+        "forward_backward(..., loss_fn=lambda output, batch: ...)"
+    )
 
 
 class ElixirModel(torch.nn.Module):
@@ -33,6 +58,8 @@ class ElixirModel(torch.nn.Module):
         object.__setattr__(self, "engine", engine)  # not a submodule: keep it out of modules()
         self._micro_batch_threads = MicroBatchThreads()  # layered accumulation's, kept across steps
         self._inputs_checked = False  # the data contract, compared once over the ranks (engine/contract.py)
+        self._forward_keys: frozenset[str] | None = None  # what the module's forward takes (empty: **kwargs)
+        stand_in_for_module(module, self)
 
     def _check_inputs_once(self, micro_batches: Sequence[Any]) -> None:
         if not self._inputs_checked:
@@ -42,8 +69,8 @@ class ElixirModel(torch.nn.Module):
     def forward(self, *args, **kwargs):
         if self.engine.pipeline is not None:
             raise RuntimeError(pipeline_call_message(self.engine.plan.parallel.pipeline.stages))
+        self.engine.begin_forward()  # first: a rank that runs it alone must not meet a collective before
         self._check_inputs_once([dict(kwargs, **{f"arg{i}": a for i, a in enumerate(args)})])
-        self.engine.begin_forward()
         # A vocabulary-parallel loss (tensor parallelism) runs inside loss_context; the first step's
         # forward runs under the engine's read check.
         with self.engine.loss_context(), self.engine.read_check():
@@ -117,15 +144,10 @@ class ElixirModel(torch.nn.Module):
 
         def scaled_loss(index: int) -> torch.Tensor:
             batch = micro_batches[index]
-            output = self.module(**batch)
+            output = self.module(**self._model_inputs(batch))
             if loss_fn is not None:
                 return loss_fn(output, batch) * scales[index]
-            if getattr(output, "loss", None) is None:
-                raise AttributeError(
-                    f"the model's output ({type(output).__name__}) has no loss: pass labels in the batch or "
-                    "forward_backward(..., loss_fn=lambda output, batch: ...)"
-                )
-            return output.loss * scales[index]
+            return loss_of(output) * scales[index]
 
         layered = self.engine.plan.training.accumulation == "layered" and count > 1 and torch.is_grad_enabled()
         with self.engine.loss_context():
@@ -134,6 +156,17 @@ class ElixirModel(torch.nn.Module):
             self.engine.note_loss(loss)
         summed = torch.stack([plain(loss.detach()) for loss in losses]).sum()
         return summed / (scales[0] * count) if weights is None else summed / loss_scale
+
+    def _model_inputs(self, batch: dict) -> dict:
+        """The micro-batch's keys the module's forward takes (all of them when it takes ``**kwargs``):
+        a model whose forward takes no ``labels`` still gets them to ``loss_fn`` through the batch."""
+        if self._forward_keys is None:
+            parameters = inspect.signature(self.module.forward).parameters.values()
+            takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+            self._forward_keys = frozenset() if takes_any else frozenset(p.name for p in parameters)
+        if not self._forward_keys:
+            return batch
+        return {key: value for key, value in batch.items() if key in self._forward_keys}
 
     def token_weights(self, micro_batches: Sequence[dict]) -> list[float]:
         """What each micro-batch's mean loss is multiplied by in a plain loop (``model(**batch)`` and
@@ -211,6 +244,8 @@ class ElixirModel(torch.nn.Module):
             The weights by name (empty on ranks other than 0 unless ``all_ranks``).
         """
         self.check_finite()
+        if self.engine.agreement is not None:  # rank 0 alone may ask, as DDP scripts do (uneven.py)
+            self.engine.agreement.enter(STATE, all_ranks)
         state = (self.engine.pipeline or self.engine).full_state_dict(all_ranks=all_ranks)
         if prefix:
             state = {prefix + name: value for name, value in state.items()}
@@ -228,6 +263,13 @@ class ElixirModel(torch.nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Loads full weights (original names, as ``state_dict`` returns) into the shards."""
         self.engine.load_full_state_dict(state_dict)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the gradients, as the optimizer's ``zero_grad`` does (they live in the shards)."""
+        if self.engine.optimizer is not None:
+            self.engine.optimizer.zero_grad(set_to_none)
+        else:
+            self.engine.zero_grad()
 
     def memory_report(self) -> dict[str, int]:
         """Model-state bytes of this rank (keys ``elixir_tune.plan.MODEL_STATE_KEYS``)."""

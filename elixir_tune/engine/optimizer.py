@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from elixir_tune.engine import grad_view
 from elixir_tune.engine.chunks.host_memory import zeros_on_demand
 from elixir_tune.engine.engine import Engine
 from elixir_tune.engine.finite import FiniteGuard, nonfinite_count
@@ -61,6 +62,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.engine = engine
         self.optimizer_class = type(optimizer)
         super().__init__([dict(group) for group in optimizer.param_groups], dict(optimizer.defaults))
+        # The user's groups themselves, not copies: a scheduler built on the user's optimizer before
+        # setup (or by a library) sets the lr that this optimizer steps with.
+        self.param_groups = optimizer.param_groups
+        self.user_optimizer = optimizer
+        engine.optimizer = self  # model.zero_grad() clears through it
         device = engine.comm.device
         self.scaler = DynamicLossScaler(device) if engine.plan.training.dtype == "fp16" else None
         engine.scaler = self.scaler  # ElixirModel.forward_backward scales its losses by it
@@ -106,6 +112,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if owned is not None and share < 1.0 and not slot.chunk.frozen:
                     shares.setdefault(share, []).append(slot.chunk.grad[owned[0] : owned[1]])
         self._norm_shares = list(shares.items())
+        trainable = [slot.param for slot in engine.slots if not slot.chunk.frozen]
+        self.trainable_params = len(trainable)  # what torch.nn.utils.clip_grad_norm_ must be given
+        grad_view.register(self, trainable)
+        self._stand_in_for(optimizer)
+
+    def _stand_in_for(self, optimizer: torch.optim.Optimizer) -> None:
+        """The user's optimizer object does what this one does: a script (or a scheduler built before
+        setup) that still holds it steps, clears and saves the sharded state, never its own."""
+        step = self.step
+
+        def user_step(*args, **kwargs):
+            return step(*args, **kwargs)
+
+        if getattr(optimizer.step, "_wrapped_by_lr_sched", False):
+            user_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # the scheduler's order check
+        optimizer.step = user_step  # type: ignore[method-assign]
+        optimizer.zero_grad = self.zero_grad  # type: ignore[method-assign]
+        optimizer.state_dict = self.state_dict  # type: ignore[method-assign]
+        optimizer.load_state_dict = self.load_state_dict  # type: ignore[method-assign]
 
     # --- construction --------------------------------------------------------------------------
 
@@ -224,6 +249,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         and the loss scaler read there. Host gradients (offloaded chunks) are complete first.
         """
         engine = self.engine
+        self._require_even("read the gradient norm")
         engine.drain_grads()
         passes = engine.backward_passes
         stats = self._stats
@@ -279,6 +305,28 @@ class ShardedOptimizer(torch.optim.Optimizer):
         _mul_(host_grads, coef)
         return norm
 
+    @torch.no_grad()
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The global gradient norm over every shard of every rank, without clipping (a collective).
+
+        Args:
+            norm_type: 2.0 or inf.
+
+        Returns:
+            The norm (fp32 scalar tensor, the same on every rank).
+        """
+        if norm_type not in (2.0, math.inf):
+            raise ValueError(f"grad_norm supports norm_type 2 and inf, got {norm_type}")
+        return self._grad_stats(norm_type=norm_type).norm
+
+    @torch.no_grad()
+    def clip_grad_value(self, clip_value: float) -> None:
+        """Clamps every gradient element into [-clip_value, clip_value], as torch.nn.utils.clip_grad_value_."""
+        self._grad_stats()  # the gradients complete (and unscaled, fp16) first
+        for grads in self._split_grads():
+            for grad in grads:
+                grad.clamp_(-clip_value, clip_value)
+
     def _mark_used(self) -> None:
         """Gives each shard entry its gradient, or None where no rank used the parameter."""
         engine = self.engine
@@ -314,6 +362,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._require_even("called optimizer.step()")
+        self.user_optimizer._opt_called = True  # a scheduler built on it checks
         if self.finite_guard is not None:
             self.finite_guard.check()  # the previous step's (GPU: read one step late, without waiting)
         self.steps_done += 1
@@ -347,9 +397,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.finite_guard.record(self.steps_done, stats.norm, stats.bad_losses)
         return loss
 
+    def _require_even(self, what: str) -> None:
+        if self.engine.agreement is not None:
+            self.engine.agreement.require_even(what)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zeroes the shard gradients (they are buffers: never None), after the reductions in flight."""
+        """Zeroes the shard gradients (buffers, never freed), after the reductions in flight; the
+        parameters' ``p.grad`` placeholders become None, as torch sets gradients to None."""
         self.engine.zero_grad()
+        grad_view.hide_placeholders([slot.param for slot in self.engine.slots])
         self._stats = None
         self._unscaled_at = -1
 

@@ -8,6 +8,7 @@ import torch
 
 from elixir_tune import ranks
 from elixir_tune.engine.comm import init_mesh
+from elixir_tune.engine.comm.control import ControlChannel
 from elixir_tune.engine.engine import Engine
 from elixir_tune.engine.io.materialize import has_meta, make_source
 from elixir_tune.engine.model import ElixirModel
@@ -15,6 +16,8 @@ from elixir_tune.engine.optimizer import ShardedOptimizer
 from elixir_tune.engine.parallel.expert_parallel import split_experts
 from elixir_tune.engine.parallel.pipeline_tensor import check_combined
 from elixir_tune.engine.parallel.tensor_parallel import split_for_plan
+from elixir_tune.engine.uneven import ForwardAgreement, Replay
+from elixir_tune.engine.worker import collective_timeout_s
 from elixir_tune.plan import PLAN_ENV_VAR, Plan, PlanError, load_plan, validate
 from elixir_tune.plan.fingerprint import model_fingerprint as _plan_fingerprint
 
@@ -182,4 +185,46 @@ def setup(
         engine = build_engine(model, plan, mesh, source, tensor_parallel)
     else:
         engine = Engine(model, plan, mesh.data, source, mesh, tensor_parallel=tensor_parallel, experts=experts)
+        engine.agreement = forward_agreement(engine, plan, mesh)
+        if parallel.tensor.degree == 1:
+            engine.grad_placeholders = {}
+    global setup_calls
+    setup_calls += 1
     return ElixirModel(model, engine), ShardedOptimizer(optimizer, engine, find_unused_parameters)
+
+
+# How many times this process called setup: the launcher's worker says so at exit when a script
+# launched with a plan never did (launcher/worker_main.py).
+setup_calls = 0
+
+
+def _discard(_: object) -> None:
+    """A follower takes part in the leader's state dict gathers; the result is the leader's."""
+
+
+def forward_agreement(engine: Engine, plan: Plan, mesh) -> ForwardAgreement | None:
+    """The agreement on forwards and state dicts (engine/uneven.py), where a forward has collectives.
+
+    None for one process, and where every chunk stays gathered and nothing else in a forward
+    communicates (any rank may then run a forward alone, as under DDP).
+    """
+    parallel = plan.parallel
+    if mesh.world.world_size == 1:
+        return None
+    gathers = any(not chunk.resident for chunk in engine.chunks) and mesh.data.world_size > 1
+    refusal = None
+    if parallel.tensor.degree > 1:
+        refusal = "under tensor parallelism the ranks of a tensor group compute every forward together"
+    elif parallel.expert.degree > 1:
+        refusal = "under expert parallelism the ranks exchange tokens inside every forward"
+    if refusal is None and not gathers:
+        return None
+    modules = list(engine.module_names)
+    replay = Replay(
+        begin=engine.start_microbatch,
+        pre_forward=lambda index: engine._pre_forward(modules[index]),
+        post_forward=lambda index: engine._post_forward(modules[index]),
+        state_dict=lambda all_ranks: _discard(engine.full_state_dict(all_ranks=all_ranks)),
+    )
+    channel = ControlChannel(mesh.world.world_size, mesh.world.rank, collective_timeout_s())
+    return ForwardAgreement(channel, replay, refusal)

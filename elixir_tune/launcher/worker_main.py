@@ -27,8 +27,10 @@ import time
 
 from elixir_tune.cpu_binding import bind_cpu_worker
 from elixir_tune.launcher.env import LAUNCHER_PID_ENV, RUN_DIR_ENV
+from elixir_tune.launcher.script_guard import refuse_ddp, unused_plan_note
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
+PLAN_ENV = "ELIXIR_TUNE_PLAN"  # plan/io.py's PLAN_ENV_VAR (the plan package imports more than a worker may yet)
 
 
 def die_with_parent(launcher_pid: int) -> str:
@@ -82,6 +84,7 @@ def main(argv: list[str]) -> None:
     rank = os.environ.get("RANK", "0")
     if run_dir:
         _write(run_dir, f"rank{rank}.pid", str(os.getpid()))
+    refuse_ddp()
     try:
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]
@@ -92,13 +95,23 @@ def main(argv: list[str]) -> None:
             # As `python script.py`: the script's directory first on the path, not ours.
             sys.path[0] = os.path.dirname(os.path.abspath(script))
             runpy.run_path(script, run_name="__main__")
-    except SystemExit:
+    except SystemExit as stop:
+        if stop.code in (0, None):
+            _note_unused_plan(rank)
         raise
     except BaseException as error:
         if run_dir:
             text = str(error).strip().splitlines()
             _write(run_dir, f"rank{rank}.error", f"{type(error).__name__}: {text[-1] if text else ''}".strip())
         raise
+    _note_unused_plan(rank)
+
+
+def _note_unused_plan(rank: str) -> None:
+    """Rank 0 says so when a script launched with a plan ended without ever using it."""
+    note = unused_plan_note() if rank == "0" and os.environ.get(PLAN_ENV) else None
+    if note:
+        print(note, file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

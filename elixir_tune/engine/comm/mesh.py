@@ -50,8 +50,9 @@ def init_comm(world_size: int, device_type: str, backend: str, timeout_s: float 
                 f"torch.distributed is not available in this torch build; the plan needs {world_size} processes"
             )
         return Comm(0, 1, "local", device)
+    timeout_s = collective_timeout_s() if timeout_s is None else timeout_s
+    started_by_script = dist.is_available() and dist.is_initialized()
     if not dist.is_initialized() and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
-        timeout_s = collective_timeout_s() if timeout_s is None else timeout_s
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
         # A gloo group left alive at interpreter exit can abort the process ("terminate called
         # without an active exception"): the group we started, we also end.
@@ -64,6 +65,12 @@ def init_comm(world_size: int, device_type: str, backend: str, timeout_s: float 
                 f"launch with `elixir-run plan.yaml train.py` (or torchrun --nproc-per-node {world_size}), "
                 "or search a plan for this many processes"
             )
+        if started_by_script and group_size > 1:
+            # The script started the group with a timeout of its own (torch's default is 10 to 30
+            # minutes): the engine's collectives run on a group of the same ranks with ours.
+            ranks = list(range(group_size))
+            group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s))
+            return Comm(dist.get_rank(), group_size, dist.get_backend(), device, group, ranks)
         return Comm(dist.get_rank(), group_size, dist.get_backend(), device)
     if world_size != 1:
         raise RuntimeError(

@@ -1,0 +1,46 @@
+"""The user's own module after ``setup``: what DDP scripts call on ``model.module`` keeps working.
+
+DDP scripts keep ``raw_model = model.module`` and call ``raw_model.state_dict()`` to save (nanoGPT
+does, on rank 0 alone). Under the engine that module's chunked parameters hold a placeholder
+(NaN) whenever their chunk is released, so torch's own ``state_dict`` would write NaN into the
+checkpoint. The module's ``state_dict``, ``zero_grad`` and ``save_pretrained`` are therefore the
+wrapper's: full weights gathered from the shards, gradients cleared in the shards, and a refusal
+where a whole-model save would need every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def stand_in_for_module(module: torch.nn.Module, wrapper: Any) -> None:
+    """Gives ``module`` (wrapped by the ElixirModel ``wrapper``) the wrapper's weight and gradient calls.
+
+    ``state_dict(keep_vars=True)`` stays torch's (the live tensors: the engine reads its own module
+    that way); the default call returns the gathered full weights, as ``wrapper.state_dict`` does.
+    """
+
+    def state_dict(*args: Any, destination=None, prefix: str = "", keep_vars: bool = False, **kwargs: Any):
+        if keep_vars or args:
+            return torch.nn.Module.state_dict(
+                module, *args, destination=destination, prefix=prefix, keep_vars=keep_vars, **kwargs
+            )
+        return wrapper.state_dict(destination=destination, prefix=prefix)
+
+    module.state_dict = state_dict  # type: ignore[method-assign]
+    module.zero_grad = wrapper.zero_grad  # type: ignore[method-assign]
+    save = getattr(module, "save_pretrained", None)
+    if callable(save):
+
+        def save_pretrained(save_directory: Any, *args: Any, state_dict=None, **kwargs: Any):
+            if state_dict is None:
+                raise ValueError(
+                    "model.save_pretrained(...) after elixir_tune.setup would save released parameters (each "
+                    "rank holds only its shards); call elixir_tune.save_pretrained(model, directory) on every "
+                    "rank, or pass state_dict=model.state_dict() gathered on rank 0"
+                )
+            return save(save_directory, *args, state_dict=state_dict, **kwargs)
+
+        module.save_pretrained = save_pretrained  # type: ignore[assignment]
