@@ -5,7 +5,7 @@ share of the cores. Left to the kernel, two workers that hand work to each other
 one sends its activations, the other wakes to receive them) are woken onto the sender's core, and
 on a machine with other load the kernel's balancer may leave them there: both workers then share one
 core for a whole run, and a pipeline-2 step of the bench's GPT-2 on 2 cores took 517 ms in one run
-and 285 ms in the next (benchmarks/results/prediction-cpu-layouts-idle-run2.md). Bound to disjoint
+and 285 ms in the next (benchmarks/results/prediction-cpu-layouts-idle-run2.md, in git at 4ecf109). Bound to disjoint
 cores, as torchrun's and Intel's launchers bind CPU workers, each worker always has its own core.
 
 No torch: ``launcher/worker_main.py`` binds before the user's script imports torch, so every thread

@@ -2,7 +2,7 @@
 """Which measured hardware figures move the CPU layouts' predictions, and how far probe-to-probe noise moves them.
 
     .venv/bin/python scripts/bench_prediction_sensitivity.py hw1.yaml [hw2.yaml ...] [--step 0.1]
-    .venv/bin/python scripts/bench_prediction_sensitivity.py benchmarks/results/prediction-cpu-layouts-idle-run*.json
+    .venv/bin/python scripts/bench_prediction_sensitivity.py benchmarks/results/prediction-cpu-layouts.json
 
 A bench result (.json) stands for the spec its run predicted with: the ``cpu`` preset with every figure the
 run recorded (``hardware`` in the JSON: all the CPU cost model reads) put in; its predictions are printed

@@ -107,8 +107,8 @@ GEMINI_HOST_ROOM = (
     "with n ranks (colossalai/elixir/search/simulator.py @ 206280408; its machine and units are not stated): at "
     "that rate this row predicts {elixir}x, and the six 10B rows 0.83-1.11x when the 'cpu' rows also upload each "
     "chunk again at every use as that policy does (0.87-1.30x with the search's cache), but the 1-GPU 20B row "
-    "1.76-1.96x (scripts/published_gemini_host.py, --cpu-cache 2). A rate with no stated machine is not put in "
-    "the preset: unchanged, nothing fitted"
+    "1.76-1.96x (scripts/published_gemini_host.py --cpu-cache 2, in git at 4ecf109). A rate with no stated "
+    "machine is not put in the preset: unchanged, nothing fitted"
 )
 
 COLOSSAL_GEMINI_POLICY = {

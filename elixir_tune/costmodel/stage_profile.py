@@ -248,7 +248,7 @@ def rank_profile(profile: ModelProfile, layout: Layout, stage: int) -> ModelProf
         if is_last:
             # What lies beyond the blocks (logits and loss) stays whole under TP: the engine gathers the
             # logits before the model's own loss (the vocabulary-parallel loss is opt-in and no plan
-            # field selects it); measured, benchmarks/results/tp-activations-cpu.md. Of what lies
+            # field selects it); measured (docs/parallel.md, TP activations). Of what lies
             # before them (the prologue) the first stage holds block 0's input instead; the rest (a
             # causal mask, position tensors) every stage's forward builds again, so it stays here too.
             moved = min(prologue, profile.blocks[0].boundary_bytes_per_sample) if prologue and not runs_block0 else 0.0

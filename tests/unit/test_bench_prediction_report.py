@@ -49,7 +49,8 @@ def test_two_shapes_tie_when_their_medians_differ_by_no_more_than_the_larger_spr
 
 
 def test_tie_ranking_states_the_strict_and_the_tie_aware_order():
-    # The idle run 2 of benchmarks/results/prediction-cpu-layouts-idle-run2.md in shape: pipeline 2 bimodal.
+    # The idle run 2 of benchmarks/results/prediction-cpu-layouts-idle-run2.md (in git at 4ecf109) in shape:
+    # pipeline 2 bimodal.
     rows = [
         _row("data-only", 0.3394, [0.3604, 0.2868]),
         _row("pipeline-2", 0.3365, [0.5168, 0.2848]),
