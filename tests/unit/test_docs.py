@@ -23,7 +23,10 @@ from click.testing import CliRunner
 from elixir_tune.paths import REPO_DIR
 
 ROOT = Path(REPO_DIR)
-PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").rglob("*.md"))]
+PAGES = [
+    *(ROOT / name for name in ("README.md", "CHANGELOG.md", "CONTRIBUTING.md", "benchmarks/README.md")),
+    *sorted((ROOT / "docs").rglob("*.md")),
+]
 COMMAND_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs" / "guides").glob("*.md"))]
 
 FENCE = re.compile(r"^```(\w*)\s*$")
