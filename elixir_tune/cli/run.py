@@ -36,6 +36,7 @@ from elixir_tune.launcher import (
     torchrun_option_arity,
     worker_env,
 )
+from elixir_tune.launcher.argv import option_name
 from elixir_tune.launcher.env import COLLECTIVE_TIMEOUT_ENV, bootstrap_env
 from elixir_tune.launcher.rendezvous import RendezvousWaitError, roll_call
 from elixir_tune.launcher.watch import WorkerWatch
@@ -168,10 +169,17 @@ def run_command(
             hint="usage: elixir-run [OPTIONS] [TORCHRUN_OPTIONS] PLAN SCRIPT [SCRIPT_ARGS]...; see elixir-run --help",
             code=EXIT_USAGE,
         )
+    _refuse_unknown_options(torchrun_options, arity)
 
     try:
         plan = load_plan(plan_path)
     except PlanError as error:
+        if len(error.problems) == 1 and error.problems[0].startswith("this is a "):  # a profile or hardware file
+            fail(
+                f"{plan_path}: " + error.problems[0].replace("FILE", plan_path),
+                hint="PLAN is the file `elixir-tune search` writes (plan.yaml unless --out names another)",
+                code=EXIT_USAGE,
+            )
         fail(
             f"{plan_path} is not a usable plan: {error.problems[0]}"
             if len(error.problems) == 1
@@ -272,6 +280,30 @@ def _recipe(name: str, script_args: list[str], plan_path: str, torchrun_options:
             code=EXIT_USAGE,
         )
     return [*torchrun_options, "-m"], module
+
+
+def _refuse_unknown_options(torchrun_options: list[str], arity: dict[str, bool]) -> None:
+    """An option before PLAN that is neither elixir-run's nor torchrun's is a typo: one line with the closest
+    option, before torchrun would print its whole usage after the workers' start."""
+    import difflib
+
+    unknown = [option_name(token) for token in torchrun_options if token.startswith("-")]
+    unknown = [name for name in unknown if name not in arity]
+    if not unknown:
+        return
+    own = [name for param in click.get_current_context().command.params for name in param.opts]
+    if unknown[0] in own:
+        fail(
+            f"elixir-run's own {unknown[0]} comes after a torchrun option: put elixir-run's options first",
+            hint="usage: elixir-run [OPTIONS] [TORCHRUN_OPTIONS] PLAN SCRIPT [SCRIPT_ARGS]...",
+            code=EXIT_USAGE,
+        )
+    close = difflib.get_close_matches(unknown[0], own + list(arity), n=1)
+    fail(
+        f"no such option: {unknown[0]}" + (f" (did you mean {close[0]}?)" if close else ""),
+        hint="elixir-run's options and torchrun's go before PLAN, the script's after SCRIPT; see elixir-run --help",
+        code=EXIT_USAGE,
+    )
 
 
 def say(text: str) -> None:

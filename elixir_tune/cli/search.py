@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import sys
@@ -268,6 +269,7 @@ def search_command(
     host_bytes = _bytes_option(host_memory, "--host-memory")
     device_bytes = _bytes_option(device_memory, "--device-memory")
     profile, hardware, hardware_ref = _load_inputs(profile_path, hardware_ref)
+    _warn_cpu_oversubscription(hardware.device, gpus, nodes)
     try:
         with err_console.status(f"searching plans for {profile.name} on {nodes} x {gpus} x {hardware.name} ..."):
             result = search(
@@ -351,6 +353,21 @@ def search_command(
     console.print(
         f"wrote [bold]{out_path}[/]; explain it with `elixir-tune show {out_path}`, run it with "
         f"`elixir-run {out_path} {run_script}`" + (f" ({run_note})" if run_note else ""),
+        soft_wrap=True,
+    )
+
+
+def _warn_cpu_oversubscription(device: str, gpus: int, nodes: int) -> None:
+    """A CPU plan with more workers per node than this machine has cores: one warning line (the plan is still
+    written: it may be meant for a bigger machine)."""
+    cores = os.cpu_count() or 1
+    if device != "cpu" or gpus <= cores:
+        return
+    err_console.print(
+        f"[yellow]warning[/]: --gpus {gpus} asks for {gpus} CPU worker processes per node, and this machine has "
+        f"{cores} core(s): run here, the workers would share cores and run several times slower than the plan "
+        f"predicts; search with --gpus {cores} or fewer for this machine"
+        + (" (or search on the machine the plan is for)" if nodes == 1 else ""),
         soft_wrap=True,
     )
 

@@ -297,6 +297,24 @@ def _check_chunk_stages(chunks: list[dict], pipeline: dict, model: dict, trainin
             )
 
 
+def other_file_kind(raw: dict) -> str:
+    """What elixir-tune file a mapping is when it is not a plan: a profile or a hardware description, with
+    what to do with it; "" otherwise (a plan, or something else that validation describes)."""
+    if "schema_version" in raw:
+        return ""
+    if {"fingerprint", "params", "trace"} <= raw.keys():
+        return (
+            "this is a profile (written by `elixir-tune profile`), not a plan: make a plan from it with "
+            "`elixir-tune search --gpus N --profile FILE`, then give that plan"
+        )
+    if {"gpu_memory_bytes", "matmul_tflops"} <= raw.keys():
+        return (
+            "this is a hardware description (written by `elixir-tune probe`), not a plan: search with it, "
+            "`elixir-tune search --gpus N --hardware FILE`, then give that plan"
+        )
+    return ""
+
+
 def validate_dict(raw: Any) -> list[str]:
     """Lists every problem of a plan given as the mapping read from YAML.
 
@@ -308,6 +326,9 @@ def validate_dict(raw: Any) -> list[str]:
     """
     if not isinstance(raw, dict):
         return [f"plan: expected a mapping at the top level, got {type(raw).__name__}"]
+    other = other_file_kind(raw)
+    if other:  # one line for the wrong file, not a list of every plan section it lacks
+        return [other]
     errors: list[str] = []
     version = raw.get("schema_version")
     if version is None:

@@ -55,10 +55,14 @@ def recipe_module(name: str) -> str:
         UnknownRecipeError: not a recipe (the message lists them).
     """
     if name not in RECIPES:
+        import difflib
+
         known = "; ".join(f"{recipe} ({what})" for recipe, what in RECIPES.items())
+        close = difflib.get_close_matches(name, list(RECIPES), n=1)
         raise UnknownRecipeError(
-            f"{name!r} is neither a recipe nor a file: the recipes are {known}; a script of your own is a path "
-            "(./train.py)"
+            f"{name!r} is neither a recipe nor a file"
+            + (f" (did you mean {close[0]}?)" if close else "")
+            + f": the recipes are {known}; a script of your own is a path (./train.py)"
         )
     return f"{__name__}.{name}"
 
