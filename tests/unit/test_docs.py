@@ -124,7 +124,7 @@ def _check_elixir_tune(tokens: list[str]) -> list[str]:
     problems += [
         f"elixir-tune {tokens[1]} has no option {token}"
         for token in tokens[2:]
-        if token.startswith("--") and token.split("=")[0] not in options
+        if token.startswith("--") and token != "--" and token.split("=")[0] not in options
     ]
     return problems
 
