@@ -215,6 +215,12 @@ def test_the_readme_starts_with_the_two_commands_ci_runs():
     assert any(line.startswith("elixir-tune ") for line in lines) and any("elixir-run " in line for line in lines)
 
 
+def test_the_docs_stay_short():
+    """README under 15 KB and docs/ under 80 KB (issue 37): a newcomer reads them in one sitting."""
+    assert (ROOT / "README.md").stat().st_size < 15_000
+    assert sum(page.stat().st_size for page in (ROOT / "docs").rglob("*.md")) < 80_000
+
+
 def test_the_checks_can_fail(tmp_path):
     assert command_problems("elixir-tune nosuch plan.yaml")
     assert command_problems("elixir-tune search --gpus 2 --no-such-option 1")
