@@ -225,7 +225,14 @@ def run_command(
         rdzv_timeout_s=rdzv_timeout_s,
     )
     argv = compose_torchrun_argv(spec)
-    env = worker_env(plan, plan_path, facts.cpu_cores, os.environ, collective_timeout_s=collective_timeout_s)
+    env = worker_env(
+        plan,
+        plan_path,
+        facts.cpu_cores,
+        os.environ,
+        collective_timeout_s=collective_timeout_s,
+        max_restarts=max_restarts,
+    )
     command = format_command(argv, env)
     problems = failed(checks)
 
@@ -327,6 +334,7 @@ def _launch(spec: LaunchSpec, env: dict[str, str], plan, rdzv_timeout_s: float, 
     say(f"starting {spec.nproc_per_node} worker(s) on this node")
     sys.stdout.flush()
     watch = WorkerWatch(run_dir, collective_timeout_s, say).start()
+    _quiet_torchrun_warnings()
     try:
         outcome = run_torchrun(spec, watch)
     finally:
@@ -336,6 +344,20 @@ def _launch(spec: LaunchSpec, env: dict[str, str], plan, rdzv_timeout_s: float, 
     if outcome.exit_code:
         fail(outcome.message, hint=outcome.hint, code=outcome.exit_code)
     console.print(f"[green]elixir-run: job finished[/] ({plan.world_size} worker(s))")
+
+
+def _quiet_torchrun_warnings() -> None:
+    """torchrun's agent logs a warning line per worker on Ctrl-C ("Sending process N closing signal SIGINT"):
+    elixir-run says what happened itself, so only torchrun's errors pass (unless $LOGLEVEL asks otherwise)."""
+    import logging
+
+    import torch.distributed.run  # noqa: F401  (creates the elastic loggers, each at $LOGLEVEL or WARNING)
+
+    if "LOGLEVEL" in os.environ:
+        return
+    for name in list(logging.Logger.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def _print_summary(plan, plan_path: str, checks, nnodes: int, node_rank: int) -> None:

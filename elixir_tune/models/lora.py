@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -97,7 +98,11 @@ def apply_lora(
         task_type="CAUSAL_LM" if hasattr(model, "generate") else None,
     )
     try:
-        return peft.get_peft_model(model, config)
+        with warnings.catch_warnings():
+            # PEFT calls transformers' deprecated is_gradient_checkpointing: a FutureWarning per rank, about
+            # code the user cannot change.
+            warnings.filterwarnings("ignore", category=FutureWarning)
+            return peft.get_peft_model(model, config)
     except ValueError as error:  # PEFT: "Target modules {...} not found in the base model"
         raise LoraError(f"LoRA cannot adapt {type(model).__name__}: {error}") from error
 

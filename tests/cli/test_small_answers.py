@@ -81,3 +81,23 @@ def test_a_cpu_search_for_more_workers_than_cores_is_warned(tmp_path: Path):
     assert f"search with --gpus {cores} or fewer for this machine" in output
     assert fits.exit_code == 0 and "warning" not in fits.output
     assert gpu.exit_code == 0 and "warning" not in gpu.output  # a GPU plan is for another machine
+
+
+def test_lora_reaches_the_user_without_dependency_warnings():
+    """PEFT calls transformers' deprecated is_gradient_checkpointing (a FutureWarning once per rank and once in
+    elixir-run's preflight): apply_lora keeps it to itself, and other warnings still pass."""
+    import warnings
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from elixir_tune.models.lora import apply_lora
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_lora(model, rank=4, target_modules="q_proj,v_proj")
+        warnings.warn("still shown", UserWarning, stacklevel=1)
+    assert [str(warning.message) for warning in caught] == ["still shown"]

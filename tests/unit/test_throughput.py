@@ -59,7 +59,9 @@ def test_a_gap_beyond_the_limit_says_what_to_do_and_a_close_run_says_nothing():
     assert "elixir-tune probe" in time_advice and "search --hardware hardware.yaml" in memory_advice
     fast = compare(header, 0.05, 1000, "cuda")
     assert fast["advice"][0].startswith("steps ran 2.0x faster than predicted")
-    cpu = compare(header, 0.1, 5000, "cpu")
+    interpreter = compare(header, 0.1, 400 * 2**20, "cpu")  # the interpreter's own memory: no advice
+    assert interpreter["memory_ratio"] > GAP_LIMIT and interpreter["advice"] == []
+    cpu = compare(header, 0.1, 2 * 2**30, "cpu")
     assert "resident memory counts the Python interpreter" in cpu["advice"][0]
     none = compare({}, 0.1, 1000, "cpu")
     assert none["step_time_ratio"] is None and none["memory_ratio"] is None and none["advice"] == []
