@@ -25,7 +25,7 @@ MODEL_HINT = (
     "-s",
     type=click.IntRange(min=1),
     default=None,
-    help="Tokens per sample [default: the model YAML's seq_len, else 1024].",
+    help="Tokens per sample [default: the model YAML's seq_len, else 1024 or the model's positions if fewer].",
 )
 @click.option(
     "--dtype",

@@ -68,7 +68,8 @@ def profile_model(
             YAML or a config name).
         batch_size: micro-batch size of the traced example (activation memory is also given
             for any other size, as a line).
-        seq_len: tokens per sample; default: the model YAML's seq_len, else 1024.
+        seq_len: tokens per sample; default: the model YAML's seq_len, else 1024 or the model's positions
+            when it has fewer.
         dtype: compute dtype, fp32, bf16 or fp16 (parameters are cast to it for tracing).
         checkpointing: "all" also records the access trace with every block checkpointed;
             activation memory with checkpointing is measured either way.
@@ -93,7 +94,8 @@ def profile_model(
     report = progress or (lambda message: None)
     if not isinstance(source, ModelSource):
         source = load_model_source(source)
-    seq_len = seq_len or source.default_seq_len or DEFAULT_SEQ_LEN
+    if not seq_len:  # the model's own length, else the default within the model's positions
+        seq_len = source.default_seq_len or min(DEFAULT_SEQ_LEN, source.max_seq_len or DEFAULT_SEQ_LEN)
     if source.max_seq_len and seq_len > source.max_seq_len:
         # Meta tensors hold no indices, so an out-of-range position would go unnoticed here.
         raise ModelSourceError(

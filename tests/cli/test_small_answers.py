@@ -101,3 +101,27 @@ def test_lora_reaches_the_user_without_dependency_warnings():
         apply_lora(model, rank=4, target_modules="q_proj,v_proj")
         warnings.warn("still shown", UserWarning, stacklevel=1)
     assert [str(warning.message) for warning in caught] == ["still shown"]
+
+
+def test_the_profile_default_sequence_length_fits_the_model_positions(tmp_path: Path):
+    """A model with 256 positions is profiled at 256 by default (it was 1024, refused with a format hint)."""
+    import json
+
+    from transformers import LlamaConfig
+
+    model_dir = tmp_path / "short"
+    LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        vocab_size=300,
+        max_position_embeddings=256,
+    ).save_pretrained(model_dir)
+    result = CliRunner().invoke(
+        cli, ["profile", str(model_dir), "-b", "1", "--out", str(tmp_path / "p.yaml"), "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["seq_len"] == 256
+    longer = CliRunner().invoke(cli, ["profile", str(model_dir), "-b", "1", "-s", "512", "--out", str(tmp_path / "q")])
+    assert longer.exit_code == 1 and "seq_len 512 is longer than the model's 256 positions" in longer.output
