@@ -16,6 +16,11 @@ RUN_DIR_ENV = "ELIXIR_TUNE_RUN_DIR"
 # does not import the launcher.
 COLLECTIVE_TIMEOUT_ENV = "ELIXIR_TUNE_COLLECTIVE_TIMEOUT_S"
 
+# torchrun's agent shares its rendezvous store with the workers and keeps it across restarts, so a
+# restarted gloo group reads the dead group's addresses from it and fails in connectFullMesh
+# ("Connection refused"). With sharing off, each round's rank 0 hosts a fresh store on a free port.
+FRESH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
 
 def worker_env(
     plan: Plan,
@@ -23,6 +28,7 @@ def worker_env(
     cpu_cores: int,
     current: Mapping[str, str],
     collective_timeout_s: float | None = None,
+    max_restarts: int = 0,
 ) -> dict[str, str]:
     """Variables to export before torchrun starts the workers (they inherit them).
 
@@ -34,6 +40,7 @@ def worker_env(
         current: the current environment; a variable the user already set is kept.
         collective_timeout_s: how long a collective waits for the other ranks (the engine's
             process-group timeout); None leaves the engine's default.
+        max_restarts: torchrun's restarts of the worker group; above 0, each round gets a store of its own.
 
     Returns:
         Only the variables to set.
@@ -49,6 +56,8 @@ def worker_env(
         env[CPU_BIND_ENV] = "1"
     if collective_timeout_s is not None:
         env[COLLECTIVE_TIMEOUT_ENV] = f"{collective_timeout_s:g}"
+    if max_restarts > 0 and FRESH_STORE_ENV not in current:
+        env[FRESH_STORE_ENV] = "1"
     return env
 
 

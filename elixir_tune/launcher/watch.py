@@ -55,6 +55,9 @@ class WorkerWatch:
         self.interval_s = interval_s
         self.notes: dict[int, str] = {}  # rank -> what the watch saw and did
         self._stopped_since: dict[int, float] = {}  # pid -> first seen stopped
+        self._known_pids: dict[int, int] = {}  # rank -> pid last seen (a new pid: torchrun restarted the group)
+        self.restarts = 0
+        self._restarting: set[int] = set()  # ranks of a restarted group whose new pid has not been seen yet
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="elixir-worker-watch", daemon=True)
 
@@ -89,7 +92,21 @@ class WorkerWatch:
     def poll(self) -> None:
         """One look at every worker (the loop calls it; tests may too)."""
         now = time.monotonic()
-        for rank, pid in self.workers().items():
+        workers = self.workers()
+        replaced = {rank for rank, pid in workers.items() if self._known_pids.get(rank, pid) != pid}
+        # The new workers write their pids one by one: the first new pid of a group starts a restart, the
+        # others of that group (still waited for in _restarting) do not start another.
+        if replaced - self._restarting:
+            self.restarts += 1
+            self._restarting = set(self._known_pids)
+            self.say(
+                f"a worker failed (see above) and torchrun restarted this node's workers (restart {self.restarts}, "
+                "--max-restarts); a recipe with --save resumes from its latest checkpoint"
+            )
+            self.notes.clear()  # what was seen of the old workers does not describe the new ones
+        self._restarting -= replaced
+        self._known_pids.update(workers)
+        for rank, pid in workers.items():
             if process_state(pid) != "T":
                 self._stopped_since.pop(pid, None)
                 continue

@@ -84,6 +84,12 @@ def main(argv: list[str]) -> None:
     rank = os.environ.get("RANK", "0")
     if run_dir:
         _write(run_dir, f"rank{rank}.pid", str(os.getpid()))
+        # A restarted worker (torchrun --max-restarts): the error of the worker it replaces is history, and
+        # left there it would be reported as this one's if the new group fails.
+        try:
+            os.unlink(os.path.join(run_dir, f"rank{rank}.error"))
+        except OSError:
+            pass
     refuse_ddp()
     try:
         if argv[0] == "-m":

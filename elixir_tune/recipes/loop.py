@@ -28,6 +28,7 @@ from elixir_tune.engine.io.checkpoint_files import LATEST_NAME, CheckpointError
 from elixir_tune.engine.io.pretrained_files import describe_failure
 from elixir_tune.recipes.evaluation import evaluate
 from elixir_tune.recipes.fp16_watch import Fp16Watch
+from elixir_tune.recipes.restarts import lost_peer_line, resume_after_restart
 from elixir_tune.recipes.throughput import promise, step_figures, token_counts
 
 BEST_DIR_NAME = "best"  # --keep-best: the best evaluation's checkpoint, a root of its own under --save
@@ -125,6 +126,9 @@ def train(
             "--eval-every/--keep-best need an evaluation split: add --eval-fraction F or --eval-data", rank
         )
     start_step = 0
+    restart_note = resume_after_restart(args)  # torchrun restarted the workers: go on from this job's checkpoint
+    if restart_note and rank == 0:
+        print(restart_note, flush=True)
     try:  # a second job saving to the same directory is refused before it trains
         if args.save:
             elixir_tune.lock_checkpoint_dir(args.save, model)
@@ -330,6 +334,16 @@ def train(
         if reporter:
             reporter.write(status="failed")
         return fail_once(str(error), rank)
+    except RuntimeError as error:
+        lost = lost_peer_line(error, rank, steps_done + 1)
+        if lost is None:
+            raise
+        # Another worker died (killed, crashed): this rank's collective failed because of it. One line instead of
+        # gloo's traceback; elixir-run's summary then names the worker that failed first.
+        if reporter:
+            reporter.write(status="failed")
+        print(f"error: {lost}", file=sys.stderr, flush=True)
+        return 1
     if reporter:
         reporter.write(status="finished")
         summary = reporter.record.get("summary", {})

@@ -3,9 +3,22 @@ what happened and what to do, never a traceback, a hang or a rank wrongly blamed
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
 import pytest
 
-from tests.e2e.launch_helpers import WORKERS_DIR, run_elixir, runnable_example_plan
+from tests.e2e.launch_helpers import (
+    WORKERS_DIR,
+    finish_elixir,
+    kill_leftovers,
+    run_elixir,
+    runnable_example_plan,
+    start_elixir,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]  # torchrun with several worker processes
 
@@ -22,3 +35,77 @@ def test_a_disk_full_before_the_start_is_one_line_naming_rank_0(tmp_path):
     assert "Traceback" not in output, output[-3000:]
     assert "the job failed: worker rank 0 " in output  # not rank 1, which only waited for rank 0
     assert not list((tmp_path / "ckpt").glob("step-*"))
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (elixir-run's workers: its in-process agent starts them)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return sorted(found)
+
+
+def _logged_steps(log: Path) -> int:
+    try:
+        return len(json.loads(log.read_text())["steps"])
+    except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        return 0
+
+
+def _kill_a_worker_after(process, log: Path, steps: int) -> int:
+    """SIGKILLs the last-started worker of ``process`` once ``log`` holds ``steps`` steps; returns its pid."""
+    deadline = time.monotonic() + 180
+    while _logged_steps(log) < steps and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert process.poll() is None, "the job ended before a worker could be killed"
+    victim = _children(process.pid)[-1]
+    os.kill(victim, signal.SIGKILL)
+    return victim
+
+
+def test_a_killed_worker_leaves_one_line_from_the_others_not_a_gloo_traceback(tmp_path):
+    """The surviving rank printed gloo's 'Connection closed by peer' traceback before elixir-run's summary."""
+    plan, log = runnable_example_plan(tmp_path / "plan.yaml"), tmp_path / "log.json"
+    process = start_elixir([plan, "pretrain", "--steps", 300, "--log", log, "--print-every", 1000])
+    try:
+        victim = _kill_a_worker_after(process, log, 2)
+        output = finish_elixir(process, timeout_s=120)
+    finally:
+        kill_leftovers(_children(process.pid))
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 128 + signal.SIGKILL, output[-3000:]
+    assert "Traceback" not in output and "GLHF" not in output, output[-3000:]
+    assert "error: rank 0: another worker went away during step " in output, output[-3000:]
+    assert f"the job failed: worker rank 1 (local rank 1, pid {victim}) was killed by SIGKILL" in output
+
+
+def test_max_restarts_restarts_the_workers_and_resumes_from_the_jobs_checkpoint(tmp_path):
+    """--max-restarts 1 failed in gloo's connectFullMesh (torchrun's agent kept the dead group's addresses in the
+    store it shares), and with --save the job then hung without a word. Now the restarted workers meet in a fresh
+    store, resume from the job's latest checkpoint, and end with the very loss of a run that was never killed."""
+    plan = runnable_example_plan(tmp_path / "plan.yaml")
+    common = ["pretrain", "--steps", 12, "--save-every", 2, "--print-every", 1000]
+    straight = run_elixir([plan, *common, "--save", tmp_path / "straight", "--log", tmp_path / "straight.json"])
+    assert straight.returncode == 0, (straight.stdout + straight.stderr)[-3000:]
+    log, checkpoint = tmp_path / "restarted.json", tmp_path / "restarted"
+    process = start_elixir(["--max-restarts", 1, plan, *common, "--save", checkpoint, "--log", log])
+    try:
+        _kill_a_worker_after(process, log, 5)
+        output = finish_elixir(process, timeout_s=180)
+    finally:
+        kill_leftovers(_children(process.pid))
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, output[-3000:]
+    assert "torchrun restarted this node's workers (restart 1, --max-restarts)" in output
+    assert f"restart 1 of 1: resuming from {checkpoint}, the latest checkpoint this job saved" in output
+    assert "connectFullMesh" not in output and "Traceback" not in output, output[-3000:]
+    expected = json.loads((tmp_path / "straight.json").read_text())["summary"]["last_loss"]
+    assert json.loads(log.read_text())["summary"]["last_loss"] == expected
+    assert (checkpoint / "latest").read_text().strip() == "step-000012"

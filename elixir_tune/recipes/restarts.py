@@ -1,0 +1,65 @@
+"""What a recipe does when torchrun restarts its workers (``elixir-run --max-restarts N``).
+
+torchrun restarts the whole worker group after a worker fails, and each new worker starts the recipe again
+from its command line. Started again as it was, a run would train from step 0 and save over the checkpoints it
+had written before the failure. A restarted worker whose ``--save`` directory holds a complete checkpoint
+resumes from it instead: that is the newest state of this job (every rank sees the same directory, so all
+agree).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from elixir_tune.engine.io.checkpoint_files import LATEST_NAME
+
+# Set by torchrun's agent in every worker: 0 on the first start, n on the n-th restart.
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
+MAX_RESTARTS_ENV = "TORCHELASTIC_MAX_RESTARTS"
+
+
+def resume_after_restart(args: argparse.Namespace) -> str | None:
+    """Points ``args.resume`` at ``args.save`` on a restarted worker when a checkpoint is there.
+
+    Args:
+        args: the recipe's options (``save``, ``resume``); ``resume`` may be changed.
+
+    Returns:
+        A line for rank 0 to print when this is a restart (resuming or starting over), else None.
+    """
+    restart = int(os.environ.get(RESTART_COUNT_ENV, "0") or 0)
+    if restart <= 0:
+        return None
+    of = os.environ.get(MAX_RESTARTS_ENV, "?")
+    if args.save and (Path(args.save) / LATEST_NAME).exists():
+        args.resume = args.save
+        return f"restart {restart} of {of}: resuming from {args.save}, the latest checkpoint this job saved"
+    start = f"from --resume {args.resume}" if args.resume else "from step 0"
+    return f"restart {restart} of {of}: no checkpoint in --save yet, starting again {start}"
+
+
+# What gloo's errors say when the other end of a connection went away (the peer process died or was killed).
+_LOST_PEER_WORDS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
+
+
+def lost_peer_line(error: BaseException, rank: int, step: int) -> str | None:
+    """One line for a collective that failed because another worker is gone, or None for any other error.
+
+    Args:
+        error: what the step raised.
+        rank: this worker's rank.
+        step: the step it was in, counted from 1.
+
+    Returns:
+        The line to print instead of gloo's traceback, or None (the error is not a lost peer: re-raise it).
+    """
+    text = str(error)
+    found = next((words for words in _LOST_PEER_WORDS if words in text), None)
+    if found is None:
+        return None
+    return (
+        f"rank {rank}: another worker went away during step {step} (gloo: {found.lower()}); this rank stops too, "
+        "and elixir-run's summary names the worker that failed first"
+    )
