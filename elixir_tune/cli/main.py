@@ -9,6 +9,7 @@ from elixir_tune.cli.probe import probe_command
 from elixir_tune.cli.profile import profile_command
 from elixir_tune.cli.search import search_command
 from elixir_tune.cli.show import show_command
+from elixir_tune.cli.train import train_command
 from elixir_tune.cli.validate import validate_command
 
 
@@ -16,6 +17,10 @@ from elixir_tune.cli.validate import validate_command
 @click.version_option(__version__, prog_name="elixir-tune")
 def cli() -> None:
     """Auto-tune sharding, caching and CPU offload for training a large model on a few GPUs.
+
+    \b
+    One command (profile, search and run, cached):
+        elixir-tune train path/to/model --data chat.jsonl --epochs 1 --save-pretrained out
 
     \b
     Typical flow:
@@ -26,7 +31,7 @@ def cli() -> None:
     """
 
 
-for command in (profile_command, probe_command, search_command, show_command, validate_command):
+for command in (profile_command, probe_command, search_command, show_command, validate_command, train_command):
     cli.add_command(command)
 
 

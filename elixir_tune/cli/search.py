@@ -303,20 +303,7 @@ def search_command(
     )
     prediction = plan.prediction
     assert prediction is not None, "search always writes a prediction"
-    # A Hugging Face model (a directory or a cached Hub name) is fine-tuned from its weights; other models
-    # train from scratch. Recipe names work from any directory; the model path is made absolute for the same reason.
-    source_dir = Path(str(profile.source))
-    run_note = ""
-    if source_dir.is_dir() and (source_dir / "config.json").is_file():
-        run_script = f"finetune --model {shlex.quote(str(source_dir.resolve()))} --data FILE"
-    elif looks_like_hub_name(str(profile.source)):
-        run_script = f"finetune --model {shlex.quote(str(profile.source))} --data FILE"
-    else:
-        run_script, run_note = pretrain_command(profile)
-    if profile.lora and run_script.startswith("finetune"):  # the recipe must build the model the profile priced
-        from elixir_tune.recipes.finetune_options import lora_flags
-
-        run_script += " " + lora_flags(profile.lora)
+    run_script, run_note = run_script_for(profile)
     header = (
         f"Written by `{command}`\n"
         f"on {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} from profile {profile_path} ({profile.name}) "
@@ -376,6 +363,34 @@ def _warn_cpu_oversubscription(device: str, gpus: int, nodes: int) -> None:
 PRETRAIN_INPUTS = {"input_ids", "labels"}
 OPTIONAL_INPUTS = {"attention_mask", "position_ids"}
 BYTE_VOCAB = 256  # pretrain's text tokens are bytes
+
+
+def run_script_for(profile, data: str = "FILE") -> tuple[str, str]:
+    """What ``elixir-run PLAN`` runs for the profiled model: SCRIPT and its arguments, and why when it is not
+    a recipe's plain command (``pretrain_command``).
+
+    A Hugging Face model (a directory or a cached Hub name) is fine-tuned from its weights; other models train
+    from scratch. Recipe names work from any directory, so the model path is made absolute.
+
+    Args:
+        profile: the model's profile.
+        data: what ``--data`` names for a fine-tune.
+
+    Returns:
+        (SCRIPT and its arguments, a note or "").
+    """
+    source_dir = Path(str(profile.source))
+    if source_dir.is_dir() and (source_dir / "config.json").is_file():
+        script = f"finetune --model {shlex.quote(str(source_dir.resolve()))} --data {data}"
+    elif looks_like_hub_name(str(profile.source)):
+        script = f"finetune --model {shlex.quote(str(profile.source))} --data {data}"
+    else:
+        return pretrain_command(profile)
+    if profile.lora:  # the plan carries them; printed so that the command says what it trains
+        from elixir_tune.recipes.finetune_options import lora_flags
+
+        script += " " + lora_flags(profile.lora)
+    return script, ""
 
 
 def pretrain_command(profile) -> tuple[str, str]:

@@ -14,7 +14,7 @@ directory whose records have ``text``, ``prompt`` + ``completion`` (loss on the 
 (the tokenizer's chat template; loss on the assistant turns only); the format is detected from the fields and
 printed; ``--packing`` puts several samples in a row without letting them attend to each other. LoRA:
 ``--lora-rank R`` wraps the meta model with PEFT's adapters before setup (the base frozen); profile with the same
-``--lora-*`` options. ``--save-pretrained OUT`` writes the weights, config, tokenizer files and generation config
+``--lora-*`` options. Without ``--lora-*`` options the plan's LoRA settings (the profile's) are used. ``--save-pretrained OUT`` writes the weights, config, tokenizer files and generation config
 at the end (with LoRA: the adapter in PEFT's format, or with ``--merge-lora`` the merged model), so
 ``from_pretrained(OUT)`` loads it as it is. elixir-run calls ``preflight`` before any worker starts, so a wrong
 path or a file that fits no format is one line, not a traceback per rank.
@@ -33,6 +33,7 @@ from elixir_tune.recipes import BUNDLED_TEXT  # noqa: E402
 from elixir_tune.recipes.finetune_options import (  # noqa: E402
     add_data_args,
     add_lora_args,
+    adopt_plan_lora,
     data_problems,
     lora_option_problems,
     lora_options,
@@ -111,10 +112,11 @@ def preflight(argv: list[str], plan_path: str) -> list[str]:
         args = parse_options(build_parser(), argv, for_preflight=True)
     except OptionsError as error:
         return [f"finetune: {error}"]
-    problems = metric_problems(args) + output_problems(args) + lora_option_problems(args)
     import elixir_tune
 
     plan = elixir_tune.load_plan(plan_path)
+    adopt_plan_lora(args, plan)
+    problems = metric_problems(args) + output_problems(args) + lora_option_problems(args)
     found, data_format = data_problems(args, plan)
     problems += found
     try:
@@ -242,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_options(build_parser(), sys.argv[1:] if argv is None else argv)
     plan_path, plan, device = plan_and_device()  # $ELIXIR_TUNE_PLAN, set by elixir-run
+    adopt_plan_lora(args, plan)
     rank = int(os.environ.get("RANK", "0"))
     try:
         model_dir = resolve_model_dir(args.model or plan.model.source, plan_path)

@@ -85,6 +85,18 @@ def lora_option_problems(args: argparse.Namespace) -> list[str]:
     return problems
 
 
+def adopt_plan_lora(args: argparse.Namespace, plan) -> None:
+    """Without any ``--lora-*`` option, the plan's LoRA settings (the profile's) become the options: a plan
+    made for LoRA runs without repeating them. Given options stay, and ``lora_plan_problem`` checks them."""
+    planned = dict(getattr(plan.model, "lora", None) or {})
+    if not planned or args.lora_rank or args.lora_alpha is not None or args.lora_targets or args.lora_dropout:
+        return
+    args.lora_rank, args.lora_alpha = int(planned["rank"]), float(planned["alpha"])
+    args.lora_dropout = float(planned.get("dropout") or 0.0)
+    targets = planned.get("target_modules")
+    args.lora_targets = ",".join(targets) if isinstance(targets, list) else targets
+
+
 def lora_options(args: argparse.Namespace) -> dict[str, Any] | None:
     """``apply_lora``'s keyword arguments from the options, or None without ``--lora-rank``."""
     if args.lora_rank <= 0:
