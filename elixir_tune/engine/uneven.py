@@ -116,13 +116,18 @@ class ForwardAgreement:
         try:
             return self.channel.all_gather_ints(row)
         except ControlTimeout as error:
+            # Not gloo's own words: elixir-run's summary reads those as "this rank waited for a silent one".
+            what = (
+                f"did not come within {self.channel.timeout_s:.0f} s"
+                if "timed out" in str(error).lower()
+                else "left (a rank stopped)"
+            )
             raise UnevenForwardError(
                 f"rank {self.channel.rank} waited for the other ranks at the start of {KIND_NAMES[kind]} and they "
-                f"did not come within {self.channel.timeout_s:.0f} s ({error}): a rank stopped, or runs a "
-                "collective (an optimizer step, a barrier, a save) the others do not; under elixir-tune every "
-                "rank holds only a shard, so every rank must reach each forward (a rank may evaluate or save "
-                "alone only where the others are about to run a forward)"
-            ) from error
+                f"{what}: a rank stopped, or runs a collective (an optimizer step, a barrier, a save) the others "
+                "do not; under elixir-tune every rank holds only a shard, so every rank must reach each forward "
+                "(a rank may evaluate or save alone only where the others are about to run a forward)"
+            ) from None
 
     def _leader(self, rows: list[list[int]]) -> int | None:
         """None when every rank is about to do the same; else the rank the others follow.

@@ -1,0 +1,181 @@
+"""PyTorch habits on what ``setup`` returns, in one process (a world of one on the CPU): each works as
+on the plain model, or is refused at once with what to do instead (docs/guides/own-script.md).
+
+The multi-process habits (rank 0 alone evaluating and saving, ports of whole DDP loops) are in
+tests/dropin/.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import elixir_tune
+from elixir_tune.engine.grad_view import GradientInShardsError
+from tests.distributed.engine_plans import batches, make_plan, tiny_gpt2
+
+LR = 1e-2
+
+
+def _setup(model: nn.Module, optimizer: torch.optim.Optimizer, cache="all", **plan_options):
+    plan = make_plan(model, 1, 4096, cache=cache, **plan_options)
+    return elixir_tune.setup(model, optimizer, plan=plan)
+
+
+def _gpt2_pair():
+    """The same tiny GPT-2 twice: one to set up, one plain reference; and a batch."""
+    torch.manual_seed(0)
+    model = tiny_gpt2()
+    reference = tiny_gpt2()
+    reference.load_state_dict(model.state_dict())
+    return model, reference, batches(1, 4, 16)[0]
+
+
+def _train(model, optimizer, batch, steps, clip=None, zero_grad=None, scheduler=None):
+    losses = []
+    for _ in range(steps):
+        loss = model(**batch).loss
+        loss.backward()
+        if clip is not None:
+            clip(model)
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        (zero_grad or optimizer.zero_grad)()
+        losses.append(loss.item())
+    return losses
+
+
+def test_torch_clip_grad_norm_and_model_zero_grad_act_on_the_shards():
+    model, reference, batch = _gpt2_pair()
+    plain_opt = torch.optim.AdamW(reference.parameters(), lr=LR, eps=1e-6)
+    model, optimizer = _setup(model, torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-6), cache="min")
+    norms, expected_norms = [], []
+
+    def clip(into):
+        def run(m):
+            into.append(float(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)))
+
+        return run
+
+    found = _train(model, optimizer, batch, 4, clip(norms), zero_grad=model.zero_grad)
+    expected = _train(reference, plain_opt, batch, 4, clip(expected_norms), zero_grad=reference.zero_grad)
+    assert found == pytest.approx(expected, rel=1e-6)
+    assert norms == pytest.approx(expected_norms, rel=1e-5)
+    assert norms[0] > 0.05  # the clip did act
+
+
+def test_a_scheduler_built_before_setup_drives_the_optimizer_that_steps():
+    model, reference, batch = _gpt2_pair()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-6)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, step / 3))  # lr 0 at first
+    plain_opt = torch.optim.AdamW(reference.parameters(), lr=LR, eps=1e-6)
+    plain_scheduler = torch.optim.lr_scheduler.LambdaLR(plain_opt, lambda step: min(1.0, step / 3))
+    model, sharded = _setup(model, optimizer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found = _train(model, sharded, batch, 5, scheduler=scheduler)
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]  # its order check sees the steps
+    expected = _train(reference, plain_opt, batch, 5, scheduler=plain_scheduler)
+    assert found == pytest.approx(expected, rel=1e-6)
+    assert found[-1] != found[1]  # the lr left 0: the loss moved
+    assert sharded.param_groups is optimizer.param_groups
+
+
+def test_the_users_optimizer_object_steps_the_shards_too():
+    model, reference, batch = _gpt2_pair()
+    users = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, _ = _setup(model, users, cache="min")
+    found = _train(model, users, batch, 3)  # the script kept the name of the optimizer it built
+    expected = _train(reference, torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9), batch, 3)
+    assert found == pytest.approx(expected, rel=1e-6)
+
+
+def test_p_grad_is_a_placeholder_that_refuses_computation_until_zero_grad():
+    model, _, batch = _gpt2_pair()
+    model, optimizer = _setup(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    model(**batch).loss.backward()
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert all(p.grad is not None and p.grad.shape == p.shape for p in params)
+    with pytest.raises(GradientInShardsError, match="clip_grad_norm_"):
+        sum(p.grad.norm() for p in params)  # gradient logging
+    with pytest.raises(ValueError, match=f"got 2 of the model's {len(params)} trainable parameters"):
+        torch.nn.utils.clip_grad_norm_(params[:2], 1.0)
+    assert float(optimizer.grad_norm()) > 0
+    model.module.zero_grad()  # DDP scripts' raw_model
+    assert all(p.grad is None for p in params)
+    assert float(optimizer.grad_norm()) == 0.0
+
+
+def test_a_clip_function_imported_before_setup_is_refused_not_silent():
+    from torch.nn.utils.clip_grad import _clip_grads_with_norm_, _get_total_norm  # torch's own, unpatched
+
+    model, _, batch = _gpt2_pair()
+    model, _ = _setup(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    model(**batch).loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    with pytest.raises(GradientInShardsError):
+        norm = _get_total_norm(grads, 2.0)  # torchtitan's clip: the norm of p.grad, then a scaling
+        _clip_grads_with_norm_(list(model.parameters()), 1.0, norm)
+
+
+def test_clip_grad_value_clamps_every_shard():
+    model, reference, batch = _gpt2_pair()
+    model, optimizer = _setup(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    plain_opt = torch.optim.SGD(reference.parameters(), lr=1.0)
+
+    def clip(m):
+        torch.nn.utils.clip_grad_value_(m.parameters(), 1e-4)
+
+    found = _train(model, optimizer, batch, 2, clip)
+    expected = _train(reference, plain_opt, batch, 2, clip)
+    assert found == pytest.approx(expected, rel=1e-6)
+
+
+class _BareLoss(nn.Module):
+    """Returns the loss itself; its forward takes no labels, so loss_fn must reach them."""
+
+    def __init__(self, width=8):
+        super().__init__()
+        self.body = nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def test_forward_backward_takes_bare_losses_tuples_and_models_without_labels():
+    torch.manual_seed(0)
+    model = _BareLoss()
+    model, _ = _setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(4, 8)
+    batch = {"x": x, "labels": x.flip(0)}
+    loss = model.forward_backward([batch], loss_fn=lambda out, b: (out - b["labels"]).pow(2).mean())
+    expected = (model.module.body(x) - x.flip(0)).pow(2).mean()
+    assert float(loss) == pytest.approx(float(expected.detach()), rel=1e-6)
+    from elixir_tune.engine.model import loss_of
+
+    scalar = torch.tensor(2.0)
+    assert loss_of(scalar) is scalar
+    assert loss_of((torch.ones(3), scalar)) is scalar  # nanoGPT's (logits, loss)
+    with pytest.raises(AttributeError, match="loss_fn"):
+        loss_of((torch.ones(3), torch.ones(3)))
+
+
+def test_state_dicts_hold_gathered_weights_and_save_pretrained_is_refused(tmp_path):
+    model, reference, batch = _gpt2_pair()
+    model, optimizer = _setup(model, torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-6), cache="min")
+    _train(model, optimizer, batch, 2)
+    _train(reference, torch.optim.AdamW(reference.parameters(), lr=LR, eps=1e-6), batch, 2)
+    inner = model.module.state_dict()  # a released chunk's parameters hold NaN placeholders
+    assert inner.keys() == reference.state_dict().keys()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(inner[name], value, rtol=0, atol=1e-5, msg=name)
+    assert any(torch.isnan(v).any() for v in model.module.state_dict(keep_vars=True).values())  # released ones
+    with pytest.raises(ValueError, match="elixir_tune.save_pretrained"):
+        model.module.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="elixir_tune.save_pretrained"):
+        model.save_pretrained(tmp_path)
+    assert not list(tmp_path.iterdir())
