@@ -50,6 +50,8 @@ def cases(work: Path) -> dict[str, list[str]]:
             str(work / "missing.jsonl"),
         ],
         "elixir-tune profile: missing model file": [tune, "profile", str(work / "missing_model.py")],
+        "elixir-tune train --help": [tune, "train", "--help"],
+        "elixir-tune train: missing data file": [tune, "train", str(model_dir), "--data", str(work / "missing.jsonl")],
     }
 
 
