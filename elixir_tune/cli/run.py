@@ -38,6 +38,7 @@ from elixir_tune.launcher import (
 )
 from elixir_tune.launcher.argv import option_name
 from elixir_tune.launcher.env import COLLECTIVE_TIMEOUT_ENV, bootstrap_env
+from elixir_tune.launcher.launch import lost_node_outcome
 from elixir_tune.launcher.rendezvous import RendezvousWaitError, roll_call
 from elixir_tune.launcher.watch import WorkerWatch
 from elixir_tune.plan import PlanError, load_plan
@@ -328,6 +329,7 @@ def _launch(spec: LaunchSpec, env: dict[str, str], plan, rdzv_timeout_s: float, 
             roll = roll_call(str(spec.rdzv_endpoint), spec.rdzv_id, spec.nnodes, spec.node_rank, rdzv_timeout_s, say)
         except RendezvousWaitError as error:
             fail(str(error), hint=error.hint)
+        roll.start_heartbeat(spec.rdzv_id, spec.node_rank)  # the others name this node if it is lost
     run_dir = Path(tempfile.mkdtemp(prefix="elixir-run-"))
     env = {**env, **bootstrap_env(run_dir)}
     os.environ.update(env)
@@ -337,9 +339,14 @@ def _launch(spec: LaunchSpec, env: dict[str, str], plan, rdzv_timeout_s: float, 
     _quiet_torchrun_warnings()
     try:
         outcome = run_torchrun(spec, watch)
+        lost = roll.lost_nodes(spec.rdzv_id, spec.nnodes, spec.node_rank) if roll and outcome.exit_code else []
+        if lost:
+            outcome = lost_node_outcome(outcome, lost)
     finally:
         watch.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
+        if roll is not None:
+            roll.stop_heartbeat(spec.rdzv_id, spec.node_rank)
         del roll
     if outcome.exit_code:
         fail(outcome.message, hint=outcome.hint, code=outcome.exit_code)

@@ -133,6 +133,26 @@ def add_watch_findings(failures: list[WorkerFailure], watch: WorkerWatch) -> lis
     return killed + [failure for failure in failures if failure not in killed]
 
 
+def lost_node_outcome(outcome: LaunchOutcome, lost: list[str]) -> LaunchOutcome:
+    """A failed job whose cause is another node that went away: that node named first, the workers after.
+
+    Args:
+        outcome: this node's failed outcome (its workers failed because their peers on the lost node did).
+        lost: the nodes whose elixir-run stopped beating without leaving (``RollCall.lost_nodes``).
+
+    Returns:
+        The outcome with a message that names the lost node(s) and a hint of what to do.
+    """
+    which = ", ".join(lost)
+    return dataclasses.replace(
+        outcome,
+        message=f"lost {which}: its elixir-run stopped while the job ran (killed, crashed, or its machine "
+        f"unreachable), and this node's workers stopped with it ({outcome.message.removeprefix('the job failed: ')})",
+        hint="see that node's output and system log (dmesg: the out-of-memory killer); then start the job again on "
+        "every node (with --resume DIR when it saved checkpoints)",
+    )
+
+
 def _failures_from(error) -> list[WorkerFailure]:
     failures = []
     # torchrun's failures map rank -> failure; order them as first observed, as torchrun does.

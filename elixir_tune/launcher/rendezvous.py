@@ -25,6 +25,8 @@ from elixir_tune.launcher.checks import parse_endpoint
 # How long a TCP listener may take to answer as a store before we call it another program. A store
 # answers in about a millisecond; another program that accepts the connection never answers.
 STORE_PROBE_S = 3.0
+# How often each node's elixir-run counts up its beat in the store while its workers run.
+HEARTBEAT_S = 1.0
 
 
 class RendezvousWaitError(RuntimeError):
@@ -48,6 +50,46 @@ class RollCall:
     store: Any
     serving: bool
     waited_s: float
+    _beating: threading.Event | None = None
+
+    def start_heartbeat(self, rdzv_id: str, node_rank: int, interval_s: float = HEARTBEAT_S) -> None:
+        """Counts up this node's beat in the store every ``interval_s`` until ``stop_heartbeat``: a node whose
+        count stands still is gone (killed, crashed, unreachable), whatever the clocks of the machines say."""
+        beating = self._beating = threading.Event()
+
+        def beat() -> None:
+            while not beating.wait(interval_s):
+                try:
+                    self.store.add(_beat_key(rdzv_id, node_rank), 1)
+                except Exception:  # noqa: BLE001 - the store is gone: the job is ending, torchrun reports it
+                    return
+
+        threading.Thread(target=beat, name="elixir-node-heartbeat", daemon=True).start()
+
+    def stop_heartbeat(self, rdzv_id: str, node_rank: int) -> None:
+        """Stops the beat and says this node left on purpose (a killed elixir-run cannot say so)."""
+        if self._beating is not None:
+            self._beating.set()
+        try:
+            self.store.set(_left_key(rdzv_id, node_rank), "1")
+        except Exception:  # noqa: BLE001 - the store is gone already
+            pass
+
+    def lost_nodes(self, rdzv_id: str, nnodes: int, node_rank: int, wait_s: float = 3 * HEARTBEAT_S) -> list[str]:
+        """The other nodes whose elixir-run stopped beating, each as ``node R (host pid P)``; [] when all beat
+        (or the store itself is gone: then the node serving it is the one lost, which torchrun's error says)."""
+        others = [rank for rank in range(nnodes) if rank != node_rank]
+        try:
+            before = {rank: self.store.add(_beat_key(rdzv_id, rank), 0) for rank in others}
+            time.sleep(wait_s)
+            after = {rank: self.store.add(_beat_key(rdzv_id, rank), 0) for rank in others}
+            names = {rank: self.store.get(_key(rdzv_id, rank)).decode() for rank in others}
+            still = [rank for rank in others if after[rank] == before[rank]]
+            # A node that ended its job itself (its workers failed too) says so before it stops beating.
+            lost = [rank for rank in still if not self.store.check([_left_key(rdzv_id, rank)])]
+        except Exception:  # noqa: BLE001 - the store went away while we looked
+            return []
+        return [f"node {rank} ({names[rank]})" for rank in lost]
 
 
 def free_port_hint() -> int:
@@ -126,8 +168,21 @@ def _key(rdzv_id: str, node_rank: int) -> str:
     return f"elixir-run/{rdzv_id}/node{node_rank}"
 
 
-def connect(endpoint: str, timeout_s: float, say: Callable[[str], None], report_every_s: float = 10.0) -> RollCall:
+def _beat_key(rdzv_id: str, node_rank: int) -> str:
+    return f"elixir-run/{rdzv_id}/node{node_rank}/beats"
+
+
+def _left_key(rdzv_id: str, node_rank: int) -> str:
+    return f"elixir-run/{rdzv_id}/node{node_rank}/left"
+
+
+def connect(
+    endpoint: str, timeout_s: float, say: Callable[[str], None], report_every_s: float = 10.0, may_serve: bool = True
+) -> RollCall:
     """Serves or joins the store at ``endpoint``, waiting (with progress lines) for it to come up.
+
+    Only node 0 serves (``may_serve``): on one machine the first node to start would otherwise serve, and a
+    message that blames "the node serving it (node 0)" would name the wrong node when that one is lost.
 
     Raises:
         RendezvousWaitError: the port is held by another program, or no store came up in time.
@@ -137,7 +192,7 @@ def connect(endpoint: str, timeout_s: float, say: Callable[[str], None], report_
         raise RendezvousWaitError(f"{endpoint!r} is not HOST:PORT", hint="e.g. --rdzv-endpoint 10.0.0.1:29400")
     host, port = parsed
     started = time.monotonic()
-    if _is_local_address(host):
+    if may_serve and _is_local_address(host):
         try:
             return RollCall(_store(host, port, serve=True, timeout_s=timeout_s), True, 0.0)
         except Exception:  # noqa: BLE001 - the port is taken: by another node's store, or by another program
@@ -193,7 +248,7 @@ def roll_call(
             ``timeout_s`` (the message names the missing node ranks and the ones that came).
     """
     started = time.monotonic()
-    call = connect(endpoint, timeout_s, say, report_every_s)
+    call = connect(endpoint, timeout_s, say, report_every_s, may_serve=node_rank == 0)
     me = f"{socket.gethostname()} pid {os.getpid()}"
     call.store.set(_key(rdzv_id, node_rank), me)
     last_report = started - report_every_s if nnodes > 1 else started

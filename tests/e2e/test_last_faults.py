@@ -10,10 +10,13 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.e2e.launch_helpers import (
     WORKERS_DIR,
+    finish_all,
     finish_elixir,
+    free_port,
     kill_leftovers,
     run_elixir,
     runnable_example_plan,
@@ -109,3 +112,40 @@ def test_max_restarts_restarts_the_workers_and_resumes_from_the_jobs_checkpoint(
     expected = json.loads((tmp_path / "straight.json").read_text())["summary"]["last_loss"]
     assert json.loads(log.read_text())["summary"]["last_loss"] == expected
     assert (checkpoint / "latest").read_text().strip() == "step-000012"
+
+
+def test_a_node_whose_launcher_is_killed_is_named_as_lost_by_the_other(tmp_path):
+    """kill -9 of node 1's elixir-run in a 2-node job: node 0 printed gloo's "Connection reset by peer" and blamed
+    its own worker, never node 1. Every elixir-run now beats in the rendezvous store; node 0 names the one whose
+    beat stood still without leaving."""
+    plan = runnable_example_plan(tmp_path / "plan.yaml")
+    raw = yaml.safe_load(plan.read_text())
+    raw["cluster"].update(nodes=2, gpus_per_node=1)
+    plan.write_text(yaml.safe_dump(raw, sort_keys=False))
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [
+        start_elixir(
+            ["--nnodes", 2, "--node-rank", rank, "--rdzv-endpoint", endpoint, plan, "pretrain", "--steps", 300]
+            + ["--log", tmp_path / f"node{rank}.json", "--print-every", 1000]
+        )
+        for rank in (0, 1)
+    ]
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 180
+        while _logged_steps(tmp_path / "node0.json") < 2 and nodes[0].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        workers = _children(nodes[0].pid) + _children(nodes[1].pid)
+        nodes[1].kill()  # SIGKILL: its workers die with it (worker_main's parent-death signal)
+        output = finish_all(nodes, timeout_s=120)[0]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+        kill_leftovers(workers)
+    assert nodes[0].returncode == 1, output[-3000:]
+    pid = nodes[1].pid
+    assert "error: lost node 1 (" in output and f" pid {pid}): its elixir-run stopped while the job ran" in output, (
+        output[-3000:]
+    )
+    assert "Traceback" not in output and "GLHF" not in output, output[-3000:]

@@ -217,12 +217,16 @@ def read_meta(path: Path) -> dict:
                 "fingerprint or layout it states cannot be trusted; restore the file or resume from another checkpoint"
             )
     # A metadata file from before the checksum is read as it is: its fields must at least have their types.
-    for key, kind in (("format", int), ("step", int), ("world_size", int), ("fingerprint", str)):
+    for key in ("format", "step", "world_size", "fingerprint"):
         value = meta[key]
-        if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):
+        if key == "fingerprint":
+            fits, wanted = isinstance(value, str), "string"
+        else:
+            fits, wanted = isinstance(value, int) and not isinstance(value, bool) and value >= 0, "non-negative integer"
+        if not fits:
             raise CheckpointError(
-                f"{path}: {key} is {value!r}, not a {'non-negative integer' if kind is int else 'string'}: the "
-                "checkpoint's metadata is damaged; resume from another checkpoint"
+                f"{path}: {key} is {value!r}, not a {wanted}: the checkpoint's metadata is damaged; resume from "
+                "another checkpoint"
             )
     return meta
 
