@@ -173,6 +173,8 @@ class Engine(EnginePasses, EngineGrads, EngineState):
         # p.grad placeholders between a backward and the next forward (grad_view.py); None: off (a
         # pipeline plan, whose no-sync keeps real gradients in p.grad across passes).
         self.grad_placeholders: dict[int, ShardedGrad] | None = None
+        self._scaling = False  # inside scaled_backward()
+        self.unscaled_backward = False  # an fp16 backward ran without the loss scale (refused at the step)
         self.module_ancestors = self._hooked_ancestors()
         # A module that shares parameters with a running ancestor (it reads them too, or owns what the
         # ancestor reads) must not mark them idle when it returns: the ancestor may read them again.
@@ -372,6 +374,16 @@ class Engine(EnginePasses, EngineGrads, EngineState):
 
     def set_baton(self, baton: Baton | None) -> None:
         self.baton = baton
+
+    @contextlib.contextmanager
+    def scaled_backward(self):
+        """The context of a backward whose loss carries the fp16 loss scale (``optimizer.backward``,
+        ``forward_backward``); a backward outside it on an fp16 plan is refused at the step."""
+        self._scaling = True
+        try:
+            yield
+        finally:
+            self._scaling = False
 
     def loss_scale(self) -> torch.Tensor | float:
         """The fp16 loss scale of the optimizer attached to this engine, a device tensor (reading it

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -51,6 +51,11 @@ class EnginePasses:
     agreement: ForwardAgreement | None
     module_index: dict[torch.nn.Module, int]
     grad_placeholders: dict[int, ShardedGrad] | None
+    scaler: Any
+    pipeline: Any
+    grad_passes: int
+    _scaling: bool
+    unscaled_backward: bool
     baton: Baton | None
     in_backward: bool
     backward_passes: int
@@ -184,6 +189,8 @@ class EnginePasses:
 
     def _end_backward(self) -> None:
         """The autograd callback after each backward: reduces what is left and unpins the chunks."""
+        if self.scaler is not None and not self._scaling and self.pipeline is None:
+            self.unscaled_backward = True  # plain loss.backward() on an fp16 plan: its gradients are not scaled
         self._reduce_rest()
         for slot in self.slots:
             slot.awaiting_grad = False
@@ -197,5 +204,5 @@ class EnginePasses:
         self._callback_queued = False
         self.in_backward = False
         self.backward_passes += 1
-        if self.grad_placeholders is not None:  # torch code reading p.grad now meets grad_view's placeholder
+        if self.grad_placeholders is not None and self.grad_passes == 1:  # torch code reading p.grad meets one
             show_placeholders([s.param for s in self.slots if not s.chunk.frozen], self.grad_placeholders)

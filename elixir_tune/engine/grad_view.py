@@ -55,8 +55,11 @@ class ShardedGrad(torch.Tensor):
 
 
 def show_placeholders(params: list[torch.nn.Parameter], placeholders: dict[int, ShardedGrad]) -> None:
-    """Sets each parameter's ``p.grad`` to its placeholder (made on first use)."""
+    """Sets each parameter's ``p.grad`` to its placeholder (made on first use), where it has none (a
+    gradient held for no-sync stays)."""
     for param in params:
+        if param.grad is not None:
+            continue
         placeholder = placeholders.get(id(param))
         if placeholder is None or placeholder.shape != param.shape or placeholder.dtype != param.dtype:
             placeholder = placeholders[id(param)] = ShardedGrad(param)

@@ -150,7 +150,7 @@ class ElixirModel(torch.nn.Module):
             return loss_of(output) * scales[index]
 
         layered = self.engine.plan.training.accumulation == "layered" and count > 1 and torch.is_grad_enabled()
-        with self.engine.loss_context():
+        with self.engine.loss_context(), self.engine.scaled_backward():
             losses = self._run(scaled_loss, count, layered)
         for loss in losses:
             self.engine.note_loss(loss)

@@ -212,7 +212,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.note_loss(loss)
         if self.scaler is not None:
             loss = loss * self.scaler.scale_tensor
-        with self.engine.loss_context():  # a vocabulary-parallel loss's backward runs inside loss_parallel
+        with self.engine.loss_context(), self.engine.scaled_backward():  # loss_parallel for a vocabulary-split loss
             loss.backward()
 
     def note_loss(self, loss: torch.Tensor) -> None:
@@ -250,6 +250,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         engine = self.engine
         self._require_even("read the gradient norm")
+        if engine.unscaled_backward:
+            raise RuntimeError(
+                "this fp16 plan's gradients were computed by loss.backward() without the loss scale (torch's GradScaler "
+                "cannot scale for the shards); call optimizer.backward(loss) instead, which scales the loss"
+            )
         engine.drain_grads()
         passes = engine.backward_passes
         stats = self._stats

@@ -179,3 +179,13 @@ def test_state_dicts_hold_gathered_weights_and_save_pretrained_is_refused(tmp_pa
     with pytest.raises(ValueError, match="elixir_tune.save_pretrained"):
         model.save_pretrained(tmp_path)
     assert not list(tmp_path.iterdir())
+
+
+def test_an_fp16_plan_refuses_an_unscaled_backward_before_the_step():
+    model, _, batch = _gpt2_pair()
+    model, optimizer = _setup(model, torch.optim.AdamW(model.parameters(), lr=LR), dtype="fp16")
+    before = [chunk.master.clone() for chunk in model.engine.chunks]
+    model(**batch).loss.backward()  # DDP's habit; torch's GradScaler would not scale the shards either
+    with pytest.raises(RuntimeError, match=r"call optimizer.backward\(loss\) instead"):
+        optimizer.step()
+    assert all(torch.equal(a, chunk.master) for a, chunk in zip(before, model.engine.chunks, strict=True))
