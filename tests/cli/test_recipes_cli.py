@@ -66,7 +66,9 @@ def test_a_model_dir_without_config_and_a_bad_option(tmp_path: Path):
         f"error: --model {tmp_path / 'empty'}: not a model directory (no config.json); give a Hugging Face model dir"
     ]
     code, output = _invoke([EXAMPLE_PLAN, "pretrain", "--stepz", "3"], tmp_path)
-    assert code == 2 and _errors(output) == ["error: pretrain: unrecognized arguments: --stepz 3 (did you mean --steps?)"], output
+    assert code == 2 and _errors(output) == [
+        "error: pretrain: unrecognized arguments: --stepz 3 (did you mean --steps?)"
+    ], output
     code, output = _invoke([EXAMPLE_PLAN, "pretrain", "--keep-best"], tmp_path)
     assert _errors(output) == ["error: pretrain: --keep-best keeps the best checkpoint under --save DIR: add --save"]
 
