@@ -125,3 +125,39 @@ def test_the_profile_default_sequence_length_fits_the_model_positions(tmp_path: 
     assert json.loads(result.stdout)["seq_len"] == 256
     longer = CliRunner().invoke(cli, ["profile", str(model_dir), "-b", "1", "-s", "512", "--out", str(tmp_path / "q")])
     assert longer.exit_code == 1 and "seq_len 512 is longer than the model's 256 positions" in longer.output
+
+
+# Each runs in a fresh interpreter; what it prints last is whether torch or transformers got imported.
+NO_HEAVY_IMPORTS = {
+    "elixir-tune --help": "from elixir_tune.cli.main import cli; cli(['--help'])",
+    "elixir-tune train --help": "from elixir_tune.cli.main import cli; cli(['train', '--help'])",
+    "elixir-run --help": "from elixir_tune.cli.run import run_command; run_command(['--help'])",
+    "elixir-run: missing data file": "from elixir_tune.cli.run import run_command; "
+    f"run_command([{str(EXAMPLE_PLAN)!r}, 'finetune', '--model', 'MODEL', '--data', 'missing.jsonl'])",
+    "elixir-tune train: missing data file": "from elixir_tune.cli.main import cli; "
+    "cli(['train', 'MODEL', '--data', 'missing.jsonl'])",
+}
+
+
+def test_help_and_a_missing_data_file_import_no_torch(tmp_path: Path):
+    """What makes them answer in a fraction of a second (scripts/bench_cli_latency.py times them): torch and
+    transformers, seconds of imports, stay out. Not a timed test: a structural one that fails when an import comes
+    back to these paths."""
+    import subprocess
+    import sys
+
+    (tmp_path / "MODEL").mkdir()
+    (tmp_path / "MODEL" / "config.json").write_text('{"model_type": "llama"}')
+    for name, code in NO_HEAVY_IMPORTS.items():
+        probe = (
+            f"import atexit, sys\natexit.register(lambda: print('heavy:', sorted({{'torch', 'transformers'}} & "
+            f"set(sys.modules))))\n{code}"
+        )
+        result = subprocess.run(
+            [sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120
+        )
+        assert result.stdout.strip().splitlines()[-1] == "heavy: []", (
+            name,
+            result.stdout[-2000:],
+            result.stderr[-2000:],
+        )
