@@ -250,7 +250,14 @@ def roll_call(
     started = time.monotonic()
     call = connect(endpoint, timeout_s, say, report_every_s, may_serve=node_rank == 0)
     me = f"{socket.gethostname()} pid {os.getpid()}"
-    call.store.set(_key(rdzv_id, node_rank), me)
+    # Claimed atomically: a second elixir-run given the same --node-rank is told at once, by name, instead of
+    # overwriting the first one's claim and waiting until the store closes under it.
+    holder = call.store.compare_set(_key(rdzv_id, node_rank), "", me).decode()
+    if holder != me:
+        raise RendezvousWaitError(
+            f"rendezvous at {endpoint}: node {node_rank} is already taken by another elixir-run ({holder})",
+            hint=f"give each node its own --node-rank, 0 to {nnodes - 1}",
+        )
     last_report = started - report_every_s if nnodes > 1 else started
     present: list[int] = [node_rank]
     names: dict[int, str] = {node_rank: me}

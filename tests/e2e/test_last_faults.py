@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 import yaml
 
 from tests.e2e.launch_helpers import (
+    ALLREDUCE_WORKER,
     WORKERS_DIR,
     finish_all,
     finish_elixir,
@@ -114,14 +116,45 @@ def test_max_restarts_restarts_the_workers_and_resumes_from_the_jobs_checkpoint(
     assert (checkpoint / "latest").read_text().strip() == "step-000012"
 
 
+def _two_node_plan(path: Path) -> Path:
+    plan = runnable_example_plan(path)
+    raw = yaml.safe_load(plan.read_text())
+    raw["cluster"].update(nodes=2, gpus_per_node=1)
+    plan.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return plan
+
+
+def test_a_second_launcher_claiming_node_0_is_refused_at_once_by_name(tmp_path):
+    """Two elixir-runs with --node-rank 0: the second overwrote the first's claim, waited, then printed a C++ frame
+    dump and blamed 'the node serving it' when the store closed. The claim is now atomic and named."""
+    plan = _two_node_plan(tmp_path / "plan.yaml")
+    endpoint = f"127.0.0.1:{free_port()}"
+    args = ["--nnodes", 2, "--node-rank", 0, "--rdzv-endpoint", endpoint, "--rdzv-timeout", 20]
+    first = start_elixir([*args, plan, ALLREDUCE_WORKER, "--out", tmp_path])
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and first.poll() is None:
+            try:  # the first one serves the rendezvous once its port accepts connections
+                with socket.create_connection(("127.0.0.1", int(endpoint.rsplit(":", 1)[1])), timeout=1):
+                    break
+            except OSError:
+                time.sleep(0.2)
+        second = run_elixir([*args, plan, ALLREDUCE_WORKER, "--out", tmp_path], timeout_s=60)
+    finally:
+        first.kill()
+        first.communicate()
+    output = second.stdout + second.stderr
+    assert second.returncode == 1, output[-3000:]
+    assert f"error: rendezvous at {endpoint}: node 0 is already taken by another elixir-run (" in output, output
+    assert f" pid {first.pid})" in output
+    assert "Exception raised from" not in output and "frame #" not in output and "serving it" not in output
+
+
 def test_a_node_whose_launcher_is_killed_is_named_as_lost_by_the_other(tmp_path):
     """kill -9 of node 1's elixir-run in a 2-node job: node 0 printed gloo's "Connection reset by peer" and blamed
     its own worker, never node 1. Every elixir-run now beats in the rendezvous store; node 0 names the one whose
     beat stood still without leaving."""
-    plan = runnable_example_plan(tmp_path / "plan.yaml")
-    raw = yaml.safe_load(plan.read_text())
-    raw["cluster"].update(nodes=2, gpus_per_node=1)
-    plan.write_text(yaml.safe_dump(raw, sort_keys=False))
+    plan = _two_node_plan(tmp_path / "plan.yaml")
     endpoint = f"127.0.0.1:{free_port()}"
     nodes = [
         start_elixir(
