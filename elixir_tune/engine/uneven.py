@@ -140,7 +140,7 @@ class ForwardAgreement:
             return None
         top = max(kinds)
         leaders = [rank for rank, kind in enumerate(kinds) if kind == top]
-        groups = {kind: [rank for rank, k in enumerate(kinds) if k == kind] for kind in sorted(set(kinds))}
+        groups = {kind: [rank for rank, k in enumerate(kinds) if k == kind] for kind in dict.fromkeys(kinds)}
         said = "; ".join(f"{_ranks_text(ranks)}: {KIND_NAMES[kind]}" for kind, ranks in groups.items())
         if self.refusal is not None:
             raise UnevenForwardError(
