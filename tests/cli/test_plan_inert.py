@@ -68,9 +68,15 @@ def test_reading_a_plan_imports_nothing_it_names(marker_plan: Path, command: lis
     assert not (marker_plan.parent / "MARKER").exists(), f"{' '.join(command)} imported the plan's model.source"
 
 
-def test_the_model_file_is_still_checked_without_importing_it(marker_plan: Path):
-    model = marker_plan.parent / "model.py"
-    model.write_text(MARKER_MODEL.replace("def example_batch", "def other_batch"))
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        (MARKER_MODEL.replace("def example_batch", "def other_batch"), "no example_batch(batch_size, seq_len)"),
+        ("def build_model(:\n", "model.py: not valid Python"),
+    ],
+)
+def test_the_model_file_is_still_checked_without_importing_it(marker_plan: Path, source: str, expected: str):
+    (marker_plan.parent / "model.py").write_text(source)
     result = subprocess.run(
         [_script("elixir-run"), "--dry-run", "plan.yaml", "pretrain", "--synthetic"],
         cwd=marker_plan.parent,
@@ -78,16 +84,6 @@ def test_the_model_file_is_still_checked_without_importing_it(marker_plan: Path)
         text=True,
         timeout=120,
     )
-    assert result.returncode == 2
-    assert "no example_batch(batch_size, seq_len)" in result.stderr
+    assert result.returncode == 2 and expected in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
-    model.write_text("def build_model(:\n")
-    result = subprocess.run(
-        [_script("elixir-run"), "--dry-run", "plan.yaml", "pretrain", "--synthetic"],
-        cwd=marker_plan.parent,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 2 and "model.py: not valid Python" in result.stderr, result.stderr
     assert not (marker_plan.parent / "MARKER").exists()
