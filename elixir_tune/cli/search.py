@@ -269,7 +269,7 @@ def search_command(
     host_bytes = _bytes_option(host_memory, "--host-memory")
     device_bytes = _bytes_option(device_memory, "--device-memory")
     profile, hardware, hardware_ref = _load_inputs(profile_path, hardware_ref)
-    _warn_cpu_oversubscription(hardware.device, gpus, nodes)
+    warn_cpu_oversubscription(hardware.device, gpus)
     try:
         with err_console.status(f"searching plans for {profile.name} on {nodes} x {gpus} x {hardware.name} ..."):
             result = search(
@@ -344,19 +344,27 @@ def search_command(
     )
 
 
-def _warn_cpu_oversubscription(device: str, gpus: int, nodes: int) -> None:
+def warn_cpu_oversubscription(device: str, gpus: int, runs_here: bool = False) -> None:
     """A CPU plan with more workers per node than this machine has cores: one warning line (the plan is still
-    written: it may be meant for a bigger machine)."""
+    written: it may be meant for a bigger machine).
+
+    Args:
+        device: the plan's device (GPU plans are for other machines: no warning).
+        gpus: the workers per node asked for.
+        runs_here: the plan runs on this machine next (``elixir-tune train``), not perhaps elsewhere.
+    """
     cores = os.cpu_count() or 1
     if device != "cpu" or gpus <= cores:
         return
-    err_console.print(
-        f"[yellow]warning[/]: --gpus {gpus} asks for {gpus} CPU worker processes per node, and this machine has "
-        f"{cores} core(s): run here, the workers would share cores and run several times slower than the plan "
-        f"predicts; search with --gpus {cores} or fewer for this machine"
-        + (" (or search on the machine the plan is for)" if nodes == 1 else ""),
-        soft_wrap=True,
-    )
+    shared = f"--gpus {gpus} asks for {gpus} CPU worker processes per node, and this machine has {cores} core(s)"
+    if runs_here:
+        advice = f"the workers will share them and run several times slower than the plan predicts; give --gpus {cores}"
+    else:
+        advice = (
+            "run here, the workers would share cores and run several times slower than the plan predicts; search "
+            f"with --gpus {cores} or fewer for this machine (or search on the machine the plan is for)"
+        )
+    err_console.print(f"[yellow]warning[/]: {shared}: {advice}", soft_wrap=True)
 
 
 # What the pretrain recipe hands the model: the forward must take these (and may take the optional ones).

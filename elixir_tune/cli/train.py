@@ -106,6 +106,9 @@ def train_command(
 
     profile, profile_file, profile_reused = _profile(model, files, seq_len, dtype, lora)
     plan, plan_file, plan_reused = _plan(profile, profile_file, hardware_ref, gpus, global_batch_size)
+    from elixir_tune.cli.search import run_script_for, warn_cpu_oversubscription
+
+    warn_cpu_oversubscription(plan.cluster.device, gpus, runs_here=True)
     if plan_out:
         Path(plan_out).write_text(plan_file.read_text())
     for line in plan_lines(plan):
@@ -116,8 +119,6 @@ def train_command(
         markup=False,
         soft_wrap=True,
     )
-
-    from elixir_tune.cli.search import run_script_for
 
     script, note = run_script_for(profile, shlex.quote(data) if data else "")
     if script == "train.py":
