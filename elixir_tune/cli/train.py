@@ -131,8 +131,9 @@ def train_command(
     elif data:
         words += ["--data", data]
     argv = [str(plan_out or plan_file), *words, *recipe_args]
+    # The same job later, or on a cluster, without this command: the line to keep.
+    console.print(("" if dry_run else "running: ") + "elixir-run " + shlex.join(argv), markup=False, soft_wrap=True)
     if dry_run:
-        console.print("elixir-run " + shlex.join(argv), markup=False, soft_wrap=True)
         return
     sys.stdout.flush()
     os.execv(sys.executable, [sys.executable, "-m", "elixir_tune.cli.run", *argv])

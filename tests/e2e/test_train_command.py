@@ -48,6 +48,9 @@ def test_one_command_fine_tunes_with_lora_and_reuses_its_plan(tmp_path: Path):
     assert lines[0].startswith("plan: tiny-llama (") and "LoRA rank 4" in lines[0] and "seq 128" in lines[0]
     assert lines[1].startswith("memory: ") and lines[2].startswith("predicted: ")
     assert lines[3].startswith("plan file: ") and "reused" not in lines[3]
+    plan_file = lines[3].removeprefix("plan file: ")
+    recipe = f"finetune --model {model_dir} --data {chat} --epochs 1 --save-pretrained {out}"  # no --lora-*
+    assert lines[4] == f"running: elixir-run {plan_file} {recipe}"
     assert "done: loss" in first.stdout and "plan vs run: step time" in first.stdout
     plans = list((cache / "plans").glob("plan-*.yaml"))
     assert len(plans) == 1
