@@ -378,6 +378,12 @@ def _print_summary(plan, plan_path: str, checks, nnodes: int, node_rank: int) ->
         + (f"; node {node_rank} of {nnodes}" if nnodes > 1 else ""),
         soft_wrap=True,
     )
+    if plan.prediction is not None:  # the run ends with the measured figures beside these
+        console.print(
+            f"  predicted for {escape(cluster.hardware)}: {plan.prediction.step_time_s * 1000:,.1f} ms/step, peak "
+            f"{plan.rank_memory(0).peak_gpu_bytes / 2**30:.2f} GiB per worker",
+            soft_wrap=True,
+        )
     for check in checks:
         mark = _MARK[check.ok] if check.ok or check.fatal else "[yellow]warn[/]"
         (console if check.ok or not check.fatal else err_console).print(
