@@ -134,8 +134,10 @@ class Reporter:
                 "steps_done": len(steps),
                 "first_loss": steps[0]["loss"],
                 "last_loss": steps[-1]["loss"],
-                "mean_tokens_per_s": sum(s["tokens_per_s"] for s in timed) / len(timed),
-                "mean_computed_tokens_per_s": sum(s["computed_tokens_per_s"] for s in timed) / len(timed),
+                # tokens over time, not the mean of the steps' rates: a step with more padding weighs its share
+                "mean_tokens_per_s": sum(s["tokens"] for s in timed) / sum(s["step_time_s"] for s in timed),
+                "mean_computed_tokens_per_s": sum(s["tokens_computed"] for s in timed)
+                / sum(s["step_time_s"] for s in timed),
                 "tokens": sum(s["tokens"] for s in steps),
                 "tokens_padding": sum(s["tokens_padding"] for s in steps),
                 "tokens_no_loss": sum(s["tokens_no_loss"] for s in steps),

@@ -64,6 +64,10 @@ def test_padded_chat_data_reports_learned_tokens_and_padding_apart(tmp_path):
         assert step["computed_tokens_per_s"] == pytest.approx(SEQ_LEN * GLOBAL_BATCH / step["step_time_s"], rel=1e-9)
         assert step["computed_tokens_per_s"] > 3 * step["tokens_per_s"]  # the old figure overstated it this much
     summary = record["summary"]
+    timed = steps[1:]  # the first step warms up
+    assert summary["mean_tokens_per_s"] == pytest.approx(
+        sum(step["tokens"] for step in timed) / sum(step["step_time_s"] for step in timed), rel=1e-9
+    )
     assert (summary["tokens"], summary["tokens_padding"], summary["tokens_computed"]) == (learned, padding, computed)
     check = summary["prediction"]
     assert check["predicted_step_time_s"] > 0 and check["step_time_ratio"] == pytest.approx(
