@@ -30,6 +30,10 @@ device->host copies, host additions still queued) keeps them busy into k: every 
 over (``MicroBatchTime.leftover_s``), so no resource is ever busy longer than the step. Steady
 micro-batches are simulated one after the other until one starts with the same leftover as the one
 before it; from there each repeats exactly (the timeline only shifts), so the rest are copies of it.
+When a resource is the bottleneck its backlog grows by the same amount every micro-batch instead
+(``_drifted``): once two steady ones differ only by that growth, the rest are the last one with the
+backlog grown again, and the last of the step is simulated to check it (a search over 175B-model
+steps of hundreds of micro-batches otherwise simulates every one).
 After the last micro-batch: the gradient-norm all-reduce, then Adam on the device shards (GPU) and
 on the host shards (CPU) in parallel; the step ends with the slower.
 """
@@ -352,16 +356,74 @@ def micro_batches(
     started_with: tuple[float, float, float, float] | None = None
     while len(parts) < passes:
         busy = parts[-1].leftover_s
-        if (
-            len(parts) > 1
-            and started_with is not None
-            and all(abs(a - b) <= 1e-12 * (1.0 + abs(b)) for a, b in zip(busy, started_with, strict=True))
-        ):
+        if len(parts) > 1 and started_with is not None and _close(busy, started_with):
             parts += [parts[-1]] * (passes - len(parts))
             break
+        if len(parts) > 2 and passes - len(parts) > 1:
+            rest = _drifted(parts[-3:], passes - len(parts), simulate_steady)
+            if rest is not None:
+                parts += rest
+                break
         started_with = busy
         parts.append(simulate_steady(busy))
     return parts
+
+
+def _close(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
+    """Equal to the last few digits (the timelines add the same costs in another order)."""
+    return all(abs(x - y) <= 1e-12 * (1.0 + abs(y)) for x, y in zip(a, b, strict=True))
+
+
+def _drifted(
+    last_three: list[MicroBatchTime],
+    remaining: int,
+    simulate_steady: Callable[[tuple[float, float, float, float]], MicroBatchTime],
+) -> list[MicroBatchTime] | None:
+    """The ``remaining`` micro-batches after a backlog that grows by a constant, or None.
+
+    The last two micro-batches must be the same but for what they leave busy (``leftover_s``, and
+    ``drained_s`` with it), which grew by the same amount twice. A timeline is built of sums and
+    maxima, so a micro-batch's figures only grow with the backlog it starts with: the ones between
+    equal the last simulated one as long as the step's final micro-batch, whose backlog is the
+    largest, still equals it. That one is simulated from its extrapolated backlog and must match the
+    extrapolation, or None is returned (the caller then simulates each).
+    """
+    first, second, third = last_three
+    delta = tuple(b - a for a, b in zip(first.leftover_s, second.leftover_s, strict=True))
+    grew = tuple(b - a for a, b in zip(second.leftover_s, third.leftover_s, strict=True))
+    if not any(d > 0 for d in delta) or any(d < 0 for d in delta) or not _close(grew, delta):
+        return None
+    if not _same_but_backlog(second, third):
+        return None
+
+    def shifted(count: int) -> MicroBatchTime:
+        leftover = tuple(x + count * d for x, d in zip(third.leftover_s, delta, strict=True))
+        drained = third.compute_end_s + max(0.0, *leftover)
+        return MicroBatchTime(
+            third.compute_end_s,
+            drained,
+            third.exposed_fetch_s,
+            third.allgather_s,
+            third.reduce_scatter_s,
+            third.h2d_s,
+            third.d2h_s,
+            (leftover[0], leftover[1], leftover[2], leftover[3]),
+        )
+
+    final = simulate_steady(shifted(remaining - 1).leftover_s)
+    expected = shifted(remaining)
+    if not (_same_but_backlog(final, third) and _close(final.leftover_s, expected.leftover_s)):
+        return None
+    middle = [shifted(k) for k in range(1, remaining)]
+    return middle + [final]
+
+
+def _same_but_backlog(a: MicroBatchTime, b: MicroBatchTime) -> bool:
+    """Two micro-batches that differ at most in what they leave busy."""
+    return _close(
+        (a.compute_end_s, a.exposed_fetch_s, a.allgather_s, a.reduce_scatter_s, a.h2d_s, a.d2h_s),
+        (b.compute_end_s, b.exposed_fetch_s, b.allgather_s, b.reduce_scatter_s, b.h2d_s, b.d2h_s),
+    ) and _close((a.drained_s - max(0.0, *a.leftover_s),), (b.drained_s - max(0.0, *b.leftover_s),))
 
 
 def combine_step(

@@ -117,3 +117,16 @@ def test_a_periodic_micro_batch_is_simulated_once_and_repeated():
     step, _breakdown, simulated = _reduce_bound_step(10, 1.0)
     assert simulated == 2
     assert step == pytest.approx(10 * 2.0 + 0.5 + COSTS.grad_norm_s)
+
+
+def test_a_growing_backlog_is_extrapolated_and_equals_the_whole_simulation():
+    # Compute 0.2 s, reductions 0.5 s: the collective backlog grows by 0.3 s every micro-batch, so the
+    # step ends when the last of 100 micro-batches' reductions drain: 0.2 + 100 x 0.5 s. A handful are
+    # simulated (cold, two steady ones that show the growth, the last one that checks it), not 100.
+    step, breakdown, simulated = _reduce_bound_step(100, 0.1)
+    assert step == pytest.approx(0.2 + 100 * 0.5 + COSTS.grad_norm_s)
+    assert breakdown["reduce_scatter_s"] == pytest.approx(50.0)
+    assert simulated <= 5
+    for num_micro in (5, 6, 17):
+        exact = 0.2 + num_micro * 0.5 + COSTS.grad_norm_s
+        assert _reduce_bound_step(num_micro, 0.1)[0] == pytest.approx(exact)
