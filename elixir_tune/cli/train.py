@@ -163,7 +163,10 @@ def _profile(model: str, files: list[Path], seq_len: int | None, dtype: str, lor
     settings = {"model": model, "batch": PROFILE_BATCH_SIZE, "seq_len": seq_len, "dtype": dtype, "lora": lora}
     path = run_cache.profile_path(run_cache.digest(settings, files))
     if path.is_file():
-        return load_profile(path), path, True
+        try:
+            return load_profile(path), path, True
+        except ValueError:  # written by another elixir-tune, or damaged: made again below
+            pass
     try:
         with err_console.status(f"profiling {model}") as status:
             profile = profile_model(
@@ -193,7 +196,10 @@ def _plan(profile, profile_file: Path, hardware_ref: str, gpus: int, global_batc
     key = run_cache.digest(settings, [profile_file] + ([hardware_file] if hardware_file.is_file() else []))
     path = run_cache.plan_path(key)
     if path.is_file():
-        return load_plan(path), path, True
+        try:
+            return load_plan(path), path, True
+        except ValueError:  # PlanError: written by another elixir-tune, or damaged: searched again below
+            pass
     try:
         hardware = load_hardware(hardware_ref)
         with err_console.status(f"searching plans for {profile.name} on {gpus} x {hardware.name}"):

@@ -67,3 +67,8 @@ def test_one_command_fine_tunes_with_lora_and_reuses_its_plan(tmp_path: Path):
     longer = _train([model_dir, "--data", chat, *settings[:-4], "--seq-len", 64, "--dry-run"], tmp_path, cache)
     assert longer.returncode == 0 and "seq 64" in longer.stdout and "reused" not in longer.stdout
     assert len(list((cache / "plans").glob("plan-*.yaml"))) == 2
+
+    plans[0].write_text("schema_version: 1\n")  # a damaged cache entry is made again, never a traceback
+    repaired = _train([model_dir, "--data", chat, *settings, "--epochs", 1, "--dry-run"], tmp_path, cache)
+    assert repaired.returncode == 0, repaired.stderr[-3000:]
+    assert f"plan file: {plans[0]} (cached profile reused)" in repaired.stdout
