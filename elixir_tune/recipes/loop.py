@@ -28,7 +28,7 @@ from elixir_tune.engine.io.checkpoint_files import LATEST_NAME, CheckpointError
 from elixir_tune.engine.io.pretrained_files import describe_failure
 from elixir_tune.recipes.evaluation import evaluate
 from elixir_tune.recipes.fp16_watch import Fp16Watch
-from elixir_tune.recipes.restarts import lost_peer_line, resume_after_restart
+from elixir_tune.recipes.restarts import lost_peer_line, restart_count, resume_after_restart
 from elixir_tune.recipes.throughput import promise, step_figures, token_counts
 
 BEST_DIR_NAME = "best"  # --keep-best: the best evaluation's checkpoint, a root of its own under --save
@@ -71,6 +71,13 @@ def sum_over_ranks(values: torch.Tensor, world: int) -> torch.Tensor:
     """``values`` summed over every rank (in place; the tensor itself on one rank)."""
     if world > 1:
         dist.all_reduce(values)
+    return values
+
+
+def max_over_ranks(values: torch.Tensor, world: int) -> torch.Tensor:
+    """``values``' largest over every rank (in place; the tensor itself on one rank)."""
+    if world > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
     return values
 
 
@@ -126,7 +133,9 @@ def train(
             "--eval-every/--keep-best need an evaluation split: add --eval-fraction F or --eval-data", rank
         )
     start_step = 0
-    restart_note = resume_after_restart(args)  # torchrun restarted the workers: go on from this job's checkpoint
+    # torchrun restarted the workers: go on from this job's checkpoint (every rank alike: the largest count)
+    counts = torch.tensor([float(restart_count())], dtype=torch.float64, device=device)
+    restart_note = resume_after_restart(args, round(float(max_over_ranks(counts, world))))
     if restart_note and rank == 0:
         print(restart_note, flush=True)
     try:  # a second job saving to the same directory is refused before it trains

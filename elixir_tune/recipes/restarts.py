@@ -3,8 +3,9 @@
 torchrun restarts the whole worker group after a worker fails, and each new worker starts the recipe again
 from its command line. Started again as it was, a run would train from step 0 and save over the checkpoints it
 had written before the failure. A restarted worker whose ``--save`` directory holds a complete checkpoint
-resumes from it instead: that is the newest state of this job (every rank sees the same directory, so all
-agree).
+resumes from it instead: that is the newest state of this job. Every rank must decide alike (one that started
+over while another resumed would wait for each other's collectives for ever): the restart number is agreed over
+the ranks, and the ranks see the same ``--save`` directory.
 """
 
 from __future__ import annotations
@@ -20,16 +21,25 @@ RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
 MAX_RESTARTS_ENV = "TORCHELASTIC_MAX_RESTARTS"
 
 
-def resume_after_restart(args: argparse.Namespace) -> str | None:
-    """Points ``args.resume`` at ``args.save`` on a restarted worker when a checkpoint is there.
+def restart_count() -> int:
+    """This worker's restart number as its node's torchrun agent counts it (0: the first start).
+
+    On several nodes only the agent whose worker failed counts a restart; the others restart their workers
+    for the new rendezvous round with the count unchanged, so the recipe takes the largest over the ranks.
+    """
+    return int(os.environ.get(RESTART_COUNT_ENV, "0") or 0)
+
+
+def resume_after_restart(args: argparse.Namespace, restart: int) -> str | None:
+    """Points ``args.resume`` at ``args.save`` on a restarted job when a checkpoint is there.
 
     Args:
         args: the recipe's options (``save``, ``resume``); ``resume`` may be changed.
+        restart: the job's restart number, the same on every rank (the largest ``restart_count`` of them).
 
     Returns:
         A line for rank 0 to print when this is a restart (resuming or starting over), else None.
     """
-    restart = int(os.environ.get(RESTART_COUNT_ENV, "0") or 0)
     if restart <= 0:
         return None
     of = os.environ.get(MAX_RESTARTS_ENV, "?")

@@ -182,3 +182,33 @@ def test_a_node_whose_launcher_is_killed_is_named_as_lost_by_the_other(tmp_path)
         output[-3000:]
     )
     assert "Traceback" not in output and "GLHF" not in output, output[-3000:]
+
+
+def test_a_restart_on_two_nodes_resumes_every_rank_alike(tmp_path):
+    """When node 1's worker dies, only node 1's agent counts a restart; node 0's restarts its worker for the new
+    round with the count at 0. Deciding per rank, rank 1 resumed while rank 0 started over and the job hung in
+    their mismatched collectives. The ranks now agree on the largest count: both resume, the job finishes."""
+    plan = _two_node_plan(tmp_path / "plan.yaml")
+    endpoint, checkpoint = f"127.0.0.1:{free_port()}", tmp_path / "ckpt"  # one directory: a shared filesystem
+    nodes = [
+        start_elixir(
+            ["--max-restarts", 1, "--nnodes", 2, "--node-rank", rank, "--rdzv-endpoint", endpoint, plan, "pretrain"]
+            + ["--steps", 10, "--save", checkpoint, "--save-every", 2]
+            + ["--log", tmp_path / f"node{rank}.json", "--print-every", 1000]
+        )
+        for rank in (0, 1)
+    ]
+    workers: list[int] = []
+    try:
+        _kill_a_worker_after(nodes[1], tmp_path / "node0.json", 3)  # node 1's worker; rank 0 writes the log
+        workers = _children(nodes[0].pid) + _children(nodes[1].pid)
+        outputs = finish_all(nodes, timeout_s=400)
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+        kill_leftovers(workers)
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:]
+    assert f"restart 1 of 1: resuming from {checkpoint}, the latest checkpoint this job saved" in outputs[0]
+    assert "Traceback" not in outputs[0] + outputs[1]
+    assert (checkpoint / "latest").read_text().strip() == "step-000010"
