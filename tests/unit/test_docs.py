@@ -121,6 +121,8 @@ def _check_elixir_tune(tokens: list[str]) -> list[str]:
     if result.exit_code != 0:
         problems.append(f"elixir-tune {tokens[1]} --help exits {result.exit_code}")
     options = _options(sub)
+    if tokens[1] == "train":  # its unknown options go to the recipe it runs (finetune or pretrain)
+        options = {**options, **dict.fromkeys(_recipe_options("finetune") | _recipe_options("pretrain"), True)}
     problems += [
         f"elixir-tune {tokens[1]} has no option {token}"
         for token in tokens[2:]
