@@ -230,9 +230,11 @@ class ElixirModel(torch.nn.Module):
     ) -> dict[str, Any]:
         """Full fp32 weights with the original names, frozen parameters and buffers included (on the CPU).
 
-        A collective: every rank must call it. Rank 0 gets the full dictionary and the other ranks an
-        empty one, unless ``all_ranks`` (then every rank holds the whole model at once). ``keep_vars`` is
-        accepted for nn.Module compatibility and ignored (the values are gathered copies).
+        A collective: every rank calls it, or rank 0 alone where the other ranks are about to run a
+        forward (they serve its gathers, engine/uneven.py). Rank 0 gets the full dictionary and the
+        other ranks an empty one, unless ``all_ranks`` (then every rank holds the whole model at
+        once). ``keep_vars`` is accepted for nn.Module compatibility and ignored (the values are
+        gathered copies).
 
         Args:
             destination: a dictionary to put the weights in and return (default: a new one), as
