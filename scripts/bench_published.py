@@ -23,15 +23,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import functools
 import json
-import statistics
+import os
+import platform
+import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 from published_checks import checks_text, issue_checks
 from published_setups import LEFT_OUT, PUBLISHED, SOURCE_KEYS, Setup
+from published_summary import EXPLAIN_SPEEDUP, first_ratio, on_bound, out_of_scope, summary, summary_text
 
 from elixir_tune import paths
 from elixir_tune.costmodel.rates import BOUND_KEYS, BOUND_LABELS
@@ -42,8 +46,6 @@ from elixir_tune.profiler.schema import ModelProfile
 from elixir_tune.search import InfeasibleError, search
 
 COMMAND = "python scripts/bench_published.py"
-# A free plan this much faster than the pinned one gets its reason spelled out (issue 23).
-EXPLAIN_SPEEDUP = 1.3
 # Breakdown entries that are parts of a step's time (the rest are bounds, counts and memory).
 TIME_PARTS = (
     "compute_s",
@@ -112,7 +114,12 @@ def _lifted(hardware: HardwareSpec) -> HardwareSpec:
 
 
 def best_plan(
-    profile: ModelProfile, setup: Setup, fixed: dict, lift_memory: bool = False, hardware: HardwareSpec | None = None
+    profile: ModelProfile,
+    setup: Setup,
+    fixed: dict,
+    lift_memory: bool = False,
+    hardware: HardwareSpec | None = None,
+    waves: bool = True,
 ) -> dict:
     """The best plan of one setup under ``fixed``, as a report entry.
 
@@ -123,12 +130,16 @@ def best_plan(
         lift_memory: when nothing fits, search again with the device memory limit lifted (the peer
             ran the configuration, so the memory model is what over-predicts) and say so.
         hardware: a spec to compare on instead of the setup's preset (a sensitivity check).
+        waves: keep the preset's GEMM wave model (False: ``sm_count`` 0, the block rate whatever the
+            micro-batch, to show what the mechanism moves).
 
     Returns:
         ``{"error": ...}`` when no plan is found, else its tokens/s per GPU, MFU, step time,
         shape, layout, breakdown and peak memory.
     """
     hardware = hardware or load_hardware(setup.hardware)
+    if not waves:
+        hardware = dataclasses.replace(hardware, sm_count=0)
     over_memory = False
     attempts = [hardware, _lifted(hardware)] if lift_memory else [hardware]
     result = None
@@ -151,11 +162,9 @@ def best_plan(
     assert result is not None
     best = result.candidates[0]
     breakdown = best.estimate.breakdown
-    clamp_s = breakdown.get("bound_clamp_s", 0.0)
     per_gpu = best.tokens_per_s / setup.gpus
     return {
         "tokens_per_s_per_gpu": per_gpu,
-        "unbounded_tokens_per_s_per_gpu": per_gpu * best.step_time_s / (best.step_time_s - clamp_s),
         "mfu": best.mfu,
         "step_time_s": best.step_time_s,
         "shape": best.row(),
@@ -207,12 +216,12 @@ def speedup_reason(pinned: dict, free: dict) -> str:
     return "; ".join(choices) + (": " + ", ".join(text for _, text in parts) if parts else "")
 
 
-def run_setup(setup: Setup) -> dict:
-    """Pinned and free predictions of one setup."""
+def run_setup(setup: Setup, waves: bool = True) -> dict:
+    """Pinned and free predictions of one setup (``waves``: ``best_plan``'s)."""
     profile = profile_of(setup)
     started = time.perf_counter()
-    pinned_result = best_plan(profile, setup, pinned_choices(setup), lift_memory=True)
-    free_result = best_plan(profile, setup, {"dtype": setup.dtype})
+    pinned_result = best_plan(profile, setup, pinned_choices(setup), lift_memory=True, waves=waves)
+    free_result = best_plan(profile, setup, {"dtype": setup.dtype}, waves=waves)
     out = {
         "name": setup.name,
         "source": setup.source,
@@ -231,6 +240,7 @@ def run_setup(setup: Setup) -> dict:
         "defines_bound": setup.defines_bound,
         "fitted_source": setup.fitted_source,
         "first_step_in_window": setup.first_step_in_window,
+        "printed_twice": setup.printed_twice,
         "pinned": pinned_result,
         "free": free_result,
         "search_s": round(time.perf_counter() - started, 1),
@@ -261,52 +271,15 @@ def _plan_text(result: dict) -> str:
     bounds = [key for key in BOUND_KEYS if breakdown.get(key, 0) > 0]
     if bounds:
         binding = max(bounds, key=lambda key: breakdown[key])
-        clamped = "clamped to" if breakdown.get("bound_clamp_s", 0) > 0 else "below"
-        text += f"; {clamped} bound: {BOUND_LABELS[binding]} ({breakdown[binding]:.3g} s)"
+        where = (
+            "DEFECT, predicted faster than"
+            if breakdown.get("bound_excess_s", 0) > 0
+            else "on"
+            if on_bound(result)
+            else "below"
+        )
+        text += f"; {where} bound: {BOUND_LABELS[binding]} ({breakdown[binding]:.3g} s)"
     return text
-
-
-def _errors(rows: list[dict], keep) -> list[float]:
-    return [abs(row["ratio"] - 1) for row in rows if "ratio" in row and keep(row)]
-
-
-def _stats(errors: list[float]) -> dict:
-    if not errors:
-        return {"compared": 0}
-    return {
-        "compared": len(errors),
-        "median_abs_error": round(statistics.median(errors), 4),
-        "max_abs_error": round(max(errors), 4),
-        "within_10pct": sum(e <= 0.10 for e in errors),
-        "beyond_25pct": sum(e > 0.25 for e in errors),
-    }
-
-
-def summary(rows: list[dict]) -> dict:
-    """|ratio - 1| over all setups with a pinned prediction, over those whose figure the presets do not
-    quote (``independent``), over those from sources the rates were not fitted to (``held_out``), and
-    over the steady-state figures only (``steady``: without the rows whose published window includes
-    the run's first step, which the model does not predict), besides those rows alone (``first_step``)."""
-    out = {"setups": len(rows), **_stats(_errors(rows, lambda row: True))}
-    out["independent"] = _stats(_errors(rows, lambda row: not row["defines_bound"]))
-    out["held_out"] = _stats(_errors(rows, lambda row: not row.get("fitted_source")))
-    out["steady"] = _stats(_errors(rows, lambda row: not row.get("first_step_in_window")))
-    out["first_step"] = _stats(_errors(rows, lambda row: bool(row.get("first_step_in_window"))))
-    out["free_plans_clamped_to_bound"] = sum(
-        1 for row in rows if "breakdown" in row["free"] and row["free"]["breakdown"].get("bound_clamp_s", 0) > 0
-    )
-    out["free_speedups_over_1_3"] = sum(1 for row in rows if row.get("free_speedup", 0) > EXPLAIN_SPEEDUP)
-    out["checks"] = issue_checks(rows, EXPLAIN_SPEEDUP)
-    return out
-
-
-def _stats_text(stats: dict) -> str:
-    if not stats.get("compared"):
-        return "none compared"
-    return (
-        f"{stats['compared']} compared, median |ratio - 1| {stats['median_abs_error']:.1%}, max "
-        f"{stats['max_abs_error']:.1%}, {stats['within_10pct']} within 10%, {stats['beyond_25pct']} beyond 25%"
-    )
 
 
 def table_row(row: dict) -> str:
@@ -316,12 +289,13 @@ def table_row(row: dict) -> str:
         return format(result[key], spec) if key in result else "-"
 
     pinned, free = row["pinned"], row["free"]
-    unbounded = pinned.get("unbounded_tokens_per_s_per_gpu")
-    raw = f"{unbounded / row['published_tokens_per_s_per_gpu']:.2f}" if unbounded else "-"
+    first = first_ratio(row)
+    raw = f"{first:.2f}" if first is not None else "-"
+    scope = out_of_scope(row)
     marks = (
         (" `*`" if row.get("defines_bound") else "")
         + ("" if row.get("fitted_source") else " `h`")
-        + (" `f`" if row.get("first_step_in_window") else "")
+        + (" `f`" if scope.startswith("window") else " `2`" if scope else "")
     )
     speedup = f"{row['free_speedup']:.2f}x" if "free_speedup" in row else "-"
     return (
@@ -341,6 +315,9 @@ def markdown(report: dict) -> str:
     lines = [
         "# The cost model against published training throughput",
         "",
+        f"Generated {report.get('generated', {}).get('date', '?')} on {report.get('generated', {}).get('machine', '?')}"
+        f" at commit {report.get('generated', {}).get('commit', '?')}.",
+        "",
         f"Command: `{report['command']}` ({report['elapsed_s']} s). Predictions of the cost model only (nothing ran "
         "on a GPU), against figures quoted from their sources (below each table row's source and the quoted row)."
         + (
@@ -356,21 +333,14 @@ def markdown(report: dict) -> str:
         "same model, cluster and global batch, everything else searched (pipeline, tensor and layered plans "
         "included). ratio = predicted / published tokens/s per GPU; speed-up = free / pinned predicted tokens/s.",
         "",
-        f"Setups: {s['setups']}. All: {_stats_text(s)}. Without the rows marked `*` (the best published MFU of "
-        f"their hardware, which the preset's bound quotes): {_stats_text(s['independent'])}. Held out (marked `h`: "
-        f"sources no preset rate was fitted to): {_stats_text(s['held_out'])}. Steady-state figures only "
-        f"(without the rows marked `f`, whose published figure averages a window that includes the run's first "
-        f"step: a separate class, explained per row): {_stats_text(s.get('steady', {}))}; the `f` rows alone: "
-        f"{_stats_text(s.get('first_step', {}))}. Free plans raised to the "
-        f"plausibility bound: {s['free_plans_clamped_to_bound']}; free plans over {EXPLAIN_SPEEDUP}x the pinned "
-        f"one: {s['free_speedups_over_1_3']} (reasons below the table).",
+        *summary_text(s),
         "",
         checks_text(s.get("checks") or issue_checks(report["rows"], EXPLAIN_SPEEDUP), EXPLAIN_SPEEDUP),
         "",
-        "`unbounded ratio`: the pinned prediction before the plausibility bound raised it (equal to ratio when the "
-        "bound does not bind).",
+        "`first ratio`: the row's first recorded pinned ratio (`scripts/published_first.py` says where each is "
+        "recorded). The plausibility bound is a check, not a clamp: a plan predicted faster than it is marked DEFECT.",
         "",
-        "| setup | published tok/s/GPU | pinned tok/s/GPU | ratio | unbounded ratio | pinned MFU | free tok/s/GPU "
+        "| setup | published tok/s/GPU | pinned tok/s/GPU | ratio | first ratio | pinned MFU | free tok/s/GPU "
         "| speed-up | free MFU | free plan |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
@@ -460,6 +430,11 @@ def main() -> None:
         default="",
         help="a sensitivity check: compare on this preset (or hardware file) instead of each setup's own",
     )
+    parser.add_argument(
+        "--no-waves",
+        action="store_true",
+        help="a sensitivity check: every preset without its GEMM wave model (sm_count 0)",
+    )
     parser.add_argument("--note", default="", help="a closing note for the markdown (e.g. before/after figures)")
     parser.add_argument(
         "--render", action="store_true", help="no search: write PREFIX.md again from PREFIX.json and --note"
@@ -491,17 +466,23 @@ def main() -> None:
     started = time.perf_counter()
     rows = []
     for setup in selected(args.sources, args.rows):
-        row = run_setup(dataclasses.replace(setup, hardware=args.hardware) if args.hardware else setup)
+        row = run_setup(
+            dataclasses.replace(setup, hardware=args.hardware) if args.hardware else setup, waves=not args.no_waves
+        )
         rows.append(row)
         print(
             f"{row['name']}: ratio {row.get('ratio', float('nan')):.3f}, "
             f"free speed-up {row.get('free_speedup', float('nan')):.2f} ({row['search_s']} s)",
             flush=True,
         )
-    command = COMMAND + "".join(
-        f" --{key} {value!r}"
-        for key, value in (("sources", args.sources), ("rows", args.rows), ("hardware", args.hardware))
-        if value
+    command = (
+        COMMAND
+        + "".join(
+            f" --{key} {value!r}"
+            for key, value in (("sources", args.sources), ("rows", args.rows), ("hardware", args.hardware))
+            if value
+        )
+        + (" --no-waves" if args.no_waves else "")
     )
     report = {
         "command": command,
@@ -513,8 +494,25 @@ def main() -> None:
     write_report(prefix, report)
 
 
+def generated() -> dict:
+    """When, where and from which commit the report is written (a ``+`` marks uncommitted changes)."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=paths.REPO_DIR)
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--", "elixir_tune", "scripts", "configs"],
+        capture_output=True,
+        text=True,
+        cwd=paths.REPO_DIR,
+    )
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()})",
+        "commit": head.stdout.strip() + ("+" if dirty.stdout.strip() else ""),
+    }
+
+
 def write_report(prefix: Path, report: dict, origin: str = "") -> None:
     """Writes ``report`` as PREFIX.json and PREFIX.md and prints its summary."""
+    report["generated"] = generated()
     prefix.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     prefix.with_suffix(".md").write_text(markdown(report))
     print(json.dumps(report["summary"]))

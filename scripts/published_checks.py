@@ -2,9 +2,9 @@
 and the reasons for large free speed-ups.
 
 A row's free plan carries the plausibility bounds its step was scored against in its breakdown
-(``bound_compute_s``, ``bound_pcie_s``, ``bound_cpu_adam_s``: ``costmodel.rates.plausibility_bound``); the
-search raises a step below them to the largest (``bound_clamp_s``). These checks read the rows as written,
-so they also catch a row scored by code that did not apply the bound.
+(``bound_compute_s``, ``bound_pcie_s``, ``bound_cpu_adam_s``: ``costmodel.rates.plausibility_bound``). The
+bound is a check, not a clamp (issue 38): a step below it is a defect of the model, kept as predicted
+and counted here. These checks read the rows as written.
 """
 
 from __future__ import annotations

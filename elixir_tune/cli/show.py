@@ -18,17 +18,18 @@ from elixir_tune.units import human_bytes
 
 
 def bound_line(plan: Plan) -> str:
-    """Which plausibility bound binds the plan's prediction, and whether it raised it ("" without one)."""
+    """Which plausibility bound is tightest for the plan's prediction, and whether the prediction beats it
+    (a defect of the cost model: the bound is a check and never replaces the prediction)."""
     breakdown = plan.prediction.breakdown if plan.prediction else {}
     binding = binding_bound(breakdown)
     if binding is None:
         return "no plausibility bound recorded (the hardware has no published MFU and nothing is offloaded)"
     key, bound_s = binding
-    clamp_s = breakdown.get("bound_clamp_s", 0.0)
-    if clamp_s > 0:
+    excess_s = breakdown.get("bound_excess_s", 0.0)
+    if excess_s > 0:
         return (
-            f"{BOUND_LABELS[key]} binds: the simulated step ({bound_s - clamp_s:.4g} s) was faster than it allows, "
-            f"so the prediction is the bound, {bound_s:.4g} s"
+            f"DEFECT of the cost model: the predicted step ({bound_s - excess_s:.4g} s) is faster than "
+            f"{BOUND_LABELS[key]} allows ({bound_s:.4g} s); the prediction is shown as the model made it"
         )
     step_s = plan.prediction.step_time_s if plan.prediction else 0.0
     return f"{BOUND_LABELS[key]} is the tightest bound, {bound_s:.4g} s ({bound_s / step_s:.0%} of the predicted step)"

@@ -33,7 +33,7 @@ _TIMELINE_LABELS = {
     "bound_compute_s": "bound: useful FLOPs at the best published MFU",
     "bound_pcie_s": "bound: offloaded shards over PCIe",
     "bound_cpu_adam_s": "bound: host Adam at the node's rate",
-    "bound_clamp_s": "raised to the bound (the simulation was faster)",
+    "bound_excess_s": "DEFECT: predicted faster than the bound allows, by",
 }
 
 

@@ -8,6 +8,7 @@ that ``CostModel.__init__`` prepares once per (profile, cluster, dtype, layout).
 from __future__ import annotations
 
 from elixir_tune.costmodel.expert import RankExperts
+from elixir_tune.costmodel.gemm_waves import micro_batch_rate_factor
 from elixir_tune.costmodel.memory import checkpointed_blocks
 from elixir_tune.costmodel.parallel_time import ParallelTimes
 from elixir_tune.hardware.spec import HardwareSpec
@@ -73,15 +74,18 @@ class ComputeTimes:
         return total / len(blocks)
 
     def flops_per_s_at(self, micro_batch_size: int) -> float:
-        """Compute rate (cached). On a block curve narrow models run slower; the micro-batch does not
-        change the rate (measured on the CPU: a 256-wide block at 128 and 512 tokens per call ran
-        within 1.3x, and plain PyTorch at micro-batch 2x4 as fast as 8x1)."""
+        """Compute rate (cached). On a block curve narrow models run slower. On a GPU the micro-batch's
+        tokens set how full the last wave of each GEMM's tiles runs (``gemm_waves.micro_batch_rate_factor``,
+        over the hardware's ``sm_count``); on a CPU (no SMs) the micro-batch does not change the rate
+        (measured: a 256-wide block at 128 and 512 tokens per call ran within 1.3x, and plain PyTorch at
+        micro-batch 2x4 as fast as 8x1)."""
         if micro_batch_size not in self._rates:
             costs = self.parallel_costs
             # A measured tensor-split ratio covers the narrower matrices: read the whole block's rate.
             numel = costs.full_block_numel() if costs.measured_tensor else self.block_numel()
             tflops = self.hardware.compute_tflops(self.dtype, numel) * costs.rate_factor
-            self._rates[micro_batch_size] = tflops * 1e12
+            waves = micro_batch_rate_factor(self.profile, micro_batch_size, costs.layout.tensor, self.hardware.sm_count)
+            self._rates[micro_batch_size] = tflops * waves * 1e12
         return self._rates[micro_batch_size]
 
     def compute_s(self, micro_batch_size: int, every: int) -> tuple[float, float]:

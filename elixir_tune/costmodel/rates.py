@@ -15,8 +15,9 @@ writes its seq x seq scores, also moves them through HBM (``attention_scores_byt
 The plausibility bound says how fast a step can be at all: its useful FLOPs at the best MFU
 published for the hardware class (plus an eager attention's score traffic, which the fused
 attention of the published runs did not pay), its offloaded shards over the host link, its host Adam at the
-node's rate. A prediction below the bound is raised to it, and the step's breakdown says which
-bound binds (``bound_*_s`` entries, ``bound_clamp_s`` when it was raised).
+node's rate. The bound is a check, not a clamp: a prediction below it stays as predicted and its
+breakdown says by how much it beats the bound (``bound_*_s`` entries, ``bound_excess_s``), a defect of
+the model that ``show`` reports and the published table's checks count.
 """
 
 from __future__ import annotations

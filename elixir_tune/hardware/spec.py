@@ -116,6 +116,9 @@ class HardwareSpec:
             stage's receive and send of activations and gradients and their waits), beside
             ``pipeline_microbatch_extra_ratio``'s share (``hardware/bench_layout.py``); 0: not
             measured.
+        sm_count: streaming multiprocessors of one GPU (datasheet): how many GEMM tiles run per wave, so
+            the block rate depends on the tokens of a micro-batch (``costmodel/gemm_waves.py``). 0: no
+            wave model (a CPU, or a file written before it).
         best_mfu: the best model-FLOPs utilisation published for this hardware class per dtype
             (useful FLOPs over the datasheet peak): the search predicts no plan faster
             (``costmodel.rates.plausibility_bound``). Empty: no compute bound.
@@ -162,6 +165,7 @@ class HardwareSpec:
     pipeline_microbatch_extra_ratio: float = 0.0
     tensor2_block_fixed_s: float = 0.0
     pipeline_stage_microbatch_s: float = 0.0
+    sm_count: int = 0
 
     def cpu_adam_rate_per_rank(self, ranks_on_node: int) -> float:
         """Host Adam elements/s one rank gets when ``ranks_on_node`` ranks step at once.

@@ -44,23 +44,14 @@ class Candidate:
         return self.estimate.step_time_s
 
     @property
-    def unclamped_step_s(self) -> float:
-        """The simulated step before the plausibility bound raised it (``bound_clamp_s``)."""
-        return self.estimate.step_time_s - self.estimate.breakdown.get("bound_clamp_s", 0.0)
-
-    @property
     def offload_share(self) -> float:
         return self.shape.num_offloaded / self.num_chunks if self.num_chunks else 0.0
 
-    def rank_key(
-        self, gpu_bytes: int | None = None, host_bytes: int | None = None
-    ) -> tuple[float, float, int, int, int, int]:
-        """What the search ranks by, smaller first: the predicted step; among steps the plausibility
-        bound raised to the same figure, the simulated (unclamped) step to 4 significant digits, then
-        the looped breadth-first schedule before 1F1B (a pipeline keeps its schedule when 1F1B
-        gains no time), then fewer offloaded shards,
-        then less device and host memory. Without the second key the plans clamped to a bound tie,
-        and the least device memory (the most offload) would win whatever the offload costs.
+    def rank_key(self, gpu_bytes: int | None = None, host_bytes: int | None = None) -> tuple[float, int, int, int, int]:
+        """What the search ranks by, smaller first: the predicted step, then the looped breadth-first
+        schedule before 1F1B (a pipeline keeps its schedule when 1F1B gains no time), then fewer
+        offloaded shards, then less device and host memory. The plausibility bound is no key: it
+        never replaces a prediction (``CostModel._bounded``), so no plans tie at it.
 
         Args:
             gpu_bytes: device bytes to compare (default: the predicted peak).
@@ -68,8 +59,6 @@ class Candidate:
         """
         return (
             self.step_time_s,
-            # Read to 4 significant digits: a float's noise between equal simulations breaks no tie.
-            float(f"{self.unclamped_step_s:.4g}"),
             0 if self.layout.schedule == "looped_bfs" else 1,
             self.shape.num_offloaded,
             self.memory.peak_gpu_bytes if gpu_bytes is None else gpu_bytes,

@@ -87,17 +87,16 @@ class Exploration:
 
 
 def _covers(a: tuple, b: tuple) -> bool:
-    """Negated ``Candidate.rank_key``s: ``a`` is as good as ``b`` or better in step time, simulated
-    (unclamped) step time, schedule preference, device and host bytes (the offload count only breaks
-    ties)."""
-    return a[0] >= b[0] and a[1] >= b[1] and a[2] >= b[2] and a[4] >= b[4] and a[5] >= b[5]
+    """Negated ``Candidate.rank_key``s: ``a`` is as good as ``b`` or better in step time, schedule
+    preference, device and host bytes (the offload count only breaks ties)."""
+    return a[0] >= b[0] and a[1] >= b[1] and a[3] >= b[3] and a[4] >= b[4]
 
 
 class _TopK:
     """The K fastest candidates seen so far, leaving out any that another kept one dominates (as
     fast or faster with no more device and host memory), so that the table shows real choices.
-    Ranked by ``Candidate.rank_key``: candidates the plausibility bound raised to the same step are
-    ordered by their simulated step, then by less offload, then by less memory.
+    Ranked by ``Candidate.rank_key``: candidates of the same step are ordered by schedule, then by less
+    offload, then by less memory.
 
     With ``one_memory`` (the device is the CPU) device and host memory are the same RAM, so a
     candidate is judged by their sum: offloading there frees nothing and only adds staging copies.
@@ -115,9 +114,9 @@ class _TopK:
         return -self._heap[0][0] if len(self._heap) >= self.k else math.inf
 
     @property
-    def threshold_key(self) -> tuple[float, float]:
-        """(step, simulated step) of the K-th kept candidate: a candidate at or above it cannot enter."""
-        return (-self._heap[0][0], -self._heap[0][1]) if len(self._heap) >= self.k else (math.inf, math.inf)
+    def threshold_key(self) -> tuple[float]:
+        """(step,) of the K-th kept candidate: a candidate at or above it cannot enter."""
+        return (-self._heap[0][0],) if len(self._heap) >= self.k else (math.inf,)
 
     def add(self, candidate: Candidate) -> None:
         self._count += 1
@@ -126,11 +125,11 @@ class _TopK:
             gpu_bytes = host_bytes = gpu_bytes * self.gpus_per_node + host_bytes
         key = tuple(-value for value in candidate.rank_key(gpu_bytes, host_bytes))
         item = (*key, -self._count, candidate)
-        if any(_covers(kept[:6], key) for kept in self._heap):
+        if any(_covers(kept[:5], key) for kept in self._heap):
             return
-        if len(self._heap) >= self.k and item[:7] <= self._heap[0][:7]:
+        if len(self._heap) >= self.k and item[:6] <= self._heap[0][:6]:
             return
-        survivors = [kept for kept in self._heap if not _covers(key, kept[:6])]
+        survivors = [kept for kept in self._heap if not _covers(key, kept[:5])]
         if len(survivors) != len(self._heap):
             self._heap = survivors
             heapq.heapify(self._heap)
@@ -140,7 +139,7 @@ class _TopK:
             heapq.heapreplace(self._heap, item)
 
     def ranked(self) -> list[Candidate]:
-        return [item[-1] for item in sorted(self._heap, key=lambda item: item[:7], reverse=True)]
+        return [item[-1] for item in sorted(self._heap, key=lambda item: item[:6], reverse=True)]
 
 
 def chunk_sizes(model: CostModel, fixed: dict) -> list[int]:
@@ -375,7 +374,7 @@ def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, f
                         # device byte freed first, and the cheapest per chunk first (costmodel/offload.py).
                         orders = model.offload_orders(chunk_size, every, cache_blocks)
                         for order_index, order in enumerate(orders):
-                            previous, worse = (math.inf, math.inf), 0
+                            previous, worse = (math.inf,), 0
                             for offloaded in offload_choices(offloadable, smallest, fixed, one_pool):
                                 shape = Shape(
                                     chunk_size,
@@ -412,8 +411,8 @@ def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, f
                                 key = model.parallel_layout
                                 kept = found.best_by_layout.get(key)
                                 if stages > 1:
-                                    if candidate.rank_key()[:2] >= min(
-                                        top.threshold_key, kept.rank_key()[:2] if kept else (math.inf, math.inf)
+                                    if candidate.rank_key()[:1] >= min(
+                                        top.threshold_key, kept.rank_key()[:1] if kept else (math.inf,)
                                     ):
                                         continue  # the critical stage's step is a lower bound of the pipeline's
                                     whole = scorer.whole(
@@ -429,8 +428,7 @@ def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, f
                                 top.add(candidate)
                                 if kept is None or candidate.rank_key() < kept.rank_key():
                                     found.best_by_layout[key] = candidate
-                                # Clamped steps tie at the bound: the simulated step says which is slower.
-                                worse = worse + 1 if candidate.rank_key()[:2] > previous else 0
+                                worse = worse + 1 if candidate.rank_key()[:1] > previous else 0
                                 if worse >= 2:
                                     break
-                                previous = candidate.rank_key()[:2]
+                                previous = candidate.rank_key()[:1]

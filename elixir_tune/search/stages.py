@@ -121,8 +121,8 @@ class StageScorer:
         )
         if peak_host > host_bytes or any(c.memory.required_gpu_bytes > usable_gpu_bytes for _, c in stages):
             return None
-        # Stages clamped to the same bound: the slowest simulated step (``Candidate.rank_key``) speaks for the pipeline.
-        slowest = max((c for _, c in stages), key=lambda c: c.rank_key()[:2])
+        # The slowest stage's step (``Candidate.rank_key``) speaks for the pipeline.
+        slowest = max((c for _, c in stages), key=lambda c: c.rank_key()[:1])
         largest = max((c for _, c in stages), key=lambda c: (c.memory.peak_gpu_bytes, c.memory.required_gpu_bytes))
         return PipelineCandidate(
             shape=candidate.shape,
