@@ -78,6 +78,8 @@ def profile_of(setup: Setup) -> ModelProfile:
             seq_len=setup.seq_len,
             dtype=setup.dtype,
             flash_attention=flash,
+            dropout=not setup.mpt,
+            fused_loss=setup.mpt,
         )
     from elixir_tune.profiler import profile_model
 

@@ -86,7 +86,7 @@ MPT = {
 MPT_VOCAB = 50368
 MPT_MISMATCHES = (
     "MPT modelled as a GPT-2 of its width/depth/heads (learned positions and biases instead of ALiBi and no bias: "
-    "<0.1% of parameters)",
+    "<0.1% of parameters), with MPT's activations: no dropout masks, the fused cross-entropy's bf16 logits only",
     "FSDP's per-block units modelled by chunks the search sizes (chunk size, cache blocks and prefetch free)",
     "llm-foundry's amp_bf16 keeps fp32 master weights like the engine",
 )
@@ -174,6 +174,9 @@ class Setup:
         defines_bound: the row is the best MFU published for its hardware, which the preset's
             ``best_mfu`` (the plausibility bound) quotes: its prediction is not independent.
         fitted_source: the preset's rates were fitted to other rows of the same table.
+        mpt: the model is llm-foundry's MPT: no dropout (``MPTConfig``'s pdrops default to 0) and
+            flash-attn's fused cross-entropy (``loss_fn`` default ``fused_crossentropy``), which the
+            GPT-2 stand-in profile counts (``gpt2_profile(dropout=False, fused_loss=True)``).
     """
 
     name: str
@@ -204,6 +207,7 @@ class Setup:
     defines_bound: bool = False
     fitted_source: bool = False
     transformers: bool = False
+    mpt: bool = False
 
     @property
     def gpus(self) -> int:
@@ -241,6 +245,7 @@ def _foundry(table: str, size: str, seq: int, gpus: int, mfu: str, micro: int, a
         mismatches=MPT_MISMATCHES,
         defines_bound=(table, size, seq, gpus) in BEST_MFU_ROWS,
         fitted_source=True,
+        mpt=True,
     )
 
 

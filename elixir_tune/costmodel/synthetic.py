@@ -36,6 +36,8 @@ def gpt2_profile(
     seq_len: int = 1024,
     dtype: str = "bf16",
     flash_attention: bool = False,
+    dropout: bool = True,
+    fused_loss: bool = False,
 ) -> ModelProfile:
     """An analytic profile of a GPT-2 language model.
 
@@ -50,6 +52,13 @@ def gpt2_profile(
         dtype: compute dtype.
         flash_attention: the attention keeps no seq x seq scores (FlashAttention): the
             activation lines drop Korthikanti's 5 x heads x seq^2 bytes per layer.
+        dropout: the blocks drop out after the attention and after the MLP, keeping a 1-byte mask
+            of seq x hidden each (2 of Korthikanti et al.'s 34 bytes per token and hidden unit);
+            False for a model trained without dropout (MPT: its config's pdrops default to 0).
+        fused_loss: the loss is a fused cross-entropy kernel that keeps only the logits in the
+            compute dtype (flash-attn's ``CrossEntropyLoss``, MPT's default ``fused_crossentropy``
+            in llm-foundry's ``modeling_mpt.py``): 2 bytes per logit, where an unfused loss under
+            autocast also keeps an fp32 copy (6 bytes).
 
     Returns:
         The profile.
@@ -76,7 +85,7 @@ def gpt2_profile(
     token_flops = 2 * seq_len
     attention_flops = 2 * 2 * seq_len * seq_len * hidden
     scores = 0 if flash_attention else 5 * heads * seq_len / hidden
-    per_layer_act = seq_len * hidden * (34 + scores)
+    per_layer_act = seq_len * hidden * (34 - (0 if dropout else 2) + scores)
     for layer in range(layers):
         first = len(params)
         p = f"transformer.h.{layer}"
@@ -101,7 +110,7 @@ def gpt2_profile(
     trace.append([wte])  # lm_head, tied to wte
     trace = trace + trace[::-1]
     fwd_flops = sum(b.fwd_flops_per_sample for b in blocks) + token_flops * vocab * hidden
-    logits_bytes = seq_len * vocab * 6  # bf16 logits and their fp32 loss copy
+    logits_bytes = seq_len * vocab * (2 if fused_loss else 6)  # bf16 logits (and an unfused loss's fp32 copy)
     plain = ActivationLine(fixed_bytes=0, per_sample_bytes=int(layers * per_layer_act + logits_bytes))
     checkpointed = ActivationLine(
         fixed_bytes=0, per_sample_bytes=int(layers * seq_len * hidden * 2 + per_layer_act + logits_bytes)
