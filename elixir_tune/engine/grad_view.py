@@ -37,12 +37,22 @@ _ADVICE = (
 )
 
 
+_ZEROS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # the element each placeholder expands
+
+
 class ShardedGrad(torch.Tensor):
-    """Stands in ``p.grad`` of a sharded parameter: metadata only, any computation raises."""
+    """Stands in ``p.grad`` of a sharded parameter: metadata only, any computation raises.
+
+    It views one shared zero element expanded to the parameter's shape, so code that only inspects
+    storages (a memory profiler) finds a real one of a few bytes.
+    """
 
     @staticmethod
     def __new__(cls, param: torch.Tensor) -> ShardedGrad:
-        return torch.Tensor._make_wrapper_subclass(cls, param.shape, dtype=param.dtype, device=param.device)
+        key = (param.dtype, param.device)
+        if key not in _ZEROS:
+            _ZEROS[key] = torch.zeros(1, dtype=param.dtype, device=param.device)
+        return torch.Tensor._make_subclass(cls, _ZEROS[key].expand(param.shape), False)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
