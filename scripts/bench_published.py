@@ -9,7 +9,7 @@ and the configuration it ran). For each, the joint search runs twice on the matc
 * free: the same model, cluster and global batch, everything else left to the search.
 
 The report gives the pinned prediction over the published figure, and the free plan's predicted
-speed-up over the pinned one (above 1.3x, the parts of the step that shrink, as the reason). Nothing
+speed-up over the pinned one (above 1.2x, the parts of the step that shrink, as the reason). Nothing
 runs on a GPU: these are predictions of the cost model (docs/costmodel-and-search.md) set against figures
 quoted from their sources.
 

@@ -70,7 +70,7 @@ def _stored() -> dict:
 
 
 def test_the_stored_table_states_its_checks_and_explains_its_speedups():
-    """benchmarks/results/published.json as committed: every speed-up over 1.3x with its reason, and
+    """benchmarks/results/published.json as committed: every speed-up over 1.2x with its reason, and
     published.md written with the same summary and checks."""
     report = _stored()
     checks = issue_checks(report["rows"], bench_published.EXPLAIN_SPEEDUP)

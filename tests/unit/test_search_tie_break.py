@@ -11,6 +11,7 @@ import dataclasses
 
 import pytest
 
+from elixir_tune.cli.show import bound_line
 from elixir_tune.costmodel.memory import MemoryEstimate
 from elixir_tune.costmodel.model import Shape, StepEstimate
 from elixir_tune.costmodel.synthetic import gpt2_profile
@@ -97,3 +98,7 @@ def test_the_search_keeps_predictions_faster_than_the_bound_and_flags_them():
     assert keys == sorted(keys)
     steps = [c.step_time_s for c in result.candidates]
     assert not any(step == pytest.approx(breakdown["bound_compute_s"], rel=1e-9) for step in steps)
+    # ``show`` names it a defect of the model and gives both the prediction and the bound.
+    line = bound_line(result.plan)
+    assert line.startswith("DEFECT of the cost model")
+    assert f"{best.step_time_s:.4g} s" in line and f"{breakdown['bound_compute_s']:.4g} s" in line
