@@ -146,4 +146,5 @@ if master_process:
     with open(os.path.join(out_dir, "record.json"), "w") as file:
         json.dump(record, file)
 if ddp:
+    torch.distributed.barrier()  # both ranks end together: gloo can abort a rank that tears down alone
     destroy_process_group()
