@@ -11,7 +11,10 @@ from pathlib import Path
 
 import click
 
+from elixir_tune.cli import time_to_train
 from elixir_tune.cli.console import Table, console, err_console, fail, print_json, print_wide
+from elixir_tune.cli.time_to_train import time_to_train_options
+from elixir_tune.hardware.networks import with_network
 from elixir_tune.hf_cache import looks_like_hub_name
 from elixir_tune.plan import save_plan, validate
 from elixir_tune.units import gib
@@ -146,8 +149,10 @@ def candidates_table(rows: list[dict], title: str) -> Table:
 
 
 @click.command("search")
-@click.option("--gpus", type=click.IntRange(min=1), required=True, help="GPUs (ranks) per node.")
-@click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True, help="Nodes.")
+@click.option(
+    "--gpus", type=click.IntRange(min=1), default=None, help="GPUs (ranks) per node (required without --max-gpus)."
+)
+@click.option("--nodes", type=click.IntRange(min=1), default=None, help="Nodes [default: 1].")
 @click.option(
     "--profile",
     "profile_path",
@@ -229,10 +234,11 @@ def candidates_table(rows: list[dict], title: str) -> Table:
     type=click.Path(dir_okay=False),
     help="Also draw the predicted step of the best plan and the runner-up to this SVG file.",
 )
+@time_to_train_options
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def search_command(
-    gpus: int,
-    nodes: int,
+    gpus: int | None,
+    nodes: int | None,
     profile_path: str,
     hardware_ref: str | None,
     global_batch_size: int | None,
@@ -244,6 +250,13 @@ def search_command(
     strategy: str,
     out_path: str,
     timeline_path: str | None,
+    train_tokens: str | None,
+    max_gpus: int | None,
+    objective: str,
+    gpu_hour_price: float | None,
+    batch_limit: str | None,
+    full_frontier: bool,
+    network: str | None,
     as_json: bool,
 ) -> None:
     """Search chunking, caching, offload, checkpointing, batching and pipeline/tensor parallelism; write plan.yaml.
@@ -263,12 +276,47 @@ def search_command(
         elixir-tune search --gpus 2 --hardware cpu --fix offload=0.5 --fix cache_blocks=all
         elixir-tune search --gpus 4 --hardware a100-40gb-pcie --timeline step.svg
         elixir-tune search --gpus 8 --nodes 2 --hardware h100-80gb-sxm --loop forward_backward --fix tensor=2
+        elixir-tune search --train-tokens 3.5T --max-gpus 4096 --hardware h100-80gb-sxm --loop forward_backward
+
+    With --train-tokens: the time, GPU-hours and cluster to train on that many tokens, over cluster
+    sizes up to --max-gpus (or the --gpus/--nodes cluster) and global batches up to a batch limit
+    (Kaplan et al. 2020's critical batch: an estimate; --batch-limit overrides); writes the chosen
+    cluster's plan. --network eth-25 prices a slower inter-node link.
     """
     from elixir_tune.search import InfeasibleError, search
 
     host_bytes = _bytes_option(host_memory, "--host-memory")
     device_bytes = _bytes_option(device_memory, "--device-memory")
     profile, hardware, hardware_ref = _load_inputs(profile_path, hardware_ref)
+    hardware = with_network(hardware, network)
+    if train_tokens is not None:
+        search_kwargs = dict(host_memory_bytes=host_bytes, fixed=list(fixes), top_k=top_k, strategy=strategy)
+        search_kwargs.update(hardware_id=hardware_ref, loop=loop, device_memory_bytes=device_bytes)
+        time_to_train.run(
+            profile=profile,
+            profile_path=profile_path,
+            hardware=hardware,
+            hardware_ref=hardware_ref,
+            train_tokens_text=train_tokens,
+            max_gpus=max_gpus,
+            gpus=gpus,
+            nodes=nodes,
+            objective=objective,
+            gpu_hour_price=gpu_hour_price,
+            batch_limit_text=batch_limit,
+            full_frontier=full_frontier,
+            global_batch_size=global_batch_size,
+            search_kwargs=search_kwargs,
+            out_path=out_path,
+            as_json=as_json,
+        )
+        return
+    if gpus is None:
+        fail(
+            "missing option --gpus",
+            hint="give --gpus N (GPUs per node), or --train-tokens D --max-gpus G to plan a whole run",
+        )
+    nodes = nodes or 1
     warn_cpu_oversubscription(hardware.device, gpus)
     try:
         with err_console.status(f"searching plans for {profile.name} on {nodes} x {gpus} x {hardware.name} ..."):
@@ -293,28 +341,9 @@ def search_command(
     except ValueError as error:
         fail(str(error), hint="see `elixir-tune search --help` for the accepted values")
     plan = result.plan
-    problems = validate(plan)
-    if problems:  # a bug, not a user error: say so plainly
-        fail("the search produced an invalid plan: " + "; ".join(problems))
-    command = (
-        "elixir-tune search " + " ".join(shlex.quote(arg) for arg in sys.argv[2:])
-        if len(sys.argv) > 1 and sys.argv[1] == "search"
-        else f"elixir-tune search --gpus {gpus}"
-    )
     prediction = plan.prediction
     assert prediction is not None, "search always writes a prediction"
-    run_script, run_note = run_script_for(profile)
-    header = (
-        f"Written by `{command}`\n"
-        f"on {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} from profile {profile_path} ({profile.name}) "
-        f"and hardware {hardware_ref}.\n"
-        f"Predicted: {prediction.step_time_s:.3g} s/step, {prediction.tokens_per_s:,.0f} tokens/s, "
-        f"{prediction.tflops_per_gpu:.1f} TFLOPS/GPU, peak {gib(prediction.peak_gpu_bytes)} per GPU.\n"
-        f"Why: {result.why}\n"
-        f"Explain: elixir-tune show {out_path}\n"
-        f"Run:     elixir-run {out_path} {run_script}" + (f"  # {run_note}" if run_note else "")
-    )
-    save_plan(plan, out_path, header=header)
+    run_script, run_note = write_plan(result, profile, profile_path, hardware_ref, out_path, f"--gpus {gpus}")
     if timeline_path:
         _draw(timeline_path, result, result.usable_gpu_bytes)
     rows = [c.row() for c in result.candidates]
@@ -342,6 +371,46 @@ def search_command(
         f"`elixir-run {out_path} {run_script}`" + (f" ({run_note})" if run_note else ""),
         soft_wrap=True,
     )
+
+
+def write_plan(result, profile, profile_path: str, hardware_ref: str, out_path: str, args: str) -> tuple[str, str]:
+    """Validates the search's plan and writes it with a header that says how it was made and run.
+
+    Args:
+        result: the ``SearchResult`` whose plan is written.
+        profile: the model profile.
+        profile_path: its file (named in the header).
+        hardware_ref: the hardware preset or file (named in the header).
+        out_path: where to write.
+        args: the search's arguments, when this process was not started as ``elixir-tune search``.
+
+    Returns:
+        (the script ``elixir-run`` runs, why when it is not a recipe's plain command).
+    """
+    plan = result.plan
+    problems = validate(plan)
+    if problems:  # a bug, not a user error: say so plainly
+        fail("the search produced an invalid plan: " + "; ".join(problems))
+    command = (
+        "elixir-tune search " + " ".join(shlex.quote(arg) for arg in sys.argv[2:])
+        if len(sys.argv) > 1 and sys.argv[1] == "search"
+        else f"elixir-tune search {args}"
+    )
+    prediction = plan.prediction
+    assert prediction is not None, "search always writes a prediction"
+    run_script, run_note = run_script_for(profile)
+    header = (
+        f"Written by `{command}`\n"
+        f"on {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} from profile {profile_path} ({profile.name}) "
+        f"and hardware {hardware_ref}.\n"
+        f"Predicted: {prediction.step_time_s:.3g} s/step, {prediction.tokens_per_s:,.0f} tokens/s, "
+        f"{prediction.tflops_per_gpu:.1f} TFLOPS/GPU, peak {gib(prediction.peak_gpu_bytes)} per GPU.\n"
+        f"Why: {result.why}\n"
+        f"Explain: elixir-tune show {out_path}\n"
+        f"Run:     elixir-run {out_path} {run_script}" + (f"  # {run_note}" if run_note else "")
+    )
+    save_plan(plan, out_path, header=header)
+    return run_script, run_note
 
 
 def warn_cpu_oversubscription(device: str, gpus: int, runs_here: bool = False) -> None:

@@ -382,7 +382,9 @@ def _drifted(
     """The ``remaining`` micro-batches after a backlog that grows by a constant, or None.
 
     The last two micro-batches must be the same but for what they leave busy (``leftover_s``, and
-    ``drained_s`` with it), which grew by the same amount twice. A timeline is built of sums and
+    ``drained_s`` with it), which grew by the same amount twice. The ones returned before the last
+    are the last simulated one repeated, whose backlog is not the grown one: callers read the
+    backlog of the step's final micro-batch only. A timeline is built of sums and
     maxima, so a micro-batch's figures only grow with the backlog it starts with: the ones between
     equal the last simulated one as long as the step's final micro-batch, whose backlog is the
     largest, still equals it. That one is simulated from its extrapolated backlog and must match the
@@ -414,8 +416,9 @@ def _drifted(
     expected = shifted(remaining)
     if not (_same_but_backlog(final, third) and _close(final.leftover_s, expected.leftover_s)):
         return None
-    middle = [shifted(k) for k in range(1, remaining)]
-    return middle + [final]
+    # The ones between are the last simulated one repeated: only the step's final micro-batch's
+    # backlog is read (``combine_step``, ``step_blocks``), and their other figures are its figures.
+    return [third] * (remaining - 1) + [final]
 
 
 def _same_but_backlog(a: MicroBatchTime, b: MicroBatchTime) -> bool:
