@@ -169,6 +169,13 @@ def setup(
     # then gives each rank its own pieces of the split parameters only.
     fresh = weights is not None or has_meta(model)
     tensor_parallel = split_for_plan(model, optimizer, plan, mesh, fresh, vocab_parallel_loss)
+    if parallel.context.degree > 1:
+        # The context group computes different tokens with the same weights: the chunks stay sharded
+        # over the whole data x context world (mesh.data), only attention talks within the group.
+        from elixir_tune.engine.comm.context import context_group
+        from elixir_tune.engine.parallel.context_parallel import install as install_context
+
+        install_context(model, context_group(mesh.world, parallel.context.degree))
     source = make_source(model, weights, seed, tensor_parallel)
     experts = None
     if parallel.expert.degree > 1:
@@ -217,6 +224,8 @@ def forward_agreement(engine: Engine, plan: Plan, mesh) -> ForwardAgreement | No
         refusal = "under tensor parallelism the ranks of a tensor group compute every forward together"
     elif parallel.expert.degree > 1:
         refusal = "under expert parallelism the ranks exchange tokens inside every forward"
+    elif parallel.context.degree > 1:
+        refusal = "under context parallelism the ranks of a context group exchange keys and values in every forward"
     if refusal is None and not gathers:
         return None
     modules = list(engine.module_names)

@@ -43,6 +43,8 @@ PipelineAssignment = Literal["modular", "contiguous"]
 PipelineSchedule = Literal["looped_bfs", "interleaved_1f1b", "gpipe", "1f1b"]
 # Tensor parallelism: Megatron's 1D (column/row-parallel linears) or Optimus's 2D (q x q grid).
 TensorMode = Literal["1d", "2d"]
+# How a context group exchanges keys and values: all-to-all over heads, or K/V passed around a ring.
+ContextMode = Literal["ulysses", "ring"]
 # Keys of Prediction.model_state_bytes; the engine reports the same keys (Engine.memory_report).
 #   cache_bytes:        cache_blocks gathered chunks, chunk_size elements each, compute dtype (device)
 #   resident_bytes:     resident chunks, always gathered, chunk_size elements each, compute dtype (device)
@@ -251,29 +253,49 @@ class ExpertParallel:
 
 
 @dataclass
-class ParallelPlan:
-    """How the world factors: data x pipeline x tensor.
+class ContextParallel:
+    """Context (sequence) parallelism: each rank of a context group holds 1/C of every sequence.
 
-    Ranks are laid out row-major over (data, pipeline, tensor): ``rank = (data_index * P + stage)
-    * T + tensor_index``, so a tensor group is consecutive ranks (one node) and data is outermost.
+    Attributes:
+        degree: context degree C (1: none). The ranks of a context group are fed the same
+            micro-batches, compute different tokens with the same weights, and exchange keys and
+            values inside attention; the chunks are sharded over data x context.
+        mode: ``ulysses`` (all-to-all over heads before and after attention; C divides the heads)
+            or ``ring`` (K/V passed around the ring; not run by this version's engine).
+    """
+
+    degree: PositiveInt = 1
+    mode: ContextMode = "ulysses"
+
+
+@dataclass
+class ParallelPlan:
+    """How the world factors: data x pipeline x context x tensor.
+
+    Ranks are laid out row-major over (data, pipeline, context, tensor): ``rank = ((data_index * P +
+    stage) * C + context_index) * T + tensor_index``, so a tensor group is consecutive ranks (one
+    node), a context group the next heaviest traffic, and data is outermost.
 
     Attributes:
         pipeline: the pipeline dimension.
         tensor: the tensor dimension.
         expert: expert parallelism inside the data dimension (it adds no ranks).
+        context: the context dimension (left out of a plan file when its degree is 1).
     """
 
     pipeline: PipelineParallel = field(default_factory=PipelineParallel)
     tensor: TensorParallel = field(default_factory=TensorParallel)
     expert: ExpertParallel = field(default_factory=ExpertParallel)
+    context: ContextParallel = field(default_factory=ContextParallel)
 
     @property
     def model_parallel_size(self) -> int:
-        """Ranks that together hold one replica of the model: P x T."""
-        return self.pipeline.stages * self.tensor.degree
+        """Ranks fed the same micro-batches: P x C x T (one replica of the model is P x T of them)."""
+        return self.pipeline.stages * self.context.degree * self.tensor.degree
 
     def data_degree(self, world_size: int) -> int:
-        """The data-parallel size of a world of ``world_size`` ranks (world / (P x T))."""
+        """The data-parallel size of a world of ``world_size`` ranks (world / (P x C x T)): how many
+        shares the global batch is cut into. The chunks are sharded over data x context."""
         return world_size // self.model_parallel_size
 
     def is_default(self) -> bool:
@@ -417,17 +439,24 @@ class Plan:
 
     @property
     def world_size(self) -> int:
-        """Every process of the run (data x pipeline x tensor)."""
+        """Every process of the run (data x pipeline x context x tensor)."""
         return self.cluster.world_size
 
     @property
     def data_parallel_size(self) -> int:
-        """The ranks each chunk is sharded over (and that split the global batch)."""
+        """The shares the global batch is cut into (world / (P x C x T)); without context
+        parallelism also the ranks each chunk is sharded over (``shard_group_size``)."""
         return self.parallel.data_degree(self.cluster.world_size)
+
+    @property
+    def shard_group_size(self) -> int:
+        """The ranks each chunk is sharded over: data x context (the ranks of a context group
+        compute different tokens with the same weights, so their gradients reduce together)."""
+        return self.data_parallel_size * self.parallel.context.degree
 
     def stage_of_rank(self, rank: int) -> int:
         """The pipeline stage of a global rank (ranks are laid out data x pipeline x tensor, row-major)."""
-        return rank // self.parallel.tensor.degree % self.parallel.pipeline.stages
+        return rank // (self.parallel.tensor.degree * self.parallel.context.degree) % self.parallel.pipeline.stages
 
     def rank_memory(self, rank: int) -> StagePrediction:
         """What the plan promises rank ``rank`` holds: its stage's entry of ``prediction.stages``, or
@@ -461,6 +490,8 @@ class Plan:
             # Without pipeline or tensor parallelism the section is left out: such plans read as before.
             if value is not None and not (name == "parallel" and self.parallel.is_default()):
                 raw[name] = dataclasses.asdict(value)
+        if "parallel" in raw and self.parallel.context == ContextParallel():
+            del raw["parallel"]["context"]  # no context parallelism: the file reads as before it
         if self.parallel.pipeline.stages == 1:
             for chunk in raw["memory"]["chunks"]:
                 del chunk["stage"]  # every chunk is on the one stage: the file reads as before pipelines

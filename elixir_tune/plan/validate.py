@@ -21,6 +21,7 @@ from elixir_tune.plan.capabilities import (
     layout_reasons_of_type,
     needs_forward_backward,
 )
+from elixir_tune.plan.context import context_degree, context_problems
 from elixir_tune.plan.fields import check_fields, is_required, section_type
 from elixir_tune.plan.memory import ALIGN_ELEMENTS
 from elixir_tune.plan.schema import SCHEMA_VERSION, Plan
@@ -106,13 +107,15 @@ def _check_parallel(parallel: dict, world_size: int | None, model: dict, errors:
     stages = parallel.get("pipeline", {}).get("stages", 1)
     tensor = parallel.get("tensor", {})
     degree = tensor.get("degree", 1)
+    context = context_degree(parallel)
     if world_size is None:
         return None
-    if world_size % (stages * degree):
+    if world_size % (stages * degree * context):
+        of_context = f" x context degree {context}" if context > 1 else ""
         errors.append(
-            f"parallel: pipeline stages {stages} x tensor degree {degree} = {stages * degree} does not divide "
-            f"the world size {world_size} (cluster.nodes x cluster.gpus_per_node); pick degrees whose product "
-            "divides it"
+            f"parallel: pipeline stages {stages} x tensor degree {degree}{of_context} = {stages * degree * context} "
+            f"does not divide the world size {world_size} (cluster.nodes x cluster.gpus_per_node); pick degrees "
+            "whose product divides it"
         )
         return None
     num_blocks = model.get("num_blocks", 0)
@@ -125,7 +128,7 @@ def _check_parallel(parallel: dict, world_size: int | None, model: dict, errors:
         errors.append(
             f"parallel.tensor.degree: mode 2d needs a square degree q x q of at least 4 (2 x 2), got {degree}"
         )
-    return world_size // (stages * degree)
+    return world_size // (stages * degree * context)
 
 
 def _check_tensor(tensor: dict, model: dict, training: dict, errors: list[str]) -> None:
@@ -370,6 +373,7 @@ def validate_dict(raw: Any) -> list[str]:
     _check_tensor(sections.get("parallel", {}).get("tensor", {}), model, training, errors)
     _check_contract(sections.get("parallel", {}), model, training, errors)
     _check_expert(sections.get("parallel", {}), model, training, memory.get("chunks", []) or [], data_size, errors)
+    errors.extend(context_problems(sections.get("parallel", {}), model, training))
     if data_size and all(k in training for k in ("global_batch_size", "micro_batch_size", "grad_accum_steps")):
         product = training["micro_batch_size"] * training["grad_accum_steps"] * data_size
         if product != training["global_batch_size"]:
@@ -387,9 +391,14 @@ def validate_dict(raw: Any) -> list[str]:
     if model.get("num_blocks") and not model.get("block_list"):
         errors.append("model.block_list: missing, but model.num_blocks is set")
 
-    if data_size and memory.get("chunk_size") and memory["chunk_size"] % data_size:
+    # The chunks are sharded over data x context.
+    context = context_degree(sections.get("parallel", {}))
+    shard_size = data_size * context if data_size else None
+    if shard_size and memory.get("chunk_size") and memory["chunk_size"] % shard_size:
+        of_context = f" x context degree {context}" if context > 1 else ""
         errors.append(
-            f"memory.chunk_size: {memory['chunk_size']} is not a multiple of the data-parallel size {data_size}"
+            f"memory.chunk_size: {memory['chunk_size']} is not a multiple of the data-parallel size "
+            f"{data_size}{of_context}"
         )
     _check_chunks(memory.get("chunks", []), memory.get("chunk_size"), "memory.chunks", errors)
     chunks = [chunk for chunk in memory.get("chunks", []) if chunk is not None]

@@ -1,0 +1,81 @@
+"""Context parallelism's groups and exchanges: the context groups of a data x context world and
+Ulysses's differentiable all-to-alls (sequence shards of all heads <-> whole sequence of some heads)."""
+
+from __future__ import annotations
+
+import torch
+
+from elixir_tune.engine.comm.collectives import Comm
+from elixir_tune.engine.comm.experts import all_to_all_rows
+from elixir_tune.engine.comm.mesh import single_comm, subgroup
+
+
+def context_group(world: Comm, degree: int) -> Comm:
+    """This rank's context group: ``degree`` consecutive ranks (``rank = data_index * C +
+    context_index`` with no pipeline or tensor dimension). A collective: every rank calls it.
+
+    Args:
+        world: the Comm of every rank.
+        degree: context degree C (divides the world size).
+
+    Raises:
+        ValueError: the degree does not divide the world size.
+    """
+    if world.world_size % degree:
+        raise ValueError(f"context degree {degree} does not divide the world size {world.world_size}")
+    if degree == 1 or not world.distributed:
+        return single_comm(world)
+    lists = [list(range(start, start + degree)) for start in range(0, world.world_size, degree)]
+    group = subgroup(world, lists)
+    assert group is not None, "every rank is in one context group"
+    return group
+
+
+def sequence_to_heads(comm: Comm, states: torch.Tensor) -> torch.Tensor:
+    """Ulysses's first exchange: this rank's sequence shard of every head in, the whole sequence of
+    its 1/C of the heads out (differentiable).
+
+    Args:
+        comm: the context group (C ranks, in sequence-shard order).
+        states: (batch, heads, local_len, head_dim), heads divisible by C.
+
+    Returns:
+        (batch, heads / C, C x local_len, head_dim): head group ``comm.rank``, shards in rank order.
+    """
+    size = comm.world_size
+    batch, heads, length, dim = states.shape
+    # Row j of the send buffer is head group j: it goes to rank j.
+    rows = states.reshape(batch, size, heads // size, length, dim).transpose(0, 1).contiguous()
+    received = all_to_all_rows(comm, rows.reshape(size * batch, -1), [batch] * size, [batch] * size)
+    # Row i came from rank i: its sequence shard of this rank's heads.
+    received = received.reshape(size, batch, heads // size, length, dim)
+    return received.permute(1, 2, 0, 3, 4).reshape(batch, heads // size, size * length, dim)
+
+
+def heads_to_sequence(comm: Comm, output: torch.Tensor) -> torch.Tensor:
+    """Ulysses's second exchange, the inverse of ``sequence_to_heads`` for attention's output layout
+    (differentiable).
+
+    Args:
+        comm: the context group.
+        output: (batch, C x local_len, heads / C, head_dim): this rank's heads over the whole sequence.
+
+    Returns:
+        (batch, local_len, heads, head_dim): every head over this rank's sequence shard.
+    """
+    size = comm.world_size
+    batch, length, local_heads, dim = output.shape
+    local_len = length // size
+    # Row j is sequence shard j: it goes to rank j.
+    rows = output.reshape(batch, size, local_len, local_heads, dim).transpose(0, 1).contiguous()
+    received = all_to_all_rows(comm, rows.reshape(size * batch, -1), [batch] * size, [batch] * size)
+    # Row i came from rank i: head group i over this rank's shard.
+    received = received.reshape(size, batch, local_len, local_heads, dim)
+    return received.permute(1, 2, 0, 3, 4).reshape(batch, local_len, size * local_heads, dim)
+
+
+def sum_over(comm: Comm, value: torch.Tensor) -> torch.Tensor:
+    """The sum of a detached tensor over ``comm`` (a new tensor; not differentiable)."""
+    total = value.detach().clone()
+    comm.all_reduce_sum(total)
+    return total

@@ -1,0 +1,193 @@
+"""Context parallelism, Ulysses form: each rank of a context group computes 1/C of every sequence.
+
+The ranks of a context group are fed the same micro-batches. A forward pre-hook on the user's
+module keeps this rank's contiguous shard of the tokens (``input_ids``, ``token_type_ids``,
+``inputs_embeds``) and of ``position_ids`` (made ``0..S-1`` when the batch has none, so rotary and
+learned position embeddings see the global positions). Attention runs through an implementation
+registered with transformers' ``AttentionInterface`` (the model's code is not changed): an
+all-to-all turns "every head, 1/C of the tokens" into "1/C of the heads, every token"
+(``engine/comm/context.py``), the model's own ``sdpa`` or ``eager`` function runs on the whole
+sequence, and the reverse all-to-all brings the output back. The full padding mask travels to it
+as a keyword argument, which transformers passes from the model's forward down to the attention
+function (also when a checkpointed block recomputes).
+
+Loss: labels are shifted on the whole sequence before slicing, so the token at the end of one
+shard predicts the first token of the next. A forward hook computes the shard's summed
+cross-entropy and returns ``C x shard_sum / N`` (N: the micro-batch's counted tokens) as the
+differentiable part: the engine averages gradients over data x context, so the gradient is exactly
+plain PyTorch's token mean. The loss's value is the micro-batch's whole loss on every rank of the
+group (one scalar all-reduce), so scripts log what they would without context parallelism. The
+logits in the output are this rank's shard only.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from elixir_tune.engine.comm import Comm
+from elixir_tune.engine.comm.context import heads_to_sequence, sequence_to_heads, sum_over
+
+ATTENTION_NAME = "elixir_context_ulysses"  # the name registered with transformers' AttentionInterface
+EXCHANGE_KWARG = "elixir_context_exchange"  # the keyword the model passes down to the attention function
+IGNORE_INDEX = -100
+_INNER = ("sdpa", "eager")  # the attention implementations that run between the exchanges
+_SHARDED_INPUTS = ("input_ids", "inputs_embeds", "token_type_ids")
+
+
+class _Exchange:
+    """One forward's attention exchange: the group, the inner implementation and the full padding mask."""
+
+    def __init__(self, comm: Comm, inner: str, padding: torch.Tensor | None):
+        self.comm = comm
+        self.inner = inner
+        self.padding = padding  # (batch, seq) 1 where a token is real, or None: no padding
+
+    def _mask(self, length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """The additive mask of the whole sequence, or None where sdpa's causal flag is exact."""
+        if self.padding is None and self.inner == "sdpa":
+            return None
+        allowed = torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
+        if self.padding is not None:
+            allowed = allowed & self.padding.to(device=device, dtype=torch.bool)[:, None, None, :]
+        # An additive mask, not a boolean one: a row with no allowed key (a padded query under left
+        # padding) then attends uniformly instead of giving NaN; its label is -100 either way.
+        return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+    def attend(self, module: torch.nn.Module, query, key, value, kwargs: dict) -> tuple[torch.Tensor, None]:
+        query, key, value = (sequence_to_heads(self.comm, states) for states in (query, key, value))
+        mask = self._mask(query.shape[2], query.dtype, query.device)
+        output, _ = _inner_function(module, self.inner)(module, query, key, value, mask, **kwargs)
+        return heads_to_sequence(self.comm, output), None
+
+
+def _inner_function(module: torch.nn.Module, name: str) -> Callable:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if name == "eager":
+        # Each family's eager function lives in its own modeling file (GPT-2's and Llama's differ).
+        return sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+def ulysses_attention(module, query, key, value, attention_mask, **kwargs) -> tuple[torch.Tensor, None]:
+    """The attention function registered as ``ATTENTION_NAME`` (transformers' signature: states of
+    shape (batch, heads, local_len, head_dim), output (batch, local_len, heads, head_dim)).
+
+    Raises:
+        RuntimeError: called outside a forward of a context-parallel model (no exchange passed down).
+    """
+    exchange = kwargs.pop(EXCHANGE_KWARG, None)
+    if exchange is None:
+        raise RuntimeError(
+            f"attention implementation {ATTENTION_NAME} runs only inside a context-parallel ElixirModel forward"
+        )
+    return exchange.attend(module, query, key, value, kwargs)
+
+
+class ContextParallel:
+    """The hooks that shard a causal LM's sequences over a context group (installed by ``install``).
+
+    Attributes:
+        comm: the context group (C ranks, shards in rank order).
+        inner: the model's own attention implementation (``sdpa`` or ``eager``).
+    """
+
+    def __init__(self, module: torch.nn.Module, comm: Comm):
+        from transformers import AttentionInterface
+
+        config: Any = module.config
+        self.inner: str = config._attn_implementation or "eager"
+        if self.inner == ATTENTION_NAME:
+            raise ValueError("the model is context-parallel already (setup was called twice on it)")
+        if self.inner not in _INNER:
+            raise ValueError(
+                f"context parallelism runs attention implementations {', '.join(_INNER)}, not {self.inner!r}; "
+                "load the model with attn_implementation='sdpa' or 'eager'"
+            )
+        self.comm = comm
+        self._pending = threading.local()  # labels of the forwards in flight, per thread
+        AttentionInterface.register(ATTENTION_NAME, ulysses_attention)
+        config._attn_implementation = ATTENTION_NAME
+        module.register_forward_pre_hook(self._shard_inputs, with_kwargs=True)
+        module.register_forward_hook(self._shard_loss, with_kwargs=True)
+
+    def _stack(self) -> list:
+        if not hasattr(self._pending, "stack"):
+            self._pending.stack = []
+        return self._pending.stack
+
+    def _shard_inputs(self, module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        kwargs = dict(kwargs)
+        if args:  # input_ids given by position, as transformers' forwards allow
+            kwargs["input_ids"], args = args[0], args[1:]
+        tokens = kwargs.get("input_ids")
+        if tokens is None:
+            tokens = kwargs.get("inputs_embeds")
+        if tokens is None:
+            raise ValueError("a context-parallel forward needs input_ids or inputs_embeds")
+        batch, length = tokens.shape[:2]
+        size, rank = self.comm.world_size, self.comm.rank
+        if length % size:
+            raise ValueError(
+                f"sequence length {length} is not a multiple of the context degree {size}: every rank of a context "
+                "group takes an equal share; pad the batch to a multiple (labels -100, attention_mask 0)"
+            )
+        shard = slice(rank * length // size, (rank + 1) * length // size)
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            positions = torch.arange(length, device=tokens.device).expand(batch, length)
+        kwargs["position_ids"] = positions[..., shard]
+        for key in _SHARDED_INPUTS:
+            if isinstance(kwargs.get(key), torch.Tensor):
+                kwargs[key] = kwargs[key][:, shard]
+        padding = kwargs.pop("attention_mask", None)
+        if padding is not None and bool(padding.all()):
+            padding = None  # no padding: sdpa's causal kernel, as transformers itself skips the mask
+        kwargs[EXCHANGE_KWARG] = _Exchange(self.comm, self.inner, padding)
+        kwargs["use_cache"] = False  # a cache of one shard's keys could not serve generation
+        self._stack().append((kwargs.pop("labels", None), shard))
+        return args, kwargs
+
+    def _shard_loss(self, module, args: tuple, kwargs: dict, output: Any) -> Any:
+        labels, shard = self._stack().pop()
+        if labels is None:
+            return output
+        logits = output["logits"] if isinstance(output, dict) else output[0]
+        # Shifted on the whole sequence: a shard's last token predicts the next shard's first.
+        shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)[:, shard].to(logits.device)
+        shard_sum = F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]),
+            shifted.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
+        counted = (labels[:, 1:] != IGNORE_INDEX).sum().to(logits.device)
+        # Gradients are averaged over data x context: C x the shard's share makes them the token mean.
+        share = shard_sum * self.comm.world_size / counted
+        whole = sum_over(self.comm, shard_sum) / counted
+        loss = share + (whole - share.detach())
+        if isinstance(output, dict):
+            return type(output)(**{**output, "loss": loss})
+        return (loss, *output)
+
+
+def install(module: torch.nn.Module, comm: Comm) -> ContextParallel:
+    """Makes ``module`` (a transformers causal LM) run context-parallel over ``comm``.
+
+    Args:
+        module: the user's model, before the engine wraps it.
+        comm: this rank's context group.
+
+    Returns:
+        The installed hooks.
+
+    Raises:
+        ValueError: the model's attention implementation is neither sdpa nor eager.
+    """
+    return ContextParallel(module, comm)

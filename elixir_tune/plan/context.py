@@ -1,0 +1,95 @@
+"""Context parallelism's rules (``parallel.context``), shared by ``validate``, the search and the engine.
+
+What this version runs (``CONTEXT_PARALLEL_RUNS_WITH``): Ulysses (all-to-all over heads) on a
+data x context world, with standard accumulation, the attention implementations ``sdpa`` and
+``eager``, and the families in ``CONTEXT_MODEL_TYPES`` (the ones whose forward passes its keyword
+arguments down to the attention function and whose loss is the plain shifted cross-entropy). Ring
+attention and the composition with pipeline, tensor and expert parallelism are refused with the
+reason. Lifting a limit is a change of its table entry and of the engine. Imports no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# What context parallelism runs beside in this version: False entries are refused by validate.
+CONTEXT_PARALLEL_RUNS_WITH: dict[str, bool] = {
+    "ring": False,
+    "pipeline": False,
+    "tensor": False,
+    "expert": False,
+    "layered": False,
+}
+
+_LIMIT_REASONS = {
+    "ring": "mode ring (ring attention is not written yet; use mode ulysses)",
+    "pipeline": "pipeline stages",
+    "tensor": "tensor parallelism",
+    "expert": "expert parallelism",
+    "layered": "layered accumulation",
+}
+
+# Families whose attention the engine's Ulysses exchange has been checked on (equal to plain
+# PyTorch at world 2, fp32). Another family may work but is refused until a test says so.
+CONTEXT_MODEL_TYPES = frozenset({"llama", "gpt2"})
+
+
+def context_degree(parallel: Any) -> int:
+    """The context degree C of a ``parallel`` mapping (1 when absent or malformed)."""
+    degree = parallel.get("context", {}).get("degree", 1) if isinstance(parallel, dict) else 1
+    return degree if isinstance(degree, int) and degree >= 1 else 1
+
+
+def context_problems(parallel: dict, model: dict, training: dict) -> list[str]:
+    """Every reason the engine cannot run the plan's context parallelism, each with its field path.
+
+    Args:
+        parallel: the plan's ``parallel`` mapping.
+        model: the plan's ``model`` mapping (``model_type``, ``num_heads``, ``num_kv_heads``).
+        training: the plan's ``training`` mapping (``seq_len``, ``accumulation``).
+
+    Returns:
+        The problems; empty when C is 1 or the plan runs.
+    """
+    degree = context_degree(parallel)
+    if degree == 1:
+        return []
+    context = parallel.get("context", {})
+    path = f"parallel.context.degree: {degree}"
+    asked = {
+        "ring": context.get("mode", "ulysses") == "ring",
+        "pipeline": parallel.get("pipeline", {}).get("stages", 1) > 1,
+        "tensor": parallel.get("tensor", {}).get("degree", 1) > 1,
+        "expert": parallel.get("expert", {}).get("degree", 1) > 1,
+        "layered": training.get("accumulation", "standard") == "layered",
+    }
+    problems = []
+    conflicts = [_LIMIT_REASONS[key] for key, used in asked.items() if used and not CONTEXT_PARALLEL_RUNS_WITH[key]]
+    if conflicts:
+        problems.append(
+            f"{path} with {', '.join(conflicts)}: this version runs context parallelism on data x context "
+            "worlds only (Ulysses, standard accumulation); drop them or set the context degree to 1"
+        )
+    model_type = model.get("model_type", "")
+    if model_type not in CONTEXT_MODEL_TYPES:
+        problems.append(
+            f"{path}, but the engine's context parallelism is checked on {', '.join(sorted(CONTEXT_MODEL_TYPES))} "
+            f"only, not model_type {model_type or '(unknown)'!r}; set the context degree to 1"
+        )
+    if not asked["ring"]:
+        for key in ("num_heads", "num_kv_heads"):
+            heads = model.get(key, 0)
+            if isinstance(heads, int) and heads and heads % degree:
+                problems.append(
+                    f"{path} does not divide model.{key} {heads}; Ulysses gives each context rank whole "
+                    "attention heads of the full sequence"
+                )
+    seq_len = training.get("seq_len")
+    # Ulysses needs C equal shards; the ring's load-balanced causal split needs 2C (chunks i and 2C-1-i).
+    parts = 2 * degree if asked["ring"] else degree
+    if isinstance(seq_len, int) and seq_len % parts:
+        problems.append(
+            f"training.seq_len: {seq_len} is not a multiple of {parts}; context parallelism gives each of the "
+            f"{degree} context ranks an equal share of every sequence"
+        )
+    return problems

@@ -1,0 +1,102 @@
+"""Worker for the context-parallel tests (``parallel.context``, Ulysses): trains a tiny transformers
+model with every sequence split over a context group and returns what rank 0 compares with plain
+PyTorch on the whole global batch.
+
+Run by ``engine_launch.py`` (gloo, CPU). Each case is a dict:
+
+    model: gpt2 | llama        attn: sdpa | eager        context: C (the world is data x C)
+    loop: plain (``model(**batch)``, ``optimizer.backward``) | forward_backward
+    accum: micro-batches per step    padded: right-padded rows (attention_mask 0, labels -100)
+    checkpoint: every k-th block recomputed     offload: share of chunks on the host
+"""
+
+from __future__ import annotations
+
+import torch
+
+import elixir_tune
+from elixir_tune.plan import validate
+from elixir_tune.plan.schema import ContextParallel
+from tests.distributed.engine_plans import batches, make_plan, param_groups, tiny_gpt2, tiny_llama_gqa
+from tests.distributed.engine_worker import compare, local_micro, mean_over_ranks, plain_training
+
+SEQ = 16
+MICRO = 2
+STEPS = 4
+BLOCK_LISTS = {"gpt2": "transformer.h", "llama": "model.layers"}
+
+
+def build(case: dict):
+    model = tiny_gpt2() if case["model"] == "gpt2" else tiny_llama_gqa()
+    model.config._attn_implementation = case.get("attn", "sdpa")
+    opt = torch.optim.AdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95), eps=1e-6, foreach=False)
+    return model, opt
+
+
+def padded(global_batches: list[dict]) -> list[dict]:
+    """Right padding: each row keeps 3 to SEQ real tokens; padded positions have attention_mask 0,
+    token 0 and label -100, so rows count different tokens."""
+    generator = torch.Generator().manual_seed(5)
+    out = []
+    for batch in global_batches:
+        rows = batch["input_ids"].shape[0]
+        lengths = torch.randint(3, SEQ + 1, (rows,), generator=generator)
+        mask = (torch.arange(SEQ)[None, :] < lengths[:, None]).long()
+        ids = batch["input_ids"] * mask
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+    return out
+
+
+def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> dict:
+    degree, accum = case["context"], case.get("accum", 1)
+    model, opt = build(case)
+    plan = make_plan(
+        model,
+        world,
+        4096,
+        cache=case.get("cache", "all"),
+        offload=case.get("offload", 0.0),
+        block_list=BLOCK_LISTS[case["model"]],
+        micro_batch_size=MICRO,
+        grad_accum_steps=accum,
+        seq_len=SEQ,
+        checkpoint_every=case.get("checkpoint", 0),
+    )
+    plan.parallel.context = ContextParallel(degree=degree, mode="ulysses")
+    plan.training.global_batch_size = MICRO * accum * (world // degree)
+    assert not validate(plan), validate(plan)
+    model, opt = elixir_tune.setup(model, opt, plan=plan)
+    data, data_rank = elixir_tune.data_size(), elixir_tune.data_rank()
+    global_batches = batches(STEPS, plan.training.global_batch_size, SEQ, seed=index + 1)
+    if case.get("padded"):
+        global_batches = padded(global_batches)
+    losses, logits_len = [], 0
+    for batch in global_batches:
+        micro = [local_micro(batch, data_rank, data, accum, k) for k in range(accum)]
+        if case.get("loop") == "plain":
+            share = 0.0
+            for micro_batch in micro:
+                output = model(**micro_batch)
+                logits_len = output.logits.shape[1]
+                opt.backward(output.loss / accum)
+                share += float(output.loss.detach()) / accum
+        else:
+            share = float(model.forward_backward(micro))
+        opt.step()
+        opt.zero_grad()
+        losses.append(share)
+    state = model.state_dict()  # gathered on rank 0
+    world_losses = mean_over_ranks(losses, world)
+    result = {"case": case, "data": data, "data_rank": data_rank, "logits_len": logits_len}
+    if rank != 0:
+        return result
+    # Plain PyTorch on each step's whole global batch, every sequence whole.
+    reference = plain_training(*build(case), global_batches)
+    ours = {"state": {name: value.tolist() for name, value in state.items()}, "norms": []}
+    return dict(result, **compare(ours, reference, world_losses), world_losses=world_losses)
+
+
+if __name__ == "__main__":
+    from tests.distributed.engine_launch import worker_main
+
+    worker_main(run_case)

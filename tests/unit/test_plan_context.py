@@ -1,0 +1,67 @@
+"""``parallel.context`` in the plan: round trip, the data size it implies, byte-identical files
+without it, and validate's refusals of what the engine does not run yet."""
+
+from __future__ import annotations
+
+import pytest
+
+from elixir_tune.paths import CONFIGS_DIR
+from elixir_tune.plan import load_plan, plan_from_dict, plan_to_dict, read_plan_dict, validate
+from elixir_tune.plan.io import dump_plan
+from elixir_tune.plan.schema import ContextParallel, TensorParallel
+
+EXAMPLE = CONFIGS_DIR / "plans" / "example.yaml"  # tiny GPT-2, world 2, 2 blocks
+
+
+def _context_plan(degree: int = 2) -> dict:
+    """The example plan at world 4 = data (4 / degree) x context ``degree``, a Llama's heads."""
+    raw = read_plan_dict(EXAMPLE)
+    raw["cluster"]["gpus_per_node"] = 4
+    raw["model"].update(model_type="llama", num_heads=4, num_kv_heads=2)
+    raw["parallel"] = {"context": {"degree": degree, "mode": "ulysses"}}
+    training = raw["training"]
+    training["global_batch_size"] = training["micro_batch_size"] * training["grad_accum_steps"] * (4 // degree)
+    return raw
+
+
+def test_context_round_trips_and_splits_the_world():
+    raw = _context_plan()
+    assert validate(raw) == []
+    plan = plan_from_dict(raw)
+    assert plan.parallel.context == ContextParallel(degree=2, mode="ulysses")
+    assert (plan.data_parallel_size, plan.shard_group_size) == (2, 4)
+    assert plan_to_dict(plan)["parallel"]["context"] == raw["parallel"]["context"]
+
+
+def test_plans_without_context_are_written_as_before():
+    plan = load_plan(EXAMPLE)
+    assert "context" not in dump_plan(plan)
+    plan.parallel.tensor = TensorParallel(degree=2)
+    text = dump_plan(plan)
+    assert "tensor:" in text and "context" not in text
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (lambda raw: raw["parallel"]["context"].update(mode="ring"), "mode ring (ring attention is not written yet"),
+        (lambda raw: raw["parallel"].update(tensor={"degree": 2}), "with tensor parallelism"),
+        (lambda raw: raw["model"].update(num_kv_heads=3), "does not divide model.num_kv_heads 3"),
+        (lambda raw: raw["model"].update(model_type="qwen2"), "not model_type 'qwen2'"),
+        (lambda raw: raw["training"].update(seq_len=9), "training.seq_len: 9 is not a multiple of 2"),
+        (lambda raw: raw["memory"].update(chunk_size=65538), "the data-parallel size 2 x context degree 2"),
+        (lambda raw: raw["training"].update(accumulation="layered", loop="forward_backward"), "layered accumulation"),
+    ],
+)
+def test_what_the_engine_cannot_run_is_refused(change, expected):
+    raw = _context_plan()
+    change(raw)
+    problems = validate(raw)
+    assert any(expected in problem for problem in problems), problems
+
+
+def test_context_degree_must_divide_the_world():
+    raw = _context_plan(degree=3)
+    assert any(
+        "context degree 3" in problem and "does not divide the world size 4" in problem for problem in validate(raw)
+    )
