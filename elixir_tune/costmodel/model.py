@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from elixir_tune.costmodel.cache import CacheSim, simulate_cache
 from elixir_tune.costmodel.compute import ComputeTimes
+from elixir_tune.costmodel.context import context_share, ulysses_all_to_all_s
 from elixir_tune.costmodel.expert import RankExperts
 from elixir_tune.costmodel.layout import ChunkLayout, largest_trainable_numel, max_module_chunks, pack_chunks
 from elixir_tune.costmodel.links import data_ranks_per_node
@@ -40,6 +41,7 @@ from elixir_tune.costmodel.timeline import (
 )
 from elixir_tune.costmodel.trace import ChunkTrace, checkpointed_trace, chunk_trace
 from elixir_tune.hardware.spec import HardwareSpec
+from elixir_tune.plan.schema import DTYPE_BYTES
 from elixir_tune.profiler.schema import ModelProfile
 
 
@@ -92,7 +94,8 @@ class CostModel(ComputeTimes):
         self.world_size = gpus_per_node * nodes
         self.data_size = layout.data_degree(self.world_size)
         self.stage = critical_stage(profile, layout) if stage is None else stage
-        self.profile = rank_profile(profile, layout, self.stage)
+        # Under context parallelism the rank computes 1/C of every sample (costmodel/context.py).
+        self.profile = context_share(rank_profile(profile, layout, self.stage), layout.context)
         # Read by every memory estimate: the largest gradient in flight (a 1d embedding's arrives whole).
         self.largest_numel = max(largest_trainable_numel(self.profile), getattr(self.profile, "whole_grad_numel", 0))
         self.dtype = dtype or profile.dtype
@@ -393,6 +396,10 @@ class CostModel(ComputeTimes):
         if expert_s > 0:  # synchronous on the compute stream: part of the compute above
             breakdown["compute_s"] -= expert_s
             breakdown["expert_comm_s"] = expert_s
+        context_s = accum * self.context_comm_s(shape.micro_batch_size, shape.every)
+        if context_s > 0:  # inside attention, on the compute stream: added to the step
+            step_time += context_s
+            breakdown["context_comm_s"] = context_s
         if shape.layered and accum > 1 and on_cpu and self.parallel_layout.pipeline == 1:
             # Each micro-batch's thread hands the baton on at every hooked module call of its forward
             # (engine/layered.py); on a CPU device the hand-overs hold up the compute itself. A
@@ -410,6 +417,26 @@ class CostModel(ComputeTimes):
             record += step_blocks(parts, records, costs, gpu_adam, cpu_adam, on_cpu)
         return StepEstimate(step_time_s=step_time, breakdown=breakdown)
 
+    def context_comm_s(self, micro_batch_size: int, every: int) -> float:
+        """Seconds of one micro-batch's context-parallel all-to-alls on this rank (0 at C = 1)."""
+        degree = self.parallel_layout.context
+        if degree <= 1:
+            return 0.0
+        arch = self.full_profile.arch
+        blocks = self.profile.blocks
+        on_node = degree <= self.gpus_per_node
+        return ulysses_all_to_all_s(
+            degree,
+            micro_batch_size * self.profile.seq_len,
+            arch.hidden_size,
+            (arch.num_kv_heads or arch.num_heads) / max(arch.num_heads, 1),
+            DTYPE_BYTES[self.dtype],
+            len(blocks),
+            sum(1 for b in blocks if every > 0 and b.index % every == 0),
+            link_bytes_per_s=self.parallel_costs.intra_bps if on_node else self.hardware.inter_node_gbps * 1e9,
+            latency_s=self.hardware.collective_latency_s,
+        )
+
     def _issue_steps(
         self, shape: Shape, traced: int, steady: bool, fetches: list[tuple[int, int, int]], num_steps: int
     ) -> tuple[list[int], list[list[tuple[int, int]]]]:
@@ -425,7 +452,9 @@ class CostModel(ComputeTimes):
         """The step time, unchanged, with the plausibility bounds (``rates.plausibility_bound``) in
         ``breakdown`` as a check: ``bound_excess_s`` when the prediction is faster than a bound allows,
         a defect of the model that ``show`` reports (nothing replaces the prediction)."""
-        samples_per_gpu = shape.micro_batch_size * shape.grad_accum_steps * self.data_size / self.world_size
+        samples_per_gpu = (
+            shape.micro_batch_size * shape.grad_accum_steps * self.data_size / self.world_size
+        ) / self.parallel_layout.context  # a context rank computes 1/C of each of its group's samples
         trainable_offloaded, frozen_offloaded = self.offloaded_shards(shape)
         bounds = plausibility_bound(
             self.hardware,

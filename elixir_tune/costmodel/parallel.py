@@ -76,6 +76,8 @@ class Layout:
             expert once; it adds no ranks.
         schedule: the pipeline's micro-batch schedule (``plan.schema.PipelineSchedule``): what a
             stage holds (``held_activation_copies``).
+        context: context degree C (``costmodel/context.py``): each rank computes 1/C of every
+            sample; the chunks stay sharded over data x context (``data_degree``).
     """
 
     pipeline: int = 1
@@ -85,6 +87,7 @@ class Layout:
     sequence_parallel: bool = True
     expert: int = 1
     schedule: PipelineSchedule = "looped_bfs"
+    context: int = 1
 
     @classmethod
     def of_plan(cls, parallel: ParallelPlan) -> Layout:
@@ -98,6 +101,7 @@ class Layout:
             tensor.sequence_parallel,
             parallel.expert.degree,
             pipeline.schedule,
+            parallel.context.degree,
         )
 
     @property
@@ -106,8 +110,12 @@ class Layout:
         return self.pipeline * self.tensor
 
     def data_degree(self, world_size: int) -> int:
-        """The data-parallel degree D = world / (P x T)."""
+        """The ranks the chunks are sharded over: world / (P x T) (data x context)."""
         return data_degree(world_size, self.pipeline, self.tensor)
+
+    def batch_degree(self, world_size: int) -> int:
+        """The shares the global batch is cut into: world / (P x T x C)."""
+        return self.data_degree(world_size) // self.context
 
     def describe(self) -> str:
         """A short name, e.g. ``pp2 tp4(2d)`` or ``ep4``; ``dp only`` without any."""
@@ -119,6 +127,8 @@ class Layout:
             parts.append(f"tp{self.tensor}" + ("(2d)" if self.tensor_mode == "2d" else ""))
         if self.expert > 1:
             parts.append(f"ep{self.expert}")
+        if self.context > 1:
+            parts.append(f"cp{self.context}")
         return " ".join(parts) or "dp only"
 
 

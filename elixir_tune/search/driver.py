@@ -382,9 +382,9 @@ def search(
     if strategy == "elixir":
         if global_batch % world:
             raise ValueError(f"global batch size {global_batch} is not a multiple of the {world} GPUs")
-        if any(key in pinned for key in ("pipeline", "tensor", "tensor_mode", "expert")):
+        if any(key in pinned for key in ("pipeline", "tensor", "tensor_mode", "expert", "context")):
             raise ValueError(
-                "--strategy elixir: Elixir's rule has no pipeline, tensor or expert parallelism; drop those pins"
+                "--strategy elixir: Elixir's rule has no pipeline, tensor, expert or context parallelism; drop those pins"
             )
         layouts = [DATA_ONLY]
     else:

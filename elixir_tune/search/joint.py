@@ -294,7 +294,7 @@ def explore(model: CostModel | list[CostModel], budget: Budget, fixed: dict, top
 def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, found: Exploration) -> None:
     """The joint search's loops for one cost model (one parallel layout), into ``top`` and ``found``."""
     world = model.data_size
-    per_rank = budget.global_batch_size // world
+    per_rank = budget.global_batch_size // (world // model.parallel_layout.context)  # per data index
     hardware = model.hardware
     stages = model.parallel_layout.pipeline
     tensor = model.parallel_layout

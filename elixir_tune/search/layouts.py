@@ -46,6 +46,7 @@ from elixir_tune.plan.schema import PipelineAssignment, PipelineSchedule, Tensor
 from elixir_tune.plan.stages import schedule_problem
 from elixir_tune.plan.tensor_layout import grid_problem, local_shape, table_for
 from elixir_tune.profiler.schema import ModelProfile
+from elixir_tune.search.context_layouts import context_layouts
 
 
 def _splits(profile: ModelProfile, degree: int, mode: str) -> bool:
@@ -130,6 +131,8 @@ def layout_choices(
         ValueError: a pinned pipeline or tensor degree that cannot be used (says why).
     """
     world = gpus_per_node * nodes
+    if fixed.get("context", 1) > 1:  # context parallelism is offered only pinned, on its own (context_layouts.py)
+        return context_layouts(profile, world, global_batch_size, fixed)
     num_blocks = len(profile.blocks)
     cannot_pipeline = profile.layout_reasons().get("pipeline")
     if cannot_pipeline and fixed.get("pipeline", 1) > 1:

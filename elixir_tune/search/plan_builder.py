@@ -22,6 +22,7 @@ from elixir_tune.plan.schema import (
     Checkpointing,
     ChunkPlan,
     ClusterInfo,
+    ContextParallel,
     Device,
     Dtype,
     ExpertParallel,
@@ -188,6 +189,7 @@ def build_plan(
                 degree=layout.tensor, mode=layout.tensor_mode, sequence_parallel=layout.sequence_parallel
             ),
             expert=ExpertParallel(degree=layout.expert),
+            context=ContextParallel(degree=layout.context),
         ),
         training=TrainingInfo(
             dtype=cast(Dtype, model.dtype),  # the profile's dtype or a --fix dtype checked by parse_fixed

@@ -23,6 +23,7 @@ FIX_KEYS = {
     "tensor": "tensor-parallel degree T, an integer dividing the GPUs of a node and the heads (1: none)",
     "tensor_mode": "1d (Megatron) or 2d (Optimus, square T >= 4)",
     "expert": "expert degree E, an integer dividing the data-parallel size and the experts per block (1: none)",
+    "context": "context degree C (Ulysses): each rank computes 1/C of every sequence; C divides the heads (1: none)",
 }
 ALL = "all"
 # Pipeline schedules the search offers (``search/layouts.py``): the cost model prices what each
@@ -89,7 +90,7 @@ def parse_fixed(fixed: dict[str, Any] | list[str] | None) -> dict[str, Any]:
     for key, value in fixed.items():
         if key not in FIX_KEYS:
             raise ValueError(f"--fix {key}: unknown key (known: {', '.join(FIX_KEYS)})")
-        if key in ("chunk_size", "micro_batch_size", "pipeline", "tensor", "expert"):
+        if key in ("chunk_size", "micro_batch_size", "pipeline", "tensor", "expert", "context"):
             out[key] = _int(key, value, 1)
         elif key == "prefetch":
             out[key] = _int(key, value, 0)
