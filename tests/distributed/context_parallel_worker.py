@@ -8,6 +8,7 @@ Run by ``engine_launch.py`` (gloo, CPU). Each case is a dict:
     loop: plain (``model(**batch)``, ``optimizer.backward``) | forward_backward
     accum: micro-batches per step    padded: right-padded rows (attention_mask 0, labels -100)
     checkpoint: every k-th block recomputed     offload: share of chunks on the host
+    slice_by_rank: feed each rank its own rows by RANK (the mistake the first forward must catch)
 """
 
 from __future__ import annotations
@@ -70,6 +71,14 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
     global_batches = batches(STEPS, plan.training.global_batch_size, SEQ, seed=index + 1)
     if case.get("padded"):
         global_batches = padded(global_batches)
+    if case.get("slice_by_rank"):
+        from elixir_tune.errors import ContractError
+
+        try:
+            model(**local_micro(global_batches[0], rank, world, 1, 0))
+        except ContractError as error:
+            return {"case": case, "contract_error": str(error)}
+        return {"case": case, "contract_error": None}
     losses, logits_len = [], 0
     for batch in global_batches:
         micro = [local_micro(batch, data_rank, data, accum, k) for k in range(accum)]

@@ -25,6 +25,8 @@ WORLD2 = [
     dict(model="llama", attn="eager", context=2, loop="plain", padded=True),
     dict(model="gpt2", attn="eager", context=2, loop="forward_backward", accum=2, padded=True, checkpoint=1),
 ]
+# Last, as it leaves its model mid-forward: ranks fed by RANK instead of data_rank().
+SLICED_BY_RANK = dict(model="llama", attn="sdpa", context=2, slice_by_rank=True)
 WORLD4 = [
     dict(
         model="llama", attn="sdpa", context=2, loop="forward_backward", accum=2, padded=True, offload=0.5, cache="min"
@@ -48,7 +50,7 @@ def check(per_rank: list[list[dict]], index: int, data: int) -> None:
 
 @pytest.fixture(scope="module")
 def world2():
-    return launch("context_parallel_worker.py", WORLD2, 2, timeout_s=400)
+    return launch("context_parallel_worker.py", [*WORLD2, SLICED_BY_RANK], 2, timeout_s=400)
 
 
 @pytest.mark.parametrize("index", range(len(WORLD2)), ids=[str(c) for c in WORLD2])
@@ -60,3 +62,9 @@ def test_data2_context2_world4_matches_torch():
     per_rank = launch("context_parallel_worker.py", WORLD4, 4, timeout_s=400)
     for index in range(len(WORLD4)):
         check(per_rank, index, data=2)
+
+
+def test_ranks_of_a_context_group_fed_different_rows_are_stopped(world2):
+    for rank, rank_results in enumerate(world2):
+        error = rank_results[len(WORLD2)].get("contract_error")
+        assert error and "context ranks [1] got other inputs" in error and "data_rank()" in error, (rank, error)

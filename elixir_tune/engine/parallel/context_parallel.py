@@ -30,8 +30,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from elixir_tune.engine.comm import Comm
+from elixir_tune.engine.comm import Comm, gather_objects
 from elixir_tune.engine.comm.context import heads_to_sequence, sequence_to_heads, sum_over
+from elixir_tune.engine.contract import input_fingerprint
+from elixir_tune.errors import ContractError
 
 ATTENTION_NAME = "elixir_context_ulysses"  # the name registered with transformers' AttentionInterface
 EXCHANGE_KWARG = "elixir_context_exchange"  # the keyword the model passes down to the attention function
@@ -112,6 +114,7 @@ class ContextParallel:
             )
         self.comm = comm
         self._pending = threading.local()  # labels of the forwards in flight, per thread
+        self._inputs_checked = False
         AttentionInterface.register(ATTENTION_NAME, ulysses_attention)
         config._attn_implementation = ATTENTION_NAME
         module.register_forward_pre_hook(self._shard_inputs, with_kwargs=True)
@@ -122,10 +125,28 @@ class ContextParallel:
             self._pending.stack = []
         return self._pending.stack
 
+    def _check_inputs_once(self, kwargs: dict) -> None:
+        """At the first forward: the ranks of the group must hold the same batch (each keeps its own
+        shard of it), which slicing the data by RANK instead of ``data_rank()`` breaks silently."""
+        if self._inputs_checked:
+            return
+        self._inputs_checked = True
+        prints = gather_objects(self.comm, input_fingerprint([kwargs]), all_ranks=True)
+        assert prints is not None  # all_ranks
+        differ = [rank for rank, other in enumerate(prints) if other != prints[0]]
+        if differ:
+            raise ContractError(
+                f"the ranks of a context group must be fed the same micro-batches (each computes its own share of "
+                f"every sequence), but context ranks {differ} got other inputs than context rank 0 at the first "
+                "forward. Take each rank's slice of the global batch with elixir_tune.data_rank() and "
+                "elixir_tune.data_size(), not RANK and WORLD_SIZE"
+            )
+
     def _shard_inputs(self, module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         kwargs = dict(kwargs)
         if args:  # input_ids given by position, as transformers' forwards allow
             kwargs["input_ids"], args = args[0], args[1:]
+        self._check_inputs_once(kwargs)
         tokens = kwargs.get("input_ids")
         if tokens is None:
             tokens = kwargs.get("inputs_embeds")
