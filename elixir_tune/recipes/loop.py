@@ -16,7 +16,9 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -88,6 +90,36 @@ def fail_once(message: str, rank: int) -> int:
     return 1
 
 
+@dataclass
+class _Run:
+    """One recipe run across its steps: what ``train`` was given and what its parts share."""
+
+    args: argparse.Namespace
+    model: Any
+    optimizer: Any
+    plan: Any
+    data: Any
+    script: str
+    model_name: str
+    num_params: int
+    device: torch.device
+    rank: int
+    world: int
+    steps: int = 0
+    start_step: int = 0
+    stop_step: int = 0
+    steps_done: int = 0
+    warmup: int = 1
+    meta: dict = field(default_factory=dict)
+    eval_batches: list = field(default_factory=list)
+    header: dict = field(default_factory=dict)
+    reporter: Reporter | None = None
+    fp16_watch: Fp16Watch | None = None
+    checkpoint_extra: dict = field(default_factory=dict)
+    best_loss: float = math.inf  # the best evaluation so far; it travels in every checkpoint (--keep-best)
+    stop_requested: list[int] = field(default_factory=list)
+
+
 def train(
     args: argparse.Namespace,
     model,
@@ -122,210 +154,258 @@ def train(
         0 when the steps are done, 130 when interrupted (after saving with --save), 1 when a step's loss or
         gradient norm was not finite (``NonFiniteError``; nothing is saved after it) or a checkpoint failed.
     """
-    plan_path = os.environ.get(elixir_tune.plan.PLAN_ENV_VAR, "")
-    training = plan.training
-    steps = run_steps(args, data, training.global_batch_size)
-    args.steps = steps  # the schedule, checkpoints and resume notes speak of the computed length
-    eval_batches_iter = data.eval_batches(training.micro_batch_size)
-    eval_batches = list(eval_batches_iter) if eval_batches_iter is not None else []
-    if (args.eval_every or args.keep_best) and not eval_batches:
-        return fail_once(
-            "--eval-every/--keep-best need an evaluation split: add --eval-fraction F or --eval-data", rank
-        )
-    start_step = 0
+    run = _Run(args, model, optimizer, plan, data, script, model_name, num_params, device, rank, world)
+    problem = _prepare(run) or _open_reports(run)
+    if problem:
+        return fail_once(problem, rank)
+    if args.save:
+        _defer_signals(run)
+    return _loop(run)
+
+
+def _prepare(run: _Run) -> str | None:
+    """The run's length, evaluation split, restart, lock, resume and stop step; the problem, if any."""
+    args, training = run.args, run.plan.training
+    run.steps = args.steps = run_steps(args, run.data, training.global_batch_size)  # the schedule speaks of it
+    eval_batches = run.data.eval_batches(training.micro_batch_size)
+    run.eval_batches = list(eval_batches) if eval_batches is not None else []
+    if (args.eval_every or args.keep_best) and not run.eval_batches:
+        return "--eval-every/--keep-best need an evaluation split: add --eval-fraction F or --eval-data"
     # torchrun restarted the workers: go on from this job's checkpoint (every rank alike: the largest count)
-    counts = torch.tensor([float(restart_count())], dtype=torch.float64, device=device)
-    restart_note = resume_after_restart(args, round(float(max_over_ranks(counts, world))))
-    if restart_note and rank == 0:
+    counts = torch.tensor([float(restart_count())], dtype=torch.float64, device=run.device)
+    restart_note = resume_after_restart(args, round(float(max_over_ranks(counts, run.world))))
+    if restart_note and run.rank == 0:
         print(restart_note, flush=True)
     try:  # a second job saving to the same directory is refused before it trains
         if args.save:
-            elixir_tune.lock_checkpoint_dir(args.save, model)
-        meta = elixir_tune.load_checkpoint(args.resume, model, optimizer) if args.resume else {}
+            elixir_tune.lock_checkpoint_dir(args.save, run.model)
+        run.meta = elixir_tune.load_checkpoint(args.resume, run.model, run.optimizer) if args.resume else {}
     except CheckpointError as error:  # every rank has the same one-line error
-        return fail_once(str(error), rank)
+        return str(error)
     if args.resume:
-        start_step = int(meta["step"])
-        saved = meta.get("extra", {})
-        if rank == 0:
+        run.start_step = int(run.meta["step"])
+        _say_resumed(run)
+    run.steps_done = run.start_step
+    run.stop_step = min(run.steps, args.stop_at) if args.stop_at is not None else run.steps
+    if run.stop_step <= run.start_step:  # nothing would run, and a save would relabel the checkpoint as done
+        stop = args.stop_at is not None and args.stop_at < run.steps
+        what = f"--stop-at {args.stop_at}" if stop else f"--steps {run.steps}"
+        return f"{what} is not after the checkpoint's step {run.start_step}: nothing would train; give a later step"
+    run.fp16_watch = Fp16Watch(run.optimizer) if training.dtype == "fp16" else None
+    run.warmup = args.warmup_steps if args.warmup_steps is not None else max(1, run.steps // 10)
+    run.checkpoint_extra = {
+        "steps": run.steps,
+        "seed": args.seed,
+        "lr": args.lr,
+        "warmup_steps": run.warmup,
+        "data": args.data,
+    }
+    run.best_loss = float(run.meta.get("extra", {}).get("best_eval_loss", math.inf))
+    return None
+
+
+def _say_resumed(run: _Run) -> None:
+    """Rank 0 says where the run resumed, and which settings differ from the checkpoint's."""
+    if run.rank != 0:
+        return
+    args, saved = run.args, run.meta.get("extra", {})
+    print(
+        f"resumed from {args.resume} at step {run.start_step}"
+        + ("" if run.meta.get("exact") else " (weights only: optimizer state restarts)"),
+        flush=True,
+    )
+    for key, value in (("steps", args.steps), ("seed", args.seed), ("lr", args.lr)):
+        if key in saved and saved[key] != value:
             print(
-                f"resumed from {args.resume} at step {start_step}"
-                + ("" if meta.get("exact") else " (weights only: optimizer state restarts)"),
+                f"note: the checkpoint was saved with --{key} {saved[key]}, this run uses {value}: "
+                "the data or LR schedule differs from the original run",
                 flush=True,
             )
-            for key, value in (("steps", args.steps), ("seed", args.seed), ("lr", args.lr)):
-                if key in saved and saved[key] != value:
-                    print(
-                        f"note: the checkpoint was saved with --{key} {saved[key]}, this run uses {value}: "
-                        "the data or LR schedule differs from the original run",
-                        flush=True,
-                    )
-    stop_step = min(steps, args.stop_at) if args.stop_at is not None else steps
-    if stop_step <= start_step:  # nothing would run, and a save would relabel the checkpoint as done
-        what = f"--stop-at {args.stop_at}" if args.stop_at is not None and args.stop_at < steps else f"--steps {steps}"
-        return fail_once(
-            f"{what} is not after the checkpoint's step {start_step}: nothing would train; give a later step", rank
-        )
-    fp16_watch = Fp16Watch(optimizer) if plan.training.dtype == "fp16" else None
 
-    micro, accum = training.micro_batch_size, training.grad_accum_steps
-    # Each data-parallel index trains on its rows; the ranks of one pipeline (or tensor) group share them.
-    data_rank, data_size = elixir_tune.data_rank(), elixir_tune.data_size()
-    # describe() may encode every training sample to count tokens: rank 0 alone reports it.
-    described = data.describe().removeprefix("data: ") if rank == 0 else ""
-    warmup = args.warmup_steps if args.warmup_steps is not None else max(1, steps // 10)
+
+def _header(run: _Run, described: str) -> dict:
+    """The JSON log's header: the run, the plan and its promise."""
+    training = run.plan.training
     header = {
-        "script": script,
-        "plan": plan_path,
-        "model": model_name,
-        "num_params": num_params,
-        "world_size": world,
-        "device": plan.cluster.device,
+        "script": run.script,
+        "plan": os.environ.get(elixir_tune.plan.PLAN_ENV_VAR, ""),
+        "model": run.model_name,
+        "num_params": run.num_params,
+        "world_size": run.world,
+        "device": run.plan.cluster.device,
         "dtype": training.dtype,
         "global_batch_size": training.global_batch_size,
-        "micro_batch_size": micro,
-        "grad_accum_steps": accum,
+        "micro_batch_size": training.micro_batch_size,
+        "grad_accum_steps": training.grad_accum_steps,
         "seq_len": training.seq_len,
         "data": described,
-        "lr": args.lr,
-        "seed": args.seed,
-        "steps_planned": steps,
-        **promise(plan, rank),
+        "lr": run.args.lr,
+        "seed": run.args.seed,
+        "steps_planned": run.steps,
+        **promise(run.plan, run.rank),
     }
-    if args.resume:
-        header["resumed_from"] = {"checkpoint": args.resume, "step": start_step}
-    # Rank 0 alone opens the log, TensorBoard's writer and W&B's run: its failure must reach every rank
-    # before the first step's collectives (shared_errors), or the others would wait for it there.
-    reporter, log_error = None, None
-    if rank == 0:
+    if run.args.resume:
+        header["resumed_from"] = {"checkpoint": run.args.resume, "step": run.start_step}
+    return header
+
+
+def _open_reports(run: _Run) -> str | None:
+    """Rank 0 opens the log, TensorBoard's writer and W&B's run; a failure reaches every rank before the
+    first step's collectives (shared_errors), or the others would wait for it there."""
+    args, training = run.args, run.plan.training
+    # describe() may encode every training sample to count tokens: rank 0 alone reports it.
+    described = run.data.describe().removeprefix("data: ") if run.rank == 0 else ""
+    run.header = _header(run, described)
+    log_error = None
+    if run.rank == 0:
         try:
             if args.log:  # its place is writable now (a failed write later warns and training goes on: progress.py)
                 probe = Path(args.log).with_name(f".{Path(args.log).name}.probe")
                 probe.parent.mkdir(parents=True, exist_ok=True)
                 probe.write_text("")
                 probe.unlink()
-            reporter = Reporter(args, header, steps)
+            run.reporter = Reporter(args, run.header, run.steps)
         except Exception as failure:  # noqa: BLE001  (the writers raise OSError, wandb its own errors)
             cause = " ".join(str(failure).split()) if isinstance(failure, OSError) else describe_failure(failure)
             log_error = f"rank 0 could not open the run's logs (--log, --log-dir, --wandb): {cause}"
-    log_errors = shared_errors(model.engine.mesh.world, log_error)
+    log_errors = shared_errors(run.model.engine.mesh.world, log_error)
     if log_errors:
-        return fail_once(log_errors[0], rank)
-    if reporter and start_step:
-        reporter.progress.update(reporter.task, completed=start_step)
-    if reporter:
-        length = f"{steps} steps" + (f" ({args.epochs:g} epochs)" if args.epochs is not None else "")
-        reporter.say(
-            f"training {model_name} ({num_params:,} params) on {world} {plan.cluster.device} worker(s): "
-            f"{length} of {training.global_batch_size} x {training.seq_len} tokens "
-            f"(micro-batch {micro} x accumulation {accum} x data-parallel {plan.data_parallel_size}"
-            + (f"; {world} workers" if plan.data_parallel_size != world else "")
-            + f"), data: {described}"
+        return log_errors[0]
+    reporter = run.reporter
+    if reporter is None:
+        return None
+    if run.start_step:
+        reporter.progress.update(reporter.task, completed=run.start_step)
+    length = f"{run.steps} steps" + (f" ({args.epochs:g} epochs)" if args.epochs is not None else "")
+    dp = run.plan.data_parallel_size
+    reporter.say(
+        f"training {run.model_name} ({run.num_params:,} params) on {run.world} {run.plan.cluster.device} worker(s): "
+        f"{length} of {training.global_batch_size} x {training.seq_len} tokens "
+        f"(micro-batch {training.micro_batch_size} x accumulation {training.grad_accum_steps} x data-parallel {dp}"
+        + (f"; {run.world} workers" if dp != run.world else "")
+        + f"), data: {described}"
+    )
+    return None
+
+
+def _defer_signals(run: _Run) -> None:
+    """With --save, a signal only raises a flag: every rank finishes the step, they agree on the flag (one
+    all-reduce with the loss) and save together; a collective save cannot start mid-step."""
+
+    def request_stop(signum, frame):
+        if run.stop_requested:  # a second signal: stop now, without saving
+            raise KeyboardInterrupt
+        run.stop_requested.append(signum)
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+
+
+def _save(run: _Run, steps_done: int, root: str | None = None, keep: int | None = None) -> None:
+    args = run.args
+    directory = elixir_tune.save_checkpoint(
+        root or args.save,
+        run.model,
+        run.optimizer,
+        step=steps_done,
+        extra=run.checkpoint_extra,
+        keep=keep or args.keep or None,
+    )
+    if run.reporter:
+        run.reporter.say(f"saved checkpoint {directory} at step {steps_done}")
+
+
+def _evaluate(run: _Run, steps_done: int) -> None:
+    result = evaluate(run.model, run.eval_batches, elixir_tune.data_rank(), elixir_tune.data_size(), run.device)
+    best = result.loss < run.best_loss
+    if best:
+        run.best_loss = run.checkpoint_extra["best_eval_loss"] = result.loss
+    if run.reporter:
+        run.reporter.evaluation(steps_done, result.loss, result.perplexity, result.tokens, best)
+    if best and run.args.keep_best:
+        _save(run, steps_done, root=str(Path(run.args.save) / BEST_DIR_NAME), keep=1)
+
+
+def _step(run: _Run, step: int) -> tuple[bool, float]:
+    """One optimizer step over the global batch; whether a stop was requested on any rank, and the loss."""
+    args, training, device = run.args, run.plan.training, run.device
+    micro, accum = training.micro_batch_size, training.grad_accum_steps
+    # Each data-parallel index trains on its rows; the ranks of one pipeline (or tensor) group share them.
+    data_rank, data_size = elixir_tune.data_rank(), elixir_tune.data_size()
+    lr = lr_at(step, run.steps, args.lr, run.warmup)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    started = time.perf_counter()
+    rows = run.data.batch(step, training.global_batch_size, data_rank, data_size)
+    counts = token_counts(rows, getattr(run.data, "pad_id", None))
+    micro_batches = [
+        {k: v[begin : begin + micro].to(device, non_blocking=True) for k, v in rows.items()}
+        for begin in range(0, micro * accum, micro)
+    ]
+    # All micro-batches as the plan says (standard or layered accumulation), each weighted by its
+    # loss tokens: the step's loss and gradient are those of the whole global batch's tokens.
+    loss_share = run.model.forward_backward(micro_batches, loss_fn=step_loss, weight_by_tokens=True).float()
+    grad_norm = run.optimizer.clip_grad_norm(args.clip) if args.clip > 0 else None
+    run.optimizer.step()
+    run.optimizer.zero_grad()
+    # The step's loss is the mean of the ranks' shares (for the log), and the stop flag goes with it.
+    # float64: the token counts stay exact summed over every rank. The ranks of one pipeline or
+    # tensor group had the same rows, so the sum counts each row world / data_size times.
+    stop_flag = torch.tensor([float(bool(run.stop_requested))], dtype=torch.float64)
+    flagged = torch.cat([loss_share.double().reshape(1), stop_flag.to(device), counts.to(device)])
+    loss_sum, stop_now, *summed = sum_over_ranks(flagged, run.world).unbind()
+    mean_loss = float(loss_sum) / run.world
+    step_counts = torch.stack(summed).cpu() / (run.world // data_size)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    step_time_s = time.perf_counter() - started
+    if run.reporter:
+        run.reporter.step(
+            {
+                "step": step + 1,  # counted from 1, as the console and the checkpoints count
+                "loss": mean_loss,
+                "lr": lr,
+                "epoch": run.data.epoch(step + 1, training.global_batch_size),
+                "step_time_s": step_time_s,
+                "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                # tokens/s and TFLOP/s of the tokens with a loss; padding and the rest apart
+                **step_figures(
+                    step_counts, step_time_s, run.num_params, run.world, run.header.get("peak_tflops_per_worker")
+                ),
+                "memory_bytes": memory_bytes(device),
+            }
         )
+    return bool(stop_now > 0), mean_loss
 
-    checkpoint_extra = {"steps": steps, "seed": args.seed, "lr": args.lr, "warmup_steps": warmup, "data": args.data}
 
-    def save(steps_done: int, root: str | None = None, keep: int | None = None) -> None:
-        directory = elixir_tune.save_checkpoint(
-            root or args.save, model, optimizer, step=steps_done, extra=checkpoint_extra, keep=keep or args.keep or None
-        )
-        if reporter:
-            reporter.say(f"saved checkpoint {directory} at step {steps_done}")
+def _after_step(run: _Run, stop_now: bool, mean_loss: float) -> None:
+    """A requested stop (after saving), evaluation and the periodic checkpoint after a step."""
+    args, steps_done = run.args, run.steps_done
+    # fp16: a skipped or non-finite step is not saved as progress; a run of them stops the run
+    bad_step = run.fp16_watch.after_step(steps_done, mean_loss) if run.fp16_watch else False
+    if stop_now:
+        _save(run, steps_done)
+        raise KeyboardInterrupt
+    before_end = steps_done < run.stop_step
+    if run.eval_batches and args.eval_every and steps_done % args.eval_every == 0 and before_end:
+        _evaluate(run, steps_done)
+    if args.save and args.save_every and steps_done % args.save_every == 0 and before_end and not bad_step:
+        _save(run, steps_done)
 
-    # The best evaluation so far travels in every checkpoint, so that a resumed run keeps --keep-best's record.
-    best_loss = [float(meta.get("extra", {}).get("best_eval_loss", math.inf))]
 
-    def run_eval(steps_done: int) -> None:
-        result = evaluate(model, eval_batches, data_rank, data_size, device)
-        best = result.loss < best_loss[0]
-        if best:
-            best_loss[0] = checkpoint_extra["best_eval_loss"] = result.loss
-        if reporter:
-            reporter.evaluation(steps_done, result.loss, result.perplexity, result.tokens, best)
-        if best and args.keep_best:
-            save(steps_done, root=str(Path(args.save) / BEST_DIR_NAME), keep=1)
-
-    # With --save, a signal only raises a flag: every rank finishes the step, they agree on the flag
-    # (one all-reduce with the loss) and save together; a collective save cannot start mid-step.
-    stop_requested: list[int] = []
-    if args.save:
-
-        def request_stop(signum, frame):
-            if stop_requested:  # a second signal: stop now, without saving
-                raise KeyboardInterrupt
-            stop_requested.append(signum)
-
-        signal.signal(signal.SIGINT, request_stop)
-        signal.signal(signal.SIGTERM, request_stop)
-
-    step = start_step
-    steps_done = start_step
+def _loop(run: _Run) -> int:
+    """The steps, the final evaluation and checkpoint, and how the run ended (its exit status)."""
+    reporter = run.reporter
     try:
         with reporter or contextlib.nullcontext():
-            for step in range(start_step, stop_step):
-                lr = lr_at(step, steps, args.lr, warmup)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                started = time.perf_counter()
-                rows = data.batch(step, training.global_batch_size, data_rank, data_size)
-                counts = token_counts(rows, getattr(data, "pad_id", None))
-                micro_batches = [
-                    {k: v[begin : begin + micro].to(device, non_blocking=True) for k, v in rows.items()}
-                    for begin in range(0, micro * accum, micro)
-                ]
-                # All micro-batches as the plan says (standard or layered accumulation), each weighted by its
-                # loss tokens: the step's loss and gradient are those of the whole global batch's tokens.
-                loss_share = model.forward_backward(micro_batches, loss_fn=step_loss, weight_by_tokens=True).float()
-                grad_norm = optimizer.clip_grad_norm(args.clip) if args.clip > 0 else None
-                optimizer.step()
-                optimizer.zero_grad()
-                # The step's loss is the mean of the ranks' shares (for the log), and the stop flag goes with it.
-                # float64: the token counts stay exact summed over every rank. The ranks of one pipeline or
-                # tensor group had the same rows, so the sum counts each row world / data_size times.
-                stop_flag = torch.tensor([float(bool(stop_requested))], dtype=torch.float64)
-                flagged = torch.cat([loss_share.double().reshape(1), stop_flag.to(device), counts.to(device)])
-                loss_sum, stop_now, *summed = sum_over_ranks(flagged, world).unbind()
-                mean_loss = float(loss_sum) / world
-                step_counts = torch.stack(summed).cpu() / (world // data_size)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                step_time_s = time.perf_counter() - started
-                if reporter:
-                    reporter.step(
-                        {
-                            "step": step + 1,  # counted from 1, as the console and the checkpoints count
-                            "loss": mean_loss,
-                            "lr": lr,
-                            "epoch": data.epoch(step + 1, training.global_batch_size),
-                            "step_time_s": step_time_s,
-                            "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                            # tokens/s and TFLOP/s of the tokens with a loss; padding and the rest apart
-                            **step_figures(
-                                step_counts, step_time_s, num_params, world, header.get("peak_tflops_per_worker")
-                            ),
-                            "memory_bytes": memory_bytes(device),
-                        }
-                    )
-                steps_done = step + 1
-                # fp16: a skipped or non-finite step is not saved as progress; a run of them stops the run
-                bad_step = fp16_watch.after_step(steps_done, mean_loss) if fp16_watch else False
-                if stop_now > 0:
-                    save(steps_done)
-                    raise KeyboardInterrupt
-                if eval_batches and args.eval_every and steps_done % args.eval_every == 0 and steps_done < stop_step:
-                    run_eval(steps_done)
-                if (
-                    args.save
-                    and args.save_every
-                    and steps_done % args.save_every == 0
-                    and steps_done < stop_step
-                    and not bad_step
-                ):
-                    save(steps_done)
-            if eval_batches and steps_done > start_step:
-                run_eval(steps_done)
-            if args.save and steps_done > start_step:
-                save(steps_done)
+            for step in range(run.start_step, run.stop_step):
+                stop_now, mean_loss = _step(run, step)
+                run.steps_done = step + 1
+                _after_step(run, stop_now, mean_loss)
+            if run.eval_batches and run.steps_done > run.start_step:
+                _evaluate(run, run.steps_done)
+            if run.args.save and run.steps_done > run.start_step:
+                _save(run, run.steps_done)
     except elixir_tune.NonFiniteError as error:  # fp32/bf16: a NaN/inf step; every save refuses after it
         if reporter:
             reporter.write(status="non-finite")
@@ -334,17 +414,17 @@ def train(
     except KeyboardInterrupt:
         if reporter:
             reporter.write(status="interrupted")
-            reporter.say(f"interrupted after step {steps_done}; log so far: {reporter.log_path}")
+            reporter.say(f"interrupted after step {run.steps_done}; log so far: {reporter.log_path}")
             reporter.say_prediction()
-            if args.save and (Path(args.save) / LATEST_NAME).exists():
-                reporter.say(f"continue with --resume {args.save} (same --steps, --seed and --lr)")
+            if run.args.save and (Path(run.args.save) / LATEST_NAME).exists():
+                reporter.say(f"continue with --resume {run.args.save} (same --steps, --seed and --lr)")
         return 130
     except CheckpointError as error:  # a refused save (non-finite weights, disk full): the old ones stay
         if reporter:
             reporter.write(status="failed")
-        return fail_once(str(error), rank)
+        return fail_once(str(error), run.rank)
     except RuntimeError as error:
-        lost = lost_peer_line(error, rank, steps_done + 1)
+        lost = lost_peer_line(error, run.rank, run.steps_done + 1)
         if lost is None:
             raise
         # Another worker died (killed, crashed): this rank's collective failed because of it. One line instead of
@@ -354,16 +434,20 @@ def train(
         print(f"error: {lost}", file=sys.stderr, flush=True)
         return 1
     if reporter:
-        reporter.write(status="finished")
-        summary = reporter.record.get("summary", {})
-        if summary:
-            reporter.say(
-                f"[bold green]done[/]: loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over "
-                f"{summary['steps_done']} steps, {summary['mean_tokens_per_s']:,.0f} tokens/s learned "
-                f"({summary['mean_computed_tokens_per_s']:,.0f} computed), "
-                f"{summary['mean_step_time_s'] * 1000:.1f} ms/step"
-                + (f"; best eval loss {summary['best_eval_loss']:.4f}" if "best_eval_loss" in summary else "")
-                + (f"; log: {reporter.log_path}" if reporter.log_path else "")
-            )
-        reporter.say_prediction()
+        _say_done(reporter)
     return 0
+
+
+def _say_done(reporter: Reporter) -> None:
+    reporter.write(status="finished")
+    summary = reporter.record.get("summary", {})
+    if summary:
+        reporter.say(
+            f"[bold green]done[/]: loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over "
+            f"{summary['steps_done']} steps, {summary['mean_tokens_per_s']:,.0f} tokens/s learned "
+            f"({summary['mean_computed_tokens_per_s']:,.0f} computed), "
+            f"{summary['mean_step_time_s'] * 1000:.1f} ms/step"
+            + (f"; best eval loss {summary['best_eval_loss']:.4f}" if "best_eval_loss" in summary else "")
+            + (f"; log: {reporter.log_path}" if reporter.log_path else "")
+        )
+    reporter.say_prediction()
