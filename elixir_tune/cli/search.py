@@ -309,6 +309,7 @@ def search_command(
             search_kwargs=search_kwargs,
             out_path=out_path,
             as_json=as_json,
+            write_plan=write_plan,
         )
         return
     if gpus is None:

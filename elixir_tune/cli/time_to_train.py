@@ -116,9 +116,12 @@ def run(
     search_kwargs: dict[str, Any],
     out_path: str,
     as_json: bool,
+    write_plan: Callable[..., tuple[str, str]],
 ) -> None:
-    """Plans the run, writes the chosen cluster's plan and prints the answer and the frontier."""
-    from elixir_tune.cli.search import write_plan
+    """Plans the run, writes the chosen cluster's plan and prints the answer and the frontier.
+
+    ``write_plan`` is ``cli/search.py``'s (passed in: this module is imported by it).
+    """
     from elixir_tune.search.time_to_train import time_to_train
 
     train_tokens = int(parse_tokens(train_tokens_text, "--train-tokens"))
