@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from elixir_tune import paths
@@ -84,93 +85,111 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+Rule = Callable[[str, object], "str | None"]  # (field, value) -> the problem, or None
+
+
+def _integer(minimum: int) -> Rule:
+    def check(name: str, value: object) -> str | None:
+        if not isinstance(value, int) or isinstance(value, bool):
+            return f"{name}: expected an integer, got {value!r}"
+        return f"{name}: must be positive, got {value}" if value < minimum else None
+
+    return check
+
+
+def _number(holds: Callable[[float], bool], expected: str) -> Rule:
+    def check(name: str, value: object) -> str | None:
+        good = _is_number(value) and holds(value)  # type: ignore[arg-type]
+        return None if good else f"{name}: expected {expected}, got {value!r}"
+
+    return check
+
+
+def _boolean(name: str, value: object) -> str | None:
+    return None if isinstance(value, bool) else f"{name}: expected true or false, got {value!r}"
+
+
+_POSITIVE = _number(lambda v: v > 0, "a positive number")
+# Each scalar field's rule. Types first: a YAML ``1e9`` without a dot reads as a string.
+_FIELD_RULES: dict[str, Rule] = {
+    **dict.fromkeys(
+        ("gpus_per_node", "gpu_memory_bytes", "usable_memory_bytes", "host_memory_bytes", "host_cores"), _integer(1)
+    ),
+    "allocator_overhead_bytes": _integer(0),
+    **dict.fromkeys(_POSITIVE_RATES, _POSITIVE),
+    **dict.fromkeys(
+        (
+            "copy_latency_s",
+            "collective_latency_s",
+            "block_call_overhead_s",
+            "tensor2_block_fixed_s",
+            "pipeline_stage_microbatch_s",
+            "dropout_attention_s_per_score",
+        ),
+        _number(lambda v: 0 <= v < 1, "seconds in [0, 1)"),
+    ),
+    **dict.fromkeys(
+        ("tensor2_block_extra_ratio", "pipeline_microbatch_extra_ratio"),
+        _number(lambda v: 0 <= v < 100, "a ratio in [0, 100) (0: not measured)"),
+    ),
+    "cpu_adam_node_elems_per_s": _number(lambda v: v >= 0, "a number >= 0 (0: derived)"),
+    **dict.fromkeys(("shared_host_link", "rate_fused_attention"), _boolean),
+    **dict.fromkeys(
+        ("pointwise_gbps", "rate_pointwise_elems"), _number(lambda v: v >= 0, "a number >= 0 (0: not known)")
+    ),
+}
+# Per-dtype mappings (optional, empty by default): each value's rule.
+_PER_DTYPE_RULES: dict[str, Rule] = {
+    "matmul_peak_tflops": _POSITIVE,
+    "model_tflops": _POSITIVE,
+    "attention_tflops": _POSITIVE,
+    "best_mfu": _number(lambda v: 0 < v <= 1, "a fraction in (0, 1]"),
+}
+
+
 def spec_problems(spec: HardwareSpec) -> list[str]:
     """Every way ``spec`` is not a usable description of a node (empty list when it is).
 
-    Checks types (a YAML ``1e9`` without a dot reads as a string), signs and the obvious
-    relations (usable <= total memory); magnitudes are the tests' business, not the loader's.
+    Checks types, signs and ranges field by field (``_FIELD_RULES``, ``_PER_DTYPE_RULES``) and the
+    relations between fields (usable <= total memory, curves); magnitudes are the tests' business,
+    not the loader's.
     """
-    problems = []
-    if spec.device not in DEVICES:
-        problems.append(f"device: {spec.device!r} is not one of {', '.join(DEVICES)}")
-    for name in (
-        "gpus_per_node",
-        "gpu_memory_bytes",
-        "usable_memory_bytes",
-        "host_memory_bytes",
-        "host_cores",
-        "allocator_overhead_bytes",
-    ):
-        value = getattr(spec, name)
-        if not isinstance(value, int) or isinstance(value, bool):
-            problems.append(f"{name}: expected an integer, got {value!r}")
-        elif value < (0 if name == "allocator_overhead_bytes" else 1):
-            problems.append(f"{name}: must be positive, got {value}")
+    problems: list[str | None] = [
+        None if spec.device in DEVICES else f"device: {spec.device!r} is not one of {', '.join(DEVICES)}"
+    ]
+    for name, rule in _FIELD_RULES.items():
+        problems.append(rule(name, getattr(spec, name)))
+    for name, rule in _PER_DTYPE_RULES.items():
+        problems += [rule(f"{name}.{dtype}", value) for dtype, value in (getattr(spec, name) or {}).items()]
     if (
         isinstance(spec.usable_memory_bytes, int)
         and isinstance(spec.gpu_memory_bytes, int)
         and spec.usable_memory_bytes > spec.gpu_memory_bytes
     ):
         problems.append("usable_memory_bytes: larger than gpu_memory_bytes")
+    problems += [*_matmul_problems(spec), *_mapping_problems(spec)]
+    return [found for found in problems if found]
+
+
+def _matmul_problems(spec: HardwareSpec) -> list[str]:
     if not isinstance(spec.matmul_tflops, dict) or "fp32" not in spec.matmul_tflops:
-        problems.append("matmul_tflops: expected a mapping with at least fp32")
-    else:
-        for dtype, value in spec.matmul_tflops.items():
-            if not _is_number(value) or value <= 0:
-                problems.append(f"matmul_tflops.{dtype}: expected a positive number, got {value!r}")
-    for name in _POSITIVE_RATES:
-        value = getattr(spec, name)
-        if not _is_number(value) or value <= 0:
-            problems.append(f"{name}: expected a positive number, got {value!r}")
-    for name in (
-        "copy_latency_s",
-        "collective_latency_s",
-        "block_call_overhead_s",
-        "tensor2_block_fixed_s",
-        "pipeline_stage_microbatch_s",
-        "dropout_attention_s_per_score",
-    ):
-        value = getattr(spec, name)
-        if not _is_number(value) or not 0 <= value < 1:
-            problems.append(f"{name}: expected seconds in [0, 1), got {value!r}")
+        return ["matmul_tflops: expected a mapping with at least fp32"]
+    return [p for dtype, value in spec.matmul_tflops.items() if (p := _POSITIVE(f"matmul_tflops.{dtype}", value))]
+
+
+def _mapping_problems(spec: HardwareSpec) -> list[str]:
+    """The sources and the curves: keys that must be hardware fields, values of the right kind."""
+    problems = []
     fields = {f.name for f in dataclasses.fields(HardwareSpec)}
     if not isinstance(spec.sources, dict):
         problems.append("sources: expected a mapping of field name -> source")
     else:
         problems += [f"sources.{key}: not a hardware field" for key in spec.sources if key not in fields]
-    for dtype, value in (spec.matmul_peak_tflops or {}).items():
-        if not _is_number(value) or value <= 0:
-            problems.append(f"matmul_peak_tflops.{dtype}: expected a positive number, got {value!r}")
-    for name in ("tensor2_block_extra_ratio", "pipeline_microbatch_extra_ratio"):
-        value = getattr(spec, name)
-        if not _is_number(value) or not 0 <= value < 100:
-            problems.append(f"{name}: expected a ratio in [0, 100) (0: not measured), got {value!r}")
-    node_adam = spec.cpu_adam_node_elems_per_s
-    if not _is_number(node_adam) or node_adam < 0:
-        problems.append(f"cpu_adam_node_elems_per_s: expected a number >= 0 (0: derived), got {node_adam!r}")
-    for name in ("shared_host_link", "rate_fused_attention"):
-        if not isinstance(getattr(spec, name), bool):
-            problems.append(f"{name}: expected true or false, got {getattr(spec, name)!r}")
-    for name in ("pointwise_gbps", "rate_pointwise_elems"):
-        value = getattr(spec, name)
-        if not _is_number(value) or value < 0:
-            problems.append(f"{name}: expected a number >= 0 (0: not known), got {value!r}")
-    for dtype, value in (spec.model_tflops or {}).items():
-        if not _is_number(value) or value <= 0:
-            problems.append(f"model_tflops.{dtype}: expected a positive number, got {value!r}")
-    for dtype, value in (spec.attention_tflops or {}).items():
-        if not _is_number(value) or value <= 0:
-            problems.append(f"attention_tflops.{dtype}: expected a positive number, got {value!r}")
-    for dtype, value in (spec.best_mfu or {}).items():
-        if not _is_number(value) or not 0 < value <= 1:
-            problems.append(f"best_mfu.{dtype}: expected a fraction in (0, 1], got {value!r}")
     for dtype, curve in (spec.block_tflops_curves or {}).items():
         if (
             not isinstance(curve, dict)
             or not curve
-            or not all(
-                _is_number(flops) and flops > 0 and _is_number(tflops) and tflops > 0 for flops, tflops in curve.items()
-            )
+            or not all(_is_number(f) and f > 0 and _is_number(t) and t > 0 for f, t in curve.items())
         ):
             problems.append(f"block_tflops_curves.{dtype}: expected {{block parameters: positive TFLOP/s}}")
     for curve_name, curve in (spec.bandwidth_curves or {}).items():
