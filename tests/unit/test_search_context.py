@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from elixir_tune.costmodel.context import ulysses_all_to_all_s
+from elixir_tune.costmodel.context import EXCHANGE_COPIES, ulysses_all_to_all_s
 from elixir_tune.costmodel.model import CostModel
 from elixir_tune.costmodel.parallel import DATA_ONLY, Layout
 from elixir_tune.costmodel.shape import Shape
@@ -35,11 +35,12 @@ def test_a_context_rank_holds_the_activations_of_half_its_groups_samples(profile
     context = CostModel(profile, hardware, 2, layout=Layout(context=2))
     data = CostModel(profile, hardware, 2, layout=DATA_ONLY)
     assert context.data_size == data.data_size == 2  # chunks shard over data x context
-    # Two samples split over a context group of 2 cost each rank what one sample costs a data rank.
-    assert context.memory(_shape(2)).activation_bytes == pytest.approx(
-        data.memory(_shape(1)).activation_bytes, rel=1e-3
-    )
-    assert context.memory(_shape(2)).activation_bytes < data.memory(_shape(2)).activation_bytes * 0.51
+    # Two samples split over a context group of 2 cost each rank what one sample costs a data rank, plus
+    # the exchange's buffers: 3 copies of q, k, v and the output (4 x h per token) of its 1024 tokens.
+    exchange_bytes = 2 * EXCHANGE_COPIES * (SEQ // 2) * 256 * 4 * 2  # 2 samples, bf16
+    one_sample = data.memory(_shape(1)).activation_bytes
+    assert context.memory(_shape(2)).activation_bytes == pytest.approx(one_sample + exchange_bytes, rel=1e-3)
+    assert context.memory(_shape(2)).activation_bytes < data.memory(_shape(2)).activation_bytes * 0.6
     breakdown = context.step_time(_shape(2)).breakdown
     assert breakdown["context_comm_s"] > 0
     assert "context_comm_s" not in data.step_time(_shape(1)).breakdown
