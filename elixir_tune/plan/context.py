@@ -31,7 +31,9 @@ _LIMIT_REASONS = {
 
 # Families whose attention the engine's Ulysses exchange has been checked on (equal to plain
 # PyTorch at world 2, fp32). Another family may work but is refused until a test says so.
-CONTEXT_MODEL_TYPES = frozenset({"llama", "gpt2"})
+CONTEXT_MODEL_TYPES = frozenset(
+    {"llama", "gpt2", "qwen2", "qwen3", "phi3", "granite", "olmo2", "qwen3_moe", "gemma2", "mixtral"}
+)
 
 
 def context_degree(parallel: Any) -> int:

@@ -4,7 +4,7 @@ PyTorch on the whole global batch.
 
 Run by ``engine_launch.py`` (gloo, CPU). Each case is a dict:
 
-    model: gpt2 | llama        attn: sdpa | eager        context: C (the world is data x C)
+    model: gpt2 | llama | zoo:NAME (tests/zoo/models.py)    attn: sdpa | eager    context: C (world: data x C)
     loop: plain (``model(**batch)``, ``optimizer.backward``) | forward_backward
     accum: micro-batches per step    padded: right-padded rows (attention_mask 0, labels -100)
     checkpoint: every k-th block recomputed     offload: share of chunks on the host
@@ -28,7 +28,12 @@ BLOCK_LISTS = {"gpt2": "transformer.h", "llama": "model.layers"}
 
 
 def build(case: dict):
-    model = tiny_gpt2() if case["model"] == "gpt2" else tiny_llama_gqa()
+    if case["model"].startswith("zoo:"):
+        from tests.zoo.models import build as build_zoo
+
+        model = build_zoo(case["model"].removeprefix("zoo:"))
+    else:
+        model = tiny_gpt2() if case["model"] == "gpt2" else tiny_llama_gqa()
     model.config._attn_implementation = case.get("attn", "sdpa")
     opt = torch.optim.AdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95), eps=1e-6, foreach=False)
     return model, opt
@@ -54,10 +59,10 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
     plan = make_plan(
         model,
         world,
-        4096,
+        case.get("chunk_size", 4096),
         cache=case.get("cache", "all"),
         offload=case.get("offload", 0.0),
-        block_list=BLOCK_LISTS[case["model"]],
+        block_list=BLOCK_LISTS.get(case["model"], "model.layers"),
         micro_batch_size=MICRO,
         grad_accum_steps=accum,
         seq_len=SEQ,

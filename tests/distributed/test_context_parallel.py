@@ -4,7 +4,8 @@ gloo, CPU, real transformers GPT-2 and Llama (grouped-query attention: 4 heads, 
 Context 2 at world 2 (every rank holds 8 of each sample's 16 tokens; attention exchanges heads by
 all-to-all), and data 2 x context 2 at world 4: sdpa and eager attention, the plain loop and
 ``forward_backward``, right-padded rows (attention_mask 0, labels -100: every rank and micro-batch
-counts different tokens), recomputed blocks and offloaded chunks. fp32: step losses 1e-5 relative,
+counts different tokens), recomputed blocks and offloaded chunks; and the zoo's Qwen2, Qwen3, Phi-3,
+Granite, OLMo2, Gemma2 (sliding window, soft-capping) and two mixtures of experts at world 2. fp32: step losses 1e-5 relative,
 final weights 1e-5 absolute after 4 AdamW steps (eps 1e-6, as the other engine tests). A script that
 feeds the ranks of a context group different rows is stopped at the first forward.
 
@@ -30,6 +31,22 @@ WORLD2 = [
     dict(model="llama", attn="eager", context=2, loop="plain", padded=True),
     dict(model="gpt2", attn="eager", context=2, loop="forward_backward", accum=2, padded=True, checkpoint=1),
 ]
+# The zoo's other families at world 2 (hidden 32, 4 heads, 2 key/value heads): Gemma2 with its sliding
+# window of 4 (shorter than the 16 tokens) and soft-capping (eager: transformers' sdpa refuses soft-capping),
+# two mixtures of experts (fused experts, no expert parallelism), offload on one.
+FAMILIES = [
+    dict(model="zoo:qwen2", context=2, loop="plain", padded=True),
+    dict(model="zoo:qwen3", context=2, loop="forward_backward", accum=2, padded=True),
+    dict(model="zoo:phi3", context=2, loop="plain", padded=True),
+    dict(model="zoo:granite", context=2, loop="plain"),
+    dict(model="zoo:olmo2", context=2, loop="plain", padded=True),
+    dict(model="zoo:gemma2", attn="eager", context=2, loop="plain", padded=True),
+    dict(model="zoo:qwen3_moe", context=2, loop="plain", padded=True, chunk_size=8192),
+    dict(
+        model="zoo:mixtral", context=2, loop="forward_backward", accum=2, padded=True, chunk_size=16384,
+        offload=0.5, cache="min",
+    ),
+]  # fmt: skip
 # Last, as it leaves its model mid-forward: ranks fed by RANK instead of data_rank().
 SLICED_BY_RANK = dict(model="llama", attn="sdpa", context=2, slice_by_rank=True)
 WORLD4 = [
@@ -61,6 +78,16 @@ def world2():
 @pytest.mark.parametrize("index", range(len(WORLD2)), ids=[str(c) for c in WORLD2])
 def test_context2_world2_matches_torch(world2, index):
     check(world2, index, data=1)
+
+
+@pytest.fixture(scope="module")
+def families():
+    return launch("context_parallel_worker.py", FAMILIES, 2, timeout_s=400)
+
+
+@pytest.mark.parametrize("index", range(len(FAMILIES)), ids=[c["model"] for c in FAMILIES])
+def test_context2_families_match_torch(families, index):
+    check(families, index, data=1)
 
 
 def test_data2_context2_world4_matches_torch():

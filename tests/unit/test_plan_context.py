@@ -47,7 +47,7 @@ def test_plans_without_context_are_written_as_before():
         (lambda raw: raw["parallel"]["context"].update(mode="ring"), "mode ring (ring attention is not written yet"),
         (lambda raw: raw["parallel"].update(tensor={"degree": 2}), "with tensor parallelism"),
         (lambda raw: raw["model"].update(num_kv_heads=3), "does not divide model.num_kv_heads 3"),
-        (lambda raw: raw["model"].update(model_type="qwen2"), "not model_type 'qwen2'"),
+        (lambda raw: raw["model"].update(model_type="opt"), "not model_type 'opt'"),
         (lambda raw: raw["training"].update(seq_len=9), "training.seq_len: 9 is not a multiple of 2"),
         (lambda raw: raw["memory"].update(chunk_size=65538), "the data-parallel size 2 x context degree 2"),
         (lambda raw: raw["training"].update(accumulation="layered", loop="forward_backward"), "layered accumulation"),

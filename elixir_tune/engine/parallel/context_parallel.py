@@ -50,11 +50,20 @@ class _Exchange:
         self.inner = inner
         self.padding = padding  # (batch, seq) 1 where a token is real, or None: no padding
 
-    def _mask(self, length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-        """The additive mask of the whole sequence, or None where sdpa's causal flag is exact."""
-        if self.padding is None and self.inner == "sdpa":
+    def _mask(
+        self, length: int, dtype: torch.dtype, device: torch.device, window: int | None = None
+    ) -> torch.Tensor | None:
+        """The additive mask of the whole sequence, or None where sdpa's causal flag is exact.
+
+        ``window``: a sliding-window layer's span (Gemma2, Mistral): key j is seen from query i when
+        i - window < j <= i, as transformers' ``sliding_window_overlay`` says.
+        """
+        if self.padding is None and self.inner == "sdpa" and window is None:
             return None
-        allowed = torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
+        allowed = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+        if window is not None:
+            allowed = allowed.triu(1 - window)
+        allowed = allowed[None, None]
         if self.padding is not None:
             allowed = allowed & self.padding.to(device=device, dtype=torch.bool)[:, None, None, :]
         # An additive mask, not a boolean one: a row with no allowed key (a padded query under left
@@ -63,7 +72,7 @@ class _Exchange:
 
     def attend(self, module: torch.nn.Module, query, key, value, kwargs: dict) -> tuple[torch.Tensor, None]:
         query, key, value = (sequence_to_heads(self.comm, states) for states in (query, key, value))
-        mask = self._mask(query.shape[2], query.dtype, query.device)
+        mask = self._mask(query.shape[2], query.dtype, query.device, kwargs.get("sliding_window"))
         output, _ = _inner_function(module, self.inner)(module, query, key, value, mask, **kwargs)
         return heads_to_sequence(self.comm, output), None
 
