@@ -175,7 +175,7 @@ def setup(
         from elixir_tune.engine.comm.context import context_group
         from elixir_tune.engine.parallel.context_parallel import install as install_context
 
-        install_context(model, context_group(mesh.world, parallel.context.degree))
+        install_context(model, context_group(mesh.world, parallel.context.degree), parallel.context.mode)
     source = make_source(model, weights, seed, tensor_parallel)
     experts = None
     if parallel.expert.degree > 1:

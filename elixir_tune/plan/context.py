@@ -1,7 +1,7 @@
 """Context parallelism's rules (``parallel.context``), shared by ``validate``, the search and the engine.
 
-What this version runs (``CONTEXT_PARALLEL_RUNS_WITH``): Ulysses (all-to-all over heads) on a
-data x context world, with standard accumulation, the attention implementations ``sdpa`` and
+What this version runs (``CONTEXT_PARALLEL_RUNS_WITH``): Ulysses (all-to-all over heads) or the
+all-gather form (load-balanced causal split, every rank's K/V gathered) on a data x context world, with standard accumulation, the attention implementations ``sdpa`` and
 ``eager``, and the families in ``CONTEXT_MODEL_TYPES`` (the ones whose forward passes its keyword
 arguments down to the attention function and whose loss is the plain shifted cross-entropy). Ring
 attention and the composition with pipeline, tensor and expert parallelism are refused with the
@@ -78,7 +78,8 @@ def context_problems(parallel: dict, model: dict, training: dict) -> list[str]:
             f"{path}, but the engine's context parallelism is checked on {', '.join(sorted(CONTEXT_MODEL_TYPES))} "
             f"only, not model_type {model_type or '(unknown)'!r}; set the context degree to 1"
         )
-    if not asked["ring"]:
+    mode = context.get("mode", "ulysses")
+    if mode == "ulysses":
         for key in ("num_heads", "num_kv_heads"):
             heads = model.get(key, 0)
             if isinstance(heads, int) and heads and heads % degree:
@@ -87,8 +88,8 @@ def context_problems(parallel: dict, model: dict, training: dict) -> list[str]:
                     "attention heads of the full sequence"
                 )
     seq_len = training.get("seq_len")
-    # Ulysses needs C equal shards; the ring's load-balanced causal split needs 2C (chunks i and 2C-1-i).
-    parts = 2 * degree if asked["ring"] else degree
+    # Ulysses needs C equal shards; the load-balanced causal split needs 2C (chunks i and 2C-1-i).
+    parts = degree if mode == "ulysses" else 2 * degree
     if isinstance(seq_len, int) and seq_len % parts:
         problems.append(
             f"training.seq_len: {seq_len} is not a multiple of {parts}; context parallelism gives each of the "

@@ -43,8 +43,9 @@ PipelineAssignment = Literal["modular", "contiguous"]
 PipelineSchedule = Literal["looped_bfs", "interleaved_1f1b", "gpipe", "1f1b"]
 # Tensor parallelism: Megatron's 1D (column/row-parallel linears) or Optimus's 2D (q x q grid).
 TensorMode = Literal["1d", "2d"]
-# How a context group exchanges keys and values: all-to-all over heads, or K/V passed around a ring.
-ContextMode = Literal["ulysses", "ring"]
+# How a context group exchanges keys and values: all-to-all over heads, K/V passed around a ring, or
+# K/V all-gathered whole (Llama 3's form; load-balanced causal split like the ring).
+ContextMode = Literal["ulysses", "ring", "allgather"]
 # Keys of Prediction.model_state_bytes; the engine reports the same keys (Engine.memory_report).
 #   cache_bytes:        cache_blocks gathered chunks, chunk_size elements each, compute dtype (device)
 #   resident_bytes:     resident chunks, always gathered, chunk_size elements each, compute dtype (device)
@@ -260,8 +261,9 @@ class ContextParallel:
         degree: context degree C (1: none). The ranks of a context group are fed the same
             micro-batches, compute different tokens with the same weights, and exchange keys and
             values inside attention; the chunks are sharded over data x context.
-        mode: ``ulysses`` (all-to-all over heads before and after attention; C divides the heads)
-            or ``ring`` (K/V passed around the ring; not run by this version's engine).
+        mode: ``ulysses`` (all-to-all over heads before and after attention; C divides the heads),
+            ``allgather`` (each rank holds chunks i and 2C - 1 - i of 2C and gathers every rank's keys
+            and values; any head count) or ``ring`` (K/V passed around the ring; not run yet).
     """
 
     degree: PositiveInt = 1

@@ -68,7 +68,7 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
         seq_len=SEQ,
         checkpoint_every=case.get("checkpoint", 0),
     )
-    plan.parallel.context = ContextParallel(degree=degree, mode="ulysses")
+    plan.parallel.context = ContextParallel(degree=degree, mode=case.get("mode", "ulysses"))
     plan.training.global_batch_size = MICRO * accum * (world // degree)
     assert not validate(plan), validate(plan)
     model, opt = elixir_tune.setup(model, opt, plan=plan)

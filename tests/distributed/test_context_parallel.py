@@ -1,13 +1,15 @@
-"""Context parallelism (``parallel.context``, Ulysses) against plain PyTorch on the whole sequence:
-gloo, CPU, real transformers GPT-2 and Llama (grouped-query attention: 4 heads, 2 key/value heads).
+"""Context parallelism (``parallel.context``) against plain PyTorch on the whole sequence: gloo, CPU,
+real transformers GPT-2 and Llama (grouped-query attention: 4 heads, 2 key/value heads).
 
-Context 2 at world 2 (every rank holds 8 of each sample's 16 tokens; attention exchanges heads by
-all-to-all), and data 2 x context 2 at world 4: sdpa and eager attention, the plain loop and
-``forward_backward``, right-padded rows (attention_mask 0, labels -100: every rank and micro-batch
-counts different tokens), recomputed blocks and offloaded chunks; and the zoo's Qwen2, Qwen3, Phi-3,
-Granite, OLMo2, Gemma2 (sliding window, soft-capping) and two mixtures of experts at world 2. fp32: step losses 1e-5 relative,
-final weights 1e-5 absolute after 4 AdamW steps (eps 1e-6, as the other engine tests). A script that
-feeds the ranks of a context group different rows is stopped at the first forward.
+Ulysses (all-to-all over heads; each rank holds a contiguous half of every sample's 16 tokens) and the
+all-gather form (chunks i and 2C - 1 - i of 2C per rank; every rank's keys and values gathered) at
+context 2, world 2; at world 4 data 2 x context 2 and, all-gather only, context 4 over 2 key/value heads.
+sdpa and eager attention, the plain loop and ``forward_backward``, right-padded rows (attention_mask
+0, labels -100: every rank and micro-batch counts different tokens), recomputed blocks, offloaded
+chunks; and the zoo's Qwen2, Qwen3, Phi-3, Granite, OLMo2, Gemma2 (sliding window, soft-capping) and
+two mixtures of experts at world 2. fp32: step losses 1e-5 relative, final weights 1e-5 absolute
+after 4 AdamW steps (eps 1e-6, as the other engine tests). A script that feeds the ranks of a
+context group different rows is stopped at the first forward.
 
 Memory: plans searched with ``--fix context=2`` for Llama and GPT-2 tiny (seq 64), with and without
 recomputation; rank 0's measured peak (``memory_probe``) lies within 0.85-1.0x of the plan's promise,
@@ -30,6 +32,10 @@ WORLD2 = [
     dict(model="gpt2", attn="sdpa", context=2, loop="plain", padded=True, offload=0.5, cache="min"),
     dict(model="llama", attn="eager", context=2, loop="plain", padded=True),
     dict(model="gpt2", attn="eager", context=2, loop="forward_backward", accum=2, padded=True, checkpoint=1),
+    # The all-gather form: chunks i and 3 - i of 4 per rank, every rank's keys and values gathered.
+    dict(model="llama", attn="sdpa", context=2, loop="plain", padded=True, mode="allgather"),
+    dict(model="gpt2", attn="eager", context=2, loop="forward_backward", accum=2, checkpoint=1, mode="allgather"),
+    dict(model="zoo:gemma2", attn="eager", context=2, loop="plain", padded=True, mode="allgather"),
 ]
 # The zoo's other families at world 2 (hidden 32, 4 heads, 2 key/value heads): Gemma2 with its sliding
 # window of 4 (shorter than the 16 tokens) and soft-capping (eager: transformers' sdpa refuses soft-capping),
@@ -54,17 +60,24 @@ WORLD4 = [
         model="llama", attn="sdpa", context=2, loop="forward_backward", accum=2, padded=True, offload=0.5, cache="min"
     ),
     dict(model="gpt2", attn="eager", context=2, loop="plain"),
-]
+    # Context 4 over Llama's 2 key/value heads (Ulysses needs C to divide them; the all-gather form does not).
+    dict(model="llama", attn="sdpa", context=4, loop="plain", padded=True, mode="allgather"),
+    dict(
+        model="zoo:qwen3", context=2, loop="forward_backward", accum=2, padded=True, mode="allgather", offload=0.5,
+        cache="min",
+    ),
+]  # fmt: skip
 
 
-def check(per_rank: list[list[dict]], index: int, data: int) -> None:
+def check(per_rank: list[list[dict]], index: int) -> None:
     results = [rank_results[index] for rank_results in per_rank]
+    context = results[0]["case"]["context"]
     for rank, result in enumerate(results):
         assert result["ok"], f"rank {rank}: {result.get('error')}\n{result.get('trace')}"
         # rank = data_index x C + context_index: a context group shares its data index.
-        assert (result["data"], result["data_rank"]) == (data, rank // 2), rank
+        assert (result["data"], result["data_rank"]) == (len(results) // context, rank // context), rank
         if result["case"]["loop"] == "plain":
-            assert result["logits_len"] == 8, rank  # each rank's logits cover its half of the sequence
+            assert result["logits_len"] == 16 // context, rank  # each rank's logits cover its share of the sequence
     first = results[0]
     assert first["loss_rel"] <= FP32_LOSS_REL, (first["case"], first["loss_rel"])
     assert first["weight_abs"] <= FP32_WEIGHT_ABS, (first["case"], first["weight_abs"])
@@ -77,7 +90,7 @@ def world2():
 
 @pytest.mark.parametrize("index", range(len(WORLD2)), ids=[str(c) for c in WORLD2])
 def test_context2_world2_matches_torch(world2, index):
-    check(world2, index, data=1)
+    check(world2, index)
 
 
 @pytest.fixture(scope="module")
@@ -87,13 +100,13 @@ def families():
 
 @pytest.mark.parametrize("index", range(len(FAMILIES)), ids=[c["model"] for c in FAMILIES])
 def test_context2_families_match_torch(families, index):
-    check(families, index, data=1)
+    check(families, index)
 
 
-def test_data2_context2_world4_matches_torch():
+def test_world4_matches_torch():
     per_rank = launch("context_parallel_worker.py", WORLD4, 4, timeout_s=400)
     for index in range(len(WORLD4)):
-        check(per_rank, index, data=2)
+        check(per_rank, index)
 
 
 def test_ranks_of_a_context_group_fed_different_rows_are_stopped(world2):

@@ -65,3 +65,13 @@ def test_context_degree_must_divide_the_world():
     assert any(
         "context degree 3" in problem and "does not divide the world size 4" in problem for problem in validate(raw)
     )
+
+
+def test_the_all_gather_form_takes_any_head_count_and_needs_2c_chunks():
+    raw = _context_plan()
+    raw["parallel"]["context"]["mode"] = "allgather"
+    raw["model"].update(num_heads=4, num_kv_heads=1)
+    assert validate(raw) == []
+    raw["training"]["seq_len"] = 6  # two ranks' shares, but not four chunks
+    problems = validate(raw)
+    assert any("training.seq_len: 6 is not a multiple of 4" in problem for problem in problems), problems

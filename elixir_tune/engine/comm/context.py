@@ -79,3 +79,41 @@ def sum_over(comm: Comm, value: torch.Tensor) -> torch.Tensor:
     total = value.detach().clone()
     comm.all_reduce_sum(total)
     return total
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Every rank's shard concatenated in rank order; backward sums each shard's gradient over the
+    ranks (every rank's queries read every key) and returns this rank's part."""
+
+    @staticmethod
+    def forward(ctx, shard, comm):
+        ctx.comm = comm
+        # Flat buffers: gloo's list fallback of Comm's gathers splits the output along its first dimension.
+        gathered = shard.new_empty(comm.world_size * shard.numel())
+        comm.all_gather_into_tensor(gathered, shard.reshape(-1), async_op=False).wait()
+        return gathered.view(comm.world_size, *shard.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        comm = ctx.comm
+        part = grad.new_empty(grad[0].shape)
+        # A copy: the gloo fallback reduces its input in place, and autograd may still hold the gradient.
+        comm.reduce_scatter_tensor(part.view(-1), grad.reshape(-1).clone(), async_op=False).wait()
+        return part, None
+
+
+def gather_sequence(comm: Comm, states: torch.Tensor) -> torch.Tensor:
+    """The all-gather exchange (Llama 3's context parallelism): every rank's keys or values, whole
+    (differentiable: the gradient is reduce-scattered back to the shards' owners).
+
+    Args:
+        comm: the context group.
+        states: (batch, heads, local_len, head_dim), this rank's tokens.
+
+    Returns:
+        (batch, heads, C x local_len, head_dim): the ranks' tokens in rank order (each rank's in its
+        own order; the caller knows which positions they are).
+    """
+    gathered = _GatherSequence.apply(states, comm)  # (C, batch, heads, local_len, head_dim)
+    size, batch, heads, length, dim = gathered.shape
+    return gathered.permute(1, 2, 0, 3, 4).reshape(batch, heads, size * length, dim)

@@ -31,49 +31,72 @@ import torch
 import torch.nn.functional as F
 
 from elixir_tune.engine.comm import Comm, gather_objects
-from elixir_tune.engine.comm.context import heads_to_sequence, sequence_to_heads, sum_over
+from elixir_tune.engine.comm.context import gather_sequence, heads_to_sequence, sequence_to_heads, sum_over
 from elixir_tune.engine.contract import input_fingerprint
 from elixir_tune.errors import ContractError
 
-ATTENTION_NAME = "elixir_context_ulysses"  # the name registered with transformers' AttentionInterface
+ATTENTION_NAME = "elixir_context"  # the name registered with transformers' AttentionInterface
 EXCHANGE_KWARG = "elixir_context_exchange"  # the keyword the model passes down to the attention function
 IGNORE_INDEX = -100
 _INNER = ("sdpa", "eager")  # the attention implementations that run between the exchanges
 _SHARDED_INPUTS = ("input_ids", "inputs_embeds", "token_type_ids")
 
 
-class _Exchange:
-    """One forward's attention exchange: the group, the inner implementation and the full padding mask."""
+def balanced_tokens(length: int, size: int, rank: int) -> torch.Tensor:
+    """The tokens of context rank ``rank`` under the load-balanced causal split: chunks ``rank`` and
+    ``2C - 1 - rank`` of 2C, so every rank has as many early (cheap) as late (costly) queries."""
+    chunk = length // (2 * size)
+    first, second = rank * chunk, (2 * size - 1 - rank) * chunk
+    return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
 
-    def __init__(self, comm: Comm, inner: str, padding: torch.Tensor | None):
+
+class _Exchange:
+    """One forward's attention exchange: the group, the mode, the inner implementation, the full
+    padding mask and (all-gather mode) which tokens each rank holds."""
+
+    def __init__(self, comm: Comm, mode: str, inner: str, padding: torch.Tensor | None, length: int):
         self.comm = comm
+        self.mode = mode
         self.inner = inner
         self.padding = padding  # (batch, seq) 1 where a token is real, or None: no padding
+        self.length = length
 
     def _mask(
-        self, length: int, dtype: torch.dtype, device: torch.device, window: int | None = None
+        self, queries: torch.Tensor, keys: torch.Tensor, dtype: torch.dtype, window: int | None
     ) -> torch.Tensor | None:
-        """The additive mask of the whole sequence, or None where sdpa's causal flag is exact.
+        """The additive mask of queries at token positions ``queries`` over keys at ``keys``; None
+        where sdpa's causal flag is exact (the whole sequence in order, no padding, no window).
 
         ``window``: a sliding-window layer's span (Gemma2, Mistral): key j is seen from query i when
         i - window < j <= i, as transformers' ``sliding_window_overlay`` says.
         """
-        if self.padding is None and self.inner == "sdpa" and window is None:
+        whole = self.mode == "ulysses"
+        if whole and self.padding is None and self.inner == "sdpa" and window is None:
             return None
-        allowed = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+        allowed = keys[None, :] <= queries[:, None]
         if window is not None:
-            allowed = allowed.triu(1 - window)
+            allowed = allowed & (keys[None, :] > queries[:, None] - window)
         allowed = allowed[None, None]
         if self.padding is not None:
-            allowed = allowed & self.padding.to(device=device, dtype=torch.bool)[:, None, None, :]
+            allowed = allowed & self.padding.to(device=keys.device, dtype=torch.bool)[:, keys][:, None, None, :]
         # An additive mask, not a boolean one: a row with no allowed key (a padded query under left
         # padding) then attends uniformly instead of giving NaN; its label is -100 either way.
-        return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+        return torch.zeros(allowed.shape, dtype=dtype, device=keys.device).masked_fill(~allowed, torch.finfo(dtype).min)
 
     def attend(self, module: torch.nn.Module, query, key, value, kwargs: dict) -> tuple[torch.Tensor, None]:
+        inner = _inner_function(module, self.inner)
+        window = kwargs.get("sliding_window")
+        size, device = self.comm.world_size, query.device
+        if self.mode == "allgather":
+            # Every rank's keys and values, whole; this rank's queries only (its two chunks).
+            key, value = gather_sequence(self.comm, key), gather_sequence(self.comm, value)
+            keys = torch.cat([balanced_tokens(self.length, size, r) for r in range(size)]).to(device)
+            queries = balanced_tokens(self.length, size, self.comm.rank).to(device)
+            output, _ = inner(module, query, key, value, self._mask(queries, keys, query.dtype, window), **kwargs)
+            return output, None
         query, key, value = (sequence_to_heads(self.comm, states) for states in (query, key, value))
-        mask = self._mask(query.shape[2], query.dtype, query.device, kwargs.get("sliding_window"))
-        output, _ = _inner_function(module, self.inner)(module, query, key, value, mask, **kwargs)
+        positions = torch.arange(self.length, device=device)
+        output, _ = inner(module, query, key, value, self._mask(positions, positions, query.dtype, window), **kwargs)
         return heads_to_sequence(self.comm, output), None
 
 
@@ -86,7 +109,7 @@ def _inner_function(module: torch.nn.Module, name: str) -> Callable:
     return ALL_ATTENTION_FUNCTIONS[name]
 
 
-def ulysses_attention(module, query, key, value, attention_mask, **kwargs) -> tuple[torch.Tensor, None]:
+def context_attention(module, query, key, value, attention_mask, **kwargs) -> tuple[torch.Tensor, None]:
     """The attention function registered as ``ATTENTION_NAME`` (transformers' signature: states of
     shape (batch, heads, local_len, head_dim), output (batch, local_len, heads, head_dim)).
 
@@ -109,7 +132,7 @@ class ContextParallel:
         inner: the model's own attention implementation (``sdpa`` or ``eager``).
     """
 
-    def __init__(self, module: torch.nn.Module, comm: Comm):
+    def __init__(self, module: torch.nn.Module, comm: Comm, mode: str = "ulysses"):
         from transformers import AttentionInterface
 
         config: Any = module.config
@@ -122,9 +145,10 @@ class ContextParallel:
                 "load the model with attn_implementation='sdpa' or 'eager'"
             )
         self.comm = comm
+        self.mode = mode
         self._pending = threading.local()  # labels of the forwards in flight, per thread
         self._inputs_checked = False
-        AttentionInterface.register(ATTENTION_NAME, ulysses_attention)
+        AttentionInterface.register(ATTENTION_NAME, context_attention)
         config._attn_implementation = ATTENTION_NAME
         module.register_forward_pre_hook(self._shard_inputs, with_kwargs=True)
         module.register_forward_hook(self._shard_loss, with_kwargs=True)
@@ -163,12 +187,16 @@ class ContextParallel:
             raise ValueError("a context-parallel forward needs input_ids or inputs_embeds")
         batch, length = tokens.shape[:2]
         size, rank = self.comm.world_size, self.comm.rank
-        if length % size:
+        parts = 2 * size if self.mode == "allgather" else size
+        if length % parts:
             raise ValueError(
-                f"sequence length {length} is not a multiple of the context degree {size}: every rank of a context "
-                "group takes an equal share; pad the batch to a multiple (labels -100, attention_mask 0)"
+                f"sequence length {length} is not a multiple of {parts} (context degree {size}, mode {self.mode}): "
+                "every rank of a context group takes an equal share; pad the batch to a multiple (labels -100, "
+                "attention_mask 0)"
             )
-        shard = slice(rank * length // size, (rank + 1) * length // size)
+        shard: slice | torch.Tensor = slice(rank * length // size, (rank + 1) * length // size)
+        if self.mode == "allgather":
+            shard = balanced_tokens(length, size, rank).to(tokens.device)
         positions = kwargs.get("position_ids")
         if positions is None:
             positions = torch.arange(length, device=tokens.device).expand(batch, length)
@@ -179,7 +207,7 @@ class ContextParallel:
         padding = kwargs.pop("attention_mask", None)
         if padding is not None and bool(padding.all()):
             padding = None  # no padding: sdpa's causal kernel, as transformers itself skips the mask
-        kwargs[EXCHANGE_KWARG] = _Exchange(self.comm, self.inner, padding)
+        kwargs[EXCHANGE_KWARG] = _Exchange(self.comm, self.mode, self.inner, padding, length)
         kwargs["use_cache"] = False  # a cache of one shard's keys could not serve generation
         self._stack().append((kwargs.pop("labels", None), shard))
         return args, kwargs
@@ -207,12 +235,14 @@ class ContextParallel:
         return (loss, *output)
 
 
-def install(module: torch.nn.Module, comm: Comm) -> ContextParallel:
+def install(module: torch.nn.Module, comm: Comm, mode: str = "ulysses") -> ContextParallel:
     """Makes ``module`` (a transformers causal LM) run context-parallel over ``comm``.
 
     Args:
         module: the user's model, before the engine wraps it.
         comm: this rank's context group.
+        mode: ``ulysses`` (all-to-all over heads) or ``allgather`` (load-balanced causal split, every
+            rank's keys and values gathered whole).
 
     Returns:
         The installed hooks.
@@ -220,4 +250,4 @@ def install(module: torch.nn.Module, comm: Comm) -> ContextParallel:
     Raises:
         ValueError: the model's attention implementation is neither sdpa nor eager.
     """
-    return ContextParallel(module, comm)
+    return ContextParallel(module, comm, mode)
