@@ -8,7 +8,8 @@ pipelines (``time_to_train(methods=False)``: standard accumulation, or contiguou
 stages): the shortest training time over whole-node clusters up to --max-gpus, its GPU-hours, and
 the ratio without / with the methods (the seed's "cuts the shortest training time by half").
 Beside it: Megatron-LM's published end-to-end estimates (Narayanan et al. 2021, section 5.1) for
-their clusters and batches, and the CLI's answer for 175B over up to 4096 GPUs, timed.
+their clusters and batches, the frontier (every cluster size up to 4096 H100s, InfiniBand and
+eth-25) for 175B, and the CLI's answer for 175B over up to 4096 GPUs, timed.
 
 Profiles are the analytic GPT-2 builder's (``costmodel/synthetic.py``) with GPT-3's vocabulary of
 50257 and sequence 2048; the search then has no tensor parallelism for them (the vocabulary does not
@@ -87,6 +88,18 @@ def shortest(name: str, hardware_id: str, network: str, methods: bool, max_gpus:
         return row
     row.update(answer.best.row())
     return row
+
+
+def frontier_rows() -> list[dict]:
+    """175B on H100s up to 4096 GPUs, every size searched, with InfiniBand and with eth-25."""
+    profile = profile_of("175b")
+    tokens = int(compute_optimal_tokens(profile.num_params))
+    out = []
+    for network in (HARDWARE["h100-80gb-sxm"], SLOW):
+        hardware = with_network(load_hardware("h100-80gb-sxm"), network)
+        answer = time_to_train(profile, hardware, tokens, max_gpus=4096, full_frontier=True, loop="forward_backward")
+        out += [{"network": network, "search_total_s": round(answer.elapsed_s, 1), **a.row()} for a in answer.frontier]
+    return out
 
 
 def megatron_rows() -> list[dict]:
@@ -195,6 +208,24 @@ def render(report: dict) -> str:
                 ratio(days(model, hardware_id, SLOW, False), days(model, hardware_id, fast, False)),
             ]
             lines.append(f"| {model} | {hardware_id} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "## The frontier: 175B on H100s, every cluster size up to 4096 GPUs (`--full-frontier`)",
+        "",
+        "| network | GPUs | batch | layout | accumulation | MFU | days | GPU-hours |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in report.get("frontier", []):
+        if "days" in row:
+            lines.append(
+                f"| {row['network']} | {row['gpus']} | {row['global_batch_size']} | {row['layout']} | "
+                f"{row['micro_batch_size']} x {row['grad_accum_steps']} {row['accumulation']} | {row['mfu']:.0%} | "
+                f"{row['days']:.3g} | {row['gpu_hours']:,.0f} |"
+            )
+        else:
+            lines.append(
+                f"| {row['network']} | {row['gpus']} | {row['global_batch_size']} | {row['problem'][:70]} |||||"
+            )
     lines += ["", "## Beside Megatron-LM's published estimates (Narayanan et al. 2021, section 5.1)", ""]
     lines += ["| model | tokens | A100 GPUs | batch | theirs: TFLOP/s per GPU, days | ours: layout, MFU, days |"]
     lines += ["|---|---|---|---|---|---|"]
@@ -233,9 +264,16 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--max-gpus", type=int, default=16384)
     parser.add_argument("--out-prefix", default="benchmarks/results/time-to-train")
+    parser.add_argument("--frontier-only", action="store_true", help="Add the frontier section to the .json/.md.")
     parser.add_argument("--render-only", action="store_true", help="Rewrite the .md from the existing .json.")
     args = parser.parse_args()
     out = Path(args.out_prefix)
+    if args.frontier_only:  # add the frontier to an existing report
+        report = json.loads(out.with_suffix(".json").read_text())
+        report["frontier"] = frontier_rows()
+        out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+        out.with_suffix(".md").write_text(render(report))
+        return
     if args.render_only:
         out.with_suffix(".md").write_text(render(json.loads(out.with_suffix(".json").read_text())))
         return
@@ -254,6 +292,7 @@ def main() -> None:
                     report["shortest"].append(row)
                     print(json.dumps(row), flush=True)
                     out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    report["frontier"] = frontier_rows()
     report["megatron"] = megatron_rows()
     report["cli_175b"] = cli_175b()
     report["elapsed_s"] = time.perf_counter() - started
