@@ -44,7 +44,7 @@ def plan_states(plan: Plan) -> dict[str, int]:
     frozen = [c for c in chunks if c.frozen]
     return model_state_bytes(
         plan.memory.chunk_size,
-        plan.data_parallel_size,
+        plan.shard_group_size,  # data x context
         plan.training.dtype,
         plan.memory.cache_blocks,
         sum(1 for c in chunks if c.resident),
@@ -84,12 +84,18 @@ def parallel_summary(plan: Plan, expert_bytes: int | None = None) -> dict:
     expert = plan.parallel.expert.degree
     if pipeline.stages > 1 or tensor.degree > 1 or expert > 1:
         out["groups"] = mesh_groups(plan.world_size, pipeline.stages, tensor.degree)
+    context = plan.parallel.context
+    if context.degree > 1:  # C consecutive ranks (no pipeline or tensor with it in this version)
+        out.update(context=context.degree, context_mode=context.mode)
+        out["groups"] = {
+            "context": [list(range(r, r + context.degree)) for r in range(0, plan.world_size, context.degree)]
+        }
     if expert > 1:  # E consecutive ranks of each data group; the ranks E apart hold the same experts
         data_groups = out["groups"]["data"]
         out.update(expert=expert, num_experts=plan.model.num_experts, expert_bytes_per_micro_batch=expert_bytes)
         out["groups"]["expert"] = [g[i : i + expert] for g in data_groups for i in range(0, len(g), expert)]
         out["groups"]["expert-data"] = [g[i::expert] for g in data_groups for i in range(expert)]
-    for key in ("tensor_comm_s", "expert_comm_s", "pipeline_bubble_s", "p2p_s", "tied_allreduce_s"):
+    for key in ("tensor_comm_s", "expert_comm_s", "context_comm_s", "pipeline_bubble_s", "p2p_s", "tied_allreduce_s"):
         if key in breakdown:
             out[key] = breakdown[key]
     return out
@@ -99,7 +105,7 @@ def parallel_line(plan: Plan, expert_bytes: int | None = None) -> str:
     """One sentence on the plan's parallel layout and what it costs ("" without pipeline, tensor or
     expert parallelism)."""
     info = parallel_summary(plan, expert_bytes)
-    if info["pipeline"] == 1 and info["tensor"] == 1 and "expert" not in info:
+    if info["pipeline"] == 1 and info["tensor"] == 1 and "expert" not in info and "context" not in info:
         return ""
     step = plan.prediction.step_time_s if plan.prediction else 0.0
 
@@ -126,6 +132,14 @@ def parallel_line(plan: Plan, expert_bytes: int | None = None) -> str:
         parts.append(
             f"tensor: degree {info['tensor']}, {mode}: collectives on the compute stream{share('tensor_comm_s')}"
         )
+    if "context" in info:
+        how = {"ulysses": "all-to-all over heads", "allgather": "keys and values all-gathered"}
+        parts[0] += f" x context {info['context']}"
+        parts.append(
+            f"context: degree {info['context']}, each rank computes 1/{info['context']} of every sequence "
+            f"({how.get(info['context_mode'], info['context_mode'])}; chunks sharded over data x context)"
+            f"{share('context_comm_s')}"
+        )
     if "expert" in info:
         sent = info["expert_bytes_per_micro_batch"]
         parts.append(
@@ -151,6 +165,7 @@ def mesh_lines(plan: Plan) -> list[str]:
         "data": "shard the chunks and reduce gradients (one per stage and tensor index)",
         "expert": "hold different experts and exchange tokens (all-to-all)",
         "expert-data": "hold the same experts and reduce their gradients",
+        "context": "hold shares of the same sequences and exchange keys and values (consecutive ranks)",
     }
     lines = []
     for kind in [kind for kind in what if kind in groups]:

@@ -27,6 +27,7 @@ _TIMELINE_LABELS = {
     "optimizer_exposed_s": "optimizer after backward (norm + Adam)",
     "tensor_comm_s": "tensor-parallel collectives (on the compute stream)",
     "expert_comm_s": "expert-parallel all-to-alls (on the compute stream)",
+    "context_comm_s": "context-parallel all-to-alls (inside attention)",
     "pipeline_bubble_s": "pipeline bubble (idle)",
     "p2p_s": "pipeline sends exposed",
     "tied_allreduce_s": "tied-embedding all-reduce (first and last stage)",

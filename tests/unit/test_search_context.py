@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from elixir_tune.cli.show import mesh_lines, parallel_line
 from elixir_tune.costmodel.context import EXCHANGE_COPIES, ulysses_all_to_all_s
 from elixir_tune.costmodel.model import CostModel
 from elixir_tune.costmodel.parallel import DATA_ONLY, Layout
@@ -66,6 +67,12 @@ def test_a_pinned_context_degree_gives_a_plan_that_validates(profile):
     assert plan.training.micro_batch_size == 1  # one sample per step, half of it on each rank
     assert validate(plan) == []
     assert all(c.layout == Layout(context=2) for c in result.candidates)
+    # `show` says what the layout is and what its all-to-alls cost.
+    line = parallel_line(plan)
+    assert "x context 2" in line and "all-to-all over heads" in line and "of the predicted step" in line
+    assert mesh_lines(plan) == [
+        "context groups hold shares of the same sequences and exchange keys and values (consecutive ranks): [0,1]"
+    ]
 
 
 @pytest.mark.parametrize(
