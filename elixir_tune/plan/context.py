@@ -85,7 +85,7 @@ def context_problems(parallel: dict, model: dict, training: dict) -> list[str]:
             if isinstance(heads, int) and heads and heads % degree:
                 problems.append(
                     f"{path} does not divide model.{key} {heads}; Ulysses gives each context rank whole "
-                    "attention heads of the full sequence"
+                    "attention heads of the full sequence (parallel.context.mode: allgather takes any head count)"
                 )
     seq_len = training.get("seq_len")
     # Ulysses needs C equal shards; the load-balanced causal split needs 2C (chunks i and 2C-1-i).
