@@ -9,6 +9,7 @@ Run by ``engine_launch.py`` (gloo, CPU). Each case is a dict:
     accum: micro-batches per step    padded: right-padded rows (attention_mask 0, labels -100)
     checkpoint: every k-th block recomputed     offload: share of chunks on the host
     slice_by_rank: feed each rank its own rows by RANK (the mistake the first forward must catch)
+    lora: LoRA adapters (PEFT, rank 4 on q/v and the MLP's down projection), the base in frozen chunks
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ def build(case: dict):
     else:
         model = tiny_gpt2() if case["model"] == "gpt2" else tiny_llama_gqa()
     model.config._attn_implementation = case.get("attn", "sdpa")
+    if case.get("lora"):
+        from elixir_tune.models.lora import apply_lora
+
+        model = apply_lora(model, rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"])
     opt = torch.optim.AdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95), eps=1e-6, foreach=False)
     return model, opt
 
@@ -62,11 +67,12 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
         case.get("chunk_size", 4096),
         cache=case.get("cache", "all"),
         offload=case.get("offload", 0.0),
-        block_list=BLOCK_LISTS.get(case["model"], "model.layers"),
+        block_list=("base_model.model." if case.get("lora") else "") + BLOCK_LISTS.get(case["model"], "model.layers"),
         micro_batch_size=MICRO,
         grad_accum_steps=accum,
         seq_len=SEQ,
         checkpoint_every=case.get("checkpoint", 0),
+        frozen_chunks=bool(case.get("lora")),
     )
     plan.parallel.context = ContextParallel(degree=degree, mode=case.get("mode", "ulysses"))
     plan.training.global_batch_size = MICRO * accum * (world // degree)

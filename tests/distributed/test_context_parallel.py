@@ -6,7 +6,7 @@ all-gather form (chunks i and 2C - 1 - i of 2C per rank; every rank's keys and v
 context 2, world 2; at world 4 data 2 x context 2 and, all-gather only, context 4 over 2 key/value heads.
 sdpa and eager attention, the plain loop and ``forward_backward``, right-padded rows (attention_mask
 0, labels -100: every rank and micro-batch counts different tokens), recomputed blocks, offloaded
-chunks; and the zoo's Qwen2, Qwen3, Phi-3, Granite, OLMo2, Gemma2 (sliding window, soft-capping) and
+chunks, LoRA; and the zoo's Qwen2, Qwen3, Phi-3, Granite, OLMo2, Gemma2 (sliding window, soft-capping) and
 two mixtures of experts at world 2. fp32: step losses 1e-5 relative, final weights 1e-5 absolute
 after 4 AdamW steps (eps 1e-6, as the other engine tests). A script that feeds the ranks of a
 context group different rows is stopped at the first forward.
@@ -36,7 +36,13 @@ WORLD2 = [
     dict(model="llama", attn="sdpa", context=2, loop="plain", padded=True, mode="allgather"),
     dict(model="gpt2", attn="eager", context=2, loop="forward_backward", accum=2, checkpoint=1, mode="allgather"),
     dict(model="zoo:gemma2", attn="eager", context=2, loop="plain", padded=True, mode="allgather"),
-]
+    # LoRA (PEFT's wrapper; the base in frozen chunks), both forms.
+    dict(model="llama", attn="sdpa", context=2, loop="plain", padded=True, lora=True),
+    dict(
+        model="llama", attn="eager", context=2, loop="forward_backward", accum=2, padded=True, lora=True,
+        mode="allgather", offload=0.5, cache="min",
+    ),
+]  # fmt: skip
 # The zoo's other families at world 2 (hidden 32, 4 heads, 2 key/value heads): Gemma2 with its sliding
 # window of 4 (shorter than the 16 tokens) and soft-capping (eager: transformers' sdpa refuses soft-capping),
 # two mixtures of experts (fused experts, no expert parallelism), offload on one.
