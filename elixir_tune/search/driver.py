@@ -13,6 +13,7 @@ from elixir_tune.plan.capabilities import LOOP_CONTRACT, LOOPS, needs_forward_ba
 from elixir_tune.plan.schema import Plan
 from elixir_tune.profiler.schema import ModelProfile
 from elixir_tune.search.candidate import Candidate, score
+from elixir_tune.search.context_layouts import fallback_context_layouts, with_context_pins
 from elixir_tune.search.elixir_rule import fitted_elixir_shape
 from elixir_tune.search.joint import Budget, explore
 from elixir_tune.search.layouts import layout_choices
@@ -201,6 +202,11 @@ def explain_layout(best: Candidate, by_layout: dict[Layout, Candidate] | None = 
             f"expert {layout.expert} (1/{layout.expert} of the experts per rank): its all-to-alls are "
             f"{b.get('expert_comm_s', 0.0) / step:.1%} of the step"
         )
+    if layout.context > 1:
+        parts.append(
+            f"context {layout.context} (1/{layout.context} of every sequence per rank): its all-to-alls are "
+            f"{b.get('context_comm_s', 0.0) / step:.1%} of the step"
+        )
     others = sorted((c.step_time_s, key.describe()) for key, c in by_layout.items() if key != layout)
     if not parts and layouts_tried <= 1:
         return ""
@@ -376,7 +382,7 @@ def search(
         raise ValueError("gpus_per_node and nodes must be positive")
     started = time.perf_counter()
     pinned = parse_fixed(fixed)
-    searched = _pins_of_loop(pinned, loop)
+    searched = with_context_pins(_pins_of_loop(pinned, loop))
     world = gpus_per_node * nodes
     global_batch = global_batch_size or DEFAULT_BATCH_PER_GPU * world
     if strategy == "elixir":
@@ -401,8 +407,24 @@ def search(
     budget = Budget(usable_gpu_bytes=usable, host_bytes=host_bytes, global_batch_size=global_batch)
     pools = _Pools(budget.usable_gpu_bytes, host_bytes, hardware.device == "cpu", "offload" in pinned)
     by_layout: dict[Layout, Candidate] = {}
+    context_note = ""
     if strategy == "joint":
         found = explore(list(models.values()), budget, searched, top_k)
+        fallback = [] if found.best else fallback_context_layouts(profile, gpus_per_node, nodes, global_batch, pinned)
+        if fallback:  # nothing fits without context parallelism: try it (search/context_layouts.py)
+            context_models = {
+                layout: CostModel(profile, hardware, gpus_per_node, nodes, dtype=pinned.get("dtype"), layout=layout)
+                for layout in fallback
+            }
+            found_context = explore(
+                list(context_models.values()), budget, {**searched, "accumulation": "standard"}, top_k
+            )
+            if found_context.best:
+                found, models = found_context, context_models
+                context_note = (
+                    "; no layout without context parallelism fits, so the search tried context degrees "
+                    f"{', '.join(str(layout.context) for layout in fallback)} (each rank computes 1/C of every sequence)"
+                )
         if not found.best:
             raise _infeasible(found.min_gpu_bytes, found.min_host_bytes, pools, pinned)
         candidates, num_scored, by_layout = found.best, found.num_scored, found.best_by_layout
@@ -416,6 +438,7 @@ def search(
             raise _infeasible(memory.required_gpu_bytes, host_need, pools, pinned)
         candidates, num_scored = [score(model, shape, memory, global_batch)], 1
     why = explain_winner(candidates, pinned, device=hardware.device, by_layout=by_layout, layouts_tried=len(models))
+    why += context_note
     if loop == "plain" and strategy == "joint" and len(profile.layout_reasons()) < 2:
         why += (
             "; the plain loop runs data parallelism with standard accumulation only (--loop forward_backward "

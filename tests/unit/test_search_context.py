@@ -96,3 +96,19 @@ def test_pins_the_engine_cannot_run_are_refused(heads, gpus, batch, extra, expec
             loop="forward_backward",
         )
     assert expected in str(error.value)
+
+
+def test_where_nothing_else_fits_the_search_picks_a_context_degree():
+    # 32768 tokens a sample (eager attention: its scores are kept), one sample per rank: no data,
+    # tensor or pipeline shape fits 16 GiB (recomputation and offload included: 23.1 GiB at least);
+    # half a sample per rank does.
+    long = gpt2_profile("long", hidden=256, layers=4, heads=4, vocab=1024, positions=32768, seq_len=32768)
+    hardware = example_hardware(gpus_per_node=2)
+    budget = {"device_memory_bytes": 16 * 2**30, "global_batch_size": 2, "loop": "forward_backward"}
+    with pytest.raises(ValueError, match="nothing fits"):
+        search(long, hardware, gpus_per_node=2, fixed=["context=1"], **budget)
+    result = search(long, hardware, gpus_per_node=2, **budget)
+    plan = result.plan
+    assert plan.parallel.context.degree == 2 and validate(plan) == []
+    assert plan.prediction is not None and plan.prediction.peak_gpu_bytes <= budget["device_memory_bytes"]
+    assert "no layout without context parallelism fits" in result.why
