@@ -14,10 +14,11 @@ sends (C - 1) / C of its tensors (``ulysses_all_to_all_s``); the group is C cons
 one node when C <= GPUs per node. They run on the compute stream (the engine waits for them
 inside attention), so they add to the step.
 
-Memory it adds (``EXCHANGE_COPIES``): the exchange's buffers at one block, three copies of q, k, v
-and the output (send buffer, receive buffer, the reordered result), per sample of the rank. Measured
-on this CPU (tests/distributed/test_context_parallel.py's memory case): without them the predicted
-peak of GPT-2 tiny at C = 2 was 2.5% under the measured one.
+Memory it adds (``EXCHANGE_COPIES``): the exchange's buffers at one block, four copies of q, k, v
+and the output per sample of the rank. Measured on this CPU (tests/distributed/test_context_parallel.py):
+without them the predicted peak of GPT-2 tiny at C = 2 was 2.5% under the measured one; with three
+copies a Llama at 4096 tokens measured 0.76-1.05x of its promise over runs (the step peak of a
+context-parallel step varies by a third between identical runs on CPU; a data-parallel one does not).
 
 Not modelled yet: the ring form (K/V around the ring overlapped with compute).
 """
@@ -31,8 +32,10 @@ from elixir_tune.profiler.schema import ActivationLine, ModelProfile
 
 # Exchanges per block in one forward: q, k and v before attention, its output after.
 FORWARD_ALL_TO_ALLS = 4
-# Copies of each exchanged tensor alive at once: the send buffer, the receive buffer, the reordered result.
-EXCHANGE_COPIES = 3
+# Copies of the exchanged q, k, v and output alive at once per rank sample: a send buffer, a receive
+# buffer and the reordered result, and in backward the gradients of q, k and v, which attention's
+# backward returns together and which then wait for their own exchange.
+EXCHANGE_COPIES = 4
 
 
 def context_share(profile: ModelProfile, degree: int) -> ModelProfile:

@@ -73,14 +73,19 @@ def simulated_counts(profile, plan, world: int) -> dict[str, int]:
     return {"gathers": len(fetches), "uploads": sum(1 for _, chunk, _ in fetches if chunk in offloaded)}
 
 
-def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> dict:
-    source, profile, result = make_plan(case, world)
-    plan = result.plan
+def set_up(source, plan):
+    """The model (seed 0) and AdamW set up for ``plan``, and one micro-batch of its shape."""
     torch.manual_seed(0)
     model = source.build_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer = elixir_tune.setup(model, optimizer, plan=plan)
-    batch = source.example_batch(plan.training.micro_batch_size, plan.training.seq_len)
+    return model, optimizer, source.example_batch(plan.training.micro_batch_size, plan.training.seq_len)
+
+
+def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> dict:
+    source, profile, result = make_plan(case, world)
+    plan = result.plan
+    model, optimizer, batch = set_up(source, plan)
     engine = model.engine
 
     def step() -> None:
