@@ -9,6 +9,7 @@ Run by ``engine_launch.py`` (gloo, CPU). Each case is a dict:
     accum: micro-batches per step    padded: right-padded rows (attention_mask 0, labels -100)
     checkpoint: every k-th block recomputed     offload: share of chunks on the host
     slice_by_rank: feed each rank its own rows by RANK (the mistake the first forward must catch)
+    packed: position_ids restarting inside the rows (packed documents), which must be refused
     lora: LoRA adapters (PEFT, rank 4 on q/v and the MLP's down projection), the base in frozen chunks
 """
 
@@ -82,6 +83,13 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
     global_batches = batches(STEPS, plan.training.global_batch_size, SEQ, seed=index + 1)
     if case.get("padded"):
         global_batches = padded(global_batches)
+    if case.get("packed"):  # two documents in each row: refused, not computed with the wrong masks
+        batch = dict(global_batches[0], position_ids=torch.arange(SEQ).remainder(SEQ // 2).expand(MICRO, SEQ))
+        try:
+            model(**local_micro(batch, data_rank, data, 1, 0))
+        except ValueError as error:
+            return {"case": case, "packed_error": str(error)}
+        return {"case": case, "packed_error": None}
     if case.get("slice_by_rank"):
         from elixir_tune.errors import ContractError
 

@@ -200,6 +200,13 @@ class ContextParallel:
         positions = kwargs.get("position_ids")
         if positions is None:
             positions = torch.arange(length, device=tokens.device).expand(batch, length)
+        elif bool((positions.diff(dim=-1) != 1).any()):
+            # Packed rows (positions restarting inside a row): transformers masks across their
+            # documents, the masks here are causal by token only; refused rather than wrong.
+            raise ValueError(
+                "context parallelism does not run packed sequences yet (position_ids that restart inside a row); "
+                "pass one sequence per row, or set parallel.context.degree to 1"
+            )
         kwargs["position_ids"] = positions[..., shard]
         for key in _SHARDED_INPUTS:
             if isinstance(kwargs.get(key), torch.Tensor):
