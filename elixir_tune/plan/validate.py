@@ -333,6 +333,25 @@ def validate_dict(raw: Any) -> list[str]:
     if other:  # one line for the wrong file, not a list of every plan section it lacks
         return [other]
     errors: list[str] = []
+    sections = _check_sections(raw, errors)
+    cluster, training, memory, model = (sections.get(name, {}) for name in ("cluster", "training", "memory", "model"))
+    parallel = sections.get("parallel", {})
+    _check_backend(cluster, errors)
+    world_size = (
+        cluster["nodes"] * cluster["gpus_per_node"] if "nodes" in cluster and "gpus_per_node" in cluster else None
+    )
+    data_size = _check_parallel(parallel, world_size, model, errors)
+    _check_tensor(parallel.get("tensor", {}), model, training, errors)
+    _check_contract(parallel, model, training, errors)
+    _check_expert(parallel, model, training, memory.get("chunks", []) or [], data_size, errors)
+    errors.extend(context_problems(parallel, model, training))
+    _check_batch_and_blocks(training, model, data_size, errors)
+    _check_memory(memory, parallel, model, training, data_size, errors)
+    return errors
+
+
+def _check_sections(raw: dict, errors: list[str]) -> dict[str, dict]:
+    """The schema version and each section's fields; the sections whose fields could be read."""
     version = raw.get("schema_version")
     if version is None:
         errors.append(f"schema_version: missing (this elixir-tune writes {SCHEMA_VERSION})")
@@ -356,24 +375,18 @@ def validate_dict(raw: Any) -> list[str]:
     for name in raw:
         if name != "schema_version" and name not in known:
             errors.append(f"{name}: unknown section (known: schema_version, {', '.join(known)})")
+    return sections
 
-    cluster = sections.get("cluster", {})
-    training = sections.get("training", {})
-    memory = sections.get("memory", {})
-    model = sections.get("model", {})
+
+def _check_backend(cluster: dict, errors: list[str]) -> None:
     if cluster.get("device") == "cuda" and cluster.get("backend") == "gloo":
         errors.append("cluster.backend: gloo cannot run a cuda plan's collectives efficiently; use nccl")
     if cluster.get("device") == "cpu" and cluster.get("backend") == "nccl":
         errors.append("cluster.backend: nccl needs GPUs; a cpu plan uses gloo")
 
-    world_size = None
-    if "nodes" in cluster and "gpus_per_node" in cluster:
-        world_size = cluster["nodes"] * cluster["gpus_per_node"]
-    data_size = _check_parallel(sections.get("parallel", {}), world_size, model, errors)
-    _check_tensor(sections.get("parallel", {}).get("tensor", {}), model, training, errors)
-    _check_contract(sections.get("parallel", {}), model, training, errors)
-    _check_expert(sections.get("parallel", {}), model, training, memory.get("chunks", []) or [], data_size, errors)
-    errors.extend(context_problems(sections.get("parallel", {}), model, training))
+
+def _check_batch_and_blocks(training: dict, model: dict, data_size: int | None, errors: list[str]) -> None:
+    """The global batch's product, and checkpointing's need for a block list."""
     if data_size and all(k in training for k in ("global_batch_size", "micro_batch_size", "grad_accum_steps")):
         product = training["micro_batch_size"] * training["grad_accum_steps"] * data_size
         if product != training["global_batch_size"]:
@@ -391,8 +404,13 @@ def validate_dict(raw: Any) -> list[str]:
     if model.get("num_blocks") and not model.get("block_list"):
         errors.append("model.block_list: missing, but model.num_blocks is set")
 
+
+def _check_memory(
+    memory: dict, parallel: dict, model: dict, training: dict, data_size: int | None, errors: list[str]
+) -> None:
+    """The chunk size against the shard group, the chunks, the cache and the prefetch."""
     # The chunks are sharded over data x context.
-    context = context_degree(sections.get("parallel", {}))
+    context = context_degree(parallel)
     shard_size = data_size * context if data_size else None
     if shard_size and memory.get("chunk_size") and memory["chunk_size"] % shard_size:
         of_context = f" x context degree {context}" if context > 1 else ""
@@ -402,10 +420,9 @@ def validate_dict(raw: Any) -> list[str]:
         )
     _check_chunks(memory.get("chunks", []), memory.get("chunk_size"), "memory.chunks", errors)
     chunks = [chunk for chunk in memory.get("chunks", []) if chunk is not None]
-    _check_chunk_stages(chunks, sections.get("parallel", {}).get("pipeline", {}), model, training, errors)
+    _check_chunk_stages(chunks, parallel.get("pipeline", {}), model, training, errors)
     _check_foreign_reads(model, chunks, errors)
     _check_lora(model, chunks, errors)
-    parallel = sections.get("parallel", {})
     stages = parallel.get("pipeline", {}).get("stages", 1)
     degree = parallel.get("tensor", {}).get("degree", 1)
     frozen_problem = frozen_layout_problem(stages, degree, parallel.get("tensor", {}).get("mode", "1d"))
@@ -413,6 +430,16 @@ def validate_dict(raw: Any) -> list[str]:
         errors.append(f"memory.chunks: {frozen_problem}; search again without that layout")
     if "chunks" in memory and not memory["chunks"]:
         errors.append("memory.chunks: empty; a plan needs at least one chunk")
+    _check_cache(memory, chunks, errors)
+    if model.get("num_params") and chunks and all("numel" in chunk for chunk in chunks):
+        total = sum(chunk["numel"] for chunk in chunks)
+        # numel spans the alignment padding between parameters (under ALIGN_ELEMENTS each).
+        padding = sum(len(chunk.get("params", [])) for chunk in chunks) * (ALIGN_ELEMENTS - 1)
+        if total > model["num_params"] + padding:
+            errors.append(f"memory.chunks: hold {total} elements, more than model.num_params {model['num_params']}")
+
+
+def _check_cache(memory: dict, chunks: list[dict], errors: list[str]) -> None:
     cacheable = sum(1 for chunk in chunks if not chunk.get("resident", False))
     if "cache_blocks" in memory and "chunks" in memory:
         if memory["cache_blocks"] > cacheable:
@@ -427,13 +454,6 @@ def validate_dict(raw: Any) -> list[str]:
                 f"memory.prefetch: {memory['prefetch']} must be smaller than memory.cache_blocks "
                 f"{memory['cache_blocks']} (prefetched chunks need room beside the one in use)"
             )
-    if model.get("num_params") and chunks and all("numel" in chunk for chunk in chunks):
-        total = sum(chunk["numel"] for chunk in chunks)
-        # numel spans the alignment padding between parameters (under ALIGN_ELEMENTS each).
-        padding = sum(len(chunk.get("params", [])) for chunk in chunks) * (ALIGN_ELEMENTS - 1)
-        if total > model["num_params"] + padding:
-            errors.append(f"memory.chunks: hold {total} elements, more than model.num_params {model['num_params']}")
-    return errors
 
 
 def validate(plan: Plan | dict) -> list[str]:
