@@ -184,6 +184,7 @@ def test_a_node_whose_launcher_is_killed_is_named_as_lost_by_the_other(tmp_path)
     assert "Traceback" not in output and "GLHF" not in output, output[-3000:]
 
 
+@pytest.mark.heavy  # CI's time budget: the one-node restart above runs there; this one with --all
 def test_a_restart_on_two_nodes_resumes_every_rank_alike(tmp_path):
     """When node 1's worker dies, only node 1's agent counts a restart; node 0's restarts its worker for the new
     round with the count at 0. Deciding per rank, rank 1 resumed while rank 0 started over and the job hung in
