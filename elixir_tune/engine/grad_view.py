@@ -51,7 +51,7 @@ class ShardedGrad(torch.Tensor):
     def __new__(cls, param: torch.Tensor) -> ShardedGrad:
         key = (param.dtype, param.device)
         if key not in _ZEROS:
-            _ZEROS[key] = torch.zeros(1, dtype=param.dtype, device=param.device)
+            _ZEROS[key] = torch.zeros((), dtype=param.dtype, device=param.device)  # 0-dim: expands to any shape
         return torch.Tensor._make_subclass(cls, _ZEROS[key].expand(param.shape), False)
 
     @classmethod

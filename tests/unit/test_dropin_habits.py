@@ -189,3 +189,13 @@ def test_an_fp16_plan_refuses_an_unscaled_backward_before_the_step():
     with pytest.raises(RuntimeError, match=r"call optimizer.backward\(loss\) instead"):
         optimizer.step()
     assert all(torch.equal(a, chunk.master) for a, chunk in zip(before, model.engine.chunks, strict=True))
+
+
+def test_a_scalar_parameter_gets_a_placeholder_too():
+    from elixir_tune.engine.grad_view import ShardedGrad
+
+    temperature = nn.Parameter(torch.tensor(2.0))
+    temperature.grad = ShardedGrad(temperature)
+    assert temperature.grad.shape == ()
+    with pytest.raises(GradientInShardsError):
+        temperature.grad.abs()
