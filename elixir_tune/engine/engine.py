@@ -35,7 +35,7 @@ from elixir_tune.engine.comm import Comm, Mesh
 from elixir_tune.engine.engine_grads import EngineGrads
 from elixir_tune.engine.engine_passes import EnginePasses
 from elixir_tune.engine.engine_state import EngineState
-from elixir_tune.engine.grad_view import ShardedGrad
+from elixir_tune.engine.grad_view import GradPlaceholders
 from elixir_tune.engine.hooks import install_grad_hooks, install_module_hooks, wrap_checkpointed
 from elixir_tune.engine.io.materialize import (
     MaterializeError,
@@ -170,9 +170,10 @@ class Engine(EnginePasses, EngineGrads, EngineState):
         # Set by setup where a forward has collectives and ranks may run forwards alone (uneven.py).
         self.agreement: ForwardAgreement | None = None
         self.optimizer: Any = None  # the ShardedOptimizer, attached by it (model.zero_grad clears through it)
+        self.trainable_params = [slot.param for slot in self.slots if not slot.chunk.frozen]
         # p.grad placeholders between a backward and the next forward (grad_view.py); None: off (a
         # pipeline plan, whose no-sync keeps real gradients in p.grad across passes).
-        self.grad_placeholders: dict[int, ShardedGrad] | None = None
+        self.grad_placeholders: GradPlaceholders | None = None
         self._scaling = False  # inside scaled_backward()
         self.unscaled_backward = False  # an fp16 backward ran without the loss scale (refused at the step)
         self.module_ancestors = self._hooked_ancestors()

@@ -25,6 +25,7 @@ from elixir_tune.engine.parallel.tensor_parallel import local_grad
 if TYPE_CHECKING:
     from elixir_tune.engine.chunks.chunk import Chunk, ParamSlot
     from elixir_tune.engine.comm import Comm
+    from elixir_tune.engine.grad_view import GradPlaceholders
     from elixir_tune.plan import Plan
 
 
@@ -40,6 +41,7 @@ class EngineGrads:
     slot_of: dict[int, ParamSlot]
     in_backward: bool
     reduce_scatters: int
+    grad_placeholders: GradPlaceholders | None
     _queue_end_of_backward: Callable[[], None]
     _end_backward: Callable[[], None]
 
@@ -179,7 +181,10 @@ class EngineGrads:
             self.staging.release(chunk.finish_reduce())
 
     def zero_grad(self) -> None:
+        """Zeroes the shard gradients after the reductions in flight; ``p.grad`` placeholders become None."""
         self.drain_grads()
         for chunk in self.chunks:
             chunk.grad.zero_()
         self.used.copy_(self._frozen_slots)
+        if self.grad_placeholders is not None:
+            self.grad_placeholders.hide()

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from elixir_tune.engine.chunks.states import GRAD_STAGED, TensorState, transition
-from elixir_tune.engine.grad_view import ShardedGrad, hide_placeholders, show_placeholders
+from elixir_tune.engine.grad_view import GradPlaceholders
 from elixir_tune.engine.read_guard import ReadGuard
 from elixir_tune.engine.uneven import EVAL, POST, PRE, TRAIN, ForwardAgreement
 
@@ -50,7 +50,7 @@ class EnginePasses:
     _nan: torch.Tensor
     agreement: ForwardAgreement | None
     module_index: dict[torch.nn.Module, int]
-    grad_placeholders: dict[int, ShardedGrad] | None
+    grad_placeholders: GradPlaceholders | None
     scaler: Any
     pipeline: Any
     grad_passes: int
@@ -78,7 +78,7 @@ class EnginePasses:
         self._running.clear()  # a forward stopped by an exception never ran its post-hooks
         self.cache.start_microbatch()
         if self.grad_placeholders is not None:  # autograd must find no p.grad to add to
-            hide_placeholders([slot.param for slot in self.slots])
+            self.grad_placeholders.hide()
 
     def _abandon_backward(self) -> None:
         """A backward stopped by an exception never ran its end callback: drop what it staged."""
@@ -205,4 +205,4 @@ class EnginePasses:
         self.in_backward = False
         self.backward_passes += 1
         if self.grad_placeholders is not None and self.grad_passes == 1:  # torch code reading p.grad meets one
-            show_placeholders([s.param for s in self.slots if not s.chunk.frozen], self.grad_placeholders)
+            self.grad_placeholders.show()

@@ -64,23 +64,34 @@ class ShardedGrad(torch.Tensor):
         return f"ShardedGrad(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
 
 
-def show_placeholders(params: list[torch.nn.Parameter], placeholders: dict[int, ShardedGrad]) -> None:
-    """Sets each parameter's ``p.grad`` to its placeholder (made on first use), where it has none (a
-    gradient held for no-sync stays)."""
-    for param in params:
-        if param.grad is not None:
-            continue
-        placeholder = placeholders.get(id(param))
-        if placeholder is None or placeholder.shape != param.shape or placeholder.dtype != param.dtype:
-            placeholder = placeholders[id(param)] = ShardedGrad(param)
-        param.grad = placeholder
+class GradPlaceholders:
+    """The placeholders of a model's trainable parameters, made once, and whether they are shown.
 
+    Args:
+        params: the trainable (chunked) parameters.
+    """
 
-def hide_placeholders(params: list[torch.nn.Parameter]) -> None:
-    """Clears the placeholders (before a forward: autograd must find no gradient to add to)."""
-    for param in params:
-        if isinstance(param.grad, ShardedGrad):
-            param.grad = None
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self._pairs = [(param, ShardedGrad(param)) for param in params]
+        self._shown = False
+
+    def show(self) -> None:
+        """After a backward: each parameter without a gradient gets its placeholder (one held for
+        no-sync stays)."""
+        for param, placeholder in self._pairs:
+            if param.grad is None:
+                param.grad = placeholder
+        self._shown = True
+
+    def hide(self) -> None:
+        """Before a forward and at ``zero_grad``: autograd must find no gradient to add to, and torch
+        code sees None, as after torch's ``zero_grad``."""
+        if not self._shown:
+            return
+        for param, placeholder in self._pairs:
+            if param.grad is placeholder:
+                param.grad = None
+        self._shown = False
 
 
 # --- torch's clipping functions ----------------------------------------------------------------

@@ -112,9 +112,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if owned is not None and share < 1.0 and not slot.chunk.frozen:
                     shares.setdefault(share, []).append(slot.chunk.grad[owned[0] : owned[1]])
         self._norm_shares = list(shares.items())
-        trainable = [slot.param for slot in engine.slots if not slot.chunk.frozen]
-        self.trainable_params = len(trainable)  # what torch.nn.utils.clip_grad_norm_ must be given
-        grad_view.register(self, trainable)
+        self.trainable_params = len(engine.trainable_params)  # what torch.nn.utils.clip_grad_norm_ must be given
+        grad_view.register(self, engine.trainable_params)
         self._stand_in_for(optimizer)
 
     def _stand_in_for(self, optimizer: torch.optim.Optimizer) -> None:
@@ -410,7 +409,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Zeroes the shard gradients (buffers, never freed), after the reductions in flight; the
         parameters' ``p.grad`` placeholders become None, as torch sets gradients to None."""
         self.engine.zero_grad()
-        grad_view.hide_placeholders([slot.param for slot in self.engine.slots])
         self._stats = None
         self._unscaled_at = -1
 

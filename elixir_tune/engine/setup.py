@@ -10,6 +10,7 @@ from elixir_tune import ranks
 from elixir_tune.engine.comm import init_mesh
 from elixir_tune.engine.comm.control import ControlChannel
 from elixir_tune.engine.engine import Engine
+from elixir_tune.engine.grad_view import GradPlaceholders
 from elixir_tune.engine.io.materialize import has_meta, make_source
 from elixir_tune.engine.model import ElixirModel
 from elixir_tune.engine.optimizer import ShardedOptimizer
@@ -193,8 +194,8 @@ def setup(
     else:
         engine = Engine(model, plan, mesh.data, source, mesh, tensor_parallel=tensor_parallel, experts=experts)
         engine.agreement = forward_agreement(engine, plan, mesh)
-        if parallel.tensor.degree == 1:
-            engine.grad_placeholders = {}
+        if parallel.tensor.degree == 1:  # a DTensor parameter takes no plain placeholder
+            engine.grad_placeholders = GradPlaceholders(engine.trainable_params)
     global setup_calls
     setup_calls += 1
     return ElixirModel(model, engine), ShardedOptimizer(optimizer, engine, find_unused_parameters)

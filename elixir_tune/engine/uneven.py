@@ -96,9 +96,8 @@ class ForwardAgreement:
             rows = self._follow(leader, rows[leader], kind, all_ranks)
 
     def announce(self, op: int, module_index: int) -> None:
-        """A leader's module hook (``PRE`` or ``POST``): its followers replay it."""
-        if self.leading:
-            self._exchange([op, module_index, 0], EVAL)
+        """A leader's module hook (``PRE`` or ``POST``): its followers replay it (called while leading)."""
+        self._exchange([op, module_index, 0], EVAL)
 
     def require_even(self, what: str) -> None:
         """Raises when this rank leads (the others wait in a forward) and now runs ``what``, a

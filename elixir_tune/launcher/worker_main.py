@@ -28,9 +28,9 @@ import time
 from elixir_tune.cpu_binding import bind_cpu_worker
 from elixir_tune.launcher.env import LAUNCHER_PID_ENV, RUN_DIR_ENV
 from elixir_tune.launcher.script_guard import refuse_ddp, unused_plan_note
+from elixir_tune.plan.io import PLAN_ENV_VAR
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
-PLAN_ENV = "ELIXIR_TUNE_PLAN"  # plan/io.py's PLAN_ENV_VAR (the plan package imports more than a worker may yet)
 
 
 def die_with_parent(launcher_pid: int) -> str:
@@ -115,7 +115,7 @@ def main(argv: list[str]) -> None:
 
 def _note_unused_plan(rank: str) -> None:
     """Rank 0 says so when a script launched with a plan ended without ever using it."""
-    note = unused_plan_note() if rank == "0" and os.environ.get(PLAN_ENV) else None
+    note = unused_plan_note() if rank == "0" and os.environ.get(PLAN_ENV_VAR) else None
     if note:
         print(note, file=sys.stderr, flush=True)
 

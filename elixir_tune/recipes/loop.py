@@ -28,6 +28,7 @@ from elixir_tune.cli.progress import Reporter
 from elixir_tune.engine.comm import shared_errors
 from elixir_tune.engine.io.checkpoint_files import LATEST_NAME, CheckpointError
 from elixir_tune.engine.io.pretrained_files import describe_failure
+from elixir_tune.engine.model import loss_of
 from elixir_tune.recipes.evaluation import evaluate
 from elixir_tune.recipes.fp16_watch import Fp16Watch
 from elixir_tune.recipes.restarts import lost_peer_line, restart_count, resume_after_restart
@@ -37,8 +38,8 @@ BEST_DIR_NAME = "best"  # --keep-best: the best evaluation's checkpoint, a root 
 
 
 def step_loss(output, batch: dict) -> torch.Tensor:
-    """A micro-batch's loss: the model output's ``loss`` (transformers), or the output itself."""
-    return output.loss if hasattr(output, "loss") else output
+    """A micro-batch's loss: the model output's, as ``forward_backward`` finds it (``loss_of``)."""
+    return loss_of(output)
 
 
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
