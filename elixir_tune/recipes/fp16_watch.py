@@ -23,19 +23,18 @@ from elixir_tune.errors import NonFiniteError
 # Steps in a row: a legitimate run may skip a step or two while its scale settles; three with a
 # non-finite loss, or at the floor of the scale, is divergence.
 NONFINITE_STEPS_LIMIT = 3
-# The scaler never goes below this (engine/scaler.py's min_scale).
-FLOOR_LOSS_SCALE = 1.0
 
 
 class Fp16Watch:
     """The run of bad fp16 steps so far.
 
     Args:
-        optimizer: the sharded optimizer (``skipped_steps``, ``loss_scale``).
+        optimizer: the sharded optimizer of an fp16 plan (``skipped_steps``, ``loss_scale``, ``scaler``).
     """
 
     def __init__(self, optimizer) -> None:
         self.optimizer = optimizer
+        self.floor_scale = optimizer.scaler.min_scale  # the scale never goes below it (engine/scaler.py)
         self.skipped_before = int(optimizer.skipped_steps)
         self.bad_losses = 0  # steps in a row whose loss was not finite
         self.floor_skips = 0  # steps in a row skipped with the scale at its floor
@@ -64,13 +63,13 @@ class Fp16Watch:
         if self.bad_losses == 0 and self.floor_skips == 0:
             self.first_bad_step = step
         self.bad_losses = 0 if finite else self.bad_losses + 1
-        at_floor = skipped and self.optimizer.loss_scale <= FLOOR_LOSS_SCALE
+        at_floor = skipped and self.optimizer.loss_scale <= self.floor_scale
         self.floor_skips = self.floor_skips + 1 if at_floor else 0
         if self.bad_losses >= NONFINITE_STEPS_LIMIT or self.floor_skips >= NONFINITE_STEPS_LIMIT:
             what = (
                 f"the loss was {mean_loss} (not finite) for {self.bad_losses} steps in a row"
                 if self.bad_losses >= NONFINITE_STEPS_LIMIT
-                else f"every step overflowed with the loss scale at its floor ({FLOOR_LOSS_SCALE:g})"
+                else f"every step overflowed with the loss scale at its floor ({self.floor_scale:g})"
             )
             raise NonFiniteError(
                 f"fp16 steps {self.first_bad_step}-{step} (counted from 1) did not train: {what}, so each was "

@@ -4,20 +4,24 @@ step skipped with the loss scale at its floor. The optimizer here is a record of
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
+import torch
 
+from elixir_tune.engine.scaler import DynamicLossScaler
 from elixir_tune.errors import NonFiniteError
 from elixir_tune.recipes.fp16_watch import NONFINITE_STEPS_LIMIT, Fp16Watch
 
 
 @dataclass
 class Reported:
-    """What the sharded optimizer reports after a step: its skipped-step count and loss scale."""
+    """What the sharded optimizer reports after a step: its skipped-step count and loss scale (and its
+    real scaler, whose floor the watch reads)."""
 
     skipped_steps: int = 0
     loss_scale: float = 65536.0
+    scaler: DynamicLossScaler = field(default_factory=lambda: DynamicLossScaler(torch.device("cpu")))
 
 
 def test_a_few_skipped_steps_while_the_scale_settles_are_no_fault():
