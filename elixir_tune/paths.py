@@ -14,3 +14,19 @@ INSTALLED_CONFIGS_DIR = PACKAGE_DIR / "configs"
 CONFIGS_DIR = INSTALLED_CONFIGS_DIR if INSTALLED_CONFIGS_DIR.is_dir() else REPO_DIR / "configs"
 MODEL_CONFIGS_DIR = CONFIGS_DIR / "models"
 HARDWARE_CONFIGS_DIR = CONFIGS_DIR / "hardware"
+
+
+def split_model_spec(spec: str) -> tuple[str, str]:
+    """A MODEL argument's path and builder: ``model.py:my_builder`` names another builder than
+    ``build_model``; any other spec (a YAML, a directory, a Hub name) is its own path.
+
+    Args:
+        spec: MODEL as ``elixir-tune profile`` takes it.
+
+    Returns:
+        (path part, builder name).
+    """
+    head, sep, tail = spec.rpartition(":")
+    if sep and head.endswith(".py") and tail.isidentifier():
+        return head, tail
+    return spec, "build_model"

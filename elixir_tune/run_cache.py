@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from elixir_tune import __version__
-from elixir_tune.paths import MODEL_CONFIGS_DIR
+from elixir_tune.paths import MODEL_CONFIGS_DIR, split_model_spec
 
 CACHE_ENV_VAR = "ELIXIR_TUNE_CACHE"
 KEY_CHARS = 16  # hex digits of a cache key in a file name
@@ -38,8 +38,7 @@ def model_files(spec: str) -> list[Path]:
     Args:
         spec: MODEL as ``elixir-tune profile`` takes it (``file.py:builder`` included).
     """
-    head, colon, tail = spec.rpartition(":")
-    path = Path(head if colon and head.endswith(".py") and tail.isidentifier() else spec)
+    path = Path(split_model_spec(spec)[0])
     if path.is_dir():
         return [path / "config.json"] if (path / "config.json").is_file() else []
     if path.is_file():

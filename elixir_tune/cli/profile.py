@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from elixir_tune.cli.console import Table, console, err_console, fail, print_json
+from elixir_tune.paths import split_model_spec
 
 MODEL_HINT = (
     "MODEL is a .py file defining build_model() and example_batch(batch_size, seq_len) (file.py:builder names "
@@ -95,8 +96,7 @@ def profile_command(
         elixir-tune profile path/to/Llama-2-7b-hf --lora-rank 16 --lora-targets q_proj,v_proj   # LoRA
     """
     # A missing file is answered before the profiler's imports (torch, transformers: seconds).
-    head, colon, tail = model.rpartition(":")
-    model_path = Path(head if colon and head.endswith(".py") and tail.isidentifier() else model)
+    model_path = Path(split_model_spec(model)[0])
     if model_path.suffix in (".py", ".yaml", ".yml") and not model_path.exists():
         fail(f"{model_path}: no such file", MODEL_HINT)
     from elixir_tune.profiler import ModelSourceError, profile_model, save_profile

@@ -28,7 +28,7 @@ from torch import nn
 
 from elixir_tune.files import InputFileError, load_yaml
 from elixir_tune.hf_cache import ModelNotCachedError, cached_model_dir, looks_like_hub_name
-from elixir_tune.paths import MODEL_CONFIGS_DIR
+from elixir_tune.paths import MODEL_CONFIGS_DIR, split_model_spec
 
 
 class ModelSourceError(ValueError):
@@ -110,10 +110,7 @@ def load_model_source(spec: str) -> ModelSource:
             that is not in the local cache.
     """
     spec = str(spec)
-    path_part, builder = spec, "build_model"
-    head, sep, tail = spec.rpartition(":")
-    if sep and head.endswith(".py") and tail.isidentifier():
-        path_part, builder = head, tail
+    path_part, builder = split_model_spec(spec)
     path = Path(path_part)
     if path.is_dir():
         return _load_hf_directory(path, spec)
@@ -158,8 +155,7 @@ def check_model_source(spec: str) -> str:
         ModelSourceError: what ``load_model_source`` would refuse and can be seen without importing.
     """
     spec = str(spec)
-    head, sep, tail = spec.rpartition(":")
-    path_part, builder = (head, tail) if sep and head.endswith(".py") and tail.isidentifier() else (spec, "build_model")
+    path_part, builder = split_model_spec(spec)
     path = Path(path_part)
     if path.suffix != ".py" or path.is_dir():
         return load_model_source(spec).name
