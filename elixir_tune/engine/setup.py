@@ -154,6 +154,14 @@ def setup(
         ``zero_grad()``.
     """
     plan = _resolve_plan(plan)
+    if plan.engine.name != "elixir":
+        raise PlanError(
+            "<plan>",
+            [
+                f"engine.name: {plan.engine.name}: this version's setup runs the chunk engine (elixir) only; "
+                "search again without pinning the engine"
+            ],
+        )
     check_plan_matches(model, plan)
     check_combined(plan, vocab_parallel_loss)
     parallel = plan.parallel

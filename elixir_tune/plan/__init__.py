@@ -1,5 +1,6 @@
 """The plan: what to run, read by the engine and the launcher. Imports no torch."""
 
+from elixir_tune.plan.engine_choice import ENGINE_NAMES, EngineChoice
 from elixir_tune.plan.fingerprint import fingerprint, model_fingerprint
 from elixir_tune.plan.io import (
     PLAN_ENV_VAR,
@@ -35,6 +36,8 @@ from elixir_tune.plan.schema import (
 from elixir_tune.plan.validate import validate, validate_dict
 
 __all__ = [
+    "ENGINE_NAMES",
+    "EngineChoice",
     "PLAN_ENV_VAR",
     "PlanError",
     "dump_plan",

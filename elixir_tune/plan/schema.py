@@ -22,6 +22,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, get_args
 
+from elixir_tune.plan.engine_choice import EngineChoice, changed_fields
 from elixir_tune.plan.fields import Min, NonNegativeFloat, NonNegativeInt, PositiveInt
 
 SCHEMA_VERSION = 1
@@ -435,6 +436,7 @@ class Plan:
     training: TrainingInfo
     memory: MemoryPlan
     parallel: ParallelPlan = field(default_factory=ParallelPlan)
+    engine: EngineChoice = field(default_factory=EngineChoice)
     prediction: Prediction | None = None
     search: SearchInfo | None = None
     schema_version: int = SCHEMA_VERSION
@@ -487,10 +489,15 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         """The plan as plain Python objects, sections in reading order, empty optional sections left out."""
         raw: dict[str, Any] = {"schema_version": self.schema_version}
-        for name in ("model", "cluster", "parallel", "training", "memory", "prediction", "search"):
+        for name in ("model", "cluster", "parallel", "engine", "training", "memory", "prediction", "search"):
             value = getattr(self, name)
-            # Without pipeline or tensor parallelism the section is left out: such plans read as before.
+            # Without pipeline or tensor parallelism, or on our own engine, the section is left out:
+            # such plans read as before.
             if value is not None and not (name == "parallel" and self.parallel.is_default()):
+                if name == "engine":
+                    if value != EngineChoice():  # only what differs from the defaults, name first
+                        raw[name] = {"name": value.name, **changed_fields(value, EngineChoice())}
+                    continue
                 raw[name] = dataclasses.asdict(value)
         if "parallel" in raw and self.parallel.context == ContextParallel():
             del raw["parallel"]["context"]  # no context parallelism: the file reads as before it

@@ -22,6 +22,7 @@ from elixir_tune.plan.capabilities import (
     needs_forward_backward,
 )
 from elixir_tune.plan.context import context_degree, context_problems
+from elixir_tune.plan.engine_choice import engine_problems
 from elixir_tune.plan.fields import check_fields, is_required, section_type
 from elixir_tune.plan.memory import ALIGN_ELEMENTS
 from elixir_tune.plan.schema import SCHEMA_VERSION, Plan
@@ -345,6 +346,7 @@ def validate_dict(raw: Any) -> list[str]:
     _check_contract(parallel, model, training, errors)
     _check_expert(parallel, model, training, memory.get("chunks", []) or [], data_size, errors)
     errors.extend(context_problems(parallel, model, training))
+    errors.extend(engine_problems(sections.get("engine", {}), memory, parallel))
     _check_batch_and_blocks(training, model, data_size, errors)
     _check_memory(memory, parallel, model, training, data_size, errors)
     return errors
