@@ -29,7 +29,17 @@ from elixir_tune.engine import grad_view
 from elixir_tune.engine.chunks.host_memory import zeros_on_demand
 from elixir_tune.engine.engine import Engine
 from elixir_tune.engine.finite import FiniteGuard, nonfinite_count
+from elixir_tune.engine.optimizer_state import (
+    check_shard_identity,
+    gather_whole_state,
+    import_whole_state,
+    is_torch_form,
+    shard_identity,
+    state_by_param,
+    whole_form_refusal,
+)
 from elixir_tune.engine.scaler import DynamicLossScaler
+from elixir_tune.engine.uneven import OPTIM
 
 _IMPLEMENTATION_KEYS = ("fused", "foreach", "params")
 
@@ -102,6 +112,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self._inner.append(self._build_inner(entries))
                 self._on_host.append(on_host)
         self._preallocate_state()
+        if optimizer.state:  # loaded (a resume) or stepped before setup: each rank takes its shard's part
+            import_whole_state(self, {id(param): state for param, state in optimizer.state.items()})
+            optimizer.state.clear()  # the whole-shape copies would hold a replica of the state
         # Tensor parallelism: a gradient piece that several tensor ranks hold alike (a replicated
         # parameter, or one split along one grid dimension only) counts once in the global norm.
         shares: dict[float, list[torch.Tensor]] = {}
@@ -415,15 +428,49 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # --- checkpoints ---------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """This rank's optimizer state (shard-local) and the loss scaler."""
+        """The optimizer state as DDP's optimizer gives it: torch's form, whole parameters.
+
+        A collective, as ``model.state_dict()``: every rank calls it, or rank 0 alone where the
+        others are about to run a forward. Rank 0 gets the dictionary (it loads into a plain torch
+        optimizer too), the others an empty one. Under tensor or expert parallelism or a pipeline
+        it is this rank's shard (``shard_state_dict``).
+        """
+        if whole_form_refusal(self.engine) is not None:
+            return self.shard_state_dict()
+        if self.engine.agreement is not None:  # rank 0 alone may ask, as nanoGPT does (uneven.py)
+            self.engine.agreement.enter(OPTIM)
+        whole = gather_whole_state(self)
+        if whole and self.scaler is not None:
+            whole["loss_scaler"] = self.scaler.state_dict()
+        return whole
+
+    def shard_state_dict(self) -> dict:
+        """This rank's optimizer state (shard-local, marked with the rank and plan it belongs to) and
+        the loss scaler: what the engine's checkpoints save on every rank."""
         return {
+            "shard_of": shard_identity(self.engine),
             "inner": [inner.state_dict() for inner, _ in self._inner],
             "scaler": self.scaler.state_dict() if self.scaler else None,
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restores what ``state_dict`` saved on this rank (same plan and world size)."""
+        """Restores what ``state_dict`` saved on this rank (same plan and world size), or takes this
+        rank's part of a whole-parameter state in torch's form (a DDP or plain run's save).
+
+        Raises:
+            OptimizerStateError: another rank's or plan's shard, or a torch-form state that does
+                not fit this optimizer.
+        """
+        if is_torch_form(state_dict):
+            import_whole_state(self, state_by_param(state_dict, self.param_groups))
+            for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
+                group.update({key: value for key, value in saved.items() if key != "params"})
+            self.steps_done = max(self.steps_done, 1 if state_dict["state"] else 0)
+            if self.scaler is not None and state_dict.get("loss_scaler"):
+                self.scaler.load_state_dict(state_dict["loss_scaler"])
+            return
+        check_shard_identity(state_dict.get("shard_of"), self.engine)
         for (inner, _), state in zip(self._inner, state_dict["inner"], strict=True):
             flats = {
                 id(p): {k: v for k, v in inner.state[p].items() if k != "step"}

@@ -14,6 +14,7 @@ from elixir_tune.engine.grad_view import GradPlaceholders
 from elixir_tune.engine.io.materialize import has_meta, make_source
 from elixir_tune.engine.model import ElixirModel
 from elixir_tune.engine.optimizer import ShardedOptimizer
+from elixir_tune.engine.optimizer_state import gather_whole_state
 from elixir_tune.engine.parallel.expert_parallel import split_experts
 from elixir_tune.engine.parallel.pipeline_tensor import check_combined
 from elixir_tune.engine.parallel.tensor_parallel import split_for_plan
@@ -243,6 +244,7 @@ def forward_agreement(engine: Engine, plan: Plan, mesh) -> ForwardAgreement | No
         pre_forward=lambda index: engine._pre_forward(modules[index]),
         post_forward=lambda index: engine._post_forward(modules[index]),
         state_dict=lambda all_ranks: _discard(engine.full_state_dict(all_ranks=all_ranks)),
+        optimizer_state=lambda: _discard(gather_whole_state(engine.optimizer)),
     )
     channel = ControlChannel(mesh.world.world_size, mesh.world.rank, collective_timeout_s())
     return ForwardAgreement(channel, replay, refusal)

@@ -8,7 +8,8 @@ forward and state dict what it is about to do, in one exchange of three integers
 channel (engine/comm/control.py):
 
 * all the same: each goes on at once;
-* one rank evaluates (a forward under ``torch.no_grad()``) or asks for the state dict while the
+* one rank evaluates (a forward under ``torch.no_grad()``) or asks for the model's or the
+  optimizer's state dict while the
   others wait in a training forward (or in a state dict): that rank leads. The others follow: they
   replay the leader's engine steps (each module's chunk fetch and release, each state dict gather)
   without computing anything, so every gather has its partners and every rank's cache ends in the
@@ -27,10 +28,11 @@ from dataclasses import dataclass
 from elixir_tune.engine.comm.control import ControlChannel, ControlTimeout
 
 # What a rank is about to do; a higher number leads a lower one.
-TRAIN, STATE, EVAL = 0, 1, 2
+TRAIN, STATE, OPTIM, EVAL = 0, 1, 2, 3
 KIND_NAMES = {
     TRAIN: "a training forward",
     STATE: "model.state_dict()",
+    OPTIM: "optimizer.state_dict()",
     EVAL: "a forward under torch.no_grad()",
 }
 # What a row of an exchange says: a follower waits; a leader enters a new kind or runs a module hook.
@@ -50,12 +52,14 @@ class Replay:
         pre_forward: module number -> the module's forward pre-hook work (fetch its chunks).
         post_forward: module number -> the module's forward hook work (release them).
         state_dict: all_ranks -> the engine's full state dict gathers.
+        optimizer_state: the optimizer state's gathers (``optimizer.state_dict()``).
     """
 
     begin: Callable[[], None]
     pre_forward: Callable[[int], None]
     post_forward: Callable[[int], None]
     state_dict: Callable[[bool], None]
+    optimizer_state: Callable[[], None]
 
 
 def _ranks_text(ranks: list[int]) -> str:
@@ -171,5 +175,7 @@ class ForwardAgreement:
         _, kind, flag = entry
         if kind == STATE:
             self.replay.state_dict(bool(flag))
+        elif kind == OPTIM:
+            self.replay.optimizer_state()
         else:
             self.replay.begin()

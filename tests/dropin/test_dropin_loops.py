@@ -84,6 +84,31 @@ def test_nanogpt_loop_matches_ddp(nanogpt, plan):
     assert generated.shape == (1, 6)
 
 
+def _resume(work, run: str, saved_by: str, plan=None, max_iters=24) -> dict:
+    """nanoGPT's resume: a copy of ``saved_by``'s last checkpoint (iteration 20) trained on to ``max_iters``."""
+    out = work / run
+    out.mkdir()
+    shutil.copy(work / saved_by / "ckpt.pt", out / "ckpt.pt")
+    args = ["--init_from=resume", f"--out_dir={run}", f"--max_iters={max_iters}"]
+    if plan is None:
+        return run_ddp(work / "train_nanogpt_ddp.py", args, work, run)
+    return run_port(plan, work / "train.py", args, work, run)
+
+
+def test_nanogpt_resumes_from_its_own_checkpoint_and_from_a_ddp_one(nanogpt):
+    """Rank 0 alone saved ``optimizer.state_dict()`` (torch's form, gathered); every rank loads it into
+    the plain optimizer before setup and takes its shard's part: the resumed run trains as DDP's."""
+    work, _, _, plan_files = nanogpt
+    if not (work / "released" / "ckpt.pt").exists():
+        run_port(plan_files["released"], work / "train.py", ["--out_dir=released"], work, "released")
+    expected = _resume(work, "ddp-resumed", "ddp")
+    assert len(expected["losses"]) == 5  # iterations 20 to 24
+    own = _resume(work, "own-resumed", "released", plan_files["released"])
+    assert relative_gap(own["losses"], expected["losses"]) < LOSS_REL
+    from_ddp = _resume(work, "ddp-to-elixir", "ddp", plan_files["offload"])
+    assert relative_gap(from_ddp["losses"], expected["losses"]) < LOSS_REL
+
+
 @pytest.fixture(scope="module")
 def hf_loop(tmp_path_factory):
     work = _workdir(tmp_path_factory, "hf", ["train_hf_ddp.py"])

@@ -1,7 +1,7 @@
 """A DDP training script written the way nanoGPT's train.py is (our own code, in its style).
 
 Rank 0 alone evaluates (``estimate_loss`` under ``torch.no_grad()``) and saves ``raw_model.state_dict()``
-with the optimizer's state; every rank clips with ``torch.nn.utils.clip_grad_norm_``, sets the
+with the optimizer's state, which ``--init_from=resume`` loads before the wrap; every rank clips with ``torch.nn.utils.clip_grad_norm_``, sets the
 learning rate in ``optimizer.param_groups`` and accumulates gradients over micro-steps. The drop-in
 test ports it to elixir-run by changing two lines (the DDP import and the DDP wrap) and compares.
 Options as nanoGPT's configurator takes them: ``--key=value``. Rank 0 writes ``record.json``.
@@ -19,6 +19,7 @@ from torch.distributed import destroy_process_group, init_process_group
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 out_dir = "out"
+init_from = "scratch"  # or "resume": from out_dir/ckpt.pt, as nanoGPT resumes
 eval_interval = 5
 eval_iters = 3
 always_save_checkpoint = True
@@ -69,9 +70,18 @@ def get_batch(split):
 iter_num = 0
 best_val_loss = 1e9
 model_args = dict(n_layer=2, n_head=2, n_embd=32, block_size=block_size, bias=True, vocab_size=96, dropout=0.0)
+checkpoint = None
+if init_from == "resume":
+    checkpoint = torch.load(os.path.join(out_dir, "ckpt.pt"), map_location="cpu", weights_only=False)
+    model_args, iter_num, best_val_loss = checkpoint["model_args"], checkpoint["iter_num"], checkpoint["best_val_loss"]
 model = GPT(GPTConfig(**model_args))
+if checkpoint is not None:
+    model.load_state_dict(checkpoint["model"])
 scaler = torch.amp.GradScaler("cpu", enabled=False)
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), "cpu")
+if checkpoint is not None:
+    optimizer.load_state_dict(checkpoint["optimizer"])
+checkpoint = None
 if ddp:
     model = DDP(model)
 

@@ -199,3 +199,40 @@ def test_a_scalar_parameter_gets_a_placeholder_too():
     assert temperature.grad.shape == ()
     with pytest.raises(GradientInShardsError):
         temperature.grad.abs()
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_torch_form_optimizer_state_resumes_exactly_loaded_before_or_after_setup(when):
+    """A DDP run's ``optimizer.state_dict()`` (whole parameters, torch's form) resumes under the engine:
+    loaded into the optimizer before setup (nanoGPT's order) or into it after."""
+    import copy
+
+    model, reference, batch = _gpt2_pair()
+    plain_opt = torch.optim.AdamW(reference.parameters(), lr=LR, eps=1e-6)
+    _train(reference, plain_opt, batch, 2)
+    saved_weights, saved_state = copy.deepcopy(reference.state_dict()), copy.deepcopy(plain_opt.state_dict())
+    expected = _train(reference, plain_opt, batch, 2)
+    model.load_state_dict(saved_weights)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-6)
+    if when == "before":
+        optimizer.load_state_dict(saved_state)
+    model, optimizer = _setup(model, optimizer, cache="min")
+    if when == "after":
+        optimizer.load_state_dict(saved_state)
+    found = _train(model, optimizer, batch, 2)
+    assert found == pytest.approx(expected, rel=1e-6)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, reference.state_dict()[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_another_ranks_optimizer_shard_is_refused():
+    from elixir_tune.engine.optimizer_state import OptimizerStateError
+
+    model, _, batch = _gpt2_pair()
+    model, optimizer = _setup(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    _train(model, optimizer, batch, 1)
+    state = optimizer.shard_state_dict()
+    optimizer.load_state_dict(state)  # its own shard: taken
+    state["shard_of"] = dict(state["shard_of"], rank=1, world_size=2)
+    with pytest.raises(OptimizerStateError, match=r"one rank's shard of another place: rank 1 \(here 0\)"):
+        optimizer.load_state_dict(state)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from elixir_tune.engine.uneven import ENTER, EVAL, POST, PRE, STATE, TRAIN, WAIT, ForwardAgreement, Replay
+from elixir_tune.engine.uneven import ENTER, EVAL, OPTIM, POST, PRE, STATE, TRAIN, WAIT, ForwardAgreement, Replay
 from elixir_tune.engine.uneven import UnevenForwardError as Uneven
 
 
@@ -28,6 +28,7 @@ def agreement(rank: int, answers, refusal=None):
         pre_forward=lambda index: done.append(("pre", index)),
         post_forward=lambda index: done.append(("post", index)),
         state_dict=lambda all_ranks: done.append(("state", all_ranks)),
+        optimizer_state=lambda: done.append(("optimizer",)),
     )
     return ForwardAgreement(Rows(rank, answers), replay, refusal), done  # type: ignore[arg-type]
 
@@ -47,11 +48,12 @@ def test_a_rank_evaluating_alone_leads_and_the_others_replay_its_hooks_until_it_
             [[PRE, 3, 0], [WAIT, TRAIN, 0]],
             [[POST, 3, 0], [WAIT, TRAIN, 0]],
             [[ENTER, STATE, 1], [WAIT, TRAIN, 0]],  # then the leader reads the state dict alone
+            [[ENTER, OPTIM, 0], [WAIT, TRAIN, 0]],  # and the optimizer's (nanoGPT's checkpoint)
             [[ENTER, TRAIN, 0], [WAIT, TRAIN, 0]],  # and starts training: all go on
         ],
     )
     follower.enter(TRAIN)
-    assert done == [("begin",), ("pre", 3), ("post", 3), ("state", True)]
+    assert done == [("begin",), ("pre", 3), ("post", 3), ("state", True), ("optimizer",)]
     assert not follower.leading
     leader, _ = agreement(0, [leader_rows])
     leader.enter(EVAL)

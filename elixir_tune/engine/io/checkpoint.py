@@ -214,7 +214,7 @@ def save_checkpoint(
         "rank": comm.rank,
         "world_size": comm.world_size,
         "masters": [chunk.master.detach().cpu().clone() for chunk in engine.chunks],
-        "optimizer": _to_cpu(optimizer.state_dict()),
+        "optimizer": _to_cpu(optimizer.shard_state_dict()),
         "skipped_steps": int(optimizer.skipped_steps),
         "replicated": _replicated(engine),
         "rng": _rng_state(engine.device),
