@@ -180,11 +180,15 @@ class EngineGrads:
             self._reducing.remove(chunk)
             self.staging.release(chunk.finish_reduce())
 
-    def zero_grad(self) -> None:
-        """Zeroes the shard gradients after the reductions in flight; ``p.grad`` placeholders become None."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zeroes the shard gradients after the reductions in flight. ``p.grad`` becomes None, or
+        with ``set_to_none=False`` (torch's zero tensors) a placeholder that refuses computation,
+        so code that adds to ``p.grad`` is stopped, not given None."""
         self.drain_grads()
         for chunk in self.chunks:
             chunk.grad.zero_()
         self.used.copy_(self._frozen_slots)
         if self.grad_placeholders is not None:
             self.grad_placeholders.hide()
+            if not set_to_none:
+                self.grad_placeholders.show()

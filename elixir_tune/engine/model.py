@@ -271,7 +271,7 @@ class ElixirModel(torch.nn.Module):
         if self.engine.optimizer is not None:
             self.engine.optimizer.zero_grad(set_to_none)
         else:
-            self.engine.zero_grad()
+            self.engine.zero_grad(set_to_none)
 
     def memory_report(self) -> dict[str, int]:
         """Model-state bytes of this rank (keys ``elixir_tune.plan.MODEL_STATE_KEYS``)."""

@@ -420,8 +420,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zeroes the shard gradients (buffers, never freed), after the reductions in flight; the
-        parameters' ``p.grad`` placeholders become None, as torch sets gradients to None."""
-        self.engine.zero_grad()
+        parameters' ``p.grad`` placeholders become None, as torch sets gradients to None (or stay
+        placeholders with ``set_to_none=False``)."""
+        self.engine.zero_grad(set_to_none)
         self._stats = None
         self._unscaled_at = -1
 

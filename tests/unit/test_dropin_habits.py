@@ -108,6 +108,13 @@ def test_p_grad_is_a_placeholder_that_refuses_computation_until_zero_grad():
     model.module.zero_grad()  # DDP scripts' raw_model
     assert all(p.grad is None for p in params)
     assert float(optimizer.grad_norm()) == 0.0
+    model(**batch).loss.backward()
+    optimizer.zero_grad(set_to_none=False)  # torch: zero tensors; here placeholders that refuse use
+    assert all(p.grad is not None for p in params) and float(optimizer.grad_norm()) == 0.0
+    with pytest.raises(GradientInShardsError):
+        params[0].grad.add_(1.0)
+    model(**batch).loss.backward()  # the next forward hides them: backward accumulates as usual
+    assert float(optimizer.grad_norm()) > 0
 
 
 def test_a_clip_function_imported_before_setup_is_refused_not_silent():
