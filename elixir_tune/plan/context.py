@@ -1,11 +1,12 @@
 """Context parallelism's rules (``parallel.context``), shared by ``validate``, the search and the engine.
 
-What this version runs (``CONTEXT_PARALLEL_RUNS_WITH``): Ulysses (all-to-all over heads) or the
-all-gather form (load-balanced causal split, every rank's K/V gathered) on a data x context world, with standard accumulation, the attention implementations ``sdpa`` and
-``eager``, and the families in ``CONTEXT_MODEL_TYPES`` (the ones whose forward passes its keyword
-arguments down to the attention function and whose loss is the plain shifted cross-entropy). Ring
-attention and the composition with pipeline, tensor and expert parallelism are refused with the
-reason. Lifting a limit is a change of its table entry and of the engine. Imports no torch.
+What this version runs (``CONTEXT_PARALLEL_RUNS_WITH``): Ulysses (all-to-all over heads), the
+all-gather form (load-balanced causal split, every rank's K/V gathered) or ring attention (the same
+split, K/V passed around the group) on a data x context world, with standard accumulation, the
+attention implementations ``sdpa`` and ``eager``, and the families in ``CONTEXT_MODEL_TYPES`` (the
+ones whose forward passes its keyword arguments down to the attention function and whose loss is
+the plain shifted cross-entropy). The composition with pipeline, tensor and expert parallelism is
+refused with the reason. Lifting a limit is a change of its table entry and of the engine. Imports no torch.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 # What context parallelism runs beside in this version: False entries are refused by validate.
 CONTEXT_PARALLEL_RUNS_WITH: dict[str, bool] = {
-    "ring": False,
+    "ring": True,
     "pipeline": False,
     "tensor": False,
     "expert": False,
@@ -22,7 +23,7 @@ CONTEXT_PARALLEL_RUNS_WITH: dict[str, bool] = {
 }
 
 _LIMIT_REASONS = {
-    "ring": "mode ring (ring attention is not written yet; use mode ulysses)",
+    "ring": "mode ring",
     "pipeline": "pipeline stages",
     "tensor": "tensor parallelism",
     "expert": "expert parallelism",

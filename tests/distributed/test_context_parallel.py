@@ -7,7 +7,8 @@ context 2, world 2; at world 4 data 2 x context 2 and, all-gather only, context 
 sdpa and eager attention, the plain loop and ``forward_backward``, right-padded rows (attention_mask
 0, labels -100: every rank and micro-batch counts different tokens), recomputed blocks, offloaded
 chunks, LoRA; and the zoo's Qwen2, Qwen3, Phi-3, Granite, OLMo2, Gemma2 (sliding window, soft-capping) and
-two mixtures of experts at world 2. fp32: step losses 1e-5 relative, final weights 1e-5 absolute
+two mixtures of experts at world 2. Ring attention (the same split, key/value blocks passed around the
+group) on Llama, Qwen3, Gemma2, Phi-3 and Qwen3-MoE at world 2 and Gemma2 at context 4. fp32: step losses 1e-5 relative, final weights 1e-5 absolute
 after 4 AdamW steps (eps 1e-6, as the other engine tests). A script that feeds the ranks of a
 context group different rows is stopped at the first forward.
 
@@ -59,6 +60,19 @@ FAMILIES = [
         offload=0.5, cache="min",
     ),
 ]  # fmt: skip
+# Ring attention (K/V blocks passed around the group, merged by log-sum-exp; chunks i and 3 - i of 4 per
+# rank), five families at world 2: Gemma2's window of 4 tokens is one chunk (whole blocks skipped), with
+# soft-capping; the Llama with recomputed blocks and offloaded chunks.
+RING = [
+    dict(
+        model="llama", attn="sdpa", context=2, loop="forward_backward", accum=2, padded=True, checkpoint=1,
+        offload=0.5, cache="min", mode="ring",
+    ),
+    dict(model="zoo:qwen3", context=2, loop="plain", padded=True, mode="ring"),
+    dict(model="zoo:gemma2", attn="eager", context=2, loop="plain", padded=True, mode="ring"),
+    dict(model="zoo:phi3", context=2, loop="forward_backward", accum=2, padded=True, mode="ring"),
+    dict(model="zoo:qwen3_moe", context=2, loop="plain", padded=True, chunk_size=8192, mode="ring"),
+]  # fmt: skip
 PACKED = dict(model="llama", attn="sdpa", context=2, packed=True)
 # Last, as it leaves its model mid-forward: ranks fed by RANK instead of data_rank().
 SLICED_BY_RANK = dict(model="llama", attn="sdpa", context=2, slice_by_rank=True)
@@ -73,6 +87,9 @@ WORLD4 = [
         model="zoo:qwen3", context=2, loop="forward_backward", accum=2, padded=True, mode="allgather", offload=0.5,
         cache="min",
     ),
+    # A ring of 4 (each block passes three times; the sender and the receiver differ), Gemma2's window of
+    # 4 tokens over chunks of 2.
+    dict(model="zoo:gemma2", attn="eager", context=4, loop="plain", padded=True, mode="ring"),
 ]  # fmt: skip
 
 
@@ -108,6 +125,16 @@ def families():
 @pytest.mark.parametrize("index", range(len(FAMILIES)), ids=[c["model"] for c in FAMILIES])
 def test_context2_families_match_torch(families, index):
     check(families, index)
+
+
+@pytest.fixture(scope="module")
+def ring():
+    return launch("context_parallel_worker.py", RING, 2, timeout_s=400)
+
+
+@pytest.mark.parametrize("index", range(len(RING)), ids=[c["model"] for c in RING])
+def test_ring_attention_matches_torch(ring, index):
+    check(ring, index)
 
 
 def test_world4_matches_torch():

@@ -44,7 +44,6 @@ def test_plans_without_context_are_written_as_before():
 @pytest.mark.parametrize(
     ("change", "expected"),
     [
-        (lambda raw: raw["parallel"]["context"].update(mode="ring"), "mode ring (ring attention is not written yet"),
         (lambda raw: raw["parallel"].update(tensor={"degree": 2}), "with tensor parallelism"),
         (lambda raw: raw["model"].update(num_kv_heads=3), "does not divide model.num_kv_heads 3"),
         (lambda raw: raw["model"].update(model_type="opt"), "not model_type 'opt'"),
@@ -67,9 +66,10 @@ def test_context_degree_must_divide_the_world():
     )
 
 
-def test_the_all_gather_form_takes_any_head_count_and_needs_2c_chunks():
+@pytest.mark.parametrize("mode", ["allgather", "ring"])
+def test_the_balanced_forms_take_any_head_count_and_need_2c_chunks(mode):
     raw = _context_plan()
-    raw["parallel"]["context"]["mode"] = "allgather"
+    raw["parallel"]["context"]["mode"] = mode
     raw["model"].update(num_heads=4, num_kv_heads=1)
     assert validate(raw) == []
     raw["training"]["seq_len"] = 6  # two ranks' shares, but not four chunks
