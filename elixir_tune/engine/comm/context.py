@@ -12,22 +12,31 @@ from elixir_tune.engine.comm.experts import all_to_all_rows
 from elixir_tune.engine.comm.mesh import single_comm, subgroup
 
 
-def context_group(world: Comm, degree: int) -> Comm:
-    """This rank's context group: ``degree`` consecutive ranks (``rank = data_index * C +
-    context_index`` with no pipeline or tensor dimension). A collective: every rank calls it.
+def context_group(world: Comm, degree: int, tensor: int = 1) -> Comm:
+    """This rank's context group: the ``degree`` ranks at one data index, stage and tensor index
+    (``rank = ((data_index * P + stage) * C + context_index) * T + tensor_index``: T apart). A
+    collective: every rank calls it.
 
     Args:
         world: the Comm of every rank.
-        degree: context degree C (divides the world size).
+        degree: context degree C (C x T divides the world size).
+        tensor: tensor degree T.
 
     Raises:
-        ValueError: the degree does not divide the world size.
+        ValueError: C x T does not divide the world size.
     """
-    if world.world_size % degree:
-        raise ValueError(f"context degree {degree} does not divide the world size {world.world_size}")
+    if world.world_size % (degree * tensor):
+        raise ValueError(
+            f"context degree {degree} x tensor degree {tensor} does not divide the world size {world.world_size}"
+        )
     if degree == 1 or not world.distributed:
         return single_comm(world)
-    lists = [list(range(start, start + degree)) for start in range(0, world.world_size, degree)]
+    block = degree * tensor  # the ranks of one (data index, stage): C context x T tensor indices
+    lists = [
+        [start + index * tensor + offset for index in range(degree)]
+        for start in range(0, world.world_size, block)
+        for offset in range(tensor)
+    ]
     group = subgroup(world, lists)
     assert group is not None, "every rank is in one context group"
     return group
