@@ -71,15 +71,21 @@ class RingSpec:
             return False  # every key after every query
         return self.window is None or key_start + last > query_start - self.window
 
-    def mask(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
-        """(batch or 1, 1, queries, keys) True where allowed; None where everything is."""
+    def whole(self, query_start: int, key_start: int) -> bool:
+        """Whether every query of the chunk at ``query_start`` sees every key of the chunk at
+        ``key_start`` (padding aside): such a pair needs no mask, decided without a device sync."""
+        last = self.chunk - 1
+        return key_start + last <= query_start and (self.window is None or key_start > query_start + last - self.window)
+
+    def mask(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """(batch or 1, 1, queries, keys): True where query position i sees key position j."""
         allowed = keys[None, :] <= queries[:, None]
         if self.window is not None:
             allowed = allowed & (keys[None, :] > queries[:, None] - self.window)
         allowed = allowed[None, None]
         if self.padding is not None:
             allowed = allowed & self.padding[:, keys][:, None, None, :]
-        return None if bool(allowed.all()) else allowed
+        return allowed
 
 
 def _repeat_heads(states: torch.Tensor, heads: int) -> torch.Tensor:
@@ -89,32 +95,36 @@ def _repeat_heads(states: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _scores(spec: RingSpec, query, key, query_pos, key_pos) -> torch.Tensor:
-    """Float32 scores (batch, heads, queries, keys): scaled, soft-capped, masked (to float32's minimum)."""
+    """Float32 scores (batch, heads, queries, keys): scaled, soft-capped, masked (to float32's minimum)
+    where ``query_pos`` is not None."""
     scores = torch.matmul(query, _repeat_heads(key, query.shape[1]).transpose(-1, -2)).float() * spec.scaling
     if spec.softcap is not None:
         scores = torch.tanh(scores / spec.softcap) * spec.softcap
-    allowed = spec.mask(query_pos, key_pos)
-    if allowed is not None:
+    if query_pos is not None:
         # A row with no allowed key (a padded query) attends uniformly, as under transformers' additive mask.
-        scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)
+        scores = scores.masked_fill(~spec.mask(query_pos, key_pos), torch.finfo(torch.float32).min)
     return scores
 
 
 def _pairs(spec: RingSpec, source: int, device: torch.device):
-    """For each of this rank's query chunks: (its slice, its positions, the indices of the block's
-    visible key tokens and their positions), or None where it sees none of the block from ``source``."""
+    """For each of this rank's query chunks that sees any of the block from ``source``: (its rows,
+    the block's visible key tokens, and the query and key positions, both None where no key needs a mask).
+
+    A query chunk sees one or both of the block's two chunks: the visible keys are one slice.
+    """
     chunk, rank = spec.chunk, spec.comm.rank
     key_starts = spec.chunk_starts(source)
     for index, query_start in enumerate(spec.chunk_starts(rank)):
-        local = slice(index * chunk, (index + 1) * chunk)
-        query_pos = torch.arange(query_start, query_start + chunk, device=device)
         seen = [k for k, key_start in enumerate(key_starts) if spec.visible(query_start, key_start)]
         if not seen:
-            yield local, query_pos, None, None
             continue
-        key_index = torch.cat([torch.arange(k * chunk, (k + 1) * chunk, device=device) for k in seen])
+        rows, keys = slice(index * chunk, (index + 1) * chunk), slice(seen[0] * chunk, (seen[-1] + 1) * chunk)
+        if spec.padding is None and all(spec.whole(query_start, key_starts[k]) for k in seen):
+            yield rows, keys, None, None
+            continue
+        query_pos = torch.arange(query_start, query_start + chunk, device=device)
         key_pos = torch.cat([torch.arange(key_starts[k], key_starts[k] + chunk, device=device) for k in seen])
-        yield local, query_pos, key_index, key_pos
+        yield rows, keys, query_pos, key_pos
 
 
 def _split(flat: torch.Tensor, key_shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,9 +143,7 @@ def _ring_forward(spec: RingSpec, query, key, value) -> tuple[torch.Tensor, torc
         if step < size - 1:
             following, handle = ring_pass(spec.comm, block, _KV_TAG)  # in flight while this block is computed
         block_key, block_value = _split(block, key.shape)
-        for rows, query_pos, key_index, key_pos in _pairs(spec, (rank - step) % size, query.device):
-            if key_index is None:
-                continue
+        for rows, key_index, query_pos, key_pos in _pairs(spec, (rank - step) % size, query.device):
             scores = _scores(spec, query[:, :, rows], block_key[:, :, key_index], query_pos, key_pos)
             block_lse = torch.logsumexp(scores, dim=-1)
             probs = torch.exp(scores - block_lse[..., None])
@@ -162,9 +170,7 @@ def _block_grads(spec: RingSpec, source: int, query, key, value, grad_out, lse, 
     query, key, value = (t.detach().requires_grad_() for t in (query, key, value))
     outputs, weights = [], []
     with torch.enable_grad():
-        for rows, query_pos, key_index, key_pos in _pairs(spec, source, query.device):
-            if key_index is None:
-                continue
+        for rows, key_index, query_pos, key_pos in _pairs(spec, source, query.device):
             scores = _scores(spec, query[:, :, rows], key[:, :, key_index], query_pos, key_pos)
             probs = torch.exp(scores - lse[:, :, rows, None])
             outputs += [
