@@ -85,11 +85,16 @@ def parallel_summary(plan: Plan, expert_bytes: int | None = None) -> dict:
     if pipeline.stages > 1 or tensor.degree > 1 or expert > 1:
         out["groups"] = mesh_groups(plan.world_size, pipeline.stages, tensor.degree)
     context = plan.parallel.context
-    if context.degree > 1:  # C consecutive ranks (no pipeline or tensor with it in this version)
+    if context.degree > 1:  # C ranks T apart (rank = (data_index x C + context_index) x T + tensor_index)
         out.update(context=context.degree, context_mode=context.mode)
-        out["groups"] = {
-            "context": [list(range(r, r + context.degree)) for r in range(0, plan.world_size, context.degree)]
-        }
+        step = tensor.degree
+        groups = out.get("groups", {})  # beside tensor parallelism: its tensor and data x context groups
+        groups["context"] = [
+            [start + index * step + offset for index in range(context.degree)]
+            for start in range(0, plan.world_size, context.degree * step)
+            for offset in range(step)
+        ]
+        out["groups"] = groups
     if expert > 1:  # E consecutive ranks of each data group; the ranks E apart hold the same experts
         data_groups = out["groups"]["data"]
         out.update(expert=expert, num_experts=plan.model.num_experts, expert_bytes_per_micro_batch=expert_bytes)
@@ -171,7 +176,10 @@ def mesh_lines(plan: Plan) -> list[str]:
     for kind in [kind for kind in what if kind in groups]:
         listed = " ".join("[" + ",".join(map(str, group)) + "]" for group in groups[kind][:SHOWN_GROUPS])
         more = f" ... ({len(groups[kind])} groups)" if len(groups[kind]) > SHOWN_GROUPS else ""
-        lines.append(f"{kind} groups {what[kind]}: {listed}{more}")
+        meaning = what[kind]
+        if kind == "context" and plan.parallel.tensor.degree > 1:
+            meaning = meaning.replace("consecutive ranks", f"{plan.parallel.tensor.degree} ranks apart")
+        lines.append(f"{kind} groups {meaning}: {listed}{more}")
     return lines
 
 

@@ -185,7 +185,13 @@ def setup(
         from elixir_tune.engine.comm.context import context_group
         from elixir_tune.engine.parallel.context_parallel import install as install_context
 
-        install_context(model, context_group(mesh.world, parallel.context.degree), parallel.context.mode)
+        if vocab_parallel_loss:
+            raise ValueError(
+                "vocab_parallel_loss with context parallelism: each context rank computes its tokens' loss on "
+                "whole logits; call setup without vocab_parallel_loss for this plan"
+            )
+        group = context_group(mesh.world, parallel.context.degree, parallel.tensor.degree)
+        install_context(model, group, parallel.context.mode)
     source = make_source(model, weights, seed, tensor_parallel)
     experts = None
     if parallel.expert.degree > 1:

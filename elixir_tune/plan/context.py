@@ -1,11 +1,13 @@
 """Context parallelism's rules (``parallel.context``), shared by ``validate``, the search and the engine.
 
-What this version runs (``CONTEXT_PARALLEL_RUNS_WITH``): Ulysses (all-to-all over heads) or the
-all-gather form (load-balanced causal split, every rank's K/V gathered) on a data x context world, with standard accumulation, the attention implementations ``sdpa`` and
-``eager``, and the families in ``CONTEXT_MODEL_TYPES`` (the ones whose forward passes its keyword
-arguments down to the attention function and whose loss is the plain shifted cross-entropy). Ring
-attention and the composition with pipeline, tensor and expert parallelism are refused with the
-reason. Lifting a limit is a change of its table entry and of the engine. Imports no torch.
+What this version runs (``CONTEXT_PARALLEL_RUNS_WITH``): Ulysses (all-to-all over heads), the
+all-gather form (load-balanced causal split, every rank's K/V gathered) or ring attention (the same
+split, K/V passed around the group) on a data x context world, with standard accumulation, the
+attention implementations ``sdpa`` and ``eager``, and the families in ``CONTEXT_MODEL_TYPES`` (the
+ones whose forward passes its keyword arguments down to the attention function and whose loss is
+the plain shifted cross-entropy), beside 1D tensor parallelism (context groups T ranks apart). The
+composition with pipeline, 2D tensor and expert parallelism is refused with the reason. Lifting a
+limit is a change of its table entry and of the engine. Imports no torch.
 """
 
 from __future__ import annotations
@@ -14,17 +16,19 @@ from typing import Any
 
 # What context parallelism runs beside in this version: False entries are refused by validate.
 CONTEXT_PARALLEL_RUNS_WITH: dict[str, bool] = {
-    "ring": False,
+    "ring": True,
     "pipeline": False,
-    "tensor": False,
+    "tensor": True,  # 1D (Megatron, sequence-parallel norms): each tensor rank's heads over its shard
+    "tensor_2d": False,
     "expert": False,
     "layered": False,
 }
 
 _LIMIT_REASONS = {
-    "ring": "mode ring (ring attention is not written yet; use mode ulysses)",
+    "ring": "mode ring",
     "pipeline": "pipeline stages",
     "tensor": "tensor parallelism",
+    "tensor_2d": "2D tensor parallelism",
     "expert": "expert parallelism",
     "layered": "layered accumulation",
 }
@@ -42,13 +46,16 @@ def context_degree(parallel: Any) -> int:
     return degree if isinstance(degree, int) and degree >= 1 else 1
 
 
-def context_problems(parallel: dict, model: dict, training: dict) -> list[str]:
+def context_problems(parallel: dict, model: dict, training: dict, with_tensor: bool = False) -> list[str]:
     """Every reason the engine cannot run the plan's context parallelism, each with its field path.
 
     Args:
         parallel: the plan's ``parallel`` mapping.
         model: the plan's ``model`` mapping (``model_type``, ``num_heads``, ``num_kv_heads``).
         training: the plan's ``training`` mapping (``seq_len``, ``accumulation``).
+        with_tensor: accept 1D tensor parallelism beside C, which the engine runs (``validate``
+            passes True). The search leaves it False: its cost model does not price C x T yet, and
+            its context layouts carry no tensor degree, so a C x T pin is refused there.
 
     Returns:
         The problems; empty when C is 1 or the plan runs.
@@ -57,20 +64,24 @@ def context_problems(parallel: dict, model: dict, training: dict) -> list[str]:
     if degree == 1:
         return []
     context = parallel.get("context", {})
+    tensor = parallel.get("tensor", {}).get("degree", 1)
     path = f"parallel.context.degree: {degree}"
     asked = {
         "ring": context.get("mode", "ulysses") == "ring",
         "pipeline": parallel.get("pipeline", {}).get("stages", 1) > 1,
-        "tensor": parallel.get("tensor", {}).get("degree", 1) > 1,
+        "tensor": tensor > 1,
+        "tensor_2d": tensor > 1 and parallel.get("tensor", {}).get("mode", "1d") != "1d",
         "expert": parallel.get("expert", {}).get("degree", 1) > 1,
         "layered": training.get("accumulation", "standard") == "layered",
     }
     problems = []
-    conflicts = [_LIMIT_REASONS[key] for key, used in asked.items() if used and not CONTEXT_PARALLEL_RUNS_WITH[key]]
+    runs = dict(CONTEXT_PARALLEL_RUNS_WITH, tensor=CONTEXT_PARALLEL_RUNS_WITH["tensor"] and with_tensor)
+    conflicts = [_LIMIT_REASONS[key] for key, used in asked.items() if used and not runs[key]]
     if conflicts:
+        where = "data x context x 1D tensor worlds" if with_tensor else "data x context worlds (the search)"
         problems.append(
-            f"{path} with {', '.join(conflicts)}: this version runs context parallelism on data x context "
-            "worlds only (Ulysses, standard accumulation); drop them or set the context degree to 1"
+            f"{path} with {', '.join(conflicts)}: this version runs context parallelism on {where} with standard "
+            "accumulation; drop them or set the context degree to 1"
         )
     model_type = model.get("model_type", "")
     if model_type not in CONTEXT_MODEL_TYPES:
@@ -80,12 +91,15 @@ def context_problems(parallel: dict, model: dict, training: dict) -> list[str]:
         )
     mode = context.get("mode", "ulysses")
     if mode == "ulysses":
+        # Tensor parallelism splits the heads first: Ulysses splits each tensor rank's share again.
+        split = degree * tensor if isinstance(tensor, int) and tensor > 1 else degree
+        of_tensor = f" x tensor degree {tensor}" if split != degree else ""
         for key in ("num_heads", "num_kv_heads"):
             heads = model.get(key, 0)
-            if isinstance(heads, int) and heads and heads % degree:
+            if isinstance(heads, int) and heads and heads % split:
                 problems.append(
-                    f"{path} does not divide model.{key} {heads}; Ulysses gives each context rank whole "
-                    "attention heads of the full sequence (parallel.context.mode: allgather takes any head count)"
+                    f"{path}{of_tensor} does not divide model.{key} {heads}; Ulysses gives each context rank whole "
+                    "attention heads of the full sequence (parallel.context.mode allgather or ring takes any head count)"
                 )
     seq_len = training.get("seq_len")
     # Ulysses needs C equal shards; the load-balanced causal split needs 2C (chunks i and 2C-1-i).

@@ -264,7 +264,8 @@ class ContextParallel:
             values inside attention; the chunks are sharded over data x context.
         mode: ``ulysses`` (all-to-all over heads before and after attention; C divides the heads),
             ``allgather`` (each rank holds chunks i and 2C - 1 - i of 2C and gathers every rank's keys
-            and values; any head count) or ``ring`` (K/V passed around the ring; not run yet).
+            and values; any head count) or ``ring`` (the same split; K/V passed around the ring, overlapped
+            with the attention of the block in hand; any head count).
     """
 
     degree: PositiveInt = 1

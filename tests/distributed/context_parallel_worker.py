@@ -11,6 +11,9 @@ Run by ``engine_launch.py`` (gloo, CPU). Each case is a dict:
     slice_by_rank: feed each rank its own rows by RANK (the mistake the first forward must catch)
     packed: position_ids restarting inside the rows (packed documents), which must be refused
     lora: LoRA adapters (PEFT, rank 4 on q/v and the MLP's down projection), the base in frozen chunks
+    tensor: tensor degree T (1D, sequence-parallel; world: data x C x T)
+    control: also run plain PyTorch with o_proj and down_proj summed over two halves of their input
+        (tensor 2's order): ``control_weight_abs`` is its weight difference from the reference
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import elixir_tune
 from elixir_tune.plan import validate
 from elixir_tune.plan.schema import ContextParallel
 from tests.distributed.engine_plans import batches, make_plan, param_groups, tiny_gpt2, tiny_llama_gqa
+from tests.distributed.engine_tp_worker import _split_rows
 from tests.distributed.engine_worker import compare, local_micro, mean_over_ranks, plain_training
 
 SEQ = 16
@@ -60,7 +64,7 @@ def padded(global_batches: list[dict]) -> list[dict]:
 
 
 def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> dict:
-    degree, accum = case["context"], case.get("accum", 1)
+    degree, accum, tensor = case["context"], case.get("accum", 1), case.get("tensor", 1)
     model, opt = build(case)
     plan = make_plan(
         model,
@@ -68,15 +72,17 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
         case.get("chunk_size", 4096),
         cache=case.get("cache", "all"),
         offload=case.get("offload", 0.0),
-        block_list=("base_model.model." if case.get("lora") else "") + BLOCK_LISTS.get(case["model"], "model.layers"),
+        block_list=("base_model.model." if case.get("lora") else "")
+        + BLOCK_LISTS.get(case["model"].removeprefix("zoo:"), "model.layers"),
         micro_batch_size=MICRO,
         grad_accum_steps=accum,
         seq_len=SEQ,
         checkpoint_every=case.get("checkpoint", 0),
         frozen_chunks=bool(case.get("lora")),
+        tensor=tensor,
     )
     plan.parallel.context = ContextParallel(degree=degree, mode=case.get("mode", "ulysses"))
-    plan.training.global_batch_size = MICRO * accum * (world // degree)
+    plan.training.global_batch_size = MICRO * accum * (world // (degree * tensor))
     assert not validate(plan), validate(plan)
     model, opt = elixir_tune.setup(model, opt, plan=plan)
     data, data_rank = elixir_tune.data_size(), elixir_tune.data_rank()
@@ -121,7 +127,17 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
     # Plain PyTorch on each step's whole global batch, every sequence whole.
     reference = plain_training(*build(case), global_batches)
     ours = {"state": {name: value.tolist() for name, value in state.items()}, "norms": []}
-    return dict(result, **compare(ours, reference, world_losses), world_losses=world_losses)
+    result = dict(result, **compare(ours, reference, world_losses), world_losses=world_losses)
+    if case.get("control"):
+        # The control: plain PyTorch with the row-parallel products summed over two halves of their
+        # input, as tensor 2 sums them: the fp32 reordering error of this case without the engine.
+        control_model, control_opt = build(case)
+        for name, module in control_model.named_modules():
+            if name.endswith(("o_proj", "down_proj")):
+                module.register_forward_hook(_split_rows)
+        control = plain_training(control_model, control_opt, global_batches)
+        result["control_weight_abs"] = compare(control, reference, control["losses"])["weight_abs"]
+    return result
 
 
 if __name__ == "__main__":

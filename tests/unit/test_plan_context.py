@@ -44,8 +44,12 @@ def test_plans_without_context_are_written_as_before():
 @pytest.mark.parametrize(
     ("change", "expected"),
     [
-        (lambda raw: raw["parallel"]["context"].update(mode="ring"), "mode ring (ring attention is not written yet"),
-        (lambda raw: raw["parallel"].update(tensor={"degree": 2}), "with tensor parallelism"),
+        (
+            lambda raw: raw["parallel"].update(tensor={"degree": 2}),
+            "x tensor degree 2 does not divide model.num_kv_heads 2",
+        ),
+        (lambda raw: raw["parallel"].update(tensor={"degree": 4, "mode": "2d"}), "with 2D tensor parallelism"),
+        (lambda raw: raw["parallel"].update(pipeline={"stages": 2}), "with pipeline stages"),
         (lambda raw: raw["model"].update(num_kv_heads=3), "does not divide model.num_kv_heads 3"),
         (lambda raw: raw["model"].update(model_type="opt"), "not model_type 'opt'"),
         (lambda raw: raw["training"].update(seq_len=9), "training.seq_len: 9 is not a multiple of 2"),
@@ -67,11 +71,38 @@ def test_context_degree_must_divide_the_world():
     )
 
 
-def test_the_all_gather_form_takes_any_head_count_and_needs_2c_chunks():
+@pytest.mark.parametrize("mode", ["allgather", "ring"])
+def test_the_balanced_forms_take_any_head_count_and_need_2c_chunks(mode):
     raw = _context_plan()
-    raw["parallel"]["context"]["mode"] = "allgather"
+    raw["parallel"]["context"]["mode"] = mode
     raw["model"].update(num_heads=4, num_kv_heads=1)
     assert validate(raw) == []
     raw["training"]["seq_len"] = 6  # two ranks' shares, but not four chunks
     problems = validate(raw)
     assert any("training.seq_len: 6 is not a multiple of 4" in problem for problem in problems), problems
+
+
+@pytest.mark.parametrize("mode", ["allgather", "ring", "ulysses"])
+def test_context_runs_beside_1d_tensor_parallelism(mode):
+    raw = _context_plan()
+    raw["model"].update(model_type="gpt2", num_kv_heads=4)  # GPT-2: a built-in tensor table
+    raw["parallel"].update(tensor={"degree": 2}, context={"degree": 2, "mode": mode})
+    raw["training"]["global_batch_size"] = raw["training"]["micro_batch_size"] * raw["training"]["grad_accum_steps"]
+    assert validate(raw) == []
+
+
+def test_show_lists_context_groups_tensor_degree_apart():
+    from elixir_tune.cli.show import mesh_lines
+
+    raw = _context_plan()
+    raw["model"].update(model_type="gpt2", num_kv_heads=4)
+    raw["parallel"].update(tensor={"degree": 2}, context={"degree": 2, "mode": "ring"})
+    raw["training"]["global_batch_size"] = raw["training"]["micro_batch_size"] * raw["training"]["grad_accum_steps"]
+    lines = mesh_lines(plan_from_dict(raw))
+    # rank = (data_index x C + context_index) x T + tensor_index: chunks shard over data x context.
+    assert (
+        "context groups hold shares of the same sequences and exchange keys and values (2 ranks apart): [0,2] [1,3]"
+        in lines
+    )
+    assert any(line.startswith("data groups") and line.endswith("[0,2] [1,3]") for line in lines), lines
+    assert any(line.startswith("tensor groups") and line.endswith("[0,1] [2,3]") for line in lines), lines

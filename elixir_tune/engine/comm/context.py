@@ -1,31 +1,42 @@
-"""Context parallelism's groups and exchanges: the context groups of a data x context world and
-Ulysses's differentiable all-to-alls (sequence shards of all heads <-> whole sequence of some heads)."""
+"""Context parallelism's groups and exchanges: the context groups of a data x context world,
+Ulysses's differentiable all-to-alls (sequence shards of all heads <-> whole sequence of some heads),
+the all-gather form's differentiable gather and ring attention's asynchronous pass to the next rank."""
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from elixir_tune.engine.comm.collectives import Comm
+from elixir_tune.engine.comm.collectives import Comm, Handle
 from elixir_tune.engine.comm.experts import all_to_all_rows
 from elixir_tune.engine.comm.mesh import single_comm, subgroup
 
 
-def context_group(world: Comm, degree: int) -> Comm:
-    """This rank's context group: ``degree`` consecutive ranks (``rank = data_index * C +
-    context_index`` with no pipeline or tensor dimension). A collective: every rank calls it.
+def context_group(world: Comm, degree: int, tensor: int = 1) -> Comm:
+    """This rank's context group: the ``degree`` ranks at one data index, stage and tensor index
+    (``rank = ((data_index * P + stage) * C + context_index) * T + tensor_index``: T apart). A
+    collective: every rank calls it.
 
     Args:
         world: the Comm of every rank.
-        degree: context degree C (divides the world size).
+        degree: context degree C (C x T divides the world size).
+        tensor: tensor degree T.
 
     Raises:
-        ValueError: the degree does not divide the world size.
+        ValueError: C x T does not divide the world size.
     """
-    if world.world_size % degree:
-        raise ValueError(f"context degree {degree} does not divide the world size {world.world_size}")
+    if world.world_size % (degree * tensor):
+        raise ValueError(
+            f"context degree {degree} x tensor degree {tensor} does not divide the world size {world.world_size}"
+        )
     if degree == 1 or not world.distributed:
         return single_comm(world)
-    lists = [list(range(start, start + degree)) for start in range(0, world.world_size, degree)]
+    block = degree * tensor  # the ranks of one (data index, stage): C context x T tensor indices
+    lists = [
+        [start + index * tensor + offset for index in range(degree)]
+        for start in range(0, world.world_size, block)
+        for offset in range(tensor)
+    ]
     group = subgroup(world, lists)
     assert group is not None, "every rank is in one context group"
     return group
@@ -117,3 +128,36 @@ def gather_sequence(comm: Comm, states: torch.Tensor) -> torch.Tensor:
     gathered = _GatherSequence.apply(states, comm)  # (C, batch, heads, local_len, head_dim)
     size, batch, heads, length, dim = gathered.shape
     return gathered.permute(1, 2, 0, 3, 4).reshape(batch, heads, size * length, dim)
+
+
+def ring_pass(comm: Comm, send: torch.Tensor, tag: int = 0) -> tuple[torch.Tensor, Handle]:
+    """Starts sending ``send`` to the next rank of the ring and receiving the previous rank's tensor
+    of the same shape (ring attention's step; not differentiable: its autograd function passes the
+    gradients itself).
+
+    Args:
+        comm: the context group; rank r sends to r + 1 and receives from r - 1 (mod C).
+        send: a contiguous tensor on ``comm.device``; it must not change until the handle is waited.
+        tag: tells concurrent passes between the same ranks apart (keys and values vs. their gradients).
+
+    Returns:
+        The receive buffer (valid after ``wait()``) and the handle of both transfers.
+    """
+    received = torch.empty_like(send)
+    if not comm.distributed:
+        received.copy_(send)
+        return received, Handle(finish=lambda: None)
+    size = comm.world_size
+    following, preceding = comm.global_ranks[(comm.rank + 1) % size], comm.global_ranks[(comm.rank - 1) % size]
+    # Receive posted before the send: with two ranks each is the other's neighbour on both sides.
+    works = [
+        dist.irecv(received, src=preceding, group=comm.group, tag=tag),
+        dist.isend(send, dst=following, group=comm.group, tag=tag),
+    ]
+
+    def finish() -> None:
+        for work in works:
+            if work is not None:  # None only for a rank outside the group, which never calls this
+                work.wait()
+
+    return received, Handle(finish=finish, keep=(send, received))

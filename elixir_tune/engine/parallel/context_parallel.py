@@ -9,7 +9,9 @@ all-to-all turns "every head, 1/C of the tokens" into "1/C of the heads, every t
 (``engine/comm/context.py``), the model's own ``sdpa`` or ``eager`` function runs on the whole
 sequence, and the reverse all-to-all brings the output back. The full padding mask travels to it
 as a keyword argument, which transformers passes from the model's forward down to the attention
-function (also when a checkpointed block recomputes).
+function (also when a checkpointed block recomputes). Modes ``allgather`` and ``ring`` give each
+rank chunks i and 2C - 1 - i of 2C instead (``balanced_tokens``); ``ring`` computes attention itself
+(``ring_attention.py``).
 
 Loss: labels are shifted on the whole sequence before slicing, so the token at the end of one
 shard predicts the first token of the next. A forward hook computes the shard's summed
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 from elixir_tune.engine.comm import Comm, gather_objects
 from elixir_tune.engine.comm.context import gather_sequence, heads_to_sequence, sequence_to_heads, sum_over
 from elixir_tune.engine.contract import input_fingerprint
+from elixir_tune.engine.parallel.ring_attention import RingSpec, ring_attention
 from elixir_tune.errors import ContractError
 
 ATTENTION_NAME = "elixir_context"  # the name registered with transformers' AttentionInterface
@@ -84,8 +87,10 @@ class _Exchange:
         return torch.zeros(allowed.shape, dtype=dtype, device=keys.device).masked_fill(~allowed, torch.finfo(dtype).min)
 
     def attend(self, module: torch.nn.Module, query, key, value, kwargs: dict) -> tuple[torch.Tensor, None]:
-        inner = _inner_function(module, self.inner)
         window = kwargs.get("sliding_window")
+        if self.mode == "ring":
+            return ring_attention(self._ring_spec(query, kwargs, window), query, key, value), None
+        inner = _inner_function(module, self.inner)
         size, device = self.comm.world_size, query.device
         if self.mode == "allgather":
             # Every rank's keys and values, whole; this rank's queries only (its two chunks).
@@ -98,6 +103,31 @@ class _Exchange:
         positions = torch.arange(self.length, device=device)
         output, _ = inner(module, query, key, value, self._mask(positions, positions, query.dtype, window), **kwargs)
         return heads_to_sequence(self.comm, output), None
+
+    def _ring_spec(self, query: torch.Tensor, kwargs: dict, window: int | None) -> RingSpec:
+        """The layer's ring attention: its scaling, soft-capping and window from the model's keywords.
+
+        Raises:
+            ValueError: attention dropout while training, or attention sinks: ring attention computes
+                the softmax itself and has neither (mode allgather or ulysses runs the model's own function).
+        """
+        if kwargs.get("dropout"):
+            raise ValueError(
+                f"parallel.context.mode ring runs attention without dropout, but the model's attention dropout is "
+                f"{kwargs['dropout']}; set it to 0 in the model's config or use mode allgather"
+            )
+        if any(kwargs.get(key) is not None for key in ("s_aux", "sinks")):
+            raise ValueError("parallel.context.mode ring does not run attention sinks; use mode allgather")
+        scaling = kwargs.get("scaling")
+        padding = None if self.padding is None else self.padding.to(device=query.device, dtype=torch.bool)
+        return RingSpec(
+            comm=self.comm,
+            length=self.length,
+            padding=padding,
+            scaling=query.shape[-1] ** -0.5 if scaling is None else scaling,
+            softcap=kwargs.get("softcap"),
+            window=window,
+        )
 
 
 def _inner_function(module: torch.nn.Module, name: str) -> Callable:
@@ -187,7 +217,8 @@ class ContextParallel:
             raise ValueError("a context-parallel forward needs input_ids or inputs_embeds")
         batch, length = tokens.shape[:2]
         size, rank = self.comm.world_size, self.comm.rank
-        parts = 2 * size if self.mode == "allgather" else size
+        balanced = self.mode in ("allgather", "ring")  # chunks i and 2C - 1 - i of 2C
+        parts = 2 * size if balanced else size
         if length % parts:
             raise ValueError(
                 f"sequence length {length} is not a multiple of {parts} (context degree {size}, mode {self.mode}): "
@@ -195,7 +226,7 @@ class ContextParallel:
                 "attention_mask 0)"
             )
         shard: slice | torch.Tensor = slice(rank * length // size, (rank + 1) * length // size)
-        if self.mode == "allgather":
+        if balanced:
             shard = balanced_tokens(length, size, rank).to(tokens.device)
         positions = kwargs.get("position_ids")
         if positions is None:
@@ -248,8 +279,9 @@ def install(module: torch.nn.Module, comm: Comm, mode: str = "ulysses") -> Conte
     Args:
         module: the user's model, before the engine wraps it.
         comm: this rank's context group.
-        mode: ``ulysses`` (all-to-all over heads) or ``allgather`` (load-balanced causal split, every
-            rank's keys and values gathered whole).
+        mode: ``ulysses`` (all-to-all over heads), ``allgather`` (load-balanced causal split, every
+            rank's keys and values gathered whole) or ``ring`` (the same split, keys and values passed
+            around the group: ``ring_attention.py``).
 
     Returns:
         The installed hooks.
