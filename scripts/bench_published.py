@@ -318,7 +318,8 @@ def markdown(report: dict) -> str:
         "# The cost model against published training throughput",
         "",
         f"Generated {report.get('generated', {}).get('date', '?')} on {report.get('generated', {}).get('machine', '?')}"
-        f" at commit {report.get('generated', {}).get('commit', '?')}.",
+        f" at commit {report.get('generated', {}).get('commit', '?')}, load average "
+        f"{report.get('generated', {}).get('load_average', '?')} (1, 5, 15 min).",
         "",
         f"Command: `{report['command']}` ({report['elapsed_s']} s). Predictions of the cost model only (nothing ran "
         "on a GPU), against figures quoted from their sources (below each table row's source and the quoted row)."
@@ -509,6 +510,8 @@ def generated() -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()})",
         "commit": head.stdout.strip() + ("+" if dirty.stdout.strip() else ""),
+        # Other sessions share this machine: the load says how busy it was (the table's seconds only).
+        "load_average": " ".join(f"{value:.2f}" for value in os.getloadavg()),
     }
 
 

@@ -17,6 +17,8 @@ the configuration it ran and the figure in tokens per second per GPU. Sources:
 * ``colossalai-gemini``: Colossal-AI's GPT-2 Gemini example (0.1.13) on 1, 2 and 4 A100 80GB over PCIe,
   host offload policies 'cpu', 'auto' and 'const', published as TFLOPS per GPU with Elixir's own
   metric (batch x params x seq x 8 / step time).
+* ``llm-foundry-40gb``: llm-foundry's A100 40GB table (scripts/published_foundry40.py), added by issue 38
+  and held out: no preset rate is fitted to it.
 
 The presets' compute rates were fitted to other rows of the llm-foundry tables only; the
 torchtitan, Megatron-LM, ZeRO-Offload and Colossal-AI rows are held out (``Setup.fitted_source``).
@@ -46,6 +48,7 @@ from published_colossalai import (
     TP_TABLE,
     gpt2_params,
 )
+from published_foundry40 import A100_40_MISMATCH, A100_40_ROWS, A100_40_TABLE
 
 LLM_FOUNDRY = (
     "mosaicml/llm-foundry scripts/train/benchmarking/README.md @ 8c8dd48f72168c5d51e2f7b151595892a8fba43d "
@@ -221,16 +224,18 @@ class Setup:
 
 
 def _foundry(table: str, size: str, seq: int, gpus: int, mfu: str, micro: int, accum: int, tps: int, ckpt: bool):
-    hardware = "h100-80gb-sxm" if table == H100_TABLE else "a100-80gb-sxm"
+    hardware = {H100_TABLE: "h100-80gb-sxm", A100_40_TABLE: "a100-40gb-sxm"}.get(table, "a100-80gb-sxm")
+    card = "_".join(hardware.split("-")[:2])
     row = (
-        f"| {size} | {seq} | {gpus} | {'h100_80gb' if hardware.startswith('h100') else 'a100_80gb'} | MFU {mfu} | "
+        f"| {size} | {seq} | {gpus} | {card} | MFU {mfu} | "
         f"micro {micro} | accum {accum} | {tps} T/s/GPU | FULL_SHARD | checkpointing {ckpt} |"
     )
     hidden, layers, heads = MPT[size]
+    held_out = table == A100_40_TABLE
     return Setup(
-        name=f"MPT-{size} s{seq} {gpus}x{hardware.split('-')[0].upper()}",
+        name=f"MPT-{size} s{seq} {gpus}x{hardware.split('-')[0].upper()}" + ("-40G" if held_out else ""),
         source=LLM_FOUNDRY.format(table=table),
-        source_key="llm-foundry",
+        source_key="llm-foundry-40gb" if held_out else "llm-foundry",
         row=row,
         model=f"mpt-{size}",
         gpt=(hidden, layers, heads, MPT_VOCAB, True),
@@ -242,9 +247,9 @@ def _foundry(table: str, size: str, seq: int, gpus: int, mfu: str, micro: int, a
         grad_accum_steps=accum,
         checkpointing="all" if ckpt else "none",
         tokens_per_s_per_gpu=float(tps),
-        mismatches=MPT_MISMATCHES,
+        mismatches=MPT_MISMATCHES[:2] + (A100_40_MISMATCH,) if held_out else MPT_MISMATCHES,
         defines_bound=(table, size, seq, gpus) in BEST_MFU_ROWS,
-        fitted_source=True,
+        fitted_source=not held_out,
         mpt=True,
     )
 
@@ -527,6 +532,8 @@ PUBLISHED: tuple[Setup, ...] = (
     _colossal_gemini("gpt2_10b", 4, "cpu", 8, "61.354", POLICY_TABLE),
     _colossal_gemini("gpt2_10b", 4, "const", 8, "82.137", POLICY_TABLE),
     _colossal_gemini("gpt2_20b", 1, "cpu", 8, "43.102", TP_TABLE),
+    # Issue 38's new rows: llm-foundry's A100 40GB table (scripts/published_foundry40.py), held out.
+    *(_foundry(A100_40_TABLE, *row) for row in A100_40_ROWS),
 )
 SOURCE_KEYS = tuple(dict.fromkeys(setup.source_key for setup in PUBLISHED))
 # Sources looked at and left out, with the reason (the report lists them).
@@ -554,6 +561,15 @@ LEFT_OUT = (
     "length; a third-party reading note quotes '>40 TFlops/GPU up to 100B on one DGX-2' without a configuration. "
     "DeepSpeed's ZeRO-3 Offload post (docs/_posts/2021-03-08-zero3-offload.md) likewise gives '49 TFlops/GPU' for "
     "1T on 512 V100 with no configuration",
+    "Issue 38's search for new rows (the search tool's docs, pages, code and issues corpora): NVIDIA's "
+    "Megatron-Bridge and NeMo performance summaries (NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md @ "
+    "00b7660b; NVIDIA/NeMo docs/source/performance/performance_summary.md) give full configurations but every "
+    "dense-model row on DGX-H100 is FP8, which no plan computes in; torchtitan's newer tables "
+    "(benchmarks/llama3_h100_202412_torchtitan.md tables 2, 4-6; asyncTP_llama3_h100_2025-06 and "
+    "llama3_8b_h200_2025-06) run torch.compile, Float8 or context parallelism, or are images; Megatron-Core's "
+    "'up to 47% MFU on H100' comes without a configuration; Colossal-AI's LLaMA benchmarks "
+    "(examples/language/llama/README.md) are images. llm-foundry's A100 40GB table was the sourced, "
+    "expressible set found",
     "ProTrain (arXiv 2406.08334v2, MLSys 2026; RTX 3090 and A100 throughput): only the abstract and introduction of "
     "arxiv.org/html/2406.08334v2 are reachable here (1.43-2.71x over DeepSpeed, Colossal-AI and FSDP; no table of "
     "throughput with configurations); no repository of its authors is in the index, and the third-party "
