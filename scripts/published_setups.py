@@ -26,6 +26,7 @@ torchtitan, Megatron-LM, ZeRO-Offload and Colossal-AI rows are held out (``Setup
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from published_colossalai import (
@@ -71,8 +72,9 @@ ZERO_OFFLOAD = (
 )
 H100_TABLE = "H100 80GB BF16"
 A100_TABLE = "A100 80GB with 1600 Gbps node-node interconnect (RoCE)"
-# The rows whose MFU the presets' best_mfu quotes (the plausibility bound).
-BEST_MFU_ROWS = {(H100_TABLE, "7b", 2048, 8), (A100_TABLE, "7b", 2048, 8)}
+# The rows whose MFU the presets' best_mfu quotes (the plausibility bound): none since issue 38 (the H100
+# bound is Megatron-LM's H100 model table, the A100 one FlashAttention-2's run; neither is a row here).
+BEST_MFU_ROWS: set[tuple[str, str, int, int]] = set()
 # MPT sizes (d_model, n_layers, n_heads) from llm-foundry scripts/train/yamls/pretrain/mpt-<size>.yaml,
 # vocabulary 50368, flash attention, expansion ratio 4.
 MPT = {
@@ -120,7 +122,16 @@ MEGATRON_PIPELINE = (
 MEGATRON_INTERLEAVED = (
     "Megatron's interleaved 1F1B ({virtual} layers per virtual stage, {runs} per rank: bubble (P - 1) / (v N + P - 1) "
     "= {bubble:.1%} of the step) has no plan form: the plan's modular assignment runs one block per virtual stage "
-    "({modular:.1%}), its contiguous one a run per stage ({contiguous:.1%}); pinned modular (layered), the nearer"
+    "({modular:.1%}), its contiguous one a run per stage ({contiguous:.1%}); pinned contiguous with schedule 1f1b: "
+    "its memory is 1F1B's (stage s holds at most P - s micro-batches' activations, about what interleaving holds), "
+    "where the modular plan's looped schedule holds all {micro_batches} (predicted 173 GiB, refused though it ran); "
+    "its bubble is the larger, so the pinned time errs slow"
+)
+# The H100 and A100 80GB tables' 'MP Mode' DEFAULT (the A100 40GB table ran PURE).
+MPT_DEFAULT_GATHER = (
+    "MP Mode DEFAULT: Composer's FSDP mixed precision of the tables' time (mosaicml/composer "
+    "composer/trainer/dist_strategy.py get_mixed_precision, Composer 0.12-0.14: param_dtype float32, reduce_dtype bf16, buffer_dtype "
+    "float32) gathers the parameters in fp32, twice the plan's bf16 all-gather bytes per micro-batch"
 )
 ZERO_OFFLOAD_MISMATCHES = (
     "the micro-batch per step from the log itself: SamplesPerSec 0.386 x 25.8 s per iteration = 10 samples, "
@@ -247,7 +258,7 @@ def _foundry(table: str, size: str, seq: int, gpus: int, mfu: str, micro: int, a
         grad_accum_steps=accum,
         checkpointing="all" if ckpt else "none",
         tokens_per_s_per_gpu=float(tps),
-        mismatches=MPT_MISMATCHES[:2] + (A100_40_MISMATCH,) if held_out else MPT_MISMATCHES,
+        mismatches=MPT_MISMATCHES[:2] + (A100_40_MISMATCH,) if held_out else MPT_MISMATCHES + (MPT_DEFAULT_GATHER,),
         defines_bound=(table, size, seq, gpus) in BEST_MFU_ROWS,
         fitted_source=not held_out,
         mpt=True,
@@ -276,6 +287,7 @@ def _megatron(size: str, hidden: int, layers: int, heads: int, tp: int, pp: int,
                 bubble=(pp - 1) / (runs * micro_batches + pp - 1),
                 modular=(pp - 1) / (layers // pp * micro_batches + pp - 1),
                 contiguous=(pp - 1) / (micro_batches + pp - 1),
+                micro_batches=micro_batches,
             ),
         )
     elif pp > 1:
@@ -302,8 +314,9 @@ def _megatron(size: str, hidden: int, layers: int, heads: int, tp: int, pp: int,
         dtype="fp16",
         tensor=tp,
         pipeline=pp,
-        assignment="contiguous" if pp > 1 and not virtual else "modular",
-        schedule="1f1b" if pp > 1 and not virtual else "looped_bfs",
+        # A pipeline, interleaved or not, is pinned as 1F1B over contiguous runs (MEGATRON_INTERLEAVED says why).
+        assignment="contiguous" if pp > 1 else "modular",
+        schedule="1f1b" if pp > 1 else "looped_bfs",
         mismatches=MEGATRON_MISMATCHES + ((MEGATRON_VOCAB_LOSS,) if tp > 1 else ()) + pipeline,
     )
 
@@ -536,6 +549,21 @@ PUBLISHED: tuple[Setup, ...] = (
     *(_foundry(A100_40_TABLE, *row) for row in A100_40_ROWS),
 )
 SOURCE_KEYS = tuple(dict.fromkeys(setup.source_key for setup in PUBLISHED))
+# Published configurations that ran out of memory: a plan pinned to them must be refused (issue 38).
+# Colossal-AI's Gemini example, 'How dose the Placement Policy affect the efficency.': gpt2_10b, 4 GPUs,
+# policy cuda, TP 1, batch 8: "OOM". 'cuda' keeps the fp32 master and Adam on the GPU (offload 0) and every
+# fp16 chunk gathered from its first use to its reduction (cache all).
+_GEMINI_CUDA = _colossal_gemini("gpt2_10b", 4, "cuda", 8, "0", POLICY_TABLE)
+FAILED: tuple[Setup, ...] = (
+    dataclasses.replace(
+        _GEMINI_CUDA,
+        row="| gpt2_10b | 4 | cuda | 1 | 8 | OOM |",
+        mismatches=tuple(text for text in _GEMINI_CUDA.mismatches if text != GEMINI_HOST_ADAM),
+        tokens_per_s_per_gpu=0.0,
+        offload=0.0,
+        cache_blocks="all",
+    ),
+)
 # Sources looked at and left out, with the reason (the report lists them).
 LEFT_OUT = (
     "Megatron-LM's current H100 table (NVIDIA/Megatron-LM README.md images/model_table.png @ d98e8a64, MFU 41-48%, "

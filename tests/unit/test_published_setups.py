@@ -41,11 +41,13 @@ def test_every_setup_is_a_configuration_a_plan_can_pin(setup):
 
 def test_megatron_pipelines_pin_the_assignment_nearest_their_schedule():
     # 39B: plain 1F1B, one run of 24 layers per stage -> contiguous (1F1B's bubble, 1 / 13 of the step);
-    # 76B: interleaved with 5 layers per virtual stage, which no plan expresses -> modular, stated.
+    # 76B: interleaved with 5 layers per virtual stage, which no plan expresses -> contiguous 1F1B (its
+    # memory; the modular plan's looped schedule holds every micro-batch), stated.
     by_name = {setup.name: setup for setup in PUBLISHED}
     plain, interleaved = by_name["Megatron GPT-39B 512xA100 (t8 p2)"], by_name["Megatron GPT-76B 1024xA100 (t8 p4)"]
     assert bench_published.pinned_choices(plain)["assignment"] == "contiguous"
-    assert bench_published.pinned_choices(interleaved)["assignment"] == "modular"
+    assert bench_published.pinned_choices(interleaved)["assignment"] == "contiguous"
+    assert bench_published.pinned_choices(interleaved)["schedule"] == "1f1b"
     assert interleaved.grad_accum_steps == 28
     # (P - 1) / (v N + P - 1) with v = 60 / (4 x 5) = 3 runs per rank: 3 / 87.
     assert any("= 3.4% of the step" in text for text in interleaved.mismatches)
