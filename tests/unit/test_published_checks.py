@@ -150,3 +150,25 @@ def test_the_stored_table_has_its_memory_checks():
     assert report.get("failed"), "published.json lacks the configurations that ran out of memory"
     markdown = (paths.REPO_DIR / "benchmarks" / "results" / "published.md").read_text()
     assert "\n".join(bench_published.memory_lines(report)) in markdown
+
+
+def test_free_plans_over_what_the_source_ran_give_their_mechanism():
+    from published_report import over_published_lines
+
+    row = {"name": "r", "published_tokens_per_s_per_gpu": 100.0, "ratio": 1.3, "free": {"tokens_per_s_per_gpu": 130.0}}
+    lines = over_published_lines([row, dict(row, name="slow", free={"tokens_per_s_per_gpu": 110.0})])
+    assert len(lines) == 4 and lines[-1].startswith("- r (1.30x = pinned ratio 1.30 x speed-up 1.00)")
+    assert "the model's error on the peer's own configuration" in lines[-1]
+
+
+def test_fsdp_traffic_diagnosis_adds_the_peers_gathers_to_the_pinned_step():
+    from published_fsdp_traffic import exposed_ratio
+
+    row = {
+        "source_key": "llm-foundry",
+        "ratio": 1.2,
+        "pinned": {"step_time_s": 1.0, "breakdown": {"allgather_s": 0.1, "reduce_scatter_s": 0.05}},
+    }
+    # fp32 gathers (twice the plan's bf16 seconds) and the reduce-scatter: 1.2 x 1.0 / 1.25.
+    assert exposed_ratio(row) == pytest.approx(0.96)
+    assert exposed_ratio(dict(row, source_key="llm-foundry-40gb")) == pytest.approx(1.2 / 1.15)
