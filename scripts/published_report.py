@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from published_checks import checks_text, issue_checks
-from published_setups import LEFT_OUT
+from published_left_out import LEFT_OUT
 from published_summary import EXPLAIN_SPEEDUP, first_ratio, on_bound, out_of_scope, summary_text
 
 from elixir_tune import paths

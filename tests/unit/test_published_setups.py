@@ -14,7 +14,7 @@ from elixir_tune import paths
 
 sys.path.insert(0, str(paths.REPO_DIR / "scripts"))
 import bench_published  # noqa: E402
-import published_setups  # noqa: E402
+import published_left_out  # noqa: E402
 from published_colossalai import gpt2_params  # noqa: E402
 from published_setups import PUBLISHED, SOURCE_KEYS, megatron_tokens_per_s  # noqa: E402
 
@@ -155,7 +155,7 @@ def test_filters_select_by_source_and_by_name():
         bench_published.selected("nosuchsource", "")
     with pytest.raises(SystemExit, match="no setup"):
         bench_published.selected("", "no such row")
-    assert published_setups.LEFT_OUT  # sources looked at and left out are reported with a reason
+    assert published_left_out.LEFT_OUT  # sources looked at and left out are reported with a reason
 
 
 def test_a_speedup_reason_names_the_choices_and_the_parts_that_shrink():
