@@ -33,12 +33,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from published_checks import checks_text, issue_checks
-from published_setups import LEFT_OUT, PUBLISHED, SOURCE_KEYS, Setup
-from published_summary import EXPLAIN_SPEEDUP, first_ratio, on_bound, out_of_scope, summary, summary_text
+from published_report import _plan_text, markdown, memory_lines, micro_batch_section, shared_mismatches, table_row
+from published_setups import FAILED, PUBLISHED, SOURCE_KEYS, Setup
+from published_summary import EXPLAIN_SPEEDUP, summary
 
 from elixir_tune import paths
-from elixir_tune.costmodel.rates import BOUND_KEYS, BOUND_LABELS
 from elixir_tune.costmodel.synthetic import gpt2_profile
 from elixir_tune.hardware import load_hardware
 from elixir_tune.hardware.spec import HardwareSpec
@@ -46,6 +45,8 @@ from elixir_tune.profiler.schema import ModelProfile
 from elixir_tune.search import InfeasibleError, search
 
 COMMAND = "python scripts/bench_published.py"
+# Written by published_report.py, imported here for the tests and callers that read them from this module.
+__all__ = ["markdown", "memory_lines", "micro_batch_section", "shared_mismatches", "table_row"]
 # Breakdown entries that are parts of a step's time (the rest are bounds, counts and memory).
 TIME_PARTS = (
     "compute_s",
@@ -88,21 +89,48 @@ def profile_of(setup: Setup) -> ModelProfile:
     )
 
 
+# The peers' model file (a Python builder, profiled like a user's): transformers' GPT2LMHeadModel returning
+# its logits, the loss taken outside on them as both Colossal-AI sources do (GPTLMLoss in
+# ColossalAI-Pytorch-lightning benchmark/gpt/model.py and ColossalAI examples/language/gpt/train_gpt_demo.py:
+# the shifted logits copied contiguous, nn.CrossEntropyLoss in the compute dtype). transformers' own loss
+# (given labels) upcasts the logits to fp32 first, 10 bytes per logit in fp16 where the peers held 6.
+PEER_GPT2 = """
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+
+class PeerGPT2(GPT2LMHeadModel):
+    def forward(self, input_ids, **kwargs):
+        logits = super().forward(input_ids=input_ids).logits
+        shift_logits = logits[..., :-1, :].contiguous()
+        shift_labels = input_ids[..., 1:].contiguous()
+        return torch.nn.functional.cross_entropy(shift_logits.view(-1, shift_logits.size(-1)), shift_labels.view(-1))
+
+
+def build_model():
+    config = GPT2Config(n_embd={hidden}, n_layer={layers}, n_head={heads}, vocab_size={vocab}, n_positions={seq_len},
+                        use_cache=False)
+    return PeerGPT2._from_config(config, attn_implementation="eager")
+
+
+def example_batch(batch_size, seq_len):
+    return {{"input_ids": torch.randint(0, {vocab}, (batch_size, seq_len))}}
+"""
+
+
 @functools.cache
 def transformers_gpt2_profile(
     hidden: int, layers: int, heads: int, vocab: int, seq_len: int, dtype: str, checkpointed: bool
 ) -> ModelProfile:
     """transformers' GPT-2 of one shape as the peer built it (``GPT2Config`` defaults otherwise, eager
-    attention as in 2022), profiled on the meta device like a user's model YAML: its pointwise ops
-    are counted (``elixir_tune.pointwise``), where ``gpt2_profile`` has none. Cached per shape."""
+    attention as in 2022, the loss on its logits as the peer took it: ``PEER_GPT2``), profiled on the
+    meta device like a user's model file: its pointwise ops are counted (``elixir_tune.pointwise``),
+    where ``gpt2_profile`` has none. Cached per shape."""
     from elixir_tune.profiler import profile_model
 
-    text = (
-        f"name: transformers-gpt2-h{hidden}-l{layers}\narchitecture: gpt2\nattn_implementation: eager\n"
-        f"config: {{n_embd: {hidden}, n_layer: {layers}, n_head: {heads}, vocab_size: {vocab}, n_positions: {seq_len}}}\n"
-    )
+    text = PEER_GPT2.format(hidden=hidden, layers=layers, heads=heads, vocab=vocab, seq_len=seq_len)
     with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "model.yaml"
+        path = Path(folder) / f"peer_gpt2_h{hidden}_l{layers}.py"
         path.write_text(text)
         checkpointing = "all" if checkpointed else "none"
         return profile_model(str(path), batch_size=1, seq_len=seq_len, dtype=dtype, checkpointing=checkpointing)
@@ -201,6 +229,22 @@ def pinned_choices(setup: Setup) -> dict:
     return pinned
 
 
+def failed_check(setup: Setup) -> dict:
+    """A published configuration that ran out of memory, pinned: refused (as it must be) or the plan that
+    fits it (a defect of the memory model), with the peak predicted when the limit is lifted."""
+    profile = profile_of(setup)
+    result = best_plan(profile, setup, pinned_choices(setup), lift_memory=True)
+    return {
+        "name": setup.name,
+        "source": setup.source,
+        "row": setup.row,
+        "refused": bool(result.get("over_usable_memory")) or "error" in result,
+        "peak_gpu_gib": result.get("peak_gpu_gib"),
+        "usable_gib": result.get("usable_gib"),
+        "plan": _plan_text(result),
+    }
+
+
 def speedup_reason(pinned: dict, free: dict) -> str:
     """Why the free plan is faster, in one line: the plan choices that differ and the step parts that shrink."""
     choices = []
@@ -256,119 +300,6 @@ def run_setup(setup: Setup, waves: bool = True) -> dict:
     return out
 
 
-def _plan_text(result: dict) -> str:
-    if "error" in result:
-        return "no plan: " + result["error"].replace("|", "/")[:120]
-    s = result["shape"]
-    every = s["checkpointing"]
-    ckpt = "none" if every == 0 else "all" if every == 1 else f"1/{every}"
-    text = (
-        f"{result['layout']}, micro {s['micro_batch_size']}x{s['grad_accum_steps']}"
-        f"{' layered' if s['accumulation'] == 'layered' else ''}, ckpt {ckpt}, offload {s['offload']:.0%}, "
-        f"cache {s['cache_blocks']}/{s['cacheable_chunks']}, {result['peak_gpu_gib']} GiB"
-    )
-    if result.get("over_usable_memory"):
-        text += f" (the search found it over the preset's {result['usable_gib']} GiB usable: predicted with the limit lifted)"
-    breakdown = result["breakdown"]
-    bounds = [key for key in BOUND_KEYS if breakdown.get(key, 0) > 0]
-    if bounds:
-        binding = max(bounds, key=lambda key: breakdown[key])
-        where = (
-            "DEFECT, predicted faster than"
-            if breakdown.get("bound_excess_s", 0) > 0
-            else "on"
-            if on_bound(result)
-            else "below"
-        )
-        text += f"; {where} bound: {BOUND_LABELS[binding]} ({breakdown[binding]:.3g} s)"
-    return text
-
-
-def table_row(row: dict) -> str:
-    """One setup's line of the results table: published, pinned and free figures and the free plan."""
-
-    def figure(result: dict, key: str, spec: str) -> str:
-        return format(result[key], spec) if key in result else "-"
-
-    pinned, free = row["pinned"], row["free"]
-    first = first_ratio(row)
-    raw = f"{first:.2f}" if first is not None else "-"
-    scope = out_of_scope(row)
-    marks = (
-        (" `*`" if row.get("defines_bound") else "")
-        + ("" if row.get("fitted_source") else " `h`")
-        + (" `f`" if scope.startswith("window") else " `2`" if scope else "")
-    )
-    speedup = f"{row['free_speedup']:.2f}x" if "free_speedup" in row else "-"
-    return (
-        f"| {row['name']}{marks} | {row['published_tokens_per_s_per_gpu']:.0f} "
-        f"| {figure(pinned, 'tokens_per_s_per_gpu', '.0f')} | {row['ratio']:.2f} | {raw} "
-        f"| {figure(pinned, 'mfu', '.3f')} | {figure(free, 'tokens_per_s_per_gpu', '.0f')} | {speedup} "
-        f"| {figure(free, 'mfu', '.3f')} | {_plan_text(free)} |"
-        if "ratio" in row
-        else f"| {row['name']}{marks} | {row['published_tokens_per_s_per_gpu']:.0f} | - | - | - | - | "
-        f"{figure(free, 'tokens_per_s_per_gpu', '.0f')} | - | {figure(free, 'mfu', '.3f')} | {_plan_text(free)} |"
-    )
-
-
-def markdown(report: dict) -> str:
-    """The report as markdown: summary, one table row per setup, then sources and plans per setup."""
-    s = report["summary"]
-    lines = [
-        "# The cost model against published training throughput",
-        "",
-        f"Generated {report.get('generated', {}).get('date', '?')} on {report.get('generated', {}).get('machine', '?')}"
-        f" at commit {report.get('generated', {}).get('commit', '?')}.",
-        "",
-        f"Command: `{report['command']}` ({report['elapsed_s']} s). Predictions of the cost model only (nothing ran "
-        "on a GPU), against figures quoted from their sources (below each table row's source and the quoted row)."
-        + (
-            f" Run here as {len(report['parts'])} parts (in parallel or one after another), merged with `--merge`: "
-            + "; ".join(f"`{command}`" for command in report["parts"])
-            + "."
-            if report.get("parts")
-            else ""
-        ),
-        "",
-        "**pinned**: the peer's configuration (its tensor and pipeline degrees with data parallelism over the rest, "
-        "its micro-batch, accumulation, checkpointing, dtype and offload; mismatches listed per setup). **free**: the "
-        "same model, cluster and global batch, everything else searched (pipeline, tensor and layered plans "
-        "included). ratio = predicted / published tokens/s per GPU; speed-up = free / pinned predicted tokens/s.",
-        "",
-        *summary_text(s),
-        "",
-        checks_text(s.get("checks") or issue_checks(report["rows"], EXPLAIN_SPEEDUP), EXPLAIN_SPEEDUP),
-        "",
-        "`first ratio`: the row's first recorded pinned ratio (`scripts/published_first.py` says where each is "
-        "recorded). The plausibility bound is a check, not a clamp: a plan predicted faster than it is marked DEFECT.",
-        "",
-        "| setup | published tok/s/GPU | pinned tok/s/GPU | ratio | first ratio | pinned MFU | free tok/s/GPU "
-        "| speed-up | free MFU | free plan |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    lines += [table_row(row) for row in report["rows"]]
-    explained = [row for row in report["rows"] if row.get("speedup_reason")]
-    if explained:
-        lines += ["", f"## Free plans over {EXPLAIN_SPEEDUP}x the pinned one", ""]
-        lines += [f"- {row['name']} ({row['free_speedup']:.2f}x): {row['speedup_reason']}" for row in explained]
-    lines += ["", "## Sources, quoted rows, pinned plans and mismatches", ""]
-    for row in report["rows"]:
-        lines += [
-            f"### {row['name']}",
-            "",
-            f"- source: {row['source']}",
-            f"- quoted: `{row['row']}`",
-            f"- pinned plan: {_plan_text(row['pinned'])}",
-            f"- free plan: {_plan_text(row['free'])}",
-            "- mismatches: " + "; ".join(row["mismatches"]),
-            "",
-        ]
-    lines += ["## Sources looked at and left out", ""] + [f"- {text}" for text in LEFT_OUT] + [""]
-    if report.get("note"):
-        lines += ["## Note", "", report["note"], ""]
-    return "\n".join(lines)
-
-
 def selected(sources: str, rows: str) -> list[Setup]:
     """The setups of the named source families (comma-separated ``source_key``s) whose name holds one
     of the comma-separated ``rows`` texts; empty filters select everything."""
@@ -411,6 +342,7 @@ def merged(parts: list[dict], note: str) -> dict:
         "elapsed_s": max(part["elapsed_s"] for part in parts),
         "summary": summary(rows),
         "rows": rows,
+        "failed": next((part["failed"] for part in reversed(parts) if part.get("failed")), []),
         "note": note,
         "replaced": replaced,
     }
@@ -477,6 +409,8 @@ def main() -> None:
             f"free speed-up {row.get('free_speedup', float('nan')):.2f} ({row['search_s']} s)",
             flush=True,
         )
+    chosen = {setup.source_key for setup in selected(args.sources, args.rows)}
+    failed = [failed_check(setup) for setup in FAILED if setup.source_key in chosen and not args.rows]
     command = (
         COMMAND
         + "".join(
@@ -491,6 +425,7 @@ def main() -> None:
         "elapsed_s": round(time.perf_counter() - started, 1),
         "summary": summary(rows),
         "rows": rows,
+        "failed": failed,
         "note": args.note,
     }
     write_report(prefix, report)
@@ -509,6 +444,8 @@ def generated() -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()})",
         "commit": head.stdout.strip() + ("+" if dirty.stdout.strip() else ""),
+        # Other sessions share this machine: the load says how busy it was (the table's seconds only).
+        "load_average": " ".join(f"{value:.2f}" for value in os.getloadavg()),
     }
 
 

@@ -119,6 +119,9 @@ COLOSSAL_GEMINI_POLICY = {
     "exceed 0.9 x the GPU's memory less the traced non-model data; the fp16 weights are 20.6 GB of 80 GB, so after "
     "the warm-up step they all stay gathered on the GPU: pinned as cache_blocks all. "
     + GEMINI_HOST_ROOM.format(step=7.60, room=0.62, rate="1.7e10", elixir="0.90"),
+    "cuda": "placement_policy 'cuda': the fp32 master, Adam states and fp16 chunks all on the GPU (offload 0, "
+    "ZeroDDP's cpu_offload False), each fp16 chunk kept gathered from its first use to its reduction: pinned as "
+    "cache_blocks all",
     "const": "placement_policy 'const' with set_const_memory_boundary(10 * 1024): ConstPlacementPolicy keeps "
     "gathered fp16 chunks on the GPU up to 10 GiB (about half of the 19.1 GiB) and moves the rest back to the host "
     "after use; the plan's cache is the search's (its chunks differ from Gemini's). "

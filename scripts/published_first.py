@@ -7,6 +7,7 @@ recorded before any change looked at that row. Two kinds of record are used, the
   before -> after figures for the changes made after the Megatron-LM, ZeRO-Offload and Colossal-AI
   rows were added (the Megatron-LM and ZeRO-Offload first predictions at commit 54c8fe0, before any
   change to the cost model; the Colossal-AI rows' before the pointwise-traffic change);
+* for the rows issue 38 added (``FIRST_ISSUE38``), the run that added them, on the model as it stood;
 * the first ``benchmarks/results/published.json`` in git that holds the row (``git log --reverse``);
   for the llm-foundry and torchtitan rows that is commit b5df80f. The llm-foundry rows' rates were
   fitted to other rows of the same tables in that session, so theirs is the fitted error, not a
@@ -21,6 +22,10 @@ from __future__ import annotations
 NOTE_54C8FE0 = "first prediction before any cost-model change (commit 54c8fe0), stated in published.md @ 9314fd9"
 NOTE_POINTWISE = "before the pointwise-traffic change, stated in published.md @ 9314fd9 (the rows' earliest figure)"
 FIRST_JSON = "first published.json holding the row (commit b5df80f)"
+FIRST_ISSUE38 = (
+    "issue 38's new rows: the model as it stood at commit 4b25e61, before any change looked at them "
+    "(python scripts/bench_published.py --sources llm-foundry-40gb)"
+)
 
 # setup name -> (first pinned ratio, where it is recorded)
 FIRST_PREDICTIONS: dict[str, tuple[float, str]] = {
@@ -65,4 +70,16 @@ FIRST_PREDICTIONS: dict[str, tuple[float, str]] = {
     "GPT-2 10B 4xA100-80G-PCIe (Gemini cpu, batch 8)": (1.01, NOTE_POINTWISE),
     "GPT-2 10B 4xA100-80G-PCIe (Gemini const, batch 8)": (1.70, NOTE_POINTWISE),
     "GPT-2 20B 1xA100-80G-PCIe (Gemini cpu, batch 8)": (1.26, NOTE_POINTWISE),
+    "MPT-125m s2048 8xA100-40G": (1.044, FIRST_ISSUE38),
+    "MPT-350m s2048 8xA100-40G": (1.052, FIRST_ISSUE38),
+    "MPT-760m s2048 8xA100-40G": (0.869, FIRST_ISSUE38),
+    "MPT-1b s2048 8xA100-40G": (1.074, FIRST_ISSUE38),
+    "MPT-1b s16384 8xA100-40G": (1.078, FIRST_ISSUE38),
+    "MPT-3b s2048 8xA100-40G": (1.085, FIRST_ISSUE38),
+    "MPT-3b s8192 8xA100-40G": (1.116, FIRST_ISSUE38),
+    "MPT-7b s2048 8xA100-40G": (1.124, FIRST_ISSUE38),
+    "MPT-7b s4096 8xA100-40G": (1.117, FIRST_ISSUE38),
+    "MPT-13b s2048 8xA100-40G": (1.331, FIRST_ISSUE38),
+    "MPT-13b s2048 16xA100-40G": (1.111, FIRST_ISSUE38),
+    "MPT-30b s2048 32xA100-40G": (1.066, FIRST_ISSUE38),
 }

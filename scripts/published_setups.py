@@ -17,6 +17,8 @@ the configuration it ran and the figure in tokens per second per GPU. Sources:
 * ``colossalai-gemini``: Colossal-AI's GPT-2 Gemini example (0.1.13) on 1, 2 and 4 A100 80GB over PCIe,
   host offload policies 'cpu', 'auto' and 'const', published as TFLOPS per GPU with Elixir's own
   metric (batch x params x seq x 8 / step time).
+* ``llm-foundry-40gb``: llm-foundry's A100 40GB table (scripts/published_foundry40.py), added by issue 38
+  and held out: no preset rate is fitted to it.
 
 The presets' compute rates were fitted to other rows of the llm-foundry tables only; the
 torchtitan, Megatron-LM, ZeRO-Offload and Colossal-AI rows are held out (``Setup.fitted_source``).
@@ -24,6 +26,7 @@ torchtitan, Megatron-LM, ZeRO-Offload and Colossal-AI rows are held out (``Setup
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from published_colossalai import (
@@ -46,6 +49,7 @@ from published_colossalai import (
     TP_TABLE,
     gpt2_params,
 )
+from published_foundry40 import A100_40_MISMATCH, A100_40_ROWS, A100_40_TABLE
 
 LLM_FOUNDRY = (
     "mosaicml/llm-foundry scripts/train/benchmarking/README.md @ 8c8dd48f72168c5d51e2f7b151595892a8fba43d "
@@ -68,8 +72,9 @@ ZERO_OFFLOAD = (
 )
 H100_TABLE = "H100 80GB BF16"
 A100_TABLE = "A100 80GB with 1600 Gbps node-node interconnect (RoCE)"
-# The rows whose MFU the presets' best_mfu quotes (the plausibility bound).
-BEST_MFU_ROWS = {(H100_TABLE, "7b", 2048, 8), (A100_TABLE, "7b", 2048, 8)}
+# The rows whose MFU the presets' best_mfu quotes (the plausibility bound): none since issue 38 (the H100
+# bound is Megatron-LM's H100 model table, the A100 one FlashAttention-2's run; neither is a row here).
+BEST_MFU_ROWS: set[tuple[str, str, int, int]] = set()
 # MPT sizes (d_model, n_layers, n_heads) from llm-foundry scripts/train/yamls/pretrain/mpt-<size>.yaml,
 # vocabulary 50368, flash attention, expansion ratio 4.
 MPT = {
@@ -117,7 +122,16 @@ MEGATRON_PIPELINE = (
 MEGATRON_INTERLEAVED = (
     "Megatron's interleaved 1F1B ({virtual} layers per virtual stage, {runs} per rank: bubble (P - 1) / (v N + P - 1) "
     "= {bubble:.1%} of the step) has no plan form: the plan's modular assignment runs one block per virtual stage "
-    "({modular:.1%}), its contiguous one a run per stage ({contiguous:.1%}); pinned modular (layered), the nearer"
+    "({modular:.1%}), its contiguous one a run per stage ({contiguous:.1%}); pinned contiguous with schedule 1f1b: "
+    "its memory is 1F1B's (stage s holds at most P - s micro-batches' activations, about what interleaving holds), "
+    "where the modular plan's looped schedule holds all {micro_batches} (predicted 173 GiB, refused though it ran); "
+    "its bubble is the larger, so the pinned time errs slow"
+)
+# The H100 and A100 80GB tables' 'MP Mode' DEFAULT (the A100 40GB table ran PURE).
+MPT_DEFAULT_GATHER = (
+    "MP Mode DEFAULT: Composer's FSDP mixed precision of the tables' time (mosaicml/composer "
+    "composer/trainer/dist_strategy.py get_mixed_precision, Composer 0.12-0.14: param_dtype float32, reduce_dtype bf16, buffer_dtype "
+    "float32) gathers the parameters in fp32, twice the plan's bf16 all-gather bytes per micro-batch"
 )
 ZERO_OFFLOAD_MISMATCHES = (
     "the micro-batch per step from the log itself: SamplesPerSec 0.386 x 25.8 s per iteration = 10 samples, "
@@ -221,16 +235,18 @@ class Setup:
 
 
 def _foundry(table: str, size: str, seq: int, gpus: int, mfu: str, micro: int, accum: int, tps: int, ckpt: bool):
-    hardware = "h100-80gb-sxm" if table == H100_TABLE else "a100-80gb-sxm"
+    hardware = {H100_TABLE: "h100-80gb-sxm", A100_40_TABLE: "a100-40gb-sxm"}.get(table, "a100-80gb-sxm")
+    card = "_".join(hardware.split("-")[:2])
     row = (
-        f"| {size} | {seq} | {gpus} | {'h100_80gb' if hardware.startswith('h100') else 'a100_80gb'} | MFU {mfu} | "
+        f"| {size} | {seq} | {gpus} | {card} | MFU {mfu} | "
         f"micro {micro} | accum {accum} | {tps} T/s/GPU | FULL_SHARD | checkpointing {ckpt} |"
     )
     hidden, layers, heads = MPT[size]
+    held_out = table == A100_40_TABLE
     return Setup(
-        name=f"MPT-{size} s{seq} {gpus}x{hardware.split('-')[0].upper()}",
+        name=f"MPT-{size} s{seq} {gpus}x{hardware.split('-')[0].upper()}" + ("-40G" if held_out else ""),
         source=LLM_FOUNDRY.format(table=table),
-        source_key="llm-foundry",
+        source_key="llm-foundry-40gb" if held_out else "llm-foundry",
         row=row,
         model=f"mpt-{size}",
         gpt=(hidden, layers, heads, MPT_VOCAB, True),
@@ -242,9 +258,9 @@ def _foundry(table: str, size: str, seq: int, gpus: int, mfu: str, micro: int, a
         grad_accum_steps=accum,
         checkpointing="all" if ckpt else "none",
         tokens_per_s_per_gpu=float(tps),
-        mismatches=MPT_MISMATCHES,
+        mismatches=MPT_MISMATCHES[:2] + (A100_40_MISMATCH,) if held_out else MPT_MISMATCHES + (MPT_DEFAULT_GATHER,),
         defines_bound=(table, size, seq, gpus) in BEST_MFU_ROWS,
-        fitted_source=True,
+        fitted_source=not held_out,
         mpt=True,
     )
 
@@ -271,6 +287,7 @@ def _megatron(size: str, hidden: int, layers: int, heads: int, tp: int, pp: int,
                 bubble=(pp - 1) / (runs * micro_batches + pp - 1),
                 modular=(pp - 1) / (layers // pp * micro_batches + pp - 1),
                 contiguous=(pp - 1) / (micro_batches + pp - 1),
+                micro_batches=micro_batches,
             ),
         )
     elif pp > 1:
@@ -297,8 +314,9 @@ def _megatron(size: str, hidden: int, layers: int, heads: int, tp: int, pp: int,
         dtype="fp16",
         tensor=tp,
         pipeline=pp,
-        assignment="contiguous" if pp > 1 and not virtual else "modular",
-        schedule="1f1b" if pp > 1 and not virtual else "looped_bfs",
+        # A pipeline, interleaved or not, is pinned as 1F1B over contiguous runs (MEGATRON_INTERLEAVED says why).
+        assignment="contiguous" if pp > 1 else "modular",
+        schedule="1f1b" if pp > 1 else "looped_bfs",
         mismatches=MEGATRON_MISMATCHES + ((MEGATRON_VOCAB_LOSS,) if tp > 1 else ()) + pipeline,
     )
 
@@ -527,35 +545,22 @@ PUBLISHED: tuple[Setup, ...] = (
     _colossal_gemini("gpt2_10b", 4, "cpu", 8, "61.354", POLICY_TABLE),
     _colossal_gemini("gpt2_10b", 4, "const", 8, "82.137", POLICY_TABLE),
     _colossal_gemini("gpt2_20b", 1, "cpu", 8, "43.102", TP_TABLE),
+    # Issue 38's new rows: llm-foundry's A100 40GB table (scripts/published_foundry40.py), held out.
+    *(_foundry(A100_40_TABLE, *row) for row in A100_40_ROWS),
 )
 SOURCE_KEYS = tuple(dict.fromkeys(setup.source_key for setup in PUBLISHED))
-# Sources looked at and left out, with the reason (the report lists them).
-LEFT_OUT = (
-    "Megatron-LM's current H100 table (NVIDIA/Megatron-LM README.md images/model_table.png @ d98e8a64, MFU 41-48%, "
-    "seq 4096, vocab 131072): the README does not give the FFN width, attention groups, SwiGLU or micro-batch, so "
-    "neither the FLOPs per token behind its TFLOP/s nor the configuration can be pinned",
-    "Megatron-LM's 145B, 310B, 530B and 1T rows (1536-3072 GPUs, 8-64 pipeline stages): left out for search time "
-    "(the free search of the 76B row on 1024 GPUs took 13 min on the shared 2-core machine this ran on)",
-    "ZeRO-Offload's headline 40 TFLOP/s for 10B on one V100 (arXiv 2101.06840 abstract): no batch size or "
-    "sequence length with it; the tutorial's logged run above is used instead",
-    "The Elixir paper's GPT-2 tables (arXiv 2212.05339v3, TFLOPS per GPU on 1, 2 and 4 A100): the stored copies "
-    "reachable here (ar5iv.labs.arxiv.org/html/2212.05339 and summaries of it) give the abstract and introduction "
-    "only, and no repository holds the paper's text; the paper's benchmark code (hpcaitech/Elixir @ e9ccbd9, "
-    "example/benchmark: the GPT-2 4B-20B models and scripts) and colossalai/elixir/README.md of hpcaitech/ColossalAI "
-    "have no results. The two Colossal-AI sources above (Gemini, the system Elixir grew from, on GPT-2 at seq 1024, "
-    "fp16, checkpointed, 1-8 A100, the 'colossalai-gemini' rows in Elixir's own TFLOPS metric) stand in for them",
-    "Colossal-AI's Gemini example rows with tensor parallelism (TP 2 and 4, examples/language/gpt/README.md @ "
-    "d96cc37e): Colossal's 1D split of transformers' GPT-2 (attention c_attn and c_proj, mlp c_fc and the embeddings column-split, mlp c_proj row-split) "
-    "is not a layout a plan can pin (transformers ships no tensor-parallel plan for GPT-2), and the script's "
-    "TFLOPS counts the local shard's parameters",
-    "ZeRO-Infinity (arXiv 2104.07857; its single-DGX-2 throughput by model size): the paper's text is not reachable "
-    "here (abstract pages only); its SC21 slides (microsoft/DeepSpeed docs/assets/files/SC21-ZeRO-Infinity.pdf @ "
-    "38327e07) draw the throughput as bar charts with no printed values and give no batch size or sequence "
-    "length; a third-party reading note quotes '>40 TFlops/GPU up to 100B on one DGX-2' without a configuration. "
-    "DeepSpeed's ZeRO-3 Offload post (docs/_posts/2021-03-08-zero3-offload.md) likewise gives '49 TFlops/GPU' for "
-    "1T on 512 V100 with no configuration",
-    "ProTrain (arXiv 2406.08334v2, MLSys 2026; RTX 3090 and A100 throughput): only the abstract and introduction of "
-    "arxiv.org/html/2406.08334v2 are reachable here (1.43-2.71x over DeepSpeed, Colossal-AI and FSDP; no table of "
-    "throughput with configurations); no repository of its authors is in the index, and the third-party "
-    "summaries found quote speed-up ranges only. No RTX 3090 preset was added: no row needs it",
+# Published configurations that ran out of memory: a plan pinned to them must be refused (issue 38).
+# Colossal-AI's Gemini example, 'How dose the Placement Policy affect the efficency.': gpt2_10b, 4 GPUs,
+# policy cuda, TP 1, batch 8: "OOM". 'cuda' keeps the fp32 master and Adam on the GPU (offload 0) and every
+# fp16 chunk gathered from its first use to its reduction (cache all).
+_GEMINI_CUDA = _colossal_gemini("gpt2_10b", 4, "cuda", 8, "0", POLICY_TABLE)
+FAILED: tuple[Setup, ...] = (
+    dataclasses.replace(
+        _GEMINI_CUDA,
+        row="| gpt2_10b | 4 | cuda | 1 | 8 | OOM |",
+        mismatches=tuple(text for text in _GEMINI_CUDA.mismatches if text != GEMINI_HOST_ADAM),
+        tokens_per_s_per_gpu=0.0,
+        offload=0.0,
+        cache_blocks="all",
+    ),
 )

@@ -14,7 +14,7 @@ import statistics
 from collections.abc import Callable
 
 from published_checks import issue_checks
-from published_first import FIRST_PREDICTIONS
+from published_first import FIRST_ISSUE38, FIRST_PREDICTIONS
 from published_setups import PUBLISHED
 
 from elixir_tune.costmodel.rates import BOUND_KEYS
@@ -24,7 +24,7 @@ EXPLAIN_SPEEDUP = 1.2
 # A step this close to a bound (relative) sits on it: a clamp, or a tie the bound made.
 ON_BOUND_REL = 1e-6
 # The peers whose configurations the free plans are compared with in issue 38's item on micro-batches.
-PEER_FAMILIES = ("megatron", "torchtitan", "llm-foundry")
+PEER_FAMILIES = ("megatron", "torchtitan", "llm-foundry", "llm-foundry-40gb")
 
 _SETUPS = {setup.name: setup for setup in PUBLISHED}
 
@@ -109,6 +109,12 @@ def summary(rows: list[dict]) -> dict:
     out["fitted_first"] = _first(rows, fitted)
     out["held_out"] = _current(rows, held_out)
     out["held_out_first"] = _first(rows, held_out)
+    out["new_first"] = _first(
+        rows, lambda row: in_scope(row) and FIRST_PREDICTIONS.get(row["name"], (0, ""))[1] == FIRST_ISSUE38
+    )
+    out["new_now"] = _current(
+        rows, lambda row: in_scope(row) and FIRST_PREDICTIONS.get(row["name"], (0, ""))[1] == FIRST_ISSUE38
+    )
     out["free_plans_on_a_bound"] = sum(on_bound(free) for free in frees)
     out["free_speedups_explained"] = sum(1 for row in rows if row.get("free_speedup", 0) > EXPLAIN_SPEEDUP)
     out["peer_speedups"] = _speedups(peers)
@@ -148,6 +154,9 @@ def summary_text(s: dict) -> list[str]:
         f"{stats_text(s['held_out'])}; first recorded predictions {stats_text(s['held_out_first'])} (where each "
         "first prediction is recorded: `scripts/published_first.py`; the held-out rows' current figures were "
         "looked at by later changes, their first ones were not).",
+        "",
+        f"**New rows** (issue 38: added and predicted before any change looked at them): first predictions "
+        f"{stats_text(s.get('new_first', {}))}; now {stats_text(s.get('new_now', {}))}.",
         "",
         f"Free plans whose predicted step sits on a plausibility bound: {s['free_plans_on_a_bound']}. Free plans' "
         f"predicted speed-up over what Megatron-LM, torchtitan and llm-foundry ran: "
