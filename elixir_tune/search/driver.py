@@ -17,6 +17,17 @@ from elixir_tune.search.context_layouts import fallback_context_layouts, with_co
 from elixir_tune.search.elixir_rule import fitted_elixir_shape
 from elixir_tune.search.joint import Budget, explore
 from elixir_tune.search.layouts import layout_choices
+from elixir_tune.search.peers import (
+    PeerCandidate,
+    check_peer_pins,
+    engine_of,
+    engines_to_search,
+    explain_engines,
+    explain_peer,
+    explore_peers,
+    merge_ranked,
+    peer_plan,
+)
 from elixir_tune.search.plan_builder import build_plan
 from elixir_tune.search.space import parse_fixed
 from elixir_tune.units import gib, human_bytes
@@ -349,6 +360,7 @@ def search(
     loop: str = "plain",
     device_memory_bytes: int | None = None,
     profile_path: str = "",
+    engine: str = "elixir",
 ) -> SearchResult:
     """Finds the fastest plan that fits.
 
@@ -368,6 +380,9 @@ def search(
             standard accumulation; ``forward_backward`` also tries pipeline, tensor and layered plans.
         device_memory_bytes: caps the device memory a rank may fill (default: the spec's usable).
         profile_path: the profile's file, recorded in the plan (``search.profile``) for ``show``.
+        engine: who may run the plan: ``elixir`` (our engine, the default: the search as it always
+            was), ``fsdp2``, ``deepspeed`` (data parallelism only, ``search/peers.py``) or ``any``
+            (all three ranked together); a ``--fix engine=`` pin narrows it.
 
     Returns:
         The result; ``result.plan`` passes ``validate``.
@@ -382,10 +397,18 @@ def search(
         raise ValueError("gpus_per_node and nodes must be positive")
     started = time.perf_counter()
     pinned = parse_fixed(fixed)
+    engines = engines_to_search(engine, pinned)
+    check_peer_pins(engines, pinned)
+    if strategy == "elixir" and engines != ["elixir"]:
+        raise ValueError("--strategy elixir scores our engine's plans only; drop --engine / --fix engine")
     searched = with_context_pins(_pins_of_loop(pinned, loop))
     world = gpus_per_node * nodes
     global_batch = global_batch_size or DEFAULT_BATCH_PER_GPU * world
-    if strategy == "elixir":
+    if "elixir" not in engines:
+        if global_batch % world:
+            raise ValueError(f"global batch size {global_batch} is not a multiple of the {world} GPUs")
+        layouts = [DATA_ONLY]
+    elif strategy == "elixir":
         if global_batch % world:
             raise ValueError(f"global batch size {global_batch} is not a multiple of the {world} GPUs")
         if any(key in pinned for key in ("pipeline", "tensor", "tensor_mode", "expert", "context")):
@@ -408,7 +431,18 @@ def search(
     pools = _Pools(budget.usable_gpu_bytes, host_bytes, hardware.device == "cpu", "offload" in pinned)
     by_layout: dict[Layout, Candidate] = {}
     context_note = ""
-    if strategy == "joint":
+    peers = None
+    if engines != ["elixir"]:
+        data_model = models.get(DATA_ONLY) or CostModel(
+            profile, hardware, gpus_per_node, nodes, dtype=pinned.get("dtype"), layout=DATA_ONLY
+        )
+        models.setdefault(DATA_ONLY, data_model)
+        peers = explore_peers(data_model, budget, searched, [name for name in engines if name != "elixir"])
+    candidates: list[Candidate] = []
+    num_scored = 0
+    if "elixir" not in engines:
+        pass
+    elif strategy == "joint":
         found = explore(list(models.values()), budget, searched, top_k)
         fallback = [] if found.best else fallback_context_layouts(profile, gpus_per_node, nodes, global_batch, pinned)
         if fallback:  # nothing fits without context parallelism: try it (search/context_layouts.py)
@@ -425,10 +459,10 @@ def search(
                     "; no layout without context parallelism fits, so the search tried context degrees "
                     f"{', '.join(str(layout.context) for layout in fallback)} (each rank computes 1/C of every sequence)"
                 )
-        if not found.best:
+        if not found.best and not (peers and peers.candidates):
             raise _infeasible(found.min_gpu_bytes, found.min_host_bytes, pools, pinned)
         candidates, num_scored, by_layout = found.best, found.num_scored, found.best_by_layout
-        model = models[candidates[0].layout]
+        model = models[candidates[0].layout] if candidates else model
     else:
         shape, memory = fitted_elixir_shape(model, global_batch // world, budget.usable_gpu_bytes, searched)
         host_need = memory.peak_host_bytes
@@ -437,14 +471,28 @@ def search(
         if memory.required_gpu_bytes > budget.usable_gpu_bytes or host_need > host_bytes:
             raise _infeasible(memory.required_gpu_bytes, host_need, pools, pinned)
         candidates, num_scored = [score(model, shape, memory, global_batch)], 1
-    why = explain_winner(candidates, pinned, device=hardware.device, by_layout=by_layout, layouts_tried=len(models))
-    why += context_note
+    bests: dict[str, Candidate] = {"elixir": candidates[0]} if candidates else {}
+    ours = candidates
+    if peers is not None:
+        if not peers.candidates and not candidates:
+            raise _infeasible(peers.min_gpu_bytes, peers.min_host_bytes, pools, pinned)
+        candidates, bests = merge_ranked(ours, peers.candidates, models[DATA_ONLY], top_k)
+        num_scored += peers.num_scored
+        model = models[DATA_ONLY] if engine_of(candidates[0]) != "elixir" else model
+    best = candidates[0]
+    if isinstance(best, PeerCandidate):
+        why = explain_peer(best, hardware.device)
+    else:
+        why = explain_winner(ours, pinned, device=hardware.device, by_layout=by_layout, layouts_tried=len(models))
+    engines_line = explain_engines(best, bests) if peers is not None else ""
+    why += ("; " + engines_line if engines_line else "") + context_note
     if loop == "plain" and strategy == "joint" and len(profile.layout_reasons()) < 2:
         why += (
             "; the plain loop runs data parallelism with standard accumulation only (--loop forward_backward "
             "also tries pipeline, tensor and layered plans)"
         )
     elapsed = time.perf_counter() - started
+    alternatives = candidates[1:] + [c for c in bests.values() if all(c is not kept for kept in candidates)]
     plan = build_plan(
         model,
         candidates[0],
@@ -453,11 +501,13 @@ def search(
         strategy=strategy,
         elapsed_s=elapsed,
         num_scored=num_scored,
-        alternatives=candidates[1:],
+        alternatives=alternatives,
         loop=loop,
         usable_gpu_bytes=budget.usable_gpu_bytes,
         profile_path=profile_path,
     )
+    if isinstance(best, PeerCandidate):
+        plan = peer_plan(plan, best)
     return SearchResult(
         plan=plan,
         candidates=candidates,
