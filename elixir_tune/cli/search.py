@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from elixir_tune.cli import time_to_train
+from elixir_tune.cli.bench import measure_options, measure_search
 from elixir_tune.cli.console import Table, console, err_console, fail, print_json, print_wide
 from elixir_tune.cli.time_to_train import time_to_train_options
 from elixir_tune.hardware.networks import with_network
@@ -111,6 +112,9 @@ def candidates_table(rows: list[dict], title: str) -> Table:
     # The layout column only when some candidate uses pipeline or tensor parallelism.
     parallel = any(layout_label(row) != "dp" for row in rows)
     table.add_column("#", justify="right", no_wrap=True)
+    engines = any("engine" in row for row in rows)
+    if engines:
+        table.add_column("engine", no_wrap=True)
     if parallel:
         table.add_column("parallel", justify="right", no_wrap=True)
     for name in (
@@ -131,6 +135,7 @@ def candidates_table(rows: list[dict], title: str) -> Table:
         every = row["checkpointing"]
         table.add_row(
             str(rank),
+            *([row.get("engine", "elixir")] if engines else []),
             *([layout_label(row)] if parallel else []),
             f"{row['chunk_mib']:.3g}",
             f"{row['cache_blocks']}/{row['cacheable_chunks']}",
@@ -234,6 +239,14 @@ def candidates_table(rows: list[dict], title: str) -> Table:
     type=click.Path(dir_okay=False),
     help="Also draw the predicted step of the best plan and the runner-up to this SVG file.",
 )
+@click.option(
+    "--engine",
+    type=click.Choice(["elixir", "fsdp2", "deepspeed", "any"]),
+    default="elixir",
+    show_default=True,
+    help="Who runs the plan: our engine, PyTorch FSDP2 or DeepSpeed ZeRO (data parallelism), or any (ranked together).",
+)
+@measure_options
 @time_to_train_options
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def search_command(
@@ -257,7 +270,9 @@ def search_command(
     batch_limit: str | None,
     full_frontier: bool,
     network: str | None,
+    engine: str,
     as_json: bool,
+    **measure: object,
 ) -> None:
     """Search chunking, caching, offload, checkpointing, batching and pipeline/tensor parallelism; write plan.yaml.
 
@@ -335,6 +350,7 @@ def search_command(
                 loop=loop,
                 device_memory_bytes=device_bytes,
                 profile_path=str(Path(profile_path).resolve()),
+                engine=engine,
             )
     except InfeasibleError as error:
         message, _, hint = str(error).partition("; try: ")
@@ -347,6 +363,10 @@ def search_command(
     run_script, run_note = write_plan(result, profile, profile_path, hardware_ref, out_path, f"--gpus {gpus}")
     if timeline_path:
         _draw(timeline_path, result, result.usable_gpu_bytes)
+    if measure["measure"]:
+        print_wide(candidates_table([c.row() for c in result.candidates], "predicted"))
+        host = host_bytes if host_bytes is not None else hardware.host_memory_bytes
+        return measure_search(result, profile, hardware, hardware_ref, out_path, host, measure)
     rows = [c.row() for c in result.candidates]
     if as_json:
         print_json(

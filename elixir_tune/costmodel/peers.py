@@ -243,7 +243,8 @@ class PeerModel:
         reduce_once = self._collective_s(self.total_numel, self.dtype_bytes, gather=False, ops=buckets)
         reductions = 1 if engine.zero_stage == 1 else accum
         reduce_s = reduce_once * reductions
-        gather_s = 0.0
+        gather_s = once = 0.0
+        ops, kept = 1, True
         shard = self.total_numel / world
         if engine.zero_stage < 3:
             gather_ops = math.ceil(self.total_numel / DS_ALLGATHER_BUCKET_ELEMENTS)
@@ -263,9 +264,18 @@ class PeerModel:
             offload_s = self._copy_s(shard, FP32_BYTES, up=False) + self._copy_s(shard, self.dtype_bytes, up=True)
         breakdown = {"compute_s": compute_s * accum, "reduce_scatter_s": reduce_s, "allgather_s": gather_s}
         if engine.zero_stage == 3 and not self.on_cpu:
-            # overlap_comm (on at stage 3): gathers and reductions run beside the compute
-            exposed = max(0.0, gather_s + reduce_s - compute_s * accum) + min(gather_s, compute_s) / max(1, accum)
-            micro_total = compute_s * accum + exposed
+            # overlap_comm (on at stage 3): a micro-batch's forward gathers run beside its forward, its
+            # reductions (and gathers again) beside its backward; the first gather and the last bucket
+            # have nothing to hide behind.
+            regather = 0.0 if kept else once
+            backward_comm = regather + reduce_once
+            micro_s = (
+                max(compute_s / 3, once)
+                + once / max(1, ops)
+                + max(compute_s * 2 / 3, backward_comm)
+                + reduce_once / buckets
+            )
+            micro_total = micro_s * accum
         else:
             micro_total = compute_s * accum + gather_s + reduce_s
         host = shard if engine.offload_optimizer else 0.0
