@@ -56,7 +56,7 @@ def measure_options(function):
 
 def trial_script(profile, data: str | None) -> list[str]:
     """What ``elixir-run PLAN`` runs in a trial: the model's recipe, on ``data`` or synthetic tokens."""
-    from elixir_tune.cli.search import run_script_for
+    from elixir_tune.cli.run_script import run_script_for
 
     script, note = run_script_for(profile, shlex.quote(data) if data else "FILE")
     if script == "train.py":
