@@ -4,12 +4,17 @@ measured step time and memory beside the prediction, the measured fastest writte
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
 
 import pytest
 
 from elixir_tune.hardware.spec import load_hardware_file
 from elixir_tune.plan import load_plan
-from tests.e2e.launch_helpers import tune
+from tests.e2e.launch_helpers import console_script, job_env, tune
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -53,3 +58,33 @@ def test_search_measure_writes_the_measured_fastest_within_its_budget(searched):
     hardware = load_hardware_file(searched / "plan.hardware.yaml")
     assert hardware.sources["calibrated"] and record["time_factor"] > 0
     assert f"steps ran {record['time_factor']:.2f}x the predicted time" in out
+
+
+@pytest.mark.heavy
+def test_ctrl_c_stops_the_running_trial_and_keeps_what_was_measured(searched):
+    tune(["search", "--gpus", 2, "--hardware", "cpu", "--global-batch-size", 4], searched)
+    command = [console_script("elixir-tune"), "bench", "plan.yaml", "--steps", 400, "--json", "bench.json"]
+    process = subprocess.Popen(
+        [str(arg) for arg in command],
+        cwd=searched,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=job_env(),
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 300
+    logs = []
+    while not logs and time.monotonic() < deadline:  # the trial's log appears once a step is done
+        time.sleep(0.5)
+        logs = [path for path in Path(tempfile.gettempdir()).glob("elixir-measure-*/trial-0-round-0.json")]
+    process.send_signal(signal.SIGINT)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 0, output[-3000:]
+    assert "stopped early: interrupted (Ctrl-C): the results so far are kept" in output
+    (row,) = json.loads((searched / "bench.json").read_text())["plans"]
+    assert row["timed_steps"] >= 0 and row["status"] in ("ran", "not run")
+    assert logs, output[-3000:]
+    time.sleep(2)
+    workers = subprocess.run(["pgrep", "-f", str(logs[0])], capture_output=True, text=True).stdout
+    assert workers.strip() == "", "the trial's processes outlived the stop"
