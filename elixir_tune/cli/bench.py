@@ -71,7 +71,9 @@ def trial_script(profile, data: str | None) -> list[str]:
         if "--lora-rank" in words:  # the plan carries the LoRA settings
             words = words[: words.index("--lora-rank")]
         return words
-    return [*words, "--data", data] if data else [*words, "--synthetic"] if "--synthetic" not in words else words
+    if data:
+        return [*words, "--data", data]
+    return words if "--synthetic" in words else [*words, "--synthetic"]
 
 
 def run_trials(trials, steps: int, rounds: int, budget_s: float):
