@@ -12,10 +12,12 @@ from pathlib import Path
 import click
 
 from elixir_tune.cli import time_to_train
-from elixir_tune.cli.console import Table, console, err_console, fail, print_json, print_wide
+from elixir_tune.cli.bench import measure_options, measure_search
+from elixir_tune.cli.candidates import candidates_table
+from elixir_tune.cli.console import console, err_console, fail, print_json, print_wide
+from elixir_tune.cli.run_script import run_script_for
 from elixir_tune.cli.time_to_train import time_to_train_options
 from elixir_tune.hardware.networks import with_network
-from elixir_tune.hf_cache import looks_like_hub_name
 from elixir_tune.plan import save_plan, validate
 from elixir_tune.units import gib
 
@@ -93,61 +95,6 @@ def _load_inputs(profile_path: str, hardware_ref: str | None):
     return profile, hardware, hardware_ref
 
 
-def layout_label(row: dict) -> str:
-    """The parallel layout of a candidate row: dp, or pp/tp/ep degrees (e.g. ``pp2 tp4/2d``, ``ep4``)."""
-    parts = []
-    if row.get("pipeline", 1) > 1:
-        parts.append(f"pp{row['pipeline']}")
-    if row.get("tensor", 1) > 1:
-        parts.append(f"tp{row['tensor']}" + ("/2d" if row.get("tensor_mode") == "2d" else ""))
-    if row.get("expert", 1) > 1:
-        parts.append(f"ep{row['expert']}")
-    return " ".join(parts) or "dp"
-
-
-def candidates_table(rows: list[dict], title: str) -> Table:
-    """The best candidates as a rich table (rows from ``Candidate.row``)."""
-    table = Table(title=title)
-    # The layout column only when some candidate uses pipeline or tensor parallelism.
-    parallel = any(layout_label(row) != "dp" for row in rows)
-    table.add_column("#", justify="right", no_wrap=True)
-    if parallel:
-        table.add_column("parallel", justify="right", no_wrap=True)
-    for name in (
-        "chunk MiB",
-        "cache",
-        "offloaded",
-        "ckpt",
-        "micro x accum (L: layered)",
-        "step s",
-        "tokens/s",
-        "TFLOPS/GPU",
-        "MFU",
-        "GPU GiB",
-        "host GiB",
-    ):
-        table.add_column(name, justify="right", no_wrap=True)
-    for rank, row in enumerate(rows, 1):
-        every = row["checkpointing"]
-        table.add_row(
-            str(rank),
-            *([layout_label(row)] if parallel else []),
-            f"{row['chunk_mib']:.3g}",
-            f"{row['cache_blocks']}/{row['cacheable_chunks']}",
-            f"{row['offload']:.0%}",
-            "none" if every == 0 else "all" if every == 1 else f"1/{every}",
-            f"{row['micro_batch_size']} x {row['grad_accum_steps']}{' L' if row.get('accumulation') == 'layered' else ''}",
-            f"{row['step_time_s']:.3g}",
-            f"{row['tokens_per_s']:,.0f}",
-            f"{row['tflops_per_gpu']:.3g}",
-            f"{row['mfu']:.0%}",
-            f"{row['peak_gpu_bytes'] / 2**30:.3g}",
-            f"{row['peak_host_bytes'] / 2**30:.3g}",
-            style="bold green" if rank == 1 else None,
-        )
-    return table
-
-
 @click.command("search")
 @click.option(
     "--gpus", type=click.IntRange(min=1), default=None, help="GPUs (ranks) per node (required without --max-gpus)."
@@ -192,7 +139,7 @@ def candidates_table(rows: list[dict], title: str) -> Table:
     metavar="KEY=VALUE",
     help="Pin a choice (repeatable): chunk_size=<elements>, cache_blocks=<n>|all, offload=<0..1>, "
     "prefetch=<n>, micro_batch_size=<n>, checkpointing=none|all|every:<k>, dtype=fp32|bf16|fp16, accumulation=standard|layered, "
-    "pipeline=<stages>, assignment=modular|contiguous, schedule=looped_bfs|1f1b, tensor=<degree>, tensor_mode=1d|2d, expert=<degree>.",
+    "pipeline=<stages>, assignment=modular|contiguous, schedule=looped_bfs|1f1b, tensor=<degree>, tensor_mode=1d|2d, expert=<degree>, engine=elixir|fsdp2|deepspeed.",
 )
 @click.option(
     "--loop",
@@ -234,6 +181,14 @@ def candidates_table(rows: list[dict], title: str) -> Table:
     type=click.Path(dir_okay=False),
     help="Also draw the predicted step of the best plan and the runner-up to this SVG file.",
 )
+@click.option(
+    "--engine",
+    type=click.Choice(["elixir", "fsdp2", "deepspeed", "any"]),
+    default="elixir",
+    show_default=True,
+    help="Who runs the plan: our engine, PyTorch FSDP2 or DeepSpeed ZeRO (data parallelism), or any (ranked together).",
+)
+@measure_options
 @time_to_train_options
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def search_command(
@@ -257,7 +212,9 @@ def search_command(
     batch_limit: str | None,
     full_frontier: bool,
     network: str | None,
+    engine: str,
     as_json: bool,
+    **measure: object,
 ) -> None:
     """Search chunking, caching, offload, checkpointing, batching and pipeline/tensor parallelism; write plan.yaml.
 
@@ -335,6 +292,7 @@ def search_command(
                 loop=loop,
                 device_memory_bytes=device_bytes,
                 profile_path=str(Path(profile_path).resolve()),
+                engine=engine,
             )
     except InfeasibleError as error:
         message, _, hint = str(error).partition("; try: ")
@@ -347,6 +305,10 @@ def search_command(
     run_script, run_note = write_plan(result, profile, profile_path, hardware_ref, out_path, f"--gpus {gpus}")
     if timeline_path:
         _draw(timeline_path, result, result.usable_gpu_bytes)
+    if measure["measure"]:
+        print_wide(candidates_table([c.row() for c in result.candidates], "predicted"))
+        host = host_bytes if host_bytes is not None else hardware.host_memory_bytes
+        return measure_search(result, profile, hardware, hardware_ref, out_path, host, measure)
     rows = [c.row() for c in result.candidates]
     if as_json:
         print_json(
@@ -435,60 +397,6 @@ def warn_cpu_oversubscription(device: str, gpus: int, runs_here: bool = False) -
             f"with --gpus {cores} or fewer for this machine (or search on the machine the plan is for)"
         )
     err_console.print(f"[yellow]warning[/]: {shared}: {advice}", soft_wrap=True)
-
-
-# What the pretrain recipe hands the model: the forward must take these (and may take the optional ones).
-PRETRAIN_INPUTS = {"input_ids", "labels"}
-OPTIONAL_INPUTS = {"attention_mask", "position_ids"}
-BYTE_VOCAB = 256  # pretrain's text tokens are bytes
-
-
-def run_script_for(profile, data: str = "FILE") -> tuple[str, str]:
-    """What ``elixir-run PLAN`` runs for the profiled model: SCRIPT and its arguments, and why when it is not
-    a recipe's plain command (``pretrain_command``).
-
-    A Hugging Face model (a directory or a cached Hub name) is fine-tuned from its weights; other models train
-    from scratch. Recipe names work from any directory, so the model path is made absolute.
-
-    Args:
-        profile: the model's profile.
-        data: what ``--data`` names for a fine-tune.
-
-    Returns:
-        (SCRIPT and its arguments, a note or "").
-    """
-    source_dir = Path(str(profile.source))
-    if source_dir.is_dir() and (source_dir / "config.json").is_file():
-        script = f"finetune --model {shlex.quote(str(source_dir.resolve()))} --data {data}"
-    elif looks_like_hub_name(str(profile.source)):
-        script = f"finetune --model {shlex.quote(str(profile.source))} --data {data}"
-    else:
-        return pretrain_command(profile)
-    if profile.lora:  # the plan carries them; printed so that the command says what it trains
-        from elixir_tune.recipes.finetune_options import lora_flags
-
-        script += " " + lora_flags(profile.lora)
-    return script, ""
-
-
-def pretrain_command(profile) -> tuple[str, str]:
-    """What runs a model trained from scratch: the pretrain recipe when the model takes what it feeds
-    (input_ids and labels; bytes of text need a vocabulary of 256), else the user's own script.
-
-    Returns:
-        (SCRIPT and its arguments for ``elixir-run PLAN``, a note on why it is not the recipe, or "").
-    """
-    inputs = set(profile.inputs)
-    if inputs and not (PRETRAIN_INPUTS <= inputs <= PRETRAIN_INPUTS | OPTIONAL_INPUTS):
-        return "train.py", (
-            f"your own training script: the model takes {', '.join(profile.inputs)}, and the pretrain recipe feeds "
-            "input_ids and labels only; elixir_tune.setup(model, optimizer) in the script reads the plan"
-        )
-    if 0 < profile.token_vocab < BYTE_VOCAB:
-        return "pretrain --synthetic --steps 100", (
-            f"random tokens: the model's vocabulary of {profile.token_vocab} cannot hold the recipe's byte tokens"
-        )
-    return "pretrain", ""
 
 
 def _draw(path: str, result, limit_bytes: int) -> None:

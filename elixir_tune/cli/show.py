@@ -8,7 +8,14 @@ from pathlib import Path
 import click
 
 from elixir_tune.cli.console import console, fail, print_json, print_wide
-from elixir_tune.cli.show_tables import memory_table, placement_runs, placement_table, stages_table, timeline_table
+from elixir_tune.cli.show_tables import (
+    engine_line,
+    memory_table,
+    placement_runs,
+    placement_table,
+    stages_table,
+    timeline_table,
+)
 from elixir_tune.costmodel.memory import model_state_bytes
 from elixir_tune.costmodel.rates import BOUND_LABELS, binding_bound
 from elixir_tune.plan import Plan, PlanError, load_plan
@@ -382,3 +389,6 @@ def show_command(
             f"found by the {plan.search.strategy} search: {plan.search.candidates} candidates in "
             f"{plan.search.elapsed_s:.2f} s, {len(plan.search.alternatives)} alternatives recorded"
         )
+        engines = engine_line(plan)
+        if engines:
+            console.print(f"[bold]engine:[/] {engines}", soft_wrap=True)

@@ -178,3 +178,28 @@ def placement_table(plan: Plan) -> Table:
         )
         table.add_row(ids, str(run["count"]), run["placement"], f"{run['numel']:,}", params)
     return table
+
+
+def engine_line(plan) -> str:
+    """Why the plan's engine: its prediction beside the best recorded candidate of each other engine
+    (``search --engine any`` records them among the alternatives); "" for a plan of our engine searched alone."""
+    from elixir_tune.costmodel.peers import describe
+
+    rows = plan.search.alternatives if plan.search else []
+    if plan.prediction is None or (plan.engine.name == "elixir" and not any("engine" in row for row in rows)):
+        return ""
+    step_s = plan.prediction.step_time_s
+    line = (
+        f"{describe(plan.engine)} chosen: {step_s:.3g} s/step predicted, "
+        f"{plan.prediction.peak_gpu_bytes / 2**30:.2f} GiB per rank"
+    )
+    others: dict[str, dict] = {}
+    for row in rows:  # best first: the first of each engine is its best
+        others.setdefault(str(row.get("engine", "elixir")).split()[0], row)
+    others.pop(plan.engine.name, None)
+    parts = [
+        f"{row.get('engine', 'elixir')} {row['step_time_s']:.3g} s ({row['step_time_s'] / step_s - 1:+.1%}), "
+        f"{row['peak_gpu_bytes'] / 2**30:.2f} GiB"
+        for row in sorted(others.values(), key=lambda row: row["step_time_s"])
+    ]
+    return line + ("; best of the other engines: " + "; ".join(parts) if parts else "")

@@ -106,7 +106,8 @@ def train_command(
 
     profile, profile_file, profile_reused = _profile(model, files, seq_len, dtype, lora)
     plan, plan_file, plan_reused = _plan(profile, profile_file, hardware_ref, gpus, global_batch_size)
-    from elixir_tune.cli.search import run_script_for, warn_cpu_oversubscription
+    from elixir_tune.cli.run_script import run_script_for
+    from elixir_tune.cli.search import warn_cpu_oversubscription
 
     warn_cpu_oversubscription(plan.cluster.device, gpus, runs_here=True)
     if plan_out:

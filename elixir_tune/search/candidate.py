@@ -107,7 +107,13 @@ def score(model: CostModel, shape: Shape, memory: MemoryEstimate, global_batch_s
     Returns:
         The scored candidate.
     """
-    estimate = model.step_time(shape)
+    return score_with(model, shape, memory, model.step_time(shape), global_batch_size)
+
+
+def score_with(
+    model: CostModel, shape: Shape, memory: MemoryEstimate, estimate: StepEstimate, global_batch_size: int
+) -> Candidate:
+    """``score`` with the step already predicted (a peer engine's, ``search/peers.py``)."""
     layout = model.layout(shape.chunk_size)
     profile = model.full_profile  # the whole model's FLOPs over every GPU of the world
     step_s = estimate.step_time_s

@@ -15,21 +15,26 @@ from elixir_tune.profiler.schema import ModelProfile
 from elixir_tune.search.candidate import Candidate, score
 from elixir_tune.search.context_layouts import fallback_context_layouts, with_context_pins
 from elixir_tune.search.elixir_rule import fitted_elixir_shape
+from elixir_tune.search.explain import explain_winner
 from elixir_tune.search.joint import Budget, explore
 from elixir_tune.search.layouts import layout_choices
+from elixir_tune.search.peers import (
+    PeerCandidate,
+    check_peer_pins,
+    engine_of,
+    engines_to_search,
+    explain_engines,
+    explain_peer,
+    explore_peers,
+    merge_ranked,
+    peer_plan,
+)
 from elixir_tune.search.plan_builder import build_plan
 from elixir_tune.search.space import parse_fixed
 from elixir_tune.units import gib, human_bytes
 
 STRATEGIES = ("joint", "elixir")
 DEFAULT_BATCH_PER_GPU = 8
-# How the why-line names each pipeline schedule (plan.schema.PipelineSchedule).
-SCHEDULE_WORDS = {
-    "looped_bfs": "looped breadth-first",
-    "1f1b": "1F1B",
-    "gpipe": "GPipe",
-    "interleaved_1f1b": "interleaved 1F1B",
-}
 
 
 class InfeasibleError(ValueError):
@@ -170,146 +175,6 @@ def _infeasible(required_gpu: int | None, required_host: int | None, pools: _Poo
     )
 
 
-def explain_layout(best: Candidate, by_layout: dict[Layout, Candidate] | None = None, layouts_tried: int = 1) -> str:
-    """Why the winner's parallel layout: its bubble, tensor and expert traffic, and the best of the others.
-
-    Args:
-        best: the winning candidate.
-        by_layout: the fastest candidate of each layout the search scored.
-        layouts_tried: parallel layouts searched (some may have had no candidate scored: pruned
-            by the lower bound, or nothing fit).
-
-    Returns:
-        A clause for the why-line ("" when only data parallelism was possible).
-    """
-    by_layout = by_layout or {}
-    layout, b = best.layout, best.estimate.breakdown
-    step = best.step_time_s
-    parts = []
-    if layout.pipeline > 1:
-        parts.append(
-            f"pipeline {layout.pipeline} stages ({layout.assignment}, {SCHEDULE_WORDS[layout.schedule]}): bubble "
-            f"{b.get('pipeline_bubble_s', 0.0) / step:.1%} of the step, point-to-point sends "
-            f"{b.get('p2p_s', 0.0) / step:.1%} exposed"
-        )
-    if layout.tensor > 1:
-        parts.append(
-            f"tensor {layout.tensor} ({layout.tensor_mode}): its collectives are "
-            f"{b.get('tensor_comm_s', 0.0) / step:.1%} of the step"
-        )
-    if layout.expert > 1:
-        parts.append(
-            f"expert {layout.expert} (1/{layout.expert} of the experts per rank): its all-to-alls are "
-            f"{b.get('expert_comm_s', 0.0) / step:.1%} of the step"
-        )
-    if layout.context > 1:
-        parts.append(
-            f"context {layout.context} (1/{layout.context} of every sequence per rank): its all-to-alls are "
-            f"{b.get('context_comm_s', 0.0) / step:.1%} of the step"
-        )
-    others = sorted((c.step_time_s, key.describe()) for key, c in by_layout.items() if key != layout)
-    if not parts and layouts_tried <= 1:
-        return ""
-    line = "; ".join(parts) if parts else "data parallelism only"
-    unscored = layouts_tried - 1 - len(others)
-    if unscored > 0:
-        line += (
-            f"; {unscored} other pipeline/tensor/expert layout(s) had no candidate: their compute with tensor "
-            "collectives, all-to-alls and bubble alone is slower, or they do not fit"
-        )
-    if others:
-        slower = others[0][0] / step - 1
-        line += f"; the best other layout ({others[0][1]}) is {slower:.1%} slower"
-        if DATA_ONLY != layout and DATA_ONLY in by_layout and others[0][1] != DATA_ONLY.describe():
-            line += f", data parallelism only {by_layout[DATA_ONLY].step_time_s / step - 1:.1%} slower"
-    return line
-
-
-def explain_winner(
-    candidates: list[Candidate],
-    pinned: dict | None = None,
-    device: str = "cuda",
-    by_layout: dict[Layout, Candidate] | None = None,
-    layouts_tried: int = 1,
-) -> str:
-    """One line on why the best candidate wins.
-
-    Args:
-        candidates: the best candidates, fastest first.
-        pinned: the pinned choices (``parse_fixed``), which are not the search's doing.
-        device: the hardware's device, ``cuda`` or ``cpu`` (named in the line).
-        by_layout: the fastest candidate of each parallel layout scored (``Exploration.best_by_layout``).
-        layouts_tried: parallel layouts searched.
-
-    Returns:
-        The line.
-    """
-    where = "the GPU" if device == "cuda" else "the device (CPU)"
-    pinned = pinned or {}
-    best = candidates[0]
-    b = best.estimate.breakdown
-    s = best.shape
-    if s.num_offloaded == 0 and s.cache_blocks >= best.num_cacheable:
-        what = f"everything fits on {where} with every chunk cached (ZeRO-2-like), so nothing is offloaded"
-    elif s.num_offloaded == 0:
-        what = (
-            f"every shard stays on {where}, with {s.cache_blocks} of {best.num_cacheable} chunks cached "
-            "at once (ZeRO-3-like)"
-        )
-    elif "offload" in pinned:
-        what = f"offloads {best.offload_share:.0%} of the shards as pinned, with {s.cache_blocks} cache blocks"
-    else:
-        what = (
-            f"offloads {best.offload_share:.0%} of the shards, which frees room for {s.cache_blocks} cache "
-            f"blocks and micro-batch {s.micro_batch_size}"
-        )
-    compute_share = b.get("compute_s", 0.0) / best.step_time_s
-    line = (
-        f"{what}; compute is {compute_share:.0%} of the step, {b.get('exposed_fetch_s', 0.0):.3g} s of fetches exposed"
-    )
-    if best.layout.pipeline > 1 and best.layout.schedule == "1f1b" and s.grad_accum_steps > 1:
-        line += (
-            f"; the {s.grad_accum_steps} micro-batches run one forward, one backward (1F1B): stage s holds "
-            f"at most {best.layout.pipeline} - s micro-batches' activations, not {s.grad_accum_steps}"
-        )
-    elif s.layered and best.layout.pipeline > 1:
-        line += (
-            f"; the {s.grad_accum_steps} micro-batches run layer by layer, breadth-first through each stage's blocks (each chunk "
-            "fetched once per pass and reduced once per step, their activations held together)"
-        )
-    elif s.layered:
-        line += (
-            f"; the {s.grad_accum_steps} micro-batches run layer by layer (layered accumulation: each chunk fetched "
-            f"and reduced once per step instead of {s.grad_accum_steps} times, their activations held together)"
-        )
-    parallel = explain_layout(best, by_layout, layouts_tried)
-    if parallel:
-        line += "; " + parallel
-    if len(candidates) > 1:
-        other = candidates[1]
-        diffs = [
-            name
-            for name, a, c in (
-                ("chunk size", s.chunk_size, other.shape.chunk_size),
-                ("cache", s.cache_blocks, other.shape.cache_blocks),
-                ("offload", s.num_offloaded, other.shape.num_offloaded),
-                ("checkpointing", s.every, other.shape.every),
-                ("micro-batch", s.micro_batch_size, other.shape.micro_batch_size),
-                ("accumulation", s.accumulation, other.shape.accumulation),
-                ("prefetch", s.prefetch, other.shape.prefetch),
-                ("parallel layout", best.layout, other.layout),
-            )
-            if a != c
-        ]
-        slower = other.step_time_s / best.step_time_s - 1
-        differs = ", ".join(diffs) or "nothing visible"
-        if slower < 5e-4:
-            line += f"; the runner-up (differs in {differs}) is as fast but needs more memory"
-        else:
-            line += f"; the runner-up (differs in {differs}) is {slower:.1%} slower"
-    return line
-
-
 def _pins_of_loop(pinned: dict[str, Any], loop: str) -> dict[str, Any]:
     """The pins the search runs with: the user's, plus what the script's loop rules out.
 
@@ -349,6 +214,7 @@ def search(
     loop: str = "plain",
     device_memory_bytes: int | None = None,
     profile_path: str = "",
+    engine: str = "elixir",
 ) -> SearchResult:
     """Finds the fastest plan that fits.
 
@@ -368,6 +234,9 @@ def search(
             standard accumulation; ``forward_backward`` also tries pipeline, tensor and layered plans.
         device_memory_bytes: caps the device memory a rank may fill (default: the spec's usable).
         profile_path: the profile's file, recorded in the plan (``search.profile``) for ``show``.
+        engine: who may run the plan: ``elixir`` (our engine, the default: the search as it always
+            was), ``fsdp2``, ``deepspeed`` (data parallelism only, ``search/peers.py``) or ``any``
+            (all three ranked together); a ``--fix engine=`` pin narrows it.
 
     Returns:
         The result; ``result.plan`` passes ``validate``.
@@ -382,10 +251,18 @@ def search(
         raise ValueError("gpus_per_node and nodes must be positive")
     started = time.perf_counter()
     pinned = parse_fixed(fixed)
+    engines = engines_to_search(engine, pinned)
+    check_peer_pins(engines, pinned)
+    if strategy == "elixir" and engines != ["elixir"]:
+        raise ValueError("--strategy elixir scores our engine's plans only; drop --engine / --fix engine")
     searched = with_context_pins(_pins_of_loop(pinned, loop))
     world = gpus_per_node * nodes
     global_batch = global_batch_size or DEFAULT_BATCH_PER_GPU * world
-    if strategy == "elixir":
+    if "elixir" not in engines:
+        if global_batch % world:
+            raise ValueError(f"global batch size {global_batch} is not a multiple of the {world} GPUs")
+        layouts = [DATA_ONLY]
+    elif strategy == "elixir":
         if global_batch % world:
             raise ValueError(f"global batch size {global_batch} is not a multiple of the {world} GPUs")
         if any(key in pinned for key in ("pipeline", "tensor", "tensor_mode", "expert", "context")):
@@ -408,7 +285,18 @@ def search(
     pools = _Pools(budget.usable_gpu_bytes, host_bytes, hardware.device == "cpu", "offload" in pinned)
     by_layout: dict[Layout, Candidate] = {}
     context_note = ""
-    if strategy == "joint":
+    peers = None
+    if engines != ["elixir"]:
+        data_model = models.get(DATA_ONLY) or CostModel(
+            profile, hardware, gpus_per_node, nodes, dtype=pinned.get("dtype"), layout=DATA_ONLY
+        )
+        models.setdefault(DATA_ONLY, data_model)
+        peers = explore_peers(data_model, budget, searched, [name for name in engines if name != "elixir"])
+    candidates: list[Candidate] = []
+    num_scored = 0
+    if "elixir" not in engines:
+        pass
+    elif strategy == "joint":
         found = explore(list(models.values()), budget, searched, top_k)
         fallback = [] if found.best else fallback_context_layouts(profile, gpus_per_node, nodes, global_batch, pinned)
         if fallback:  # nothing fits without context parallelism: try it (search/context_layouts.py)
@@ -425,10 +313,10 @@ def search(
                     "; no layout without context parallelism fits, so the search tried context degrees "
                     f"{', '.join(str(layout.context) for layout in fallback)} (each rank computes 1/C of every sequence)"
                 )
-        if not found.best:
+        if not found.best and not (peers and peers.candidates):
             raise _infeasible(found.min_gpu_bytes, found.min_host_bytes, pools, pinned)
         candidates, num_scored, by_layout = found.best, found.num_scored, found.best_by_layout
-        model = models[candidates[0].layout]
+        model = models[candidates[0].layout] if candidates else model
     else:
         shape, memory = fitted_elixir_shape(model, global_batch // world, budget.usable_gpu_bytes, searched)
         host_need = memory.peak_host_bytes
@@ -437,14 +325,28 @@ def search(
         if memory.required_gpu_bytes > budget.usable_gpu_bytes or host_need > host_bytes:
             raise _infeasible(memory.required_gpu_bytes, host_need, pools, pinned)
         candidates, num_scored = [score(model, shape, memory, global_batch)], 1
-    why = explain_winner(candidates, pinned, device=hardware.device, by_layout=by_layout, layouts_tried=len(models))
-    why += context_note
+    bests: dict[str, Candidate] = {"elixir": candidates[0]} if candidates else {}
+    ours = candidates
+    if peers is not None:
+        if not peers.candidates and not candidates:
+            raise _infeasible(peers.min_gpu_bytes, peers.min_host_bytes, pools, pinned)
+        candidates, bests = merge_ranked(ours, peers.candidates, models[DATA_ONLY], top_k)
+        num_scored += peers.num_scored
+        model = models[DATA_ONLY] if engine_of(candidates[0]) != "elixir" else model
+    best = candidates[0]
+    if isinstance(best, PeerCandidate):
+        why = explain_peer(best, hardware.device)
+    else:
+        why = explain_winner(ours, pinned, device=hardware.device, by_layout=by_layout, layouts_tried=len(models))
+    engines_line = explain_engines(best, bests) if peers is not None else ""
+    why += ("; " + engines_line if engines_line else "") + context_note
     if loop == "plain" and strategy == "joint" and len(profile.layout_reasons()) < 2:
         why += (
             "; the plain loop runs data parallelism with standard accumulation only (--loop forward_backward "
             "also tries pipeline, tensor and layered plans)"
         )
     elapsed = time.perf_counter() - started
+    alternatives = candidates[1:] + [c for c in bests.values() if all(c is not kept for kept in candidates)]
     plan = build_plan(
         model,
         candidates[0],
@@ -453,11 +355,13 @@ def search(
         strategy=strategy,
         elapsed_s=elapsed,
         num_scored=num_scored,
-        alternatives=candidates[1:],
+        alternatives=alternatives,
         loop=loop,
         usable_gpu_bytes=budget.usable_gpu_bytes,
         profile_path=profile_path,
     )
+    if isinstance(best, PeerCandidate):
+        plan = peer_plan(plan, best)
     return SearchResult(
         plan=plan,
         candidates=candidates,

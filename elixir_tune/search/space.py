@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from elixir_tune.plan.engine_choice import ENGINE_NAMES
 from elixir_tune.plan.memory import ALIGN_ELEMENTS
 from elixir_tune.plan.schema import ACCUMULATIONS, DTYPES, PIPELINE_ASSIGNMENTS, TENSOR_MODES
 
@@ -24,6 +25,7 @@ FIX_KEYS = {
     "tensor_mode": "1d (Megatron) or 2d (Optimus, square T >= 4)",
     "expert": "expert degree E, an integer dividing the data-parallel size and the experts per block (1: none)",
     "context": "context degree C (Ulysses): each rank computes 1/C of every sequence; C divides the heads (1: none)",
+    "engine": "who runs the plan: elixir (our chunk engine), fsdp2 or deepspeed (data parallelism only)",
 }
 ALL = "all"
 # Pipeline schedules the search offers (``search/layouts.py``): the cost model prices what each
@@ -120,6 +122,10 @@ def parse_fixed(fixed: dict[str, Any] | list[str] | None) -> dict[str, Any]:
                     f"--fix schedule={value}: the search prices {' and '.join(SEARCH_SCHEDULES)}; "
                     "a plan may name the others (gpipe, interleaved_1f1b) by hand"
                 )
+            out[key] = str(value)
+        elif key == "engine":
+            if str(value) not in ENGINE_NAMES:
+                raise ValueError(f"--fix engine={value}: expected one of {', '.join(ENGINE_NAMES)}")
             out[key] = str(value)
         elif key == "tensor_mode":
             if str(value).lower() not in TENSOR_MODES:
