@@ -54,7 +54,7 @@ def family_rows() -> list[list[str]]:
             model = stage_families.build(family, meta=True)
         config_class = type(model.config)
         table, why = model_tensor_table(model)
-        tp_source = "transformers `base_model_tp_plan`" if getattr(config_class, "base_model_tp_plan", None) else ""
+        tp_source = "its `tp_plan`" if getattr(config_class, "base_model_tp_plan", None) else ""
         if table and not tp_source:
             tp_source = "ours (`plan/tensor_layout.py`)"
         tensor = ("yes" + (" (tested)" if family in TENSOR_TESTED else "")) if table else _why(why)
@@ -67,7 +67,7 @@ def family_rows() -> list[list[str]]:
             ("yes" + (" (tested)" if family in PIPELINE_MODEL_TYPES else "")) if problem is None else _why(problem)
         )
         pp_source = getattr(stage_plan, "source", "")
-        pp_source = {"transformers base_model_pp_plan": "transformers `base_model_pp_plan`"}.get(
+        pp_source = {"transformers base_model_pp_plan": "its `pp_plan`"}.get(
             pp_source, "ours (`stage_plans.py`)" if pp_source else ""
         )
         if model_arch(model).num_experts:  # the profile records experts: expert parallelism accepts it
