@@ -124,6 +124,11 @@ def relative_rows(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _names(rows: list[dict], chosen) -> str:
+    """The names of the rows ``chosen`` picks among those with a plan, or "none"."""
+    return "; ".join(row["name"] for row in rows if "error" not in row and chosen(row)) or "none"
+
+
 def markdown(report: dict) -> str:
     gen = report["generated"]
     lines = [
@@ -137,6 +142,9 @@ def markdown(report: dict) -> str:
         "Memory: a row fits when its predicted peak is within the preset's usable memory; torchtitan's H100s had "
         "96 GB (the h100-80gb-sxm preset has 78.4 GiB usable), so those rows compare the predicted peak with the "
         "memory torchtitan measured.",
+        "",
+        f"Ran but refused on its preset: {_names(report['rows'], lambda r: r['refused'] and not r.get('oom'))}. "
+        f"Failed (OOM) but predicted to fit: {_names(report['rows'], lambda r: r.get('oom') and not r['refused'])}.",
         "",
         "| run | checkpointing | published tok/s/GPU | predicted | ratio | predicted peak GiB | usable GiB | "
         "fits the preset | measured GiB | predicted / measured |",

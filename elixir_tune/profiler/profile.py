@@ -224,7 +224,8 @@ def summarize(profile: ModelProfile) -> str:
             f", {profile.activation_checkpointed.per_sample_bytes:,} bytes with every block checkpointed"
             if profile.activation_checkpointed
             else ""
-        ),
+        )
+        + (f", {profile.selective.activation.per_sample_bytes:,} selectively" if profile.selective is not None else ""),
         f"made by: elixir-tune profile {profile.source} --batch-size {profile.batch_size} --seq-len {profile.seq_len}"
         f" --dtype {profile.dtype}" + (" --checkpointing all" if profile.trace_checkpointed else ""),
     ]
