@@ -16,8 +16,9 @@ in 2024, the code its published Llama runs used):
 torchtitan counts ``aten.mm`` only (its linears have no bias). Here ``aten.addmm`` (a linear with a
 bias, transformers' GPT-2 ``Conv1D``) counts as a matrix product too, and the CPU's flash attention
 kernel is an attention kernel. torchtitan does not restore the RNG state for the recomputation; the
-engine does (torch's default), so a block with dropout recomputes the same masks. Shared by the engine (training) and the profiler (which traces the
-same policy on the meta device to measure what it keeps and what it recomputes).
+engine does (torch's default), so a block with dropout recomputes the same masks. Shared by the engine
+(training) and the profiler (which traces the same policy on the meta device to measure what it keeps
+and what it recomputes).
 """
 
 from __future__ import annotations
