@@ -51,6 +51,7 @@ def _plan_text(result: dict) -> str:
     s = result["shape"]
     every = s["checkpointing"]
     ckpt = "none" if every == 0 else "all" if every == 1 else f"1/{every}"
+    ckpt += " selective" if s.get("checkpoint_mode") == "selective" else ""
     text = (
         f"{result['layout']}, micro {s['micro_batch_size']}x{s['grad_accum_steps']}"
         f"{' layered' if s['accumulation'] == 'layered' else ''}, ckpt {ckpt}, offload {s['offload']:.0%}, "

@@ -200,6 +200,7 @@ def _summary(plan: Plan) -> dict:
         "training": {
             **{k: v for k, v in vars(plan.training).items() if k != "activation_checkpointing"},
             "checkpointing_every": plan.training.activation_checkpointing.every,
+            "checkpointing_mode": plan.training.activation_checkpointing.mode,
             "loop": plan_loop(plan),
         },
         "memory": {
@@ -357,7 +358,8 @@ def show_command(
         f"on {c.nodes} x {c.gpus_per_node} x {c.hardware} ({c.device}, {c.backend}); {t.dtype}, "
         f"global batch {t.global_batch_size} = micro-batch {t.micro_batch_size} x accumulation "
         f"{t.grad_accum_steps} ({t.accumulation}) x {plan.data_parallel_size} data-parallel ranks, seq {t.seq_len}, "
-        f"checkpointing {'none' if every == 0 else 'all blocks' if every == 1 else f'every {every} blocks'}",
+        f"checkpointing {'none' if every == 0 else 'all blocks' if every == 1 else f'every {every} blocks'}"
+        + (" (selective)" if every and t.activation_checkpointing.mode == "selective" else ""),
         soft_wrap=True,
     )
     loop = plan_loop(plan)

@@ -246,7 +246,7 @@ def plan_lines(plan) -> list[str]:
     every = training.activation_checkpointing.every
     checkpointing = {0: "no activation checkpointing", 1: "every block checkpointed"}.get(
         every, f"every {every}th block checkpointed"
-    )
+    ) + (" selectively" if every and training.activation_checkpointing.mode == "selective" else "")
     return [
         f"plan: {plan.model.name or plan.model.source} ({plan.model.num_params:,} params{lora}) on "
         f"{plan.world_size} {plan.cluster.device} worker(s), {plan.cluster.hardware}: global batch "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from elixir_tune.costmodel.expert import RankExperts
 from elixir_tune.costmodel.gemm_waves import micro_batch_rate_factor
-from elixir_tune.costmodel.memory import checkpointed_blocks
+from elixir_tune.costmodel.memory import checkpointed_blocks, selective_line
 from elixir_tune.costmodel.parallel_time import ParallelTimes
 from elixir_tune.hardware.spec import HardwareSpec
 from elixir_tune.profiler.schema import ModelProfile
@@ -30,7 +30,7 @@ class ComputeTimes:
     pointwise_share: float
     _rates: dict[int, float]
     # (micro-batch size, checkpointing) -> compute_s, tensor_comm_s, expert_comm_s: read for every candidate
-    _per_micro_batch: dict[tuple[int, int], tuple[tuple[float, float], float, float]]
+    _per_micro_batch: dict[tuple[int, int, bool], tuple[tuple[float, float], float, float]]
 
     def recompute_share(self, every: int) -> float:
         """The part of all blocks' recomputation that every-k checkpointing does: the checkpointed
@@ -42,22 +42,30 @@ class ComputeTimes:
         chosen = sum(b.fwd_flops_per_sample for b in blocks if b.index % every == 0)
         return chosen / total if total else checkpointed_blocks(len(blocks), every) / len(blocks)
 
-    def recompute_flops_per_sample(self, every: int) -> float:
+    def recompute_flops_per_sample(self, every: int, selective: bool = False) -> float:
         """Extra forward FLOPs per sample of every-k checkpointing: the profile's figure for all
-        blocks, shared out by the checkpointed blocks' forward FLOPs."""
+        blocks (``selective``: for all blocks under torchtitan's per-op policy, the matrix products it
+        does not save), shared out by the checkpointed blocks' forward FLOPs."""
+        if selective:
+            return selective_line(self.profile).recompute_flops_per_sample * self.recompute_share(every)
         full = self.profile.recompute_flops_per_sample or sum(b.fwd_flops_per_sample for b in self.profile.blocks)
         return full * self.recompute_share(every)
 
-    def pointwise_s(self, micro_batch_size: int, every: int) -> tuple[float, float]:
+    def pointwise_s(self, micro_batch_size: int, every: int, selective: bool = False) -> tuple[float, float]:
         """Seconds of one micro-batch's memory-bound pointwise ops at the hardware's pointwise rate:
         (forward+backward, recomputation), for the share of them beyond those the rate includes
         (``pointwise_beyond_rate``); (0, 0) when the hardware has no such rate (then the block rate
-        stands for them)."""
+        stands for them). ``selective``: the recomputation's bytes traced under torchtitan's per-op policy."""
         rate_bps = self.hardware.pointwise_gbps * 1e9
         if rate_bps <= 0 or self.pointwise_share <= 0:
             return 0.0, 0.0
         profile = self.profile
-        recompute_bytes = profile.recompute_pointwise_bytes_per_sample * self.recompute_share(every)
+        all_blocks = (
+            selective_line(profile).recompute_pointwise_bytes_per_sample
+            if selective and every > 0
+            else profile.recompute_pointwise_bytes_per_sample
+        )
+        recompute_bytes = all_blocks * self.recompute_share(every)
         return (
             micro_batch_size * profile.pointwise_bytes_per_sample * self.pointwise_share / rate_bps,
             micro_batch_size * recompute_bytes * self.pointwise_share / rate_bps,
@@ -88,9 +96,10 @@ class ComputeTimes:
             self._rates[micro_batch_size] = tflops * waves * 1e12
         return self._rates[micro_batch_size]
 
-    def compute_s(self, micro_batch_size: int, every: int) -> tuple[float, float]:
-        """(compute, recompute part) seconds of one micro-batch (cached: ``_compute_s``)."""
-        return self._micro_batch_times(micro_batch_size, every)[0]
+    def compute_s(self, micro_batch_size: int, every: int, selective: bool = False) -> tuple[float, float]:
+        """(compute, recompute part) seconds of one micro-batch (cached: ``_compute_s``); ``selective``:
+        the checkpointed blocks keep torchtitan's per-op saves."""
+        return self._micro_batch_times(micro_batch_size, every, selective)[0]
 
     def tensor_comm_s(self, micro_batch_size: int, every: int) -> float:
         """Seconds of tensor-parallel collectives in one micro-batch (recomputed blocks' forwards included)."""
@@ -101,21 +110,25 @@ class ComputeTimes:
         included; 0 without expert parallelism)."""
         return self._micro_batch_times(micro_batch_size, every)[2]
 
-    def _micro_batch_times(self, micro_batch_size: int, every: int) -> tuple[tuple[float, float], float, float]:
+    def _micro_batch_times(
+        self, micro_batch_size: int, every: int, selective: bool = False
+    ) -> tuple[tuple[float, float], float, float]:
         """``compute_s``, ``tensor_comm_s`` and ``expert_comm_s`` of one (micro-batch size, checkpointing),
         computed once: every candidate the search scores reads them."""
-        key = (micro_batch_size, every)
+        key = (micro_batch_size, every, selective)
         if key not in self._per_micro_batch:
             tensor_s = self._tensor_comm_s(micro_batch_size, every)
             expert_s = self._expert_comm_s(micro_batch_size, every)
             self._per_micro_batch[key] = (
-                self._compute_s(micro_batch_size, every, tensor_s + expert_s),
+                self._compute_s(micro_batch_size, every, tensor_s + expert_s, selective),
                 tensor_s,
                 expert_s,
             )
         return self._per_micro_batch[key]
 
-    def _compute_s(self, micro_batch_size: int, every: int, communication_s: float) -> tuple[float, float]:
+    def _compute_s(
+        self, micro_batch_size: int, every: int, communication_s: float, selective: bool = False
+    ) -> tuple[float, float]:
         """(compute, recompute part) seconds of one micro-batch; ``communication_s``: its tensor- and
         expert-parallel collectives.
 
@@ -133,18 +146,25 @@ class ComputeTimes:
         micro-batches of small models slow. Tensor-parallel collectives sit on the compute stream
         (each matmul waits for its inputs), so they are part of it here (``tensor_comm_s`` says how
         much).
+
+        Selective checkpointing (torchtitan's per-op policy) recomputes only what it does not save,
+        as its own traced pass counted it (``ModelProfile.selective``): every other matrix product
+        at the block rate and the memory-bound ops (norms, activations, residual adds) at the
+        pointwise rate; the attention kernel's output is saved, so no attention runs again.
         """
         rate = self.flops_per_s_at(micro_batch_size)
         overhead_s = self.hardware.block_call_overhead_s
         blocks = len(self.profile.blocks)
         recomputed = checkpointed_blocks(blocks, every) if every > 0 else 0
-        pointwise, pointwise_recompute = self.pointwise_s(micro_batch_size, every)
+        pointwise, pointwise_recompute = self.pointwise_s(micro_batch_size, every, selective)
         flops = micro_batch_size * self.profile.flops_per_sample
-        recompute_flops = micro_batch_size * self.recompute_flops_per_sample(every)
+        recompute_flops = micro_batch_size * self.recompute_flops_per_sample(every, selective)
         share = self.attention_share
         # The recomputed forward's attention: a third of the blocks' attention FLOPs, for the
-        # checkpointed blocks' share of them.
-        recompute_attention = min(recompute_flops, flops * share / 3 * self.recompute_share(every))
+        # checkpointed blocks' share of them (none under selective checkpointing: its output is kept).
+        recompute_attention = (
+            0.0 if selective else min(recompute_flops, flops * share / 3 * self.recompute_share(every))
+        )
         attention_s = flops * share / self.attention_flops_per_s if share else 0.0
         recompute_attention_s = recompute_attention / self.attention_flops_per_s if share else 0.0
         scores_forward, scores_backward = (flops * s_per_flop for s_per_flop in self.scores_s_per_flop)

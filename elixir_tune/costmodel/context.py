@@ -82,6 +82,7 @@ def context_share(profile: ModelProfile, degree: int) -> ModelProfile:
         prologue_bytes_per_sample=profile.prologue_bytes_per_sample // degree,
         activation=activation,
         activation_checkpointed=line(profile.activation_checkpointed),
+        selective=None,  # traced for the whole sequence; selective runs without context parallelism (capabilities)
     )
 
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from elixir_tune.costmodel.stage_profile import StageProfile
 from elixir_tune.plan.memory import DEVICE_TRANSIENT_KEYS, HOST_TRANSIENT_KEYS, transient_bytes
 from elixir_tune.plan.schema import DTYPE_BYTES, SHARD_BYTES_PER_ELEMENT
-from elixir_tune.profiler.schema import ModelProfile
+from elixir_tune.profiler.schema import ModelProfile, SelectiveLine
 
 SHARD_BYTES = SHARD_BYTES_PER_ELEMENT["adam"]
 # Parameter gradients autograd holds before the engine stages them: the outputs of one backward
@@ -162,6 +162,17 @@ def node_host_peak_bytes(stage_host_bytes: list[int], gpus_per_node: int, nodes:
     )
 
 
+def selective_line(profile: ModelProfile) -> SelectiveLine:
+    """The profile's selective-checkpointing figures, or a clear error where it has none."""
+    if profile.selective is None:
+        raise ValueError(
+            f"the profile of {profile.name} has no selective-checkpointing figures (made before they were "
+            "traced, by the analytic GPT-2 profile, or for a pipeline, tensor or context rank); profile the "
+            "model again with `elixir-tune profile`, or checkpoint fully"
+        )
+    return profile.selective
+
+
 def checkpointed_blocks(num_blocks: int, every: int) -> int:
     """How many of ``num_blocks`` blocks recompute with every-k checkpointing."""
     return 0 if every <= 0 else math.ceil(num_blocks / every)
@@ -204,7 +215,9 @@ def cpu_attention_dropout_bytes(profile: ModelProfile, micro_batch_size: int, ev
     return int(micro_batch_size * kept * CPU_DROPOUT_ATTENTION_BYTES[dtype])
 
 
-def activation_bytes(profile: ModelProfile, micro_batch_size: int, every: int, dtype: str, device: str = "cuda") -> int:
+def activation_bytes(
+    profile: ModelProfile, micro_batch_size: int, every: int, dtype: str, device: str = "cuda", selective: bool = False
+) -> int:
     """Peak activation memory of one micro-batch.
 
     Args:
@@ -213,12 +226,19 @@ def activation_bytes(profile: ModelProfile, micro_batch_size: int, every: int, d
         every: checkpointing (0 none, k every k-th block).
         dtype: compute dtype (activations scale with its size).
         device: ``cuda`` or ``cpu`` (a CPU keeps attention scores where the attention has dropout).
+        selective: the checkpointed blocks keep torchtitan's per-op saves: the profile's line traced
+            with that policy (``ModelProfile.selective``) stands for all blocks checkpointed.
 
     Returns:
         Bytes.
+
+    Raises:
+        ValueError: ``selective`` with a profile that has no selective line.
     """
     plain: float = profile.activation.at(micro_batch_size)
     full = profile.activation_checkpointed
+    if selective and every > 0:
+        full = selective_line(profile).activation
     if every > 0 and full is not None and profile.blocks:
         share = checkpointed_blocks(len(profile.blocks), every) / len(profile.blocks)
         plain = plain + (full.at(micro_batch_size) - plain) * share
@@ -299,6 +319,7 @@ def estimate_memory(
     num_frozen: int = 0,
     num_frozen_offloaded: int = 0,
     own_landing_numels: tuple[int, ...] = (),
+    selective: bool = False,
 ) -> MemoryEstimate:
     """Device and host peaks of one candidate.
 
@@ -334,6 +355,7 @@ def estimate_memory(
         num_frozen: frozen chunks (compute-dtype weights only), among ``num_chunks``.
         num_frozen_offloaded: frozen chunks among ``num_offloaded``.
         own_landing_numels: elements of each host landing buffer of its own (``transient_bytes``).
+        selective: the checkpointed blocks keep torchtitan's per-op saves (``activation_bytes``).
 
     Returns:
         The estimate.
@@ -365,7 +387,7 @@ def estimate_memory(
     )
     dtype_bytes = DTYPE_BYTES[dtype]
     frozen = frozen_numel * dtype_bytes
-    activations = activation_copies * activation_bytes(profile, micro_batch_size, every, dtype, device)
+    activations = activation_copies * activation_bytes(profile, micro_batch_size, every, dtype, device, selective)
     buffers = profile.buffers_bytes + GRADS_IN_FLIGHT * largest_param_numel * GRAD_KERNEL_BYTES
     if isinstance(profile, StageProfile):  # a pipeline stage's receive buffers, one set per micro-batch
         buffers += int(

@@ -104,7 +104,7 @@ class CostModel(ComputeTimes):
         # ~565 TFLOP/s HFU against ~800 TFLOP/s GEMMs; REFERENCE.md 'Published figures').
         hardware.compute_tflops(self.dtype)  # fails early when the spec has no rate for the dtype
         self._rates: dict[int, float] = {}
-        self._per_micro_batch: dict[tuple[int, int], tuple[tuple[float, float], float, float]] = {}
+        self._per_micro_batch: dict[tuple[int, int, bool], tuple[tuple[float, float], float, float]] = {}
         # The attention products' own rate (0: they run at the block rate with the rest); their
         # share of the FLOPs is the whole model's, which a stage or a tensor shard keeps.
         self.attention_flops_per_s = hardware.attention_tflops.get(self.dtype, 0.0) * 1e12
@@ -295,6 +295,7 @@ class CostModel(ComputeTimes):
             own_landing_numels=self.experts.landing_numels(layout, mask, shape.chunk_size // self.data_size),
             micro_batch_size=shape.micro_batch_size,
             every=shape.every,
+            selective=shape.selective,
             activation_copies=self.activation_copies(shape),
             micro_batches=shape.grad_accum_steps,
             allocator_overhead_bytes=self.hardware.allocator_overhead_bytes,
@@ -336,7 +337,7 @@ class CostModel(ComputeTimes):
         offloaded = self.offload_mask(shape)
         costs = self.costs(shape.chunk_size)
         expert_costs = self.expert_costs(shape.chunk_size)
-        mb_compute, mb_recompute = self.compute_s(shape.micro_batch_size, shape.every)
+        mb_compute, mb_recompute = self.compute_s(shape.micro_batch_size, shape.every, shape.selective)
         accum = shape.grad_accum_steps
         # Layered: each trace step runs for all micro-batches at once, with one micro-batch's fetches
         # and reductions (those of the first after the optimizer step: the cold simulation).

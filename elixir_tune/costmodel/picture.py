@@ -69,7 +69,7 @@ class StepPicture:
 
 def shape_title(rank: str, shape: Shape, step_time_s: float, peak_gpu_bytes: int) -> str:
     """A panel heading that names the plan's choices."""
-    checkpointing = {0: "none", 1: "all"}.get(shape.every, f"every {shape.every}")
+    checkpointing = {0: "none", 1: "all"}.get(shape.every, f"every {shape.every}") + " selective" * shape.selective
     return (
         f"{rank}: chunk {shape.chunk_size * 4 / 2**20:.3g} MiB (fp32), cache {shape.cache_blocks}, "
         f"{shape.num_offloaded} shard(s) offloaded, prefetch {shape.prefetch}, checkpointing {checkpointing}, "
@@ -101,7 +101,7 @@ def picture_of(model: CostModel, shape: Shape, title: str, limit_bytes: int) -> 
     names = [_common_module([model.profile.params[i].name for i in chunk.params]) for chunk in layout.chunks]
     spans = [Span(lane, start_s, end_s, _label(what, index, names)) for lane, start_s, end_s, what, index in blocks]
     base_bytes = memory.peak_gpu_bytes - memory.activation_bytes
-    compute_s, recompute_s = model.compute_s(shape.micro_batch_size, shape.every)
+    compute_s, recompute_s = model.compute_s(shape.micro_batch_size, shape.every, shape.selective)
     forward_share = (compute_s - recompute_s) / 3 / compute_s if compute_s > 0 else 0.5
     points: list[tuple[float, int]] = [(0.0, base_bytes)]
     for start_s, end_s in _micro_batch_windows(blocks):

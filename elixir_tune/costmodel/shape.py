@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from elixir_tune.costmodel.memory import STAGING_BUFFERS
-from elixir_tune.plan.schema import Accumulation, Plan
+from elixir_tune.plan.schema import Accumulation, CheckpointMode, Plan
 
 
 @dataclass
@@ -27,6 +27,8 @@ class Shape:
             micro-batches run layer by layer, so the step fetches and reduces each chunk as one
             micro-batch does, and holds the activations of all micro-batches at once.
         staging_buffers: the gradient staging pool.
+        selective: the checkpointed blocks keep what torchtitan's per-op policy saves (plan
+            ``activation_checkpointing.mode: selective``); False: they keep their input only.
     """
 
     chunk_size: int
@@ -39,6 +41,7 @@ class Shape:
     offloaded: tuple[int, ...] | None = None
     staging_buffers: int = STAGING_BUFFERS
     layered: bool = False
+    selective: bool = False
 
     @classmethod
     def of_plan(cls, plan: Plan, num_offloaded: int, offloaded: tuple[int, ...] | None = None) -> Shape:
@@ -62,7 +65,13 @@ class Shape:
             offloaded=offloaded,
             staging_buffers=memory.staging_buffers,
             layered=training.accumulation == "layered",
+            selective=training.activation_checkpointing.mode == "selective",
         )
+
+    @property
+    def checkpoint_mode(self) -> CheckpointMode:
+        """The plan's ``activation_checkpointing.mode`` value of this shape."""
+        return "selective" if self.selective else "full"
 
     @property
     def accumulation(self) -> Accumulation:

@@ -297,6 +297,7 @@ def rank_profile(profile: ModelProfile, layout: Layout, stage: int) -> ModelProf
         recompute_pointwise_bytes_per_sample=profile.recompute_pointwise_bytes_per_sample * fwd_share / degree,
         activation=activation,
         activation_checkpointed=checkpointed,
+        selective=None,  # traced for the whole model; selective runs with data parallelism only (capabilities)
     )
     return StageProfile(
         **{f.name: getattr(stage_profile, f.name) for f in fields(ModelProfile)},

@@ -344,7 +344,7 @@ class Engine(EnginePasses, EngineGrads, EngineState):
         disable_kv_cache(self.model)
         for index, block in enumerate(self.blocks()):
             if checkpointing.applies_to(index):
-                wrap_checkpointed(block)
+                wrap_checkpointed(block, selective=checkpointing.mode == "selective")
                 self._handles.append(block.register_forward_pre_hook(lambda *_: self._layer_boundary()))
                 for module in block.modules():
                     self._checkpointed_block[module] = block

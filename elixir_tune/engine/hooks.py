@@ -6,7 +6,8 @@
   the module's own backward ops run);
 * post-accumulate-grad hook on every chunked parameter: stage its gradient in the chunk;
 * activation checkpointing: the plan's blocks run under torch.utils.checkpoint (non-reentrant),
-  and their recomputation in backward goes through the same forward hooks.
+  fully or with torchtitan's per-op policy (selective), and their recomputation in backward goes
+  through the same forward hooks.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import Any
 
 import torch
 from torch.utils import checkpoint as torch_checkpoint
+
+from elixir_tune.selective_checkpoint import selective_context
 
 
 def output_tensors(output: Any) -> list[torch.Tensor]:
@@ -104,14 +107,23 @@ def _no_early_stop():
     return setter(False) if setter is not None else contextlib.nullcontext()
 
 
-def wrap_checkpointed(block: torch.nn.Module) -> None:
-    """Makes ``block`` run its forward under non-reentrant activation checkpointing."""
+def wrap_checkpointed(block: torch.nn.Module, selective: bool = False) -> None:
+    """Makes ``block`` run its forward under non-reentrant activation checkpointing.
+
+    Args:
+        block: the block.
+        selective: keep what torchtitan's per-op policy saves (``elixir_tune.selective_checkpoint``)
+            instead of the block's input only. The recomputation runs the whole forward either way
+            (a saved op returns its kept output instead of running), so the module hooks gather the
+            block's chunks for it as for a full recomputation.
+    """
     inner = block.forward
+    context = {"context_fn": selective_context} if selective else {}
 
     def forward(*args, **kwargs):
         if not torch.is_grad_enabled():
             return inner(*args, **kwargs)
         with _no_early_stop():
-            return torch_checkpoint.checkpoint(inner, *args, use_reentrant=False, **kwargs)
+            return torch_checkpoint.checkpoint(inner, *args, use_reentrant=False, **context, **kwargs)
 
     block.forward = forward

@@ -75,6 +75,31 @@ EXPERT_LIMIT_REASONS = {
 }
 
 
+# Selective (per-op) checkpointing runs on the chunk engine's data-parallel path with standard
+# accumulation, tested against plain PyTorch (tests/distributed/test_selective_checkpointing.py); the
+# cost model's per-op figures are traced for the whole model (a pipeline stage, a tensor or context
+# shard would need them per rank). Each entry: the plan field and how it reads when it conflicts.
+SELECTIVE_RUNS_WITHOUT = {
+    "pipeline": "pipeline stages",
+    "tensor": "tensor parallelism",
+    "context": "context parallelism",
+    "expert": "expert parallelism",
+    "layered": "layered accumulation",
+}
+
+
+def selective_conflicts(stages: int, tensor: int, context: int, expert: int, accumulation: str) -> list[str]:
+    """What beside selective checkpointing the engine does not run (``SELECTIVE_RUNS_WITHOUT``)."""
+    present = {
+        "pipeline": stages > 1,
+        "tensor": tensor > 1,
+        "context": context > 1,
+        "expert": expert > 1,
+        "layered": accumulation == "layered",
+    }
+    return [SELECTIVE_RUNS_WITHOUT[key] for key, on in present.items() if on]
+
+
 def frozen_layout_problem(stages: int, tensor_degree: int, tensor_mode: str = "1d") -> str:
     """Why a layout cannot hold frozen chunks (a LoRA base, docs/finetune-data.md); "" when it can.
 

@@ -33,6 +33,8 @@ Backend = Literal["nccl", "gloo"]
 # How the micro-batches of a step run: one after the other (standard), or block by block for all of
 # them (layered gradient accumulation, Lamy-Poirier 2021: each chunk fetched once per pass per step).
 Accumulation = Literal["standard", "layered"]
+# What a checkpointed block keeps: its input (full) or also torchtitan's per-op saves (selective).
+CheckpointMode = Literal["full", "selective"]
 # What the training script runs each step (plan/capabilities.py): the plain loop of a DDP/FSDP script
 # (model(**batch) + optimizer.backward per micro-batch), or model.forward_backward(micro_batches).
 Loop = Literal["plain", "forward_backward"]
@@ -58,6 +60,7 @@ DTYPES: tuple[str, ...] = get_args(Dtype)
 DEVICES: tuple[str, ...] = get_args(Device)
 BACKENDS: tuple[str, ...] = get_args(Backend)
 ACCUMULATIONS: tuple[str, ...] = get_args(Accumulation)
+CHECKPOINT_MODES: tuple[str, ...] = get_args(CheckpointMode)
 LOOPS: tuple[str, ...] = get_args(Loop)
 PIPELINE_ASSIGNMENTS: tuple[str, ...] = get_args(PipelineAssignment)
 PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
@@ -166,9 +169,14 @@ class Checkpointing:
 
     Attributes:
         every: 0 for none, 1 for every block, k for blocks 0, k, 2k, ...
+        mode: what a checkpointed block keeps for backward: ``full`` its input only (the whole
+            forward recomputes), ``selective`` also what torchtitan's per-op policy saves (every
+            other matrix product's output and the attention's; ``elixir_tune.selective_checkpoint``),
+            so only the rest recomputes. Left out of the file when ``full``.
     """
 
     every: Annotated[int, Min(0, "0 (none), 1 (all) or k > 1")] = 0
+    mode: CheckpointMode = "full"
 
     def applies_to(self, block_index: int) -> bool:
         return self.every > 0 and block_index % self.every == 0
@@ -511,6 +519,8 @@ class Plan:
                 del chunk["frozen"]
         if not raw["model"]["lora"]:
             del raw["model"]["lora"]
+        if self.training.activation_checkpointing.mode == "full":
+            del raw["training"]["activation_checkpointing"]["mode"]  # the file reads as before selective
         if "prediction" in raw and not raw["prediction"]["stages"]:
             del raw["prediction"]["stages"]  # no pipeline: the file reads as before per-stage memory
         return raw

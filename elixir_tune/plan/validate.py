@@ -20,6 +20,7 @@ from elixir_tune.plan.capabilities import (
     is_expert_param,
     layout_reasons_of_type,
     needs_forward_backward,
+    selective_conflicts,
 )
 from elixir_tune.plan.context import context_degree, context_problems
 from elixir_tune.plan.engine_choice import engine_problems
@@ -256,6 +257,26 @@ def _check_contract(parallel: dict, model: dict, training: dict, errors: list[st
         )
 
 
+# parallel.<section>.<field> of the degrees selective_conflicts takes, in its order.
+SELECTIVE_DEGREE_FIELDS = (("pipeline", "stages"), ("tensor", "degree"), ("context", "degree"), ("expert", "degree"))
+
+
+def _check_selective(parallel: dict, training: dict, errors: list[str]) -> None:
+    """Selective checkpointing only beside what the engine runs it with (``capabilities.selective_conflicts``)."""
+    if training.get("activation_checkpointing", {}).get("mode") != "selective":
+        return
+    stages, tensor, context, expert = (parallel.get(name, {}).get(key, 1) for name, key in SELECTIVE_DEGREE_FIELDS)
+    if not all(isinstance(degree, int) for degree in (stages, tensor, context, expert)):
+        return  # reported by the field checks
+    conflicts = selective_conflicts(stages, tensor, context, expert, training.get("accumulation", "standard"))
+    if conflicts:
+        errors.append(
+            f"training.activation_checkpointing.mode: selective with {', '.join(conflicts)}: the engine runs "
+            "selective checkpointing with data parallelism and standard accumulation only in this version; "
+            "use mode full (drop mode), or drop them"
+        )
+
+
 def _check_chunk_stages(chunks: list[dict], pipeline: dict, model: dict, training: dict, errors: list[str]) -> None:
     """A pipeline plan's chunks: each on one stage, the one ``plan/stages.py`` gives its parameters,
     and a schedule that runs the split and the micro-batches (``schedule_problem``)."""
@@ -347,6 +368,7 @@ def validate_dict(raw: Any) -> list[str]:
     _check_expert(parallel, model, training, memory.get("chunks", []) or [], data_size, errors)
     errors.extend(context_problems(parallel, model, training, with_tensor=True))
     errors.extend(engine_problems(sections.get("engine", {}), memory, parallel))
+    _check_selective(parallel, training, errors)
     _check_batch_and_blocks(training, model, data_size, errors)
     _check_memory(memory, parallel, model, training, data_size, errors)
     return errors
@@ -402,6 +424,11 @@ def _check_batch_and_blocks(training: dict, model: dict, data_size: int | None, 
         errors.append(
             "training.activation_checkpointing.every: the model has no repeated blocks "
             "(model.num_blocks is 0) to checkpoint"
+        )
+    if training.get("activation_checkpointing", {}).get("mode") == "selective" and every == 0:
+        errors.append(
+            "training.activation_checkpointing.mode: selective, but every is 0 (no block is checkpointed); "
+            "set every to 1 (every block) or k, or drop mode"
         )
     if model.get("num_blocks") and not model.get("block_list"):
         errors.append("model.block_list: missing, but model.num_blocks is set")

@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterator
 from torch import nn
 from torch.utils import checkpoint as torch_checkpoint
 
+from elixir_tune.selective_checkpoint import selective_context
+
 
 def find_block_list(model: nn.Module) -> tuple[str, list[nn.Module]]:
     """Finds the repeated blocks: the largest ModuleList whose items all have one type.
@@ -44,7 +46,9 @@ def find_block_list(model: nn.Module) -> tuple[str, list[nn.Module]]:
 
 @contextlib.contextmanager
 def checkpointed(
-    blocks: list[nn.Module], around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    blocks: list[nn.Module],
+    around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    selective: bool = False,
 ) -> Iterator[None]:
     """Wraps each block's forward in non-reentrant activation checkpointing while inside.
 
@@ -55,11 +59,12 @@ def checkpointed(
         blocks: the blocks to checkpoint.
         around: a context entered around every run of a block's forward, the recomputation in
             backward included (modes active in forward are not active in backward otherwise).
+        selective: torchtitan's per-op policy, as the engine runs it (``elixir_tune.selective_checkpoint``).
     """
     originals = []
     for block in blocks:
         originals.append(block.__dict__.get("forward"))
-        block.forward = functools.partial(_checkpointed_forward, block.forward, around)
+        block.forward = functools.partial(_checkpointed_forward, block.forward, around, selective)
     try:
         yield
     finally:
@@ -70,7 +75,7 @@ def checkpointed(
                 block.forward = original
 
 
-def _checkpointed_forward(forward, around, *args, **kwargs):
+def _checkpointed_forward(forward, around, selective, *args, **kwargs):
     def run(*args, **kwargs):
         with around():
             return forward(*args, **kwargs)
@@ -79,4 +84,5 @@ def _checkpointed_forward(forward, around, *args, **kwargs):
     # halfway and skip the forward hooks of the modules after the stop.
     early_stop = getattr(torch_checkpoint, "set_checkpoint_early_stop", None)
     with early_stop(False) if early_stop is not None else contextlib.nullcontext():
-        return torch_checkpoint.checkpoint(run, *args, use_reentrant=False, **kwargs)
+        context = {"context_fn": selective_context} if selective else {}
+        return torch_checkpoint.checkpoint(run, *args, use_reentrant=False, **context, **kwargs)

@@ -1,8 +1,8 @@
 """`profile_model`: build a model on the meta device, trace it, and write down a ModelProfile.
 
-Four traced forward+backward passes, all on meta tensors (no weights, any model size): two batch
-sizes give activation memory as a line in the micro-batch size, once plain and once with every
-block checkpointed. The first plain pass also gives the access trace, the first-use order of the
+Six traced forward+backward passes, all on meta tensors (no weights, any model size): two batch
+sizes give activation memory as a line in the micro-batch size, plain, with every block checkpointed,
+and with every block checkpointed selectively (torchtitan's per-op policy). The first plain pass also gives the access trace, the first-use order of the
 parameters, FLOPs and the per-block statistics.
 """
 
@@ -30,7 +30,7 @@ from elixir_tune.profiler.arch import model_arch, token_vocab
 from elixir_tune.profiler.blocks import checkpointed, find_block_list
 from elixir_tune.profiler.meta_kernels import FusedKernelsOnMeta
 from elixir_tune.profiler.meter import LiveMemoryMeter, MetaOpCache
-from elixir_tune.profiler.schema import ActivationLine, BlockInfo, ModelProfile, ParamInfo
+from elixir_tune.profiler.schema import ActivationLine, BlockInfo, ModelProfile, ParamInfo, SelectiveLine
 from elixir_tune.profiler.source import ModelSource, ModelSourceError, load_model_source, quiet_transformers
 from elixir_tune.profiler.trace import FORWARD, AccessRecorder, BlockStats, Step, ordered_trace
 from elixir_tune.units import gib
@@ -125,13 +125,16 @@ def profile_model(
 
     sizes = (batch_size, 2 * batch_size)
     tracer = _Tracer(model, source, seq_len, TORCH_DTYPES[dtype], param_pos, block_modules, MetaOpCache())
-    plain, ckpt = [], []
+    plain, ckpt, selective = [], [], []
     for b in sizes:
         report(f"tracing forward+backward at batch {b}")
         plain.append(tracer.run(b, checkpoint_blocks=False))
     for b in sizes if block_modules else ():
         report(f"tracing forward+backward at batch {b}, blocks checkpointed")
         ckpt.append(tracer.run(b, checkpoint_blocks=True))
+    for b in sizes if block_modules else ():
+        report(f"tracing forward+backward at batch {b}, blocks checkpointed selectively")
+        selective.append(tracer.run(b, checkpoint_blocks=True, selective=True))
 
     order = _first_use_order(plain[0].steps, len(params))
     new_index = {pos: rank for rank, pos in enumerate(order)}
@@ -179,6 +182,7 @@ def profile_model(
             max(0, ckpt[0].pointwise_bytes - plain[0].pointwise_bytes) / batch_size if ckpt else 0.0
         ),
         activation_checkpointed=activation_ckpt,
+        selective=_selective_line(selective, plain[0], sizes) if selective else None,
         buffers_bytes=buffers_bytes,
         prologue_bytes_per_sample=_prologue_per_sample(plain, sizes),
         arch=arch,
@@ -191,7 +195,7 @@ def profile_model(
                 pipeline_problem=pipeline_problem(model),
             ),
         ),
-        foreign_reads=_foreign_reads(model, [*plain, *ckpt], [named[pos][0] for pos in order], new_index),
+        foreign_reads=_foreign_reads(model, [*plain, *ckpt, *selective], [named[pos][0] for pos in order], new_index),
         lora=lora_settings(model) if lora else {},
         inputs=_input_names(source, seq_len),
         token_vocab=token_vocab(model),
@@ -220,7 +224,8 @@ def summarize(profile: ModelProfile) -> str:
             f", {profile.activation_checkpointed.per_sample_bytes:,} bytes with every block checkpointed"
             if profile.activation_checkpointed
             else ""
-        ),
+        )
+        + (f", {profile.selective.activation.per_sample_bytes:,} selectively" if profile.selective is not None else ""),
         f"made by: elixir-tune profile {profile.source} --batch-size {profile.batch_size} --seq-len {profile.seq_len}"
         f" --dtype {profile.dtype}" + (" --checkpointing all" if profile.trace_checkpointed else ""),
     ]
@@ -285,8 +290,8 @@ class _Tracer:
     block_modules: list[nn.Module]
     op_cache: MetaOpCache
 
-    def run(self, batch_size: int, checkpoint_blocks: bool) -> _Pass:
-        """One forward+backward at ``batch_size``, every block checkpointed or none."""
+    def run(self, batch_size: int, checkpoint_blocks: bool, selective: bool = False) -> _Pass:
+        """One forward+backward at ``batch_size``, every block checkpointed (fully or ``selective``) or none."""
         with torch.device("meta"):
             batch = self.source.example_batch(batch_size, self.seq_len)
         batch = {k: _to_meta(v, self.dtype) for k, v in batch.items()}
@@ -296,7 +301,11 @@ class _Tracer:
         # The engine moves each gradient into its chunk as soon as it is complete, so a finished
         # gradient is not activation memory: drop it as the engine would.
         handles = [p.register_post_accumulate_grad_hook(_drop_grad) for p in self.model.parameters() if p.requires_grad]
-        blocks = checkpointed(self.block_modules, FusedKernelsOnMeta) if checkpoint_blocks else contextlib.nullcontext()
+        blocks = (
+            checkpointed(self.block_modules, FusedKernelsOnMeta, selective)
+            if checkpoint_blocks
+            else contextlib.nullcontext()
+        )
         where = _WhereRunning(self.model)
         try:
             # The attention mode is left before backward (a torch-function mode would swallow the
@@ -313,7 +322,7 @@ class _Tracer:
             first_line = str(exc).strip().splitlines()[0].rstrip(".") if str(exc).strip() else ""
             raise ModelSourceError(
                 f"{self.source.source}: profiling stopped in {where.describe(meter.in_backward)}"
-                + (" with every block checkpointed" if checkpoint_blocks else "")
+                + (f" with every block checkpointed{' selectively' * selective}" if checkpoint_blocks else "")
                 + f": {type(exc).__name__}: {first_line}. The profiler runs the model on the meta device (shapes, "
                 "no values): an operation that reads tensor values (.item(), nonzero, data-dependent shapes) or "
                 "has no meta kernel cannot be traced there; make that module's forward shape-only, or report "
@@ -422,6 +431,15 @@ def _prologue_per_sample(results: list[_Pass], sizes: tuple[int, int]) -> int:
     if not results[0].blocks:
         return 0
     return max(0, (results[1].blocks[0].entry_bytes - results[0].blocks[0].entry_bytes) // (sizes[1] - sizes[0]))
+
+
+def _selective_line(results: list[_Pass], plain: _Pass, sizes: tuple[int, int]) -> SelectiveLine:
+    """What the selective passes kept (their activation line) and ran again beyond the plain pass."""
+    return SelectiveLine(
+        activation=_line(results, sizes),
+        recompute_flops_per_sample=max(0.0, results[0].flops - plain.flops) / sizes[0],
+        recompute_pointwise_bytes_per_sample=max(0, results[0].pointwise_bytes - plain.pointwise_bytes) / sizes[0],
+    )
 
 
 def _line(results: list[_Pass], sizes: tuple[int, int]) -> ActivationLine:

@@ -88,6 +88,24 @@ class ActivationLine:
 
 
 @dataclass
+class SelectiveLine:
+    """Every block checkpointed selectively (torchtitan's per-op policy, ``elixir_tune.selective_checkpoint``),
+    traced on the meta device with the policy itself: what it keeps and what its backward runs again.
+
+    Attributes:
+        activation: peak activation memory over forward+backward.
+        recompute_flops_per_sample: extra forward FLOPs of one sample: the matrix products the policy
+            does not save (every other one); the attention and the saved products do not run again.
+        recompute_pointwise_bytes_per_sample: the extra memory-bound pointwise bytes (norms,
+            activations, rotary embedding, residual adds all run again).
+    """
+
+    activation: ActivationLine
+    recompute_flops_per_sample: NonNegativeFloat = 0.0
+    recompute_pointwise_bytes_per_sample: NonNegativeFloat = 0.0
+
+
+@dataclass
 class ModelArch:
     """The architecture numbers of a transformers model (its HF config), for tensor and pipeline
     parallelism: which parameters split how, and the cost model's per-layer communication and
@@ -155,6 +173,8 @@ class ModelProfile:
             (the embeddings' output, a causal mask, the forward's locals: an upper bound of what a
             pipeline's first stage keeps for them); 0 in older profiles.
         activation_checkpointed: the same with every block checkpointed.
+        selective: with every block checkpointed selectively (torchtitan's per-op policy); None in
+            profiles made before it was traced, or without blocks.
         buffers_bytes: bytes of the model's buffers (not trained, kept on the device).
         summary: one-line human description.
         arch: the architecture numbers of its HF config (all zero for other models).
@@ -190,6 +210,7 @@ class ModelProfile:
     pointwise_bytes_per_sample: NonNegativeFloat = 0.0
     recompute_pointwise_bytes_per_sample: NonNegativeFloat = 0.0
     activation_checkpointed: ActivationLine | None = None
+    selective: SelectiveLine | None = None
     buffers_bytes: NonNegativeInt = 0
     prologue_bytes_per_sample: NonNegativeInt = 0
     summary: str = ""

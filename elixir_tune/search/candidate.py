@@ -68,7 +68,7 @@ class Candidate:
     def row(self) -> dict[str, Any]:
         """A flat mapping of choices and predictions (plan ``search.alternatives``, tables, JSON)."""
         s = self.shape
-        return {
+        row: dict[str, Any] = {
             "chunk_size": s.chunk_size,
             "chunk_mib": round(s.chunk_size * DTYPE_BYTES[self.dtype] / 2**20, 3),
             "cache_blocks": s.cache_blocks,
@@ -93,6 +93,9 @@ class Candidate:
             "peak_gpu_bytes": self.memory.peak_gpu_bytes,
             "peak_host_bytes": self.memory.peak_host_bytes,
         }
+        if s.selective:  # rows of fully checkpointed plans read as before selective existed
+            row["checkpoint_mode"] = s.checkpoint_mode
+        return row
 
 
 def score(model: CostModel, shape: Shape, memory: MemoryEstimate, global_batch_size: int) -> Candidate:

@@ -28,9 +28,9 @@ _DRIVER_BYTES = 2 * 2**30
 _CHUNK_STEPS = 8
 
 
-def _budget_bytes(model: CostModel, micro_batch_size: int, every: int) -> float:
+def _budget_bytes(model: CostModel, micro_batch_size: int, every: int, selective: bool) -> float:
     hardware = model.hardware
-    activations = activation_bytes(model.profile, micro_batch_size, every, model.dtype)
+    activations = activation_bytes(model.profile, micro_batch_size, every, model.dtype, selective=selective)
     return 0.95 * (hardware.gpu_memory_bytes - _DRIVER_BYTES - model.profile.buffers_bytes - 1.25 * activations)
 
 
@@ -58,7 +58,7 @@ def elixir_shape(
     Args:
         model: the cost model.
         per_rank_batch: samples per rank per step (one micro-batch: no accumulation).
-        fixed: pinned choices; ``checkpointing`` and ``micro_batch_size`` are honoured.
+        fixed: pinned choices; ``checkpointing`` (its mode too) and ``micro_batch_size`` are honoured.
         budget_cut_bytes: taken off the rule's GPU budget (the caller's way to make the rule's
             choice fit what our engine holds beside it; see ``fitted_elixir_shape``).
 
@@ -69,7 +69,8 @@ def elixir_shape(
     every = fixed.get("checkpointing", 1 if model.profile.blocks else 0)
     micro_batch = fixed.get("micro_batch_size", per_rank_batch)
     accum = per_rank_batch // micro_batch
-    budget = _budget_bytes(model, micro_batch, every) - budget_cut_bytes
+    selective = fixed.get("checkpoint_mode") == "selective" and every > 0
+    budget = _budget_bytes(model, micro_batch, every, selective) - budget_cut_bytes
     dtype_bytes = DTYPE_BYTES[model.dtype]
     world = model.world_size
     best = None
@@ -122,7 +123,17 @@ def elixir_shape(
         blocks = 0
     prefetch = 1 if blocks >= minimum + 1 and blocks > 1 else 0
     offloaded = tuple(range(on_gpu, layout.num_chunks))
-    return Shape(chunk_size, blocks, len(offloaded), prefetch, every, micro_batch, accum, offloaded=offloaded)
+    return Shape(
+        chunk_size,
+        blocks,
+        len(offloaded),
+        prefetch,
+        every,
+        micro_batch,
+        accum,
+        offloaded=offloaded,
+        selective=selective,
+    )
 
 
 def fitted_elixir_shape(model: CostModel, per_rank_batch: int, usable_gpu_bytes: int, fixed: dict | None = None):

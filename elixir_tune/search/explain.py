@@ -137,7 +137,7 @@ def explain_winner(
                 ("chunk size", s.chunk_size, other.shape.chunk_size),
                 ("cache", s.cache_blocks, other.shape.cache_blocks),
                 ("offload", s.num_offloaded, other.shape.num_offloaded),
-                ("checkpointing", s.every, other.shape.every),
+                ("checkpointing", (s.every, s.selective), (other.shape.every, other.shape.selective)),
                 ("micro-batch", s.micro_batch_size, other.shape.micro_batch_size),
                 ("accumulation", s.accumulation, other.shape.accumulation),
                 ("prefetch", s.prefetch, other.shape.prefetch),

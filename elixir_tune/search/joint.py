@@ -29,7 +29,7 @@ from elixir_tune.costmodel.memory import MemoryEstimate
 from elixir_tune.costmodel.model import CostModel, Shape
 from elixir_tune.costmodel.offload import freed_bytes
 from elixir_tune.costmodel.parallel import Layout
-from elixir_tune.plan.capabilities import expert_parallel_conflicts
+from elixir_tune.plan.capabilities import expert_parallel_conflicts, selective_conflicts
 from elixir_tune.plan.memory import ALIGN_ELEMENTS, chunk_size_multiple
 from elixir_tune.plan.stages import schedule_problem
 from elixir_tune.search.candidate import Candidate, score
@@ -178,6 +178,41 @@ def checkpointing_choices(model: CostModel, fixed: dict) -> list[int]:
     return [every for every in choices if every <= num_blocks] if num_blocks else [0]
 
 
+# Why a profile cannot price selective checkpointing.
+SELECTIVE_MISSING = (
+    "the profile has no selective-checkpointing figures (made before they were traced, or the analytic "
+    "GPT-2 profile); profile the model again with `elixir-tune profile`"
+)
+
+
+def checkpoint_choices(model: CostModel, fixed: dict) -> list[tuple[int, bool]]:
+    """(every, selective) pairs: ``checkpointing_choices`` checkpointed fully, and every block
+    selectively (torchtitan's op-level policy checkpoints every block) where it can run: beside data
+    parallelism only (``capabilities.selective_conflicts``), with the profile's selective figures.
+    ``--fix checkpoint_mode`` pins the mode (selective then gives no candidate under other layouts);
+    ``--fix checkpointing`` alone pins full checkpointing.
+
+    Raises:
+        ValueError: selective pinned with a profile that has no selective figures, or with no
+            checkpointed block.
+    """
+    everies = checkpointing_choices(model, fixed)
+    mode = fixed.get("checkpoint_mode")
+    layout = model.parallel_layout
+    runs = not selective_conflicts(layout.pipeline, layout.tensor, layout.context, layout.expert, "standard")
+    if mode == "selective":
+        if everies == [0]:
+            raise ValueError("--fix checkpoint_mode=selective: no block is checkpointed; pin checkpointing=selective")
+        if runs and model.profile.selective is None:
+            raise ValueError(f"--fix checkpoint_mode=selective: {SELECTIVE_MISSING}")
+        return [(every, True) for every in everies if every > 0] if runs else []
+    pairs = [(every, False) for every in everies]
+    # A pinned checkpointing without a mode is the full one, as before selective existed.
+    offered = runs and model.profile.selective is not None and mode is None and "checkpointing" not in fixed
+    offered = offered and 1 in everies
+    return pairs + [(1, True)] if offered else pairs
+
+
 def micro_batch_choices(per_rank_batch: int, fixed: dict) -> list[int]:
     """Micro-batch sizes, largest first (or the pinned one, checked)."""
     if "micro_batch_size" in fixed:
@@ -315,9 +350,11 @@ def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, f
         most_freed.insert(0, 0)
         costs = model.costs(chunk_size)
         most_offloaded = max(offload_choices(offloadable, 0, fixed, one_pool))
-        for every in checkpointing_choices(model, fixed):
+        for every, selective in checkpoint_choices(model, fixed):
             minimum = model.min_cache_blocks(chunk_size, every)
             for micro_batch, layered in micro_batch_accumulation_choices(per_rank, fixed, stages):
+                if selective and layered:
+                    continue  # the engine runs selective checkpointing with standard accumulation (capabilities)
                 if micro_batch % grid_rows:
                     continue  # 2D tensor parallelism splits each micro-batch over the q rows of its grid
                 if schedule_problem(num_blocks, stages, tensor.assignment, tensor.schedule, per_rank // micro_batch):
@@ -328,10 +365,24 @@ def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, f
                     continue  # the engine does not run this beside expert parallelism (plan/capabilities.py)
                 accum = per_rank // micro_batch
                 # A lower bound of the step: the compute, stretched by the pipeline bubble.
-                compute_s = accum * model.compute_s(micro_batch, every)[0] * model.parallel_costs.pipeline_factor(accum)
+                compute_s = (
+                    accum
+                    * model.compute_s(micro_batch, every, selective)[0]
+                    * model.parallel_costs.pipeline_factor(accum)
+                )
                 for cache_blocks in cache_choices(minimum, cacheable, fixed):
                     for prefetch in prefetch_choices(cache_blocks, minimum, cacheable, fixed):
-                        shape = Shape(chunk_size, cache_blocks, 0, prefetch, every, micro_batch, accum, layered=layered)
+                        shape = Shape(
+                            chunk_size,
+                            cache_blocks,
+                            0,
+                            prefetch,
+                            every,
+                            micro_batch,
+                            accum,
+                            layered=layered,
+                            selective=selective,
+                        )
                         base = model.memory(shape)
                         # The least device memory of this shape: every shard it may offload on the host
                         # (on a CPU device an offloaded shard stays in the same memory).
@@ -362,6 +413,7 @@ def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, f
                                     micro_batch,
                                     accum,
                                     layered=layered,
+                                    selective=selective,
                                 )
                             )
                         )
@@ -386,6 +438,7 @@ def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, f
                                     accum,
                                     offloaded=None if order_index == 0 else tuple(order[:offloaded]),
                                     layered=layered,
+                                    selective=selective,
                                 )
                                 # Adam steps trainable shards only: offloaded frozen ones (a LoRA base) have none.
                                 on_host = model.offloaded_shards(shape)[0]

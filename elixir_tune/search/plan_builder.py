@@ -197,7 +197,7 @@ def build_plan(
             micro_batch_size=shape.micro_batch_size,
             grad_accum_steps=shape.grad_accum_steps,
             seq_len=profile.seq_len,
-            activation_checkpointing=Checkpointing(every=shape.every),
+            activation_checkpointing=Checkpointing(every=shape.every, mode=shape.checkpoint_mode),
             accumulation=shape.accumulation,
             loop=cast(Loop, loop),  # checked by the driver against LOOPS
         ),

@@ -7,7 +7,7 @@ from typing import Any
 
 from elixir_tune.plan.engine_choice import ENGINE_NAMES
 from elixir_tune.plan.memory import ALIGN_ELEMENTS
-from elixir_tune.plan.schema import ACCUMULATIONS, DTYPES, PIPELINE_ASSIGNMENTS, TENSOR_MODES
+from elixir_tune.plan.schema import ACCUMULATIONS, CHECKPOINT_MODES, DTYPES, PIPELINE_ASSIGNMENTS, TENSOR_MODES
 
 FIX_KEYS = {
     "chunk_size": "elements per chunk (a multiple of the world size, at least the largest parameter)",
@@ -15,7 +15,8 @@ FIX_KEYS = {
     "offload": "fraction of chunks whose shards live on the host, 0..1",
     "prefetch": "chunks fetched ahead, an integer",
     "micro_batch_size": "samples per micro-batch on one rank",
-    "checkpointing": "none, all or every:<k>",
+    "checkpointing": "none, all, every:<k>, selective (every block, torchtitan's per-op policy) or selective:<k>",
+    "checkpoint_mode": "full or selective: what a checkpointed block keeps (checkpointing=selective sets it)",
     "dtype": "fp32, bf16 or fp16",
     "accumulation": "standard or layered (micro-batches run layer by layer)",
     "pipeline": "pipeline stages P, an integer (1: none)",
@@ -107,7 +108,15 @@ def parse_fixed(fixed: dict[str, Any] | list[str] | None) -> dict[str, Any]:
                 raise ValueError(f"--fix offload={value}: expected a fraction between 0 and 1")
             out[key] = share
         elif key == "checkpointing":
+            text = str(value).strip().lower()
+            if text.startswith("selective"):  # selective[:k]: checkpointing all (or every k), selectively
+                out["checkpoint_mode"] = "selective"
+                value = "all" if text == "selective" else f"every{text[len('selective') :]}"
             out[key] = parse_checkpointing(value)
+        elif key == "checkpoint_mode":
+            if str(value) not in CHECKPOINT_MODES:
+                raise ValueError(f"--fix checkpoint_mode={value}: expected one of {', '.join(CHECKPOINT_MODES)}")
+            out[key] = str(value)
         elif key == "accumulation":
             if str(value) not in ACCUMULATIONS:
                 raise ValueError(f"--fix accumulation={value}: expected one of {', '.join(ACCUMULATIONS)}")

@@ -151,7 +151,7 @@ MALFORMED = [
     (
         "training.activation_checkpointing.each",
         1,
-        "training.activation_checkpointing.each: unknown field (known: every)",
+        "training.activation_checkpointing.each: unknown field (known: every, mode)",
     ),
 ]
 
