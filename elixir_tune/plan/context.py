@@ -5,10 +5,10 @@ all-gather form (load-balanced causal split, every rank's K/V gathered) or ring 
 split, K/V passed around the group) on a data x context world, with standard accumulation, the
 attention implementations ``sdpa`` and ``eager``, and the families in ``CONTEXT_MODEL_TYPES`` (the
 ones whose forward passes its keyword arguments down to the attention function and whose loss is
-the plain shifted cross-entropy), beside 1D tensor parallelism (context groups T ranks apart) or
-pipeline stages (context groups inside a stage), not both. The composition with 2D tensor and expert
-parallelism is refused with the reason. Lifting a
-limit is a change of its table entry and of the engine. Imports no torch.
+the plain shifted cross-entropy), beside 1D tensor parallelism (context groups T ranks apart) and
+pipeline stages (context groups inside a stage). The composition with 2D tensor and expert
+parallelism is refused with the reason. Lifting a limit is a change of its table entry and of the
+engine. Imports no torch.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from typing import Any
 CONTEXT_PARALLEL_RUNS_WITH: dict[str, bool] = {
     "ring": True,
     "pipeline": True,  # the first stage slices the tokens, later stages pass 1/C of the sequence on
-    "pipeline_tensor": False,  # pipeline stages, context and tensor parallelism all three at once
     "tensor": True,  # 1D (Megatron, sequence-parallel norms): each tensor rank's heads over its shard
     "tensor_2d": False,
     "expert": False,
@@ -29,7 +28,6 @@ CONTEXT_PARALLEL_RUNS_WITH: dict[str, bool] = {
 _LIMIT_REASONS = {
     "ring": "mode ring",
     "pipeline": "pipeline stages",
-    "pipeline_tensor": "pipeline stages beside tensor parallelism",
     "tensor": "tensor parallelism",
     "tensor_2d": "2D tensor parallelism",
     "expert": "expert parallelism",
@@ -76,7 +74,6 @@ def context_problems(
     asked = {
         "ring": context.get("mode", "ulysses") == "ring",
         "pipeline": parallel.get("pipeline", {}).get("stages", 1) > 1,
-        "pipeline_tensor": parallel.get("pipeline", {}).get("stages", 1) > 1 and tensor > 1,
         "tensor": tensor > 1,
         "tensor_2d": tensor > 1 and parallel.get("tensor", {}).get("mode", "1d") != "1d",
         "expert": parallel.get("expert", {}).get("degree", 1) > 1,
@@ -90,11 +87,11 @@ def context_problems(
     )
     conflicts = [_LIMIT_REASONS[key] for key, used in asked.items() if used and not runs[key]]
     if conflicts:
-        where = (
-            "data x context worlds with 1D tensor parallelism or pipeline stages"
-            if with_tensor
-            else "data x context worlds (the search)"
-        )
+        where = "data x context worlds (the search)"
+        if with_tensor or with_pipeline:
+            where = (
+                f"data x {'pipeline x ' if with_pipeline else ''}context x {'1D tensor ' if with_tensor else ''}worlds"
+            )
         problems.append(
             f"{path} with {', '.join(conflicts)}: this version runs context parallelism on {where} with standard "
             "accumulation; drop them or set the context degree to 1"

@@ -10,7 +10,7 @@ chunks, LoRA; and the zoo's Qwen2, Qwen3, Phi-3, Granite, OLMo2, Gemma2 (sliding
 two mixtures of experts at world 2, and Mistral (a sliding window on every layer) in all three modes. Ring attention (the same split, key/value blocks passed around the
 group) on Llama, Qwen3, Gemma2, Phi-3 and Qwen3-MoE at world 2 and Gemma2 at context 4. Heavy: context 2
 x tensor 2 (1D) at world 4, ring, all-gather and Ulysses; context 2 x pipeline 2 at world 4, all three modes
-and GPT-2's tied embedding (Ulysses on the Llama also in CI). fp32: step losses 1e-5 relative, final weights 1e-5 absolute
+and GPT-2's tied embedding (Ulysses on the Llama also in CI); context 2 x pipeline 2 x tensor 2 at world 8. fp32: step losses 1e-5 relative, final weights 1e-5 absolute
 after 4 AdamW steps (eps 1e-6, as the other engine tests). A script that feeds the ranks of a
 context group different rows is stopped at the first forward.
 
@@ -96,6 +96,20 @@ CONTEXT_TENSOR = [
     ),
     # GPT-2's 4 heads: 2 per tensor rank, 1 per context rank under Ulysses.
     dict(model="zoo:gpt2", attn="eager", context=2, tensor=2, loop="plain", padded=True),
+]  # fmt: skip
+# Pipeline 2 x context 2 x tensor 2 (1D) at world 8: each stage's context groups T apart, the sequence
+# shards of a tensor rank (S / C / T) sent to the next stage. The control as in CONTEXT_TENSOR.
+CONTEXT_PIPELINE_TENSOR = [
+    dict(
+        model="llama", attn="sdpa", context=2, stages=2, tensor=2, loop="forward_backward", accum=2, padded=True,
+        mode="allgather", control=True,
+    ),
+    dict(
+        model="llama", attn="sdpa", context=2, stages=2, tensor=2, loop="forward_backward", accum=2, padded=True,
+        mode="ring", control=True,
+    ),
+    # GPT-2's 4 heads: 2 per tensor rank, 1 per context rank; its tied embedding on both stages.
+    dict(model="zoo:gpt2", attn="eager", context=2, stages=2, tensor=2, loop="forward_backward", accum=2, padded=True),
 ]  # fmt: skip
 CONTROL_FACTOR = 2.0
 PACKED = dict(model="llama", attn="sdpa", context=2, packed=True)
@@ -196,6 +210,13 @@ def test_context2_x_tensor2_matches_torch():
 def test_context2_x_pipeline2_matches_torch():
     per_rank = launch("context_parallel_worker.py", CONTEXT_PIPELINE, 4, timeout_s=600)
     for index in range(len(CONTEXT_PIPELINE)):
+        check(per_rank, index)
+
+
+@pytest.mark.heavy  # 8 processes
+def test_context2_x_pipeline2_x_tensor2_matches_torch():
+    per_rank = launch("context_parallel_worker.py", CONTEXT_PIPELINE_TENSOR, 8, timeout_s=600)
+    for index in range(len(CONTEXT_PIPELINE_TENSOR)):
         check(per_rank, index)
 
 

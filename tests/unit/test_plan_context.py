@@ -51,10 +51,6 @@ def test_plans_without_context_are_written_as_before():
             "x tensor degree 2 does not divide model.num_kv_heads 2",
         ),
         (lambda raw: raw["parallel"].update(tensor={"degree": 4, "mode": "2d"}), "with 2D tensor parallelism"),
-        (
-            lambda raw: raw["parallel"].update(pipeline={"stages": 2}, tensor={"degree": 2}),
-            "with pipeline stages beside tensor parallelism",
-        ),
         (lambda raw: raw["model"].update(num_kv_heads=3), "does not divide model.num_kv_heads 3"),
         (lambda raw: raw["model"].update(model_type="opt"), "not model_type 'opt'"),
         (lambda raw: raw["training"].update(seq_len=9), "training.seq_len: 9 is not a multiple of 2"),
@@ -114,7 +110,7 @@ def test_show_lists_context_groups_tensor_degree_apart():
 
 
 def test_pipeline_stages_beside_context_run_but_the_search_does_not_offer_them():
-    parallel = {"context": {"degree": 2, "mode": "ring"}, "pipeline": {"stages": 2}}
+    parallel = {"context": {"degree": 2, "mode": "ring"}, "pipeline": {"stages": 2}, "tensor": {"degree": 2}}
     model = {"model_type": "llama", "num_heads": 4, "num_kv_heads": 2}
     training = {"seq_len": 16}
     assert context_problems(parallel, model, training, with_tensor=True, with_pipeline=True) == []
