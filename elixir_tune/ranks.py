@@ -61,31 +61,42 @@ def data_rank() -> int:
     return _rank() // plan.parallel.model_parallel_size
 
 
-def mesh_groups(world_size: int, pipeline: int, tensor: int) -> dict[str, list[list[int]]]:
-    """Which global ranks form each group of the mesh (``rank = (data_index x P + stage) x T + tensor_index``).
+def mesh_groups(world_size: int, pipeline: int, tensor: int, context: int = 1) -> dict[str, list[list[int]]]:
+    """Which global ranks form each group of the mesh (``rank = ((data_index x P + stage) x C + context_index) x T
+    + tensor_index``).
 
     Args:
         world_size: every process (data x pipeline x tensor).
         pipeline: pipeline stages P.
         tensor: tensor degree T.
+        context: context degree C (its own groups are shown by ``show``).
 
     Returns:
         ``{"tensor": ..., "pipeline": ..., "data": ...}``, each a list of groups (global ranks in group-rank
         order): a tensor group is T consecutive ranks (one node), a pipeline group the P stages at one data
-        and tensor index, a data group the ranks at one stage and tensor index.
+        and context and tensor index, a data group the ranks at one stage and tensor index (data x context:
+        the chunks are sharded over them).
 
     Raises:
-        ValueError: pipeline x tensor does not divide the world.
+        ValueError: pipeline x context x tensor does not divide the world.
     """
-    if pipeline < 1 or tensor < 1 or world_size % (pipeline * tensor):
-        raise ValueError(f"pipeline {pipeline} x tensor {tensor} does not divide the world size {world_size}")
-    data = world_size // (pipeline * tensor)
+    if pipeline < 1 or tensor < 1 or context < 1 or world_size % (pipeline * context * tensor):
+        raise ValueError(
+            f"pipeline {pipeline} x context {context} x tensor {tensor} does not divide the world size {world_size}"
+        )
+    data = world_size // (pipeline * context * tensor)
+    shares = [(d, c) for d in range(data) for c in range(context)]  # data x context, in rank order
 
-    def rank(d: int, s: int, t: int) -> int:
-        return (d * pipeline + s) * tensor + t
+    def rank(d: int, s: int, c: int, t: int) -> int:
+        return ((d * pipeline + s) * context + c) * tensor + t
 
     return {
-        "tensor": [[rank(d, s, t) for t in range(tensor)] for d in range(data) for s in range(pipeline)],
-        "pipeline": [[rank(d, s, t) for s in range(pipeline)] for d in range(data) for t in range(tensor)],
-        "data": [[rank(d, s, t) for d in range(data)] for s in range(pipeline) for t in range(tensor)],
+        "tensor": [
+            [rank(d, s, c, t) for t in range(tensor)]
+            for d in range(data)
+            for s in range(pipeline)
+            for c in range(context)
+        ],
+        "pipeline": [[rank(d, s, c, t) for s in range(pipeline)] for d, c in shares for t in range(tensor)],
+        "data": [[rank(d, s, c, t) for d, c in shares] for s in range(pipeline) for t in range(tensor)],
     }

@@ -90,9 +90,9 @@ def parallel_summary(plan: Plan, expert_bytes: int | None = None) -> dict:
         out.update(tensor_mode=tensor.mode, sequence_parallel=tensor.sequence_parallel)
     expert = plan.parallel.expert.degree
     if pipeline.stages > 1 or tensor.degree > 1 or expert > 1:
-        out["groups"] = mesh_groups(plan.world_size, pipeline.stages, tensor.degree)
+        out["groups"] = mesh_groups(plan.world_size, pipeline.stages, tensor.degree, plan.parallel.context.degree)
     context = plan.parallel.context
-    if context.degree > 1:  # C ranks T apart (rank = (data_index x C + context_index) x T + tensor_index)
+    if context.degree > 1:  # C ranks T apart (rank = ((data_index x P + stage) x C + context_index) x T + tensor_index)
         out.update(context=context.degree, context_mode=context.mode)
         step = tensor.degree
         groups = out.get("groups", {})  # beside tensor parallelism: its tensor and data x context groups

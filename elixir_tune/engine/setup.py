@@ -172,6 +172,7 @@ def setup(
         plan.cluster.backend,
         pipeline=parallel.pipeline.stages,
         tensor=parallel.tensor.degree,
+        context=parallel.context.degree,
     )
     ranks.use_plan(plan, mesh.world.rank)
     seed = agreed_seed(mesh.world, seed)
@@ -179,6 +180,7 @@ def setup(
     # then gives each rank its own pieces of the split parameters only.
     fresh = weights is not None or has_meta(model)
     tensor_parallel = split_for_plan(model, optimizer, plan, mesh, fresh, vocab_parallel_loss)
+    context = None
     if parallel.context.degree > 1:
         # The context group computes different tokens with the same weights: the chunks stay sharded
         # over the whole data x context world (mesh.data), only attention talks within the group.
@@ -191,7 +193,7 @@ def setup(
                 "whole logits; call setup without vocab_parallel_loss for this plan"
             )
         group = context_group(mesh.world, parallel.context.degree, parallel.tensor.degree)
-        install_context(model, group, parallel.context.mode)
+        context = install_context(model, group, parallel.context.mode)
     source = make_source(model, weights, seed, tensor_parallel)
     experts = None
     if parallel.expert.degree > 1:
@@ -205,7 +207,7 @@ def setup(
     if parallel.pipeline.stages > 1:
         from elixir_tune.engine.parallel.pipeline import build_engine
 
-        engine = build_engine(model, plan, mesh, source, tensor_parallel)
+        engine = build_engine(model, plan, mesh, source, tensor_parallel, context)
     else:
         engine = Engine(model, plan, mesh.data, source, mesh, tensor_parallel=tensor_parallel, experts=experts)
         engine.agreement = forward_agreement(engine, plan, mesh)

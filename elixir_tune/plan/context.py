@@ -5,9 +5,10 @@ all-gather form (load-balanced causal split, every rank's K/V gathered) or ring 
 split, K/V passed around the group) on a data x context world, with standard accumulation, the
 attention implementations ``sdpa`` and ``eager``, and the families in ``CONTEXT_MODEL_TYPES`` (the
 ones whose forward passes its keyword arguments down to the attention function and whose loss is
-the plain shifted cross-entropy), beside 1D tensor parallelism (context groups T ranks apart). The
-composition with pipeline, 2D tensor and expert parallelism is refused with the reason. Lifting a
-limit is a change of its table entry and of the engine. Imports no torch.
+the plain shifted cross-entropy), beside 1D tensor parallelism (context groups T ranks apart) and
+pipeline stages (context groups inside a stage). The composition with 2D tensor and expert
+parallelism is refused with the reason. Lifting a limit is a change of its table entry and of the
+engine. Imports no torch.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 # What context parallelism runs beside in this version: False entries are refused by validate.
 CONTEXT_PARALLEL_RUNS_WITH: dict[str, bool] = {
     "ring": True,
-    "pipeline": False,
+    "pipeline": True,  # the first stage slices the tokens, later stages pass 1/C of the sequence on
     "tensor": True,  # 1D (Megatron, sequence-parallel norms): each tensor rank's heads over its shard
     "tensor_2d": False,
     "expert": False,
@@ -36,7 +37,7 @@ _LIMIT_REASONS = {
 # Families whose attention the engine's Ulysses exchange has been checked on (equal to plain
 # PyTorch at world 2, fp32). Another family may work but is refused until a test says so.
 CONTEXT_MODEL_TYPES = frozenset(
-    {"llama", "gpt2", "qwen2", "qwen3", "phi3", "granite", "olmo2", "qwen3_moe", "gemma2", "mixtral"}
+    {"llama", "gpt2", "qwen2", "qwen3", "phi3", "granite", "olmo2", "qwen3_moe", "gemma2", "mixtral", "mistral"}
 )
 
 
@@ -46,7 +47,9 @@ def context_degree(parallel: Any) -> int:
     return degree if isinstance(degree, int) and degree >= 1 else 1
 
 
-def context_problems(parallel: dict, model: dict, training: dict, with_tensor: bool = False) -> list[str]:
+def context_problems(
+    parallel: dict, model: dict, training: dict, with_tensor: bool = False, with_pipeline: bool = False
+) -> list[str]:
     """Every reason the engine cannot run the plan's context parallelism, each with its field path.
 
     Args:
@@ -56,6 +59,8 @@ def context_problems(parallel: dict, model: dict, training: dict, with_tensor: b
         with_tensor: accept 1D tensor parallelism beside C, which the engine runs (``validate``
             passes True). The search leaves it False: its cost model does not price C x T yet, and
             its context layouts carry no tensor degree, so a C x T pin is refused there.
+        with_pipeline: accept pipeline stages beside C, which the engine runs (``validate`` passes True;
+            the search leaves it False for the same reasons as ``with_tensor``).
 
     Returns:
         The problems; empty when C is 1 or the plan runs.
@@ -75,10 +80,18 @@ def context_problems(parallel: dict, model: dict, training: dict, with_tensor: b
         "layered": training.get("accumulation", "standard") == "layered",
     }
     problems = []
-    runs = dict(CONTEXT_PARALLEL_RUNS_WITH, tensor=CONTEXT_PARALLEL_RUNS_WITH["tensor"] and with_tensor)
+    runs = dict(
+        CONTEXT_PARALLEL_RUNS_WITH,
+        tensor=CONTEXT_PARALLEL_RUNS_WITH["tensor"] and with_tensor,
+        pipeline=CONTEXT_PARALLEL_RUNS_WITH["pipeline"] and with_pipeline,
+    )
     conflicts = [_LIMIT_REASONS[key] for key, used in asked.items() if used and not runs[key]]
     if conflicts:
-        where = "data x context x 1D tensor worlds" if with_tensor else "data x context worlds (the search)"
+        where = "data x context worlds (the search)"
+        if with_tensor or with_pipeline:
+            where = (
+                f"data x {'pipeline x ' if with_pipeline else ''}context x {'1D tensor ' if with_tensor else ''}worlds"
+            )
         problems.append(
             f"{path} with {', '.join(conflicts)}: this version runs context parallelism on {where} with standard "
             "accumulation; drop them or set the context degree to 1"

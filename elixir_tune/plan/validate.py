@@ -366,7 +366,7 @@ def validate_dict(raw: Any) -> list[str]:
     _check_tensor(parallel.get("tensor", {}), model, training, errors)
     _check_contract(parallel, model, training, errors)
     _check_expert(parallel, model, training, memory.get("chunks", []) or [], data_size, errors)
-    errors.extend(context_problems(parallel, model, training, with_tensor=True))
+    errors.extend(context_problems(parallel, model, training, with_tensor=True, with_pipeline=True))
     errors.extend(engine_problems(sections.get("engine", {}), memory, parallel))
     _check_selective(parallel, training, errors)
     _check_batch_and_blocks(training, model, data_size, errors)

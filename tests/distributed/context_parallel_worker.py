@@ -4,7 +4,7 @@ PyTorch on the whole global batch.
 
 Run by ``engine_launch.py`` (gloo, CPU). Each case is a dict:
 
-    model: gpt2 | llama | zoo:NAME (tests/zoo/models.py)    attn: sdpa | eager    context: C (world: data x C)
+    model: gpt2 | llama | mistral | zoo:NAME (tests/zoo/models.py)    attn: sdpa | eager    context: C (world: data x C)
     loop: plain (``model(**batch)``, ``optimizer.backward``) | forward_backward
     accum: micro-batches per step    padded: right-padded rows (attention_mask 0, labels -100)
     checkpoint: every k-th block recomputed     offload: share of chunks on the host
@@ -12,8 +12,10 @@ Run by ``engine_launch.py`` (gloo, CPU). Each case is a dict:
     packed: position_ids restarting inside the rows (packed documents), which must be refused
     lora: LoRA adapters (PEFT, rank 4 on q/v and the MLP's down projection), the base in frozen chunks
     tensor: tensor degree T (1D, sequence-parallel; world: data x C x T)
+    stages: pipeline stages P (loop forward_backward; world: data x P x C)
     control: also run plain PyTorch with o_proj and down_proj summed over two halves of their input
-        (tensor 2's order): ``control_weight_abs`` is its weight difference from the reference
+        (tensor 2's order): ``control_weight_abs`` is its weight difference from the reference; "attention":
+        plain PyTorch with the other attention implementation (eager for sdpa) instead
 """
 
 from __future__ import annotations
@@ -33,8 +35,23 @@ STEPS = 4
 BLOCK_LISTS = {"gpt2": "transformer.h", "llama": "model.layers"}
 
 
+def tiny_mistral() -> torch.nn.Module:
+    """Mistral (not in the zoo): its sliding window of 4 tokens on every layer, shorter than the 16."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from tests.zoo.models import DECODER
+
+    torch.manual_seed(0)
+    config = MistralConfig(
+        **DECODER, intermediate_size=64, num_key_value_heads=2, sliding_window=4, attention_dropout=0.0
+    )
+    return MistralForCausalLM(config).train()
+
+
 def build(case: dict):
-    if case["model"].startswith("zoo:"):
+    if case["model"] == "mistral":
+        model = tiny_mistral()
+    elif case["model"].startswith("zoo:"):
         from tests.zoo.models import build as build_zoo
 
         model = build_zoo(case["model"].removeprefix("zoo:"))
@@ -64,7 +81,7 @@ def padded(global_batches: list[dict]) -> list[dict]:
 
 
 def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> dict:
-    degree, accum, tensor = case["context"], case.get("accum", 1), case.get("tensor", 1)
+    degree, accum, tensor, stages = case["context"], case.get("accum", 1), case.get("tensor", 1), case.get("stages", 1)
     model, opt = build(case)
     plan = make_plan(
         model,
@@ -80,9 +97,10 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
         checkpoint_every=case.get("checkpoint", 0),
         frozen_chunks=bool(case.get("lora")),
         tensor=tensor,
+        stages=stages,
     )
     plan.parallel.context = ContextParallel(degree=degree, mode=case.get("mode", "ulysses"))
-    plan.training.global_batch_size = MICRO * accum * (world // (degree * tensor))
+    plan.training.global_batch_size = MICRO * accum * (world // (degree * tensor * stages))
     assert not validate(plan), validate(plan)
     model, opt = elixir_tune.setup(model, opt, plan=plan)
     data, data_rank = elixir_tune.data_size(), elixir_tune.data_rank()
@@ -128,7 +146,13 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
     reference = plain_training(*build(case), global_batches)
     ours = {"state": {name: value.tolist() for name, value in state.items()}, "norms": []}
     result = dict(result, **compare(ours, reference, world_losses), world_losses=world_losses)
-    if case.get("control"):
+    if case.get("control") == "attention":
+        # The control: plain PyTorch with the other attention implementation (eager for sdpa), the same
+        # mathematics in another fp32 order, as ring attention's blockwise softmax is.
+        other = "eager" if case.get("attn", "sdpa") == "sdpa" else "sdpa"
+        control = plain_training(*build(dict(case, attn=other)), global_batches)
+        result["control_weight_abs"] = compare(control, reference, control["losses"])["weight_abs"]
+    elif case.get("control"):
         # The control: plain PyTorch with the row-parallel products summed over two halves of their
         # input, as tensor 2 sums them: the fp32 reordering error of this case without the engine.
         control_model, control_opt = build(case)

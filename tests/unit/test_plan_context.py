@@ -7,8 +7,10 @@ import pytest
 
 from elixir_tune.paths import CONFIGS_DIR
 from elixir_tune.plan import load_plan, plan_from_dict, plan_to_dict, read_plan_dict, validate
+from elixir_tune.plan.context import context_problems
 from elixir_tune.plan.io import dump_plan
 from elixir_tune.plan.schema import ContextParallel, TensorParallel
+from elixir_tune.ranks import mesh_groups
 
 EXAMPLE = CONFIGS_DIR / "plans" / "example.yaml"  # tiny GPT-2, world 2, 2 blocks
 
@@ -49,7 +51,6 @@ def test_plans_without_context_are_written_as_before():
             "x tensor degree 2 does not divide model.num_kv_heads 2",
         ),
         (lambda raw: raw["parallel"].update(tensor={"degree": 4, "mode": "2d"}), "with 2D tensor parallelism"),
-        (lambda raw: raw["parallel"].update(pipeline={"stages": 2}), "with pipeline stages"),
         (lambda raw: raw["model"].update(num_kv_heads=3), "does not divide model.num_kv_heads 3"),
         (lambda raw: raw["model"].update(model_type="opt"), "not model_type 'opt'"),
         (lambda raw: raw["training"].update(seq_len=9), "training.seq_len: 9 is not a multiple of 2"),
@@ -106,3 +107,20 @@ def test_show_lists_context_groups_tensor_degree_apart():
     )
     assert any(line.startswith("data groups") and line.endswith("[0,2] [1,3]") for line in lines), lines
     assert any(line.startswith("tensor groups") and line.endswith("[0,1] [2,3]") for line in lines), lines
+
+
+def test_pipeline_stages_beside_context_run_but_the_search_does_not_offer_them():
+    parallel = {"context": {"degree": 2, "mode": "ring"}, "pipeline": {"stages": 2}, "tensor": {"degree": 2}}
+    model = {"model_type": "llama", "num_heads": 4, "num_kv_heads": 2}
+    training = {"seq_len": 16}
+    assert context_problems(parallel, model, training, with_tensor=True, with_pipeline=True) == []
+    # The search's cost model does not price C x P: its pins stay refused there.
+    assert any("with pipeline stages" in problem for problem in context_problems(parallel, model, training))
+
+
+def test_mesh_groups_put_the_context_index_between_the_stage_and_the_tensor_index():
+    # rank = ((data x P + stage) x C + context) x T + tensor, world 8 = data 2 x P 2 x C 2.
+    groups = mesh_groups(8, pipeline=2, tensor=1, context=2)
+    assert groups["pipeline"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    # The chunk engine's group: data x context at one stage.
+    assert groups["data"] == [[0, 1, 4, 5], [2, 3, 6, 7]]

@@ -129,9 +129,11 @@ def single_comm(world: Comm) -> Comm:
     return Comm(0, 1, "local", world.device, global_ranks=[world.global_ranks[world.rank]])
 
 
-def _mesh_of(world: Comm, pipeline: int, tensor: int) -> Mesh:
+def _mesh_of(world: Comm, pipeline: int, tensor: int, context: int = 1) -> Mesh:
     if pipeline * tensor == 1:
         return Mesh.data_only(world)
+    if pipeline > 1 and context > 1:
+        return _context_pipeline_mesh(world, pipeline, tensor, context)
     from torch.distributed.device_mesh import init_device_mesh  # only runs with a process group
 
     data = world.world_size // (pipeline * tensor)
@@ -145,6 +147,35 @@ def _mesh_of(world: Comm, pipeline: int, tensor: int) -> Mesh:
         else:
             comms.append(Comm(ranks.index(world.rank), len(ranks), world.backend, world.device, group, ranks))
     return Mesh(world, comms[0], comms[1], comms[2], device_mesh)
+
+
+def _context_pipeline_mesh(world: Comm, pipeline: int, tensor: int, context: int) -> Mesh:
+    """The mesh of a pipeline beside context parallelism: ``rank = ((data_index * P + stage) * C +
+    context_index) * T + tensor_index``. The chunk engine's group (``Mesh.data``) is data x context: the
+    ranks at this rank's stage and tensor index, which hold the same weights."""
+    from torch.distributed.device_mesh import init_device_mesh  # only runs with a process group
+
+    data = world.world_size // (pipeline * context * tensor)
+    names = ("data", "pipeline", "context", "tensor")
+    device_mesh = init_device_mesh(world.device.type, (data, pipeline, context, tensor), mesh_dim_names=names)
+    comms = {}
+    for name in ("pipeline", "tensor"):
+        ranks = dist.get_process_group_ranks(device_mesh.get_group(name))
+        comms[name] = (
+            single_comm(world)
+            if len(ranks) == 1
+            else Comm(
+                ranks.index(world.rank), len(ranks), world.backend, world.device, device_mesh.get_group(name), ranks
+            )
+        )
+    lists = [
+        [((d * pipeline + stage) * context + c) * tensor + t for d in range(data) for c in range(context)]
+        for stage in range(pipeline)
+        for t in range(tensor)
+    ]
+    shards = subgroup(world, lists)
+    assert shards is not None, "every rank is in one data x context group"
+    return Mesh(world, shards, comms["pipeline"], comms["tensor"], device_mesh)
 
 
 def grid_device_mesh(mesh: Mesh, rows: int) -> Any:
@@ -177,6 +208,7 @@ def init_mesh(
     pipeline: int = 1,
     tensor: int = 1,
     timeout_s: float | None = None,
+    context: int = 1,
 ) -> Mesh:
     """Joins (or starts) the process group the plan needs and splits it into the plan's mesh.
 
@@ -187,6 +219,8 @@ def init_mesh(
         pipeline: pipeline degree P.
         tensor: tensor degree T.
         timeout_s: collective timeout; None: ``collective_timeout_s()``.
+        context: context degree C; beside a pipeline it sits between the stage and the tensor index
+            (its groups are made by ``comm/context.py``; without a pipeline it is part of the data index).
 
     Returns:
         This rank's Mesh.
@@ -201,7 +235,7 @@ def init_mesh(
             f"pipeline {pipeline} x tensor {tensor} does not divide the world size {world_size}; "
             "search the plan again or fix its parallel section"
         )
-    return _mesh_of(init_comm(world_size, device_type, backend, timeout_s), pipeline, tensor)
+    return _mesh_of(init_comm(world_size, device_type, backend, timeout_s), pipeline, tensor, context)
 
 
 def subgroup(world: Comm, rank_lists: list[list[int]]) -> Comm | None:

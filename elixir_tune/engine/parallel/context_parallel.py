@@ -20,13 +20,19 @@ differentiable part: the engine averages gradients over data x context, so the g
 plain PyTorch's token mean. The loss's value is the micro-batch's whole loss on every rank of the
 group (one scalar all-reduce), so scripts log what they would without context parallelism. The
 logits in the output are this rank's shard only.
+
+Beside a pipeline (``pipeline_adapters.py``) the first stage's forward slices the tokens as above;
+later stages run inside ``received()``: their ``inputs_embeds`` are this rank's hidden states already,
+only the position ids and the padding mask (whole sequence) are sliced or passed down. The last stage
+computes ``loss`` from its logits and the micro-batch's labels.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -63,6 +69,10 @@ class _Exchange:
         self.inner = inner
         self.padding = padding  # (batch, seq) 1 where a token is real, or None: no padding
         self.length = length
+        # The forward's labels and this rank's tokens, for the loss hook (on the exchange, which the
+        # forward hook receives, so a forward ended early by a pipeline stage leaves nothing behind).
+        self.labels: torch.Tensor | None = None
+        self.shard: slice | torch.Tensor = slice(None)
 
     def _mask(
         self, queries: torch.Tensor, keys: torch.Tensor, dtype: torch.dtype, window: int | None
@@ -176,17 +186,46 @@ class ContextParallel:
             )
         self.comm = comm
         self.mode = mode
-        self._pending = threading.local()  # labels of the forwards in flight, per thread
+        self._received = threading.local()  # per thread: True inside a later pipeline stage's forward
         self._inputs_checked = False
         AttentionInterface.register(ATTENTION_NAME, context_attention)
         config._attn_implementation = ATTENTION_NAME
         module.register_forward_pre_hook(self._shard_inputs, with_kwargs=True)
         module.register_forward_hook(self._shard_loss, with_kwargs=True)
 
-    def _stack(self) -> list:
-        if not hasattr(self._pending, "stack"):
-            self._pending.stack = []
-        return self._pending.stack
+    @contextlib.contextmanager
+    def received(self) -> Iterator[None]:
+        """The forwards of a later pipeline stage (``pipeline_adapters.py``): ``inputs_embeds`` are the
+        hidden states of this rank's tokens already (the first stage sliced them), the padding mask and
+        position ids still cover the whole sequence."""
+        self._received.active = True
+        try:
+            yield
+        finally:
+            self._received.active = False
+
+    def _is_received(self) -> bool:
+        return getattr(self._received, "active", False)
+
+    def shard_of(self, length: int, device: torch.device) -> slice | torch.Tensor:
+        """This rank's tokens of a sequence of ``length``: a contiguous 1/C (Ulysses) or chunks i and
+        2C - 1 - i of 2C (modes allgather and ring).
+
+        Raises:
+            ValueError: the length is not a multiple of C (Ulysses) or 2C.
+        """
+        size, rank = self.comm.world_size, self.comm.rank
+        balanced = self.mode in ("allgather", "ring")
+        parts = 2 * size if balanced else size
+        if length % parts:
+            raise ValueError(
+                f"sequence length {length} is not a multiple of {parts} (context degree {size}, mode {self.mode}): "
+                "every rank of a context group takes an equal share; pad the batch to a multiple (labels -100, "
+                "attention_mask 0)"
+            )
+        if balanced:
+            return balanced_tokens(length, size, rank).to(device)
+        return slice(rank * length // size, (rank + 1) * length // size)
 
     def _check_inputs_once(self, kwargs: dict) -> None:
         """At the first forward: the ranks of the group must hold the same batch (each keeps its own
@@ -194,6 +233,8 @@ class ContextParallel:
         if self._inputs_checked:
             return
         self._inputs_checked = True
+        if self._is_received():  # a later stage's hidden states differ by rank: the rest must not
+            kwargs = {key: value for key, value in kwargs.items() if key not in _SHARDED_INPUTS}
         prints = gather_objects(self.comm, input_fingerprint([kwargs]), all_ranks=True)
         assert prints is not None  # all_ranks
         differ = [rank for rank, other in enumerate(prints) if other != prints[0]]
@@ -216,18 +257,10 @@ class ContextParallel:
         if tokens is None:
             raise ValueError("a context-parallel forward needs input_ids or inputs_embeds")
         batch, length = tokens.shape[:2]
-        size, rank = self.comm.world_size, self.comm.rank
-        balanced = self.mode in ("allgather", "ring")  # chunks i and 2C - 1 - i of 2C
-        parts = 2 * size if balanced else size
-        if length % parts:
-            raise ValueError(
-                f"sequence length {length} is not a multiple of {parts} (context degree {size}, mode {self.mode}): "
-                "every rank of a context group takes an equal share; pad the batch to a multiple (labels -100, "
-                "attention_mask 0)"
-            )
-        shard: slice | torch.Tensor = slice(rank * length // size, (rank + 1) * length // size)
-        if balanced:
-            shard = balanced_tokens(length, size, rank).to(tokens.device)
+        received = self._is_received()
+        if received:  # this rank's share of the sequence already
+            length *= self.comm.world_size
+        shard = self.shard_of(length, tokens.device)
         positions = kwargs.get("position_ids")
         if positions is None:
             positions = torch.arange(length, device=tokens.device).expand(batch, length)
@@ -239,22 +272,41 @@ class ContextParallel:
                 "pass one sequence per row, or set parallel.context.degree to 1"
             )
         kwargs["position_ids"] = positions[..., shard]
-        for key in _SHARDED_INPUTS:
+        for key in _SHARDED_INPUTS if not received else ():
             if isinstance(kwargs.get(key), torch.Tensor):
                 kwargs[key] = kwargs[key][:, shard]
         padding = kwargs.pop("attention_mask", None)
         if padding is not None and bool(padding.all()):
             padding = None  # no padding: sdpa's causal kernel, as transformers itself skips the mask
-        kwargs[EXCHANGE_KWARG] = _Exchange(self.comm, self.mode, self.inner, padding, length)
+        exchange = _Exchange(self.comm, self.mode, self.inner, padding, length)
+        exchange.labels, exchange.shard = kwargs.pop("labels", None), shard
+        kwargs[EXCHANGE_KWARG] = exchange
         kwargs["use_cache"] = False  # a cache of one shard's keys could not serve generation
-        self._stack().append((kwargs.pop("labels", None), shard))
         return args, kwargs
 
     def _shard_loss(self, module, args: tuple, kwargs: dict, output: Any) -> Any:
-        labels, shard = self._stack().pop()
-        if labels is None:
+        exchange = kwargs.get(EXCHANGE_KWARG)
+        if exchange is None or exchange.labels is None:
             return output
         logits = output["logits"] if isinstance(output, dict) else output[0]
+        loss = self.loss(logits, exchange.labels, exchange.shard)
+        if isinstance(output, dict):
+            return type(output)(**{**output, "loss": loss})
+        return (loss, *output)
+
+    def loss(
+        self, logits: torch.Tensor, labels: torch.Tensor, shard: slice | torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The micro-batch's causal-LM loss from this rank's logits: its value is the whole sequence's
+        token mean on every rank of the group; its gradient, averaged over data x context, plain PyTorch's.
+
+        Args:
+            logits: (batch, local_len, vocab), this rank's tokens.
+            labels: (batch, length), the whole sequence's (not shifted).
+            shard: this rank's tokens (None: ``shard_of(length)``).
+        """
+        if shard is None:
+            shard = self.shard_of(labels.shape[1], logits.device)
         # Shifted on the whole sequence: a shard's last token predicts the next shard's first.
         shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)[:, shard].to(logits.device)
         shard_sum = F.cross_entropy(
@@ -267,10 +319,7 @@ class ContextParallel:
         # Gradients are averaged over data x context: C x the shard's share makes them the token mean.
         share = shard_sum * self.comm.world_size / counted
         whole = sum_over(self.comm, shard_sum) / counted
-        loss = share + (whole - share.detach())
-        if isinstance(output, dict):
-            return type(output)(**{**output, "loss": loss})
-        return (loss, *output)
+        return share + (whole - share.detach())
 
 
 def install(module: torch.nn.Module, comm: Comm, mode: str = "ulysses") -> ContextParallel:

@@ -32,6 +32,9 @@ What each rank does:
   over the rank's tensor group before ``prepare``; the stage's modules run on their tensor-parallel
   pieces, the chunks hold those pieces, and each tensor rank sends its sequence shard of the hidden
   states to the rank at the same tensor index of the next stage (``StageAdapter.boundary``).
+* **With context parallelism** (``context_parallel.py``): the context group is the C ranks of a stage at
+  one data index; the first stage slices each sequence, every stage sends this rank's 1/C of the tokens
+  on, and the last stage's loss is ``ContextParallel.loss`` (the chunks shard over data x context).
 * **Tied parameters**: both stages that use a shared chunk hold it, with the same shard layout;
   after the schedule the step's gradient of each such chunk is summed over the two ranks (a group
   of the stages that share it at the same data and tensor index, as Megatron's embedding group),
@@ -53,6 +56,7 @@ from elixir_tune.engine.comm import Comm, Mesh, gather_objects, pipelining, subg
 from elixir_tune.engine.engine import Engine
 from elixir_tune.engine.hooks import install_grad_hooks
 from elixir_tune.engine.io.materialize import WeightSource
+from elixir_tune.engine.parallel.context_parallel import ContextParallel
 from elixir_tune.engine.parallel.pipeline_adapters import StageAdapter
 from elixir_tune.engine.parallel.pipeline_schedule import make_schedule
 from elixir_tune.engine.parallel.pipeline_stages import (
@@ -161,10 +165,12 @@ class Pipeline:
         world = self.mesh.world
         stages = self.stages
         tensor = self.mesh.tensor.world_size
+        context = self.full_plan.parallel.context.degree  # rank = ((data * P + stage) * C + context) * T + tensor
         lists = []
-        for index in range(world.world_size // (stages * tensor)):
-            for t in range(tensor):
-                lists.append([(index * stages + s) * tensor + t for s in users])
+        for index in range(world.world_size // (stages * context * tensor)):
+            for c in range(context):
+                for t in range(tensor):
+                    lists.append([((index * stages + s) * context + c) * tensor + t for s in users])
         return subgroup(world, lists)
 
     # --- gradients held through a step (no-sync) ----------------------------------------------
@@ -236,10 +242,12 @@ class Pipeline:
         # Activations and logits need gradients: a stage's received input must be a leaf that
         # collects its gradient, to be sent back to the stage before.
         # A tensor-parallel piece (pipeline_tensor.py): a sequence shard in 1d, samples x columns in 2d.
-        sent = self.adapter.boundary.sent_shape(batch, seq, self.adapter.hidden_size)
+        # Context parallelism (pipeline x context): stages exchange this rank's 1/C of the tokens.
+        local = seq // self.adapter.context.comm.world_size if self.adapter.context is not None else seq
+        sent = self.adapter.boundary.sent_shape(batch, local, self.adapter.hidden_size)
         hidden = torch.empty(*sent, dtype=engine.compute_dtype, device="meta")
         hidden.requires_grad_(True)
-        logits = torch.empty(batch, seq, self.adapter.vocab_size, dtype=engine.compute_dtype, device="meta")
+        logits = torch.empty(batch, local, self.adapter.vocab_size, dtype=engine.compute_dtype, device="meta")
         logits.requires_grad_(True)
         ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
         virtual = self.layout.virtual
@@ -274,6 +282,8 @@ class Pipeline:
         """The schedule's loss: ``target`` is the micro-batch's index, the loss the model's (or loss_fn's) on
         the micro-batch's own length (a shorter one was padded at the end to the step's longest)."""
         batch = self._batches[int(target.reshape(-1)[0])]
+        if self.adapter.context is not None:
+            return self._context_loss(logits, batch) * self._scales[int(target.reshape(-1)[0])]
         length = batch["input_ids"].shape[1]
         if length < logits.shape[1]:  # the loss views the logits flat
             logits = logits[:, :length].contiguous()
@@ -291,6 +301,20 @@ class Pipeline:
             loss = output.loss
         return loss * self._scales[int(target.reshape(-1)[0])]
 
+    def _context_loss(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
+        """The loss of this rank's tokens under context parallelism (``ContextParallel.loss``): the labels
+        padded as the ids were, to the step's longest micro-batch (the logits cover this rank's share of it)."""
+        context = self.adapter.context
+        assert context is not None
+        labels = batch.get("labels")
+        if labels is None:
+            raise AttributeError(
+                "the micro-batch has no labels: a context-parallel pipeline computes the loss from them"
+            )
+        pad = logits.shape[1] * context.comm.world_size - labels.shape[1]
+        labels = torch.nn.functional.pad(labels.to(logits.device), (0, pad), value=-100) if pad else labels
+        return context.loss(logits, labels.to(logits.device))
+
     def _step_inputs(
         self, micro_batches: Sequence[dict], loss_fn: LossFn | None
     ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
@@ -307,6 +331,11 @@ class Pipeline:
             raise ValueError(
                 "a pipeline plan's micro-batches each need input_ids of shape (batch, length), the same batch size "
                 f"in all (the stages exchange activations of one shape); got shapes {[str(s) for s in shapes]}"
+            )
+        if loss_fn is not None and self.adapter.context is not None:
+            raise ValueError(
+                "forward_backward(..., loss_fn=...) under context parallelism: each rank holds the logits of its "
+                "share of the sequence only; drop loss_fn (the micro-batches' labels give the loss)"
             )
         carried = ("input_ids", "labels", *MODEL_INPUTS)
         extra = sorted({key for batch in micro_batches for key in batch} - set(carried))
@@ -433,6 +462,7 @@ def build_engine(
     mesh: Mesh,
     source: WeightSource | None,
     tensor_parallel: TensorSplit | None = None,
+    context: ContextParallel | None = None,
 ) -> Engine:
     """This rank's chunk engine for a pipeline plan, with its ``Pipeline`` attached (``engine.pipeline``).
 
@@ -442,12 +472,14 @@ def build_engine(
         mesh: the process groups.
         source: where the first weights come from (None: the model's own).
         tensor_parallel: the model's tensor split (pipeline x tensor, ``pipeline_tensor.py``), or None.
+        context: the model's context-parallel hooks (pipeline x context), or None.
 
     Raises:
         ValueError: no stage plan for the model, or the plan's stages do not match it.
     """
     adapter, layout = prepare(model, plan, mesh.stage)
     adapter.boundary = StageBoundary(tensor_parallel)
+    adapter.context = context
     engine = Engine(
         model, layout.plan, mesh.data, source, mesh, elsewhere=layout.elsewhere_tensors, tensor_parallel=tensor_parallel
     )

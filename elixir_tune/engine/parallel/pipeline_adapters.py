@@ -25,6 +25,7 @@ exactly as in an unsplit forward.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import nullcontext
 from typing import Any, cast
 
 import torch
@@ -98,6 +99,9 @@ class StageAdapter:
         # What crosses a stage boundary (pipeline_tensor.py: a tensor-parallel stage's sequence shards);
         # identities without tensor parallelism.
         self.boundary = StageBoundary()
+        # Context parallelism (pipeline x context): the model's hooks slice the tokens on the first stage;
+        # later stages receive hidden states already sliced (``ContextParallel.received``).
+        self.context: Any = None
         # Modules before the blocks that own parameters: stood in for on later stages.
         self._weighted_first = [
             name
@@ -139,7 +143,9 @@ class StageAdapter:
         self.body._modules.update(swapped)
         try:
             feed = {"input_ids": inputs} if first else {"inputs_embeds": self.boundary.widen(inputs)}
-            output = self.model(**feed, **model_inputs, use_cache=False)
+            received = self.context.received() if self.context is not None and not first else nullcontext()
+            with received:
+                output = self.model(**feed, **model_inputs, use_cache=False)
         except _StageDone as done:
             if last:
                 raise
