@@ -102,6 +102,9 @@ def layout_label(row: dict) -> str:
         parts.append(f"tp{row['tensor']}" + ("/2d" if row.get("tensor_mode") == "2d" else ""))
     if row.get("expert", 1) > 1:
         parts.append(f"ep{row['expert']}")
+    if row.get("context", 1) > 1:
+        mode = row.get("context_mode", "ulysses")
+        parts.append(f"cp{row['context']}" + ("" if mode == "ulysses" else f"/{mode}"))
     return " ".join(parts) or "dp"
 
 
@@ -192,7 +195,7 @@ def candidates_table(rows: list[dict], title: str) -> Table:
     metavar="KEY=VALUE",
     help="Pin a choice (repeatable): chunk_size=<elements>, cache_blocks=<n>|all, offload=<0..1>, "
     "prefetch=<n>, micro_batch_size=<n>, checkpointing=none|all|every:<k>, dtype=fp32|bf16|fp16, accumulation=standard|layered, "
-    "pipeline=<stages>, assignment=modular|contiguous, schedule=looped_bfs|1f1b, tensor=<degree>, tensor_mode=1d|2d, expert=<degree>.",
+    "pipeline=<stages>, assignment=modular|contiguous, schedule=looped_bfs|1f1b, tensor=<degree>, tensor_mode=1d|2d, expert=<degree>, context=<degree>, context_mode=ulysses|allgather|ring.",
 )
 @click.option(
     "--loop",

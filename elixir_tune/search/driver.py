@@ -13,7 +13,7 @@ from elixir_tune.plan.capabilities import LOOP_CONTRACT, LOOPS, needs_forward_ba
 from elixir_tune.plan.schema import Plan
 from elixir_tune.profiler.schema import ModelProfile
 from elixir_tune.search.candidate import Candidate, score
-from elixir_tune.search.context_layouts import fallback_context_layouts, with_context_pins
+from elixir_tune.search.context_layouts import context_note_of, share_chunk_caches, without_dominated_modes
 from elixir_tune.search.elixir_rule import fitted_elixir_shape
 from elixir_tune.search.joint import Budget, explore
 from elixir_tune.search.layouts import layout_choices
@@ -23,6 +23,12 @@ from elixir_tune.units import gib, human_bytes
 
 STRATEGIES = ("joint", "elixir")
 DEFAULT_BATCH_PER_GPU = 8
+# How the why-line names each context mode (plan.schema.ContextMode).
+CONTEXT_WORDS = {
+    "ulysses": "Ulysses, all-to-all over heads",
+    "allgather": "keys and values all-gathered",
+    "ring": "ring attention",
+}
 # How the why-line names each pipeline schedule (plan.schema.PipelineSchedule).
 SCHEDULE_WORDS = {
     "looped_bfs": "looped breadth-first",
@@ -203,9 +209,11 @@ def explain_layout(best: Candidate, by_layout: dict[Layout, Candidate] | None = 
             f"{b.get('expert_comm_s', 0.0) / step:.1%} of the step"
         )
     if layout.context > 1:
+        extra = b.get("context_attention_s", 0.0)
         parts.append(
-            f"context {layout.context} (1/{layout.context} of every sequence per rank): its all-to-alls are "
-            f"{b.get('context_comm_s', 0.0) / step:.1%} of the step"
+            f"context {layout.context} ({CONTEXT_WORDS[layout.context_mode]}; 1/{layout.context} of every sequence "
+            f"per rank, so its activations): its exchange is {b.get('context_comm_s', 0.0) / step:.1%} of the step"
+            + (f", the masked half of its attention {extra / step:.1%}" if extra else "")
         )
     others = sorted((c.step_time_s, key.describe()) for key, c in by_layout.items() if key != layout)
     if not parts and layouts_tried <= 1:
@@ -214,7 +222,7 @@ def explain_layout(best: Candidate, by_layout: dict[Layout, Candidate] | None = 
     unscored = layouts_tried - 1 - len(others)
     if unscored > 0:
         line += (
-            f"; {unscored} other pipeline/tensor/expert layout(s) had no candidate: their compute with tensor "
+            f"; {unscored} other pipeline/tensor/expert/context layout(s) had no candidate: their compute with tensor "
             "collectives, all-to-alls and bubble alone is slower, or they do not fit"
         )
     if others:
@@ -382,7 +390,7 @@ def search(
         raise ValueError("gpus_per_node and nodes must be positive")
     started = time.perf_counter()
     pinned = parse_fixed(fixed)
-    searched = with_context_pins(_pins_of_loop(pinned, loop))
+    searched = _pins_of_loop(pinned, loop)
     world = gpus_per_node * nodes
     global_batch = global_batch_size or DEFAULT_BATCH_PER_GPU * world
     if strategy == "elixir":
@@ -395,10 +403,13 @@ def search(
         layouts = [DATA_ONLY]
     else:
         layouts = layout_choices(profile, gpus_per_node, nodes, global_batch, searched)
-    models = {
-        layout: CostModel(profile, hardware, gpus_per_node, nodes, dtype=pinned.get("dtype"), layout=layout)
-        for layout in layouts
-    }
+    models = without_dominated_modes(
+        {
+            layout: CostModel(profile, hardware, gpus_per_node, nodes, dtype=pinned.get("dtype"), layout=layout)
+            for layout in layouts
+        }
+    )
+    share_chunk_caches(models)
     model = next(iter(models.values()))
     host_bytes = host_memory_bytes if host_memory_bytes is not None else hardware.host_memory_bytes
     usable = hardware.usable_memory_bytes
@@ -410,21 +421,8 @@ def search(
     context_note = ""
     if strategy == "joint":
         found = explore(list(models.values()), budget, searched, top_k)
-        fallback = [] if found.best else fallback_context_layouts(profile, gpus_per_node, nodes, global_batch, pinned)
-        if fallback:  # nothing fits without context parallelism: try it (search/context_layouts.py)
-            context_models = {
-                layout: CostModel(profile, hardware, gpus_per_node, nodes, dtype=pinned.get("dtype"), layout=layout)
-                for layout in fallback
-            }
-            found_context = explore(
-                list(context_models.values()), budget, {**searched, "accumulation": "standard"}, top_k
-            )
-            if found_context.best:
-                found, models = found_context, context_models
-                context_note = (
-                    "; no layout without context parallelism fits, so the search tried context degrees "
-                    f"{', '.join(str(layout.context) for layout in fallback)} (each rank computes 1/C of every sequence)"
-                )
+        if any(layout.context == 1 for layout in models):  # searched first: absent only where nothing fit
+            context_note = context_note_of(found.best_by_layout)
         if not found.best:
             raise _infeasible(found.min_gpu_bytes, found.min_host_bytes, pools, pinned)
         candidates, num_scored, by_layout = found.best, found.num_scored, found.best_by_layout
