@@ -221,7 +221,9 @@ def _with_context_degrees(
     world = gpus_per_node * nodes
     with_experts = _with_expert_degrees(profile, layouts, world, fixed) if layouts or pinned == 1 else []
     expert_bases = [layout for layout in with_experts if layout.expert > 1]
-    variants = context_variants(profile, bases + expert_bases, gpus_per_node, nodes, global_batch_size, fixed)
+    # A pinned expert degree keeps its layouts only: context variants of them alone.
+    candidates = expert_bases if fixed.get("expert", 1) > 1 else bases + expert_bases
+    variants = context_variants(profile, candidates, gpus_per_node, nodes, global_batch_size, fixed)
     if pinned > 1:
         if not variants:
             raise ValueError(
