@@ -96,8 +96,9 @@ class CostModel(ComputeTimes):
         self.stage = critical_stage(profile, layout) if stage is None else stage
         self.dtype = dtype or profile.dtype
         # Under context parallelism the rank computes 1/C of every sample (costmodel/context.py).
+        # (Its activation lines stay at the profile's dtype: ``memory.activation_bytes`` rescales them.)
         self.profile = context_share(
-            rank_profile(profile, layout, self.stage), layout.context, layout.context_mode, self.dtype, layout.tensor
+            rank_profile(profile, layout, self.stage), layout.context, layout.context_mode, tensor=layout.tensor
         )
         self.context_widths = ContextWidths.of(profile, layout.context, layout.context_mode, self.dtype, layout.tensor)
         self._context_s: dict[tuple[int, int], tuple[float, float]] = {}
