@@ -130,6 +130,7 @@ def plan_for(profile, hardware, accum: int, mode: str, chunk_size: int, micro: i
         f"accumulation={mode}",
         "pipeline=1",
         "tensor=1",
+        "context=1",
     ]
     result = search(
         profile, hardware, WORLD, global_batch_size=micro * accum * WORLD, fixed=pins, loop="forward_backward"
@@ -262,7 +263,7 @@ def gpu_part() -> list[dict]:
     rows = []
     for name in GPU_MODELS:
         profile = profile_model(str(paths.MODEL_CONFIGS_DIR / f"{name}.yaml"), batch_size=8, seq_len=1024, dtype="bf16")
-        data_only = ["pipeline=1", "tensor=1"]
+        data_only = ["pipeline=1", "tensor=1", "context=1"]
         runs = {
             "standard": dict(fixed=["accumulation=standard", *data_only]),
             "layered": dict(fixed=["accumulation=layered", *data_only]),

@@ -49,6 +49,7 @@ def predict(profile, hardware, micro: int, checkpointing: str) -> dict:
                 "checkpointing": checkpointing,
                 "tensor": 1,
                 "pipeline": 1,
+                "context": 1,
             },
             loop="forward_backward",
         )

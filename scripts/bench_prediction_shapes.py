@@ -33,7 +33,7 @@ def layout_shapes(profile, hardware):
 
     shapes = []
     for name, pins in (
-        ("data-only", {"pipeline": 1, "tensor": 1}),
+        ("data-only", {"pipeline": 1, "tensor": 1, "context": 1}),
         ("pipeline-2", {"pipeline": 2}),
         ("tensor-2", {"tensor": 2}),
     ):
@@ -53,7 +53,7 @@ def make_shapes(profile, hardware, say):
     from elixir_tune.search import search
 
     # The chunk engine's data-parallel path: no pipeline or tensor layout.
-    data_only = {"pipeline": 1, "tensor": 1}
+    data_only = {"pipeline": 1, "tensor": 1, "context": 1}
     best = search(profile, hardware, WORLD, global_batch_size=GLOBAL_BATCH, fixed=data_only, loop="forward_backward")
     b = shape_of(best.plan)
     base = {

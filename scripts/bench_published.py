@@ -214,6 +214,7 @@ def pinned_choices(setup: Setup) -> dict:
         "checkpointing": setup.checkpointing,
         "pipeline": setup.pipeline,
         "tensor": setup.tensor,
+        "context": 1,  # none of the published runs split its sequences
         # A pipeline plan's accumulation is layered (its schedule, not the accumulation, orders the micro-batches).
         "accumulation": "standard" if setup.pipeline == 1 else "layered",
     }

@@ -42,7 +42,7 @@ BATCHES_PER_GPU = (2, 8)
 SEQ_LEN = 4096
 VARIANTS: tuple[tuple[str, list[str]], ...] = (
     ("free", []),
-    ("dp only", ["pipeline=1", "tensor=1", "expert=1"]),
+    ("dp only", ["pipeline=1", "tensor=1", "expert=1", "context=1"]),
     ("tp 2", ["tensor=2", "pipeline=1"]),
     ("tp 4", ["tensor=4", "pipeline=1"]),
     ("tp 8", ["tensor=8", "pipeline=1"]),

@@ -14,6 +14,9 @@ def layout_label(row: dict) -> str:
         parts.append(f"tp{row['tensor']}" + ("/2d" if row.get("tensor_mode") == "2d" else ""))
     if row.get("expert", 1) > 1:
         parts.append(f"ep{row['expert']}")
+    if row.get("context", 1) > 1:
+        mode = row.get("context_mode", "ulysses")
+        parts.append(f"cp{row['context']}" + ("" if mode == "ulysses" else f"/{mode}"))
     return " ".join(parts) or "dp"
 
 

@@ -139,7 +139,7 @@ def _load_inputs(profile_path: str, hardware_ref: str | None):
     metavar="KEY=VALUE",
     help="Pin a choice (repeatable): chunk_size=<elements>, cache_blocks=<n>|all, offload=<0..1>, "
     "prefetch=<n>, micro_batch_size=<n>, checkpointing=none|all|every:<k>, dtype=fp32|bf16|fp16, accumulation=standard|layered, "
-    "pipeline=<stages>, assignment=modular|contiguous, schedule=looped_bfs|1f1b, tensor=<degree>, tensor_mode=1d|2d, expert=<degree>, engine=elixir|fsdp2|deepspeed.",
+    "pipeline=<stages>, assignment=modular|contiguous, schedule=looped_bfs|1f1b, tensor=<degree>, tensor_mode=1d|2d, expert=<degree>, context=<degree>, context_mode=ulysses|allgather|ring, engine=elixir|fsdp2|deepspeed.",
 )
 @click.option(
     "--loop",

@@ -62,7 +62,7 @@ def plan_states(plan: Plan) -> dict[str, int]:
     )
 
 
-def parallel_summary(plan: Plan, expert_bytes: int | None = None) -> dict:
+def parallel_summary(plan: Plan, expert_bytes: int | None = None, context_bytes: tuple[int, int] | None = None) -> dict:
     """The parallel layout of a plan and why it costs what it does: degrees, the pipeline's virtual
     stages and bubble fraction (``costmodel.parallel.bubble_fraction``), chunks per stage, the expert
     groups, and the predicted seconds of tensor collectives, expert all-to-alls, bubble and sends
@@ -94,6 +94,8 @@ def parallel_summary(plan: Plan, expert_bytes: int | None = None) -> dict:
     context = plan.parallel.context
     if context.degree > 1:  # C ranks T apart (rank = ((data_index x P + stage) x C + context_index) x T + tensor_index)
         out.update(context=context.degree, context_mode=context.mode)
+        if context_bytes is not None:
+            out.update(context_buffer_bytes=context_bytes[0], context_held_bytes_per_block=context_bytes[1])
         step = tensor.degree
         groups = out.get("groups", {})  # beside tensor parallelism: its tensor and data x context groups
         groups["context"] = [
@@ -107,16 +109,24 @@ def parallel_summary(plan: Plan, expert_bytes: int | None = None) -> dict:
         out.update(expert=expert, num_experts=plan.model.num_experts, expert_bytes_per_micro_batch=expert_bytes)
         out["groups"]["expert"] = [g[i : i + expert] for g in data_groups for i in range(0, len(g), expert)]
         out["groups"]["expert-data"] = [g[i::expert] for g in data_groups for i in range(expert)]
-    for key in ("tensor_comm_s", "expert_comm_s", "context_comm_s", "pipeline_bubble_s", "p2p_s", "tied_allreduce_s"):
+    for key in (
+        "tensor_comm_s",
+        "expert_comm_s",
+        "context_comm_s",
+        "context_attention_s",
+        "pipeline_bubble_s",
+        "p2p_s",
+        "tied_allreduce_s",
+    ):
         if key in breakdown:
             out[key] = breakdown[key]
     return out
 
 
-def parallel_line(plan: Plan, expert_bytes: int | None = None) -> str:
-    """One sentence on the plan's parallel layout and what it costs ("" without pipeline, tensor or
-    expert parallelism)."""
-    info = parallel_summary(plan, expert_bytes)
+def parallel_line(plan: Plan, expert_bytes: int | None = None, context_bytes: tuple[int, int] | None = None) -> str:
+    """One sentence on the plan's parallel layout and what it costs ("" without pipeline, tensor,
+    expert or context parallelism)."""
+    info = parallel_summary(plan, expert_bytes, context_bytes)
     if info["pipeline"] == 1 and info["tensor"] == 1 and "expert" not in info and "context" not in info:
         return ""
     step = plan.prediction.step_time_s if plan.prediction else 0.0
@@ -145,13 +155,8 @@ def parallel_line(plan: Plan, expert_bytes: int | None = None) -> str:
             f"tensor: degree {info['tensor']}, {mode}: collectives on the compute stream{share('tensor_comm_s')}"
         )
     if "context" in info:
-        how = {"ulysses": "all-to-all over heads", "allgather": "keys and values all-gathered"}
         parts[0] += f" x context {info['context']}"
-        parts.append(
-            f"context: degree {info['context']}, each rank computes 1/{info['context']} of every sequence "
-            f"({how.get(info['context_mode'], info['context_mode'])}; chunks sharded over data x context)"
-            f"{share('context_comm_s')}"
-        )
+        parts.append(_context_clause(info, plan, share))
     if "expert" in info:
         sent = info["expert_bytes_per_micro_batch"]
         parts.append(
@@ -161,6 +166,29 @@ def parallel_line(plan: Plan, expert_bytes: int | None = None) -> str:
             f"{share('expert_comm_s')}"
         )
     return "; ".join(parts)
+
+
+def _context_clause(info: dict, plan: Plan, share) -> str:
+    """``parallel_line``'s sentence on context parallelism: why (a rank holds 1/C of every sequence's
+    activations and logits), the exchange's time and, with the profile at hand, its memory."""
+    from elixir_tune.search.explain import CONTEXT_WORDS
+
+    degree, t = info["context"], plan.training
+    clause = (
+        f"context: degree {degree} ({CONTEXT_WORDS.get(info['context_mode'], info['context_mode'])}), each rank "
+        f"computes 1/{degree} of every sequence ({t.seq_len // degree} of its {t.seq_len} tokens) and keeps 1/{degree} "
+        "of its activations and logits, which is why long sequences fit with less recomputation; chunks sharded "
+        f"over data x context; the exchange inside attention takes {info.get('context_comm_s', 0.0):.3g} s"
+        f"{share('context_comm_s')}"
+    )
+    if "context_attention_s" in info:
+        clause += f", the masked half of the all-gather form's attention {info['context_attention_s']:.3g} s"
+        clause += share("context_attention_s")
+    if "context_buffer_bytes" in info:
+        clause += f"; its buffers {human_bytes(info['context_buffer_bytes'])} at one block per micro-batch"
+        if info["context_held_bytes_per_block"]:
+            clause += f", the gathered keys, values and mask {human_bytes(info['context_held_bytes_per_block'])} kept by each block"
+    return clause
 
 
 SHOWN_GROUPS = 4  # groups of each kind listed by `show` (the JSON lists all)
@@ -238,6 +266,24 @@ def _expert_bytes(plan: Plan, given: str | None) -> int | None:
         arch.experts_per_token,
         moe_block_count(profile, expert_param_indices(profile)),
         DTYPE_BYTES[training.dtype],
+    )
+
+
+def _context_bytes(plan: Plan, given: str | None) -> tuple[int, int] | None:
+    """(exchange buffers at one block, bytes each block keeps) of one micro-batch under the plan's
+    context parallelism (``costmodel/context.py``), from its profile when it is there; None otherwise."""
+    named = given or (plan.search.profile if plan.search is not None else "")
+    context = plan.parallel.context
+    if context.degree <= 1 or not named or not Path(named).is_file():
+        return None
+    from elixir_tune.costmodel.context import ContextWidths, exchange_bytes_per_sample, held_bytes_per_sample
+    from elixir_tune.profiler import load_profile
+
+    t = plan.training
+    widths = ContextWidths.of(load_profile(named), context.degree, context.mode, t.dtype, plan.parallel.tensor.degree)
+    return (
+        t.micro_batch_size * exchange_bytes_per_sample(widths),
+        t.micro_batch_size * held_bytes_per_sample(widths),
     )
 
 
@@ -365,7 +411,7 @@ def show_command(
     loop = plan_loop(plan)
     also = "; model.forward_backward(micro_batches) runs it too" if loop == "plain" else ""
     console.print(f"[bold]training script:[/] runs {LOOP_CONTRACT[loop]} (training.loop: {loop}){also}", soft_wrap=True)
-    layout_line = parallel_line(plan, _expert_bytes(plan, profile_path))
+    layout_line = parallel_line(plan, _expert_bytes(plan, profile_path), _context_bytes(plan, profile_path))
     if layout_line:
         console.print(f"[bold]parallel:[/] {layout_line}", soft_wrap=True)
         order = "rank = (data_index x P + stage) x T + tensor_index"

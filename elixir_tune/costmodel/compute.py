@@ -7,8 +7,12 @@ that ``CostModel.__init__`` prepares once per (profile, cluster, dtype, layout).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from elixir_tune.costmodel.context import ContextWidths, ExchangeRates, context_exchange
 from elixir_tune.costmodel.expert import RankExperts
 from elixir_tune.costmodel.gemm_waves import micro_batch_rate_factor
+from elixir_tune.costmodel.links import context_link_bytes_per_s
 from elixir_tune.costmodel.memory import checkpointed_blocks, selective_line
 from elixir_tune.costmodel.parallel_time import ParallelTimes
 from elixir_tune.hardware.spec import HardwareSpec
@@ -29,6 +33,10 @@ class ComputeTimes:
     dropout_attention_s_per_sample: float  # a CPU's math-path attention with dropout, one sample
     pointwise_share: float
     _rates: dict[int, float]
+    full_profile: ModelProfile
+    gpus_per_node: int
+    context_widths: ContextWidths
+    _context_s: dict[tuple[int, int], tuple[float, float]]
     # (micro-batch size, checkpointing) -> compute_s, tensor_comm_s, expert_comm_s: read for every candidate
     _per_micro_batch: dict[tuple[int, int, bool], tuple[tuple[float, float], float, float]]
 
@@ -208,3 +216,42 @@ class ComputeTimes:
         moe_blocks = self.experts.moe_blocks
         recomputed = sum(1 for b in moe_blocks if every > 0 and b % every == 0)
         return self.parallel_costs.expert_comm_s(micro_batch_size, len(moe_blocks), recomputed)
+
+    def context_comm_s(self, micro_batch_size: int, every: int) -> float:
+        """Seconds of one micro-batch's context exchange on this rank, what compute does not hide
+        (0 at C = 1)."""
+        return self.context_s(micro_batch_size, every)[0]
+
+    def context_s(self, micro_batch_size: int, every: int) -> tuple[float, float]:
+        """(exchange, extra attention) seconds of one micro-batch on this rank (``costmodel/context.py``;
+        recomputed blocks' forwards included; cached), (0, 0) at C = 1."""
+        layout = self.parallel_costs.layout
+        if layout.context <= 1:
+            return 0.0, 0.0
+        key = (micro_batch_size, every)
+        if key not in self._context_s:
+            blocks = self.profile.blocks if self.full_profile.arch.num_heads else []
+            recomputed = sum(1 for b in blocks if every > 0 and b.index % every == 0)
+            rates = ExchangeRates(
+                context_link_bytes_per_s(
+                    self.hardware, self.gpus_per_node, layout.context, layout.tensor, layout.context_mode
+                ),
+                self.hardware.collective_latency_s,
+                self.hardware.hbm_gbps * 1e9,
+                overlaps=self.hardware.device != "cpu",
+            )
+            exchange = context_exchange(
+                self.context_widths, micro_batch_size, self.attention_forward_s(micro_batch_size), rates
+            )
+            whole = exchange.step_s(len(blocks), recomputed)
+            extra = replace(exchange, forward_s=0.0, backward_s=0.0).step_s(len(blocks), recomputed)
+            self._context_s[key] = (whole - extra, extra)
+        return self._context_s[key]
+
+    def attention_forward_s(self, micro_batch_size: int) -> float:
+        """The rank's attention products of one block's forward for one micro-batch: 4 x S^2 x h FLOPs
+        per sample (the non-causal count the attention rate is fitted to, ``rates.attention_flops_share``)
+        over C and T, at the attention rate (the block rate where the hardware has none)."""
+        widths = self.context_widths
+        flops = micro_batch_size * 4 * widths.seq_len**2 * widths.q_width / max(widths.degree, 1)
+        return flops / (self.attention_flops_per_s or self.flops_per_s_at(micro_batch_size))

@@ -36,3 +36,36 @@ def inter_node_bytes_per_s(hardware: HardwareSpec, gpus_per_node: int, group_ran
     """
     ranks = max(1, gpus_per_node)
     return hardware.inter_node_gbps * 1e9 * min(max(1, group_ranks_per_node), ranks) / ranks
+
+
+def context_link_bytes_per_s(hardware: HardwareSpec, gpus_per_node: int, degree: int, tensor: int, mode: str) -> float:
+    """Bytes/s per rank of a context group's exchange (``costmodel/context.py``, Links).
+
+    The group is C ranks T apart, so it holds k = G / T of a node's ranks when C x T > G. On one node
+    every mode moves at ``allgather_gbps``. Across nodes: an all-gather is a collective with k ranks
+    per node (``inter_node_bytes_per_s``); a ring advances at its slowest hop, a send between nodes
+    over one card; an all-to-all sends (C - k) / C of its bytes off the node through the rank's own
+    card (all-to-all cannot aggregate a node's cards: NVIDIA/nccl-tests#267) and (k - 1) / C on the
+    node at the same time, the slower of the two setting the pace.
+
+    Args:
+        hardware: the node spec.
+        gpus_per_node: G.
+        degree: context degree C.
+        tensor: tensor degree T (the group's ranks are T apart).
+        mode: ``ulysses``, ``allgather`` or ``ring``.
+
+    Returns:
+        The rate at which the (C - 1) / C of a rank's bytes that leave it move.
+    """
+    intra = hardware.allgather_gbps * 1e9
+    on_node = max(1, gpus_per_node // max(1, tensor))
+    if degree <= on_node:
+        return intra
+    if mode == "allgather":
+        return inter_node_bytes_per_s(hardware, gpus_per_node, on_node)
+    one_card = inter_node_bytes_per_s(hardware, gpus_per_node, 1)
+    if mode == "ring":
+        return one_card
+    slowest_s = max((on_node - 1) / intra, (degree - on_node) / one_card)
+    return (degree - 1) / slowest_s

@@ -8,10 +8,11 @@ checkpointing, cache blocks) and the transfer costs per chunk size.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from elixir_tune.costmodel.cache import CacheSim, simulate_cache
 from elixir_tune.costmodel.compute import ComputeTimes
-from elixir_tune.costmodel.context import context_share, ulysses_all_to_all_s
+from elixir_tune.costmodel.context import ContextWidths, context_share
 from elixir_tune.costmodel.expert import RankExperts
 from elixir_tune.costmodel.layout import ChunkLayout, largest_trainable_numel, max_module_chunks, pack_chunks
 from elixir_tune.costmodel.links import data_ranks_per_node
@@ -41,7 +42,6 @@ from elixir_tune.costmodel.timeline import (
 )
 from elixir_tune.costmodel.trace import ChunkTrace, checkpointed_trace, chunk_trace
 from elixir_tune.hardware.spec import HardwareSpec
-from elixir_tune.plan.schema import DTYPE_BYTES
 from elixir_tune.profiler.schema import ModelProfile
 
 
@@ -94,11 +94,16 @@ class CostModel(ComputeTimes):
         self.world_size = gpus_per_node * nodes
         self.data_size = layout.data_degree(self.world_size)
         self.stage = critical_stage(profile, layout) if stage is None else stage
+        self.dtype = dtype or profile.dtype
         # Under context parallelism the rank computes 1/C of every sample (costmodel/context.py).
-        self.profile = context_share(rank_profile(profile, layout, self.stage), layout.context)
+        # (Its activation lines stay at the profile's dtype: ``memory.activation_bytes`` rescales them.)
+        self.profile = context_share(
+            rank_profile(profile, layout, self.stage), layout.context, layout.context_mode, tensor=layout.tensor
+        )
+        self.context_widths = ContextWidths.of(profile, layout.context, layout.context_mode, self.dtype, layout.tensor)
+        self._context_s: dict[tuple[int, int], tuple[float, float]] = {}
         # Read by every memory estimate: the largest gradient in flight (a 1d embedding's arrives whole).
         self.largest_numel = max(largest_trainable_numel(self.profile), getattr(self.profile, "whole_grad_numel", 0))
-        self.dtype = dtype or profile.dtype
         # The model-level rate (block curve or model_tflops), not the bare matmul rate: a whole
         # model's forward+backward runs well below its GEMMs (llm-foundry: A100 MFU 44-56%, H100
         # ~565 TFLOP/s HFU against ~800 TFLOP/s GEMMs; REFERENCE.md 'Published figures').
@@ -151,6 +156,24 @@ class CostModel(ComputeTimes):
         self._issues: dict[tuple[int, int, int, int, int, bool], tuple[list[int], list[list[tuple[int, int]]]]] = {}
 
     # -- shared pieces ---------------------------------------------------------------------------
+
+    def share_chunk_caches(self, other: CostModel) -> None:
+        """Reads and fills ``other``'s caches of chunk layouts, traces, cache simulations, transfer
+        costs, offload orders and fetch issues from now on: valid where the two differ only in their
+        context degree or mode (the same rank parameters, module trace and block structure, every
+        per-sample figure divided alike, the same data degree and links), so the search packs and
+        simulates each chunk size once for a layout and its context variants.
+
+        Raises:
+            ValueError: the two models' ranks hold different parameters or shard over other groups.
+        """
+        mine, theirs = self.parallel_layout, other.parallel_layout
+        same = replace(mine, context=1, context_mode="ulysses") == replace(theirs, context=1, context_mode="ulysses")
+        if not same or self.data_size != other.data_size or self.dtype != other.dtype:
+            raise ValueError(f"layouts {mine.describe()} and {theirs.describe()} do not share chunk caches")
+        self._module_chunks, self._layouts, self._traces = other._module_chunks, other._layouts, other._traces
+        self._module_traces, self._sims, self._costs = other._module_traces, other._sims, other._costs
+        self._orders, self._issues = other._orders, other._issues
 
     def layout(self, chunk_size: int) -> ChunkLayout:
         """The chunk layout of one chunk size (cached)."""
@@ -397,10 +420,12 @@ class CostModel(ComputeTimes):
         if expert_s > 0:  # synchronous on the compute stream: part of the compute above
             breakdown["compute_s"] -= expert_s
             breakdown["expert_comm_s"] = expert_s
-        context_s = accum * self.context_comm_s(shape.micro_batch_size, shape.every)
-        if context_s > 0:  # inside attention, on the compute stream: added to the step
-            step_time += context_s
+        context_s, context_attention_s = (accum * part for part in self.context_s(shape.micro_batch_size, shape.every))
+        if context_s + context_attention_s > 0:  # inside attention, on the compute stream: added to the step
+            step_time += context_s + context_attention_s
             breakdown["context_comm_s"] = context_s
+            if context_attention_s > 0:
+                breakdown["context_attention_s"] = context_attention_s
         if shape.layered and accum > 1 and on_cpu and self.parallel_layout.pipeline == 1:
             # Each micro-batch's thread hands the baton on at every hooked module call of its forward
             # (engine/layered.py); on a CPU device the hand-overs hold up the compute itself. A
@@ -417,26 +442,6 @@ class CostModel(ComputeTimes):
         if record is not None:
             record += step_blocks(parts, records, costs, gpu_adam, cpu_adam, on_cpu)
         return StepEstimate(step_time_s=step_time, breakdown=breakdown)
-
-    def context_comm_s(self, micro_batch_size: int, every: int) -> float:
-        """Seconds of one micro-batch's context-parallel all-to-alls on this rank (0 at C = 1)."""
-        degree = self.parallel_layout.context
-        if degree <= 1:
-            return 0.0
-        arch = self.full_profile.arch
-        blocks = self.profile.blocks
-        on_node = degree <= self.gpus_per_node
-        return ulysses_all_to_all_s(
-            degree,
-            micro_batch_size * self.profile.seq_len,
-            arch.hidden_size,
-            (arch.num_kv_heads or arch.num_heads) / max(arch.num_heads, 1),
-            DTYPE_BYTES[self.dtype],
-            len(blocks),
-            sum(1 for b in blocks if every > 0 and b.index % every == 0),
-            link_bytes_per_s=self.parallel_costs.intra_bps if on_node else self.hardware.inter_node_gbps * 1e9,
-            latency_s=self.hardware.collective_latency_s,
-        )
 
     def _issue_steps(
         self, shape: Shape, traced: int, steady: bool, fetches: list[tuple[int, int, int]], num_steps: int

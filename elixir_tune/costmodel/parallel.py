@@ -42,7 +42,7 @@ import math
 from dataclasses import dataclass
 from typing import cast
 
-from elixir_tune.plan.schema import ParallelPlan, PipelineAssignment, PipelineSchedule, TensorMode
+from elixir_tune.plan.schema import ContextMode, ParallelPlan, PipelineAssignment, PipelineSchedule, TensorMode
 from elixir_tune.plan.tensor_layout import grid_problem, has_table, table_for
 from elixir_tune.profiler.schema import ModelProfile
 
@@ -78,6 +78,7 @@ class Layout:
             stage holds (``held_activation_copies``).
         context: context degree C (``costmodel/context.py``): each rank computes 1/C of every
             sample; the chunks stay sharded over data x context (``data_degree``).
+        context_mode: how a context group exchanges keys and values (``plan.schema.ContextMode``).
     """
 
     pipeline: int = 1
@@ -88,6 +89,7 @@ class Layout:
     expert: int = 1
     schedule: PipelineSchedule = "looped_bfs"
     context: int = 1
+    context_mode: ContextMode = "ulysses"
 
     @classmethod
     def of_plan(cls, parallel: ParallelPlan) -> Layout:
@@ -102,6 +104,7 @@ class Layout:
             parallel.expert.degree,
             pipeline.schedule,
             parallel.context.degree,
+            parallel.context.mode,
         )
 
     @property
@@ -128,7 +131,7 @@ class Layout:
         if self.expert > 1:
             parts.append(f"ep{self.expert}")
         if self.context > 1:
-            parts.append(f"cp{self.context}")
+            parts.append(f"cp{self.context}" + (f"({self.context_mode})" if self.context_mode != "ulysses" else ""))
         return " ".join(parts) or "dp only"
 
 

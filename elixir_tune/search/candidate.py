@@ -86,6 +86,8 @@ class Candidate:
             "tensor_mode": self.layout.tensor_mode,
             "expert": self.layout.expert,
             "schedule": self.layout.schedule,
+            "context": self.layout.context,
+            "context_mode": self.layout.context_mode,
             "step_time_s": round(self.step_time_s, 6),
             "tokens_per_s": round(self.tokens_per_s, 2),
             "tflops_per_gpu": round(self.tflops_per_gpu, 3),

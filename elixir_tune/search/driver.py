@@ -13,7 +13,7 @@ from elixir_tune.plan.capabilities import LOOP_CONTRACT, LOOPS, needs_forward_ba
 from elixir_tune.plan.schema import Plan
 from elixir_tune.profiler.schema import ModelProfile
 from elixir_tune.search.candidate import Candidate, score
-from elixir_tune.search.context_layouts import fallback_context_layouts, with_context_pins
+from elixir_tune.search.context_layouts import context_note_of, share_chunk_caches, without_dominated_modes
 from elixir_tune.search.elixir_rule import fitted_elixir_shape
 from elixir_tune.search.explain import explain_winner
 from elixir_tune.search.joint import Budget, explore
@@ -255,7 +255,7 @@ def search(
     check_peer_pins(engines, pinned)
     if strategy == "elixir" and engines != ["elixir"]:
         raise ValueError("--strategy elixir scores our engine's plans only; drop --engine / --fix engine")
-    searched = with_context_pins(_pins_of_loop(pinned, loop))
+    searched = _pins_of_loop(pinned, loop)
     world = gpus_per_node * nodes
     global_batch = global_batch_size or DEFAULT_BATCH_PER_GPU * world
     if "elixir" not in engines:
@@ -272,10 +272,13 @@ def search(
         layouts = [DATA_ONLY]
     else:
         layouts = layout_choices(profile, gpus_per_node, nodes, global_batch, searched)
-    models = {
-        layout: CostModel(profile, hardware, gpus_per_node, nodes, dtype=pinned.get("dtype"), layout=layout)
-        for layout in layouts
-    }
+    models = without_dominated_modes(
+        {
+            layout: CostModel(profile, hardware, gpus_per_node, nodes, dtype=pinned.get("dtype"), layout=layout)
+            for layout in layouts
+        }
+    )
+    share_chunk_caches(models)
     model = next(iter(models.values()))
     host_bytes = host_memory_bytes if host_memory_bytes is not None else hardware.host_memory_bytes
     usable = hardware.usable_memory_bytes
@@ -298,21 +301,8 @@ def search(
         pass
     elif strategy == "joint":
         found = explore(list(models.values()), budget, searched, top_k)
-        fallback = [] if found.best else fallback_context_layouts(profile, gpus_per_node, nodes, global_batch, pinned)
-        if fallback:  # nothing fits without context parallelism: try it (search/context_layouts.py)
-            context_models = {
-                layout: CostModel(profile, hardware, gpus_per_node, nodes, dtype=pinned.get("dtype"), layout=layout)
-                for layout in fallback
-            }
-            found_context = explore(
-                list(context_models.values()), budget, {**searched, "accumulation": "standard"}, top_k
-            )
-            if found_context.best:
-                found, models = found_context, context_models
-                context_note = (
-                    "; no layout without context parallelism fits, so the search tried context degrees "
-                    f"{', '.join(str(layout.context) for layout in fallback)} (each rank computes 1/C of every sequence)"
-                )
+        if any(layout.context == 1 for layout in models):  # searched first: absent only where nothing fit
+            context_note = context_note_of(found.best_by_layout)
         if not found.best and not (peers and peers.candidates):
             raise _infeasible(found.min_gpu_bytes, found.min_host_bytes, pools, pinned)
         candidates, num_scored, by_layout = found.best, found.num_scored, found.best_by_layout

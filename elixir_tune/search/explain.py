@@ -6,6 +6,12 @@ from elixir_tune.costmodel.parallel import DATA_ONLY, Layout
 from elixir_tune.search.candidate import Candidate
 
 # How the why-line names each pipeline schedule (plan.schema.PipelineSchedule).
+# How the why-line names each context mode (plan.schema.ContextMode).
+CONTEXT_WORDS = {
+    "ulysses": "Ulysses, all-to-all over heads",
+    "allgather": "keys and values all-gathered",
+    "ring": "ring attention",
+}
 SCHEDULE_WORDS = {
     "looped_bfs": "looped breadth-first",
     "1f1b": "1F1B",
@@ -47,9 +53,11 @@ def explain_layout(best: Candidate, by_layout: dict[Layout, Candidate] | None = 
             f"{b.get('expert_comm_s', 0.0) / step:.1%} of the step"
         )
     if layout.context > 1:
+        extra = b.get("context_attention_s", 0.0)
         parts.append(
-            f"context {layout.context} (1/{layout.context} of every sequence per rank): its all-to-alls are "
-            f"{b.get('context_comm_s', 0.0) / step:.1%} of the step"
+            f"context {layout.context} ({CONTEXT_WORDS[layout.context_mode]}; 1/{layout.context} of every sequence "
+            f"per rank, so its activations): its exchange is {b.get('context_comm_s', 0.0) / step:.1%} of the step"
+            + (f", the masked half of its attention {extra / step:.1%}" if extra else "")
         )
     others = sorted((c.step_time_s, key.describe()) for key, c in by_layout.items() if key != layout)
     if not parts and layouts_tried <= 1:
@@ -58,7 +66,7 @@ def explain_layout(best: Candidate, by_layout: dict[Layout, Candidate] | None = 
     unscored = layouts_tried - 1 - len(others)
     if unscored > 0:
         line += (
-            f"; {unscored} other pipeline/tensor/expert layout(s) had no candidate: their compute with tensor "
+            f"; {unscored} other pipeline/tensor/expert/context layout(s) had no candidate: their compute with tensor "
             "collectives, all-to-alls and bubble alone is slower, or they do not fit"
         )
     if others:

@@ -33,6 +33,7 @@ from elixir_tune.plan.capabilities import expert_parallel_conflicts, selective_c
 from elixir_tune.plan.memory import ALIGN_ELEMENTS, chunk_size_multiple
 from elixir_tune.plan.stages import schedule_problem
 from elixir_tune.search.candidate import Candidate, score
+from elixir_tune.search.context_layouts import layered_refused
 from elixir_tune.search.space import (
     ALL,
     CHECKPOINTING_CHOICES,
@@ -337,6 +338,7 @@ def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, f
     scorer = StageScorer(model)
     one_pool = hardware.device == "cpu"
     num_blocks = len(model.full_profile.blocks)
+    no_layered = layered_refused(model.full_profile, tensor)
     for chunk_size in chunk_sizes(model, fixed):
         layout = model.layout(chunk_size)
         num_chunks, cacheable = layout.num_chunks, layout.num_cacheable
@@ -363,13 +365,17 @@ def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, f
                     stages, tensor.tensor, "layered" if layered else "standard"
                 ):
                     continue  # the engine does not run this beside expert parallelism (plan/capabilities.py)
+                if layered and no_layered:
+                    continue  # nor beside context parallelism (plan/context.py)
                 accum = per_rank // micro_batch
-                # A lower bound of the step: the compute, stretched by the pipeline bubble.
-                compute_s = (
-                    accum
-                    * model.compute_s(micro_batch, every, selective)[0]
-                    * model.parallel_costs.pipeline_factor(accum)
+                # A lower bound of the step: the compute and the context exchange, stretched by the pipeline bubble.
+                on_stream_s = model.compute_s(micro_batch, every, selective)[0] + sum(
+                    model.context_s(micro_batch, every)
                 )
+                compute_s = accum * on_stream_s * model.parallel_costs.pipeline_factor(accum)
+                if compute_s >= top.threshold_s:
+                    # K candidates fit already (the memory figures below only serve the error when none does).
+                    continue
                 for cache_blocks in cache_choices(minimum, cacheable, fixed):
                     for prefetch in prefetch_choices(cache_blocks, minimum, cacheable, fixed):
                         shape = Shape(

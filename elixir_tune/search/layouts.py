@@ -23,12 +23,15 @@ Rules (docs/costmodel-and-search.md, decision map):
   that divides the data degree and the experts per block, on the layouts the engine runs it with
   (``capabilities.expert_parallel_conflicts``: data parallelism only in this version); the joint
   search then skips the shapes it does not run with (layered accumulation);
+* context degree C with each mode (``search/context_layouts.py``): beside every layout above, where
+  ``plan/context.py`` accepts it (the same rules as ``validate``; this version: data x context only)
+  and the data degree world / (P x T x C) divides the global batch;
 * only the layouts the engine can run for this model (``ModelProfile.layout_reasons``, from
   ``plan/capabilities.py``): a model without a stage plan gets no pipeline, one without a
   tensor table no tensor parallelism, and a pin of either is refused with the reason.
 
-``--fix pipeline=P``, ``--fix tensor=T``, ``--fix tensor_mode=1d|2d`` and ``--fix expert=E`` pin
-them (checked here).
+``--fix pipeline=P``, ``--fix tensor=T``, ``--fix tensor_mode=1d|2d``, ``--fix expert=E``,
+``--fix context=C`` and ``--fix context_mode=M`` pin them (checked here).
 Whether the training script's loop allows these layouts at all is the driver's question
 (``search(loop=...)``).
 """
@@ -46,7 +49,7 @@ from elixir_tune.plan.schema import PipelineAssignment, PipelineSchedule, Tensor
 from elixir_tune.plan.stages import schedule_problem
 from elixir_tune.plan.tensor_layout import grid_problem, local_shape, table_for
 from elixir_tune.profiler.schema import ModelProfile
-from elixir_tune.search.context_layouts import context_layouts
+from elixir_tune.search.context_layouts import context_pin_problem, context_variants
 
 
 def _splits(profile: ModelProfile, degree: int, mode: str) -> bool:
@@ -131,8 +134,6 @@ def layout_choices(
         ValueError: a pinned pipeline or tensor degree that cannot be used (says why).
     """
     world = gpus_per_node * nodes
-    if fixed.get("context", 1) > 1:  # context parallelism is offered only pinned, on its own (context_layouts.py)
-        return context_layouts(profile, world, global_batch_size, fixed)
     num_blocks = len(profile.blocks)
     cannot_pipeline = profile.layout_reasons().get("pipeline")
     if cannot_pipeline and fixed.get("pipeline", 1) > 1:
@@ -140,6 +141,7 @@ def layout_choices(
             f"--fix pipeline={fixed['pipeline']}: not possible for {profile.name}: {cannot_pipeline}; drop the pin"
         )
     layouts = []
+    bases = []  # every layout whatever its batch split: a context degree may make the split work
     for degree, mode in tensor_choices(profile, gpus_per_node, fixed):
         if world % degree:
             continue
@@ -147,14 +149,13 @@ def layout_choices(
         if "pipeline" in fixed:
             stage_choices = [fixed["pipeline"]] if fixed["pipeline"] in stage_choices else []
         for stages in stage_choices:
-            if global_batch_size % (world // (stages * degree)):
-                continue
             if profile.lora and frozen_layout_problem(stages, degree, mode):
                 continue  # a LoRA base in frozen chunks: not every layout runs it yet (plan/capabilities.py)
             for assignment, schedule in schedule_choices(num_blocks, stages, fixed):
-                layouts.append(
-                    Layout(stages, degree, cast_mode(mode), assignment, schedule=cast(PipelineSchedule, schedule))
-                )
+                base = Layout(stages, degree, cast_mode(mode), assignment, schedule=cast(PipelineSchedule, schedule))
+                bases.append(base)
+                if not global_batch_size % (world // (stages * degree)):
+                    layouts.append(base)
     stages = fixed.get("pipeline", 1)
     if stages > 1 and fixed.get("accumulation") == "standard":
         raise ValueError(
@@ -187,7 +188,7 @@ def layout_choices(
         raise ValueError(
             f"the pins --fix pipeline/tensor/tensor_mode: not possible for {profile.name}: {frozen_problem}"
         )
-    layouts = _with_expert_degrees(profile, layouts, world, fixed)
+    layouts = _with_context_degrees(profile, layouts, bases, gpus_per_node, nodes, global_batch_size, fixed)
     if not layouts and "pipeline" in fixed:
         raise ValueError(
             f"--fix pipeline={stages}: no tensor degree leaves a pipeline of {stages} that divides the world of "
@@ -199,6 +200,37 @@ def layout_choices(
             "(raise the global batch to a multiple of the data-parallel degree)"
         )
     return layouts
+
+
+def _with_context_degrees(
+    profile: ModelProfile,
+    layouts: list[Layout],
+    bases: list[Layout],
+    gpus_per_node: int,
+    nodes: int,
+    global_batch_size: int,
+    fixed: dict,
+) -> list[Layout]:
+    """``layouts`` with their expert degrees, and the context-parallel layouts beside them
+    (``search/context_layouts.py``); with ``--fix context=C`` > 1 only those with C.
+
+    Raises:
+        ValueError: a pinned expert degree no layout allows, or a pinned context degree none does (says why).
+    """
+    pinned = fixed.get("context", 1)
+    world = gpus_per_node * nodes
+    with_experts = _with_expert_degrees(profile, layouts, world, fixed) if layouts or pinned == 1 else []
+    expert_bases = [layout for layout in with_experts if layout.expert > 1]
+    # A pinned expert degree keeps its layouts only: context variants of them alone.
+    candidates = expert_bases if fixed.get("expert", 1) > 1 else bases + expert_bases
+    variants = context_variants(profile, candidates, gpus_per_node, nodes, global_batch_size, fixed)
+    if pinned > 1:
+        if not variants:
+            raise ValueError(
+                context_pin_problem(profile, bases[0] if bases else Layout(), world, global_batch_size, fixed)
+            )
+        return variants
+    return with_experts + variants
 
 
 def schedule_choices(num_blocks: int, stages: int, fixed: dict) -> list[tuple[PipelineAssignment, str]]:

@@ -189,7 +189,7 @@ def build_plan(
                 degree=layout.tensor, mode=layout.tensor_mode, sequence_parallel=layout.sequence_parallel
             ),
             expert=ExpertParallel(degree=layout.expert),
-            context=ContextParallel(degree=layout.context),
+            context=ContextParallel(degree=layout.context, mode=layout.context_mode),
         ),
         training=TrainingInfo(
             dtype=cast(Dtype, model.dtype),  # the profile's dtype or a --fix dtype checked by parse_fixed

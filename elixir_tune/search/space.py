@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, get_args
 
 from elixir_tune.plan.engine_choice import ENGINE_NAMES
 from elixir_tune.plan.memory import ALIGN_ELEMENTS
-from elixir_tune.plan.schema import ACCUMULATIONS, CHECKPOINT_MODES, DTYPES, PIPELINE_ASSIGNMENTS, TENSOR_MODES
+from elixir_tune.plan.schema import (
+    ACCUMULATIONS,
+    CHECKPOINT_MODES,
+    DTYPES,
+    PIPELINE_ASSIGNMENTS,
+    TENSOR_MODES,
+    ContextMode,
+)
 
 FIX_KEYS = {
     "chunk_size": "elements per chunk (a multiple of the world size, at least the largest parameter)",
@@ -25,10 +32,12 @@ FIX_KEYS = {
     "tensor": "tensor-parallel degree T, an integer dividing the GPUs of a node and the heads (1: none)",
     "tensor_mode": "1d (Megatron) or 2d (Optimus, square T >= 4)",
     "expert": "expert degree E, an integer dividing the data-parallel size and the experts per block (1: none)",
-    "context": "context degree C (Ulysses): each rank computes 1/C of every sequence; C divides the heads (1: none)",
+    "context": "context degree C: each rank computes 1/C of every sequence (1: none)",
+    "context_mode": "how a context group exchanges keys and values: ulysses (C divides the heads), allgather or ring",
     "engine": "who runs the plan: elixir (our chunk engine), fsdp2 or deepspeed (data parallelism only)",
 }
 ALL = "all"
+CONTEXT_MODES: tuple[str, ...] = get_args(ContextMode)
 # Pipeline schedules the search offers (``search/layouts.py``): the cost model prices what each
 # stage holds under them (``costmodel/parallel.py`` ``held_activation_copies``).
 SEARCH_SCHEDULES = ("looped_bfs", "1f1b")
@@ -136,6 +145,10 @@ def parse_fixed(fixed: dict[str, Any] | list[str] | None) -> dict[str, Any]:
             if str(value) not in ENGINE_NAMES:
                 raise ValueError(f"--fix engine={value}: expected one of {', '.join(ENGINE_NAMES)}")
             out[key] = str(value)
+        elif key == "context_mode":
+            if str(value).lower() not in CONTEXT_MODES:
+                raise ValueError(f"--fix context_mode={value}: expected one of {', '.join(CONTEXT_MODES)}")
+            out[key] = str(value).lower()
         elif key == "tensor_mode":
             if str(value).lower() not in TENSOR_MODES:
                 raise ValueError(f"--fix tensor_mode={value}: expected one of {', '.join(TENSOR_MODES)}")

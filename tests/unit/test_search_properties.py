@@ -116,9 +116,11 @@ def test_every_plan_validates_fits_and_is_the_search_best(preset, world, model_n
     # one), so the comparison runs where the search chose among layouts, the data-parallel pins included.
     compared = result.models if len(result.models) > 1 else []
     for layout in compared:
-        pins = [f"pipeline={layout.pipeline}", f"tensor={layout.tensor}"]
+        pins = [f"pipeline={layout.pipeline}", f"tensor={layout.tensor}", f"context={layout.context}"]
         if layout.tensor > 1:
             pins.append(f"tensor_mode={layout.tensor_mode}")
+        if layout.context > 1:
+            pins.append(f"context_mode={layout.context_mode}")
         try:
             pinned = run_search(profile, hardware, nodes, gpus, loop, fixed=pins)
         except (InfeasibleError, ValueError):
@@ -128,11 +130,11 @@ def test_every_plan_validates_fits_and_is_the_search_best(preset, world, model_n
 
 
 def test_one_layout_pinned_is_the_same_search():
-    """With one layout to search (the plain loop), pinning it gives the free search's ranking: why the
-    grid above compares with pinned searches only where the search had several layouts."""
+    """With one layout to search (the plain loop on one GPU), pinning it gives the free search's ranking:
+    why the grid above compares with pinned searches only where the search had several layouts."""
     hardware, profile = load_hardware("a100-40gb-pcie"), profile_of("gpt2-tiny")
-    free = run_search(profile, hardware, 1, 2, "plain")
+    free = run_search(profile, hardware, 1, 1, "plain")
     (layout,) = free.models
-    pinned = run_search(profile, hardware, 1, 2, "plain", fixed=[f"pipeline={layout.pipeline}", "tensor=1"])
+    pinned = run_search(profile, hardware, 1, 1, "plain", fixed=[f"pipeline={layout.pipeline}", "tensor=1"])
     assert [c.step_time_s for c in pinned.candidates] == [c.step_time_s for c in free.candidates]
     assert pinned.plan.prediction.step_time_s == free.plan.prediction.step_time_s
