@@ -186,7 +186,7 @@ def cuda_available() -> bool:
 
 def cuda_device_count() -> int:
     """GPUs this process sees (0 without CUDA)."""
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return torch.cuda.device_count()
 
 
 def cuda_properties(index: int) -> Any:

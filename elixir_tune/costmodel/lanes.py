@@ -10,12 +10,20 @@ costs more; the first of equals is kept, as ``max()`` keeps it).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from elixir_tune.costmodel.timeline import TransferCosts
+from collections.abc import Mapping
+from typing import Protocol
 
 Record = list[tuple[str, float, float, int]]
+
+
+class TransferCosts(Protocol):
+    """What the lanes read of ``timeline.TransferCosts`` (not imported: timeline imports this module)."""
+
+    allgather_s: float
+    reduce_scatter_s: float
+    h2d_s: float
+    d2h_s: float
+    host_add_s: float
 
 
 class Lanes:
@@ -61,7 +69,7 @@ class Lanes:
         offloaded: list[bool],
         shared_compute: bool,
         shared_link: bool,
-        chunk_costs: dict[int, TransferCosts] | None,
+        chunk_costs: Mapping[int, TransferCosts] | None,
         record: Record | None,
     ):
         self.costs = costs
