@@ -39,6 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from report_meta import generated, with_header, write_pair
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
@@ -371,11 +373,13 @@ def main() -> int:
             )
     record["gpu"] = gpu_part()
     record["load_after"] = round(os.getloadavg()[0], 2)
+    record["generated"] = generated(
+        record["load_before"], " ".join(["python scripts/bench_accumulation.py"] + sys.argv[1:])
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
-    text = markdown(record)
-    out.with_suffix(".md").write_text(text)
+    text = with_header(markdown(record), record["generated"])
+    write_pair(out, record, text)
     print(text)
     return 0
 

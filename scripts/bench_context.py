@@ -30,6 +30,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from report_meta import generated
+
 from elixir_tune import paths
 from elixir_tune.costmodel.model import CostModel
 from elixir_tune.costmodel.parallel import Layout
@@ -312,6 +314,7 @@ def main() -> None:
         "cases": cases(),
     }
     report.update(load_before=load_before, load_after=round(os.getloadavg()[0], 2))
+    report["generated"] = generated(load_before, COMMAND)
     report["elapsed_s"] = round(time.perf_counter() - started, 1)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     prefix.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")

@@ -30,6 +30,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from report_meta import generated, load_average, with_header, write_pair  # noqa: E402
 
 
 def gpt2_config(args) -> dict:
@@ -191,6 +194,48 @@ def summarise(times: dict[str, list[float]], baseline: str) -> dict:
     }
 
 
+def markdown(result: dict) -> str:
+    """The CPU report: engine against plain PyTorch (world 1) and DDP (world 2), seconds per step."""
+    m = result["model"]
+    lines = [
+        "# Engine step time against plain PyTorch and DDP, CPU",
+        "",
+        f"Model: transformers GPT-2, n_embd {m['hidden']}, {m['layers']} layers, {m['heads']} heads, vocab "
+        f"{m['vocab']}, seq {m['seq']}, {m['batch']} samples per rank ({result['num_params']:,} parameters), fp32, "
+        f"AdamW; torch {result['torch']} on {result['cores']} cores. A step: forward, backward, optimizer step, "
+        f"zero_grad; baseline and engine steps alternate; {result['steps']} timed steps after {result['warmup']} "
+        "warm-up steps.",
+        "",
+        "| world | baseline | baseline s (median) | engine s (median) | engine / baseline (median) | "
+        "baseline s (min) | engine s (min) | engine / baseline (min) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for world, baseline in (("world1", "torch"), ("world2", "ddp")):
+        w = result.get(world)
+        if not w:
+            continue
+        median, least = w["median_step_time_s"], w["min_step_time_s"]
+        lines.append(
+            f"| {world[-1]} | {'plain PyTorch' if baseline == 'torch' else 'DDP (gloo)'} | {median[baseline]:.3f} | "
+            f"{median['engine']:.3f} | {w[f'ratio_engine_vs_{baseline}_median']:.3f} | {least[baseline]:.3f} | "
+            f"{least['engine']:.3f} | {w[f'ratio_engine_vs_{baseline}_min']:.3f} |"
+        )
+    lines += ["", "Every step's time is in the JSON (`all_step_times_s`)."]
+    return with_header("\n".join(lines) + "\n", result["generated"])
+
+
+def gpu_markdown(result: dict) -> str:
+    """The GPU report: a searched plan on one GPU against its prediction."""
+    lines = [
+        f"# Engine on {result.get('device', 'a GPU')}: measured against predicted",
+        "",
+        f"Step time {result['step_time_s']['median']:.4f} s (median; predicted {result['predicted_step_time_s']:.4f} s); "
+        f"peak allocated {result['peak_allocated_bytes'] / 2**30:.2f} GiB (predicted "
+        f"{result['predicted_peak_gpu_bytes'] / 2**30:.2f} GiB). Command: `{result.get('command', '')}`.",
+    ]
+    return with_header("\n".join(lines) + "\n", result["generated"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=512)
@@ -211,7 +256,9 @@ def main() -> None:
     parser.add_argument("--fix", action="append", default=[], help="GPU mode: search pin KEY=VALUE (repeatable)")
     parser.add_argument("--dtype", default="bf16", help="GPU mode: compute dtype")
     parser.add_argument("--accum", type=int, default=1, help="GPU mode: micro-batches per step")
-    parser.add_argument("--out", default=None, help="JSON output (default benchmarks/results/engine-<device>.json)")
+    parser.add_argument(
+        "--out", default=None, help="report: PREFIX.json and PREFIX.md (default benchmarks/results/engine-<device>)"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -234,7 +281,8 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    args.out = args.out or str(REPO / "benchmarks" / "results" / f"engine-{args.device}.json")
+    args.out = str(Path(args.out or REPO / "benchmarks" / "results" / f"engine-{args.device}").with_suffix(""))
+    load_before = load_average()
     if args.device == "cuda":
         from bench_engine_gpu import run_gpu
 
@@ -245,8 +293,9 @@ def main() -> None:
             f"allocated (predicted {result['predicted_peak_gpu_bytes'] / 2**30:.2f})"
         )
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"saved {args.out}")
+        result["generated"] = generated(load_before)
+        write_pair(Path(args.out), result, gpu_markdown(result))
+        print(f"saved {args.out}.json and .md")
         return
 
     import torch
@@ -280,9 +329,10 @@ def main() -> None:
             f"{w2['ratio_engine_vs_ddp_median']:.3f} (median), {w2['ratio_engine_vs_ddp_min']:.3f} (min)"
         )
     result["load_after"] = os.getloadavg()
+    result["generated"] = generated(load_before)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"saved {args.out}")
+    write_pair(Path(args.out), result, markdown(result))
+    print(f"saved {args.out}.json and .md")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from report_meta import generated, load_average, with_header, write_pair
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
@@ -59,12 +61,16 @@ def mib(nbytes: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", help="write the table (markdown) here")
+    parser.add_argument(
+        "--out", help="write the report here: PREFIX.md and PREFIX.json (e.g. benchmarks/results/lora-memory)"
+    )
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--micro", type=int, default=2)
     args = parser.parse_args()
 
     from tests.distributed.engine_launch import launch
+
+    load_before = load_average()
 
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp, "llama")
@@ -86,7 +92,7 @@ def main() -> None:
         started = time.time()
         per_rank = launch("lora_worker.py", cases, world_size=2, timeout_s=1800)
         elapsed_s = time.time() - started
-    rows = []
+    rows, records = [], []
     for rank, results in enumerate(per_rank):
         for case, result in zip(cases, results, strict=True):
             if not result["ok"]:
@@ -94,6 +100,21 @@ def main() -> None:
             measured = result["measured"]["peak_bytes"]
             predicted = result["predicted_gpu_bytes"] + result["predicted_host_bytes_per_rank"]
             states = result["model_state_bytes"]
+            records.append(
+                {
+                    "shape": case["label"],
+                    "lora": case["lora"],
+                    "rank": rank,
+                    "trainable": result["trainable"],
+                    "chunks": result["chunks"],
+                    "frozen_chunks": result["frozen_chunks"],
+                    "offloaded": result["offloaded"],
+                    "cache_blocks": result["cache_blocks"],
+                    "shard_bytes": states["device_shard_bytes"] + states["host_shard_bytes"],
+                    "measured_peak_bytes": measured,
+                    "predicted_bytes": predicted,
+                }
+            )
             rows.append(
                 "| {} | {} | {} | {:,} | {} ({} frozen, {} offloaded), cache {} | {} | {} | {} | {:.3f} |".format(
                     case["label"],
@@ -114,7 +135,7 @@ def main() -> None:
     lines = [
         f"# LoRA memory: predicted vs measured peak per rank, Llama {params:,} params, world 2 (CPU, gloo)",
         "",
-        f"Command: `python scripts/bench_lora_memory.py --out benchmarks/results/lora-memory.md`; "
+        f"Command: `python scripts/bench_lora_memory.py --out benchmarks/results/lora-memory`; "
         f"micro-batch {args.micro} x {args.seq} tokens, fp32, AdamW, chunk size 524,288 elements, torch "
         f"{__import__('torch').__version__} CPU, {os.cpu_count()} cores (shared), run took {elapsed_s:.0f} s.",
         "",
@@ -131,10 +152,19 @@ def main() -> None:
         "AdamW moments), a frozen one 4 (its fp32 weights, nothing else). The LoRA rows hold one trainable chunk "
         "(57,344 adapter elements, padded to the pinned chunk size) and 7 frozen ones.",
     ]
-    text = "\n".join(lines) + "\n"
+    command = " ".join(["python scripts/bench_lora_memory.py"] + sys.argv[1:])
+    report = {
+        "generated": generated(load_before, command),
+        "params": params,
+        "micro_batch": args.micro,
+        "seq": args.seq,
+        "elapsed_s": round(elapsed_s, 1),
+        "rows": records,
+    }
+    text = with_header("\n".join(lines) + "\n", report["generated"])
     print(text)
     if args.out:
-        Path(args.out).write_text(text)
+        write_pair(Path(args.out).with_suffix(""), report, text)
 
 
 if __name__ == "__main__":

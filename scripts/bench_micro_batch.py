@@ -17,7 +17,7 @@ import dataclasses
 import json
 import time
 
-from bench_published import generated
+from report_meta import generated, header_line, load_average
 
 from elixir_tune import paths
 from elixir_tune.costmodel.gemm_waves import micro_batch_rate_factor
@@ -64,7 +64,7 @@ def predict(profile, hardware, micro: int, checkpointing: str) -> dict:
 
 
 def main() -> None:
-    started = time.perf_counter()
+    started, load_before = time.perf_counter(), load_average()
     preset = load_hardware(HARDWARE)
     flat = dataclasses.replace(preset, sm_count=0)
     rows = []
@@ -88,7 +88,7 @@ def main() -> None:
     report = {
         "command": COMMAND,
         "elapsed_s": round(time.perf_counter() - started, 1),
-        "generated": generated(),
+        "generated": generated(load_before),
         "rows": rows,
     }
     prefix = paths.REPO_DIR / "benchmarks" / "results" / "micro-batch"
@@ -109,8 +109,7 @@ def markdown(report: dict) -> str:
     lines = [
         "# Predicted tokens/s against the micro-batch size: Llama-2 7B on 8 x h100-80gb-sxm",
         "",
-        f"Generated {g['date']} on {g['machine']} at commit {g['commit']}, load average "
-        f"{g.get('load_average', '?')}. Command: `{report['command']}` "
+        f"{header_line(g)} Command: `{report['command']}` "
         f"({report['elapsed_s']} s). Predictions only (nothing ran on a GPU): data parallelism over 8 GPUs, "
         f"{SAMPLES_PER_GPU} samples per GPU per step, micro-batch and checkpointing pinned, chunks, cache and "
         "prefetch searched. Each cell: tokens/s per GPU (MFU, predicted peak).",

@@ -55,6 +55,7 @@ BIN = Path(sys.executable).parent
 from bench_prediction_reference import plain_reference, plain_rss_reference, plain_step_s  # noqa: E402
 from bench_prediction_report import describe, markdown, mib, ms, rank_order, spearman, tie_ranking  # noqa: E402
 from bench_prediction_shapes import GLOBAL_BATCH, WORLD, layout_shapes, make_shapes, shape_of  # noqa: E402
+from report_meta import generated, with_header  # noqa: E402
 
 # A GPT-2 model YAML (configs/models/ format) without dropout; gpu_validate.py sizes its model with it too.
 MODEL_YAML = """\
@@ -530,9 +531,10 @@ def main() -> int:
         "ranking": ranking,
         "elapsed_s": round(elapsed, 1),
     }
+    record["generated"] = generated(round(load_start, 2))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=1))
-    md = markdown(record)
+    md = with_header(markdown(record), record["generated"])
     Path(args.md).write_text(md)
     print()
     print(md)

@@ -16,12 +16,13 @@ Profiles come from the profiler (meta device, seconds each; nothing is cached), 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import time
 from pathlib import Path
+
+from report_meta import generated, load_average, with_header, write_pair
 
 from elixir_tune import paths
 from elixir_tune.hardware import load_hardware
@@ -139,6 +140,7 @@ def main() -> None:
         help="writes PREFIX.json and PREFIX.md",
     )
     args = parser.parse_args()
+    load_before = load_average()
 
     a100 = load_hardware("a100-40gb-pcie")
     dgx = load_hardware("a100-80gb-sxm")
@@ -180,11 +182,12 @@ def main() -> None:
         "timings": timings,
         "comparison": comparison,
     }
+    report["generated"] = generated(load_before)
     prefix = Path(args.out_prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    prefix.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    prefix.with_suffix(".md").write_text(markdown(report))
-    print(markdown(report))
+    text = with_header(markdown(report), report["generated"])
+    write_pair(prefix, report, text)
+    print(text)
     print(f"wrote {prefix.with_suffix('.json')} and {prefix.with_suffix('.md')}")
 
 

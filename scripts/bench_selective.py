@@ -22,8 +22,9 @@ import os
 import time
 from pathlib import Path
 
-from bench_published import best_plan, generated, pinned_choices, profile_of
+from bench_published import best_plan, pinned_choices, profile_of
 from published_setups import TORCHTITAN, Setup
+from report_meta import generated
 
 from elixir_tune import paths
 
@@ -188,7 +189,7 @@ def main() -> None:
     load = os.getloadavg()[0]
     rows = [run_row(row) for row in ROWS]
     report = {"rows": rows, "relative": relative_rows(rows), "load_average": round(load, 2)}
-    report["generated"] = generated()
+    report["generated"] = generated(round(load, 2), "python scripts/bench_selective.py")
     prefix = Path(args.out_prefix)
     prefix.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     prefix.with_suffix(".md").write_text(markdown(report))

@@ -43,6 +43,8 @@ import sys
 import time
 from pathlib import Path
 
+from report_meta import generated, with_header, write_pair
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 MODEL = "gpt2-774m"
@@ -314,8 +316,8 @@ def run_modes(args, name: str) -> tuple[dict[str, list[dict]], int, tuple[float,
 
 
 def report(args, name: str) -> int:
-    """Runs the modes and writes the report: for data parallelism ``RESULTS.md`` (a new file) and
-    ``RESULTS.json``; for tensor parallelism a section appended to ``RESULTS.md`` and ``RESULTS-tensor.json``."""
+    """Runs the modes and writes the report: for data parallelism ``RESULTS.md`` and ``RESULTS.json``;
+    for tensor parallelism ``RESULTS-tensor.md`` and ``RESULTS-tensor.json``."""
     runs, file_bytes, (load_before, load_after) = run_modes(args, name)
     tensor = args.tensor > 1
     num_params = next(iter(runs.values()))[0]["num_params"]
@@ -325,8 +327,7 @@ def report(args, name: str) -> int:
     machine = f"load average before/after {load_before:.2f}/{load_after:.2f} on {os.cpu_count()} cores; torch gloo CPU."
     if tensor:
         lines = [
-            "",
-            f"## Tensor parallelism: {size}, tensor {args.tensor} at world {args.world}",
+            f"# setup host memory, tensor parallelism: {size}, tensor {args.tensor} at world {args.world}",
             "",
             f"Command: `python scripts/bench_setup.py --tensor {args.tensor} --world {args.world} --modes {args.modes}`; "
             f"weights file {file_bytes / GIB:.2f} GiB (transformers' save_pretrained, fp32) on local disk; chunk size "
@@ -371,9 +372,9 @@ def report(args, name: str) -> int:
             f"{mode}: worst rank {worst / GIB:.2f} GiB, {'under' if worst < bound else 'OVER'} the bound "
             f"(half the fp32 model + 1 GiB){match}"
         )
-    text = "\n".join(lines)
-    print(text)
-    record = {
+    command = " ".join(["python scripts/bench_setup.py"] + sys.argv[1:])
+    record: dict = {
+        "generated": generated(load_before, command),
         "model": name,
         "world": args.world,
         "tensor": args.tensor,
@@ -386,10 +387,10 @@ def report(args, name: str) -> int:
         "host": platform.node(),
         "runs": runs,
     }
+    text = with_header("\n".join(lines) + "\n", record["generated"])
+    print(text)
     Path(args.results).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.results + ("-tensor.json" if tensor else ".json")).write_text(json.dumps(record, indent=1))
-    with open(args.results + ".md", "a" if tensor else "w") as markdown:
-        markdown.write(text + "\n")
+    write_pair(Path(args.results + ("-tensor" if tensor else "")), record, text)
     return 0
 
 

@@ -30,6 +30,8 @@ import platform
 import time
 from pathlib import Path
 
+from report_meta import generated, with_header, write_pair
+
 from elixir_tune import paths
 from elixir_tune.hardware import load_hardware
 from elixir_tune.search import InfeasibleError, search
@@ -188,7 +190,8 @@ def main() -> None:
     if unknown:
         parser.error(f"--models: unknown {unknown} (known: {', '.join(MODELS)})")
     if args.render_only:
-        prefix.with_suffix(".md").write_text(markdown(json.loads(prefix.with_suffix(".json").read_text())))
+        report = json.loads(prefix.with_suffix(".json").read_text())
+        prefix.with_suffix(".md").write_text(with_header(markdown(report), report["generated"]))
         return
     from elixir_tune.profiler import profile_model
 
@@ -234,8 +237,8 @@ def main() -> None:
         report["updates"] = updates + [
             {"command": command, "models": ",".join(models), "elapsed_s": elapsed_s, "load": load_before}
         ]
-    prefix.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
-    prefix.with_suffix(".md").write_text(markdown(report))
+    report["generated"] = generated(load_before)  # with --models: the last update's (the cases say which)
+    write_pair(prefix, report, with_header(markdown(report), report["generated"]))
     print(f"wrote {prefix}.json and {prefix}.md")
 
 

@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from report_meta import generated, load_average, with_header, write_pair
+
 from elixir_tune.costmodel.synthetic import gpt2_profile
 from elixir_tune.hardware import load_hardware
 from elixir_tune.hardware.networks import with_network
@@ -271,13 +273,14 @@ def main() -> None:
     if args.frontier_only:  # add the frontier to an existing report
         report = json.loads(out.with_suffix(".json").read_text())
         report["frontier"] = frontier_rows()
-        out.with_suffix(".json").write_text(json.dumps(report, indent=1))
-        out.with_suffix(".md").write_text(render(report))
+        report["generated"] = generated(load_average(), "python scripts/bench_time_to_train.py --frontier-only")
+        write_pair(out, report, with_header(render(report), report["generated"]))
         return
     if args.render_only:
-        out.with_suffix(".md").write_text(render(json.loads(out.with_suffix(".json").read_text())))
+        report = json.loads(out.with_suffix(".json").read_text())
+        out.with_suffix(".md").write_text(with_header(render(report), report["generated"]))
         return
-    started = time.perf_counter()
+    started, load_before = time.perf_counter(), load_average()
     report: dict = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
@@ -296,8 +299,8 @@ def main() -> None:
     report["megatron"] = megatron_rows()
     report["cli_175b"] = cli_175b()
     report["elapsed_s"] = time.perf_counter() - started
-    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    out.with_suffix(".md").write_text(render(report))
+    report["generated"] = generated(load_before)
+    write_pair(out, report, with_header(render(report), report["generated"]))
     print(f"wrote {out}.json and {out}.md")
 
 

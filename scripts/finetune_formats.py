@@ -25,8 +25,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
+
+from report_meta import generated, load_average, with_header, write_pair
 
 REPO_DIR = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_DIR))  # the test fixture that writes the model directory and the data files
@@ -96,8 +97,13 @@ def check_output(out: Path, model_dir: Path, lora: str | None) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(REPO_DIR / "benchmarks" / "results" / "finetune-formats.md"))
+    parser.add_argument(
+        "--out",
+        default=str(REPO_DIR / "benchmarks" / "results" / "finetune-formats"),
+        help="writes PREFIX.md and PREFIX.json",
+    )
     args = parser.parse_args()
+    load_before = load_average()
     from tests.fixtures.tiny_hf import make_llama_dir, write_formats
 
     work = Path(tempfile.mkdtemp(prefix="elixir-formats-"))
@@ -106,7 +112,7 @@ def main() -> int:
     files = write_formats(work / "data")
     plain = search_command(work, [], "plan.yaml")
     with_lora = search_command(work, LORA, "plan-lora.yaml")
-    rows, failed = [], False
+    rows, records, failed = [], [], False
     for index, (label, key, extra, lora) in enumerate(RUNS):
         out, log = work / f"out-{index}", work / f"train-{index}.json"
         recipe, plan = (with_lora, "plan-lora.yaml") if lora else (plain, "plan.yaml")
@@ -130,17 +136,32 @@ def main() -> int:
             print(f"{label}: eval {evals[0]:.4f} -> {evals[-1]:.4f}; {loads}", flush=True)
             shown = " ".join(str(c) for c in command).replace(str(work) + "/", "")
             rows[-1] += f" `{shown}` |"
+            records.append(
+                {
+                    "run": label,
+                    "data": detected,
+                    "steps": len(record["steps"]),
+                    "first_eval_loss": evals[0],
+                    "last_eval_loss": evals[-1],
+                    "falls": falls,
+                    "output": loads,
+                    "wall_s": round(time.perf_counter() - started, 1),
+                    "command": shown,
+                }
+            )
             del result
         except (RuntimeError, subprocess.TimeoutExpired, OSError, KeyError, ValueError) as error:
             failed = True
             rows.append(f"| {label} | failed: {str(error).splitlines()[0][:200]} | | | | **no** | | | |")
+            records.append({"run": label, "error": str(error).splitlines()[0][:200]})
             print(f"{label}: FAILED\n{error}", flush=True)
 
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(
+    prefix = Path(args.out).with_suffix("")
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    report = {"generated": generated(load_before, "python scripts/finetune_formats.py"), "runs": records}
+    text = (
         "# Fine-tuning each data format at world 2 (CPU), from outside the repository\n\n"
-        f"Written by `python scripts/finetune_formats.py` on {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} "
-        f"(working directory {work}, outside the repository). Model: a tiny Llama (hidden 32, 2 layers, "
+        f"Working directory {work}, outside the repository. Model: a tiny Llama (hidden 32, 2 layers, "
         "vocabulary 400, random weights) with a BPE tokenizer trained on the bundled text and a chat template "
         "(tests/fixtures/tiny_hf.py). Each run: `elixir-tune profile model --batch-size 2 --seq-len 64` "
         f"(LoRA runs: with `{' '.join(LORA)}`), `elixir-tune search --loop plain --gpus 2 --hardware cpu "
@@ -153,7 +174,8 @@ def main() -> int:
         "| run | data as the recipe read it | steps | first eval loss | last eval loss | falls | output | "
         "wall s | command |\n|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
     )
-    print(f"wrote {args.out}", flush=True)
+    write_pair(prefix, report, with_header(text, report["generated"]))
+    print(f"wrote {prefix}.md and {prefix}.json", flush=True)
     return 1 if failed else 0
 
 

@@ -58,6 +58,7 @@ IN_PROCESS_IN_DRY_RUN = ("profile", "search")
 from bench_prediction import MODEL_YAML  # noqa: E402
 from gpu_validate_report import error_line, summary, write_markdown  # noqa: E402
 from gpu_validate_shapes import gpt2_dims, peak_tflops, shape_pins  # noqa: E402
+from report_meta import commit  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -207,6 +208,7 @@ class Validation:
             "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
             "cpu_cores": os.cpu_count(),
             "load_avg_1min": round(os.getloadavg()[0], 2),
+            "commit": commit(),
         }
         if self.dry:
             info.update(device="cpu", device_name="CPU (dry run, gloo)", gpus=0, world_main=1)

@@ -35,7 +35,8 @@ def write_markdown(record: dict) -> str:
     lines.append(
         f"- machine: {machine.get('device_name')} x {machine.get('gpus')}, driver {machine.get('driver', '-')}, "
         f"torch {machine.get('torch')} (CUDA {machine.get('cuda')}), Python {machine.get('python')}, "
-        f"{machine.get('cpu_cores')} CPU cores, load {machine.get('load_avg_1min')}, {machine.get('date_utc')} UTC"
+        f"{machine.get('cpu_cores')} CPU cores, load {machine.get('load_avg_1min')}, {machine.get('date_utc')} UTC, "
+        f"commit {machine.get('commit', '?')}"
     )
     lines.append(
         f"- command: `python scripts/gpu_validate.py {' '.join(record.get('argv', []))}` ({record.get('elapsed_s')} s)"

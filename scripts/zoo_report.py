@@ -5,6 +5,7 @@ search chose for each training loop, and whether each loop matched plain PyTorch
     .venv/bin/python scripts/zoo_report.py                 # every model, about a minute on 2 cores
     .venv/bin/python scripts/zoo_report.py gpt2 mamba      # some of them
     .venv/bin/python scripts/zoo_report.py --errors        # also each failure's message
+    .venv/bin/python scripts/zoo_report.py --out benchmarks/results/zoo-cpu   # writes the report (.md, .json)
     .venv/bin/python scripts/zoo_report.py mamba --fix chunk_size=4096 --fix cache_blocks=2   # more search pins
 
 Each model is profiled on the meta device and searched at world 2 on the ``cpu`` preset (global
@@ -23,6 +24,7 @@ it for 4 steps with a plain loop (``model(**batch)`` + ``optimizer.backward``) a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -31,6 +33,9 @@ sys.path.insert(0, str(REPO))
 
 from tests.zoo.harness import LOOPS, ZooResult, run_zoo  # noqa: E402
 from tests.zoo.models import ZOO  # noqa: E402
+
+sys.path.insert(0, str(REPO / "scripts"))
+from report_meta import generated, load_average, with_header, write_pair  # noqa: E402
 
 
 def _worst(values: list[float | None]) -> str:
@@ -67,19 +72,45 @@ def table(results: list[ZooResult]) -> str:
     return "\n".join(lines)
 
 
+def write_report(prefix: Path, results: list[ZooResult], summary: str, g: dict) -> None:
+    """PREFIX.md (the table, with the columns explained) and PREFIX.json (every result)."""
+    import torch
+    import transformers
+
+    text = (
+        "# The zoo: every model through the default search at world 2 on the cpu preset, both loops, against "
+        f"plain PyTorch\n\ntorch {torch.__version__}, transformers {transformers.__version__}. Layout: data x "
+        'pipeline x tensor. Tolerances: loss 1e-5 relative, weights 1e-5 absolute after 4 steps, fp32; "torch '
+        'ctl" is plain PyTorch accumulating the same micro-batches against the whole-batch reference (its own '
+        f"summation-order floor). The test: `pytest tests/zoo`.\n\n{table(results)}\n\n{summary}.\n"
+    )
+    report = {"generated": g, "summary": summary, "results": [dataclasses.asdict(result) for result in results]}
+    write_pair(prefix, report, with_header(text, g))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("models", nargs="*", help=f"zoo models (default all: {', '.join(ZOO)})")
     parser.add_argument("--errors", action="store_true", help="print each failure's message")
     parser.add_argument("--fix", action="append", default=[], metavar="KEY=VALUE", help="pin a search choice")
+    parser.add_argument("--out", help="write the report as PREFIX.md and PREFIX.json")
     args = parser.parse_args()
+    load_before = load_average()
     unknown = [name for name in args.models if name not in ZOO]
     if unknown:
         parser.error(f"unknown zoo models {unknown}; known: {', '.join(ZOO)}")
     results, wall_s = run_zoo(args.models or None, tuple(args.fix))
     print(table(results))
     passed = sum(result.ok for result in results)
-    print(f"\n{passed}/{len(results)} model x loop cases pass; the zoo took {wall_s:.0f} s")
+    summary = f"{passed}/{len(results)} model x loop cases pass; the zoo took {wall_s:.0f} s"
+    print(f"\n{summary}")
+    if args.out:
+        write_report(
+            Path(args.out),
+            results,
+            summary,
+            generated(load_before, " ".join(["python scripts/zoo_report.py"] + sys.argv[1:])),
+        )
     if args.errors:
         for result in results:
             if not result.ok:

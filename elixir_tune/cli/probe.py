@@ -116,9 +116,9 @@ def probe_command(quick: bool, out_path: str, procs: int | None, as_json: bool) 
         elixir-tune probe --procs 4            # CPU-only machine as 4 workers
         elixir-tune search --gpus 2 --hardware hardware.yaml
     """
-    import torch  # after click parsed the arguments: --help stays fast
+    from elixir_tune.device import cuda_available  # imports torch: after click parsed, --help stays fast
 
-    if procs is not None and torch.cuda.is_available():
+    if procs is not None and cuda_available():
         err_console.print("[yellow]note:[/] --procs applies to CPU-only machines; measuring the GPUs instead.")
     begin = time.perf_counter()
     with Progress(

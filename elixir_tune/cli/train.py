@@ -94,10 +94,10 @@ def train_command(
     if not files:
         fail(f"{model}: no such model", MODEL_HINT + "; a Hub name must be in the local cache", code=EXIT_USAGE)
 
-    import torch
+    from elixir_tune.device import cuda_available, cuda_device_count
 
-    cuda = torch.cuda.is_available()
-    gpus = gpus or (torch.cuda.device_count() if cuda else 1)
+    cuda = cuda_available()
+    gpus = gpus or (cuda_device_count() if cuda else 1)
     dtype = (dtype or ("bf16" if cuda else "fp32")).lower()
     hardware_ref = _hardware(hardware_ref, cuda)
     lora = (

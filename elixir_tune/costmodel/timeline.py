@@ -43,6 +43,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from elixir_tune.costmodel.lanes import Lanes
 from elixir_tune.costmodel.links import inter_node_bytes_per_s
 from elixir_tune.hardware.spec import HardwareSpec
 from elixir_tune.plan.schema import DTYPE_BYTES
@@ -247,91 +248,22 @@ def simulate_micro_batch(
     num_steps = len(step_compute_s)
     if issued_at is None:
         issued_at = issue_groups(fetches, issue, num_steps)
-    needed = [0.0] * num_steps
-    h2d_s, d2h_s, host_add_s = costs.h2d_s, costs.d2h_s, costs.host_add_s
-    allgather_s, reduce_scatter_s = costs.allgather_s, costs.reduce_scatter_s
-    recording = record is not None
-    # h2d_free / d2h_free: the inbound / outbound host link of this GPU.
-    coll_free, h2d_free, d2h_free, host_free = busy_s
-    end = exposed = 0.0
-    h2d_count = d2h_count = 0
-    gathered_s = reduced_s = 0.0
-    for step, (issued, compute_s, reduced) in enumerate(zip(issued_at, step_compute_s, reduce_after, strict=False)):
-        for fetch_step, chunk in issued:
-            gather_s = chunk_costs[chunk].allgather_s if chunk_costs and chunk in chunk_costs else allgather_s
-            ready = end
-            if offloaded[chunk]:
-                h2d_free = (h2d_free if h2d_free > ready else ready) + h2d_s
-                ready = h2d_free
-                h2d_count += 1
-                if recording:
-                    record.append(("host-to-device", h2d_free - h2d_s, h2d_free, chunk))  # type: ignore[union-attr]
-            if shared_compute:  # the gather stalls the compute stream while it runs
-                start = end if end > ready else ready
-                exposed += start + gather_s - end
-                end = coll_free = start + gather_s
-            else:
-                # The latest of the stream and what it waits for (max() without its call cost: the
-                # search's inner loop; same value, the first of equals kept as max() keeps it).
-                if ready > coll_free:
-                    coll_free = ready
-                if shared_link:
-                    if h2d_free > coll_free:
-                        coll_free = h2d_free
-                    if d2h_free > coll_free:
-                        coll_free = d2h_free
-                coll_free += gather_s
-            if recording:
-                record.append(("all-gather", coll_free - gather_s, coll_free, chunk))  # type: ignore[union-attr]
-            if shared_link:
-                h2d_free = d2h_free = coll_free
-            gathered_s += gather_s
-            if coll_free > needed[fetch_step]:
-                needed[fetch_step] = coll_free
-        if needed[step] > end:
-            exposed += needed[step] - end
-            end = needed[step]
-        end += compute_s
-        if recording:
-            record.append(("compute", end - compute_s, end, step))  # type: ignore[union-attr]
-        for chunk in reduced:
-            rs_s = chunk_costs[chunk].reduce_scatter_s if chunk_costs and chunk in chunk_costs else reduce_scatter_s
-            if end > coll_free:
-                coll_free = end
-            if shared_link:
-                if h2d_free > coll_free:
-                    coll_free = h2d_free
-                if d2h_free > coll_free:
-                    coll_free = d2h_free
-            coll_free += rs_s
-            if recording:
-                record.append(("reduce-scatter", coll_free - rs_s, coll_free, chunk))  # type: ignore[union-attr]
-            if shared_link:
-                h2d_free = d2h_free = coll_free
-            if shared_compute:
-                end = coll_free
-            reduced_s += rs_s
-            if offloaded[chunk]:
-                d2h_free = (d2h_free if d2h_free > coll_free else coll_free) + d2h_s
-                host_free = (host_free if host_free > d2h_free else d2h_free) + host_add_s
-                d2h_count += 1
-                if recording:
-                    record.append(("device-to-host", d2h_free - d2h_s, d2h_free, chunk))  # type: ignore[union-attr]
-                    if host_add_s > 0:
-                        record.append(("cpu optimizer", host_free - host_add_s, host_free, chunk))  # type: ignore[union-attr]
+    lanes = Lanes(costs, busy_s, num_steps, offloaded, shared_compute, shared_link, chunk_costs, record)
+    lanes.run(issued_at, step_compute_s, reduce_after)
+    end = lanes.end
     return MicroBatchTime(
         compute_end_s=end,
-        drained_s=max(end, coll_free, h2d_free, d2h_free, host_free),
-        exposed_fetch_s=exposed,
-        allgather_s=gathered_s,
-        reduce_scatter_s=reduced_s,
-        h2d_s=h2d_count * h2d_s,
-        d2h_s=d2h_count * d2h_s,
+        drained_s=max(end, lanes.coll_free, lanes.h2d_free, lanes.d2h_free, lanes.host_free),
+        exposed_fetch_s=lanes.exposed,
+        allgather_s=lanes.gathered_s,
+        reduce_scatter_s=lanes.reduced_s,
+        h2d_s=lanes.h2d_count * costs.h2d_s,
+        d2h_s=lanes.d2h_count * costs.d2h_s,
         leftover_s=(
-            max(0.0, coll_free - end),
-            max(0.0, h2d_free - end),
-            max(0.0, d2h_free - end),
-            max(0.0, host_free - end),
+            max(0.0, lanes.coll_free - end),
+            max(0.0, lanes.h2d_free - end),
+            max(0.0, lanes.d2h_free - end),
+            max(0.0, lanes.host_free - end),
         ),
     )
 

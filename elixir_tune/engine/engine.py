@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from elixir_tune.device import ops_for
 from elixir_tune.engine.chunks.cache import ChunkCache
 from elixir_tune.engine.chunks.chunk import Chunk, ParamSlot
 from elixir_tune.engine.comm import Comm, Mesh
@@ -97,6 +98,7 @@ class Engine(EnginePasses, EngineGrads, EngineState):
         )
         self.norm_skip: set[int] = set()  # chunk ids the gradient norm leaves out (a shared chunk counted elsewhere)
         self.device = comm.device
+        self.ops = ops_for(self.device)  # streams, events, pinned memory (elixir_tune/device.py)
         self.compute_dtype = COMPUTE_DTYPES[plan.training.dtype]
         self._placeholders: dict[torch.Size, torch.Tensor] = {}
         self._nan = torch.full((1,), float("nan"), dtype=self.compute_dtype, device=self.device)
@@ -108,13 +110,11 @@ class Engine(EnginePasses, EngineGrads, EngineState):
         # A shard is the chunk over its group: the data group, or an expert chunk's expert-data group.
         shard_numel = {cid: plan.memory.chunk_size // group.world_size for cid, (group, _) in groups.items()}
         offloaded = [chunk_plan.id for chunk_plan in plan.memory.chunks if chunk_plan.offload]
-        self.pinned = self.device.type == "cuda"
+        self.pinned = self.ops.pinned
         # One host block for the upload copies of all offloaded shards: pinned blocks are rounded
         # up to a power of two by the CUDA host allocator, so one block wastes the least.
-        self.upload_block = torch.empty(
-            sum(shard_numel[cid] for cid in offloaded),
-            dtype=self.compute_dtype,
-            pin_memory=self.pinned and bool(offloaded),
+        self.upload_block = self.ops.host_empty(
+            sum(shard_numel[cid] for cid in offloaded), self.compute_dtype, pin=bool(offloaded)
         )
         upload_of, begin = {}, 0
         for cid in offloaded:
@@ -134,6 +134,7 @@ class Engine(EnginePasses, EngineGrads, EngineState):
                 upload_of.get(chunk_plan.id),
                 frozen=chunk_plan.frozen,
                 grad_divisor=grad_divisor,
+                ops=self.ops,
             )
             self.chunks.append(chunk)
             for slot in chunk.slots:
@@ -149,7 +150,7 @@ class Engine(EnginePasses, EngineGrads, EngineState):
         self._init_shards(source)
         self._place_replicated()
 
-        side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" and plan.memory.prefetch else None
+        side_stream = self.ops.new_stream() if self.ops.streams and plan.memory.prefetch else None
         self.cache = ChunkCache(
             self.chunks, plan.memory.cache_blocks, plan.memory.prefetch, self.placeholder, side_stream
         )

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from elixir_tune.device import DeviceOps
 from elixir_tune.engine.chunks.staging import GradDrain, StagingBuffer, StagingPool
 from elixir_tune.engine.chunks.states import transition
 from elixir_tune.engine.parallel.tensor_parallel import local_grad
@@ -35,6 +36,7 @@ class EngineGrads:
     plan: Plan
     comm: Comm
     device: torch.device
+    ops: DeviceOps
     compute_dtype: torch.dtype
     chunks: list[Chunk]
     slots: list[ParamSlot]
@@ -65,8 +67,9 @@ class EngineGrads:
             self.compute_dtype,
             self.device,
             landing=landing,
+            ops=self.ops,
         )
-        self.drain = GradDrain(self.device)
+        self.drain = GradDrain(self.device, self.ops)
         self._filling: list[Chunk] = []  # chunks holding a staging buffer, not yet reducing, oldest first
         self._reducing: deque[Chunk] = deque()  # reductions in flight, oldest first
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from elixir_tune.device import DeviceOps, ops_for
 from elixir_tune.engine.comm import is_dtensor
 from elixir_tune.errors import NonFiniteError
 
@@ -43,10 +44,12 @@ class FiniteGuard:
     Args:
         device: the compute device (where the flags live).
         dtype: the plan's training dtype, named in the message.
+        ops: the device's events and pinned memory; default ``ops_for(device)``.
     """
 
-    def __init__(self, device: torch.device, dtype: str):
+    def __init__(self, device: torch.device, dtype: str, ops: DeviceOps | None = None):
         self.device = torch.device(device)
+        self.ops = ops if ops is not None else ops_for(self.device)
         self.dtype = dtype
         # Sum over the step's losses of "this loss is not finite", on the device (no host read).
         self.loss_flags = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -67,16 +70,14 @@ class FiniteGuard:
         """
         values = torch.stack([norm.detach().float().reshape(()), loss_flags.float().reshape(())])
         self.loss_flags.zero_()
-        if self.device.type != "cuda":
+        if not self.ops.streams:
             self._pending = (step, values, None)
             self.check()
             return
         if self._host is None:
-            self._host = torch.empty(2, dtype=torch.float32, pin_memory=True)
+            self._host = self.ops.host_empty(2, torch.float32)
         self._host.copy_(values, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._pending = (step, self._host, event)
+        self._pending = (step, self._host, self.ops.record_event())
 
     def check(self) -> None:
         """Raises for a recorded step that was not finite (waits for its copy: long done at the next step).
@@ -90,8 +91,7 @@ class FiniteGuard:
             return
         step, values, event = self._pending
         self._pending = None
-        if event is not None:
-            event.synchronize()
+        self.ops.sync_event(event)
         norm, loss_flags = (float(v) for v in values.tolist())
         if loss_flags == 0 and math.isfinite(norm):
             return

@@ -46,6 +46,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from elixir_tune.device import thread_device_carrier
+
 
 class _Aborted(Exception):
     """Another micro-batch's thread failed: this one stops at its next layer."""
@@ -180,30 +182,24 @@ def run_layer_major(
     baton = Baton(count)
     grad_enabled = torch.is_grad_enabled()
     autocasts = _autocast_states()
-    cuda_device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    cuda_stream = torch.cuda.current_stream() if cuda_device is not None else None
+    on_this_device = thread_device_carrier()  # CUDA's current device and stream are per thread
     losses: list[torch.Tensor | None] = [None] * count
     errors: list[BaseException | None] = [None] * count
 
     def run(index: int) -> None:
         failed = False
         try:
-            if cuda_device is not None:
-                torch.cuda.set_device(cuda_device)
-            baton.register(index)
-            with torch.set_grad_enabled(grad_enabled):
-                contexts = [torch.autocast(device_type, dtype=dtype) for device_type, dtype in autocasts]
-                for context in contexts:
-                    context.__enter__()
-                try:
-                    if cuda_stream is not None:
-                        with torch.cuda.stream(cuda_stream):
-                            losses[index] = forward_loss(index)
-                    else:
+            with on_this_device():
+                baton.register(index)
+                with torch.set_grad_enabled(grad_enabled):
+                    contexts = [torch.autocast(device_type, dtype=dtype) for device_type, dtype in autocasts]
+                    for context in contexts:
+                        context.__enter__()
+                    try:
                         losses[index] = forward_loss(index)
-                finally:
-                    for context in reversed(contexts):
-                        context.__exit__(None, None, None)
+                    finally:
+                        for context in reversed(contexts):
+                            context.__exit__(None, None, None)
         except _Aborted:
             failed = True
         except BaseException as error:  # noqa: BLE001 - re-raised in the caller

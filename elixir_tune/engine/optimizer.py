@@ -81,7 +81,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.scaler = DynamicLossScaler(device) if engine.plan.training.dtype == "fp16" else None
         engine.scaler = self.scaler  # ElixirModel.forward_backward scales its losses by it
         # fp32 / bf16: a non-finite step stops the run (fp16's scaler skips it and recovers).
-        self.finite_guard = FiniteGuard(device, engine.plan.training.dtype) if self.scaler is None else None
+        self.finite_guard = FiniteGuard(device, engine.plan.training.dtype, engine.ops) if self.scaler is None else None
         engine.finite_guard = self.finite_guard  # the model's forward_backward, state_dict and saves check it
         engine.note_loss = self.note_loss  # forward_backward's micro-batch losses count in the step's check
         self.steps_done = 0  # optimizer steps, restored ones included: the step a NonFiniteError names

@@ -8,6 +8,8 @@ import os
 
 import torch
 
+from elixir_tune.device import cuda_device_count
+
 COLLECTIVE_TIMEOUT_ENV = "ELIXIR_TUNE_COLLECTIVE_TIMEOUT_S"
 DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
 
@@ -43,7 +45,7 @@ def pick_device(device_type: str) -> torch.device:
     if device_type != "cuda":
         return torch.device("cpu")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    count = torch.cuda.device_count()
+    count = cuda_device_count()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
     if count == 0:
         raise RuntimeError(f"the plan is for cuda but no GPU is visible (CUDA_VISIBLE_DEVICES={visible})")

@@ -13,12 +13,13 @@ import time
 
 import torch
 
+from elixir_tune.device import ops_for, pinned_host
 from elixir_tune.hardware.timing import median_time_s
 
 
 def _pinned(num_bytes: int) -> torch.Tensor:
     """A page-locked host buffer (allocated pinned, not pinned by a copy)."""
-    return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True).fill_(1)
+    return pinned_host(num_bytes).fill_(1)
 
 
 def host_copy_curve(sizes_bytes: list[int], budget_s: float) -> dict[int, float]:
@@ -48,7 +49,7 @@ def pinned_copy_curves(
     gpu = torch.empty(max(sizes_bytes), dtype=torch.uint8, device=device)
     h2d, d2h = {}, {}
     per_size_s = budget_s / (2 * len(sizes_bytes))
-    with torch.cuda.device(device):
+    with ops_for(device).device_scope():
         for size in sizes_bytes:
             src_host, dst_gpu = host[:size], gpu[:size]
             seconds = median_time_s(
@@ -77,20 +78,21 @@ def pinned_copy_curves_all(
     devices = [torch.device("cuda", index) for index in range(num_devices)]
     hosts = [_pinned(max(sizes_bytes)) for _ in devices]
     gpus = [torch.empty(max(sizes_bytes), dtype=torch.uint8, device=device) for device in devices]
-    streams = [torch.cuda.Stream(device=device) for device in devices]
+    all_ops = [ops_for(device) for device in devices]
+    streams = [ops.new_stream() for ops in all_ops]
 
     def run_all(size: int, to_gpu: bool) -> float:
-        for device in devices:
-            torch.cuda.synchronize(device)
+        for ops in all_ops:
+            ops.synchronize()
         begin = time.perf_counter()
-        for host, gpu, stream in zip(hosts, gpus, streams, strict=True):
-            with torch.cuda.stream(stream):
+        for ops, host, gpu, stream in zip(all_ops, hosts, gpus, streams, strict=True):
+            with ops.use_stream(stream):
                 if to_gpu:
                     gpu[:size].copy_(host[:size], non_blocking=True)
                 else:
                     host[:size].copy_(gpu[:size], non_blocking=True)
-        for stream in streams:
-            stream.synchronize()
+        for ops, stream in zip(all_ops, streams, strict=True):
+            ops.sync_stream(stream)
         return time.perf_counter() - begin
 
     h2d: dict[int, float] = {}
@@ -117,5 +119,5 @@ def pinned_copy_latency_s(device_index: int, budget_s: float) -> float:
     device = torch.device("cuda", device_index)
     host = _pinned(4096)
     gpu = torch.empty(4096, dtype=torch.uint8, device=device)
-    with torch.cuda.device(device):
+    with ops_for(device).device_scope():
         return median_time_s(lambda: gpu.copy_(host, non_blocking=True), device, budget_s, max_repeats=1000)

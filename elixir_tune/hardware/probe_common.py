@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import torch
 
+from elixir_tune.device import ops_for
 from elixir_tune.hardware import host
 from elixir_tune.hardware.bench_compute import block_rates
 from elixir_tune.hardware.timing import MiB, asymptotic_gbps
@@ -101,8 +102,7 @@ def measure_block_curves(
         except RuntimeError:  # a dtype this device cannot run a block in
             continue
         firsts.append((overhead_s, rate_gbps))
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        ops_for(device).empty_cache()
     overhead_s, rate_gbps = firsts[0] if firsts else (0.0, 0.0)
     return curves, overhead_s, rate_gbps
 

@@ -6,6 +6,7 @@ import socket
 
 import torch
 
+from elixir_tune.device import CudaOps, cuda_device_count
 from elixir_tune.hardware import host
 from elixir_tune.hardware.bench_compute import adam_elems_per_s, block_attention_fused, copy_gbps, matmul_tflops
 from elixir_tune.hardware.bench_copy import (
@@ -30,9 +31,10 @@ from elixir_tune.hardware.timing import GiB, MiB, asymptotic_gbps, size_ladder
 
 
 def probe_cuda(quick: bool, progress: Progress) -> HardwareSpec:
-    num_gpus = torch.cuda.device_count()
+    num_gpus = cuda_device_count()
     gpu = torch.device("cuda", 0)
-    torch.cuda.set_device(gpu)
+    ops = CudaOps(gpu)
+    ops.set_device()
     cores = host.host_cores()
     budget = 0.5 if quick else 2.0
     how = versions() + f", CUDA {torch.version.cuda}"
@@ -45,12 +47,11 @@ def probe_cuda(quick: bool, progress: Progress) -> HardwareSpec:
         "host_cores": "logical CPUs this process may use (affinity, cgroup quota)",
     }
 
-    say(progress, f"CUDA context on {torch.cuda.get_device_name(gpu)} ({num_gpus} GPU(s))")
+    say(progress, f"CUDA context on {ops.name()} ({num_gpus} GPU(s))")
     torch.zeros(1, device=gpu)  # creates the context
-    torch.cuda.synchronize(gpu)
-    torch.cuda.empty_cache()  # the tensor's cached block is not context
-    free_after_context, _ = torch.cuda.mem_get_info(gpu)
-    total = torch.cuda.get_device_properties(gpu).total_memory
+    ops.synchronize()
+    free_after_context = ops.free_memory_bytes()  # the tensor's cached block is not context
+    total = ops.total_memory_bytes()
 
     tokens, hidden = (4096, 4096) if quick else (8192, 4096)
     matmul: dict[str, float] = {}
@@ -113,9 +114,7 @@ def probe_cuda(quick: bool, progress: Progress) -> HardwareSpec:
         f"measured: torch.optim.AdamW ({gpu_impl}) over {adam_elements} fp32 elements on GPU 0"
     )
 
-    torch.cuda.empty_cache()
-    torch.cuda.synchronize(gpu)
-    free_now, _ = torch.cuda.mem_get_info(gpu)
+    free_now = ops.free_memory_bytes()
     overhead = max(0, free_after_context - free_now)
     sources["allocator_overhead_bytes"] = (
         "measured: device memory the libraries keep after the "
@@ -187,7 +186,7 @@ def probe_cuda(quick: bool, progress: Progress) -> HardwareSpec:
     return HardwareSpec(
         name=f"probe of {socket.gethostname()} (cuda{', quick' if quick else ''})",
         device="cuda",
-        device_name=torch.cuda.get_device_name(gpu),
+        device_name=ops.name(),
         gpus_per_node=num_gpus,
         gpu_memory_bytes=int(total),
         usable_memory_bytes=int(min(free_after_context, total)),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from elixir_tune.device import cuda_available
 from elixir_tune.hardware.probe_common import DEFAULT_CPU_PROCS, ProbeError, Progress
 from elixir_tune.hardware.probe_cpu import probe_cpu
 from elixir_tune.hardware.probe_cuda import probe_cuda
@@ -37,8 +38,8 @@ def probe(
         ProbeError: a measurement failed (e.g. the collective workers could not start).
     """
     if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
+        device = "cuda" if cuda_available() else "cpu"
+    if device == "cuda" and not cuda_available():
         raise ProbeError("device cuda requested but torch.cuda.is_available() is False")
     threads_before = torch.get_num_threads()
     try:

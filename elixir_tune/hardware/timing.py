@@ -8,10 +8,11 @@ that a slow device (a laptop CPU doing bf16) does not blow up `--quick`.
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
+
+from elixir_tune.device import ops_for
 
 MiB = 2**20
 GiB = 2**30
@@ -19,21 +20,11 @@ GiB = 2**30
 
 def synchronize(device: torch.device) -> None:
     """Waits for all work queued on ``device`` (no-op on the CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    ops_for(device).synchronize()
 
 
 def _time_once(fn: Callable[[], object], device: torch.device) -> float:
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-    begin = time.perf_counter()
-    fn()
-    return time.perf_counter() - begin
+    return ops_for(device).time_s(fn)
 
 
 def median_time_s(

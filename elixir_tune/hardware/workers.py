@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from elixir_tune.cpu_binding import binding_preexec
+from elixir_tune.device import ops_for
 from elixir_tune.hardware.timing import median_paired_extra_s
 
 # torch >= 2.13 renamed the tensor collectives; the old names still work there but warn.
@@ -51,13 +52,11 @@ def _collective_time_s(op, device: torch.device, budget_s: float, max_iters: int
     """Mean time of ``op`` over a loop (nccl-tests style), the slowest rank's, agreed by all."""
     for _ in range(2 if device.type == "cuda" else 1):
         op()  # warm-up: connection setup, NCCL channel buffers
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    ops_for(device).synchronize()
     dist.barrier()
     begin = time.perf_counter()
     op()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    ops_for(device).synchronize()
     estimate = torch.tensor([time.perf_counter() - begin], dtype=torch.float64, device=device)
     dist.all_reduce(estimate, op=dist.ReduceOp.MAX)
     iters = int(min(max_iters, max(2, budget_s / max(estimate.item(), 1e-6))))
@@ -65,8 +64,7 @@ def _collective_time_s(op, device: torch.device, budget_s: float, max_iters: int
     begin = time.perf_counter()
     for _ in range(iters):
         op()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    ops_for(device).synchronize()
     elapsed = torch.tensor([(time.perf_counter() - begin) / iters], dtype=torch.float64, device=device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return elapsed.item()
@@ -172,7 +170,7 @@ def worker_main(config: dict) -> None:
 
     torch.set_num_threads(config["threads"])
     if config["device"] == "cuda":
-        torch.cuda.set_device(rank)
+        ops_for(torch.device("cuda", rank)).set_device()
         device, backend = torch.device("cuda", rank), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"

@@ -74,11 +74,13 @@ def observe_machine() -> MachineFacts:
     """Gathers the facts the checks need (imports torch; initialises CUDA only to count GPUs)."""
     import torch
 
+    from elixir_tune.device import cuda_available, cuda_device_count, cuda_properties
+
     memory, names = [], []
-    cuda_available = torch.cuda.is_available()
-    if cuda_available:
-        for index in range(torch.cuda.device_count()):
-            properties = torch.cuda.get_device_properties(index)
+    available = cuda_available()
+    if available:
+        for index in range(cuda_device_count()):
+            properties = cuda_properties(index)
             memory.append(int(properties.total_memory))
             names.append(properties.name)
     try:
@@ -87,7 +89,7 @@ def observe_machine() -> MachineFacts:
         host_memory_bytes = 0
     return MachineFacts(
         torch_version=torch.__version__,
-        cuda_available=cuda_available,
+        cuda_available=available,
         gpu_memory_bytes=memory,
         gpu_names=names,
         cpu_cores=cpu_cores(),

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 import elixir_tune
 from elixir_tune.cli.progress import Reporter
+from elixir_tune.device import ops_for
 from elixir_tune.engine.comm import shared_errors
 from elixir_tune.engine.io.checkpoint_files import LATEST_NAME, CheckpointError
 from elixir_tune.engine.io.pretrained_files import describe_failure
@@ -52,8 +53,9 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
 
 def memory_bytes(device: torch.device) -> int:
     """Peak device memory on a GPU; resident memory of this process on the CPU."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
+    peak = ops_for(device).peak_memory_bytes()
+    if peak is not None:
+        return peak
     try:
         pages = int(Path("/proc/self/statm").read_text().split()[1])
         return pages * os.sysconf("SC_PAGE_SIZE")
@@ -357,8 +359,7 @@ def _step(run: _Run, step: int) -> tuple[bool, float]:
     loss_sum, stop_now, *summed = sum_over_ranks(flagged, run.world).unbind()
     mean_loss = float(loss_sum) / run.world
     step_counts = torch.stack(summed).cpu() / (run.world // data_size)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    ops_for(device).synchronize()
     step_time_s = time.perf_counter() - started
     if run.reporter:
         run.reporter.step(

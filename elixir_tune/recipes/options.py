@@ -179,13 +179,14 @@ def plan_and_device():
     import torch
 
     import elixir_tune
+    from elixir_tune.device import ops_for
 
     plan_path = os.environ.get(elixir_tune.plan.PLAN_ENV_VAR, "")
     plan = elixir_tune.load_plan()
     if plan.cluster.device != "cuda":
         return plan_path, plan, torch.device("cpu")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    torch.cuda.set_device(device)
+    ops_for(device).set_device()
     return plan_path, plan, device
 
 

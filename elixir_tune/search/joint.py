@@ -24,11 +24,12 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from elixir_tune.costmodel.layout import largest_param_numel, least_padded_sizes
+from elixir_tune.costmodel.layout import ChunkLayout, largest_param_numel, least_padded_sizes
 from elixir_tune.costmodel.memory import MemoryEstimate
 from elixir_tune.costmodel.model import CostModel, Shape
 from elixir_tune.costmodel.offload import freed_bytes
 from elixir_tune.costmodel.parallel import Layout
+from elixir_tune.costmodel.timeline import TransferCosts
 from elixir_tune.plan.capabilities import expert_parallel_conflicts, selective_conflicts
 from elixir_tune.plan.memory import ALIGN_ELEMENTS, chunk_size_multiple
 from elixir_tune.plan.stages import schedule_problem
@@ -327,46 +328,46 @@ def explore(model: CostModel | list[CostModel], budget: Budget, fixed: dict, top
     return found
 
 
+@dataclass
+class _LayoutRun:
+    """What one parallel layout's exploration reads throughout (its cost model, limits and results)."""
+
+    model: CostModel
+    budget: Budget
+    fixed: dict
+    top: _TopK
+    found: Exploration
+    per_rank: int  # samples per data index and step
+    one_pool: bool  # a CPU device: the host is the device
+    scorer: StageScorer
+
+
+@dataclass
+class _Sized:
+    """What one chunk size fixes: its layout, the chunks that may go to the host and what they free."""
+
+    chunk_size: int
+    layout: ChunkLayout
+    offloadable: int
+    shard_numel: int
+    most_freed: list[int]  # [k]: the most device bytes k offloaded chunks free
+    costs: TransferCosts
+    most_offloaded: int  # the largest offload count the pins allow
+
+
 def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, found: Exploration) -> None:
-    """The joint search's loops for one cost model (one parallel layout), into ``top`` and ``found``."""
-    world = model.data_size
-    per_rank = budget.global_batch_size // (world // model.parallel_layout.context)  # per data index
-    hardware = model.hardware
-    stages = model.parallel_layout.pipeline
-    tensor = model.parallel_layout
-    grid_rows = math.isqrt(tensor.tensor) if tensor.tensor_mode == "2d" else 1
-    scorer = StageScorer(model)
-    one_pool = hardware.device == "cpu"
-    num_blocks = len(model.full_profile.blocks)
-    no_layered = layered_refused(model.full_profile, tensor)
+    """The joint search's loops for one cost model (one parallel layout), into ``top`` and ``found``.
+
+    Per chunk size, checkpointing, micro-batch, cache size and prefetch depth: the smallest offload
+    share that fits (``_fit``), then the shares above it in each offload order (``_explore_order``).
+    """
+    per_rank = budget.global_batch_size // (model.data_size // model.parallel_layout.context)  # per data index
+    run = _LayoutRun(model, budget, fixed, top, found, per_rank, model.hardware.device == "cpu", StageScorer(model))
     for chunk_size in chunk_sizes(model, fixed):
-        layout = model.layout(chunk_size)
-        num_chunks, cacheable = layout.num_chunks, layout.num_cacheable
-        # Expert chunks stay on the device where the engine cannot offload them.
-        offloadable = model.offloadable_chunks(chunk_size)
-        shard_numel = chunk_size // world
-        # most_freed[k]: the most device bytes k offloaded chunks free (those that free the most: a frozen
-        # chunk frees its weights only, an expert chunk E data shards' worth, the others one shard's state).
-        freed = freed_bytes(layout, shard_numel, model.dtype, model.experts.shard_weights(layout))
-        most_freed = list(itertools.accumulate(sorted((freed[c] for c in model.experts.movable(layout)), reverse=True)))
-        most_freed.insert(0, 0)
-        costs = model.costs(chunk_size)
-        most_offloaded = max(offload_choices(offloadable, 0, fixed, one_pool))
+        sized = _sized(run, chunk_size)
         for every, selective in checkpoint_choices(model, fixed):
             minimum = model.min_cache_blocks(chunk_size, every)
-            for micro_batch, layered in micro_batch_accumulation_choices(per_rank, fixed, stages):
-                if selective and layered:
-                    continue  # the engine runs selective checkpointing with standard accumulation (capabilities)
-                if micro_batch % grid_rows:
-                    continue  # 2D tensor parallelism splits each micro-batch over the q rows of its grid
-                if schedule_problem(num_blocks, stages, tensor.assignment, tensor.schedule, per_rank // micro_batch):
-                    continue  # e.g. 1F1B with fewer micro-batches than stages (plan/stages.py)
-                if tensor.expert > 1 and expert_parallel_conflicts(
-                    stages, tensor.tensor, "layered" if layered else "standard"
-                ):
-                    continue  # the engine does not run this beside expert parallelism (plan/capabilities.py)
-                if layered and no_layered:
-                    continue  # nor beside context parallelism (plan/context.py)
+            for micro_batch, layered in _runnable_micro_batches(run, selective):
                 accum = per_rank // micro_batch
                 # A lower bound of the step: the compute and the context exchange, stretched by the pipeline bubble.
                 on_stream_s = model.compute_s(micro_batch, every, selective)[0] + sum(
@@ -376,9 +377,9 @@ def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, f
                 if compute_s >= top.threshold_s:
                     # K candidates fit already (the memory figures below only serve the error when none does).
                     continue
-                for cache_blocks in cache_choices(minimum, cacheable, fixed):
-                    for prefetch in prefetch_choices(cache_blocks, minimum, cacheable, fixed):
-                        shape = Shape(
+                for cache_blocks in cache_choices(minimum, sized.layout.num_cacheable, fixed):
+                    for prefetch in prefetch_choices(cache_blocks, minimum, sized.layout.num_cacheable, fixed):
+                        base = Shape(
                             chunk_size,
                             cache_blocks,
                             0,
@@ -389,105 +390,156 @@ def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, f
                             layered=layered,
                             selective=selective,
                         )
-                        base = model.memory(shape)
-                        # The least device memory of this shape: every shard it may offload on the host
-                        # (on a CPU device an offloaded shard stays in the same memory).
-                        need_least = base.required_gpu_bytes - (0 if one_pool else most_freed[most_offloaded])
-                        if found.min_gpu_bytes is None or need_least < found.min_gpu_bytes:
-                            found.min_gpu_bytes = need_least
-                        over = base.required_gpu_bytes - budget.usable_gpu_bytes  # the margin stays free
-                        smallest = bisect.bisect_left(most_freed, over)  # offloadable + 1: none covers it
-                        if one_pool:
-                            if over > 0:
-                                continue  # offloading would not make it fit: the host is the device
-                            smallest = 0
-                        if smallest > offloadable:
-                            continue
-                        if smallest > most_offloaded:
-                            continue  # does not fit the device at the pinned offload share
-                        # The same shape as ``base`` when nothing need be offloaded: its estimate is ``base``'s.
-                        fitting = (
-                            base
-                            if smallest == 0
-                            else model.memory(
-                                Shape(
-                                    chunk_size,
-                                    cache_blocks,
-                                    smallest,
-                                    prefetch,
-                                    every,
-                                    micro_batch,
-                                    accum,
-                                    layered=layered,
-                                    selective=selective,
-                                )
-                            )
-                        )
-                        host_need = _one_pool_bytes(fitting, model) if one_pool else fitting.peak_host_bytes
-                        if found.min_host_bytes is None or host_need < found.min_host_bytes:
-                            found.min_host_bytes = host_need
-                        if compute_s >= top.threshold_s:
+                        fit = _fit(run, sized, base)
+                        if fit is None or compute_s >= top.threshold_s:
                             continue
                         # One order of the chunks to offload, two with frozen chunks (a LoRA base): the cheapest per
                         # device byte freed first, and the cheapest per chunk first (costmodel/offload.py).
-                        orders = model.offload_orders(chunk_size, every, cache_blocks)
-                        for order_index, order in enumerate(orders):
-                            previous, worse = (math.inf,), 0
-                            for offloaded in offload_choices(offloadable, smallest, fixed, one_pool):
-                                shape = Shape(
-                                    chunk_size,
-                                    cache_blocks,
-                                    offloaded,
-                                    prefetch,
-                                    every,
-                                    micro_batch,
-                                    accum,
-                                    offloaded=None if order_index == 0 else tuple(order[:offloaded]),
-                                    layered=layered,
-                                    selective=selective,
-                                )
-                                # Adam steps trainable shards only: offloaded frozen ones (a LoRA base) have none.
-                                on_host = model.offloaded_shards(shape)[0]
-                                optimizer_s = max(
-                                    (num_chunks - layout.num_frozen - on_host)
-                                    * shard_numel
-                                    / hardware.gpu_adam_elems_per_s,
-                                    on_host * shard_numel / model.cpu_adam_elems_per_s,
-                                )
-                                if compute_s + costs.grad_norm_s + optimizer_s >= top.threshold_s:
-                                    continue  # the optimizer bound is V-shaped in the offload share
-                                # The first order's smallest share is the ``fitting`` shape: its estimate is known.
-                                same = order_index == 0 and offloaded == smallest
-                                memory = fitting if same else model.memory(shape)
-                                if memory.peak_host_bytes > budget.host_bytes:
-                                    break
-                                if memory.required_gpu_bytes > budget.usable_gpu_bytes:
-                                    continue  # offloaded frozen shards free less than ``smallest`` assumed
-                                if one_pool and _one_pool_bytes(memory, model) > budget.host_bytes:
-                                    break  # a CPU device: its memory is the host's
-                                candidate = score(model, shape, memory, budget.global_batch_size)
-                                found.num_scored += 1
-                                key = model.parallel_layout
-                                kept = found.best_by_layout.get(key)
-                                if stages > 1:
-                                    if candidate.rank_key()[:1] >= min(
-                                        top.threshold_key, kept.rank_key()[:1] if kept else (math.inf,)
-                                    ):
-                                        continue  # the critical stage's step is a lower bound of the pipeline's
-                                    whole = scorer.whole(
-                                        candidate, budget.global_batch_size, budget.usable_gpu_bytes, budget.host_bytes
-                                    )
-                                    if (
-                                        whole is None
-                                        or one_pool
-                                        and _one_pool_bytes(whole.memory, model) > budget.host_bytes
-                                    ):
-                                        continue  # another stage does not fit
-                                    candidate = whole
-                                top.add(candidate)
-                                if kept is None or candidate.rank_key() < kept.rank_key():
-                                    found.best_by_layout[key] = candidate
-                                worse = worse + 1 if candidate.rank_key()[:1] > previous else 0
-                                if worse >= 2:
-                                    break
-                                previous = candidate.rank_key()[:1]
+                        for order_index, order in enumerate(model.offload_orders(chunk_size, every, cache_blocks)):
+                            _explore_order(run, sized, base, fit, compute_s, order if order_index else None)
+
+
+def _sized(run: _LayoutRun, chunk_size: int) -> _Sized:
+    model = run.model
+    layout = model.layout(chunk_size)
+    shard_numel = chunk_size // model.data_size
+    # most_freed[k]: the most device bytes k offloaded chunks free (those that free the most: a frozen
+    # chunk frees its weights only, an expert chunk E data shards' worth, the others one shard's state).
+    freed = freed_bytes(layout, shard_numel, model.dtype, model.experts.shard_weights(layout))
+    most_freed = list(itertools.accumulate(sorted((freed[c] for c in model.experts.movable(layout)), reverse=True)))
+    most_freed.insert(0, 0)
+    offloadable = model.offloadable_chunks(chunk_size)  # expert chunks stay where the engine cannot offload them
+    most_offloaded = max(offload_choices(offloadable, 0, run.fixed, run.one_pool))
+    return _Sized(chunk_size, layout, offloadable, shard_numel, most_freed, model.costs(chunk_size), most_offloaded)
+
+
+def _runnable_micro_batches(run: _LayoutRun, selective: bool) -> list[tuple[int, bool]]:
+    """(micro-batch size, layered) pairs the layout can run (with selective checkpointing or not)."""
+    model, stages = run.model, run.model.parallel_layout.pipeline
+    tensor = model.parallel_layout
+    grid_rows = math.isqrt(tensor.tensor) if tensor.tensor_mode == "2d" else 1
+    num_blocks = len(model.full_profile.blocks)
+    no_layered = layered_refused(model.full_profile, tensor)
+    out = []
+    for micro_batch, layered in micro_batch_accumulation_choices(run.per_rank, run.fixed, stages):
+        if layered and (selective or no_layered):
+            continue  # selective checkpointing and context parallelism run standard accumulation (capabilities)
+        if micro_batch % grid_rows:
+            continue  # 2D tensor parallelism splits each micro-batch over the q rows of its grid
+        if schedule_problem(num_blocks, stages, tensor.assignment, tensor.schedule, run.per_rank // micro_batch):
+            continue  # e.g. 1F1B with fewer micro-batches than stages (plan/stages.py)
+        if tensor.expert > 1 and expert_parallel_conflicts(stages, tensor.tensor, "layered" if layered else "standard"):
+            continue  # the engine does not run this beside expert parallelism (plan/capabilities.py)
+        out.append((micro_batch, layered))
+    return out
+
+
+def _fit(run: _LayoutRun, sized: _Sized, base: Shape) -> tuple[int, MemoryEstimate] | None:
+    """The fewest offloaded chunks with which ``base`` fits the device, and that shape's estimate.
+
+    Closed form: the fewest chunks whose freed bytes cover the need. Records the least device and
+    host memory seen (for the error when nothing fits). None: no share fits.
+    """
+    model, found, budget = run.model, run.found, run.budget
+    memory = model.memory(base)
+    # The least device memory of this shape: every shard it may offload on the host
+    # (on a CPU device an offloaded shard stays in the same memory).
+    need_least = memory.required_gpu_bytes - (0 if run.one_pool else sized.most_freed[sized.most_offloaded])
+    if found.min_gpu_bytes is None or need_least < found.min_gpu_bytes:
+        found.min_gpu_bytes = need_least
+    over = memory.required_gpu_bytes - budget.usable_gpu_bytes  # the margin stays free
+    smallest = bisect.bisect_left(sized.most_freed, over)  # offloadable + 1: none covers it
+    if run.one_pool:
+        if over > 0:
+            return None  # offloading would not make it fit: the host is the device
+        smallest = 0
+    if smallest > sized.offloadable or smallest > sized.most_offloaded:
+        return None  # does not fit the device (at the pinned offload share)
+    if smallest:  # the same shape as ``base`` when nothing need be offloaded: its estimate is ``base``'s
+        memory = model.memory(_with_offload(base, smallest, None))
+    host_need = _one_pool_bytes(memory, model) if run.one_pool else memory.peak_host_bytes
+    if found.min_host_bytes is None or host_need < found.min_host_bytes:
+        found.min_host_bytes = host_need
+    return smallest, memory
+
+
+def _with_offload(base: Shape, count: int, order: list[int] | None) -> Shape:
+    """``base`` with ``count`` chunks offloaded: the model's first ones, or the first ``count`` of ``order``."""
+    return Shape(
+        base.chunk_size,
+        base.cache_blocks,
+        count,
+        base.prefetch,
+        base.every,
+        base.micro_batch_size,
+        base.grad_accum_steps,
+        offloaded=None if order is None else tuple(order[:count]),
+        layered=base.layered,
+        selective=base.selective,
+    )
+
+
+def _explore_order(
+    run: _LayoutRun,
+    sized: _Sized,
+    base: Shape,
+    fit: tuple[int, MemoryEstimate],
+    compute_s: float,
+    order: list[int] | None,
+) -> None:
+    """Scores the offload shares from the smallest that fits upwards, in one offload order (None: the
+    model's first), until the host is full or the step grew twice in a row."""
+    model, budget, found = run.model, run.budget, run.found
+    smallest, fitting = fit
+    previous, worse = (math.inf,), 0
+    for offloaded in offload_choices(sized.offloadable, smallest, run.fixed, run.one_pool):
+        shape = _with_offload(base, offloaded, order)
+        if compute_s + sized.costs.grad_norm_s + _optimizer_bound_s(run, sized, shape) >= run.top.threshold_s:
+            continue  # the optimizer bound is V-shaped in the offload share
+        # The first order's smallest share is the ``fitting`` shape: its estimate is known.
+        memory = fitting if order is None and offloaded == smallest else model.memory(shape)
+        if memory.peak_host_bytes > budget.host_bytes:
+            break
+        if memory.required_gpu_bytes > budget.usable_gpu_bytes:
+            continue  # offloaded frozen shards free less than ``smallest`` assumed
+        if run.one_pool and _one_pool_bytes(memory, model) > budget.host_bytes:
+            break  # a CPU device: its memory is the host's
+        candidate = _scored(run, shape, memory)
+        if candidate is None:
+            continue
+        run.top.add(candidate)
+        kept = found.best_by_layout.get(model.parallel_layout)
+        if kept is None or candidate.rank_key() < kept.rank_key():
+            found.best_by_layout[model.parallel_layout] = candidate
+        worse = worse + 1 if candidate.rank_key()[:1] > previous else 0
+        if worse >= 2:
+            break
+        previous = candidate.rank_key()[:1]
+
+
+def _optimizer_bound_s(run: _LayoutRun, sized: _Sized, shape: Shape) -> float:
+    """The optimizer step's time: Adam on the device and on the host run side by side."""
+    # Adam steps trainable shards only: offloaded frozen ones (a LoRA base) have none.
+    on_host = run.model.offloaded_shards(shape)[0]
+    on_device = sized.layout.num_chunks - sized.layout.num_frozen - on_host
+    return max(
+        on_device * sized.shard_numel / run.model.hardware.gpu_adam_elems_per_s,
+        on_host * sized.shard_numel / run.model.cpu_adam_elems_per_s,
+    )
+
+
+def _scored(run: _LayoutRun, shape: Shape, memory: MemoryEstimate) -> Candidate | None:
+    """The candidate of ``shape``; under a pipeline the whole pipeline's, None when it cannot win or
+    another stage does not fit."""
+    model, budget = run.model, run.budget
+    candidate = score(model, shape, memory, budget.global_batch_size)
+    run.found.num_scored += 1
+    if model.parallel_layout.pipeline == 1:
+        return candidate
+    kept = run.found.best_by_layout.get(model.parallel_layout)
+    if candidate.rank_key()[:1] >= min(run.top.threshold_key, kept.rank_key()[:1] if kept else (math.inf,)):
+        return None  # the critical stage's step is a lower bound of the pipeline's
+    whole = run.scorer.whole(candidate, budget.global_batch_size, budget.usable_gpu_bytes, budget.host_bytes)
+    if whole is None or run.one_pool and _one_pool_bytes(whole.memory, model) > budget.host_bytes:
+        return None  # another stage does not fit
+    return whole

@@ -75,6 +75,33 @@ def parse_checkpointing(value: Any) -> int:
     raise ValueError(f"--fix checkpointing={value}: expected none, all or every:<k>")
 
 
+# Pinned keys whose value is one of a list: the list, whether the value is lower-cased first, and
+# an optional message (after "--fix key=value: ") when it is not in the list.
+_CHOICES: dict[str, tuple[tuple[str, ...], bool, str]] = {
+    "checkpoint_mode": (CHECKPOINT_MODES, False, ""),
+    "accumulation": (ACCUMULATIONS, False, ""),
+    "assignment": (PIPELINE_ASSIGNMENTS, False, ""),
+    "schedule": (
+        SEARCH_SCHEDULES,
+        False,
+        f"the search prices {' and '.join(SEARCH_SCHEDULES)}; a plan may name the others (gpipe, "
+        "interleaved_1f1b) by hand",
+    ),
+    "engine": (ENGINE_NAMES, False, ""),
+    "context_mode": (CONTEXT_MODES, True, ""),
+    "tensor_mode": (TENSOR_MODES, True, ""),
+    "dtype": (DTYPES, False, ""),
+}
+
+
+def _choice(key: str, value: Any) -> str:
+    choices, lower, message = _CHOICES[key]
+    text = str(value).lower() if lower else str(value)
+    if text not in choices:
+        raise ValueError(f"--fix {key}={value}: {message or 'expected one of ' + ', '.join(choices)}")
+    return text
+
+
 def parse_fixed(fixed: dict[str, Any] | list[str] | None) -> dict[str, Any]:
     """Normalises pinned choices.
 
@@ -122,41 +149,10 @@ def parse_fixed(fixed: dict[str, Any] | list[str] | None) -> dict[str, Any]:
                 out["checkpoint_mode"] = "selective"
                 value = "all" if text == "selective" else f"every{text[len('selective') :]}"
             out[key] = parse_checkpointing(value)
-        elif key == "checkpoint_mode":
-            if str(value) not in CHECKPOINT_MODES:
-                raise ValueError(f"--fix checkpoint_mode={value}: expected one of {', '.join(CHECKPOINT_MODES)}")
-            out[key] = str(value)
-        elif key == "accumulation":
-            if str(value) not in ACCUMULATIONS:
-                raise ValueError(f"--fix accumulation={value}: expected one of {', '.join(ACCUMULATIONS)}")
-            out[key] = str(value)
-        elif key == "assignment":
-            if str(value) not in PIPELINE_ASSIGNMENTS:
-                raise ValueError(f"--fix assignment={value}: expected one of {', '.join(PIPELINE_ASSIGNMENTS)}")
-            out[key] = str(value)
-        elif key == "schedule":
-            if str(value) not in SEARCH_SCHEDULES:
-                raise ValueError(
-                    f"--fix schedule={value}: the search prices {' and '.join(SEARCH_SCHEDULES)}; "
-                    "a plan may name the others (gpipe, interleaved_1f1b) by hand"
-                )
-            out[key] = str(value)
-        elif key == "engine":
-            if str(value) not in ENGINE_NAMES:
-                raise ValueError(f"--fix engine={value}: expected one of {', '.join(ENGINE_NAMES)}")
-            out[key] = str(value)
-        elif key == "context_mode":
-            if str(value).lower() not in CONTEXT_MODES:
-                raise ValueError(f"--fix context_mode={value}: expected one of {', '.join(CONTEXT_MODES)}")
-            out[key] = str(value).lower()
-        elif key == "tensor_mode":
-            if str(value).lower() not in TENSOR_MODES:
-                raise ValueError(f"--fix tensor_mode={value}: expected one of {', '.join(TENSOR_MODES)}")
-            out[key] = str(value).lower()
+        elif key in _CHOICES:
+            out[key] = _choice(key, value)
         else:
-            if str(value) not in DTYPES:
-                raise ValueError(f"--fix dtype={value}: expected one of {', '.join(DTYPES)}")
-            out[key] = str(value)
+            raise AssertionError(key)  # every key of FIX_KEYS is handled above
     return out
 
 

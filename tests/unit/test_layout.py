@@ -96,3 +96,23 @@ def test_only_comm_calls_torch_distributed_in_the_engine():
         if re.search(r"torch\.distributed|from torch import distributed", path.read_text())
     )
     assert users and all(path.startswith("comm/") for path in users), users
+
+
+def test_only_the_device_module_calls_torch_cuda():
+    """Streams, events, pinned memory and synchronisation go through elixir_tune/device.py, so that the
+    CPU tests reach the code paths that use them (tests/unit/test_device_ops.py). Strings don't count."""
+    import ast
+    from pathlib import Path
+
+    import elixir_tune
+
+    package = Path(elixir_tune.__file__).parent
+    allowed = {"device.py", "engine/io/checkpoint.py"}  # checkpoint.py: the CUDA RNG state, saved and restored
+    users = set()
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            cuda = isinstance(node, ast.Attribute) and node.attr == "cuda" and ast.unparse(node) == "torch.cuda"
+            pinned = isinstance(node, ast.keyword) and node.arg == "pin_memory"
+            if cuda or pinned:
+                users.add(str(path.relative_to(package)))
+    assert users <= allowed, sorted(users - allowed)

@@ -31,9 +31,11 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from elixir_tune.device import DeviceOps, ops_for
 from elixir_tune.engine.chunks.host_memory import zeros_on_demand
 from elixir_tune.engine.chunks.staging import GradDrain, StagingBuffer
 from elixir_tune.engine.chunks.states import GRAD_STAGED, TensorState, transition
@@ -77,6 +79,7 @@ class Chunk:
             expert-data group but divides by the whole data size; it reduces into a shard buffer of
             its own, as the staging pool's are cut for the data group (and, offloaded on cuda, lands
             in a host buffer of its own).
+        ops: the device's streams, events and pinned memory (default: ``ops_for(device)``).
     """
 
     def __init__(
@@ -92,7 +95,9 @@ class Chunk:
         upload: torch.Tensor | None = None,
         frozen: bool = False,
         grad_divisor: int | None = None,
+        ops: DeviceOps | None = None,
     ):
+        self.ops = ops if ops is not None else ops_for(device)
         self.grad_divisor = grad_divisor
         self.id = chunk_id
         self.frozen = frozen
@@ -149,9 +154,9 @@ class Chunk:
         # An offloaded expert chunk's reduced shard lands here on cuda (the pool's landing buffers are
         # cut for the data group's shards); on a cpu device the drain adds it from the device buffer.
         self.landing: torch.Tensor | None = None
-        if grad_divisor is not None and offload and not frozen and device.type == "cuda":
-            self.landing = torch.empty(self.shard_numel, dtype=compute_dtype, pin_memory=True)
-        self.upload_event: torch.cuda.Event | None = None  # cuda: the last host->device copy reading ``upload``
+        if grad_divisor is not None and offload and not frozen and self.ops.streams:
+            self.landing = self.ops.host_empty(self.shard_numel, compute_dtype)
+        self.upload_event: Any = None  # with streams: the last host->device copy reading ``upload``
         self.payload = torch.empty(chunk_size, dtype=compute_dtype, device=device)
         self.payload.untyped_storage().resize_(0)
         self.allocated = False  # payload storage present
@@ -194,7 +199,7 @@ class Chunk:
     def wait_upload(self) -> None:
         """Waits until no host->device copy still reads the upload copy (before writing it)."""
         if self.upload_event is not None:
-            self.upload_event.synchronize()
+            self.ops.sync_event(self.upload_event)
             self.upload_event = None
 
     def refresh_upload(self) -> None:
@@ -222,22 +227,21 @@ class Chunk:
 
         Args:
             async_op: return before the gather completes (``Handle.wait()`` completes it).
-            side_stream: a CUDA stream for prefetches: the host-to-device copy, the cast and the
-                collective are ordered on it, and waiting makes the current stream wait for it.
+            side_stream: a stream (``self.ops``'s) for prefetches: the host-to-device copy, the cast
+                and the collective are ordered on it, and waiting makes the current stream wait for it.
         """
         self.allocate()  # on the current stream: the payload's memory belongs to the compute stream
         if side_stream is None:
             return self._gather_on_current_stream(async_op)
-        compute = torch.cuda.current_stream(self.device)
-        side_stream.wait_stream(compute)  # the shard's last update and the payload's last reader
-        with torch.cuda.stream(side_stream):
+        ops = self.ops
+        ops.wait_stream(side_stream, ops.current_stream())  # the shard's last update, the payload's last reader
+        with ops.use_stream(side_stream):
             handle = self._gather_on_current_stream(async_op=True)
-            event = torch.cuda.Event()
-            event.record(side_stream)
+            event = ops.record_event(side_stream)
 
         def wait() -> None:
             handle.wait()
-            torch.cuda.current_stream(self.device).wait_event(event)
+            ops.wait_event(ops.current_stream(), event)  # the payload is read (or freed) after this
 
         return Handle(None, wait)
 
@@ -251,9 +255,8 @@ class Chunk:
         if self.offload:
             assert self.upload is not None  # an offloaded chunk always has its upload copy
             mine.copy_(self.upload, non_blocking=True)
-            if self.device.type == "cuda":
-                self.upload_event = torch.cuda.Event()
-                self.upload_event.record()
+            if self.ops.streams:  # the copy reads ``upload`` after we return: writes wait for it
+                self.upload_event = self.ops.record_event()
         else:
             mine.copy_(self.master)
         if self.comm.world_size == 1:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from elixir_tune.device import DeviceOps, ops_for
 from elixir_tune.engine.comm import Handle
 
 
@@ -50,6 +51,7 @@ class StagingPool:
         dtype: compute dtype.
         device: the compute device.
         landing: allocate host landing buffers (some chunk is offloaded).
+        ops: the device's calls (pinned memory); default ``ops_for(device)``.
     """
 
     def __init__(
@@ -61,6 +63,7 @@ class StagingPool:
         dtype: torch.dtype,
         device: torch.device,
         landing: bool,
+        ops: DeviceOps | None = None,
     ):
         if size < 1:
             raise ValueError(f"memory.staging_buffers must be at least 1, got {size}")
@@ -70,7 +73,7 @@ class StagingPool:
         self.out_block = torch.empty(size * shard if world_size > 1 else 0, dtype=dtype, device=device)
         self.landing_block = None
         if landing:
-            self.landing_block = torch.empty(size * shard, dtype=dtype, pin_memory=device.type == "cuda")
+            self.landing_block = (ops if ops is not None else ops_for(device)).host_empty(size * shard, dtype)
         self._free: list[StagingBuffer] = []
         for i in range(size):
             full = self.full_block[i * chunk_size : (i + 1) * chunk_size]
@@ -107,11 +110,13 @@ class GradDrain:
 
     Args:
         device: the compute device (cuda: the copies run on a stream of their own).
+        ops: the device's streams and events; default ``ops_for(device)``.
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, ops: DeviceOps | None = None):
         self.device = device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.ops = ops if ops is not None else ops_for(device)
+        self.stream = self.ops.new_stream() if self.ops.streams else None
         self._executor: ThreadPoolExecutor | None = None
 
     def _worker(self) -> ThreadPoolExecutor:
@@ -131,12 +136,11 @@ class GradDrain:
             # the staging buffer stays ours until finish_reduce has the future's result.
             return self._worker().submit(_wait_add, handle, buffer.out, grad)
         assert landing is not None, "the grad drain needs a staging pool built with landing buffers on cuda"
-        with torch.cuda.stream(self.stream):
+        with self.ops.use_stream(self.stream):
             handle.wait()  # the copy stream (not the compute stream) waits for the reduce-scatter
             landing.copy_(buffer.out, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        return self._worker().submit(_sync_add, event, landing, grad)
+            event = self.ops.record_event(self.stream)
+        return self._worker().submit(_sync_add, self.ops, event, landing, grad)
 
     def close(self) -> None:
         if self._executor is not None:
@@ -149,6 +153,6 @@ def _wait_add(handle: Handle, out: torch.Tensor, grad: torch.Tensor) -> None:
     grad.add_(out)
 
 
-def _sync_add(event, landing: torch.Tensor, grad: torch.Tensor) -> None:
-    event.synchronize()
+def _sync_add(ops: DeviceOps, event, landing: torch.Tensor, grad: torch.Tensor) -> None:
+    ops.sync_event(event)  # the copy into ``landing`` is done
     grad.add_(landing)

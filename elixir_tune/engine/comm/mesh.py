@@ -9,9 +9,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
+from elixir_tune.device import ops_for
 from elixir_tune.engine.comm.collectives import Comm
 from elixir_tune.engine.worker import collective_timeout_s, pick_device
 
@@ -42,8 +42,7 @@ def init_comm(world_size: int, device_type: str, backend: str, timeout_s: float 
             started by a launcher.
     """
     device = pick_device(device_type)
-    if device_type == "cuda":
-        torch.cuda.set_device(device)
+    ops_for(device).set_device()
     if not dist.is_available():
         if world_size != 1:
             raise RuntimeError(
