@@ -68,7 +68,11 @@ def test_quick_probe_writes_a_loadable_spec(tmp_path):
         assert "right after a block forward+backward" in spec.sources["collective_latency_s"]
         assert spec.sources["allgather_gbps"].startswith("measured: gloo, 2 local processes")
         assert min(spec.bandwidth_curves["allgather_gbps"]) == 2**20
-        assert spec.cpu_adam_elems_per_s == spec.gpu_adam_elems_per_s > 1e6
+        # host Adam: one process alone, and the node's two at once summed (the device Adam: each of them)
+        assert spec.cpu_adam_elems_per_s > 1e6 and spec.gpu_adam_elems_per_s > 1e6
+        assert spec.cpu_adam_node_elems_per_s == pytest.approx(2 * spec.gpu_adam_elems_per_s)
+        assert "one process alone" in spec.sources["cpu_adam_elems_per_s"]
+        assert spec.sources["cpu_adam_node_elems_per_s"].startswith("measured: the same in all 2 processes")
         # the layout ratios at 2 processes (hardware/bench_layout.py); the fixed costs measured with the engine
         assert "bench_layout" in spec.sources["tensor2_block_extra_ratio"]
         for key in ("tensor2_block_fixed_s", "pipeline_stage_microbatch_s"):
