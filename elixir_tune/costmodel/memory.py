@@ -22,7 +22,8 @@ The rest of the device peak is frozen parameters outside the chunks (none in a s
 activations at the micro-batch size (a line from the profile, interpolated by blocks for every-k
 checkpointing; on a CPU device also the attention scores its math path keeps where the attention has
 dropout, ``cpu_attention_dropout_bytes``), model buffers, the gradients autograd holds before the
-engine copies them into the staging buffer (twice the largest parameter, at fp32 width), and on a
+engine copies them into the staging buffer where the line does not hold them (twice the largest
+parameter at fp32 width, ``unseen_grad_bytes``), and on a
 pipeline rank the receive buffers of every micro-batch (``stage_profile.recv_buffer_bytes``). That is
 what a step allocates (``peak_gpu_bytes``). Beside it the search keeps a margin free (``margin_bytes``)
 for what tensors do not show: allocator fragmentation and workspaces, and the buffers of the
@@ -47,6 +48,26 @@ GRADS_IN_FLIGHT = 2
 # accumulate a bf16/fp16 gradient in fp32 before casting it (a workspace the meta-device profile
 # cannot see).
 GRAD_KERNEL_BYTES = 4
+
+
+def unseen_grad_bytes(dtype: str, whole_model_line: bool) -> int:
+    """Bytes per element of a gradient in flight that the activation line does not already hold.
+
+    The profiler's meter counts every gradient autograd allocates, from its allocation until the
+    parameter's post-accumulate hook drops it, as the engine takes it (``profiler/profile.py``). So a
+    line traced on the whole model holds the gradients in flight at its peak, at the compute dtype,
+    wherever in the step they coincide with the activations. It cannot see the fp32 workspace of a
+    low-precision gradient kernel (``GRAD_KERNEL_BYTES``). A rank's share of a line (a pipeline stage,
+    a tensor or context split) holds its share of them, while a gradient arrives whole
+    (a 1d embedding's replicated table): there the whole gradient is counted on top, as before.
+    Measured on GPT-2 shapes at fp32 (scripts/bench_memory_cpu.py): the step's peak above its start was
+    the line to the MiB, with the embedding's 12.9M-element gradient inside it, not beside it.
+    """
+    if whole_model_line and dtype == "fp32":
+        return 0
+    return GRAD_KERNEL_BYTES
+
+
 # The plan's default gradient staging pool.
 STAGING_BUFFERS = 2
 # Allocator margin on a GPU: at least 1 GiB or 5% of the device, whichever is larger (the caching
@@ -299,6 +320,7 @@ def estimate_memory(
     num_frozen: int = 0,
     num_frozen_offloaded: int = 0,
     own_landing_numels: tuple[int, ...] = (),
+    whole_model_line: bool = False,
 ) -> MemoryEstimate:
     """Device and host peaks of one candidate.
 
@@ -334,6 +356,7 @@ def estimate_memory(
         num_frozen: frozen chunks (compute-dtype weights only), among ``num_chunks``.
         num_frozen_offloaded: frozen chunks among ``num_offloaded``.
         own_landing_numels: elements of each host landing buffer of its own (``transient_bytes``).
+        whole_model_line: ``profile`` is the whole model's, not a rank's share (``unseen_grad_bytes``).
 
     Returns:
         The estimate.
@@ -366,7 +389,8 @@ def estimate_memory(
     dtype_bytes = DTYPE_BYTES[dtype]
     frozen = frozen_numel * dtype_bytes
     activations = activation_copies * activation_bytes(profile, micro_batch_size, every, dtype, device)
-    buffers = profile.buffers_bytes + GRADS_IN_FLIGHT * largest_param_numel * GRAD_KERNEL_BYTES
+    unseen = unseen_grad_bytes(dtype, whole_model_line and not isinstance(profile, StageProfile))
+    buffers = profile.buffers_bytes + GRADS_IN_FLIGHT * largest_param_numel * unseen
     if isinstance(profile, StageProfile):  # a pipeline stage's receive buffers, one set per micro-batch
         buffers += int(
             micro_batches * micro_batch_size * profile.recv_buffer_bytes_per_sample * dtype_scale(profile, dtype)
