@@ -23,7 +23,8 @@ activations at the micro-batch size (a line from the profile, interpolated by bl
 checkpointing; on a CPU device also the attention scores its math path keeps where the attention has
 dropout, ``cpu_attention_dropout_bytes``), model buffers, the gradients autograd holds before the
 engine copies them into the staging buffer where the line does not hold them (twice the largest
-parameter at fp32 width, ``unseen_grad_bytes``), and on a
+parameter at fp32 width, ``unseen_grad_bytes``), what the profile does not trace (the micro-batch's
+tokens, checkpointing's saved generator states, Adam's step counters: ``untraced_step_bytes``), and on a
 pipeline rank the receive buffers of every micro-batch (``stage_profile.recv_buffer_bytes``). That is
 what a step allocates (``peak_gpu_bytes``). Beside it the search keeps a margin free (``margin_bytes``)
 for what tensors do not show: allocator fragmentation and workspaces, and the buffers of the
@@ -48,6 +49,29 @@ GRADS_IN_FLIGHT = 2
 # accumulate a bf16/fp16 gradient in fp32 before casting it (a workspace the meta-device profile
 # cannot see).
 GRAD_KERNEL_BYTES = 4
+
+
+# Beside the line, three small things a step holds that the meta-device profile does not trace:
+# the micro-batch's token tensors (int64 input ids, labels, masks: the meter takes the example batch as
+# already there), the CPU generator state torch.utils.checkpoint saves per checkpointed call
+# (preserve_rng_state; torch.get_rng_state() is 5056 bytes in torch 2.13; the engine checkpoints each
+# recomputing block, engine/hooks.py), and Adam's step counter, a 0-dim fp32 tensor per parameter in
+# torch's foreach and fused AdamW. And a fixed few 0-dim tensors of the engine's own: loss and
+# finite flags between steps, the gradient norm's parts, the clip coefficient and found_inf during one
+# (GPT-2 13M at world 2, tests/distributed/test_memory_fidelity.py: 22 bytes alive between steps and 104
+# during one, beyond the rest; ENGINE_SCALAR_BYTES counts them with room).
+TOKEN_BYTES = 8
+CPU_RNG_STATE_BYTES = 5056
+STEP_COUNTER_BYTES = 4
+ENGINE_SCALAR_BYTES = 256
+
+
+def untraced_step_bytes(profile: ModelProfile, micro_batch_size: int, every: int, activation_copies: int) -> int:
+    """The micro-batch's tokens, the checkpointed blocks' saved generator states (one set per micro-batch
+    whose activations are held), the optimizer's step counters and the engine's scalars (see ``TOKEN_BYTES``)."""
+    tokens = micro_batch_size * profile.seq_len * TOKEN_BYTES * max(1, len(profile.inputs))
+    rng = checkpointed_blocks(len(profile.blocks), every) * CPU_RNG_STATE_BYTES
+    return activation_copies * (tokens + rng) + len(profile.params) * STEP_COUNTER_BYTES + ENGINE_SCALAR_BYTES
 
 
 def unseen_grad_bytes(dtype: str, whole_model_line: bool) -> int:
@@ -391,6 +415,7 @@ def estimate_memory(
     activations = activation_copies * activation_bytes(profile, micro_batch_size, every, dtype, device)
     unseen = unseen_grad_bytes(dtype, whole_model_line and not isinstance(profile, StageProfile))
     buffers = profile.buffers_bytes + GRADS_IN_FLIGHT * largest_param_numel * unseen
+    buffers += untraced_step_bytes(profile, micro_batch_size, every, activation_copies)
     if isinstance(profile, StageProfile):  # a pipeline stage's receive buffers, one set per micro-batch
         buffers += int(
             micro_batches * micro_batch_size * profile.recv_buffer_bytes_per_sample * dtype_scale(profile, dtype)
