@@ -123,9 +123,9 @@ def _rows(spec: HardwareSpec) -> list[tuple[str, str]]:
         ("collective latency", f"{spec.collective_latency_s * 1e6:.3g} us"),
         ("inter-node busbw", _rate(spec.inter_node_gbps, "GB/s")),
         ("device Adam", _rate(spec.gpu_adam_elems_per_s, "elem/s")),
-        ("CPU Adam per rank", _rate(spec.cpu_adam_elems_per_s, "elem/s")),
+        ("CPU Adam, one process alone", _rate(spec.cpu_adam_elems_per_s, "elem/s")),
         (
-            "CPU Adam, node",
+            "CPU Adam, node (all at once)",
             _rate(spec.cpu_adam_node_elems_per_s or spec.cpu_adam_elems_per_s * spec.gpus_per_node, "elem/s"),
         ),
         ("collectives share PCIe", "yes" if spec.shared_host_link else "no"),

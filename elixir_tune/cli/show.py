@@ -258,20 +258,17 @@ def _simulation(plan: Plan, profile, hardware):
     """The cost model of the plan's cluster and the plan's shape in it, or a reason it cannot be simulated.
 
     Returns:
-        (model, shape, None), or (None, None, why) with a one-line hint in ``why``.
+        (model, shape, None), or (None, None, (what is wrong, what to do)).
     """
     from elixir_tune.costmodel.model import CostModel, Shape
     from elixir_tune.costmodel.parallel import Layout
 
     if profile.fingerprint != plan.model.fingerprint:
-        return (
-            None,
-            None,
-            (
-                f"the profile is of another model than the plan's (fingerprint {profile.fingerprint}, the plan's "
-                f"{plan.model.fingerprint}); pass the profile the plan was searched from with --profile"
-            ),
+        mismatch = (
+            f"profiles another model than the plan's (fingerprint {profile.fingerprint}, the plan's "
+            f"{plan.model.fingerprint})"
         )
+        return None, None, (mismatch, "pass the profile the plan was searched from with --profile")
     layout = Layout.of_plan(plan.parallel)
     model = CostModel(
         profile, hardware, plan.cluster.gpus_per_node, plan.cluster.nodes, plan.training.dtype, layout=layout
@@ -283,14 +280,11 @@ def _simulation(plan: Plan, profile, hardware):
     packed = model.layout(memory.chunk_size).chunks
     first_names = [model.profile.params[chunk.params[0]].name for chunk in packed]
     if not set(planned) <= set(first_names):
-        return (
-            None,
-            None,
-            (
-                f"the plan's chunks are not the search's packing of this profile at chunk size "
-                f"{memory.chunk_size:,} (edited by hand?); search the plan again, e.g. elixir-tune search --fix chunk_size=..."
-            ),
+        repacked = (
+            f"the plan's chunks are not the search's packing of this profile at chunk size "
+            f"{memory.chunk_size:,} (edited by hand?), so its timeline cannot be simulated"
         )
+        return None, None, (repacked, "search the plan again, e.g. elixir-tune search --fix chunk_size=...")
     offloaded = tuple(i for i, name in enumerate(first_names) if name in planned and planned[name].offload)
     return model, Shape.of_plan(plan, len(offloaded), offloaded), None
 
@@ -303,8 +297,8 @@ def _draw(plan: Plan, path: str, profile_path: str, hardware_ref: str | None) ->
     profile, hardware, _ = _load_inputs(profile_path, hardware_ref or plan.cluster.hardware)
     model, shape, why = _simulation(plan, profile, hardware)
     if model is None or shape is None:
-        message, _, hint = str(why).partition("; ")
-        fail(f"{profile_path}: {message}, so its timeline cannot be simulated", hint=hint)
+        message, hint = why or ("cannot be simulated", "")
+        fail(f"{profile_path} {message}" if message.startswith("profiles") else message, hint=hint)
     estimate = model.step_time(shape)
     title = shape_title("this plan", shape, estimate.step_time_s, model.memory(shape).peak_gpu_bytes)
     try:
