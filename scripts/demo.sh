@@ -31,7 +31,8 @@ section "1/5 profile the tiny GPT-2 on the meta device"
 "$BIN/elixir-tune" profile configs/models/gpt2-tiny.yaml --batch-size 8 --seq-len 128 --out "$OUT/profile.yaml"
 
 section "2/5 probe this machine (quick)"
-"$BIN/elixir-tune" probe --quick --out "$OUT/hardware.yaml"
+# --allow-loaded: the demo goes on when other work loads the machine (the file records it, search warns).
+"$BIN/elixir-tune" probe --quick --allow-loaded --out "$OUT/hardware.yaml"
 
 section "3/5 search a plan for 2 processes"
 # the pretrain recipe runs model.forward_backward(micro_batches) on elixir_tune.data_rank()'s slice, so the

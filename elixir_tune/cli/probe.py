@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -20,7 +22,73 @@ from elixir_tune.cli.console import (
     print_json,
 )
 from elixir_tune.hardware import HardwareSpec, closest_preset, load_hardware, save_hardware
+from elixir_tune.hardware.load import judge, load_record, loaded_note, sample_load, sample_reasons
 from elixir_tune.units import gib
+
+# Seconds to wait before checking a loaded machine again (the quick probe itself takes ~35 s idle).
+LOAD_WAIT_S = 15.0
+ALLOW_LOADED_HINT = (
+    "stop the other work (see `top`) and run the probe again, or pass --allow-loaded to write the file "
+    "anyway, marked as measured under load (`search` then warns)"
+)
+
+
+class LoadedMachine(Exception):
+    """The machine stayed loaded through every retry; the message says what was seen."""
+
+
+def measure_when_idle(
+    measure: Callable[[], HardwareSpec],
+    retries: int,
+    allow_loaded: bool,
+    say: Callable[[str], None],
+    wait_s: float = LOAD_WAIT_S,
+) -> tuple[HardwareSpec, list[str]]:
+    """Runs ``measure`` on a machine not loaded by other work (``hardware/load.py``).
+
+    The machine is sampled before and after each measurement. Loaded before: wait ``wait_s`` and
+    sample again; loaded during: measure again. Both use up ``retries``.
+
+    Args:
+        measure: the probe.
+        retries: waits and repeated measurements allowed in all.
+        allow_loaded: when still loaded, keep the last measurement instead of refusing.
+        say: prints one line of progress.
+        wait_s: seconds between samples of a loaded machine.
+
+    Returns:
+        The spec, with ``probe_load`` recording the load, and the reasons it was judged loaded (empty: idle).
+
+    Raises:
+        LoadedMachine: still loaded after ``retries`` and not ``allow_loaded``.
+    """
+    retries_left = retries
+    while True:
+        before = sample_load()
+        reasons = sample_reasons(before, "before the probe")
+        if reasons and retries_left:
+            say(f"the machine is loaded: {reasons[0]}; waiting {wait_s:.0f} s ({retries_left} retries left)")
+            retries_left -= 1
+            time.sleep(wait_s)
+            continue
+        if reasons and not allow_loaded:
+            raise LoadedMachine("; ".join(reasons))
+        spec = measure()
+        after = sample_load()
+        reasons = judge(before, after)
+        if not reasons or not retries_left:
+            break
+        say(f"the machine was loaded during the probe: {reasons[0]}; measuring again ({retries_left} retries left)")
+        retries_left -= 1
+    if reasons and not allow_loaded:
+        raise LoadedMachine("; ".join(reasons))
+    record = load_record(before, after)
+    sources = dict(
+        spec.sources,
+        probe_load="hardware/load.py: /proc/stat and /proc/loadavg sampled before and after "
+        "the probe while it ran nothing, a reference loop's repeats; loaded 1: " + ("; ".join(reasons) or "-"),
+    )
+    return dataclasses.replace(spec, probe_load=record, sources=sources), reasons
 
 
 def _rate(value: float, unit: str) -> str:
@@ -55,14 +123,23 @@ def _rows(spec: HardwareSpec) -> list[tuple[str, str]]:
         ("collective latency", f"{spec.collective_latency_s * 1e6:.3g} us"),
         ("inter-node busbw", _rate(spec.inter_node_gbps, "GB/s")),
         ("device Adam", _rate(spec.gpu_adam_elems_per_s, "elem/s")),
-        ("CPU Adam per rank", _rate(spec.cpu_adam_elems_per_s, "elem/s")),
+        ("CPU Adam, one process alone", _rate(spec.cpu_adam_elems_per_s, "elem/s")),
         (
-            "CPU Adam, node",
+            "CPU Adam, node (all at once)",
             _rate(spec.cpu_adam_node_elems_per_s or spec.cpu_adam_elems_per_s * spec.gpus_per_node, "elem/s"),
         ),
         ("collectives share PCIe", "yes" if spec.shared_host_link else "no"),
         ("host RAM / cores", f"{gib(spec.host_memory_bytes)} / {spec.host_cores}"),
     ]
+    if spec.probe_load:
+        load = spec.probe_load
+        rows.append(
+            (
+                "measured under load",
+                f"{'LOADED' if load.get('loaded') else 'idle'}: {load.get('busy_cores_before', 0):.1f} / "
+                f"{load.get('busy_cores_after', 0):.1f} cores busy elsewhere, steal {load.get('steal_share', 0):.0%}",
+            )
+        )
     return rows
 
 
@@ -101,7 +178,21 @@ def _table(spec: HardwareSpec, preset_id: str | None) -> Table:
     help="CPU-only machine: worker processes the CPU is split into (default 2). Ignored when there are GPUs.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the spec as JSON (progress on stderr).")
-def probe_command(quick: bool, out_path: str, procs: int | None, as_json: bool) -> None:
+@click.option(
+    "--allow-loaded",
+    is_flag=True,
+    help="Write the file even when other work loads the machine (marked so; `search` warns). Default: refuse.",
+)
+@click.option(
+    "--load-retries",
+    type=click.IntRange(min=0, max=10),
+    default=2,
+    show_default=True,
+    help="On a loaded machine: waits (before measuring) or repeated probes (loaded during it) before giving up.",
+)
+def probe_command(
+    quick: bool, out_path: str, procs: int | None, as_json: bool, allow_loaded: bool, load_retries: int
+) -> None:
     """Measure this machine (GPUs, or the CPU as the device) and write hardware.yaml.
 
     Measures memory, matmul rate per dtype, memory copy bandwidth, host<->device
@@ -141,7 +232,14 @@ def probe_command(quick: bool, out_path: str, procs: int | None, as_json: bool) 
             # Imported here: it loads torch, which `elixir-tune --help` must not wait for.
             from elixir_tune.cli.probe_engine import probe_with_engine
 
-            spec = probe_with_engine(quick=quick, progress=report, procs=procs)
+            spec, loaded = measure_when_idle(
+                lambda: probe_with_engine(quick=quick, progress=report, procs=procs),
+                load_retries,
+                allow_loaded,
+                lambda line: progress.console.print(f"[yellow]note:[/] {line}", highlight=False),
+            )
+        except LoadedMachine as error:
+            fail(f"the machine is loaded by other work: {error}", hint=ALLOW_LOADED_HINT, code=EXIT_FAILED)
         except (RuntimeError, OSError, ValueError) as error:
             fail(
                 f"the probe failed: {error}",
@@ -152,11 +250,18 @@ def probe_command(quick: bool, out_path: str, procs: int | None, as_json: bool) 
         if done:
             progress.console.print(f"[green]done[/] {done[-1]}", highlight=False)
     elapsed_s = time.perf_counter() - begin
+    if loaded:
+        err_console.print(
+            f"[yellow]warning:[/] the probe ran on a loaded machine ({'; '.join(loaded)}); "
+            "written anyway (--allow-loaded), its rates may read slow",
+            soft_wrap=True,
+        )
 
     header = (
         f"Measured by `elixir-tune probe{' --quick' if quick else ''}` in {elapsed_s:.1f} s.\n"
         f"Use it: elixir-tune search --gpus {spec.gpus_per_node} --hardware {out_path}\n"
         f"How each number was measured: see `sources`; curves over sizes: `bandwidth_curves`."
+        + (f"\nWarning: {loaded_note(spec.probe_load)}." if loaded else "")
     )
     try:
         Path(out_path).parent.mkdir(parents=True, exist_ok=True)

@@ -92,7 +92,21 @@ def _load_inputs(profile_path: str, hardware_ref: str | None):
         hardware = load_hardware(hardware_ref)
     except (FileNotFoundError, ValueError) as error:
         fail(str(error), hint="pass a preset id (see configs/hardware/) or a file written by `elixir-tune probe`")
+    warn_loaded_hardware(hardware, hardware_ref)
     return profile, hardware, hardware_ref
+
+
+def warn_loaded_hardware(hardware, hardware_ref: str) -> None:
+    """One warning line when the hardware file was probed on a loaded machine (``hardware/load.py``)."""
+    from elixir_tune.hardware.load import loaded_note
+
+    note = loaded_note(hardware.probe_load)
+    if note:
+        err_console.print(
+            f"[yellow]warning:[/] {hardware_ref}: {note}; plans made with it may be wrong. Probe again on an idle "
+            "machine (`elixir-tune probe`)",
+            soft_wrap=True,
+        )
 
 
 @click.command("search")

@@ -10,6 +10,7 @@ import click
 from elixir_tune.cli.console import console, fail, print_json, print_wide
 from elixir_tune.cli.show_tables import (
     engine_line,
+    host_adam_line,
     memory_table,
     placement_runs,
     placement_table,
@@ -309,44 +310,102 @@ def _profile_of(plan: Plan, plan_path: str, given: str | None) -> str:
     return "profile.yaml"
 
 
-def _draw(plan: Plan, path: str, profile_path: str, hardware_ref: str | None) -> None:
-    """The plan's predicted step, simulated again from its profile and hardware, as SVG."""
-    from elixir_tune.cli.search import _load_inputs
+def _simulation(plan: Plan, profile, hardware):
+    """The cost model of the plan's cluster and the plan's shape in it, or a reason it cannot be simulated.
+
+    Returns:
+        (model, shape, None), or (None, None, (what is wrong, what to do)).
+    """
     from elixir_tune.costmodel.model import CostModel, Shape
     from elixir_tune.costmodel.parallel import Layout
-    from elixir_tune.costmodel.picture import picture_of, shape_title, write_svg
 
-    profile, hardware, _ = _load_inputs(profile_path, hardware_ref or plan.cluster.hardware)
     if profile.fingerprint != plan.model.fingerprint:
-        fail(
-            f"{profile_path} profiles another model than the plan's (fingerprint {profile.fingerprint}, the plan's "
-            f"{plan.model.fingerprint})",
-            hint="pass the profile the plan was searched from with --profile",
+        mismatch = (
+            f"profiles another model than the plan's (fingerprint {profile.fingerprint}, the plan's "
+            f"{plan.model.fingerprint})"
         )
+        return None, None, (mismatch, "pass the profile the plan was searched from with --profile")
     layout = Layout.of_plan(plan.parallel)
     model = CostModel(
         profile, hardware, plan.cluster.gpus_per_node, plan.cluster.nodes, plan.training.dtype, layout=layout
     )
     memory = plan.memory
-    # The search's critical stage is the one drawn (with one stage: every chunk); its chunks are
+    # The search's critical stage is the one simulated (with one stage: every chunk); its chunks are
     # matched to the cost model's packing by their first parameter.
     planned = {chunk.params[0]: chunk for chunk in memory.chunks if chunk.stage == model.stage}
     packed = model.layout(memory.chunk_size).chunks
     first_names = [model.profile.params[chunk.params[0]].name for chunk in packed]
     if not set(planned) <= set(first_names):
-        fail(
+        repacked = (
             f"the plan's chunks are not the search's packing of this profile at chunk size "
-            f"{memory.chunk_size:,} (edited by hand?), so its timeline cannot be simulated",
-            hint="search the plan again, e.g. elixir-tune search --fix chunk_size=...",
+            f"{memory.chunk_size:,} (edited by hand?), so its timeline cannot be simulated"
         )
+        return None, None, (repacked, "search the plan again, e.g. elixir-tune search --fix chunk_size=...")
     offloaded = tuple(i for i, name in enumerate(first_names) if name in planned and planned[name].offload)
-    shape = Shape.of_plan(plan, len(offloaded), offloaded)
+    return model, Shape.of_plan(plan, len(offloaded), offloaded), None
+
+
+def _draw(plan: Plan, path: str, profile_path: str, hardware_ref: str | None) -> None:
+    """The plan's predicted step, simulated again from its profile and hardware, as SVG."""
+    from elixir_tune.cli.search import _load_inputs
+    from elixir_tune.costmodel.picture import picture_of, shape_title, write_svg
+
+    profile, hardware, _ = _load_inputs(profile_path, hardware_ref or plan.cluster.hardware)
+    model, shape, why = _simulation(plan, profile, hardware)
+    if model is None or shape is None:
+        message, hint = why or ("cannot be simulated", "")
+        fail(f"{profile_path} {message}" if message.startswith("profiles") else message, hint=hint)
     estimate = model.step_time(shape)
     title = shape_title("this plan", shape, estimate.step_time_s, model.memory(shape).peak_gpu_bytes)
     try:
         write_svg(path, [picture_of(model, shape, title, hardware.usable_memory_bytes)])
     except OSError as error:
         fail(f"cannot write {path}: {error}", hint="pass another path with --timeline")
+
+
+def _host_adam_steps(plan: Plan, profile_path: str | None, hardware) -> dict[float, float]:
+    """The plan's step simulated again with the host Adam rate times each of ``HOST_ADAM_RATE_FACTORS``
+    (the optimizer and the host's gradient adds move with it); {} when its profile is not at hand."""
+    from elixir_tune.costmodel.offload import HOST_ADAM_RATE_FACTORS
+    from elixir_tune.profiler.schema import load_profile
+
+    named = profile_path or (plan.search.profile if plan.search is not None else "") or "profile.yaml"
+    try:
+        profile = load_profile(named)
+    except (FileNotFoundError, ValueError):
+        return {}
+    steps = {}
+    for factor in HOST_ADAM_RATE_FACTORS:
+        scaled = dataclasses.replace(
+            hardware,
+            cpu_adam_elems_per_s=hardware.cpu_adam_elems_per_s * factor,
+            cpu_adam_node_elems_per_s=hardware.cpu_adam_node_elems_per_s * factor,
+        )
+        model, shape, _ = _simulation(plan, profile, scaled)
+        if model is None or shape is None:
+            return {}
+        steps[factor] = model.step_time(shape).step_time_s
+    return steps
+
+
+def _host_adam(plan: Plan, profile_path: str | None, hardware_ref: str | None) -> str:
+    """``show_tables.host_adam_line`` with the plan's hardware's rate, its source, and the step simulated
+    again at other rates where the profile and hardware are at hand."""
+    from elixir_tune.hardware import load_hardware
+
+    if not host_adam_line(plan):  # not mostly host Adam: nothing to load
+        return ""
+    ref = hardware_ref or plan.cluster.hardware
+    try:
+        hardware = load_hardware(ref)
+    except (FileNotFoundError, ValueError):
+        return host_adam_line(plan)
+    node = hardware.cpu_adam_node_elems_per_s or hardware.cpu_adam_elems_per_s * hardware.gpus_per_node
+    source = hardware.sources.get("cpu_adam_node_elems_per_s", "no source")
+    how = "measured by the probe" if source.startswith("measured") else f"{ref}: {source}"
+    return host_adam_line(
+        plan, f"{node:.3g} elements/s per node, {how}", _host_adam_steps(plan, profile_path, hardware)
+    )
 
 
 @click.command("show")
@@ -431,6 +490,9 @@ def show_command(
     else:
         print_wide(timeline_table(plan))
         console.print(f"[bold]plausibility bound:[/] {bound_line(plan)}", soft_wrap=True)
+        host_adam = _host_adam(plan, profile_path, hardware_ref)
+        if host_adam:
+            console.print(f"[bold]mostly host Adam:[/] {host_adam}", soft_wrap=True)
     print_wide(placement_table(plan))
     if plan.search is not None:
         console.print(

@@ -4,6 +4,12 @@ the chunk placement (kept apart from the command, which reads the plan and print
 from __future__ import annotations
 
 from elixir_tune.cli.console import Table
+from elixir_tune.costmodel.offload import (
+    HOST_ADAM_RATE_FACTORS,
+    HOST_ADAM_SHARE_SHOWN,
+    host_adam_share,
+    step_at_host_adam_rate,
+)
 from elixir_tune.plan import Plan
 from elixir_tune.units import human_bytes
 
@@ -153,6 +159,36 @@ def timeline_table(plan: Plan) -> Table:
         share = value / prediction.step_time_s if prediction.step_time_s else 0.0
         table.add_row(_TIMELINE_LABELS.get(key, key), f"{value:.4g}", f"{share:.0%}")
     return table
+
+
+def host_adam_line(plan: Plan, rate_note: str = "", simulated_s: dict[float, float] | None = None) -> str:
+    """One line when host Adam is more than ``HOST_ADAM_SHARE_SHOWN`` of the predicted step: its share and
+    the step at other host Adam rates; '' otherwise.
+
+    Args:
+        plan: a plan with a prediction.
+        rate_note: the rate predicted with and where it comes from (e.g. "1.8e9 elements/s per node, preset").
+        simulated_s: rate factor -> the step simulated again at that rate; without it, the optimizer alone
+            moves (``costmodel.offload.step_at_host_adam_rate``, from the plan's breakdown).
+    """
+    prediction = plan.prediction
+    if prediction is None:
+        return ""
+    step_s, breakdown = prediction.step_time_s, prediction.breakdown
+    share = host_adam_share(breakdown, step_s)
+    if share <= HOST_ADAM_SHARE_SHOWN:
+        return ""
+    serial = plan.cluster.device == "cpu"
+    steps = simulated_s or {
+        factor: step_at_host_adam_rate(breakdown, step_s, factor, serial) for factor in HOST_ADAM_RATE_FACTORS
+    }
+    moved = ", ".join(f"{steps[factor]:.4g} s at {factor:g}x" for factor in HOST_ADAM_RATE_FACTORS)
+    how = "simulated again" if simulated_s else "the optimizer alone moved; the profile would simulate it all"
+    return (
+        f"{breakdown['optimizer_cpu_s']:.4g} s of the {step_s:.4g} s step ({share:.0%}) is Adam on the host"
+        + (f" ({rate_note})" if rate_note else "")
+        + f": the step is {moved} that rate ({how}). Measure it with `elixir-tune probe` on the training machine"
+    )
 
 
 def placement_table(plan: Plan) -> Table:

@@ -188,6 +188,7 @@ def _profile(model: str, files: list[Path], seq_len: int | None, dtype: str, lor
 def _plan(profile, profile_file: Path, hardware_ref: str, gpus: int, global_batch_size: int | None):
     """The plan for this profile, hardware and batch: the cached one, else a new search (then cached)."""
     from elixir_tune import run_cache
+    from elixir_tune.cli.search import warn_loaded_hardware
     from elixir_tune.hardware import load_hardware, preset_path
     from elixir_tune.plan import load_plan, save_plan
     from elixir_tune.search import InfeasibleError, search
@@ -203,6 +204,7 @@ def _plan(profile, profile_file: Path, hardware_ref: str, gpus: int, global_batc
             pass
     try:
         hardware = load_hardware(hardware_ref)
+        warn_loaded_hardware(hardware, hardware_ref)
         with err_console.status(f"searching plans for {profile.name} on {gpus} x {hardware.name}"):
             result = search(
                 profile,

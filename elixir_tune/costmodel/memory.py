@@ -22,7 +22,9 @@ The rest of the device peak is frozen parameters outside the chunks (none in a s
 activations at the micro-batch size (a line from the profile, interpolated by blocks for every-k
 checkpointing; on a CPU device also the attention scores its math path keeps where the attention has
 dropout, ``cpu_attention_dropout_bytes``), model buffers, the gradients autograd holds before the
-engine copies them into the staging buffer (twice the largest parameter, at fp32 width), and on a
+engine copies them into the staging buffer where the line does not hold them (twice the largest
+parameter at fp32 width, ``unseen_grad_bytes``), what the profile does not trace (the micro-batch's
+tokens, checkpointing's saved generator states, Adam's step counters: ``untraced_step_bytes``), and on a
 pipeline rank the receive buffers of every micro-batch (``stage_profile.recv_buffer_bytes``). That is
 what a step allocates (``peak_gpu_bytes``). Beside it the search keeps a margin free (``margin_bytes``)
 for what tensors do not show: allocator fragmentation and workspaces, and the buffers of the
@@ -47,6 +49,49 @@ GRADS_IN_FLIGHT = 2
 # accumulate a bf16/fp16 gradient in fp32 before casting it (a workspace the meta-device profile
 # cannot see).
 GRAD_KERNEL_BYTES = 4
+
+
+# Beside the line, three small things a step holds that the meta-device profile does not trace:
+# the micro-batch's token tensors (int64 input ids, labels, masks: the meter takes the example batch as
+# already there), the CPU generator state torch.utils.checkpoint saves per checkpointed call
+# (preserve_rng_state; torch.get_rng_state() is 5056 bytes in torch 2.13; the engine checkpoints each
+# recomputing block, engine/hooks.py), and Adam's step counter, a 0-dim fp32 tensor per parameter in
+# torch's foreach and fused AdamW. And a fixed few 0-dim tensors of the engine's own: loss and
+# finite flags between steps, the gradient norm's parts, the clip coefficient and found_inf during one
+# (GPT-2 13M at world 2, tests/distributed/test_memory_fidelity.py: 22 bytes alive between steps and 104
+# during one, beyond the rest; ENGINE_SCALAR_BYTES counts them with room).
+TOKEN_BYTES = 8
+CPU_RNG_STATE_BYTES = 5056
+STEP_COUNTER_BYTES = 4
+ENGINE_SCALAR_BYTES = 256
+
+
+def untraced_step_bytes(profile: ModelProfile, micro_batch_size: int, every: int, activation_copies: int) -> int:
+    """The micro-batch's tokens, the checkpointed blocks' saved generator states (one set per micro-batch
+    whose activations are held), the optimizer's step counters and the engine's scalars (see ``TOKEN_BYTES``)."""
+    tokens = micro_batch_size * profile.seq_len * TOKEN_BYTES * max(1, len(profile.inputs))
+    rng = checkpointed_blocks(len(profile.blocks), every) * CPU_RNG_STATE_BYTES
+    return activation_copies * (tokens + rng) + len(profile.params) * STEP_COUNTER_BYTES + ENGINE_SCALAR_BYTES
+
+
+def unseen_grad_bytes(dtype: str, whole_model_line: bool) -> int:
+    """Bytes per element of a gradient in flight that the activation line does not already hold.
+
+    The profiler's meter counts every gradient autograd allocates, from its allocation until the
+    parameter's post-accumulate hook drops it, as the engine takes it (``profiler/profile.py``). So a
+    line traced on the whole model holds the gradients in flight at its peak, at the compute dtype,
+    wherever in the step they coincide with the activations. It cannot see the fp32 workspace of a
+    low-precision gradient kernel (``GRAD_KERNEL_BYTES``). A rank's share of a line (a pipeline stage,
+    a tensor or context split) holds its share of them, while a gradient arrives whole
+    (a 1d embedding's replicated table): there the whole gradient is counted on top, as before.
+    Measured on GPT-2 shapes at fp32 (scripts/bench_memory_cpu.py): the step's peak above its start was
+    the line to the MiB, with the embedding's 12.9M-element gradient inside it, not beside it.
+    """
+    if whole_model_line and dtype == "fp32":
+        return 0
+    return GRAD_KERNEL_BYTES
+
+
 # The plan's default gradient staging pool.
 STAGING_BUFFERS = 2
 # Allocator margin on a GPU: at least 1 GiB or 5% of the device, whichever is larger (the caching
@@ -320,6 +365,7 @@ def estimate_memory(
     num_frozen_offloaded: int = 0,
     own_landing_numels: tuple[int, ...] = (),
     selective: bool = False,
+    whole_model_line: bool = False,
 ) -> MemoryEstimate:
     """Device and host peaks of one candidate.
 
@@ -356,6 +402,7 @@ def estimate_memory(
         num_frozen_offloaded: frozen chunks among ``num_offloaded``.
         own_landing_numels: elements of each host landing buffer of its own (``transient_bytes``).
         selective: the checkpointed blocks keep torchtitan's per-op saves (``activation_bytes``).
+        whole_model_line: ``profile`` is the whole model's, not a rank's share (``unseen_grad_bytes``).
 
     Returns:
         The estimate.
@@ -388,7 +435,9 @@ def estimate_memory(
     dtype_bytes = DTYPE_BYTES[dtype]
     frozen = frozen_numel * dtype_bytes
     activations = activation_copies * activation_bytes(profile, micro_batch_size, every, dtype, device, selective)
-    buffers = profile.buffers_bytes + GRADS_IN_FLIGHT * largest_param_numel * GRAD_KERNEL_BYTES
+    unseen = unseen_grad_bytes(dtype, whole_model_line and not isinstance(profile, StageProfile))
+    buffers = profile.buffers_bytes + GRADS_IN_FLIGHT * largest_param_numel * unseen
+    buffers += untraced_step_bytes(profile, micro_batch_size, every, activation_copies)
     if isinstance(profile, StageProfile):  # a pipeline stage's receive buffers, one set per micro-batch
         buffers += int(
             micro_batches * micro_batch_size * profile.recv_buffer_bytes_per_sample * dtype_scale(profile, dtype)

@@ -328,6 +328,7 @@ class CostModel(ComputeTimes):
             device_memory_bytes=self.hardware.gpu_memory_bytes,
             largest_param_numel=self.largest_numel,
             communicators=self.parallel_costs.communicators(self.data_size),
+            whole_model_line=self.profile is self.full_profile,
         )
 
     def activation_copies(self, shape: Shape) -> int:

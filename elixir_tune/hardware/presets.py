@@ -138,12 +138,13 @@ _FIELD_RULES: dict[str, Rule] = {
         ("pointwise_gbps", "rate_pointwise_elems"), _number(lambda v: v >= 0, "a number >= 0 (0: not known)")
     ),
 }
-# Per-dtype mappings (optional, empty by default): each value's rule.
+# Mappings of numbers (per dtype, or the probe's load record; optional, empty by default): each value's rule.
 _PER_DTYPE_RULES: dict[str, Rule] = {
     "matmul_peak_tflops": _POSITIVE,
     "model_tflops": _POSITIVE,
     "attention_tflops": _POSITIVE,
     "best_mfu": _number(lambda v: 0 < v <= 1, "a fraction in (0, 1]"),
+    "probe_load": _number(lambda v: v >= 0, "a number >= 0"),
 }
 
 

@@ -160,3 +160,17 @@ def run_collectives(
     what = f"gloo, {procs} local processes" if device == "cpu" else f"NCCL, {procs} GPUs"
     note = f"measured: {what}, bus bandwidth (nccl-tests: algbw x (n-1)/n), {asymptotic_note(workers['allgather'])}"
     return workers, asymptotic_gbps(workers["allgather"]), asymptotic_gbps(workers["reduce_scatter"]), note
+
+
+def host_adam_sources(alone: float, all_at_once: float, processes: int, impl: str, elements: int, how: str) -> dict:
+    """The sources of the host Adam rates: one process alone (``cpu_adam_elems_per_s``) and all of a
+    node's processes at once (``cpu_adam_node_elems_per_s``: their rates summed)."""
+    return {
+        "cpu_adam_elems_per_s": (
+            f"measured: torch.optim.AdamW ({impl}) over {elements} fp32 host elements, one process alone, {how}"
+        ),
+        "cpu_adam_node_elems_per_s": (
+            f"measured: the same in all {processes} processes at once, {all_at_once:.3g} elements/s each "
+            f"(one alone: {alone:.3g}), summed"
+        ),
+    }

@@ -30,6 +30,7 @@ from elixir_tune.hardware.probe_common import (
     asymptotic_note,
     block_note,
     block_sources,
+    host_adam_sources,
     inter_node_gbps,
     measure_block_curves,
     run_collectives,
@@ -130,10 +131,12 @@ def probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
         sources["h2d_gbps_all"] = sources["d2h_gbps_all"] = (
             f"measured: host copy in all {procs} processes at once, mean per process, {asymptotic_note(copy_all)}"
         )
-        sources["cpu_adam_elems_per_s"] = sources["gpu_adam_elems_per_s"] = (
+        sources["gpu_adam_elems_per_s"] = (
             f"measured: torch.optim.AdamW ({adam_impl}) over {adam_elements} fp32 elements, all "
             f"{procs} processes stepping at once, {how}"
         )
+        say(progress, "CPU Adam, one process alone")
+        adam_alone, _ = adam_elems_per_s(cpu, adam_elements, budget)
         curves.update(
             {
                 "h2d_gbps_all": copy_all,
@@ -160,6 +163,7 @@ def probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
         layout = {}
         say(progress, "CPU Adam")
         adam, adam_impl = adam_elems_per_s(cpu, adam_elements, budget)
+        adam_alone = adam
         h2d_all = h2d
         allgather_gbps = reduce_scatter_gbps = hbm / 2
         coll_latency = latency
@@ -171,8 +175,7 @@ def probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
                 "collective_latency_s": single,
                 "h2d_gbps_all": "one process: same as h2d_gbps",
                 "d2h_gbps_all": "one process: same as d2h_gbps",
-                "cpu_adam_elems_per_s": f"measured: torch.optim.AdamW ({adam_impl}), {how}",
-                "gpu_adam_elems_per_s": "same as cpu_adam_elems_per_s (the CPU is the device)",
+                "gpu_adam_elems_per_s": f"measured: torch.optim.AdamW ({adam_impl}), {how}",
             }
         )
 
@@ -201,8 +204,10 @@ def probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
     curve_note = block_note(block_shapes, block_how) + "; fp32 measured, other dtypes x their matmul rate / fp32's"
     sources.update(block_sources(curve_note, f", {block_how}"))
     sources["thread_handoff_s"] = HANDOFF_NOTE
+    # The device Adam (gpu_adam_elems_per_s) is every process's at once, as a CPU device's ranks step; host
+    # Adam is one process alone and the node's sum at once (HardwareSpec.cpu_adam_rate_per_rank takes the smaller).
     node_adam = adam * procs
-    sources["cpu_adam_node_elems_per_s"] = "cpu_adam_elems_per_s x processes (measured all at once)"
+    sources.update(host_adam_sources(adam_alone, adam, procs, adam_impl, adam_elements, how))
     shared_link = False
     sources["shared_host_link"] = "the CPU is the device: no host link"
     inter_node, sources["inter_node_gbps"] = inter_node_gbps(allgather_gbps)
@@ -224,7 +229,7 @@ def probe_cpu(quick: bool, progress: Progress, procs: int) -> HardwareSpec:
         reduce_scatter_gbps=reduce_scatter_gbps,
         inter_node_gbps=inter_node,
         gpu_adam_elems_per_s=adam,
-        cpu_adam_elems_per_s=adam,
+        cpu_adam_elems_per_s=adam_alone,
         host_memory_bytes=memory_bytes,
         host_cores=host.host_cores(),
         allocator_overhead_bytes=0,

@@ -20,6 +20,7 @@ from elixir_tune.hardware.probe_common import (
     asymptotic_note,
     block_note,
     block_sources,
+    host_adam_sources,
     inter_node_gbps,
     measure_block_curves,
     run_collectives,
@@ -139,17 +140,15 @@ def probe_cuda(quick: bool, progress: Progress) -> HardwareSpec:
         )
         allgather, reduce_scatter = workers["allgather"], workers["reduce_scatter"]
         coll_latency = workers["latency_s"]
-        cpu_adam, cpu_impl = workers["cpu_adam_elems_per_s"], workers["cpu_adam_impl"]
+        cpu_adam_all, cpu_impl = workers["cpu_adam_elems_per_s"], workers["cpu_adam_impl"]
+        say(progress, "CPU Adam, one process alone")
+        torch.set_num_threads(threads)
+        cpu_adam, _ = adam_elems_per_s(torch.device("cpu"), cpu_adam_elements, budget)
         sources.update(
             {
                 "allgather_gbps": coll_note,
                 "reduce_scatter_gbps": coll_note,
                 "collective_latency_s": "measured: NCCL all-gather of 1 KiB per GPU",
-                "cpu_adam_elems_per_s": (
-                    f"measured: torch.optim.AdamW ({cpu_impl}) on the "
-                    f"host, {threads} thread(s) per rank, all "
-                    f"{num_gpus} ranks stepping at once"
-                ),
             }
         )
         curves.update({"allgather_gbps": allgather, "reduce_scatter_gbps": reduce_scatter})
@@ -157,6 +156,7 @@ def probe_cuda(quick: bool, progress: Progress) -> HardwareSpec:
         say(progress, "CPU Adam")
         torch.set_num_threads(threads)
         cpu_adam, cpu_impl = adam_elems_per_s(torch.device("cpu"), cpu_adam_elements, budget)
+        cpu_adam_all = cpu_adam
         allgather_gbps = reduce_scatter_gbps = hbm / 2
         coll_latency = 30e-6
         single = "one GPU: no peers, a collective is a local copy (not measured)"
@@ -165,14 +165,14 @@ def probe_cuda(quick: bool, progress: Progress) -> HardwareSpec:
                 "allgather_gbps": single,
                 "reduce_scatter_gbps": single,
                 "collective_latency_s": "one GPU: default, not measured",
-                "cpu_adam_elems_per_s": (f"measured: torch.optim.AdamW ({cpu_impl}) on the host, {threads} thread(s)"),
             }
         )
 
-    # Per rank with every rank stepping at once (multi-GPU) or one process alone: x ranks is the node.
-    node_adam = cpu_adam * num_gpus
-    sources["cpu_adam_node_elems_per_s"] = (
-        "cpu_adam_elems_per_s x GPUs (the per-rank rate was measured with all ranks at once)"
+    # One process alone, and every rank's process at once summed: the node (a node's memory bandwidth, not its
+    # ranks, bounds it; HardwareSpec.cpu_adam_rate_per_rank takes the smaller of the two).
+    node_adam = cpu_adam_all * num_gpus
+    sources.update(
+        host_adam_sources(cpu_adam, cpu_adam_all, num_gpus, cpu_impl, cpu_adam_elements, f"{threads} thread(s)")
     )
     # No NVLink shows as collectives no faster than a host copy: NCCL then rides the same PCIe links.
     shared_link = num_gpus > 1 and allgather_gbps < 1.5 * asymptotic_gbps(h2d_curve)

@@ -122,6 +122,10 @@ class HardwareSpec:
         best_mfu: the best model-FLOPs utilisation published for this hardware class per dtype
             (useful FLOPs over the datasheet peak): the search predicts no plan faster
             (``costmodel.rates.plausibility_bound``). Empty: no compute bound.
+        probe_load: the load a probed file was measured under (``hardware/load.py``'s
+            ``load_record``: ``loaded`` 1 or 0, other processes' busy cores before and after,
+            the stolen share, the load averages, the reference loop's spread). Empty: a preset,
+            or a file written before the probe recorded it.
     """
 
     name: str
@@ -166,6 +170,12 @@ class HardwareSpec:
     tensor2_block_fixed_s: float = 0.0
     pipeline_stage_microbatch_s: float = 0.0
     sm_count: int = 0
+    probe_load: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def measured_under_load(self) -> bool:
+        """The probe judged the machine loaded while it measured (``hardware/load.py``)."""
+        return bool(self.probe_load.get("loaded"))
 
     def cpu_adam_rate_per_rank(self, ranks_on_node: int) -> float:
         """Host Adam elements/s one rank gets when ``ranks_on_node`` ranks step at once.

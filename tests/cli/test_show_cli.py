@@ -207,3 +207,36 @@ def test_show_explains_an_expert_plan(tmp_path):
     assert "expert groups hold different experts and exchange tokens (all-to-all): [0,1] [2,3]" in text
     assert "expert-data groups hold the same experts and reduce their gradients: [0,2] [1,3]" in text
     assert "expert-parallel all-to-alls (on the compute stream)" in text
+
+
+def test_show_says_a_step_is_mostly_host_adam_and_how_it_moves_with_the_rate(tmp_path):
+    """GPT-2 4B all offloaded on 8 x H100: host Adam is most of the step; the step at half and twice the rate
+    is the search's own prediction on hardware with that rate (simulated again from the profile)."""
+    import dataclasses
+
+    from elixir_tune.costmodel.offload import host_adam_share
+    from elixir_tune.profiler import save_profile
+
+    profile, h100 = gpt2_profile("gpt2-4b"), load_hardware("h100-80gb-sxm")
+    pins = {"offload": 1.0, "micro_batch_size": 4, "checkpointing": "all", "prefetch": 1}
+    plan = search(profile, h100, gpus_per_node=8, fixed=pins, loop="forward_backward").plan
+    assert host_adam_share(plan.prediction.breakdown, plan.prediction.step_time_s) > 0.3
+    save_plan(plan, tmp_path / "plan.yaml")
+    save_profile(profile, tmp_path / "profile.yaml")
+    shown = CliRunner().invoke(cli, ["show", str(tmp_path / "plan.yaml"), "--profile", str(tmp_path / "profile.yaml")])
+    assert shown.exit_code == 0, shown.output
+    text = " ".join(shown.output.split())
+    assert "mostly host Adam:" in text and "(1.8e+09 elements/s per node, h100-80gb-sxm:" in text
+    pins.update(chunk_size=plan.memory.chunk_size, cache_blocks=plan.memory.cache_blocks)
+    for factor in (0.5, 2.0):
+        rate = dataclasses.replace(
+            h100,
+            cpu_adam_elems_per_s=h100.cpu_adam_elems_per_s * factor,
+            cpu_adam_node_elems_per_s=h100.cpu_adam_node_elems_per_s * factor,
+        )
+        again = search(profile, rate, gpus_per_node=8, fixed=pins, loop="forward_backward").plan.prediction
+        assert f"{again.step_time_s:.4g} s at {factor:g}x" in text, text
+    assert "(simulated again)" in text
+    # Without the profile: the optimizer alone moves, and it says so.
+    alone = CliRunner().invoke(cli, ["show", str(tmp_path / "plan.yaml"), "--profile", str(tmp_path / "none.yaml")])
+    assert "the optimizer alone moved" in " ".join(alone.output.split())

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from elixir_tune.costmodel.memory import activation_bytes
+from elixir_tune.costmodel.memory import activation_bytes, untraced_step_bytes
 from elixir_tune.costmodel.model import CostModel, Shape
 from elixir_tune.costmodel.synthetic import example_hardware, gpt2_profile
 from elixir_tune.search import search
@@ -81,8 +81,10 @@ def test_layered_recomputes_once_per_micro_batch(model):
 def test_layered_holds_every_micro_batch_activations(model):
     standard, layered = shapes(model, ACCUM, False, every=1), shapes(model, ACCUM, True, every=1)
     one = activation_bytes(model.profile, 2, 1, "bf16")
+    # ... and each held micro-batch's tokens and its checkpointed blocks' saved generator states
+    untraced = untraced_step_bytes(model.profile, 2, 1, 2) - untraced_step_bytes(model.profile, 2, 1, 1)
     difference = model.memory(layered).peak_gpu_bytes - model.memory(standard).peak_gpu_bytes
-    assert difference == (ACCUM - 1) * one
+    assert difference == (ACCUM - 1) * (one + untraced)
     assert model.memory(layered).activation_bytes == ACCUM * one
 
 

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from elixir_tune.costmodel.layout import pack_chunks
-from elixir_tune.costmodel.memory import activation_bytes, estimate_memory, model_state_bytes
+from elixir_tune.costmodel.memory import (
+    activation_bytes,
+    estimate_memory,
+    model_state_bytes,
+    unseen_grad_bytes,
+    untraced_step_bytes,
+)
 from elixir_tune.costmodel.synthetic import gpt2_profile
 from elixir_tune.costmodel.trace import BACKWARD, FORWARD, RECOMPUTE, checkpointed_trace, chunk_trace, forward_length
 from elixir_tune.profiler.schema import ActivationLine, BlockInfo, ModelProfile, ParamInfo
@@ -128,7 +134,10 @@ def test_frozen_parameters_outside_chunks_are_counted_on_the_device():
     )
     # cache 1*120*2 + resident 120*2 + one device shard 60*16 + staging 2 x (chunk 120 + shard 60) x 2
     # + frozen 40*2 + activations 1000+2*400 + buffers 64 + gradients in flight 2 x 50 x 4 (fp32 width)
-    assert memory.peak_gpu_bytes == 240 + 240 + 960 + 720 + 80 + 1800 + 64 + 400
+    # + the micro-batch's tokens and the step counters the profile does not trace
+    untraced = untraced_step_bytes(profile, micro_batch_size=2, every=0, activation_copies=1)
+    assert untraced == 2 * profile.seq_len * 8 * max(1, len(profile.inputs)) + 4 * len(profile.params) + 256
+    assert memory.peak_gpu_bytes == 240 + 240 + 960 + 720 + 80 + 1800 + 64 + 400 + untraced
     assert memory.transient_bytes["staging_bytes"] == 720
     # kept free: 1 GiB (more than 5% of an unknown device and the probe's 1000) + NCCL's buffers
     assert memory.margin_bytes == (1 << 30) + (512 << 20)
@@ -215,3 +224,20 @@ def test_chunk_trace_merges_steps_that_cannot_miss():
     assert abs(sum(trace.flops_share) - 1.0) < 1e-12
     assert trace.last_use[0] == 3 and trace.last_use[1] == 3 and trace.last_use[2] == 2
     assert trace.max_step_chunks == 1
+
+
+def test_gradients_in_flight_are_added_only_where_the_line_cannot_hold_them():
+    """The profile's meter counts each gradient until its post-accumulate hook (profiler/profile.py): a whole
+    model's fp32 line holds them; a low-precision kernel's fp32 workspace and a rank's share of a line do not."""
+    assert unseen_grad_bytes("fp32", whole_model_line=True) == 0
+    assert unseen_grad_bytes("bf16", whole_model_line=True) == 4
+    assert unseen_grad_bytes("fp32", whole_model_line=False) == 4
+    profile = gpt2_profile("gpt2")
+    common = dict(
+        chunk_size=1 << 24, world_size=2, gpus_per_node=2, dtype="fp32", cache_blocks=2, num_resident=0,
+        num_chunks=8, num_offloaded=0, frozen_numel=0, micro_batch_size=2, every=0, allocator_overhead_bytes=0,
+        largest_param_numel=50257 * 768,
+    )  # fmt: skip
+    whole = estimate_memory(profile, whole_model_line=True, **common)
+    share = estimate_memory(profile, **common)
+    assert share.buffer_bytes - whole.buffer_bytes == 2 * 50257 * 768 * 4

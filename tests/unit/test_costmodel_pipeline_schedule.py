@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from elixir_tune.costmodel.memory import untraced_step_bytes
 from elixir_tune.costmodel.model import CostModel, Shape
 from elixir_tune.costmodel.parallel import Layout, held_activation_copies
 from elixir_tune.costmodel.synthetic import example_hardware
@@ -95,7 +96,10 @@ def test_each_stage_holds_what_its_schedule_keeps(profiles, family):
         # The stage's gradients are held unsharded across the micro-batches under either schedule.
         held = looped_memory.transient_bytes["held_grad_bytes"]
         assert held > 0 and f1b_memory.transient_bytes["held_grad_bytes"] == held
-        assert looped_memory.peak_gpu_bytes - f1b_memory.peak_gpu_bytes == (2 + stage) * copy_bytes
+        # ... and each held micro-batch's tokens and saved generator states (costmodel/memory.py)
+        stage_profile, mb, every = models["looped"].profile, several.micro_batch_size, several.every
+        per_copy = untraced_step_bytes(stage_profile, mb, every, 2) - untraced_step_bytes(stage_profile, mb, every, 1)
+        assert looped_memory.peak_gpu_bytes - f1b_memory.peak_gpu_bytes == (2 + stage) * (copy_bytes + per_copy)
         # One run of blocks per stage under both: GPipe's bubble, the same step.
         times = [models[name].step_time(several) for name in ("looped", "1f1b")]
         assert times[0].step_time_s == times[1].step_time_s
