@@ -41,6 +41,7 @@ from published_colossalai import (
     COLOSSAL_PL_STRATEGY,
     COLOSSAL_PL_WINDOW,
     GEMINI_20B_FIGURE,
+    GEMINI_CUDA_MEMORY,
     GEMINI_HOST_ADAM,
     GEMINI_SYNCHRONOUS,
     POLICY_TABLE,
@@ -567,7 +568,7 @@ FAILED: tuple[Setup, ...] = (
     dataclasses.replace(
         _GEMINI_CUDA,
         row="| gpt2_10b | 4 | cuda | 1 | 8 | OOM |",
-        mismatches=tuple(text for text in _GEMINI_CUDA.mismatches if text != GEMINI_HOST_ADAM),
+        mismatches=(*(text for text in _GEMINI_CUDA.mismatches if text != GEMINI_HOST_ADAM), GEMINI_CUDA_MEMORY),
         tokens_per_s_per_gpu=0.0,
         offload=0.0,
         cache_blocks="all",
