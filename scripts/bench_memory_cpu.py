@@ -300,7 +300,10 @@ def setup_markdown(setup: dict) -> list[str]:
 def with_generated(report: dict) -> dict:
     """``report`` with the shared header (scripts/report_meta.py) made from the run's own records."""
     keys = ("date", "machine", "commit", "load_before", "load_after")
-    return {**report, "generated": {key: report[key] for key in keys} | {"command": "python scripts/bench_memory_cpu.py"}}
+    return {
+        **report,
+        "generated": {key: report[key] for key in keys} | {"command": "python scripts/bench_memory_cpu.py"},
+    }
 
 
 def write_markdown(report: dict, path: Path) -> None:

@@ -33,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from published_peer_models import card_memory
 from published_report import _plan_text, markdown, memory_lines, micro_batch_section, shared_mismatches, table_row
 from published_setups import FAILED, PUBLISHED, SOURCE_KEYS, Setup
 from published_summary import EXPLAIN_SPEEDUP, summary
@@ -167,6 +168,8 @@ def best_plan(
         ``{"error": ...}`` when no plan is found, else its tokens/s per GPU, MFU, step time,
         shape, layout, breakdown and peak memory.
     """
+    if hardware is None and setup.card_memory_bytes:
+        hardware = card_memory(setup.hardware, setup.card_memory_bytes)
     hardware = hardware or load_hardware(setup.hardware)
     if not waves:
         hardware = dataclasses.replace(hardware, sm_count=0)

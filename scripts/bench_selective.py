@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 
 from bench_published import best_plan, pinned_choices, profile_of
-from published_setups import TORCHTITAN, Setup
+from published_peer_models import card_memory, fused_norm_profile
+from published_setups import H100_96GB_BYTES, TORCHTITAN, Setup
 from report_meta import generated
 
 from elixir_tune import paths
@@ -37,22 +38,30 @@ CHECKPOINTING = {"selective op": "selective", "selective layer": "every:2", "ful
 
 
 def _row(model: str, label: str, nodes: int, seq: int, batch: int, ac: str, tps: float, **extra) -> dict:
+    # norm: the run's norm_type (train_configs/<model>.toml at the source's commit): llama2_13b and llama3_8b
+    # at 0413364 say "fused_rmsnorm", llama2_70b at 0413364 and llama3_8b at 9dec370 say "rmsnorm".
+    extra.setdefault("norm", "rmsnorm")
     return dict(model=model, label=label, nodes=nodes, seq=seq, batch=batch, ac=ac, tokens_per_s_per_gpu=tps, **extra)
+
+
+FUSED = {"norm": "fused_rmsnorm"}
 
 
 # (model YAML, label, nodes of 8, seq, local batch, checkpointing, published tokens/s/GPU, measured GiB or
 # OOM). torchtitan's 64 x A100 rows, then its Llama-3.1 8B H100 rows (96 GB cards, memory measured).
 ROWS = [
-    _row("llama2-13b", "Llama-2 13B", 8, 4096, 2, "no", 2162, table="Llama 2 performance numbers"),
-    _row("llama2-13b", "Llama-2 13B", 8, 4096, 2, "selective layer", 1914, table="Llama 2 performance numbers"),
-    _row("llama2-13b", "Llama-2 13B", 8, 4096, 2, "selective op", 1904, table="Llama 2 performance numbers"),
+    _row("llama2-13b", "Llama-2 13B", 8, 4096, 2, "no", 2162, table="Llama 2 performance numbers", **FUSED),
+    _row(
+        "llama2-13b", "Llama-2 13B", 8, 4096, 2, "selective layer", 1914, table="Llama 2 performance numbers", **FUSED
+    ),
+    _row("llama2-13b", "Llama-2 13B", 8, 4096, 2, "selective op", 1904, table="Llama 2 performance numbers", **FUSED),
     _row("llama2-70b", "Llama-2 70B", 8, 4096, 1, "selective op", 355, table="Llama 2 performance numbers"),
     _row("llama2-70b", "Llama-2 70B", 8, 4096, 2, "full", 353, table="Llama 2 performance numbers"),
     # Footnote 1 of the same table: "70B training with local batch size 2 will cause an OOM error when
     # selective activation checkpointing is used".
     _row("llama2-70b", "Llama-2 70B", 8, 4096, 2, "selective op", 0, table="Llama 2 performance numbers", oom=True),
-    _row("llama3-8b", "Llama-3 8B", 8, 8192, 1, "selective layer", 2904, table="Llama 3 performance numbers"),
-    _row("llama3-8b", "Llama-3 8B", 8, 8192, 1, "selective op", 2973, table="Llama 3 performance numbers"),
+    _row("llama3-8b", "Llama-3 8B", 8, 8192, 1, "selective layer", 2904, table="Llama 3 performance numbers", **FUSED),
+    _row("llama3-8b", "Llama-3 8B", 8, 8192, 1, "selective op", 2973, table="Llama 3 performance numbers", **FUSED),
     _row("llama3-8b", "Llama-3.1 8B", 1, 8192, 2, "selective op", 5762, h100="Table 1, row 'FSDP'", measured_gib=82.4),
     _row("llama3-8b", "Llama-3.1 8B", 16, 8192, 2, "selective op", 5605, h100="Table 3, row 'FSDP'", measured_gib=67.0),
 ]
@@ -80,10 +89,19 @@ def setup_of(row: dict) -> Setup:
     )
 
 
+def row_profile(row: dict, setup: Setup):
+    """The row's model as torchtitan built it: transformers' Llama, with the fused norm where the run had it
+    (``published_peer_llama``)."""
+    if row["norm"] == "fused_rmsnorm":
+        return fused_norm_profile(setup.model, setup.seq_len, setup.dtype, "none")
+    return profile_of(setup)
+
+
 def run_row(row: dict) -> dict:
     setup = setup_of(row)
     started = time.perf_counter()
-    result = best_plan(profile_of(setup), setup, pinned_choices(setup), lift_memory=True)
+    hardware = card_memory(setup.hardware, H100_96GB_BYTES) if "h100" in row else None
+    result = best_plan(row_profile(row, setup), setup, pinned_choices(setup), lift_memory=True, hardware=hardware)
     out = dict(row, name=setup.name, source=setup.source, hardware=setup.hardware, search_s=0.0)
     out["search_s"] = round(time.perf_counter() - started, 1)
     if "error" in result:
@@ -140,14 +158,16 @@ def markdown(report: dict) -> str:
         "on a GPU. Selective = torchtitan's op-level policy (elixir_tune/selective_checkpoint.py); 'selective layer' "
         "is every 2nd block fully checkpointed (its default option 2).",
         "",
-        "Memory: a row fits when its predicted peak is within the preset's usable memory; torchtitan's H100s had "
-        "96 GB (the h100-80gb-sxm preset has 78.4 GiB usable), so those rows compare the predicted peak with the "
-        "memory torchtitan measured.",
+        "Memory: a row fits when its predicted peak is within the usable memory of the cards it ran on. torchtitan's "
+        "H100s had 96 GB HBM2e (its 'Hardware' section): those rows take h100-80gb-sxm's rates and 96e9 bytes less "
+        "its CUDA context (scripts/published_peer_models.py card_memory), and also compare with the memory measured. "
+        "Rows whose torchtitan config says norm_type fused_rmsnorm are profiled with that norm's save set "
+        "(published_peer_models.py: transformers' Llama keeps 4 bytes per token and hidden unit more per norm).",
         "",
         f"Ran but refused on its preset: {_names(report['rows'], lambda r: r['refused'] and not r.get('oom'))}. "
         f"Failed (OOM) but predicted to fit: {_names(report['rows'], lambda r: r.get('oom') and not r['refused'])}.",
         "",
-        "| run | checkpointing | published tok/s/GPU | predicted | ratio | predicted peak GiB | usable GiB | "
+        "| run | checkpointing, norm | published tok/s/GPU | predicted | ratio | predicted peak GiB | usable GiB | "
         "fits the preset | measured GiB | predicted / measured |",
         "|---|---|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
@@ -160,7 +180,7 @@ def markdown(report: dict) -> str:
         measured = row.get("measured_gib")
         memory_ratio = f"{row['predicted_peak_gib'] / measured:.3f}" if measured else "-"
         lines.append(
-            f"| {row['name']} | {row['ac']} | {published} | {row['predicted_tokens_per_s_per_gpu']:.0f} | "
+            f"| {row['name']} | {row['ac']}, {row['norm']} | {published} | {row['predicted_tokens_per_s_per_gpu']:.0f} | "
             f"{row.get('ratio', '-')} | {row['predicted_peak_gib']} | {row['usable_gib']} | {fits} | "
             f"{row.get('measured_gib', '-')} | {memory_ratio} |"
         )

@@ -171,3 +171,19 @@ GEMINI_20B_FIGURE = (
 BATCH_TABLE = "How dose Batch Size affect the efficency."
 POLICY_TABLE = "How dose the Placement Policy affect the efficency."
 TP_TABLE = "How dose the Tensor Parallel Degree affect the efficency."
+
+# What Gemini's 'cuda' placement holds at its peak by its code (d96cc37e; v0.1.13, the version the README names,
+# differs in chunk.py and data_parallel.py only by a state assertion), for the 10B row that ran out of memory:
+# Chunk.__gather frees the shard it gathers (cuda_shard = None); ChunkManager.release_chunk is reached only
+# through a policy's evict_tensors, which CUDAPlacementPolicy leaves empty, so every fp16 chunk stays gathered
+# from its first use to ChunkManager.reduce_chunk; ZeroDDP.grad_handle writes each gradient into the gathered
+# fp16 chunk and reduce-scatters it into a new fp16 shard; ZeroOptimizer._set_grad_ptr points the fp32 master's
+# grad at that fp16 shard (no fp32 gradient). Per rank at the end of the forward: 10.28e9 x 2 B gathered
+# (19.15 GiB) + the fp32 master and Adam's two states over 4 ranks (10.28e9 x 12 B / 4 = 28.7 GiB) = 47.9 GiB,
+# with ~6.6 GiB of activations as profiled: ~55 GiB of 78.6 usable. The plan's prediction (67.74 GiB) counts
+# more (an fp16 shard beside each gathered chunk and a gradient shard); the OOM is not explained by the code.
+GEMINI_CUDA_MEMORY = (
+    "by Colossal-AI's code Gemini 'cuda' holds ~47.9 GiB of model data at its peak (every fp16 chunk gathered, "
+    "its shard freed; gradients in the fp16 chunks; fp32 master and Adam states over 4 ranks) and ~6.6 GiB of "
+    "activations: the reported OOM is not explained by the code (scripts/published_colossalai.py)"
+)

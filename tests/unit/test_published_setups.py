@@ -226,3 +226,17 @@ def test_gpt2_xl_zero3_peak_is_near_what_its_source_measured():
     result = bench_published.best_plan(bench_published.profile_of(setup), setup, bench_published.pinned_choices(setup))
     assert not result.get("over_usable_memory") and "error" not in result
     assert result["peak_gpu_gib"] == pytest.approx(measured_gib, rel=0.10)
+
+
+def test_torchtitan_h100_rows_compare_with_the_96gb_cards_they_ran_on():
+    """torchtitan's H100s had 96 GB: its rows borrow h100-80gb-sxm's rates and take 96e9 bytes less the same
+    CUDA context as usable memory."""
+    from published_peer_models import card_memory
+    from published_setups import H100_96GB_BYTES
+
+    base = load_hardware("h100-80gb-sxm")
+    card = card_memory("h100-80gb-sxm", H100_96GB_BYTES)
+    assert card.usable_memory_bytes == H100_96GB_BYTES - (base.gpu_memory_bytes - base.usable_memory_bytes)
+    assert card.matmul_tflops == base.matmul_tflops and card.block_tflops_curves == base.block_tflops_curves
+    titan = [setup for setup in PUBLISHED if setup.source_key == "torchtitan"]
+    assert titan and all(setup.card_memory_bytes == H100_96GB_BYTES for setup in titan)
