@@ -95,4 +95,6 @@ def test_only_comm_calls_torch_distributed_in_the_engine():
         for path in engine.rglob("*.py")
         if re.search(r"torch\.distributed|from torch import distributed", path.read_text())
     )
-    assert users and all(path.startswith("comm/") for path in users), users
+    # engine/peers/ runs plans on PyTorch FSDP2 and DeepSpeed: those engines are torch's (and
+    # DeepSpeed's) own distributed code, called there as a user's script would call them.
+    assert users and all(path.startswith(("comm/", "peers/")) for path in users), users
