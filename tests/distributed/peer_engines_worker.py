@@ -65,6 +65,8 @@ def train(model, opt, case: dict, batches: list[dict], rank: int, world: int) ->
                 total += float(loss.detach())
         if case.get("clip"):
             norms.append(float(opt.clip_grad_norm(case["clip"])))
+        if case.get("grad_norm"):
+            opt.grad_norm()
         opt.step()
         opt.zero_grad()
         losses.append(total)

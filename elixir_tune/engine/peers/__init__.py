@@ -31,4 +31,6 @@ def setup_peer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, plan: P
         from elixir_tune.engine.peers.fsdp2 import setup_fsdp2
 
         return setup_fsdp2(model, optimizer, plan, comm)
-    raise PeerEngineError("engine deepspeed: this version runs fsdp2 plans only; pin engine fsdp2 or elixir")
+    from elixir_tune.engine.peers.deepspeed import setup_deepspeed
+
+    return setup_deepspeed(model, optimizer, plan, comm)
