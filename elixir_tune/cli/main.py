@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from elixir_tune import __version__
+from elixir_tune.cli.export import export_command
 from elixir_tune.cli.probe import probe_command
 from elixir_tune.cli.profile import profile_command
 from elixir_tune.cli.search import search_command
@@ -31,7 +32,15 @@ def cli() -> None:
     """
 
 
-for command in (profile_command, probe_command, search_command, show_command, validate_command, train_command):
+for command in (
+    profile_command,
+    probe_command,
+    search_command,
+    show_command,
+    validate_command,
+    export_command,
+    train_command,
+):
     cli.add_command(command)
 
 
