@@ -19,7 +19,9 @@ Steps, each recorded with its exact command, exit status, time and output tail:
      max_memory_reserved), host memory, TFLOPS per GPU and MFU; on 2 or more GPUs also at world 2;
   5. the same model, batch, sequence and checkpointing under PyTorch FSDP2 (CPUOffloadPolicy, bf16)
      and DeepSpeed ZeRO-3 with optimizer and parameter offload (scripts/peers/); a peer that cannot
-     run says why.
+     run says why;
+  6. the search's best plan on the three engines: the plan with its engine section set to fsdp2
+     and to deepspeed (mapped as `elixir-tune export` maps it), through the same elixir-run script.
 On a lent machine whose files come back from $OUT: `python scripts/gpu_validate.py --out-dir $OUT`.
 Results: benchmarks/results/gpu-<device>-<date>.md and .json, rewritten after every step so that a
 run cut off at its time limit still returns what it measured; a short summary on stdout. Steps
@@ -115,7 +117,7 @@ class Validation:
         else:  # a 5B model's random init would take a minute of each run (scripts/peers/common.py)
             self.env["VALIDATE_FAST_INIT"] = "1"
         self.record: dict = {"argv": sys.argv[1:], "dry_run_cpu": self.dry, "quick": args.quick, "steps": []}
-        self.record["rows"], self.record["peers"] = [], []
+        self.record["rows"], self.record["peers"], self.record["engines"] = [], [], []
         self.paths: tuple[Path, Path] | None = None
         self.current: subprocess.Popen | None = None
         self.estimate_s = 0.0  # seconds a training run takes, once one has run
@@ -380,11 +382,12 @@ class Validation:
         ranks = [json.loads(p.read_text()) for p in sorted(mem_dir.glob("rank*.json"))]
         measured = statistics.median(times[1:] or times)
         tflops = model["flops_per_sample"] * model["per_rank_batch"] / measured / 1e12
+        predicted = row.get("predicted_step_time_s")
         row.update(
             status="measured",
             step_times_s=times,
             measured_step_time_s=measured,
-            time_ratio=measured / row["predicted_step_time_s"],
+            time_ratio=measured / predicted if predicted else None,
             max_memory_allocated_bytes=max((r.get("max_memory_allocated_bytes", 0) for r in ranks), default=0),
             max_memory_reserved_bytes=max((r.get("max_memory_reserved_bytes", 0) for r in ranks), default=0),
             peak_rss_bytes=max((r.get("peak_rss_bytes", 0) for r in ranks), default=0),
@@ -441,6 +444,7 @@ def run_world(
     estimate = v.estimate_s = best.get("wall_s", 60) * 1.2
     if peers:
         run_peers(v, best, model, estimate)
+        run_engines(v, best, model, estimate)
     shapes = shape_pins(best, model["profile"], hardware, world, model["per_rank_batch"])[: limit - 1]
     for name, pins, strategy in shapes:
         if wanted is not None and name not in wanted and name.rsplit("-", 1)[0] not in wanted:
@@ -479,6 +483,29 @@ def run_peers(v: Validation, best: dict, model: dict, estimate_s: float) -> None
         if reason is None and v.left_s() < estimate_s:
             reason = f"not run: {v.left_s():.0f} s of the budget left, a run takes ~{estimate_s:.0f} s"
         v.peer(name, str(REPO / "scripts" / "peers" / script), best, model, reason)
+
+
+def run_engines(v: Validation, best: dict, model: dict, estimate_s: float) -> None:
+    """The search's best plan on FSDP2 and DeepSpeed through elixir-run and the same script
+    (engine/peers/): the plan's ``engine`` section set to each, mapped as ``elixir-tune export`` maps it."""
+    from elixir_tune.export.peer_plans import on_engine
+    from elixir_tune.plan import EngineChoice, load_plan, save_plan
+    from elixir_tune.plan.engine_choice import changed_fields
+
+    for name in ("fsdp2", "deepspeed"):
+        row = {"name": f"{best['name']}@{name}", "world": best["world"], "engine": name, "shape": best["shape"]}
+        v.record["engines"].append(row)
+        if name == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+            row["status"] = "skipped: deepspeed is not installed"
+            continue
+        plan = on_engine(load_plan(best["plan_path"]), name)
+        row["plan_path"] = str(v.work / f"plan-{name}-w{best['world']}.yaml")
+        save_plan(plan, row["plan_path"])
+        row["engine_settings"] = {"name": name, **changed_fields(plan.engine, EngineChoice())}
+        v.train(row, model, estimate_s)
+        if row.get("status") == "measured":
+            row["vs_elixir"] = row["measured_step_time_s"] / best["measured_step_time_s"]
+        v.write()
 
 
 def main() -> int:

@@ -60,3 +60,18 @@ def test_fsdp2_first_units_offload_is_listed():
     zero = deepspeed_config(plan)["zero_optimization"]
     assert zero["stage"] == 3 and "offload_param" in zero
     assert any("first 1 FSDP2 units" in note for note in deepspeed_unexpressed(plan))
+
+
+def test_on_engine_maps_a_chunk_plan_to_valid_peer_plans():
+    from elixir_tune.export.peer_plans import on_engine
+    from elixir_tune.plan import validate
+
+    raw = _example()
+    for index, chunk in enumerate(raw["memory"]["chunks"]):
+        chunk["offload"], chunk["resident"] = index == 0, False
+    plan = plan_from_dict(raw)
+    fsdp2 = on_engine(plan, "fsdp2")
+    assert fsdp2.engine.name == "fsdp2" and fsdp2.engine.offload_params and not validate(fsdp2)
+    deepspeed = on_engine(plan, "deepspeed")
+    assert deepspeed.engine.zero_stage == 3 and deepspeed.engine.offload_optimizer and not validate(deepspeed)
+    assert not any(chunk.offload for chunk in deepspeed.memory.chunks) and plan.memory.chunks[0].offload

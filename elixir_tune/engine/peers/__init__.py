@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from elixir_tune import ranks
-from elixir_tune.engine.comm import init_comm
+from elixir_tune.engine.comm import init_comm, init_group_of_one
 from elixir_tune.engine.peers.common import PeerEngineError, check_peer_arguments
 from elixir_tune.plan import Plan
 
@@ -25,6 +25,8 @@ def setup_peer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, plan: P
             ``weights``, fp16 on fsdp2), or DeepSpeed is not installed.
     """
     check_peer_arguments(plan, model, weights, vocab_parallel_loss)
+    if plan.world_size == 1:  # FSDP2 and DeepSpeed need a process group even alone
+        init_group_of_one(plan.cluster.backend)
     comm = init_comm(plan.world_size, plan.cluster.device, plan.cluster.backend)
     ranks.use_plan(plan, comm.rank)
     if plan.engine.name == "fsdp2":

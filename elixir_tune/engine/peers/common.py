@@ -220,6 +220,15 @@ class PeerOptimizer(torch.optim.Optimizer):
         return self.clip_grad_norm(float("inf"), norm_type)
 
 
+def world_comm(model: torch.nn.Module) -> Comm:
+    """The Comm over every rank of what ``setup`` returned: the chunk engine's world, or a peer run's."""
+    runner = getattr(model, "runner", None)
+    if isinstance(runner, PeerRunner):
+        return runner.comm
+    engine: Any = model.engine
+    return engine.mesh.world
+
+
 def check_peer_arguments(plan: Plan, model: torch.nn.Module, weights, vocab_parallel_loss: bool) -> None:
     """Refuses what only the chunk engine's setup does: meta-device models, weight files, a
     vocabulary-parallel loss, fp16 (its loss scaler)."""
