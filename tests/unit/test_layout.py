@@ -14,6 +14,10 @@ FORBIDDEN = {
     "elixir_tune.plan": ["torch", "click", "rich", "elixir_tune.engine", "elixir_tune.search"],
     "elixir_tune.profiler.schema": ["torch", "click", "rich"],
     "elixir_tune.hardware.spec": ["torch", "click", "rich"],
+    # elixir-tune export writes the engines' configurations from a plan alone (engine/peers/ reads it too)
+    "elixir_tune.export.deepspeed_config": ["torch", "click", "rich", "elixir_tune.engine"],
+    "elixir_tune.export.fsdp2_setup": ["torch", "click", "rich", "elixir_tune.engine"],
+    "elixir_tune.export.peer_plans": ["torch", "click", "rich", "elixir_tune.engine"],
     "elixir_tune.costmodel": ["elixir_tune.engine", "elixir_tune.launcher", "elixir_tune.cli", "click", "rich"],
     "elixir_tune.search": ["elixir_tune.engine", "elixir_tune.launcher", "elixir_tune.cli", "click", "rich"],
     "elixir_tune.profiler": ["elixir_tune.engine", "elixir_tune.launcher", "elixir_tune.cli", "click", "rich"],

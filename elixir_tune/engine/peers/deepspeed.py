@@ -96,6 +96,12 @@ def map_optimizer(optimizer: torch.optim.Optimizer, plan: Plan) -> torch.optim.O
     return DeepSpeedCPUAdam(groups, adamw_mode=isinstance(optimizer, torch.optim.AdamW))
 
 
+def _fp32_cpu(value: torch.Tensor) -> torch.Tensor:
+    """A detached CPU copy, floating point in fp32 (integer buffers keep their dtype)."""
+    dtype = torch.float32 if value.is_floating_point() else value.dtype
+    return value.detach().to("cpu", dtype, copy=True)
+
+
 class DeepSpeedRunner(PeerRunner):
     """The DeepSpeed engine around the user's module."""
 
@@ -116,9 +122,9 @@ class DeepSpeedRunner(PeerRunner):
         params = list(self.module.parameters())
         if self.plan.engine.zero_stage == 3:  # gather every partition, on every rank (a collective)
             with self.deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-                state = {k: v.detach().to("cpu", torch.float32, copy=True) for k, v in self.module.state_dict().items()}
-        else:
-            state = {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+                state = {k: _fp32_cpu(v) for k, v in self.module.state_dict().items()}
+        else:  # stages 1-2 keep whole weights in the module (in bf16 runs: the bf16 copy, upcast)
+            state = {k: _fp32_cpu(v) for k, v in self.module.state_dict().items()}
         return state if all_ranks or self.comm.rank == 0 else {}
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
