@@ -8,6 +8,7 @@ Run by ``engine_launch.py`` (gloo, CPU). Each case is a dict:
     loop: plain (``model(**batch)``, then ``loss.backward()``) | optimizer (``optimizer.backward(loss)``)
         | forward_backward (``model.forward_backward(micro_batches)``)
     accum: micro-batches per step    checkpoint: every k-th block recomputed    clip: max gradient norm
+    torch_clip: clip with torch.nn.utils.clip_grad_norm_(model.parameters()) instead of optimizer.clip_grad_norm
 """
 
 from __future__ import annotations
@@ -63,7 +64,9 @@ def train(model, opt, case: dict, batches: list[dict], rank: int, world: int) ->
                 loss = model(**piece).loss / accum
                 loss.backward() if loop == "plain" else opt.backward(loss)
                 total += float(loss.detach())
-        if case.get("clip"):
+        if case.get("clip") and case.get("torch_clip"):  # torch's own function, as a DDP script calls it
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"])))
+        elif case.get("clip"):
             norms.append(float(opt.clip_grad_norm(case["clip"])))
         if case.get("grad_norm"):
             opt.grad_norm()

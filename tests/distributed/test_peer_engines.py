@@ -26,7 +26,7 @@ FSDP2_CASES = [
     dict(family="qwen3", engine="fsdp2", settings=dict(OFFLOAD_ALL, offload_units=2), loop="forward_backward",
          accum=2, checkpoint=1),
     dict(family="phi3", engine="fsdp2", settings=dict(OFFLOAD_ALL, reshard_after_forward=False)),
-    dict(family="gemma2", engine="fsdp2", settings={"reshard_after_forward": False}, clip=0.5),
+    dict(family="gemma2", engine="fsdp2", settings={"reshard_after_forward": False}, clip=0.5, torch_clip=True),
     dict(family="qwen3_moe", engine="fsdp2", settings=OFFLOAD_ALL, loop="forward_backward", accum=2),
 ]  # fmt: skip
 
@@ -36,7 +36,7 @@ DEEPSPEED_CASES = [
     dict(family="qwen3", engine="deepspeed", settings=dict(zero_stage=2, offload_optimizer=True),
          loop="forward_backward", accum=2, checkpoint=1),
     dict(family="phi3", engine="deepspeed", settings=dict(zero_stage=1)),
-    dict(family="gemma2", engine="deepspeed", settings=dict(offload_optimizer=True), clip=0.5),
+    dict(family="gemma2", engine="deepspeed", settings=dict(offload_optimizer=True), clip=0.5, torch_clip=True),
     dict(family="qwen3_moe", engine="deepspeed", settings=OFFLOAD_ALL, loop="forward_backward", accum=2),
 ]  # fmt: skip
 

@@ -12,8 +12,8 @@ becomes ``DeepSpeedCPUAdam`` with the same groups and hyperparameters (any other
 DeepSpeed's host step is its CPU Adam); otherwise DeepSpeed's ZeRO optimizer wraps the user's
 optimizer itself. Clipping happens inside DeepSpeed's step: ``optimizer.clip_grad_norm`` runs the
 step there with that clip and returns DeepSpeed's global norm, and the next ``optimizer.step()``
-does nothing. ``torch.nn.utils.clip_grad_norm_(model.parameters())`` sees no gradients under ZeRO
-(they live in its partitions): use ``optimizer.clip_grad_norm``. ``load_state_dict`` is refused
+does nothing; ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` is routed there too
+(engine/grad_view.py), since under ZeRO it would see no gradients (they live in its partitions). ``load_state_dict`` is refused
 (ZeRO keeps its own fp32 copies): load weights into the model before ``setup``. Activation
 checkpointing runs at ZeRO stages 1 and 2 only (refused at stage 3).
 
@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from elixir_tune.engine import grad_view
 from elixir_tune.engine.comm import Comm
 from elixir_tune.engine.peers.common import (
     PeerEngineError,
@@ -140,6 +141,7 @@ class DeepSpeedOptimizer(PeerOptimizer):
         super().__init__(optimizer, runner, step=self._engine_step)
         self.ds_runner = runner
         self._stepped = False  # clip_grad_norm ran this step's update already
+        self.trainable_params = 0  # how many parameters torch's clip_grad_norm_ must be given (grad_view)
 
     def _engine_step(self) -> None:
         if self._stepped:
@@ -168,6 +170,9 @@ class DeepSpeedOptimizer(PeerOptimizer):
         self._stepped = True
         return torch.tensor(float(engine.get_global_grad_norm()))
 
+    def clip_grad_value(self, clip_value: float) -> None:
+        raise self.ds_runner.refuse("clipping by value", "DeepSpeed clips by the global norm: use clip_grad_norm")
+
     def state_dict(self) -> dict:
         raise self.ds_runner.refuse("optimizer.state_dict", "save with DeepSpeed's own engine.save_checkpoint")
 
@@ -193,4 +198,10 @@ def setup_deepspeed(model: torch.nn.Module, optimizer: torch.optim.Optimizer, pl
     if stepped is not optimizer:
         optimizer.param_groups = stepped.param_groups  # a scheduler on the user's optimizer sets the lr stepped
     runner = DeepSpeedRunner(plan, comm, model, ds_engine, deepspeed)
-    return PeerModel(model, runner), DeepSpeedOptimizer(stepped, runner)
+    wrapped = DeepSpeedOptimizer(stepped, runner)
+    # ZeRO holds the gradients in its partitions (p.grad stays None): torch.nn.utils.clip_grad_norm_ of
+    # the model's parameters would clip nothing without a word; it goes to DeepSpeed's clip instead.
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    wrapped.trainable_params = len(trainable)
+    grad_view.register(wrapped, trainable)
+    return PeerModel(model, runner), wrapped
