@@ -58,6 +58,7 @@ CLI = [PY, "-m", "elixir_tune.cli.main"]
 IN_PROCESS_IN_DRY_RUN = ("profile", "search")
 
 from bench_prediction import MODEL_YAML  # noqa: E402
+from gpu_validate_engines import run_engines  # noqa: E402
 from gpu_validate_report import error_line, summary, write_markdown  # noqa: E402
 from gpu_validate_shapes import gpt2_dims, peak_tflops, shape_pins  # noqa: E402
 
@@ -483,29 +484,6 @@ def run_peers(v: Validation, best: dict, model: dict, estimate_s: float) -> None
         if reason is None and v.left_s() < estimate_s:
             reason = f"not run: {v.left_s():.0f} s of the budget left, a run takes ~{estimate_s:.0f} s"
         v.peer(name, str(REPO / "scripts" / "peers" / script), best, model, reason)
-
-
-def run_engines(v: Validation, best: dict, model: dict, estimate_s: float) -> None:
-    """The search's best plan on FSDP2 and DeepSpeed through elixir-run and the same script
-    (engine/peers/): the plan's ``engine`` section set to each, mapped as ``elixir-tune export`` maps it."""
-    from elixir_tune.export.peer_plans import on_engine
-    from elixir_tune.plan import EngineChoice, load_plan, save_plan
-    from elixir_tune.plan.engine_choice import changed_fields
-
-    for name in ("fsdp2", "deepspeed"):
-        row = {"name": f"{best['name']}@{name}", "world": best["world"], "engine": name, "shape": best["shape"]}
-        v.record["engines"].append(row)
-        if name == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
-            row["status"] = "skipped: deepspeed is not installed"
-            continue
-        plan = on_engine(load_plan(best["plan_path"]), name)
-        row["plan_path"] = str(v.work / f"plan-{name}-w{best['world']}.yaml")
-        save_plan(plan, row["plan_path"])
-        row["engine_settings"] = {"name": name, **changed_fields(plan.engine, EngineChoice())}
-        v.train(row, model, estimate_s)
-        if row.get("status") == "measured":
-            row["vs_elixir"] = row["measured_step_time_s"] / best["measured_step_time_s"]
-        v.write()
 
 
 def main() -> int:
