@@ -8,6 +8,7 @@ Run by ``engine_launch.py`` (gloo, CPU). Each case is a dict:
     loop: plain (``model(**batch)``, then ``loss.backward()``) | optimizer (``optimizer.backward(loss)``)
         | forward_backward (``model.forward_backward(micro_batches)``)
     accum: micro-batches per step    checkpoint: every k-th block recomputed    clip: max gradient norm
+    reload: load zeros, then the trained weights, through model.load_state_dict
     torch_clip: clip with torch.nn.utils.clip_grad_norm_(model.parameters()) instead of optimizer.clip_grad_norm
 """
 
@@ -105,9 +106,15 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
     batches = global_batches(case["family"], STEPS, MICRO * case.get("accum", 1) * world)
     model, opt = elixir_tune.setup(model, opt, plan=plan)
     losses, norms = train(model, opt, case, batches, rank, world)
+    reload_ok = None
+    if case.get("reload"):  # load_state_dict reaches the shards: zeros in, the trained weights back
+        full = model.state_dict(all_ranks=True)
+        model.load_state_dict({name: torch.zeros_like(value) for name, value in full.items()})
+        reload_ok = all(float(value.abs().max()) == 0 for value in model.state_dict(all_ranks=True).values())
+        model.load_state_dict(full)
     state = model.state_dict()  # a collective: rank 0 gets the full weights
     world_losses = mean_over_ranks(losses, world)
-    result = {"case": case, "world_losses": world_losses, "model_class": type(model).__name__}
+    result = {"case": case, "world_losses": world_losses, "reload_ok": reload_ok}
     if case["engine"] == "fsdp2":
         result.update(fsdp2_units(model.module, plan))
     if rank == 0:

@@ -21,7 +21,7 @@ WEIGHT_ABS = 1e-5
 OFFLOAD_ALL = {"offload_params": True, "offload_optimizer": True}
 
 FSDP2_CASES = [
-    dict(family="gpt2", engine="fsdp2"),
+    dict(family="gpt2", engine="fsdp2", reload=True),
     dict(family="llama", engine="fsdp2", settings=OFFLOAD_ALL, loop="optimizer", accum=2, clip=1.0),
     dict(family="qwen3", engine="fsdp2", settings=dict(OFFLOAD_ALL, offload_units=2), loop="forward_backward",
          accum=2, checkpoint=1),
@@ -64,6 +64,8 @@ def test_fsdp2_plan_matches_torch(fsdp2_world2, index):
     first = check(fsdp2_world2, index)
     assert first["units"] == first["blocks"] + 1, first  # one fully_shard unit per block, plus the root
     assert first["offloaded_units"] == first["expected_offloaded_units"], first
+    if first["case"].get("reload"):
+        assert first["reload_ok"], "model.load_state_dict did not reach the shards"
 
 
 @pytest.fixture(scope="module")
