@@ -30,7 +30,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from report_meta import generated
+from report_meta import generated, header_line
 
 from elixir_tune import paths
 from elixir_tune.costmodel.model import CostModel
@@ -196,9 +196,7 @@ def markdown(report: dict) -> str:
     lines = [
         "# Context parallelism: predicted plans for Llama-3.1 8B at long sequences",
         "",
-        f"Command: `{report['command']}`, {report['date']}, commit {report['commit']}, on {report['machine']} "
-        f"(load average {report['load_before']} -> {report['load_after']}; other sessions share the machine, "
-        "which changes search times, not predictions). Predictions of the cost model only: nothing ran.",
+        header_line(report["generated"]) + " Predictions of the cost model only: nothing ran.",
         "",
         f"Model `configs/models/{MODEL}.yaml` (Llama 3.1 8B shapes, 131072 positions), traced on the meta device "
         f"in bf16; {GPUS} x `{HARDWARE}`; `--loop forward_backward`; global batch 8 (one sequence per GPU) unless "

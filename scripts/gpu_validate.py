@@ -19,7 +19,9 @@ Steps, each recorded with its exact command, exit status, time and output tail:
      max_memory_reserved), host memory, TFLOPS per GPU and MFU; on 2 or more GPUs also at world 2;
   5. the same model, batch, sequence and checkpointing under PyTorch FSDP2 (CPUOffloadPolicy, bf16)
      and DeepSpeed ZeRO-3 with optimizer and parameter offload (scripts/peers/); a peer that cannot
-     run says why.
+     run says why;
+  6. the search's best plan on the three engines: the plan with its engine section set to fsdp2
+     and to deepspeed (mapped as `elixir-tune export` maps it), through the same elixir-run script.
 On a lent machine whose files come back from $OUT: `python scripts/gpu_validate.py --out-dir $OUT`.
 Results: benchmarks/results/gpu-<device>-<date>.md and .json, rewritten after every step so that a
 run cut off at its time limit still returns what it measured; a short summary on stdout. Steps
@@ -56,6 +58,7 @@ CLI = [PY, "-m", "elixir_tune.cli.main"]
 IN_PROCESS_IN_DRY_RUN = ("profile", "search")
 
 from bench_prediction import MODEL_YAML  # noqa: E402
+from gpu_validate_engines import run_engines  # noqa: E402
 from gpu_validate_report import error_line, summary, write_markdown  # noqa: E402
 from gpu_validate_shapes import gpt2_dims, peak_tflops, shape_pins  # noqa: E402
 from report_meta import commit  # noqa: E402
@@ -116,7 +119,7 @@ class Validation:
         else:  # a 5B model's random init would take a minute of each run (scripts/peers/common.py)
             self.env["VALIDATE_FAST_INIT"] = "1"
         self.record: dict = {"argv": sys.argv[1:], "dry_run_cpu": self.dry, "quick": args.quick, "steps": []}
-        self.record["rows"], self.record["peers"] = [], []
+        self.record["rows"], self.record["peers"], self.record["engines"] = [], [], []
         self.paths: tuple[Path, Path] | None = None
         self.current: subprocess.Popen | None = None
         self.estimate_s = 0.0  # seconds a training run takes, once one has run
@@ -382,11 +385,12 @@ class Validation:
         ranks = [json.loads(p.read_text()) for p in sorted(mem_dir.glob("rank*.json"))]
         measured = statistics.median(times[1:] or times)
         tflops = model["flops_per_sample"] * model["per_rank_batch"] / measured / 1e12
+        predicted = row.get("predicted_step_time_s")
         row.update(
             status="measured",
             step_times_s=times,
             measured_step_time_s=measured,
-            time_ratio=measured / row["predicted_step_time_s"],
+            time_ratio=measured / predicted if predicted else None,
             max_memory_allocated_bytes=max((r.get("max_memory_allocated_bytes", 0) for r in ranks), default=0),
             max_memory_reserved_bytes=max((r.get("max_memory_reserved_bytes", 0) for r in ranks), default=0),
             peak_rss_bytes=max((r.get("peak_rss_bytes", 0) for r in ranks), default=0),
@@ -443,6 +447,7 @@ def run_world(
     estimate = v.estimate_s = best.get("wall_s", 60) * 1.2
     if peers:
         run_peers(v, best, model, estimate)
+        run_engines(v, best, model, estimate)
     shapes = shape_pins(best, model["profile"], hardware, world, model["per_rank_batch"])[: limit - 1]
     for name, pins, strategy in shapes:
         if wanted is not None and name not in wanted and name.rsplit("-", 1)[0] not in wanted:

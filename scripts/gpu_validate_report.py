@@ -80,6 +80,15 @@ def write_markdown(record: dict) -> str:
             f"{_gib(peer.get('peak_rss_bytes'))} | {_num(peer.get('tflops_per_gpu'), '.3g')} | "
             f"{_num(peer.get('mfu'), '.1%')} | {peer.get('status', '')} {peer.get('note', '')} |"
         )
+    lines += ["", "## Engines: the search's best plan on FSDP2 and DeepSpeed (elixir-run, same script)", ""]
+    lines.append("| world | plan | engine settings | step s | vs elixir | max allocated GiB | peak RSS GiB | status |")
+    lines.append("|---:|---|---|---:|---:|---:|---:|---|")
+    for row in record.get("engines", []):
+        lines.append(
+            f"| {row['world']} | {row['name']} | {row.get('engine_settings', '')} | "
+            f"{_num(row.get('measured_step_time_s'), '.3f')} | {_num(row.get('vs_elixir'), '.2f')} | "
+            f"{_gib(row.get('max_memory_allocated_bytes'))} | {_gib(row.get('peak_rss_bytes'))} | {row.get('status', '')} |"
+        )
     if record.get("world2"):
         lines += ["", f"World 2: {record['world2']}."]
     lines += ["", "## Steps (every command, in order)", ""]
@@ -118,6 +127,9 @@ def summary(record: dict) -> str:
             )
         else:
             lines.append(f"  w{row['world']} {row['name']:<16} {row['status']}")
+    for row in record.get("engines", []):
+        measured = f"{row['measured_step_time_s']:.3f} s" if "measured_step_time_s" in row else ""
+        lines.append(f"  engine {row['name']:<24} {measured} {row.get('status', '')[:120]}")
     for peer in record["peers"]:
         measured = f"{peer['median_step_time_s']:.3f} s" if "median_step_time_s" in peer else ""
         lines.append(f"  peer {peer['name']:<12} {measured} {peer['status'][:120]}")

@@ -6,6 +6,7 @@ import click
 
 from elixir_tune import __version__
 from elixir_tune.cli.bench import bench_command
+from elixir_tune.cli.export import export_command
 from elixir_tune.cli.probe import probe_command
 from elixir_tune.cli.profile import profile_command
 from elixir_tune.cli.search import search_command
@@ -38,6 +39,7 @@ for command in (
     search_command,
     show_command,
     validate_command,
+    export_command,
     train_command,
     bench_command,
 ):

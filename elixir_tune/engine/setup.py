@@ -149,21 +149,20 @@ def setup(
             a DTensor whose backward must go through ``optimizer.backward(loss)`` or
             ``model.forward_backward``, not ``loss.backward()``.
 
+    A plan whose ``engine.name`` is fsdp2 or deepspeed runs on that engine (engine/peers/), with
+    the same script contract where the engine can keep it.
+
     Returns:
         (model, optimizer): an ElixirModel to call like the original module, and a
         ShardedOptimizer with ``backward(loss)``, ``clip_grad_norm(max_norm)``, ``step()`` and
         ``zero_grad()``.
     """
     plan = _resolve_plan(plan)
-    if plan.engine.name != "elixir":
-        raise PlanError(
-            "<plan>",
-            [
-                f"engine.name: {plan.engine.name}: this version's setup runs the chunk engine (elixir) only; "
-                "search again without pinning the engine"
-            ],
-        )
     check_plan_matches(model, plan)
+    if plan.engine.name != "elixir":  # a peer engine (engine/peers/): FSDP2 or DeepSpeed
+        from elixir_tune.engine.peers import setup_peer
+
+        return setup_peer(model, optimizer, plan, weights=weights, vocab_parallel_loss=vocab_parallel_loss)
     check_combined(plan, vocab_parallel_loss)
     parallel = plan.parallel
     mesh = init_mesh(

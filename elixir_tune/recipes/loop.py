@@ -30,6 +30,7 @@ from elixir_tune.engine.comm import shared_errors
 from elixir_tune.engine.io.checkpoint_files import LATEST_NAME, CheckpointError
 from elixir_tune.engine.io.pretrained_files import describe_failure
 from elixir_tune.engine.model import loss_of
+from elixir_tune.engine.peers.common import world_comm
 from elixir_tune.recipes.evaluation import evaluate
 from elixir_tune.recipes.fp16_watch import Fp16Watch
 from elixir_tune.recipes.restarts import lost_peer_line, restart_count, resume_after_restart
@@ -271,7 +272,7 @@ def _open_reports(run: _Run) -> str | None:
         except Exception as failure:  # noqa: BLE001  (the writers raise OSError, wandb its own errors)
             cause = " ".join(str(failure).split()) if isinstance(failure, OSError) else describe_failure(failure)
             log_error = f"rank 0 could not open the run's logs (--log, --log-dir, --wandb): {cause}"
-    log_errors = shared_errors(run.model.engine.mesh.world, log_error)
+    log_errors = shared_errors(world_comm(run.model), log_error)
     if log_errors:
         return log_errors[0]
     reporter = run.reporter

@@ -40,7 +40,8 @@ def setup(*args, **kwargs):
     _record["rss_before_setup_bytes"] = _rss_bytes()
     model, optimizer = _setup(*args, **kwargs)
     _record["rss_after_setup_bytes"] = _rss_bytes()
-    _record["memory_report"] = model.memory_report()
+    report = getattr(model, "memory_report", None)  # the chunk engine's; a peer engine's run has none
+    _record["memory_report"] = report() if report is not None else None
     return model, optimizer
 
 

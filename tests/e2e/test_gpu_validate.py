@@ -3,6 +3,7 @@ script that runs first time on a lent GPU cannot rot between GPU runs."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -36,6 +37,14 @@ def test_dry_run_plans_trains_and_compares_with_peers(tmp_path):
     assert peers["fsdp2"]["status"] == "measured", peers["fsdp2"]["status"]
     assert peers["fsdp2"]["micro_batch_size"] == best["shape"]["micro_batch_size"]
     assert len(peers["fsdp2"]["step_times_s"]) == 3 and all(t > 0 for t in peers["fsdp2"]["step_times_s"])
+    # The search's best plan on the peer engines through elixir-run (engine/peers/), the same script.
+    engines = {row["engine"]: row for row in record["engines"]}
+    assert engines["fsdp2"]["status"] == "measured", engines["fsdp2"]["status"]
+    assert engines["fsdp2"]["engine_settings"]["name"] == "fsdp2" and engines["fsdp2"]["vs_elixir"] > 0
+    if importlib.util.find_spec("deepspeed") is None:
+        assert engines["deepspeed"]["status"].startswith("skipped"), engines["deepspeed"]["status"]
+    else:
+        assert engines["deepspeed"]["status"] == "measured", engines["deepspeed"]["status"]
     commands = [step.get("command", "") for step in record["steps"]]
     assert any("elixir_tune.cli.run" in c for c in commands) and any("fsdp2_step.py" in c for c in commands)
     # The dry run plans inside its own interpreter (profile and search only plan); training gets processes.

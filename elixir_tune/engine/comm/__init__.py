@@ -22,7 +22,15 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 
 from elixir_tune.engine.comm.collectives import DONE, Comm, Handle, gather_objects, shared_errors
 from elixir_tune.engine.comm.experts import all_to_all_rows, exchange_counts, expert_groups
-from elixir_tune.engine.comm.mesh import MESH_DIMS, Mesh, grid_device_mesh, init_comm, init_mesh, subgroup
+from elixir_tune.engine.comm.mesh import (
+    MESH_DIMS,
+    Mesh,
+    grid_device_mesh,
+    init_comm,
+    init_group_of_one,
+    init_mesh,
+    subgroup,
+)
 
 if TYPE_CHECKING:  # the lazy names below, for type checkers
     from torch.distributed.device_mesh import DeviceMesh  # noqa: F401
@@ -111,6 +119,7 @@ __all__ = [
     "gather_objects",
     "grid_device_mesh",
     "init_comm",
+    "init_group_of_one",
     "init_mesh",
     "is_dtensor",
     "pipelining",

@@ -21,6 +21,14 @@ def _destroy_group() -> None:
         dist.destroy_process_group()
 
 
+def init_group_of_one(backend: str) -> None:
+    """A process group of this process alone, for the peer engines (FSDP2's device mesh, DeepSpeed),
+    which need one even for a plan of one process; the chunk engine runs such plans without any."""
+    if dist.is_available() and not dist.is_initialized():
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        atexit.register(_destroy_group)
+
+
 def init_comm(world_size: int, device_type: str, backend: str, timeout_s: float | None = None) -> Comm:
     """Joins (or starts) the process group the plan needs.
 
