@@ -170,9 +170,9 @@ class ExhaustiveSpace:
         self.layouts = []  # (cost model, stage scorer, [(shape, memory)])
         for layout in layout_choices(profile, gpus, 1, global_batch, fixed):
             model = CostModel(profile, hardware, gpus, dtype=fixed.get("dtype"), layout=layout)
-            shapes = [
-                (shape, model.memory(shape)) for shape in every_shape(model, global_batch // model.data_size, fixed)
-            ]
+            # Per data index: the ranks of a context group share their samples (model.data_size is data x context).
+            per_index = global_batch // (model.data_size // layout.context)
+            shapes = [(shape, model.memory(shape)) for shape in every_shape(model, per_index, fixed)]
             self.layouts.append((model, StageScorer(model), shapes))
         self._scores: dict[tuple[int, int], object] = {}
 
