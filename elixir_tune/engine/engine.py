@@ -15,10 +15,11 @@ Life of a micro-batch:
               next backward's need for a staging buffer) waits for them. Gradients accumulate in
               the shard until the optimizer step or zero_grad.
 
-This file builds the engine (chunks and their shards, the cache, which module uses which chunks, the
-hooks) and its three parts: ``passes`` (passes.py: what the hooks do in a micro-batch's forward and
-backward), ``grads`` (grad_path.py: staging, reductions, no-sync) and ``state`` (state.py: full state
-dicts and the memory accounting). Methods other modules call on the engine forward to them.
+This file builds the engine (chunks and their shards, the cache, the hooks) and its parts, each given
+what it reads: ``module_map`` (module_map.py: which module reads which chunks), ``passes`` (passes.py:
+what the hooks do in a micro-batch's forward and backward), ``grads`` (grad_path.py: staging,
+reductions, no-sync) and ``state`` (state.py: full state dicts and the memory accounting). Methods
+other modules call on the engine forward to the parts.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from elixir_tune.engine.io.materialize import (
 )
 from elixir_tune.engine.io.weights import WeightsError
 from elixir_tune.engine.layered import Baton
+from elixir_tune.engine.module_map import ModuleMap
 from elixir_tune.engine.parallel.expert_parallel import ExpertSplit
 from elixir_tune.engine.parallel.tensor_parallel import TensorSplit, local_data, set_local_data
 from elixir_tune.engine.passes import ModulePasses
@@ -118,13 +120,12 @@ class Engine:
         self.cache = ChunkCache(
             self.chunks, plan.memory.cache_blocks, plan.memory.prefetch, self.placeholder, side_stream
         )
-        self.module_names, self.module_chunks, self.module_slots = self._map_modules(named)
+        self.module_map = ModuleMap(model, plan, self.slot_of, named)
         self.optimizer: Any = None  # the ShardedOptimizer, attached by it (model.zero_grad clears through it)
         self.trainable_params = [slot.param for slot in self.slots if not slot.chunk.frozen]
         self._scaling = False  # inside scaled_backward()
         self.unscaled_backward = False  # an fp16 backward ran without the loss scale (refused at the step)
-        self.module_ancestors = self._hooked_ancestors()
-        self._check_cache_fits()
+        self.module_map.check_cache_fits(plan.memory.cache_blocks)
         # On a CPU device the reduced shard is added straight into the host gradient: device and host
         # are one memory, a landing copy would only hold the same bytes twice. Frozen chunks have no
         # gradients to land.
@@ -145,12 +146,7 @@ class Engine:
             cache=self.cache,
             chunks=self.chunks,
             slots=self.slots,
-            module_names=self.module_names,
-            module_chunks=self.module_chunks,
-            module_slots=self.module_slots,
-            module_ancestors=self.module_ancestors,
-            sharing_ancestors=self._sharing_ancestors(),
-            chain_chunks=self._chain_chunks,
+            module_map=self.module_map,
             checkpointed_block=checkpointed_block,
             nan=self._nan,
             grads=self.grads,
@@ -174,7 +170,7 @@ class Engine:
         )
         passes = self.passes
         self._handles = install_module_hooks(
-            self.module_names, passes.pre_forward, passes.post_forward, passes.pre_backward
+            self.module_map.names, passes.pre_forward, passes.post_forward, passes.pre_backward
         )
         # Frozen chunks' parameters get no gradient: nothing to stage or reduce for them.
         self._handles += install_grad_hooks([s.param for s in self.slots if not s.chunk.frozen], passes.on_grad)
@@ -233,36 +229,6 @@ class Engine:
             chunks.append(chunk)
         return chunks, upload_block
 
-    def _map_modules(
-        self, named: dict[str, torch.nn.Parameter]
-    ) -> tuple[dict[torch.nn.Module, str], dict[torch.nn.Module, list[Chunk]], dict[torch.nn.Module, list[ParamSlot]]]:
-        """Each module that reads chunked parameters (its own, or the plan's foreign reads): its name,
-        the non-resident chunks it reads and the slots, in model order."""
-        module_names: dict[torch.nn.Module, str] = {}
-        module_chunks: dict[torch.nn.Module, list[Chunk]] = {}
-        module_slots: dict[torch.nn.Module, list[ParamSlot]] = {}
-        foreign = self._foreign_slots(named)
-        for name, module in self.model.named_modules():
-            slots = [self.slot_of[id(p)] for p in module.parameters(recurse=False) if id(p) in self.slot_of]
-            owned = {id(slot) for slot in slots}
-            slots += [slot for slot in foreign.get(module, []) if id(slot) not in owned]
-            if slots:
-                chunks = list(dict.fromkeys(slot.chunk for slot in slots))
-                module_names[module] = name or "<model>"
-                module_chunks[module] = [c for c in chunks if not c.resident]
-                module_slots[module] = slots
-        return module_names, module_chunks, module_slots
-
-    def _sharing_ancestors(self) -> dict[torch.nn.Module, list[torch.nn.Module]]:
-        """Each hooked module's ancestors that share parameters with it."""
-        # A module that shares parameters with a running ancestor (it reads them too, or owns what the
-        # ancestor reads) must not mark them idle when it returns: the ancestor may read them again.
-        slot_ids = {module: {id(slot) for slot in slots} for module, slots in self.module_slots.items()}
-        return {
-            module: [a for a in ancestors if slot_ids[a] & slot_ids[module]]
-            for module, ancestors in self.module_ancestors.items()
-        }
-
     def _chunk_group(self, chunk_id: int, params: list[torch.nn.Parameter]) -> tuple[Comm, int | None]:
         """The group a chunk is sharded over and what its gradients are divided by: the data group
         (the mean over it), or for a chunk of experts the expert-data group (the data ranks holding the
@@ -316,63 +282,6 @@ class Engine:
             for name, buffer in list(module.named_buffers(recurse=False)):
                 if buffer is not None and buffer.device != self.device and id(buffer) not in self.elsewhere:
                     module._buffers[name] = buffer.to(self.device)
-
-    def _foreign_slots(self, named: dict[str, torch.nn.Parameter]) -> dict[torch.nn.Module, list[ParamSlot]]:
-        """The plan's ``model.foreign_reads``: reading module -> slots of the chunked parameters it reads.
-
-        Raises:
-            ValueError: a reading module or parameter the model does not have (a plan for another model).
-        """
-        out: dict[torch.nn.Module, list[ParamSlot]] = {}
-        for read in self.plan.model.foreign_reads:
-            try:
-                module = self.model.get_submodule(read.module)
-            except AttributeError as error:
-                raise ValueError(
-                    f"the plan's model.foreign_reads names module {read.module!r}, which this model does not have "
-                    "(a plan for another model?); search a plan for this model"
-                ) from error
-            missing = [name for name in read.params if name not in named]
-            if missing:
-                raise ValueError(
-                    f"the plan's model.foreign_reads lists {missing[:3]} for module {read.module!r}, parameters "
-                    "this model does not have (a plan for another model?); search a plan for this model"
-                )
-            # Parameters of another pipeline stage or frozen ones have no slot here: nothing to gather.
-            out[module] = [self.slot_of[id(named[name])] for name in read.params if id(named[name]) in self.slot_of]
-        return out
-
-    def _hooked_ancestors(self) -> dict[torch.nn.Module, list[torch.nn.Module]]:
-        """For each module owning chunked parameters, its ancestors that own some too."""
-        ancestors: dict[torch.nn.Module, list[torch.nn.Module]] = {}
-
-        def walk(module: torch.nn.Module, chain: list[torch.nn.Module]) -> None:
-            if module in self.module_chunks:
-                ancestors[module] = list(chain)
-                chain = chain + [module]
-            for child in module.children():
-                walk(child, chain)
-
-        walk(self.model, [])
-        return ancestors
-
-    def _chain_chunks(self, module: torch.nn.Module) -> list[Chunk]:
-        """Non-resident chunks a module needs while it runs: its own and its running ancestors'."""
-        chunks = list(self.module_chunks[module])
-        for ancestor in self.module_ancestors.get(module, []):
-            chunks += self.module_chunks[ancestor]
-        return list(dict.fromkeys(chunks))
-
-    def _check_cache_fits(self) -> None:
-        """A module runs inside its ancestors' forward: their chunks stay gathered meanwhile."""
-        need = {module: len(self._chain_chunks(module)) for module in self.module_chunks}
-        worst = max(need, key=need.__getitem__, default=None)
-        if worst is not None and need[worst] > self.plan.memory.cache_blocks:
-            raise ValueError(
-                f"module {self.module_names[worst]!r} uses {need[worst]} non-resident chunks at once (its own and "
-                f"those of the enclosing modules that own parameters) but the plan has memory.cache_blocks="
-                f"{self.plan.memory.cache_blocks}; the minimum for this chunking is {need[worst]}"
-            )
 
     def _apply_checkpointing(self, checkpointed_block: dict[torch.nn.Module, torch.nn.Module]) -> None:
         """Wraps the blocks the plan checkpoints; fills ``checkpointed_block`` (module -> its block)."""

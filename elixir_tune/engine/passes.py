@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from elixir_tune.engine.chunks.chunk import Chunk, ParamSlot
     from elixir_tune.engine.grad_path import GradPath
     from elixir_tune.engine.layered import Baton
+    from elixir_tune.engine.module_map import ModuleMap
 
 
 class ModulePasses:
@@ -37,12 +38,7 @@ class ModulePasses:
         cache: the engine's chunk cache.
         chunks: the engine's chunks.
         slots: every chunked parameter's slot, in chunk order.
-        module_names: hooked module -> its name (modules owning chunked parameters, in model order).
-        module_chunks: hooked module -> the non-resident chunks it reads.
-        module_slots: hooked module -> the slots it reads.
-        module_ancestors: hooked module -> its hooked ancestors, outermost first.
-        sharing_ancestors: hooked module -> the ancestors sharing parameters with it.
-        chain_chunks: module -> the chunks it needs while it runs (its own and its ancestors').
+        module_map: which module reads which chunks (module_map.py).
         checkpointed_block: module -> its checkpointed block (the engine fills it as it wraps blocks).
         nan: the placeholder the parameters of chunks not gathered point at.
         grads: the engine's gradient path (staging and reductions).
@@ -55,12 +51,7 @@ class ModulePasses:
         cache: ChunkCache,
         chunks: list[Chunk],
         slots: list[ParamSlot],
-        module_names: dict[torch.nn.Module, str],
-        module_chunks: dict[torch.nn.Module, list[Chunk]],
-        module_slots: dict[torch.nn.Module, list[ParamSlot]],
-        module_ancestors: dict[torch.nn.Module, list[torch.nn.Module]],
-        sharing_ancestors: dict[torch.nn.Module, list[torch.nn.Module]],
-        chain_chunks: Callable[[torch.nn.Module], list[Chunk]],
+        module_map: ModuleMap,
         checkpointed_block: dict[torch.nn.Module, torch.nn.Module],
         nan: torch.Tensor,
         grads: GradPath,
@@ -69,17 +60,11 @@ class ModulePasses:
         self.cache = cache
         self.chunks = chunks
         self.slots = slots
-        self.module_names = module_names
-        self.module_chunks = module_chunks
-        self.module_slots = module_slots
-        self.module_ancestors = module_ancestors
-        self._sharing_ancestors = sharing_ancestors
-        self._chain_chunks = chain_chunks
+        self.module_map = module_map
         self._checkpointed_block = checkpointed_block
         self._nan = nan
         self.grads = grads
         self._check_scaled = check_scaled
-        self.module_index = {module: index for index, module in enumerate(module_names)}
         # Set by setup where a forward has collectives and ranks may run forwards alone (uneven.py).
         self.agreement: ForwardAgreement | None = None
         self.baton: Baton | None = None  # set while a layered step's forwards run (engine/layered.py)
@@ -131,7 +116,7 @@ class ModulePasses:
 
     def _running_names(self) -> list[str]:
         """Names of the hooked modules running now, outermost first."""
-        running = [self.module_names[m] for m, count in self._running.items() if count > 0]
+        running = [self.module_map.names[m] for m, count in self._running.items() if count > 0]
         return sorted(running, key=lambda name: (name.count("."), name))
 
     def layer_boundary(self) -> None:
@@ -141,7 +126,7 @@ class ModulePasses:
 
     def pre_forward(self, module: torch.nn.Module) -> None:
         if self.agreement is not None and self.agreement.leading:
-            self.agreement.announce(PRE, self.module_index[module])
+            self.agreement.announce(PRE, self.module_map.index[module])
         if module not in self._checkpointed_block:
             # Not inside a checkpointed block: those yield once, before their checkpoint saves the
             # RNG state (a pre-hook on the block), so that the recomputation, which runs alone,
@@ -154,24 +139,24 @@ class ModulePasses:
             # A recomputation: the module waiting for it need not hold its chunks meanwhile (its
             # own recomputed forward, which comes last, gathers them again and pins them).
             self._set_state(self._bwd_module, "done")
-        self.cache.fetch(self.module_chunks[module], self.module_names[module])
+        self.cache.fetch(self.module_map.chunks[module], self.module_map.names[module])
         self._set_state(module, "use")
 
     def post_forward(self, module: torch.nn.Module) -> None:
         if self.agreement is not None and self.agreement.leading:
-            self.agreement.announce(POST, self.module_index[module])
+            self.agreement.announce(POST, self.module_map.index[module])
         self._running[module] -= 1
         if self._running[module] > 0:
             return  # layered: another micro-batch is still inside this module (an ancestor of the others)
         self._set_state(module, "done")
-        for ancestor in self._sharing_ancestors.get(module, ()):
+        for ancestor in self.module_map.sharing_ancestors.get(module, ()):
             if self._running.get(ancestor):
                 self._set_state(ancestor, "use")
         if self.in_backward and module is self._bwd_module:
             self._set_state(module, "use")
 
     def _set_state(self, module: torch.nn.Module, event: str) -> None:
-        for slot in self.module_slots[module]:
+        for slot in self.module_map.slots[module]:
             slot.state = transition(slot.state, event)
 
     # --- backward ------------------------------------------------------------------------------
@@ -193,7 +178,7 @@ class ModulePasses:
         self.queue_end_of_backward()
         if module in self._bwd_pins:
             return  # an ancestor whose output hook fires after its child's: already pinned and gathered
-        pins = [module] + self.module_ancestors.get(module, [])
+        pins = [module] + self.module_map.ancestors.get(module, [])
         for old in self._bwd_pins:
             self._set_state(old, "done")
         self._bwd_pins = pins
@@ -209,14 +194,14 @@ class ModulePasses:
             # would be a wasted fetch (the cost model's trace has none). Ancestors outside the
             # block still get theirs.
             pins = pins[1:]
-            chunks = list(dict.fromkeys(c for a in pins for c in self.module_chunks[a]))
+            chunks = list(dict.fromkeys(c for a in pins for c in self.module_map.chunks[a]))
             if chunks:
-                self.cache.fetch(chunks, self.module_names[module])
+                self.cache.fetch(chunks, self.module_map.names[module])
         else:
-            self.cache.fetch(self._chain_chunks(module), self.module_names[module])
+            self.cache.fetch(self.module_map.chain_chunks(module), self.module_map.names[module])
         for pinned in pins:
             self._set_state(pinned, "use")
-        for slot in self.module_slots[module]:
+        for slot in self.module_map.slots[module]:
             if slot.state not in GRAD_STAGED and not slot.chunk.frozen:
                 slot.awaiting_grad = True
 

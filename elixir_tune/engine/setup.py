@@ -245,7 +245,7 @@ def forward_agreement(engine: Engine, plan: Plan, mesh) -> ForwardAgreement | No
         refusal = "under context parallelism the ranks of a context group exchange keys and values in every forward"
     if refusal is None and not gathers:
         return None
-    modules = list(engine.module_names)
+    modules = list(engine.module_map.names)
     replay = Replay(
         begin=engine.passes.start_microbatch,
         pre_forward=lambda index: engine.passes.pre_forward(modules[index]),
