@@ -160,7 +160,7 @@ def max_module_chunks(profile: ModelProfile, layout: ChunkLayout) -> int:
     A module's chunks are those of the parameters it owns directly and of those it reads without
     owning them (``ModelProfile.foreign_reads``); while it runs, every enclosing module that owns
     parameters is running too and keeps its chunks gathered. The engine refuses a plan whose cache
-    is smaller than this (``Engine._check_cache_fits``), so no plan may have fewer cache blocks.
+    is smaller than this (``ModuleMap.check_cache_fits``), so no plan may have fewer cache blocks.
 
     Args:
         profile: the model profile (parameter names give the module tree).

@@ -15,10 +15,11 @@ Life of a micro-batch:
               next backward's need for a staging buffer) waits for them. Gradients accumulate in
               the shard until the optimizer step or zero_grad.
 
-This file builds the engine (chunks and their shards, the cache, which module uses which chunks, the
-hooks). What the hooks do in a micro-batch's forward and backward is engine_passes.py's mixin; the
-gradient path (staging, reductions, no-sync) is engine_grads.py's; full state dicts and the memory
-accounting are engine_state.py's.
+This file builds the engine (chunks and their shards, the cache, the hooks) and its parts, each given
+what it reads: ``module_map`` (module_map.py: which module reads which chunks), ``passes`` (passes.py:
+what the hooks do in a micro-batch's forward and backward), ``grads`` (grad_path.py: staging,
+reductions, no-sync) and ``state`` (state.py: full state dicts and the memory accounting). Methods
+other modules call on the engine forward to the parts.
 """
 
 from __future__ import annotations
@@ -33,10 +34,7 @@ from elixir_tune.device import ops_for
 from elixir_tune.engine.chunks.cache import ChunkCache
 from elixir_tune.engine.chunks.chunk import Chunk, ParamSlot
 from elixir_tune.engine.comm import Comm, Mesh
-from elixir_tune.engine.engine_grads import EngineGrads
-from elixir_tune.engine.engine_passes import EnginePasses
-from elixir_tune.engine.engine_state import EngineState
-from elixir_tune.engine.grad_view import GradPlaceholders
+from elixir_tune.engine.grad_path import GradPath
 from elixir_tune.engine.hooks import install_grad_hooks, install_module_hooks, wrap_checkpointed
 from elixir_tune.engine.io.materialize import (
     MaterializeError,
@@ -46,8 +44,11 @@ from elixir_tune.engine.io.materialize import (
 )
 from elixir_tune.engine.io.weights import WeightsError
 from elixir_tune.engine.layered import Baton
+from elixir_tune.engine.module_map import ModuleMap
 from elixir_tune.engine.parallel.expert_parallel import ExpertSplit
 from elixir_tune.engine.parallel.tensor_parallel import TensorSplit, local_data, set_local_data
+from elixir_tune.engine.passes import ModulePasses
+from elixir_tune.engine.state import EngineState
 from elixir_tune.engine.uneven import ForwardAgreement
 from elixir_tune.models.kv_cache import disable_kv_cache
 from elixir_tune.plan import Plan
@@ -55,7 +56,7 @@ from elixir_tune.plan import Plan
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class Engine(EnginePasses, EngineGrads, EngineState):
+class Engine:
     """Runs ``model`` with its trainable parameters in chunks as ``plan`` says.
 
     Args:
@@ -86,39 +87,128 @@ class Engine(EnginePasses, EngineGrads, EngineState):
     ):
         self.model = model
         self.experts = experts
-        self.tensor_parallel = (
-            tensor_parallel  # the model's split over mesh.tensor (engine/parallel/tensor_parallel.py)
-        )
+        # The model's split over mesh.tensor (engine/parallel/tensor_parallel.py).
+        self.tensor_parallel = tensor_parallel
         self.plan = plan
         self.comm = comm
         self.mesh = mesh if mesh is not None else Mesh.data_only(comm)
         self.elsewhere = elsewhere or set()
-        self.pipeline: Any = (
-            None  # engine/parallel/pipeline.py's Pipeline on a pipeline plan (it drives forward_backward)
-        )
+        # engine/parallel/pipeline.py's Pipeline on a pipeline plan (it drives forward_backward).
+        self.pipeline: Any = None
         self.norm_skip: set[int] = set()  # chunk ids the gradient norm leaves out (a shared chunk counted elsewhere)
         self.device = comm.device
         self.ops = ops_for(self.device)  # streams, events, pinned memory (elixir_tune/device.py)
         self.compute_dtype = COMPUTE_DTYPES[plan.training.dtype]
-        self._placeholders: dict[torch.Size, torch.Tensor] = {}
         self._nan = torch.full((1,), float("nan"), dtype=self.compute_dtype, device=self.device)
 
         named = dict(model.named_parameters())
-        self.chunks: list[Chunk] = []
-        self.slot_of: dict[int, ParamSlot] = {}  # id(param) -> slot
+        self.pinned = self.ops.pinned
+        self.chunks, self.upload_block = self._build_chunks(named)
+        self.slot_of: dict[int, ParamSlot] = {id(slot.param): slot for chunk in self.chunks for slot in chunk.slots}
+        self.slots: list[ParamSlot] = [slot for chunk in self.chunks for slot in chunk.slots]
+        unaligned = [chunk.id for chunk in self.chunks if not chunk.aligned]
+        if unaligned:
+            warnings.warn(
+                f"chunks {unaligned[:5]} of this plan were packed without alignment padding (an older "
+                "elixir-tune): they run, with parameters not 16-byte aligned; run `elixir-tune search` again",
+                stacklevel=2,
+            )
+        self._init_shards(source)
+        self._place_replicated()
+
+        side_stream = self.ops.new_stream() if self.ops.streams and plan.memory.prefetch else None
+        self.cache = ChunkCache(
+            self.chunks, plan.memory.cache_blocks, plan.memory.prefetch, self.placeholder, side_stream
+        )
+        self.module_map = ModuleMap(model, plan, self.slot_of, named)
+        self.optimizer: Any = None  # the ShardedOptimizer, attached by it (model.zero_grad clears through it)
+        self.trainable_params = [slot.param for slot in self.slots if not slot.chunk.frozen]
+        self._scaling = False  # inside scaled_backward()
+        self.unscaled_backward = False  # an fp16 backward ran without the loss scale (refused at the step)
+        self.module_map.check_cache_fits(plan.memory.cache_blocks)
+        # On a CPU device the reduced shard is added straight into the host gradient: device and host
+        # are one memory, a landing copy would only hold the same bytes twice. Frozen chunks have no
+        # gradients to land.
+        trainable_offloaded = any(chunk.offload and not chunk.frozen for chunk in self.chunks)
+        self.grads = GradPath(
+            plan=plan,
+            comm=comm,
+            compute_dtype=self.compute_dtype,
+            device=self.device,
+            ops=self.ops,
+            chunks=self.chunks,
+            slots=self.slots,
+            slot_of=self.slot_of,
+            landing=trainable_offloaded and self.device.type != "cpu",
+        )
+        checkpointed_block: dict[torch.nn.Module, torch.nn.Module] = {}  # module -> its checkpointed block
+        self.passes = ModulePasses(
+            cache=self.cache,
+            chunks=self.chunks,
+            slots=self.slots,
+            module_map=self.module_map,
+            checkpointed_block=checkpointed_block,
+            nan=self._nan,
+            grads=self.grads,
+            check_scaled=self._check_scaled,
+        )
+        self.state = EngineState(
+            model=model,
+            plan=plan,
+            comm=comm,
+            device=self.device,
+            chunks=self.chunks,
+            slot_of=self.slot_of,
+            cache=self.cache,
+            grads=self.grads,
+            upload_block=self.upload_block,
+            pinned=self.pinned,
+            tensor_parallel=tensor_parallel,
+            experts=experts,
+            after_step=self.after_step,
+            pipeline=lambda: self.pipeline,
+        )
+        passes = self.passes
+        self._handles = install_module_hooks(
+            self.module_map.names, passes.pre_forward, passes.post_forward, passes.pre_backward
+        )
+        # Frozen chunks' parameters get no gradient: nothing to stage or reduce for them.
+        self._handles += install_grad_hooks([s.param for s in self.slots if not s.chunk.frozen], passes.on_grad)
+        self._apply_checkpointing(checkpointed_block)
+        self.scaler: Any = None  # the optimizer's fp16 loss scaler, attached by ShardedOptimizer
+        # The optimizer's non-finite check (engine/finite.py; None for fp16) and its count of a step's
+        # non-finite losses, attached by ShardedOptimizer.
+        self.finite_guard: Any = None
+        self.note_loss: Any = lambda loss: None
+        for chunk in self.chunks:
+            if chunk.resident:
+                chunk.gather(async_op=False)
+                chunk.bind()
+            else:
+                chunk.unbind(self.placeholder(chunk))
+
+    # --- setup ---------------------------------------------------------------------------------
+
+    def placeholder(self, chunk: Chunk) -> torch.Tensor:
+        return self._nan
+
+    def _build_chunks(self, named: dict[str, torch.nn.Parameter]) -> tuple[list[Chunk], torch.Tensor]:
+        """The plan's chunks over the model's parameters, and the host block of the offloaded shards'
+        upload copies."""
+        plan = self.plan
+        chunks: list[Chunk] = []
         groups = {cp.id: self._chunk_group(cp.id, [named[name] for name in cp.params]) for cp in plan.memory.chunks}
         # A shard is the chunk over its group: the data group, or an expert chunk's expert-data group.
         shard_numel = {cid: plan.memory.chunk_size // group.world_size for cid, (group, _) in groups.items()}
         offloaded = [chunk_plan.id for chunk_plan in plan.memory.chunks if chunk_plan.offload]
-        self.pinned = self.ops.pinned
         # One host block for the upload copies of all offloaded shards: pinned blocks are rounded
         # up to a power of two by the CUDA host allocator, so one block wastes the least.
-        self.upload_block = self.ops.host_empty(
+        upload_block = self.ops.host_empty(
             sum(shard_numel[cid] for cid in offloaded), self.compute_dtype, pin=bool(offloaded)
         )
         upload_of, begin = {}, 0
         for cid in offloaded:
-            upload_of[cid] = self.upload_block[begin : begin + shard_numel[cid]]
+            upload_of[cid] = upload_block[begin : begin + shard_numel[cid]]
             begin += shard_numel[cid]
         for chunk_plan in plan.memory.chunks:
             chunk_comm, grad_divisor = groups[chunk_plan.id]
@@ -136,94 +226,8 @@ class Engine(EnginePasses, EngineGrads, EngineState):
                 grad_divisor=grad_divisor,
                 ops=self.ops,
             )
-            self.chunks.append(chunk)
-            for slot in chunk.slots:
-                self.slot_of[id(slot.param)] = slot
-        self.slots: list[ParamSlot] = [slot for chunk in self.chunks for slot in chunk.slots]
-        unaligned = [chunk.id for chunk in self.chunks if not chunk.aligned]
-        if unaligned:
-            warnings.warn(
-                f"chunks {unaligned[:5]} of this plan were packed without alignment padding (an older "
-                "elixir-tune): they run, with parameters not 16-byte aligned; run `elixir-tune search` again",
-                stacklevel=2,
-            )
-        self._init_shards(source)
-        self._place_replicated()
-
-        side_stream = self.ops.new_stream() if self.ops.streams and plan.memory.prefetch else None
-        self.cache = ChunkCache(
-            self.chunks, plan.memory.cache_blocks, plan.memory.prefetch, self.placeholder, side_stream
-        )
-        self.module_names: dict[torch.nn.Module, str] = {}
-        self.module_chunks: dict[torch.nn.Module, list[Chunk]] = {}
-        self.module_slots: dict[torch.nn.Module, list[ParamSlot]] = {}
-        foreign = self._foreign_slots(named)
-        for name, module in model.named_modules():
-            slots = [self.slot_of[id(p)] for p in module.parameters(recurse=False) if id(p) in self.slot_of]
-            owned = {id(slot) for slot in slots}
-            slots += [slot for slot in foreign.get(module, []) if id(slot) not in owned]
-            if slots:
-                chunks = list(dict.fromkeys(slot.chunk for slot in slots))
-                self.module_names[module] = name or "<model>"
-                self.module_chunks[module] = [c for c in chunks if not c.resident]
-                self.module_slots[module] = slots
-        self.module_index = {module: index for index, module in enumerate(self.module_names)}
-        # Set by setup where a forward has collectives and ranks may run forwards alone (uneven.py).
-        self.agreement: ForwardAgreement | None = None
-        self.optimizer: Any = None  # the ShardedOptimizer, attached by it (model.zero_grad clears through it)
-        self.trainable_params = [slot.param for slot in self.slots if not slot.chunk.frozen]
-        # p.grad placeholders between a backward and the next forward (grad_view.py); None: off (a
-        # pipeline plan, whose no-sync keeps real gradients in p.grad across passes).
-        self.grad_placeholders: GradPlaceholders | None = None
-        self._scaling = False  # inside scaled_backward()
-        self.unscaled_backward = False  # an fp16 backward ran without the loss scale (refused at the step)
-        self.module_ancestors = self._hooked_ancestors()
-        # A module that shares parameters with a running ancestor (it reads them too, or owns what the
-        # ancestor reads) must not mark them idle when it returns: the ancestor may read them again.
-        slot_ids = {module: {id(slot) for slot in slots} for module, slots in self.module_slots.items()}
-        self._sharing_ancestors = {
-            module: [a for a in ancestors if slot_ids[a] & slot_ids[module]]
-            for module, ancestors in self.module_ancestors.items()
-        }
-        self._check_cache_fits()
-        self._handles = install_module_hooks(
-            self.module_names, self._pre_forward, self._post_forward, self._pre_backward
-        )
-        # Frozen chunks' parameters get no gradient: nothing to stage or reduce for them.
-        self._handles += install_grad_hooks([s.param for s in self.slots if not s.chunk.frozen], self._on_grad)
-        self._checkpointed_block: dict[torch.nn.Module, torch.nn.Module] = {}  # module -> its checkpointed block
-        self._recomputed: set[torch.nn.Module] = set()  # checkpointed blocks recomputed in this backward
-        self._apply_checkpointing()
-        self.scaler: Any = None  # the optimizer's fp16 loss scaler, attached by ShardedOptimizer
-        # The optimizer's non-finite check (engine/finite.py; None for fp16) and its count of a step's
-        # non-finite losses, attached by ShardedOptimizer.
-        self.finite_guard: Any = None
-        self.note_loss: Any = lambda loss: None
-        self.baton: Baton | None = None  # set while a layered step's forwards run (engine/layered.py)
-        self._running: dict[torch.nn.Module, int] = {}  # forwards inside each module (several when layered)
-
-        # On a CPU device the reduced shard is added straight into the host gradient: device and host
-        # are one memory, a landing copy would only hold the same bytes twice. Frozen chunks have no
-        # gradients to land.
-        trainable_offloaded = any(chunk.offload and not chunk.frozen for chunk in self.chunks)
-        self._init_grads(landing=trainable_offloaded and self.device.type != "cpu")
-        self._callback_queued = False
-        self._bwd_module: torch.nn.Module | None = None
-        self._bwd_pins: list[torch.nn.Module] = []
-        self.in_backward = False
-        self.backward_passes = 0
-        self.reduce_scatters = 0  # chunk reductions started, for tests and benchmarks
-        for chunk in self.chunks:
-            if chunk.resident:
-                chunk.gather(async_op=False)
-                chunk.bind()
-            else:
-                chunk.unbind(self.placeholder(chunk))
-
-    # --- setup ---------------------------------------------------------------------------------
-
-    def placeholder(self, chunk: Chunk) -> torch.Tensor:
-        return self._nan
+            chunks.append(chunk)
+        return chunks, upload_block
 
     def _chunk_group(self, chunk_id: int, params: list[torch.nn.Parameter]) -> tuple[Comm, int | None]:
         """The group a chunk is sharded over and what its gradients are divided by: the data group
@@ -279,64 +283,8 @@ class Engine(EnginePasses, EngineGrads, EngineState):
                 if buffer is not None and buffer.device != self.device and id(buffer) not in self.elsewhere:
                     module._buffers[name] = buffer.to(self.device)
 
-    def _foreign_slots(self, named: dict[str, torch.nn.Parameter]) -> dict[torch.nn.Module, list[ParamSlot]]:
-        """The plan's ``model.foreign_reads``: reading module -> slots of the chunked parameters it reads.
-
-        Raises:
-            ValueError: a reading module or parameter the model does not have (a plan for another model).
-        """
-        out: dict[torch.nn.Module, list[ParamSlot]] = {}
-        for read in self.plan.model.foreign_reads:
-            try:
-                module = self.model.get_submodule(read.module)
-            except AttributeError as error:
-                raise ValueError(
-                    f"the plan's model.foreign_reads names module {read.module!r}, which this model does not have "
-                    "(a plan for another model?); search a plan for this model"
-                ) from error
-            missing = [name for name in read.params if name not in named]
-            if missing:
-                raise ValueError(
-                    f"the plan's model.foreign_reads lists {missing[:3]} for module {read.module!r}, parameters "
-                    "this model does not have (a plan for another model?); search a plan for this model"
-                )
-            # Parameters of another pipeline stage or frozen ones have no slot here: nothing to gather.
-            out[module] = [self.slot_of[id(named[name])] for name in read.params if id(named[name]) in self.slot_of]
-        return out
-
-    def _hooked_ancestors(self) -> dict[torch.nn.Module, list[torch.nn.Module]]:
-        """For each module owning chunked parameters, its ancestors that own some too."""
-        ancestors: dict[torch.nn.Module, list[torch.nn.Module]] = {}
-
-        def walk(module: torch.nn.Module, chain: list[torch.nn.Module]) -> None:
-            if module in self.module_chunks:
-                ancestors[module] = list(chain)
-                chain = chain + [module]
-            for child in module.children():
-                walk(child, chain)
-
-        walk(self.model, [])
-        return ancestors
-
-    def _chain_chunks(self, module: torch.nn.Module) -> list[Chunk]:
-        """Non-resident chunks a module needs while it runs: its own and its running ancestors'."""
-        chunks = list(self.module_chunks[module])
-        for ancestor in self.module_ancestors.get(module, []):
-            chunks += self.module_chunks[ancestor]
-        return list(dict.fromkeys(chunks))
-
-    def _check_cache_fits(self) -> None:
-        """A module runs inside its ancestors' forward: their chunks stay gathered meanwhile."""
-        need = {module: len(self._chain_chunks(module)) for module in self.module_chunks}
-        worst = max(need, key=need.__getitem__, default=None)
-        if worst is not None and need[worst] > self.plan.memory.cache_blocks:
-            raise ValueError(
-                f"module {self.module_names[worst]!r} uses {need[worst]} non-resident chunks at once (its own and "
-                f"those of the enclosing modules that own parameters) but the plan has memory.cache_blocks="
-                f"{self.plan.memory.cache_blocks}; the minimum for this chunking is {need[worst]}"
-            )
-
-    def _apply_checkpointing(self) -> None:
+    def _apply_checkpointing(self, checkpointed_block: dict[torch.nn.Module, torch.nn.Module]) -> None:
+        """Wraps the blocks the plan checkpoints; fills ``checkpointed_block`` (module -> its block)."""
         checkpointing = self.plan.training.activation_checkpointing
         if checkpointing.every <= 0:
             return
@@ -346,9 +294,9 @@ class Engine(EnginePasses, EngineGrads, EngineState):
         for index, block in enumerate(self.blocks()):
             if checkpointing.applies_to(index):
                 wrap_checkpointed(block, selective=checkpointing.mode == "selective")
-                self._handles.append(block.register_forward_pre_hook(lambda *_: self._layer_boundary()))
+                self._handles.append(block.register_forward_pre_hook(lambda *_: self.passes.layer_boundary()))
                 for module in block.modules():
-                    self._checkpointed_block[module] = block
+                    checkpointed_block[module] = block
 
     def blocks(self) -> torch.nn.ModuleList | torch.nn.Sequential:
         """The plan's repeated blocks (``model.block_list``).
@@ -375,7 +323,8 @@ class Engine(EnginePasses, EngineGrads, EngineState):
         return self.tensor_parallel.loss_context() if self.tensor_parallel is not None else contextlib.nullcontext()
 
     def set_baton(self, baton: Baton | None) -> None:
-        self.baton = baton
+        """Makes the hooks see a layered step's baton (None when it is done; engine/layered.py)."""
+        self.passes.baton = baton
 
     @contextlib.contextmanager
     def scaled_backward(self):
@@ -386,6 +335,11 @@ class Engine(EnginePasses, EngineGrads, EngineState):
             yield
         finally:
             self._scaling = False
+
+    def _check_scaled(self) -> None:
+        """End of each backward (``ModulePasses.end_backward``): notes one outside ``scaled_backward``."""
+        if self.scaler is not None and not self._scaling and self.pipeline is None:
+            self.unscaled_backward = True  # plain loss.backward() on an fp16 plan: its gradients are not scaled
 
     def loss_scale(self) -> torch.Tensor | float:
         """The fp16 loss scale of the optimizer attached to this engine, a device tensor (reading it
@@ -401,3 +355,59 @@ class Engine(EnginePasses, EngineGrads, EngineState):
             if chunk.resident:
                 chunk.gather(async_op=False)
                 chunk.fresh = True
+
+    # --- forwarding to the parts, for the modules that call the engine ---------------------------
+
+    @property
+    def agreement(self) -> ForwardAgreement | None:
+        """The agreement on forwards (uneven.py), set by setup; the forward hooks follow it."""
+        return self.passes.agreement
+
+    @agreement.setter
+    def agreement(self, agreement: ForwardAgreement | None) -> None:
+        self.passes.agreement = agreement
+
+    def begin_forward(self) -> None:
+        """``ModulePasses.begin_forward``: called before each forward (one micro-batch)."""
+        self.passes.begin_forward()
+
+    def read_check(self) -> contextlib.AbstractContextManager:
+        """``ModulePasses.read_check``: the first forwards' check of what they read."""
+        return self.passes.read_check()
+
+    def drain_grads(self) -> None:
+        """``GradPath.drain_grads``: completes every reduction in flight."""
+        self.grads.drain_grads()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``GradPath.zero_grad``: zeroes the shard gradients after the reductions in flight."""
+        self.grads.zero_grad(set_to_none)
+
+    def hold_grads(self, passes: int) -> None:
+        """``GradPath.hold_grads``: reduce each gradient once per ``passes`` backward passes (no-sync)."""
+        self.grads.hold_grads(passes)
+
+    def end_held_grads(self, flush: bool = True) -> None:
+        """Ends no-sync: gradients still held (parameters used in fewer passes) are staged and reduced
+        now as at the end of a backward (``flush``), or dropped (a step that failed)."""
+        held = self.grads.end_held(flush)
+        if held:
+            self.passes.in_backward = True
+            self.grads.stage_held(held)
+            self.passes.end_backward()
+
+    def full_state_dict(self, all_ranks: bool = False, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+        """``EngineState.full_state_dict``: full fp32 weights under the original names (a collective)."""
+        return self.state.full_state_dict(all_ranks, trainable_only)
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """``EngineState.load_full_state_dict``: sets the weights from a full state dict."""
+        self.state.load_full_state_dict(state)
+
+    def memory_report(self) -> dict[str, int]:
+        """``EngineState.memory_report``: bytes this rank's engine allocated, by the plan's keys."""
+        return self.state.memory_report()
+
+    def memory_stats(self) -> dict[str, int]:
+        """``EngineState.memory_stats``: measured figures beside the report."""
+        return self.state.memory_stats()

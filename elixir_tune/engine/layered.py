@@ -3,7 +3,7 @@ go through the model layer by layer, forward and backward.
 
 How, without touching the model's code: each micro-batch's forward runs in its own Python thread,
 and the threads pass a baton in the engine's forward pre-hook of every module that owns chunked
-parameters (``Engine._pre_forward``: a layer, at a finer grain than the paper's blocks). The baton
+parameters (``ModulePasses.pre_forward``: a layer, at a finer grain than the paper's blocks). The baton
 goes to the thread that is furthest behind, the lowest micro-batch first on ties, so the unmodified
 forward executes layer-major: micro-batch 0 runs layer k, then micro-batch 1 runs layer k, ..., then
 micro-batch 0 runs layer k+1. Only one thread runs at a time, so the engine (cache, hooks,

@@ -268,7 +268,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "cannot scale for the shards); call optimizer.backward(loss) instead, which scales the loss"
             )
         engine.drain_grads()
-        passes = engine.backward_passes
+        passes = engine.passes.backward_passes
         stats = self._stats
         if stats is not None and stats.backward_passes == passes:
             return stats
@@ -349,8 +349,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         engine = self.engine
         mode = self.find_unused_parameters
         if mode is False:
-            if not bool(engine.used.all()):  # a host tensor: no device round trip
-                unused = [engine.slots[i].name for i in (~engine.used).nonzero().flatten().tolist()]
+            if not bool(engine.grads.used.all()):  # a host tensor: no device round trip
+                unused = [engine.slots[i].name for i in (~engine.grads.used).nonzero().flatten().tolist()]
                 raise RuntimeError(
                     f"parameters got no gradient in this step ({', '.join(unused[:5])}) although every parameter "
                     "had one in the first step; pass find_unused_parameters=True to elixir_tune.setup for a model "
@@ -359,7 +359,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for entry in self._entries:
                 entry.tensor.grad = entry.grad
             return
-        used = engine.used.to(torch.float32).to(engine.comm.device)
+        used = engine.grads.used.to(torch.float32).to(engine.comm.device)
         engine.comm.all_reduce_sum(used)  # used on any rank = has a gradient
         used = used.cpu() > 0
         if mode is None:

@@ -211,7 +211,7 @@ def setup(
         engine = Engine(model, plan, mesh.data, source, mesh, tensor_parallel=tensor_parallel, experts=experts)
         engine.agreement = forward_agreement(engine, plan, mesh)
         if parallel.tensor.degree == 1:  # a DTensor parameter takes no plain placeholder
-            engine.grad_placeholders = GradPlaceholders(engine.trainable_params)
+            engine.grads.grad_placeholders = GradPlaceholders(engine.trainable_params)
     global setup_calls
     setup_calls += 1
     return ElixirModel(model, engine), ShardedOptimizer(optimizer, engine, find_unused_parameters)
@@ -245,11 +245,11 @@ def forward_agreement(engine: Engine, plan: Plan, mesh) -> ForwardAgreement | No
         refusal = "under context parallelism the ranks of a context group exchange keys and values in every forward"
     if refusal is None and not gathers:
         return None
-    modules = list(engine.module_names)
+    modules = list(engine.module_map.names)
     replay = Replay(
-        begin=engine.start_microbatch,
-        pre_forward=lambda index: engine._pre_forward(modules[index]),
-        post_forward=lambda index: engine._post_forward(modules[index]),
+        begin=engine.passes.start_microbatch,
+        pre_forward=lambda index: engine.passes.pre_forward(modules[index]),
+        post_forward=lambda index: engine.passes.post_forward(modules[index]),
         state_dict=lambda all_ranks: _discard(engine.full_state_dict(all_ranks=all_ranks)),
         optimizer_state=lambda: _discard(gather_whole_state(engine.optimizer)),
     )

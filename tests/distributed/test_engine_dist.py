@@ -36,7 +36,7 @@ WORLD2 = [
     dict(T, cache="min", offload=0.5, prefetch=2, checkpoint=0, accum=2, alternate_extra=True, clip=0.5),
     # Two chunks, the last offloaded, one cache block, no prefetch (a plan the search emits): the
     # offloaded chunk's reduction of micro-batch 1 is still draining to the host when micro-batch 2
-    # reduces the same chunk again (a chunk holds one reduction at a time: engine_grads._start_reduce).
+    # reduces the same chunk again (a chunk holds one reduction at a time: GradPath._start_reduce).
     dict(G, chunk_size=16384, cache="min", offload=0.5, prefetch=0, checkpoint=1, accum=2, clip=0.5),
 ]
 WORLD2_MIXED = [

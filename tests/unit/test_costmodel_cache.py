@@ -84,7 +84,7 @@ def test_step_needing_more_chunks_than_blocks_is_refused():
 
 def test_the_minimum_cache_holds_a_module_with_its_enclosing_modules_and_its_reads():
     # A parent that owns a parameter keeps its chunk gathered while its children run; a module that
-    # reads another's parameter holds that chunk too (engine/engine.py _check_cache_fits).
+    # reads another's parameter holds that chunk too (engine/module_map.py check_cache_fits).
     import dataclasses
 
     from elixir_tune.costmodel.layout import max_module_chunks, pack_chunks

@@ -79,14 +79,14 @@ def test_held_gradients_are_reduced_once_per_step_and_stragglers_flushed():
     engine = wrapped.engine
     micro = [{k: v[2 * i : 2 * i + 2] for k, v in batches(1, 6, 8)[0].items()} for i in range(3)]
     engine.hold_grads(3)
-    reduced = [engine.reduce_scatters]
+    reduced = [engine.grads.reduce_scatters]
     for index, batch in enumerate(micro):
         wrapped.module.use_extra = reference.use_extra = index == 1  # ``extra`` runs in one pass of three
         (wrapped(**batch).loss / 3).backward()
         (reference(**batch).loss / 3).backward()
-        reduced.append(engine.reduce_scatters)
+        reduced.append(engine.grads.reduce_scatters)
     engine.end_held_grads()
-    reduced.append(engine.reduce_scatters)
+    reduced.append(engine.grads.reduce_scatters)
     assert reduced[2] == reduced[0]  # nothing reduced before the last pass
     # Once per chunk; a chunk that also holds ``extra``'s parameters (still held after the last pass)
     # once more, when they are flushed.

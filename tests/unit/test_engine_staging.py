@@ -65,7 +65,7 @@ def test_live_staging_buffers_never_exceed_the_pool(staging_buffers: int, offloa
     assert seen_live and max(seen_live) <= staging_buffers
     assert max(seen_live) == staging_buffers  # twelve chunks do use the whole pool
     assert len(seen_addresses) <= staging_buffers  # and never a buffer outside it
-    assert engine.staging.peak_live == staging_buffers
+    assert engine.grads.staging.peak_live == staging_buffers
     assert engine.memory_report()["staging_bytes"] == staging_buffers * size * 4
 
 

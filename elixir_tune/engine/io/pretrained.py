@@ -216,14 +216,14 @@ def _values(engine, by_tensor: dict[int, _Entry]) -> Iterator[tuple[_Entry, torc
 
     def whole(entry: _Entry, param: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
         """The full value from this rank's piece (a collective over the tensor group when split, over
-        the expert group for experts: every rank gets an expert chunk, engine_state.gathered_chunks)."""
+        the expert group for experts: every rank gets an expert chunk, EngineState.gathered_chunks)."""
         if engine.experts is not None and id(param) in engine.experts.param_slices:
             return engine.experts.gather(param, piece)
         if split is None:
             return piece
         return split.full_state({entry.name: piece}, {entry.name: param})[entry.name]
 
-    for chunk, flat in engine.gathered_chunks(all_ranks=False):
+    for chunk, flat in engine.state.gathered_chunks(all_ranks=False):
         if flat is None:  # not the first rank of its data group: its tensor group does not write
             continue
         for slot in chunk.slots:

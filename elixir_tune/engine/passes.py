@@ -1,13 +1,13 @@
 """The life of a micro-batch in the engine: what its module hooks do in forward and backward.
 
-A mixin of ``Engine`` (engine.py), whose hooks (``hooks.py``) call these methods:
+A part of ``Engine`` (engine.py), whose hooks (``hooks.py``) call these methods:
     forward   a module's pre-hook fetches its chunks through the cache (all-gather) and marks them in
               use, its post-hook marks them idle; a layered step hands over to the other
               micro-batches at each layer boundary (``layered.py``);
-    backward  a module's output hook (``_pre_backward``) fetches its chunks again, with those of its
+    backward  a module's output hook (``pre_backward``) fetches its chunks again, with those of its
               ancestors that own parameters, and pins them (a checkpointed block's are gathered by
-              its recomputation instead); an autograd callback (``_end_backward``) queued on the
-              first one reduces what is left (``engine_grads.py``) and unpins every chunk.
+              its recomputation instead); an autograd callback (``end_backward``) queued on the
+              first one reduces what is left (``grad_path.py``) and unpins every chunk.
 A backward stopped by an exception never runs its callback: the next forward drops what it staged.
 """
 
@@ -15,53 +15,66 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from elixir_tune.engine.chunks.states import GRAD_STAGED, TensorState, transition
-from elixir_tune.engine.grad_view import GradPlaceholders
 from elixir_tune.engine.read_guard import ReadGuard
 from elixir_tune.engine.uneven import EVAL, POST, PRE, TRAIN, ForwardAgreement
 
 if TYPE_CHECKING:
     from elixir_tune.engine.chunks.cache import ChunkCache
     from elixir_tune.engine.chunks.chunk import Chunk, ParamSlot
+    from elixir_tune.engine.grad_path import GradPath
     from elixir_tune.engine.layered import Baton
+    from elixir_tune.engine.module_map import ModuleMap
 
 
-class EnginePasses:
-    """Forward and backward hooks' work of an ``Engine`` (its attributes are declared here for them)."""
+class ModulePasses:
+    """Forward and backward hooks' work of an ``Engine``.
 
-    cache: ChunkCache
-    chunks: list[Chunk]
-    slots: list[ParamSlot]
-    module_names: dict[torch.nn.Module, str]
-    module_chunks: dict[torch.nn.Module, list[Chunk]]
-    module_slots: dict[torch.nn.Module, list[ParamSlot]]
-    module_ancestors: dict[torch.nn.Module, list[torch.nn.Module]]
-    _sharing_ancestors: dict[torch.nn.Module, list[torch.nn.Module]]
-    _checkpointed_block: dict[torch.nn.Module, torch.nn.Module]
-    _recomputed: set[torch.nn.Module]
-    _running: dict[torch.nn.Module, int]
-    _bwd_module: torch.nn.Module | None
-    _bwd_pins: list[torch.nn.Module]
-    _callback_queued: bool
-    _nan: torch.Tensor
-    agreement: ForwardAgreement | None
-    module_index: dict[torch.nn.Module, int]
-    grad_placeholders: GradPlaceholders | None
-    scaler: Any
-    pipeline: Any
-    grad_passes: int
-    _scaling: bool
-    unscaled_backward: bool
-    baton: Baton | None
-    in_backward: bool
-    backward_passes: int
-    _chain_chunks: Callable[[torch.nn.Module], list[Chunk]]
-    _drop_staged: Callable[[], None]
-    _reduce_rest: Callable[[], None]
+    Args:
+        cache: the engine's chunk cache.
+        chunks: the engine's chunks.
+        slots: every chunked parameter's slot, in chunk order.
+        module_map: which module reads which chunks (module_map.py).
+        checkpointed_block: module -> its checkpointed block (the engine fills it as it wraps blocks).
+        nan: the placeholder the parameters of chunks not gathered point at.
+        grads: the engine's gradient path (staging and reductions).
+        check_scaled: called at the end of each backward (the engine's fp16 loss-scale check).
+    """
+
+    def __init__(
+        self,
+        *,
+        cache: ChunkCache,
+        chunks: list[Chunk],
+        slots: list[ParamSlot],
+        module_map: ModuleMap,
+        checkpointed_block: dict[torch.nn.Module, torch.nn.Module],
+        nan: torch.Tensor,
+        grads: GradPath,
+        check_scaled: Callable[[], None],
+    ):
+        self.cache = cache
+        self.chunks = chunks
+        self.slots = slots
+        self.module_map = module_map
+        self._checkpointed_block = checkpointed_block
+        self._nan = nan
+        self.grads = grads
+        self._check_scaled = check_scaled
+        # Set by setup where a forward has collectives and ranks may run forwards alone (uneven.py).
+        self.agreement: ForwardAgreement | None = None
+        self.baton: Baton | None = None  # set while a layered step's forwards run (engine/layered.py)
+        self._running: dict[torch.nn.Module, int] = {}  # forwards inside each module (several when layered)
+        self._recomputed: set[torch.nn.Module] = set()  # checkpointed blocks recomputed in this backward
+        self._callback_queued = False
+        self._bwd_module: torch.nn.Module | None = None
+        self._bwd_pins: list[torch.nn.Module] = []
+        self.in_backward = False
+        self.backward_passes = 0
 
     # --- forward -------------------------------------------------------------------------------
 
@@ -77,12 +90,12 @@ class EnginePasses:
         """The engine's side of a new forward (also what a follower replays for its leader)."""
         self._running.clear()  # a forward stopped by an exception never ran its post-hooks
         self.cache.start_microbatch()
-        if self.grad_placeholders is not None:  # autograd must find no p.grad to add to
-            self.grad_placeholders.hide()
+        if self.grads.grad_placeholders is not None:  # autograd must find no p.grad to add to
+            self.grads.grad_placeholders.hide()
 
     def _abandon_backward(self) -> None:
         """A backward stopped by an exception never ran its end callback: drop what it staged."""
-        self._drop_staged()
+        self.grads.drop_staged()
         for chunk in self.chunks:
             chunk.received = 0
             for slot in chunk.slots:
@@ -103,22 +116,22 @@ class EnginePasses:
 
     def _running_names(self) -> list[str]:
         """Names of the hooked modules running now, outermost first."""
-        running = [self.module_names[m] for m, count in self._running.items() if count > 0]
+        running = [self.module_map.names[m] for m, count in self._running.items() if count > 0]
         return sorted(running, key=lambda name: (name.count("."), name))
 
-    def _layer_boundary(self) -> None:
+    def layer_boundary(self) -> None:
         """Layered step: the other micro-batches run up to here first (engine/layered.py)."""
         if self.baton is not None:
             self.baton.boundary()
 
-    def _pre_forward(self, module: torch.nn.Module) -> None:
+    def pre_forward(self, module: torch.nn.Module) -> None:
         if self.agreement is not None and self.agreement.leading:
-            self.agreement.announce(PRE, self.module_index[module])
+            self.agreement.announce(PRE, self.module_map.index[module])
         if module not in self._checkpointed_block:
             # Not inside a checkpointed block: those yield once, before their checkpoint saves the
             # RNG state (a pre-hook on the block), so that the recomputation, which runs alone,
             # draws the same random numbers (dropout) as the forward did.
-            self._layer_boundary()
+            self.layer_boundary()
         self._running[module] = self._running.get(module, 0) + 1
         if self.in_backward and module in self._checkpointed_block:
             self._recomputed.add(self._checkpointed_block[module])
@@ -126,41 +139,46 @@ class EnginePasses:
             # A recomputation: the module waiting for it need not hold its chunks meanwhile (its
             # own recomputed forward, which comes last, gathers them again and pins them).
             self._set_state(self._bwd_module, "done")
-        self.cache.fetch(self.module_chunks[module], self.module_names[module])
+        self.cache.fetch(self.module_map.chunks[module], self.module_map.names[module])
         self._set_state(module, "use")
 
-    def _post_forward(self, module: torch.nn.Module) -> None:
+    def post_forward(self, module: torch.nn.Module) -> None:
         if self.agreement is not None and self.agreement.leading:
-            self.agreement.announce(POST, self.module_index[module])
+            self.agreement.announce(POST, self.module_map.index[module])
         self._running[module] -= 1
         if self._running[module] > 0:
             return  # layered: another micro-batch is still inside this module (an ancestor of the others)
         self._set_state(module, "done")
-        for ancestor in self._sharing_ancestors.get(module, ()):
+        for ancestor in self.module_map.sharing_ancestors.get(module, ()):
             if self._running.get(ancestor):
                 self._set_state(ancestor, "use")
         if self.in_backward and module is self._bwd_module:
             self._set_state(module, "use")
 
     def _set_state(self, module: torch.nn.Module, event: str) -> None:
-        for slot in self.module_slots[module]:
+        for slot in self.module_map.slots[module]:
             slot.state = transition(slot.state, event)
 
     # --- backward ------------------------------------------------------------------------------
 
-    def _queue_end_of_backward(self) -> None:
+    def queue_end_of_backward(self) -> None:
         if not self._callback_queued:
             self._callback_queued = True
             self.in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
 
-    def _pre_backward(self, module: torch.nn.Module) -> None:
+    def on_grad(self, param: torch.nn.Parameter) -> None:
+        """A parameter's post-accumulate-grad hook: queues the end of backward, stages the gradient."""
+        self.queue_end_of_backward()
+        self.grads.on_grad(param)
+
+    def pre_backward(self, module: torch.nn.Module) -> None:
         # Pin the module and its ancestors that own parameters: the ancestors' own ops around
         # this module may need their weights in backward too.
-        self._queue_end_of_backward()
+        self.queue_end_of_backward()
         if module in self._bwd_pins:
             return  # an ancestor whose output hook fires after its child's: already pinned and gathered
-        pins = [module] + self.module_ancestors.get(module, [])
+        pins = [module] + self.module_map.ancestors.get(module, [])
         for old in self._bwd_pins:
             self._set_state(old, "done")
         self._bwd_pins = pins
@@ -176,22 +194,21 @@ class EnginePasses:
             # would be a wasted fetch (the cost model's trace has none). Ancestors outside the
             # block still get theirs.
             pins = pins[1:]
-            chunks = list(dict.fromkeys(c for a in pins for c in self.module_chunks[a]))
+            chunks = list(dict.fromkeys(c for a in pins for c in self.module_map.chunks[a]))
             if chunks:
-                self.cache.fetch(chunks, self.module_names[module])
+                self.cache.fetch(chunks, self.module_map.names[module])
         else:
-            self.cache.fetch(self._chain_chunks(module), self.module_names[module])
+            self.cache.fetch(self.module_map.chain_chunks(module), self.module_map.names[module])
         for pinned in pins:
             self._set_state(pinned, "use")
-        for slot in self.module_slots[module]:
+        for slot in self.module_map.slots[module]:
             if slot.state not in GRAD_STAGED and not slot.chunk.frozen:
                 slot.awaiting_grad = True
 
-    def _end_backward(self) -> None:
+    def end_backward(self) -> None:
         """The autograd callback after each backward: reduces what is left and unpins the chunks."""
-        if self.scaler is not None and not self._scaling and self.pipeline is None:
-            self.unscaled_backward = True  # plain loss.backward() on an fp16 plan: its gradients are not scaled
-        self._reduce_rest()
+        self._check_scaled()
+        self.grads.reduce_rest()
         for slot in self.slots:
             slot.awaiting_grad = False
             if slot.state is TensorState.COMPUTE:
@@ -204,5 +221,7 @@ class EnginePasses:
         self._callback_queued = False
         self.in_backward = False
         self.backward_passes += 1
-        if self.grad_placeholders is not None and self.grad_passes == 1:  # torch code reading p.grad meets one
-            self.grad_placeholders.show()
+        if (
+            self.grads.grad_placeholders is not None and self.grads.grad_passes == 1
+        ):  # torch code reading p.grad meets one
+            self.grads.grad_placeholders.show()

@@ -1,19 +1,18 @@
 """The engine's gradient path: staging each parameter's gradient in its chunk and reducing full chunks.
 
-A mixin of ``Engine`` (engine.py). Each parameter's post-accumulate-grad hook (``_on_grad``) copies
+A part of ``Engine`` (engine.py). Each parameter's post-accumulate-grad hook (``on_grad``) copies
 its gradient into its chunk's staging buffer, taken from a bounded pool (staging.py); a chunk whose
 gradients are all staged starts its reduce-scatter (asynchronous) into the fp32 shard gradient, and
 an offloaded chunk's reduced shard drains to the host gradient meanwhile (``GradDrain``). At the end
-of backward the chunks left incomplete are reduced in chunk order (``_reduce_rest``); the device-side
+of backward the chunks left incomplete are reduced in chunk order (``reduce_rest``); the device-side
 reductions finish there, host-side ones when the optimizer, the next backward's need for a staging
-buffer (``drain_grads``) or the same chunk's next reduction (accumulation) waits for them. No-sync over several backward passes (a pipeline step's):
-``hold_grads`` / ``end_held_grads``.
+buffer (``drain_grads``) or the same chunk's next reduction (accumulation) waits for them. No-sync
+over several backward passes (a pipeline step's): ``hold_grads`` / ``end_held``.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,29 +29,41 @@ if TYPE_CHECKING:
     from elixir_tune.plan import Plan
 
 
-class EngineGrads:
-    """Gradient staging and reduction of an ``Engine`` (its attributes are declared here for them)."""
+class GradPath:
+    """Gradient staging and reduction of an ``Engine``.
 
-    plan: Plan
-    comm: Comm
-    device: torch.device
-    ops: DeviceOps
-    compute_dtype: torch.dtype
-    chunks: list[Chunk]
-    slots: list[ParamSlot]
-    slot_of: dict[int, ParamSlot]
-    in_backward: bool
-    reduce_scatters: int
-    grad_placeholders: GradPlaceholders | None
-    _queue_end_of_backward: Callable[[], None]
-    _end_backward: Callable[[], None]
+    Args:
+        plan: the engine's plan (its staging buffers and chunk size).
+        comm: the data-parallel group.
+        compute_dtype: the dtype gradients are staged in.
+        device: the engine's device.
+        ops: the device's streams, events and pinned memory.
+        chunks: the engine's chunks.
+        slots: every chunked parameter's slot, in chunk order.
+        slot_of: id(param) -> its slot.
+        landing: some chunks are offloaded: the pool also holds host landing buffers for their shards.
+    """
 
-    def _init_grads(self, landing: bool) -> None:
-        """The staging pool, the host drain and the bookkeeping of reductions in flight.
-
-        Args:
-            landing: some chunks are offloaded: the pool also holds host landing buffers for their shards.
-        """
+    def __init__(
+        self,
+        *,
+        plan: Plan,
+        comm: Comm,
+        compute_dtype: torch.dtype,
+        device: torch.device,
+        ops: DeviceOps,
+        chunks: list[Chunk],
+        slots: list[ParamSlot],
+        slot_of: dict[int, ParamSlot],
+        landing: bool,
+    ):
+        self.chunks = chunks
+        self.slots = slots
+        self.slot_of = slot_of
+        self.reduce_scatters = 0  # chunk reductions started, for tests and benchmarks
+        # p.grad placeholders between a backward and the next forward (grad_view.py), set by setup;
+        # None: off (a pipeline plan, whose no-sync keeps real gradients in p.grad across passes).
+        self.grad_placeholders: GradPlaceholders | None = None
         self.grad_passes = 1  # backward passes per gradient reduction (no-sync: hold_grads)
         self._held: dict[int, int] = {}  # id(slot) -> passes whose gradient is held in param.grad
         # Got a gradient since zero_grad (host); frozen parameters count as used: they never get one.
@@ -60,16 +71,16 @@ class EngineGrads:
         self.used = self._frozen_slots.clone()
         self._slot_index = {id(slot): i for i, slot in enumerate(self.slots)}
         self.staging = StagingPool(
-            self.plan.memory.staging_buffers,
-            self.plan.memory.chunk_size,
-            self.comm.rank,
-            self.comm.world_size,
-            self.compute_dtype,
-            self.device,
+            plan.memory.staging_buffers,
+            plan.memory.chunk_size,
+            comm.rank,
+            comm.world_size,
+            compute_dtype,
+            device,
             landing=landing,
-            ops=self.ops,
+            ops=ops,
         )
-        self.drain = GradDrain(self.device, self.ops)
+        self.drain = GradDrain(device, ops)
         self._filling: list[Chunk] = []  # chunks holding a staging buffer, not yet reducing, oldest first
         self._reducing: deque[Chunk] = deque()  # reductions in flight, oldest first
 
@@ -89,7 +100,7 @@ class EngineGrads:
         self._filling.remove(chunk)
         if chunk.pending is not None:
             # The chunk's reduction of an earlier backward (an offloaded chunk's, which
-            # ``_reduce_rest`` leaves draining to the host) is still in flight: a chunk holds one
+            # ``reduce_rest`` leaves draining to the host) is still in flight: a chunk holds one
             # reduction at a time, so that one finishes first (its buffer back to the pool, its
             # shard added to the host gradient) before the next overwrites it.
             self._reducing.remove(chunk)
@@ -107,7 +118,7 @@ class EngineGrads:
         while self._reducing:
             self._finish_oldest()
 
-    def _drop_staged(self) -> None:
+    def drop_staged(self) -> None:
         """A backward stopped by an exception: finish what it reduces, drop what it staged."""
         self.drain_grads()
         for chunk in self._filling:
@@ -116,8 +127,8 @@ class EngineGrads:
             chunk.staging, chunk.staged = None, 0
         self._filling.clear()
 
-    def _on_grad(self, param: torch.nn.Parameter) -> None:
-        self._queue_end_of_backward()
+    def on_grad(self, param: torch.nn.Parameter) -> None:
+        """Stages a parameter's gradient (or holds it under no-sync); ``ModulePasses.on_grad`` calls it."""
         slot = self.slot_of[id(param)]
         if self.grad_passes > 1 and self._hold_grad(slot):
             return
@@ -137,21 +148,23 @@ class EngineGrads:
         """Reduce each gradient once per ``passes`` backward passes (``end_held_grads`` ends it)."""
         self.grad_passes = passes
 
-    def end_held_grads(self, flush: bool = True) -> None:
-        """Ends no-sync: gradients still held (parameters used in fewer passes) are staged and reduced
-        now (``flush``), or dropped (a step that failed)."""
+    def end_held(self, flush: bool = True) -> list[ParamSlot]:
+        """Ends no-sync. Returns the slots whose gradients are still held (parameters used in fewer
+        passes), for ``stage_held`` to stage (``flush``); without ``flush`` (a step that failed) they are
+        dropped and none is returned."""
         self.grad_passes = 1
         held = [slot for slot in self.slots if id(slot) in self._held]
         self._held.clear()
         if not flush:
             for slot in held:
                 slot.param.grad = None
-            return
-        if held:
-            self.in_backward = True
-            for slot in held:
-                self._stage_grad(slot, slot.param)
-            self._end_backward()
+            return []
+        return held
+
+    def stage_held(self, held: list[ParamSlot]) -> None:
+        """Stages the gradients ``end_held`` returned, as their post-accumulate-grad hooks would have."""
+        for slot in held:
+            self._stage_grad(slot, slot.param)
 
     def _stage_grad(self, slot: ParamSlot, param: torch.nn.Parameter) -> None:
         chunk = slot.chunk
@@ -170,7 +183,7 @@ class EngineGrads:
         if chunk.reduce_ready():
             self._start_reduce(chunk)
 
-    def _reduce_rest(self) -> None:
+    def reduce_rest(self) -> None:
         """End of backward: reduces the chunks left incomplete and finishes the device-side reductions."""
         # Deterministic order on every rank: incomplete chunks in chunk order.
         for chunk in self.chunks:

@@ -1,6 +1,6 @@
 """What the engine reports and exchanges as a whole: full weights in and out, and its memory accounting.
 
-A mixin of ``Engine`` (engine.py): these methods read the engine's chunks, cache and staging pool but
+A part of ``Engine`` (engine.py): these methods read the engine's chunks, cache and staging pool but
 take no part in a step.
 """
 
@@ -18,32 +18,65 @@ from elixir_tune.plan.memory import pinned_bytes
 if TYPE_CHECKING:
     from elixir_tune.engine.chunks.cache import ChunkCache
     from elixir_tune.engine.chunks.chunk import Chunk, ParamSlot
-    from elixir_tune.engine.chunks.staging import StagingPool
     from elixir_tune.engine.comm import Comm
+    from elixir_tune.engine.grad_path import GradPath
     from elixir_tune.engine.parallel.expert_parallel import ExpertSplit
     from elixir_tune.engine.parallel.tensor_parallel import TensorSplit
     from elixir_tune.plan import Plan
 
 
 class EngineState:
-    """Full state dicts and memory figures of an ``Engine`` (its attributes are declared here for them)."""
+    """Full state dicts and memory figures of an ``Engine``.
 
-    model: torch.nn.Module
-    plan: Plan
-    comm: Comm
-    device: torch.device
-    compute_dtype: torch.dtype
-    chunks: list[Chunk]
-    slot_of: dict[int, ParamSlot]
-    cache: ChunkCache
-    staging: StagingPool
-    upload_block: torch.Tensor
-    pinned: bool
-    reduce_scatters: int
-    tensor_parallel: TensorSplit | None
-    experts: ExpertSplit | None
-    after_step: Callable[[], None]
-    pipeline: Any  # engine/parallel/pipeline.py's Pipeline on a pipeline plan, else None
+    Args:
+        model: the user's module.
+        plan: the engine's plan.
+        comm: the data-parallel group.
+        device: the engine's device.
+        chunks: the engine's chunks.
+        slot_of: id(param) -> its slot.
+        cache: the engine's chunk cache.
+        grads: the engine's gradient path (its staging pool and reduction count).
+        upload_block: the host block of the offloaded shards' upload copies.
+        pinned: host blocks are pinned.
+        tensor_parallel: the model's tensor-parallel split, or None.
+        experts: the model's expert split, or None.
+        after_step: regathers the resident chunks after the masters changed (``Engine.after_step``).
+        pipeline: returns the engine's ``Pipeline`` (engine/parallel/pipeline.py), None without one.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module,
+        plan: Plan,
+        comm: Comm,
+        device: torch.device,
+        chunks: list[Chunk],
+        slot_of: dict[int, ParamSlot],
+        cache: ChunkCache,
+        grads: GradPath,
+        upload_block: torch.Tensor,
+        pinned: bool,
+        tensor_parallel: TensorSplit | None,
+        experts: ExpertSplit | None,
+        after_step: Callable[[], None],
+        pipeline: Callable[[], Any],
+    ):
+        self.model = model
+        self.plan = plan
+        self.comm = comm
+        self.device = device
+        self.chunks = chunks
+        self.slot_of = slot_of
+        self.cache = cache
+        self.grads = grads
+        self.upload_block = upload_block
+        self.pinned = pinned
+        self.tensor_parallel = tensor_parallel
+        self.experts = experts
+        self.after_step = after_step
+        self._pipeline = pipeline  # attached after the engine is built (engine.pipeline)
 
     @torch.no_grad()
     def gathered_chunks(self, all_ranks: bool = False, trainable_only: bool = False):
@@ -157,22 +190,24 @@ class EngineState:
         upload = self.upload_block.nbytes
         # Upload copies that are the masters themselves (fp32; frozen chunks in any dtype) count as host shards.
         masters_inside = sum(c.master.nbytes for c in self.chunks if c.upload is not None and c.master is c.upload)
-        report["staging_bytes"] = self.staging.device_bytes()
+        report["staging_bytes"] = self.grads.staging.device_bytes()
         report["host_copy_bytes"] = pinned_bytes(upload, self.pinned) - masters_inside
-        report["landing_bytes"] = pinned_bytes(self.staging.landing_nbytes(), self.pinned) + sum(
+        report["landing_bytes"] = pinned_bytes(self.grads.staging.landing_nbytes(), self.pinned) + sum(
             pinned_bytes(c.landing.nbytes, self.pinned) for c in self.chunks if c.landing is not None
         )  # beside the pool's: each offloaded expert chunk's own (cuda)
-        report["held_grad_bytes"] = self.pipeline.held_grad_bytes() if self.pipeline is not None else 0
+        pipeline = self._pipeline()
+        report["held_grad_bytes"] = pipeline.held_grad_bytes() if pipeline is not None else 0
         return report
 
     def memory_stats(self) -> dict[str, int]:
         """Measured figures beside the report: cache payloads and staging buffers actually held."""
+        pipeline = self._pipeline()
         return {
             "peak_cache_bytes": self.cache.peak_bytes,
             "gathers": self.cache.gathers,
             "uploads": self.cache.uploads,
-            "reduce_scatters": self.reduce_scatters,
+            "reduce_scatters": self.grads.reduce_scatters,
             "held_cache_bytes": sum(c.payload_bytes() for c in self.cache.held.values()),
-            "peak_staging_buffers": self.staging.peak_live,
-            "peak_held_grad_bytes": self.pipeline.peak_held_grad_bytes if self.pipeline is not None else 0,
+            "peak_staging_buffers": self.grads.staging.peak_live,
+            "peak_held_grad_bytes": pipeline.peak_held_grad_bytes if pipeline is not None else 0,
         }
