@@ -77,6 +77,11 @@ RING_KV_BLOCKS = 3
 RING_GRAD_BLOCKS = 2
 # Ring gradients and merged outputs are accumulated in fp32 (torch's _cp_options.convert_to_f32).
 FP32_BYTES = 4
+# Ring: bytes per score element alive at once in backward. The engine's ring computes attention in
+# eager form (engine/parallel/ring_attention.py: no kernel returns the log-sum-exp it merges by), and
+# its backward differentiates one key block against all the rank's queries in one autograd call:
+# the fp32 probabilities autograd saves, their gradient and the scores' gradient (3 x 4 bytes).
+RING_SCORE_BYTES = 12
 # A forward+backward's attention FLOPs are three times its forward's (the cost model's convention).
 BACKWARD_OVER_FORWARD = 2.0
 
@@ -92,6 +97,7 @@ class ContextWidths:
         q_width: elements of q (and of the output) per token on the rank (h / T).
         kv_width: elements of k (and of v) per token on the rank (h x kv heads / heads / T).
         element_bytes: bytes per element of the compute dtype.
+        heads: attention heads on the rank (heads / T).
     """
 
     degree: int
@@ -100,6 +106,7 @@ class ContextWidths:
     q_width: float
     kv_width: float
     element_bytes: int
+    heads: float = 1.0
 
     @classmethod
     def of(cls, profile: ModelProfile, degree: int, mode: str, dtype: str, tensor: int = 1) -> ContextWidths:
@@ -107,7 +114,8 @@ class ContextWidths:
         arch = profile.arch
         kv_fraction = (arch.num_kv_heads or arch.num_heads) / max(arch.num_heads, 1)
         q_width = arch.hidden_size / max(tensor, 1)
-        return cls(degree, mode, profile.seq_len, q_width, q_width * kv_fraction, DTYPE_BYTES[dtype])
+        heads = max(arch.num_heads, 1) / max(tensor, 1)
+        return cls(degree, mode, profile.seq_len, q_width, q_width * kv_fraction, DTYPE_BYTES[dtype], heads)
 
     @property
     def local_tokens(self) -> int:
@@ -132,7 +140,8 @@ def exchange_bytes_per_sample(widths: ContextWidths) -> int:
     if widths.mode == "ring":
         grads = n * (widths.q_width + 2 * widths.kv_width) * FP32_BYTES
         in_flight = RING_GRAD_BLOCKS * widths.kv_block_bytes(n) * FP32_BYTES / e
-        return int(RING_KV_BLOCKS * widths.kv_block_bytes(n) + grads + in_flight)
+        scores = RING_SCORE_BYTES * widths.heads * n * n  # the rank's queries x one key block
+        return int(RING_KV_BLOCKS * widths.kv_block_bytes(n) + grads + in_flight + scores)
     return int(EXCHANGE_COPIES * n * (2 * widths.q_width + 2 * widths.kv_width) * e)
 
 

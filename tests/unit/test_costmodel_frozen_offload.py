@@ -144,6 +144,7 @@ def test_nothing_fits_names_what_offloading_the_frozen_base_really_frees(lora_pr
         "prefetch": 0,
         "pipeline": 1,
         "tensor": 1,
+        "context": 1,  # this layout's figure (a context split would need less)
     }
     with pytest.raises(InfeasibleError) as caught:
         search(lora_profile, hardware, GPUS, global_batch_size=4, fixed=fixed, device_memory_bytes=1 << 20)

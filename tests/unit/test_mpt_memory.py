@@ -42,6 +42,7 @@ def _pinned(profile):
             "checkpointing": "none",
             "tensor": 1,
             "pipeline": 1,
+            "context": 1,  # as published: every rank holds whole sequences
             "offload": 0.0,
             "accumulation": "standard",
         },

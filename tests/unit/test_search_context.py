@@ -10,6 +10,7 @@ import pytest
 from elixir_tune.cli.show import mesh_lines, parallel_line
 from elixir_tune.costmodel.context import (
     EXCHANGE_COPIES,
+    RING_SCORE_BYTES,
     ContextWidths,
     ExchangeRates,
     context_exchange,
@@ -110,7 +111,11 @@ def test_each_mode_keeps_what_its_backward_needs():
     plain = {
         mode: context_share(long, 2, mode).activation.per_sample_bytes for mode in ("ulysses", "allgather", "ring")
     }
-    assert plain["allgather"] > plain["ulysses"] and plain["allgather"] > plain["ring"]
+    assert plain["allgather"] > plain["ulysses"]
+    # The engine's ring computes attention in eager form: one key block's fp32 scores against all the
+    # rank's queries are alive in its backward (RING_SCORE_BYTES per element), which no kernel path holds.
+    n = SEQ // 2
+    assert plain["ring"] - plain["ulysses"] >= RING_SCORE_BYTES * 4 * n * n
     checkpointed = context_share(long, 2, "allgather").activation_checkpointed
     assert checkpointed is not None and checkpointed.per_sample_bytes < plain["allgather"]
 
