@@ -34,7 +34,10 @@ def test_table_puts_measured_next_to_preset():
     assert "NVIDIA A100-PCIE-40GB" in text
 
 
+# heavy: 85 s in CI (the load check and host Adam measured on top of the quick probe); CI keeps the
+# probe's load refusal and recording (test_probe_load.py) and `scripts/test.sh --all` runs this.
 @pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.distributed
 def test_quick_probe_writes_a_loadable_spec(tmp_path):
     # In this process (CliRunner): the probe's measurements run in its own worker processes either way, and

@@ -14,7 +14,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
+# heavy: 48 s in CI since it also runs the FSDP2 and DeepSpeed rows; `scripts/test.sh --all` runs it.
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_dry_run_plans_trains_and_compares_with_peers(tmp_path):
     # Two shapes at world 1, one at world 2, and the peers (the full dry run: the probe, 8 + 3 shapes).
     command = [sys.executable, "scripts/gpu_validate.py", "--dry-run-cpu", "--hardware", "cpu", "--skip-pytest"]
