@@ -27,7 +27,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -222,14 +221,16 @@ def report(args, results: dict, started: str, load: tuple, elapsed_s: float) -> 
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
     ).stdout.strip()
+    from report_meta import generated, header_line  # scripts/ is on the path when this runs as a script
+
+    command = f"python scripts/bench_engines.py --sizes {args.sizes} --steps {args.steps} --rounds {args.rounds}"
+    header = generated(round(load[0], 2), command)
     lines = [
         "# Engines on the CPU: ours beside plain PyTorch, DDP, FSDP2 and DeepSpeed ZeRO-3",
         "",
-        f"Written by `python scripts/bench_engines.py --sizes {args.sizes} --steps {args.steps} --rounds {args.rounds}` "
-        f"on {started}, commit {commit}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        f"1-minute load average {load[0]:.1f} at the start and {os.getloadavg()[0]:.1f} at the end, "
-        f"{elapsed_s:.0f} s. World {WORLD}, gloo, fp32, seq {SEQ_LEN}, global batch {GLOBAL_BATCH}, synthetic tokens. "
-        "The machine is shared with other work: timings are loaded, compare within a size.",
+        header_line(header)
+        + f" {elapsed_s:.0f} s. World {WORLD}, gloo, fp32, seq {SEQ_LEN}, global batch {GLOBAL_BATCH}, synthetic "
+        "tokens. Compare within a size.",
         "",
         "Step: median after each run's first step, over the rounds. Memory: peak resident memory of a rank "
         "(rank 0 for plan runs, the largest rank for the torch baselines). Predicted: the cost model "
@@ -260,6 +261,7 @@ def report(args, results: dict, started: str, load: tuple, elapsed_s: float) -> 
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     record = {
+        "generated": header,
         "date": started,
         "commit": commit,
         "load_average_start": load[0],
