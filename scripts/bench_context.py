@@ -9,9 +9,8 @@ is searched with ``--loop forward_backward`` at one sequence per GPU (global bat
 * ``torchtitan's setup``: torchtitan's Table 2 row at this length: FSDP 8 / C, context C, local batch 1
   (global batch 8 / C), full activation checkpointing (``--fix context=C --fix checkpointing=all
   --fix micro_batch_size=1 --fix tensor=1 --fix pipeline=1``), the mode left to the search;
-* ``ring (priced)``: the free plan's C in ring mode. Ring attention is priced by the cost model but
-  the engine does not run it yet (``plan/context.py``), so this row is the cost model's alone: a
-  plan the search would not write until ``validate`` accepts ring.
+* ``ring (priced)``: the free plan's C pinned to ring mode (``--fix context_mode=ring``). The engine
+  runs ring attention in eager form, so its memory counts a score block per attention (costmodel/context.py).
 
 Everything is a prediction of the cost model (docs/costmodel-and-search.md); nothing runs.
 
@@ -204,8 +203,8 @@ def markdown(report: dict) -> str:
         "",
         "Rows: `free` lets the search choose (context degree and mode included); `no context` pins "
         "`--fix context=1`; `torchtitan's setup` pins torchtitan's Table 2 configuration at that length (context C, "
-        "full checkpointing, local batch 1: global batch 8 / C); `ring (priced)` is the free plan's C in ring mode, "
-        "which the cost model prices but the engine does not run yet, so no plan is written for it.",
+        "full checkpointing, local batch 1: global batch 8 / C); `ring (priced)` pins the free plan's C to ring mode, "
+        "which the engine runs in eager form (its memory counts a score block per attention).",
         "",
         f"Published: {report['torchtitan_source']}: FSDP + CP + torch.compile + Float8, Llama 3.1 8B, 8 GPUs, local "
         "batch 1, full activation checkpointing. Configurations differ: " + report["differences"] + ".",
