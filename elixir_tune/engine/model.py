@@ -44,6 +44,31 @@ def loss_of(output: Any) -> torch.Tensor:
     )
 
 
+def check_micro_batches(micro_batches: Sequence[Any]) -> None:
+    """Raises ValueError unless ``micro_batches`` is a non-empty list of keyword-argument dicts."""
+    if not micro_batches:
+        raise ValueError("forward_backward needs at least one micro-batch")
+    for index, batch in enumerate(micro_batches):
+        if not isinstance(batch, dict):
+            raise ValueError(
+                f"micro-batch {index} is a {type(batch).__name__}; forward_backward takes a list of dicts of "
+                "the model's keyword arguments (e.g. input_ids, labels)"
+            )
+
+
+def forward_keywords(module: torch.nn.Module) -> frozenset[str]:
+    """The keyword names ``module.forward`` takes; empty when it takes ``**kwargs`` (every key goes)."""
+    parameters = inspect.signature(module.forward).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return frozenset()
+    return frozenset(p.name for p in parameters)
+
+
+def keep_keywords(batch: dict, keys: frozenset[str]) -> dict:
+    """The entries of ``batch`` that ``forward_keywords`` named (all of them when it named none)."""
+    return batch if not keys else {key: value for key, value in batch.items() if key in keys}
+
+
 class ElixirModel(torch.nn.Module):
     """Wraps the user's module; call it exactly like the module.
 
@@ -121,14 +146,7 @@ class ElixirModel(torch.nn.Module):
             NonFiniteError: an fp32/bf16 step was not finite (engine/finite.py); the run has stopped.
             AttributeError: no ``loss_fn`` and the output has no ``loss``.
         """
-        if not micro_batches:
-            raise ValueError("forward_backward needs at least one micro-batch")
-        for index, batch in enumerate(micro_batches):
-            if not isinstance(batch, dict):
-                raise ValueError(
-                    f"micro-batch {index} is a {type(batch).__name__}; forward_backward takes a list of dicts of "
-                    "the model's keyword arguments (e.g. input_ids, labels)"
-                )
+        check_micro_batches(micro_batches)
         if self.engine.finite_guard is not None and self.engine.finite_guard.failed is not None:
             raise self.engine.finite_guard.failed  # known already: the run stopped at that step
         self._check_inputs_once(micro_batches)
@@ -161,12 +179,8 @@ class ElixirModel(torch.nn.Module):
         """The micro-batch's keys the module's forward takes (all of them when it takes ``**kwargs``):
         a model whose forward takes no ``labels`` still gets them to ``loss_fn`` through the batch."""
         if self._forward_keys is None:
-            parameters = inspect.signature(self.module.forward).parameters.values()
-            takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
-            self._forward_keys = frozenset() if takes_any else frozenset(p.name for p in parameters)
-        if not self._forward_keys:
-            return batch
-        return {key: value for key, value in batch.items() if key in self._forward_keys}
+            self._forward_keys = forward_keywords(self.module)
+        return keep_keywords(batch, self._forward_keys)
 
     def token_weights(self, micro_batches: Sequence[dict]) -> list[float]:
         """What each micro-batch's mean loss is multiplied by in a plain loop (``model(**batch)`` and

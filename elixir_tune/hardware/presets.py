@@ -16,7 +16,7 @@ from elixir_tune.files import problem
 from elixir_tune.hardware.spec import HardwareSpec, load_hardware_file
 
 DEVICES = ("cuda", "cpu")
-_POSITIVE_RATES = (
+POSITIVE_RATES = (  # the spec's flat rates (higher is faster), each checked positive
     "hbm_gbps",
     "h2d_gbps",
     "d2h_gbps",
@@ -116,7 +116,7 @@ _FIELD_RULES: dict[str, Rule] = {
         ("gpus_per_node", "gpu_memory_bytes", "usable_memory_bytes", "host_memory_bytes", "host_cores"), _integer(1)
     ),
     "allocator_overhead_bytes": _integer(0),
-    **dict.fromkeys(_POSITIVE_RATES, _POSITIVE),
+    **dict.fromkeys(POSITIVE_RATES, _POSITIVE),
     **dict.fromkeys(
         (
             "copy_latency_s",

@@ -16,23 +16,11 @@ import statistics
 from dataclasses import replace
 from datetime import datetime, timezone
 
+from elixir_tune.hardware.presets import POSITIVE_RATES
 from elixir_tune.hardware.spec import HardwareSpec
 
 # Rates (higher is faster): divided by the factor.
-RATE_FIELDS = (
-    "hbm_gbps",
-    "h2d_gbps",
-    "d2h_gbps",
-    "h2d_gbps_all",
-    "d2h_gbps_all",
-    "allgather_gbps",
-    "reduce_scatter_gbps",
-    "inter_node_gbps",
-    "gpu_adam_elems_per_s",
-    "cpu_adam_elems_per_s",
-    "cpu_adam_node_elems_per_s",
-    "pointwise_gbps",
-)
+RATE_FIELDS = (*POSITIVE_RATES, "cpu_adam_node_elems_per_s", "pointwise_gbps")
 RATE_DICT_FIELDS = ("matmul_tflops", "model_tflops", "attention_tflops")
 # Fixed times (higher is slower): multiplied by the factor.
 TIME_FIELDS = (

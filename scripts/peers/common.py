@@ -104,6 +104,24 @@ def batch(step: int, micro: int, seq: int, vocab: int, rank: int, device: torch.
     return torch.randint(0, vocab, (micro, seq), generator=generator).to(device)
 
 
+def accumulated_step(runner, model, optimizer, args: argparse.Namespace, vocab: int, rank: int, device):
+    """One training step of a plain torch loop: accumulate micro-batches, clip at 1.0, step, zero."""
+
+    def step(index: int) -> float:
+        total = 0.0
+        for micro in range(args.grad_accum_steps):
+            ids = batch(index * args.grad_accum_steps + micro, args.micro_batch_size, args.seq_len, vocab, rank, device)
+            loss = runner(input_ids=ids, labels=ids).loss / args.grad_accum_steps
+            loss.backward()
+            total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        return total
+
+    return step
+
+
 def timed_steps(step_fn: Callable[[int], float], steps: int, device: torch.device) -> tuple[list[float], list[float]]:
     """Runs ``step_fn(step) -> loss`` ``steps`` times; (step seconds, losses)."""
     times, losses = [], []

@@ -48,19 +48,7 @@ def main() -> int:
     except (RuntimeError, ValueError, TypeError):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-    def step(index: int) -> float:
-        total = 0.0
-        for micro in range(args.grad_accum_steps):
-            ids = common.batch(
-                index * args.grad_accum_steps + micro, args.micro_batch_size, args.seq_len, vocab, rank, device
-            )
-            loss = model(input_ids=ids, labels=ids).loss / args.grad_accum_steps
-            loss.backward()
-            total += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-        return total
+    step = common.accumulated_step(model, model, optimizer, args, vocab, rank, device)
 
     times, losses = common.timed_steps(step, args.steps, device)
     policy = "CPUOffloadPolicy(pin_memory=True)" if "offload_policy" in options else "none (the CPU is the device)"

@@ -11,7 +11,6 @@ runs a step's micro-batches with the same token weighting (engine/token_weights.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,7 +18,7 @@ import torch
 
 from elixir_tune.engine.comm import Comm
 from elixir_tune.engine.hooks import wrap_checkpointed
-from elixir_tune.engine.model import LossFn, loss_of
+from elixir_tune.engine.model import LossFn, check_micro_batches, forward_keywords, keep_keywords, loss_of
 from elixir_tune.engine.token_weights import is_causal_lm, token_weights, wants_token_weights
 from elixir_tune.models.kv_cache import disable_kv_cache
 from elixir_tune.plan import Plan
@@ -104,14 +103,7 @@ class PeerModel(torch.nn.Module):
         Returns:
             This rank's share of the step's loss (detached, 0-dim).
         """
-        if not micro_batches:
-            raise ValueError("forward_backward needs at least one micro-batch")
-        for index, batch in enumerate(micro_batches):
-            if not isinstance(batch, dict):
-                raise ValueError(
-                    f"micro-batch {index} is a {type(batch).__name__}; forward_backward takes a list of dicts of "
-                    "the model's keyword arguments (e.g. input_ids, labels)"
-                )
+        check_micro_batches(micro_batches)
         module = self.runner.module
         causal = is_causal_lm(module)
         weighted = wants_token_weights(micro_batches, weight_by_tokens, loss_fn is not None, causal)
@@ -134,12 +126,8 @@ class PeerModel(torch.nn.Module):
     def _model_inputs(self, batch: dict) -> dict:
         """The micro-batch's keys the module's forward takes (all of them when it takes ``**kwargs``)."""
         if self._forward_keys is None:
-            parameters = inspect.signature(self.runner.module.forward).parameters.values()
-            takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
-            self._forward_keys = frozenset() if takes_any else frozenset(p.name for p in parameters)
-        if not self._forward_keys:
-            return batch
-        return {key: value for key, value in batch.items() if key in self._forward_keys}
+            self._forward_keys = forward_keywords(self.runner.module)
+        return keep_keywords(batch, self._forward_keys)
 
     def token_weights(self, micro_batches: Sequence[dict]) -> list[float]:
         """Each micro-batch's weight for the plain loop's token-weighted step (``ElixirModel.token_weights``)."""
