@@ -50,8 +50,16 @@ def resume_after_restart(args: argparse.Namespace, restart: int) -> str | None:
     return f"restart {restart} of {of}: no checkpoint in --save yet, starting again {start}"
 
 
-# What gloo's errors say when the other end of a connection went away (the peer process died or was killed).
-_LOST_PEER_WORDS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
+# What gloo's errors say when the other end of a connection went away (the peer process died or was killed),
+# and what the engine's forward agreement says when its control channel found a rank gone (engine/uneven.py):
+# whichever collective a step was in when the peer died reports it.
+_LOST_PEER_WORDS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Connection refused",
+    "they left (a rank stopped)",
+)
 
 
 def lost_peer_line(error: BaseException, rank: int, step: int) -> str | None:
@@ -70,6 +78,11 @@ def lost_peer_line(error: BaseException, rank: int, step: int) -> str | None:
     if found is None:
         return None
     return (
-        f"rank {rank}: another worker went away during step {step} (gloo: {found.lower()}); this rank stops too, "
+        f"rank {rank}: another worker went away during step {step} ({_source(found)}); this rank stops too, "
         "and elixir-run's summary names the worker that failed first"
     )
+
+
+def _source(words: str) -> str:
+    """Who noticed: gloo's words, or the engine's forward agreement."""
+    return "the forward agreement: it left" if words.startswith("they left") else f"gloo: {words.lower()}"
