@@ -174,6 +174,7 @@ def test_a_script_that_never_calls_setup_is_named_at_exit(nanogpt):
     assert "never called elixir_tune.setup(model, optimizer), so the plan was not used" in done.stderr
 
 
+@pytest.mark.heavy  # CI time: 13 s waiting for a timeout; the unit tests of engine/uneven.py cover the refusal
 def test_rank_0_evaluating_alone_at_the_end_fails_within_the_collective_timeout(nanogpt):
     # The script starts the process group itself: --collective-timeout (8 s) applies all the same.
     done = _elixir(nanogpt, "uneven_worker.py", ["--case", "end_eval"])

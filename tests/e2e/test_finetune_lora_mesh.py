@@ -23,6 +23,7 @@ SEQ_LEN, GLOBAL_BATCH, STEPS = 64, 4, 4
 LORA = ["--lora-rank", "4", "--lora-targets", "q_proj,v_proj,down_proj"]
 
 
+@pytest.mark.heavy  # CI time: 16 s; LoRA over pipeline x tensor stays covered in CI by tests/distributed (lora_mesh)
 def test_a_lora_plan_pinned_to_pipeline_x_tensor_runs_the_packed_finetune_and_merges(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -150,6 +150,7 @@ def test_a_second_launcher_claiming_node_0_is_refused_at_once_by_name(tmp_path):
     assert "Exception raised from" not in output and "frame #" not in output and "serving it" not in output
 
 
+@pytest.mark.heavy  # CI time: 17 s; two launchers; CI keeps the one-node restart and killed-worker tests
 def test_a_node_whose_launcher_is_killed_is_named_as_lost_by_the_other(tmp_path):
     """kill -9 of node 1's elixir-run in a 2-node job: node 0 printed gloo's "Connection reset by peer" and blamed
     its own worker, never node 1. Every elixir-run now beats in the rendezvous store; node 0 names the one whose

@@ -123,6 +123,7 @@ def pipeline_log(plans, work) -> Path:
     return log
 
 
+@pytest.mark.heavy  # CI time: 14 s; CI keeps the pipeline save and exact resume
 def test_sigint_saves_and_resume_continues_exactly(interrupted, data_log, plans, work):
     output, checkpoint = interrupted["output"], interrupted["checkpoint"]
     assert interrupted["returncode"] == 128 + signal.SIGINT, output[-3000:]
