@@ -69,6 +69,16 @@ def keep_keywords(batch: dict, keys: frozenset[str]) -> dict:
     return batch if not keys else {key: value for key, value in batch.items() if key in keys}
 
 
+def with_prefix(state: dict[str, Any], prefix: str, destination: dict[str, Any] | None) -> dict[str, Any]:
+    """``state`` under nn.Module.state_dict's conventions: names prefixed, put into ``destination``."""
+    if prefix:
+        state = {prefix + name: value for name, value in state.items()}
+    if destination is None:
+        return state
+    destination.update(state)
+    return destination
+
+
 class ElixirModel(torch.nn.Module):
     """Wraps the user's module; call it exactly like the module.
 
@@ -263,12 +273,7 @@ class ElixirModel(torch.nn.Module):
         if self.engine.agreement is not None:  # rank 0 alone may ask, as DDP scripts do (uneven.py)
             self.engine.agreement.enter(STATE, all_ranks)
         state = (self.engine.pipeline or self.engine).full_state_dict(all_ranks=all_ranks)
-        if prefix:
-            state = {prefix + name: value for name, value in state.items()}
-        if destination is None:
-            return state
-        destination.update(state)
-        return destination
+        return with_prefix(state, prefix, destination)
 
     def check_finite(self) -> None:
         """Raises ``NonFiniteError`` if a step of this fp32/bf16 run was not finite (engine/finite.py):

@@ -18,7 +18,7 @@ import torch
 
 from elixir_tune.engine.comm import Comm
 from elixir_tune.engine.hooks import wrap_checkpointed
-from elixir_tune.engine.model import LossFn, check_micro_batches, forward_keywords, keep_keywords, loss_of
+from elixir_tune.engine.model import LossFn, check_micro_batches, forward_keywords, keep_keywords, loss_of, with_prefix
 from elixir_tune.engine.token_weights import is_causal_lm, token_weights, wants_token_weights
 from elixir_tune.models.kv_cache import disable_kv_cache
 from elixir_tune.plan import Plan
@@ -145,12 +145,7 @@ class PeerModel(torch.nn.Module):
         """Full fp32 weights with the original names, on the CPU: rank 0 gets them, the other ranks an
         empty dict unless ``all_ranks``. A collective: every rank calls it."""
         state = self.runner.full_state_dict(all_ranks)
-        if prefix:
-            state = {prefix + name: value for name, value in state.items()}
-        if destination is None:
-            return state
-        destination.update(state)
-        return destination
+        return with_prefix(state, prefix, destination)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Loads full weights (original names, as ``state_dict`` returns; every rank passes them)."""
