@@ -5,8 +5,8 @@ For each sequence length and micro-batch size the search runs with the micro-bat
 per step. Each prediction is made twice: with the preset's GEMM wave model
 (``costmodel/gemm_waves.py``, over its ``sm_count``) and without it (``sm_count`` 0: the rate of
 the block curve whatever the tokens), so the table shows what the mechanism moves. Nothing runs on
-a GPU. No published micro-batch sweep of Llama-2 7B on H100 was found; the one same-setup pair found
-(llm-foundry's MPT-125m on A100 80GB) is set beside it (``PUBLISHED_SWEEP``).
+a GPU. No published micro-batch sweep of Llama-2 7B on H100 was found; llm-foundry's sweep of MPT-7b and
+13b on 8 x A100 80GB (``published_micro_batch_sweep.py``) is set beside it, published against predicted.
 
     python scripts/bench_micro_batch.py        # benchmarks/results/micro-batch.{json,md}
 """
@@ -17,6 +17,8 @@ import dataclasses
 import json
 import time
 
+from published_micro_batch_sweep import SOURCE as SWEEP_SOURCE
+from published_micro_batch_sweep import sweep_lines
 from report_meta import generated, header_line, load_average
 
 from elixir_tune import paths
@@ -90,6 +92,11 @@ def main() -> None:
         "elapsed_s": round(time.perf_counter() - started, 1),
         "generated": generated(load_before),
         "rows": rows,
+        "published_sweep": [
+            {"size": sweep.size, "micro_batch_size": micro, "published_mfu": published, "predicted_mfu": round(mfu, 4)}
+            for sweep in sweep_lines()
+            for micro, published, mfu in sweep.rows
+        ],
     }
     prefix = paths.REPO_DIR / "benchmarks" / "results" / "micro-batch"
     prefix.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
@@ -116,30 +123,36 @@ def markdown(report: dict) -> str:
         "",
         "`wave factor`: the block rate at that micro-batch over the curve's (`costmodel/gemm_waves.py`: the "
         "GEMMs' last wave of tiles on 132 SMs). `with waves`: the model as it is; `without`: the same with the "
-        "preset's `sm_count` set to 0, the rate independent of the micro-batch as before issue 38.",
+        "preset's `sm_count` set to 0, the block rate independent of the micro-batch. The micro-batch also sets how "
+        "often the chunks a plan does not cache are gathered again, each second of it costing the compute "
+        "`collective_compute_loss` seconds.",
         "",
         *table_lines(report),
         "",
-        *published_sweep_text(),
+        *published_sweep_text(report),
         "",
     ]
     return "\n".join(lines)
 
 
-# The only same-setup micro-batch pair found published (issue 38's search): llm-foundry's A100 80GB table.
-PUBLISHED_SWEEP = (
-    "Published micro-batch sweep to compare with: none found for Llama-2 7B on H100 (llm-foundry's MPT-7b H100 "
-    "rows change the sequence length with the micro-batch; NVIDIA's Megatron-Bridge/NeMo H100 rows fix it and run "
-    "FP8). The one same-setup pair found: mosaicml/llm-foundry scripts/train/benchmarking/README.md @ 8c8dd48f, "
-    "table 'A100 80GB ... (RoCE)', MPT-125m, seq 2048, 8 GPUs, accumulation 2, no checkpointing: micro-batch 40 "
-    "ran 142830 tokens/s per GPU, micro-batch 32 ran 141737 (0.8% apart, 81920 and 65536 tokens per "
-    "micro-batch), as flat as the predictions above between micro-batches that fit."
-)
-
-
-def published_sweep_text() -> list[str]:
-    """The published micro-batch figures set beside the predicted sweep."""
-    return [PUBLISHED_SWEEP]
+def published_sweep_text(report: dict) -> list[str]:
+    """The published micro-batch sweep set beside the predicted one (none for Llama-2 7B on H100)."""
+    lines = [
+        "Published micro-batch sweep: none found for Llama-2 7B on H100 (llm-foundry's MPT-7b H100 rows change the "
+        "sequence length with the micro-batch; NVIDIA's Megatron-Bridge/NeMo H100 rows run FP8). The nearest: "
+        f"{SWEEP_SOURCE}, MPT-7b and 13b at seq 2048 on 8 x A100 80GB, FULL_SHARD with fp32 gathers, accumulation "
+        "2, no checkpointing, only the micro-batch changing; predicted with that configuration pinned. The presets' "
+        "`collective_compute_loss` and `recompute_speedup` are fitted to it (`scripts/published_overlap_fit.py`), "
+        "so it shows the model's shape, not an independent check.",
+        "",
+        "| model | micro-batch | published MFU | predicted MFU |",
+        "|---|---:|---:|---:|",
+    ]
+    for row in report.get("published_sweep", []):
+        lines.append(
+            f"| MPT-{row['size']} | {row['micro_batch_size']} | {row['published_mfu']:.4f} | {row['predicted_mfu']:.4f} |"
+        )
+    return lines
 
 
 def table_lines(report: dict) -> list[str]:

@@ -55,6 +55,7 @@ TIME_PARTS = (
     "exposed_fetch_s",
     "grad_drain_s",
     "optimizer_exposed_s",
+    "collective_compute_loss_s",
     "tensor_comm_s",
     "pipeline_bubble_s",
 )
@@ -144,6 +145,18 @@ def _lifted(hardware: HardwareSpec) -> HardwareSpec:
     return lifted
 
 
+def peer_links(hardware: HardwareSpec, setup: Setup) -> HardwareSpec:
+    """``hardware`` with its all-gathers slowed by the peer's ``gather_width``: the pinned plan then moves
+    the peer's bytes. Across nodes one rate carries both collectives: a micro-batch's two gathers and one
+    reduce-scatter move 2 x width + 1 units where the plan moves 3."""
+    width = setup.gather_width
+    if width == 1.0:
+        return hardware
+    if setup.nodes > 1:
+        return dataclasses.replace(hardware, inter_node_gbps=hardware.inter_node_gbps * 3 / (2 * width + 1))
+    return dataclasses.replace(hardware, allgather_gbps=hardware.allgather_gbps / width)
+
+
 def best_plan(
     profile: ModelProfile,
     setup: Setup,
@@ -151,6 +164,7 @@ def best_plan(
     lift_memory: bool = False,
     hardware: HardwareSpec | None = None,
     waves: bool = True,
+    peer: bool = False,
 ) -> dict:
     """The best plan of one setup under ``fixed``, as a report entry.
 
@@ -163,6 +177,7 @@ def best_plan(
         hardware: a spec to compare on instead of the setup's preset (a sensitivity check).
         waves: keep the preset's GEMM wave model (False: ``sm_count`` 0, the block rate whatever the
             micro-batch, to show what the mechanism moves).
+        peer: the plan pins the peer's configuration: its collectives move the peer's bytes (``peer_links``).
 
     Returns:
         ``{"error": ...}`` when no plan is found, else its tokens/s per GPU, MFU, step time,
@@ -173,6 +188,8 @@ def best_plan(
     hardware = hardware or load_hardware(setup.hardware)
     if not waves:
         hardware = dataclasses.replace(hardware, sm_count=0)
+    if peer:
+        hardware = peer_links(hardware, setup)
     over_memory = False
     attempts = [hardware, _lifted(hardware)] if lift_memory else [hardware]
     result = None
@@ -237,7 +254,7 @@ def failed_check(setup: Setup) -> dict:
     """A published configuration that ran out of memory, pinned: refused (as it must be) or the plan that
     fits it (a defect of the memory model), with the peak predicted when the limit is lifted."""
     profile = profile_of(setup)
-    result = best_plan(profile, setup, pinned_choices(setup), lift_memory=True)
+    result = best_plan(profile, setup, pinned_choices(setup), lift_memory=True, peer=True)
     return {
         "name": setup.name,
         "source": setup.source,
@@ -270,7 +287,7 @@ def run_setup(setup: Setup, waves: bool = True) -> dict:
     """Pinned and free predictions of one setup (``waves``: ``best_plan``'s)."""
     profile = profile_of(setup)
     started = time.perf_counter()
-    pinned_result = best_plan(profile, setup, pinned_choices(setup), lift_memory=True, waves=waves)
+    pinned_result = best_plan(profile, setup, pinned_choices(setup), lift_memory=True, waves=waves, peer=True)
     free_result = best_plan(profile, setup, {"dtype": setup.dtype}, waves=waves)
     out = {
         "name": setup.name,

@@ -191,7 +191,7 @@ def micro_batch_section() -> list[str]:
         "",
         *bench_micro_batch.table_lines(report),
         "",
-        *bench_micro_batch.published_sweep_text(),
+        *bench_micro_batch.published_sweep_text(report),
     ]
 
 

@@ -96,14 +96,16 @@ MPT_VOCAB = 50368
 MPT_MISMATCHES = (
     "MPT modelled as a GPT-2 of its width/depth/heads (learned positions and biases instead of ALiBi and no bias: "
     "<0.1% of parameters), with MPT's activations: no dropout masks, the fused cross-entropy's bf16 logits only",
-    "FSDP's per-block units modelled by chunks the search sizes (chunk size, cache blocks and prefetch free)",
+    "FSDP's per-block units modelled by chunks the search sizes (chunk size and prefetch free), 2 gathered at once: "
+    "FULL_SHARD with one unit prefetched gathers every unit again in each micro-batch's forward and backward",
     "llm-foundry's amp_bf16 keeps fp32 master weights like the engine",
 )
 TITAN_MISMATCHES = (
     "torchtitan's H100s are 96 GB HBM2e SXM at 500 W (2.4 TB/s): h100-80gb-sxm's rates (700 W), its memory 96 GB",
     "selective (per-op) activation checkpointing pinned as the plan's selective mode, torchtitan's op-level policy "
     "(every other matmul and the attention output kept: elixir_tune/selective_checkpoint.py)",
-    "FSDP2's per-block units modelled by chunks the search sizes",
+    "FSDP2's per-block units modelled by chunks the search sizes, 2 gathered at once: reshard_after_forward "
+    "gathers every block again in backward",
 )
 MEGATRON_MISMATCHES = (
     "published as TFLOP/s per GPU counting the recomputed forward (arXiv 2104.04473 eq. 3: "
@@ -198,6 +200,9 @@ class Setup:
             GPT-2 stand-in profile counts (``gpt2_profile(dropout=False, fused_loss=True)``).
         card_memory_bytes: the memory of the peer's cards where the preset's differs (its rates borrowed:
             ``published_peer_models.card_memory``); None: the preset's.
+        gather_width: the peer's all-gather bytes per parameter over the plan's (2: llm-foundry's MP Mode
+            DEFAULT gathers fp32 parameters where the plan gathers bf16); the pinned plan moves them
+            (``bench_published.peer_links``).
     """
 
     name: str
@@ -230,6 +235,7 @@ class Setup:
     transformers: bool = False
     mpt: bool = False
     card_memory_bytes: int | None = None
+    gather_width: float = 1.0
 
     @property
     def gpus(self) -> int:
@@ -270,6 +276,8 @@ def _foundry(table: str, size: str, seq: int, gpus: int, mfu: str, micro: int, a
         defines_bound=(table, size, seq, gpus) in BEST_MFU_ROWS,
         fitted_source=not held_out,
         mpt=True,
+        gather_width=1.0 if held_out else 2.0,
+        cache_blocks=2,
     )
 
 
@@ -428,6 +436,7 @@ PUBLISHED: tuple[Setup, ...] = (
         tokens_per_s_per_gpu=5762.0,
         mismatches=TITAN_MISMATCHES,
         card_memory_bytes=H100_96GB_BYTES,
+        cache_blocks=2,
     ),
     Setup(
         name="Llama-3.1-8B s8192 128xH100 (torchtitan FSDP)",
@@ -445,6 +454,7 @@ PUBLISHED: tuple[Setup, ...] = (
         tokens_per_s_per_gpu=5605.0,
         mismatches=TITAN_MISMATCHES,
         card_memory_bytes=H100_96GB_BYTES,
+        cache_blocks=2,
     ),
     # Megatron-LM, the 2021 table (images/cases_april2021.png): size, hidden, layers, heads (NAH), TP, PP,
     # MBS, GBS, GPUs, TFLOP/s per GPU, % of peak; the 145B..1T rows (1536-3072 GPUs) are left out (LEFT_OUT).

@@ -31,6 +31,7 @@ _TIMELINE_LABELS = {
     "optimizer_gpu_s": "Adam on the GPU",
     "optimizer_cpu_s": "Adam on the CPU",
     "optimizer_exposed_s": "optimizer after backward (norm + Adam)",
+    "collective_compute_loss_s": "compute slowed by the collectives beside it",
     "tensor_comm_s": "tensor-parallel collectives (on the compute stream)",
     "expert_comm_s": "expert-parallel all-to-alls (on the compute stream)",
     "context_comm_s": "context-parallel all-to-alls (inside attention)",

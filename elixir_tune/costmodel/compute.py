@@ -143,7 +143,7 @@ class ComputeTimes:
         The matrix products' FLOPs at the block rate (``flops_per_s_at``), the attention products'
         at the hardware's attention rate when it has one (``rates.attention_flops_share``; the
         share grows with the sequence); recomputation is the checkpointed blocks' forward FLOPs
-        again, split the same way. An eager attention's scores move through HBM at ``hbm_gbps``
+        again, split the same way, at ``recompute_speedup`` over those rates. An eager attention's scores move through HBM at ``hbm_gbps``
         beside a fused attention rate (``rates.attention_scores_bytes``; recomputed with their
         blocks' forward); on a CPU device an attention with dropout runs the math path, its score
         elements at ``dropout_attention_s_per_score`` (a third again where recomputed). The
@@ -178,9 +178,10 @@ class ComputeTimes:
         scores_forward, scores_backward = (flops * s_per_flop for s_per_flop in self.scores_s_per_flop)
         # A CPU's attention with dropout (math path); a recomputed block's forward, about a third of it, again.
         dropout_s = micro_batch_size * self.dropout_attention_s_per_sample
+        # A recomputed forward runs faster per FLOP than the forward+backward mean the rates give.
+        speedup = self.hardware.recompute_speedup
         recompute = (
-            (recompute_flops - recompute_attention) / rate
-            + recompute_attention_s
+            ((recompute_flops - recompute_attention) / rate + recompute_attention_s) / speedup
             + recomputed * overhead_s / 2
             + pointwise_recompute
             + scores_forward * self.recompute_share(every)

@@ -24,6 +24,7 @@ class TransferCosts(Protocol):
     h2d_s: float
     d2h_s: float
     host_add_s: float
+    compute_loss: float
 
 
 class Lanes:
@@ -59,6 +60,7 @@ class Lanes:
         "d2h_count",
         "gathered_s",
         "reduced_s",
+        "lost_s",
     )
 
     def __init__(
@@ -85,6 +87,7 @@ class Lanes:
         self.needed = [0.0] * num_steps  # per step, when its last fetch is gathered
         self.h2d_count = self.d2h_count = 0
         self.gathered_s = self.reduced_s = 0.0
+        self.lost_s = 0.0  # compute time the collectives beside it took (``compute_loss``)
 
     def run(self, issued_at: list[list[tuple[int, int]]], step_compute_s: list[float], reduce_after: list) -> None:
         """Runs the micro-batch: per step, the fetches issued at its hook, its compute, its reductions."""
@@ -119,6 +122,7 @@ class Lanes:
         shared_compute, shared_link = self.shared_compute, self.shared_link
         coll_free, h2d_free, d2h_free = self.coll_free, self.h2d_free, self.d2h_free
         gathered_s, h2d_count = self.gathered_s, self.h2d_count
+        beside_s = 0.0  # gathers running beside the compute stream
         for fetch_step, chunk in issued:
             gather_s = chunk_costs[chunk].allgather_s if chunk_costs and chunk in chunk_costs else allgather_s
             ready = end
@@ -137,6 +141,7 @@ class Lanes:
                 if shared_link:  # the links are free too
                     coll_free = max_of(coll_free, h2d_free, d2h_free)
                 coll_free += gather_s
+                beside_s += gather_s
             if record is not None:
                 record.append(("all-gather", coll_free - gather_s, coll_free, chunk))
             if shared_link:
@@ -146,7 +151,7 @@ class Lanes:
                 needed[fetch_step] = coll_free
         self.coll_free, self.h2d_free, self.d2h_free = coll_free, h2d_free, d2h_free
         self.gathered_s, self.h2d_count = gathered_s, h2d_count
-        return end, exposed
+        return self._lose(beside_s, end), exposed
 
     def reduce(self, reduced: tuple[int, ...], end: float) -> float:
         """Reduce-scatters the chunks whose gradients are complete; offloaded ones then go to the host.
@@ -161,6 +166,7 @@ class Lanes:
         chunk_costs, record, reduce_scatter_s = self.chunk_costs, self.record, self.costs.reduce_scatter_s
         coll_free, h2d_free, d2h_free = self.coll_free, self.h2d_free, self.d2h_free
         reduced_s = self.reduced_s
+        beside_s = 0.0
         for chunk in reduced:
             rs_s = chunk_costs[chunk].reduce_scatter_s if chunk_costs and chunk in chunk_costs else reduce_scatter_s
             if end > coll_free:
@@ -174,12 +180,23 @@ class Lanes:
                 record.append(("reduce-scatter", coll_free - rs_s, coll_free, chunk))
             if self.shared_compute:
                 end = coll_free
+            else:
+                beside_s += rs_s
             reduced_s += rs_s
             if self.offloaded[chunk]:
                 d2h_free = self._download(chunk, coll_free, d2h_free)
         self.coll_free, self.h2d_free, self.d2h_free = coll_free, h2d_free, d2h_free
         self.reduced_s = reduced_s
-        return end
+        return self._lose(beside_s, end)
+
+    def _lose(self, beside_s: float, end: float) -> float:
+        """When the compute stream is free after collectives of ``beside_s`` seconds ran beside it: their
+        kernels slow it by ``compute_loss`` per second (a fetch the compute then waits for absorbs it)."""
+        lost_s = beside_s * self.costs.compute_loss
+        if lost_s <= 0.0:
+            return end
+        self.lost_s += lost_s
+        return end + lost_s
 
     def _download(self, chunk: int, reduced_at: float, d2h_free: float) -> float:
         """The reduced shard's device->host copy, then its addition into the host gradient.

@@ -152,6 +152,13 @@ class PeerModel:
         gbps = (hw.h2d_gbps_all if several else hw.h2d_gbps) if up else (hw.d2h_gbps_all if several else hw.d2h_gbps)
         return hw.copy_latency_s + numel * element_bytes / (gbps * 1e9)
 
+    def _compute_loss_s(self, collective_s: float, compute_s: float) -> float:
+        """What one micro-batch's collectives running beside its compute take from it
+        (``HardwareSpec.collective_compute_loss``; none on a CPU, where they stall it outright)."""
+        if self.on_cpu or self.world <= 1:
+            return 0.0
+        return self.hardware.collective_compute_loss * min(collective_s, compute_s)
+
     def _adam_s(self, device_numel: float, host_numel: float) -> tuple[float, float]:
         """Device and host Adam seconds of a rank's shard."""
         return device_numel / self.hardware.gpu_adam_elems_per_s, host_numel / self.model.cpu_adam_elems_per_s
@@ -194,8 +201,10 @@ class PeerModel:
         reduce = [r + d for r, d in zip(reduce, download, strict=True)]
         forward_s = _overlapped(gather, forward_compute, self.on_cpu)
         backward_s = _overlapped(regather[::-1], backward_compute[::-1], self.on_cpu, after=reduce[::-1])
-        micro_s = forward_s + backward_s
+        lost_s = self._compute_loss_s(sum(gather) + sum(regather) + sum(reduce), compute_s)
+        micro_s = forward_s + backward_s + lost_s
         breakdown = {
+            "collective_compute_loss_s": lost_s * shape.grad_accum_steps,
             "compute_s": compute_s * shape.grad_accum_steps,
             "allgather_s": (sum(gather) + sum(regather)) * shape.grad_accum_steps,
             "reduce_scatter_s": sum(reduce) * shape.grad_accum_steps,
@@ -269,13 +278,16 @@ class PeerModel:
             # have nothing to hide behind.
             regather = 0.0 if kept else once
             backward_comm = regather + reduce_once
+            lost_s = self._compute_loss_s(once + backward_comm, compute_s)
             micro_s = (
                 max(compute_s / 3, once)
                 + once / max(1, ops)
                 + max(compute_s * 2 / 3, backward_comm)
                 + reduce_once / buckets
+                + lost_s
             )
             micro_total = micro_s * accum
+            breakdown["collective_compute_loss_s"] = lost_s * accum
         else:
             micro_total = compute_s * accum + gather_s + reduce_s
         host = shard if engine.offload_optimizer else 0.0

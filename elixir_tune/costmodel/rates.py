@@ -2,7 +2,10 @@
 
 The rates are useful-FLOP rates: the FLOPs a model needs (6 x parameters x tokens plus the
 attention products, recomputation not counted) per second of the work that delivers them.
-Recomputation is extra work at the same rates (``CostModel.compute_s``).
+Recomputation is extra work at the same rates over ``recompute_speedup`` (``CostModel.compute_s``):
+block rates fitted to llm-foundry's checkpointed rows predict its uncheckpointed micro-batch sweep's
+time per sample only when a recomputed forward runs 1.45x faster per FLOP than the forward+backward mean
+(``scripts/published_overlap_fit.py``).
 
 Two parts of a transformer run at different rates. Its matrix products (projections, MLP, head)
 run at the block rate, read from a curve over the block's parameter count (wide blocks keep the

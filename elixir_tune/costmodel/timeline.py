@@ -63,6 +63,8 @@ class TransferCosts:
         d2h_s: device->host copy of one shard's gradients (compute dtype).
         grad_norm_s: the all-reduce of the global gradient norm.
         host_add_s: adding one arrived gradient shard into its fp32 host gradient (CPU).
+        compute_loss: seconds of compute lost per second of all-gather or reduce-scatter beside it
+            (``HardwareSpec.collective_compute_loss``; 0 with one rank).
     """
 
     h2d_s: float
@@ -71,6 +73,7 @@ class TransferCosts:
     d2h_s: float
     grad_norm_s: float
     host_add_s: float = 0.0
+    compute_loss: float = 0.0
 
 
 def transfer_costs(
@@ -141,6 +144,7 @@ def transfer_costs(
         d2h_s=d2h_s,
         grad_norm_s=norm_s,
         host_add_s=host_add_s,
+        compute_loss=hardware.collective_compute_loss if world_size > 1 else 0.0,
     )
 
 
@@ -191,6 +195,7 @@ class MicroBatchTime:
         leftover_s: how long after ``compute_end_s`` the collective stream, the host->device and
             device->host links and the CPU stay busy (``LEFTOVER_ZERO`` when all are free): the
             next micro-batch starts with them busy.
+        compute_loss_s: compute time the collectives beside it took (``TransferCosts.compute_loss``).
     """
 
     compute_end_s: float
@@ -201,6 +206,7 @@ class MicroBatchTime:
     h2d_s: float
     d2h_s: float
     leftover_s: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    compute_loss_s: float = 0.0
 
 
 # Nothing left busy: (collective stream, host->device link, device->host link, CPU).
@@ -265,6 +271,7 @@ def simulate_micro_batch(
             max(0.0, lanes.d2h_free - end),
             max(0.0, lanes.host_free - end),
         ),
+        compute_loss_s=lanes.lost_s,
     )
 
 
@@ -342,6 +349,7 @@ def _drifted(
             third.h2d_s,
             third.d2h_s,
             (leftover[0], leftover[1], leftover[2], leftover[3]),
+            third.compute_loss_s,
         )
 
     final = simulate_steady(shifted(remaining - 1).leftover_s)
@@ -399,6 +407,7 @@ def combine_step(
         "optimizer_gpu_s": gpu_adam_s,
         "optimizer_cpu_s": cpu_adam_s,
         "optimizer_exposed_s": costs.grad_norm_s + optimizer_s,
+        "collective_compute_loss_s": sum(p.compute_loss_s for p in parts),
     }
     return step_time, breakdown
 

@@ -119,6 +119,14 @@ class HardwareSpec:
         sm_count: streaming multiprocessors of one GPU (datasheet): how many GEMM tiles run per wave, so
             the block rate depends on the tokens of a micro-batch (``costmodel/gemm_waves.py``). 0: no
             wave model (a CPU, or a file written before it).
+        recompute_speedup: how much faster per FLOP a recomputed forward runs than the step's
+            forward+backward mean that the block and attention rates give (a backward's products and
+            FlashAttention's backward run slower per counted FLOP than a forward); fitted with the rates
+            (``scripts/published_overlap_fit.py``). 1.0: recomputation at the mean rate.
+        collective_compute_loss: seconds of compute lost per second a data-parallel all-gather or
+            reduce-scatter runs beside it (the collective's kernels take SMs and memory bandwidth from
+            the compute they overlap), so a micro-batch's parameter traffic costs time even when it is
+            hidden (``costmodel/lanes.py``). 0: none (a CPU, where collectives stall compute outright).
         best_mfu: the best model-FLOPs utilisation published for this hardware class per dtype
             (useful FLOPs over the datasheet peak): the search predicts no plan faster
             (``costmodel.rates.plausibility_bound``). Empty: no compute bound.
@@ -170,6 +178,8 @@ class HardwareSpec:
     tensor2_block_fixed_s: float = 0.0
     pipeline_stage_microbatch_s: float = 0.0
     sm_count: int = 0
+    collective_compute_loss: float = 0.0
+    recompute_speedup: float = 1.0
     probe_load: dict[str, float] = field(default_factory=dict)
 
     @property

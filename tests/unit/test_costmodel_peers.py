@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from elixir_tune.costmodel.model import CostModel
@@ -78,3 +80,16 @@ def test_fsdp2_offload_of_the_first_units_only_steps_their_share_on_the_host(sma
     assert half["cpu_adam_s"] == pytest.approx(sum(small.units[:2]) / small.world / small.model.cpu_adam_elems_per_s)
     assert 0 < half["cpu_adam_s"] < full["cpu_adam_s"]
     assert full["gpu_adam_s"] == 0.0 < half["gpu_adam_s"]
+
+
+def test_fsdp2_and_zero3_pay_the_compute_loss_of_their_overlapped_collectives():
+    profile = gpt2_profile("g", hidden=256, layers=4, heads=4, vocab=256, positions=128, seq_len=128, dtype="bf16")
+    nvlink = load_hardware("a100-80gb-sxm")
+    assert nvlink.collective_compute_loss > 0
+    for engine in ({"name": "fsdp2"}, {"name": "deepspeed", "zero_stage": 3}):
+        lossy = PeerModel(CostModel(profile, nvlink, 4)).step_time(shape(**engine))
+        free = PeerModel(CostModel(profile, dataclasses.replace(nvlink, collective_compute_loss=0.0), 4))
+        base = free.step_time(shape(**engine))
+        lost_s = lossy.breakdown["collective_compute_loss_s"]
+        assert lost_s > 0
+        assert lossy.step_time_s == pytest.approx(base.step_time_s + lost_s)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from elixir_tune.costmodel.synthetic import example_hardware
@@ -130,3 +132,25 @@ def test_a_growing_backlog_is_extrapolated_and_equals_the_whole_simulation():
     for num_micro in (5, 6, 17):
         exact = 0.2 + num_micro * 0.5 + COSTS.grad_norm_s
         assert _reduce_bound_step(num_micro, 0.1)[0] == pytest.approx(exact)
+
+
+def test_collectives_beside_compute_slow_it_by_the_compute_loss():
+    lossy = TransferCosts(
+        h2d_s=0.1, allgather_s=0.5, reduce_scatter_s=0.25, d2h_s=0.2, grad_norm_s=0.01, compute_loss=0.4
+    )
+    # No prefetch: each gather's loss (0.2) is charged at its hook and absorbed by the wait for it;
+    # the two reduce-scatters after step 1 run beside nothing exposed, so they add 0.4 x 0.5.
+    run = simulate_micro_batch([1.0, 1.0], FETCHES, issue_steps(FETCHES, 0), REDUCE_AFTER, [False, True], lossy)
+    assert run.compute_end_s == pytest.approx(3.1 + 0.2)
+    assert run.exposed_fetch_s == pytest.approx(1.1 - 0.4)
+    # Prefetch 1: both gathers (1.0 s) are charged at step 0's hook; 0.1 of the 0.5 wait is left.
+    run = simulate_micro_batch([1.0, 1.0], FETCHES, issue_steps(FETCHES, 1), REDUCE_AFTER, [False, True], lossy)
+    assert run.exposed_fetch_s == pytest.approx(0.1)
+    assert run.compute_end_s == pytest.approx(2.5 + 0.2)
+    assert run.compute_loss_s == pytest.approx(0.4 * 1.5)
+
+
+def test_the_compute_loss_is_the_hardware_s_with_more_than_one_rank():
+    hardware = dataclasses.replace(example_hardware(), collective_compute_loss=0.5)
+    assert transfer_costs(hardware, 1 << 20, 4, 4, 1, "bf16").compute_loss == 0.5
+    assert transfer_costs(hardware, 1 << 20, 1, 1, 1, "bf16").compute_loss == 0.0

@@ -7,6 +7,7 @@ are each named; and the table written from the stored report says so.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -80,13 +81,6 @@ def test_the_stored_table_states_its_checks_and_explains_its_speedups():
     assert checks_text(checks, bench_published.EXPLAIN_SPEEDUP) in markdown
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 38: with the bounds at the best MFU sourced per class (H100 49.4%, A100 72%), the free MPT 7B-70B "
-    "plans without checkpointing (and two Megatron plans, whose bound adds their eager scores) are still predicted faster (named in published.md's checks): the block rates come "
-    "from checkpointed llm-foundry rows, and what their peers' uncheckpointed rows lose (per-micro-batch FSDP "
-    "traffic, the leading candidate) is not in the model yet",
-)
 def test_no_free_plan_in_the_stored_table_is_predicted_faster_than_its_bound():
     assert issue_checks(_stored()["rows"], bench_published.EXPLAIN_SPEEDUP)["free_above_bound"] == []
 
@@ -161,14 +155,17 @@ def test_free_plans_over_what_the_source_ran_give_their_mechanism():
     assert "the model's error on the peer's own configuration" in lines[-1]
 
 
-def test_fsdp_traffic_diagnosis_adds_the_peers_gathers_to_the_pinned_step():
-    from published_fsdp_traffic import exposed_ratio
+def test_the_pinned_plan_moves_the_peers_fp32_gathers():
+    from published_setups import PUBLISHED
 
-    row = {
-        "source_key": "llm-foundry",
-        "ratio": 1.2,
-        "pinned": {"step_time_s": 1.0, "breakdown": {"allgather_s": 0.1, "reduce_scatter_s": 0.05}},
-    }
-    # fp32 gathers (twice the plan's bf16 seconds) and the reduce-scatter: 1.2 x 1.0 / 1.25.
-    assert exposed_ratio(row) == pytest.approx(0.96)
-    assert exposed_ratio(dict(row, source_key="llm-foundry-40gb")) == pytest.approx(1.2 / 1.15)
+    from elixir_tune.hardware import load_hardware
+
+    foundry = next(s for s in PUBLISHED if s.name == "MPT-7b s2048 8xH100")
+    assert foundry.gather_width == 2.0 and foundry.cache_blocks == 2  # MP Mode DEFAULT, FULL_SHARD
+    spec = load_hardware(foundry.hardware)
+    assert bench_published.peer_links(spec, foundry).allgather_gbps == spec.allgather_gbps / 2
+    # across nodes one rate carries both: 2 gathers at 2x and 1 reduce-scatter move 5 units where the plan moves 3
+    nodes = dataclasses.replace(foundry, nodes=8)
+    assert bench_published.peer_links(spec, nodes).inter_node_gbps == pytest.approx(spec.inter_node_gbps * 3 / 5)
+    pure = next(s for s in PUBLISHED if s.name == "MPT-7b s2048 8xA100-40G")
+    assert bench_published.peer_links(spec, pure) is spec
