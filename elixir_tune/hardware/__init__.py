@@ -11,7 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from elixir_tune.hardware.presets import closest_preset, list_presets, load_hardware, preset_path, spec_problems
+from elixir_tune.hardware.presets import (
+    closest_preset,
+    list_presets,
+    load_hardware,
+    preset_path,
+    spec_problems,
+    with_borrowed_constants,
+)
 from elixir_tune.hardware.spec import HardwareSpec, load_hardware_file, save_hardware
 
 
@@ -40,6 +47,7 @@ def probe(
 __all__ = [
     "HardwareSpec",
     "closest_preset",
+    "with_borrowed_constants",
     "list_presets",
     "load_hardware",
     "load_hardware_file",

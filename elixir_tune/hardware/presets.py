@@ -230,3 +230,28 @@ def closest_preset(spec: HardwareSpec) -> str | None:
         if distance < best_distance:
             best, best_distance = preset_id, distance
     return best
+
+
+# What a probe cannot measure on one machine, borrowed from the closest preset (each fitted to published runs).
+BORROWED_FIELDS = ("recompute_speedup", "collective_compute_loss")
+
+
+def with_borrowed_constants(spec: HardwareSpec) -> HardwareSpec:
+    """``spec`` (a probed GPU) with the closest preset's ``BORROWED_FIELDS`` where it left them at their
+    defaults, each source saying so; a CPU or a spec with no preset of its kind is returned as it is.
+    The collectives' cost to compute is borrowed only beside NVLink (``shared_host_link`` False): the
+    presets' value comes from NVLink runs."""
+    preset_id = closest_preset(spec) if spec.device == "cuda" else None
+    if preset_id is None:
+        return spec
+    preset = load_hardware(preset_id)
+    changes: dict[str, float] = {}
+    if spec.recompute_speedup == 1.0:
+        changes["recompute_speedup"] = preset.recompute_speedup
+    if spec.collective_compute_loss == 0.0 and not spec.shared_host_link and spec.gpus_per_node > 1:
+        changes["collective_compute_loss"] = preset.collective_compute_loss
+    changes = {name: value for name, value in changes.items() if value != getattr(spec, name)}
+    sources = dict(spec.sources)
+    for name in changes:
+        sources[name] = f"assumption, the closest preset's ({preset_id}): the probe does not measure it"
+    return dataclasses.replace(spec, **changes, sources=sources) if changes else spec

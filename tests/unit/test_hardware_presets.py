@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from elixir_tune.hardware import (
     preset_path,
     save_hardware,
     spec_problems,
+    with_borrowed_constants,
 )
 
 GiB = 2**30
@@ -176,3 +178,17 @@ def test_gpu_preset_rates_are_useful_flop_rates_within_their_bound(preset_id):
         if spec.block_tflops_curves.get(dtype):
             continue  # a curve is the blocks' matmuls alone; the search clamps whole plans to the bound
         assert spec.model_tflops[dtype] <= best * spec.matmul_peak_tflops[dtype], dtype
+
+
+def test_a_probed_gpu_borrows_what_the_probe_cannot_measure_from_its_closest_preset():
+    h100 = load_hardware("h100-80gb-sxm")
+    probed = dataclasses.replace(h100, name="probe of node", recompute_speedup=1.0, collective_compute_loss=0.0)
+    borrowed = with_borrowed_constants(probed)
+    assert borrowed.recompute_speedup == h100.recompute_speedup > 1.0
+    assert borrowed.collective_compute_loss == h100.collective_compute_loss > 0.0
+    assert "closest preset's (h100-80gb-sxm)" in borrowed.sources["collective_compute_loss"]
+    # no NVLink (the presets' value comes from NVLink runs), one GPU, or a CPU: nothing of it is borrowed
+    assert with_borrowed_constants(dataclasses.replace(probed, shared_host_link=True)).collective_compute_loss == 0.0
+    assert with_borrowed_constants(dataclasses.replace(probed, gpus_per_node=1)).collective_compute_loss == 0.0
+    cpu = load_hardware("cpu")
+    assert with_borrowed_constants(cpu) is cpu
