@@ -143,9 +143,9 @@ class ComputeTimes:
         The matrix products' FLOPs at the block rate (``flops_per_s_at``), the attention products'
         at the hardware's attention rate when it has one (``rates.attention_flops_share``; the
         share grows with the sequence); recomputation is the checkpointed blocks' forward FLOPs
-        again, split the same way, at ``recompute_speedup`` over those rates. An eager attention's scores move through HBM at ``hbm_gbps``
-        beside a fused attention rate (``rates.attention_scores_bytes``; recomputed with their
-        blocks' forward); on a CPU device an attention with dropout runs the math path, its score
+        again, split the same way, at ``recompute_speedup`` over those rates. An eager attention's
+        scores move through HBM at ``hbm_gbps`` beside a fused attention rate
+        (``rates.attention_scores_bytes``; recomputed with their blocks' forward); on a CPU device an attention with dropout runs the math path, its score
         elements at ``dropout_attention_s_per_score`` (a third again where recomputed). The
         model's own pointwise ops at the pointwise rate (the block rate is net of the probe
         block's, ``pointwise_s``); plus the hardware's per-call overhead
