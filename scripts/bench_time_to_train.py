@@ -13,7 +13,8 @@ eth-25) for 175B, and the CLI's answer for 175B over up to 4096 GPUs, timed.
 
 Profiles are the analytic GPT-2 builder's (``costmodel/synthetic.py``) with GPT-3's vocabulary of
 50257 and sequence 2048; the search then has no tensor parallelism for them (the vocabulary does not
-split), so the layouts are data parallelism (ZeRO-style sharding, offload) and pipelines.
+split), so the layouts are data parallelism (ZeRO-style sharding, offload), context parallelism and
+pipelines.
 
     .venv/bin/python scripts/bench_time_to_train.py      # writes benchmarks/results/time-to-train.{json,md}
     .venv/bin/python scripts/bench_time_to_train.py --models 1.3b --out-prefix /tmp/ttt
@@ -154,8 +155,8 @@ def render(report: dict) -> str:
         "the max; a size whose best-MFU bound is already slower than the best found is not searched.",
         "",
         "Models: GPT-2 blocks at GPT-3's shapes, vocabulary 50257, sequence 2048. That vocabulary does not "
-        "split for the tensor table, so the layouts are data parallelism (ZeRO-style sharding, offload) and "
-        "pipelines; tensor parallelism is not in these answers.",
+        "split for the tensor table, so the layouts are data parallelism (ZeRO-style sharding, offload), "
+        "context parallelism and pipelines; tensor parallelism is not in these answers.",
         "",
         "## Shortest time, with and without layered accumulation and modular pipelines",
         "",
