@@ -137,6 +137,8 @@ _FIELD_RULES: dict[str, Rule] = {
     **dict.fromkeys(
         ("pointwise_gbps", "rate_pointwise_elems"), _number(lambda v: v >= 0, "a number >= 0 (0: not known)")
     ),
+    "collective_compute_loss": _number(lambda v: 0 <= v < 10, "seconds per second in [0, 10) (0: none)"),
+    "recompute_speedup": _number(lambda v: 0.5 <= v <= 4, "a speed-up in [0.5, 4] (1: the mean rate)"),
 }
 # Mappings of numbers (per dtype, or the probe's load record; optional, empty by default): each value's rule.
 _PER_DTYPE_RULES: dict[str, Rule] = {

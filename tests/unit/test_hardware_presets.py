@@ -192,3 +192,10 @@ def test_a_probed_gpu_borrows_what_the_probe_cannot_measure_from_its_closest_pre
     assert with_borrowed_constants(dataclasses.replace(probed, gpus_per_node=1)).collective_compute_loss == 0.0
     cpu = load_hardware("cpu")
     assert with_borrowed_constants(cpu) is cpu
+
+
+def test_the_fitted_constants_out_of_range_are_named():
+    h100 = load_hardware("h100-80gb-sxm")
+    problems = spec_problems(dataclasses.replace(h100, collective_compute_loss=-1.0, recompute_speedup=0.0))
+    assert any(p.startswith("collective_compute_loss:") for p in problems)
+    assert any(p.startswith("recompute_speedup:") for p in problems)
