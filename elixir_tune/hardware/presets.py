@@ -247,13 +247,21 @@ def with_borrowed_constants(spec: HardwareSpec) -> HardwareSpec:
     if preset_id is None:
         return spec
     preset = load_hardware(preset_id)
-    changes: dict[str, float] = {}
-    if spec.recompute_speedup == 1.0:
-        changes["recompute_speedup"] = preset.recompute_speedup
-    if spec.collective_compute_loss == 0.0 and not spec.shared_host_link and spec.gpus_per_node > 1:
-        changes["collective_compute_loss"] = preset.collective_compute_loss
-    changes = {name: value for name, value in changes.items() if value != getattr(spec, name)}
+    speedup = spec.recompute_speedup if spec.recompute_speedup != 1.0 else preset.recompute_speedup
+    nvlink = not spec.shared_host_link and spec.gpus_per_node > 1
+    loss = (
+        preset.collective_compute_loss
+        if spec.collective_compute_loss == 0.0 and nvlink
+        else spec.collective_compute_loss
+    )
+    borrowed = [
+        name
+        for name, value in (("recompute_speedup", speedup), ("collective_compute_loss", loss))
+        if value != getattr(spec, name)
+    ]
+    if not borrowed:
+        return spec
     sources = dict(spec.sources)
-    for name in changes:
+    for name in borrowed:
         sources[name] = f"assumption, the closest preset's ({preset_id}): the probe does not measure it"
-    return dataclasses.replace(spec, **changes, sources=sources) if changes else spec
+    return dataclasses.replace(spec, recompute_speedup=speedup, collective_compute_loss=loss, sources=sources)
