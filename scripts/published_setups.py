@@ -138,7 +138,8 @@ MEGATRON_INTERLEAVED = (
 MPT_DEFAULT_GATHER = (
     "MP Mode DEFAULT: Composer's FSDP mixed precision of the tables' time (mosaicml/composer "
     "composer/trainer/dist_strategy.py get_mixed_precision, Composer 0.12-0.14: param_dtype float32, reduce_dtype bf16, buffer_dtype "
-    "float32) gathers the parameters in fp32, twice the plan's bf16 all-gather bytes per micro-batch"
+    "float32) gathers the parameters in fp32: the pinned plan's all-gathers move twice its bf16 bytes "
+    "(bench_published.peer_links)"
 )
 ZERO_OFFLOAD_MISMATCHES = (
     "the micro-batch per step from the log itself: SamplesPerSec 0.386 x 25.8 s per iteration = 10 samples, "
