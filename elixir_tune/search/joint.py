@@ -11,7 +11,8 @@ that change only the timeline (offload share), so the cost model's caches are hi
   shares are never tried;
 * host memory grows with the offload share, so the offload loop stops at the first that
   overflows the host;
-* a lower bound on the step (compute of all micro-batches, then the optimizer) is checked
+* a lower bound on the step (compute of all micro-batches, the least the collectives beside it take
+  from it, then the optimizer) is checked
   against the K-th best step so far before any simulation;
 * along the offload grid, simulation stops after two shares in a row that are slower.
 """
@@ -353,6 +354,8 @@ class _Sized:
     most_freed: list[int]  # [k]: the most device bytes k offloaded chunks free
     costs: TransferCosts
     most_offloaded: int  # the largest offload count the pins allow
+    # The collectives' least cost to compute (``collective_loss_floor``): per step, per reduced micro-batch.
+    loss_floor_s: tuple[float, float] = (0.0, 0.0)
 
 
 def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, found: Exploration) -> None:
@@ -369,11 +372,15 @@ def _explore_layout(model: CostModel, budget: Budget, fixed: dict, top: _TopK, f
             minimum = model.min_cache_blocks(chunk_size, every)
             for micro_batch, layered in _runnable_micro_batches(run, selective):
                 accum = per_rank // micro_batch
-                # A lower bound of the step: the compute and the context exchange, stretched by the pipeline bubble.
+                # A lower bound of the step: the compute and the context exchange, stretched by the pipeline bubble,
+                # and the least the collectives beside the compute take from it.
                 on_stream_s = model.compute_s(micro_batch, every, selective)[0] + sum(
                     model.context_s(micro_batch, every)
                 )
                 compute_s = accum * on_stream_s * model.parallel_costs.pipeline_factor(accum)
+                if model.parallel_layout.pipeline == 1:  # a stage's bubble may hide its losses: none added there
+                    per_step_s, per_reduction_s = sized.loss_floor_s
+                    compute_s += per_step_s + (1 if layered else accum) * per_reduction_s
                 if compute_s >= top.threshold_s:
                     # K candidates fit already (the memory figures below only serve the error when none does).
                     continue
@@ -410,7 +417,21 @@ def _sized(run: _LayoutRun, chunk_size: int) -> _Sized:
     most_freed.insert(0, 0)
     offloadable = model.offloadable_chunks(chunk_size)  # expert chunks stay where the engine cannot offload them
     most_offloaded = max(offload_choices(offloadable, 0, run.fixed, run.one_pool))
-    return _Sized(chunk_size, layout, offloadable, shard_numel, most_freed, model.costs(chunk_size), most_offloaded)
+    costs = model.costs(chunk_size)
+    floor = collective_loss_floor(layout, costs) if model.parallel_layout.expert == 1 else (0.0, 0.0)
+    return _Sized(chunk_size, layout, offloadable, shard_numel, most_freed, costs, most_offloaded, floor)
+
+
+def collective_loss_floor(layout: ChunkLayout, costs: TransferCosts) -> tuple[float, float]:
+    """The least compute the collectives beside it take (``TransferCosts.compute_loss``): every chunk
+    not resident is gathered at least once a step, every trainable one reduce-scattered once per
+    reduction (each micro-batch; once a step when accumulation is layered). A charged loss is never
+    absorbed (a wait for a fetch only shrinks), so these add to the step's lower bound."""
+    if costs.compute_loss <= 0:
+        return 0.0, 0.0
+    gathered = sum(1 for chunk in layout.chunks if not (chunk.resident or chunk.expert))
+    reduced = sum(1 for chunk in layout.chunks if not (chunk.resident or chunk.expert or chunk.frozen))
+    return costs.compute_loss * gathered * costs.allgather_s, costs.compute_loss * reduced * costs.reduce_scatter_s
 
 
 def _runnable_micro_batches(run: _LayoutRun, selective: bool) -> list[tuple[int, bool]]:

@@ -222,10 +222,12 @@ def exhaustive_spaces(small_profile):
     (dropped with the module: they hold every shape's memory and score)."""
     spaces: dict[tuple, ExhaustiveSpace] = {}
 
-    def space_of(gpus: int, fixed: dict) -> ExhaustiveSpace:
-        key = (gpus, tuple(sorted(fixed.items())))
+    def space_of(gpus: int, fixed: dict, loss: float = 0.0) -> ExhaustiveSpace:
+        key = (gpus, tuple(sorted(fixed.items())), loss)
         if key not in spaces:
-            hardware = example_hardware(gpu_memory_gib=4, gpus_per_node=gpus)
+            hardware = dataclasses.replace(
+                example_hardware(gpu_memory_gib=4, gpus_per_node=gpus), collective_compute_loss=loss
+            )
             spaces[key] = ExhaustiveSpace(small_profile, hardware, gpus, 4 * gpus, parse_fixed(fixed))
         return spaces[key]
 
@@ -249,14 +251,24 @@ SPACES = [
 ]
 
 
+# The collectives' cost to compute (collective_compute_loss) adds to the pruning bound: checked with it on.
+SPACES += [
+    (2, usable_mib, dict(fixed, loss=0.8)) for usable_mib in (1030, 1200) for fixed in ({}, {"checkpointing": "none"})
+]
+
+
 @pytest.mark.parametrize("gpus,usable_mib,fixed", SPACES, ids=[f"{g}gpu-{u}MiB-{f}" for g, u, f in SPACES])
 def test_pruned_search_finds_the_exhaustive_best(small_profile, exhaustive_spaces, gpus, usable_mib, fixed):
+    fixed = dict(fixed)
+    loss = fixed.pop("loss", 0.0)
     nccl_bytes = NCCL_BUFFER_BYTES if gpus > 1 else 0
     node = dataclasses.replace(
-        example_hardware(gpu_memory_gib=4, gpus_per_node=gpus), usable_memory_bytes=usable_mib * MIB + nccl_bytes
+        example_hardware(gpu_memory_gib=4, gpus_per_node=gpus),
+        usable_memory_bytes=usable_mib * MIB + nccl_bytes,
+        collective_compute_loss=loss,
     )
     global_batch = 4 * gpus
-    space = exhaustive_spaces(gpus, fixed)
+    space = exhaustive_spaces(gpus, fixed, loss)
     # top_k=1: the bounds are checked against the best so far, the most pruning they can do.
     # forward_backward: the whole space, layered accumulation included (the plain loop pins it standard).
     result = search(
