@@ -21,7 +21,7 @@ from elixir_tune.cli.console import (
     fail,
     print_json,
 )
-from elixir_tune.hardware import HardwareSpec, closest_preset, load_hardware, save_hardware, with_borrowed_constants
+from elixir_tune.hardware import HardwareSpec, closest_preset, load_hardware, save_hardware
 from elixir_tune.hardware.load import judge, load_record, loaded_note, sample_load, sample_reasons
 from elixir_tune.units import gib
 
@@ -257,7 +257,6 @@ def probe_command(
             soft_wrap=True,
         )
 
-    spec = with_borrowed_constants(spec)
     header = (
         f"Measured by `elixir-tune probe{' --quick' if quick else ''}` in {elapsed_s:.1f} s.\n"
         f"Use it: elixir-tune search --gpus {spec.gpus_per_node} --hardware {out_path}\n"
