@@ -63,6 +63,14 @@ from gpu_validate_report import error_line, summary, write_markdown  # noqa: E40
 from gpu_validate_shapes import gpt2_dims, peak_tflops, shape_pins  # noqa: E402
 from report_meta import commit  # noqa: E402
 
+from elixir_tune.hardware import load_hardware  # noqa: E402
+from elixir_tune.hardware.load import loaded_note  # noqa: E402
+
+
+def probe_load(hardware_path: Path) -> dict:
+    """The load the probe measured under (``HardwareSpec.probe_load``; empty when it recorded none)."""
+    return dict(load_hardware(str(hardware_path)).probe_load or {})
+
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -255,13 +263,18 @@ class Validation:
         if self.args.hardware:
             self.skip("probe", f"--hardware {self.args.hardware} given")
             return self.args.hardware
-        command = [*CLI, "probe", "--out", str(target)]
+        # A lent machine's window is short: a loaded probe is written anyway, after one wait, and the
+        # load it ran under is recorded beside every figure instead of losing the window.
+        command = [*CLI, "probe", "--out", str(target), "--allow-loaded", "--load-retries", "1"]
         if self.args.quick or self.dry:
             command.append("--quick")
         step = self.run("probe", command, 240 if not self.args.quick else 90)
         if step["rc"] != 0:
             raise SystemExit("probe failed: see the results file")
         self.record["hardware_yaml"] = target.read_text()
+        self.record["probe_load"] = probe_load(target)
+        if self.record["probe_load"].get("loaded"):
+            self.say(f"probe: {loaded_note(self.record['probe_load'])}; going on, the figures are marked")
         return str(target)
 
     def pytest_gpu(self) -> None:

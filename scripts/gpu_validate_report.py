@@ -27,6 +27,20 @@ def _shape(row: dict) -> str:
     )
 
 
+def loaded(record: dict) -> bool:
+    """Whether the probe of this run measured a loaded machine (its rates, and so the predictions, read slow)."""
+    return bool(record.get("probe_load", {}).get("loaded"))
+
+
+def load_line(record: dict) -> str:
+    """The probe's load in a few words: busy cores before and after, and the hypervisor's steal."""
+    load = record.get("probe_load", {})
+    return (
+        f"{load.get('busy_cores_before', 0):.1f} and {load.get('busy_cores_after', 0):.1f} of "
+        f"{load.get('cores', 0):.0f} cores busy before and after it, steal {load.get('steal_share', 0):.0%}"
+    )
+
+
 def write_markdown(record: dict) -> str:
     """The whole report as markdown."""
     machine = record.get("machine", {})
@@ -41,6 +55,11 @@ def write_markdown(record: dict) -> str:
     lines.append(
         f"- command: `python scripts/gpu_validate.py {' '.join(record.get('argv', []))}` ({record.get('elapsed_s')} s)"
     )
+    if loaded(record):
+        lines.append(
+            f"- **measured under load**: the probe found other work on the machine ({load_line(record)}); "
+            "every predicted figure below comes from those rates and every measured one shared the machine"
+        )
     model = record.get("model")
     if model:
         lines.append(
@@ -119,6 +138,8 @@ def error_line(step: dict) -> str:
 
 def summary(record: dict) -> str:
     lines = [f"gpu_validate: {record['machine']['device_name']}, {record.get('elapsed_s')} s"]
+    if loaded(record):
+        lines.append(f"  MEASURED UNDER LOAD: the probe saw {load_line(record)}")
     for row in record["rows"]:
         if "measured_step_time_s" in row and "time_ratio" in row:
             lines.append(

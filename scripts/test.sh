@@ -5,31 +5,48 @@
 #   bash scripts/test.sh --all      # the same with the heavy tests (8 processes on the CPU)
 #   bash scripts/test.sh --fast     # the same checks, then every test but the slow ones (a few minutes)
 #   bash scripts/test.sh -k plan    # other arguments go to pytest
+# Which versions (each in a virtual environment of its own):
+#   (default)   .venv: the tested versions, constraints/tested.txt (what CI runs)
+#   --latest    .venv-latest: the newest release of every package; run it each round, since a new
+#               upstream release can break a user who installs today
+#   --oldest    .venv-oldest: the lower bounds of setup.cfg, constraints/oldest.txt
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 MARKERS="not heavy"
+VENV=.venv
+CONSTRAINTS=(-c constraints/tested.txt)
 PYTEST_ARGS=()
 for arg in "$@"; do
     case "$arg" in
         --fast) MARKERS="not slow" ;;
         --all) MARKERS="" ;;
+        --latest) VENV=.venv-latest CONSTRAINTS=() ;;
+        --oldest) VENV=.venv-oldest CONSTRAINTS=(-c constraints/oldest.txt) ;;
         *) PYTEST_ARGS+=("$arg") ;;
     esac
 done
-[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 # A plain `torch` requirement would pull the newest CUDA build (gigabytes); take the CPU build first.
-.venv/bin/python -c "import torch" 2>/dev/null || "${PIP[@]}" torch==2.13.0
-"${PIP[@]}" -e '.[test,lint]'
+"$VENV/bin/python" -c "import torch" 2>/dev/null || "${PIP[@]}" torch==2.13.0
+if [ ${#CONSTRAINTS[@]} -eq 0 ]; then
+    # The newest of everything but torch, whose newer releases here are CUDA builds of gigabytes.
+    TORCH_PIN="$VENV/torch-pin.txt"
+    "$VENV/bin/python" -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > "$TORCH_PIN"
+    "${PIP[@]}" --upgrade --upgrade-strategy eager -c "$TORCH_PIN" -e '.[test,lint]'
+else
+    "${PIP[@]}" "${CONSTRAINTS[@]}" -e '.[test,lint]'
+fi
+"$VENV/bin/python" -c "import torch, transformers; print('== versions: torch', torch.__version__, '| transformers', transformers.__version__)"
 echo "== ruff check"
-.venv/bin/ruff check .
+"$VENV/bin/ruff" check .
 echo "== ruff format --check"
-.venv/bin/ruff format --check .
+"$VENV/bin/ruff" format --check .
 echo "== mypy (settings in pyproject.toml)"
-.venv/bin/mypy
+"$VENV/bin/mypy"
 echo "== pytest"
 if [ -n "$MARKERS" ]; then
     PYTEST_ARGS=(-m "$MARKERS" ${PYTEST_ARGS[@]+"${PYTEST_ARGS[@]}"})
 fi
-exec .venv/bin/python -m pytest ${PYTEST_ARGS[@]+"${PYTEST_ARGS[@]}"}
+exec "$VENV/bin/python" -m pytest ${PYTEST_ARGS[@]+"${PYTEST_ARGS[@]}"}

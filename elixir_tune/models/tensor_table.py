@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from elixir_tune.models.hf_plans import config_plan
 from elixir_tune.models.lora_layout import inside_lora_layer, lora_layer_paths, lora_tensor_table, peft_base
-from elixir_tune.plan.tensor_layout import BUILTIN_TABLES, module_style, tensor_table
+from elixir_tune.plan.tensor_layout import BUILTIN_TABLES, module_style, tensor_table, with_expert_entries
 
 
 def _path_of(model: Any, target: Any) -> str:
@@ -47,9 +48,8 @@ def model_tensor_table(model: Any) -> tuple[dict[str, str], str]:
         return {}, "a model without a transformers config has no tensor plan"
     if not hasattr(model, "lm_head"):
         return {}, f"tensor parallelism runs {model_type} causal LMs (with an lm_head) only"
-    # The class attribute: an instance's ``base_model_tp_plan`` may be emptied when no tensor
-    # parallelism was asked of transformers itself.
-    tp_plan = getattr(type(config), "base_model_tp_plan", None) or getattr(config, "base_model_tp_plan", None)
+    tp_plan = config_plan(config, "base_model_tp_plan")
+    tp_plan = with_expert_entries(tp_plan, config_plan(config, "base_model_ep_plan")) if tp_plan else tp_plan
     get_input = getattr(model, "get_input_embeddings", None)
     get_output = getattr(model, "get_output_embeddings", None)
     embeddings = (

@@ -90,6 +90,38 @@ HF_STYLES: dict[str, ModuleStyle] = {
 }
 # Packed parameters hold this many equal tensors along their split dimension (gate | up).
 PACKED_PARTS = 2
+# transformers 5.25 moved the experts out of ``base_model_tp_plan`` into ``base_model_ep_plan``, whose
+# styles say how experts are dispatched, not how a tensor group splits them. Under tensor parallelism
+# the experts split as the earlier tensor plans said: the module's output summed over the group, the
+# packed gate | up projection by output columns, the down projection by input rows.
+EP_DISPATCH_STYLE = "ep_dispatch_experts"
+EP_GROUPED_TENSOR_STYLES = {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}
+
+
+def with_expert_entries(tp_plan: Mapping[str, str] | None, ep_plan: Mapping[str, str] | None) -> dict[str, str]:
+    """The tensor plan with the experts' entries, for transformers releases that keep them elsewhere.
+
+    Releases up to 5.24 place the experts in the tensor plan itself (``moe_tp_experts``); from 5.25 the
+    tensor plan leaves them out and only the expert plan names them. Either layout gives one table.
+
+    Args:
+        tp_plan: ``base_model_tp_plan`` (None when the family ships none).
+        ep_plan: ``base_model_ep_plan`` (None when the family has no experts).
+
+    Returns:
+        The tensor plan, plus ``moe_tp_experts`` for each module the expert plan dispatches to and a
+        split style for each of its grouped tensors (a tensor of another name keeps ``grouped_gemm``,
+        which ``tensor_table`` refuses by name), unless the tensor plan places experts already.
+    """
+    merged = dict(tp_plan or {})
+    if not ep_plan or "moe_tp_experts" in merged.values():
+        return merged
+    for pattern, style in ep_plan.items():
+        if style == EP_DISPATCH_STYLE:
+            merged.setdefault(pattern, "moe_tp_experts")
+        elif style == "grouped_gemm":
+            merged.setdefault(pattern, EP_GROUPED_TENSOR_STYLES.get(pattern.rpartition(".")[2], style))
+    return merged
 
 
 def supported_model_types() -> tuple[str, ...]:

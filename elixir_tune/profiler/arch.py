@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from elixir_tune.models.hf_plans import config_plan
 from elixir_tune.profiler.schema import ModelArch
 
 # Where each family keeps its MLP width, first match wins; GPT-2's n_inner is None for 4 x hidden.
@@ -41,7 +42,7 @@ def model_arch(model: Any) -> ModelArch:
     heads = _positive_int(config, "num_attention_heads")
     intermediate = next((_positive_int(config, name) for name in _INTERMEDIATE_NAMES if _positive_int(config, name)), 0)
     # Expert parallelism runs a family whose config dispatches tokens to its experts (engine/parallel/expert_parallel.py).
-    ep_plan = getattr(config, "base_model_ep_plan", None) or {}
+    ep_plan = config_plan(config, "base_model_ep_plan")
     dispatches = "ep_dispatch_experts" in ep_plan.values()
     experts = next((_positive_int(config, name) for name in _EXPERT_NAMES if _positive_int(config, name)), 0)
     top_k = next((_positive_int(config, name) for name in _TOP_K_NAMES if _positive_int(config, name)), 0)

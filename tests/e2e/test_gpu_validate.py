@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -55,3 +56,25 @@ def test_dry_run_plans_trains_and_compares_with_peers(tmp_path):
     markdown = json_path.with_suffix(".md").read_text()
     assert "| fsdp2 |" in markdown and "skipped: dry run on the CPU" in markdown
     assert "gpu_validate:" in proc.stdout  # the summary
+
+
+# heavy: about 130 s (the quick probe waits once for the load to pass, then measures under it).
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_dry_run_goes_on_past_a_loaded_probe_and_marks_the_figures(tmp_path):
+    # Busy loops on every core: the probe finds the machine loaded before and after it measures.
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    try:
+        command = [sys.executable, "scripts/gpu_validate.py", "--dry-run-cpu", "--skip-pytest", "--steps", "2"]
+        command += ["--shapes", "search-best", "--world2-shapes", "", "--out-dir", str(tmp_path)]
+        proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    finally:
+        for loop in busy:
+            loop.kill()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [json_path] = tmp_path.glob("gpu-cpu-dry-run-*.json")
+    record = json.loads(json_path.read_text())
+    assert record["probe_load"]["loaded"] == 1.0 and record["probe_load"]["busy_cores_before"] > 0.5
+    assert any(row["status"] == "measured" for row in record["rows"]), record["rows"]
+    assert "measured under load" in json_path.with_suffix(".md").read_text()
+    assert "MEASURED UNDER LOAD" in proc.stdout

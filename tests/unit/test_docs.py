@@ -162,7 +162,7 @@ def _check_elixir_run(tokens: list[str]) -> list[str]:
 def _check_script(tokens: list[str]) -> list[str]:
     problems = []
     for index, token in enumerate(tokens):
-        if token.startswith(("scripts/", "configs/")):
+        if token.startswith(("scripts/", "configs/", "constraints/")):
             path = ROOT / token
             if not path.is_file():
                 problems.append(f"{token} does not exist")
@@ -215,6 +215,26 @@ def test_the_readme_starts_with_the_two_commands_ci_runs():
     assert first == [["bash", "scripts/demo.sh"], ["bash", "scripts/test.sh"]], lines[:2]
     assert "scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
     assert any(line.startswith("elixir-tune ") for line in lines) and any("elixir-run " in line for line in lines)
+
+
+def _pins(path: Path) -> dict[str, str]:
+    pins = (line.split("==") for line in path.read_text().splitlines() if "==" in line and not line.startswith("#"))
+    return {name.lower(): version for name, version in pins}
+
+
+def test_the_readme_names_the_versions_the_constraints_pin():
+    """The README's "tested versions" line says what constraints/tested.txt and oldest.txt pin."""
+    readme = (ROOT / "README.md").read_text()
+    tested, oldest = _pins(ROOT / "constraints" / "tested.txt"), _pins(ROOT / "constraints" / "oldest.txt")
+    for name in ("torch", "transformers", "peft", "datasets"):
+        assert f"{name} {tested[name]}" in readme, name
+    for name in ("torch", "transformers"):
+        assert f"{name} {oldest[name].rpartition('.0')[0] or oldest[name]}" in readme, name
+    # The metadata's lower bounds are the oldest set's versions.
+    setup = (ROOT / "setup.cfg").read_text()
+    for name in ("transformers", "tokenizers", "peft", "datasets", "click", "rich", "pyyaml"):
+        bound = re.search(rf"^\s+{name}>=([\d.]+)$", setup, re.MULTILINE | re.IGNORECASE)
+        assert bound and oldest[name].startswith(bound.group(1)), (name, bound and bound.group(1), oldest[name])
 
 
 def test_the_docs_stay_short():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from elixir_tune.models.tensor_table import model_tensor_table
-from elixir_tune.plan.tensor_layout import BUILTIN_TABLES, local_shape, module_style, tensor_table
+from elixir_tune.plan.tensor_layout import BUILTIN_TABLES, local_shape, module_style, tensor_table, with_expert_entries
 
 SMALL = dict(
     hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
@@ -62,6 +62,36 @@ def test_mixture_of_experts_tables_split_each_expert(family):
     assert local_shape("model.layers.0.mlp.experts.down_proj", [4, 64, 128], family, 2, table=table) == [4, 64, 64]
     with pytest.raises(ValueError, match="does not divide by 4"):  # I = 3: the halves do not split
         local_shape("model.layers.0.mlp.experts.gate_up_proj", [4, 6, 64], family, 2, table=table)
+
+
+# The two layouts of transformers' Qwen3-MoE plans: up to 5.24 the experts sit in the tensor plan; from
+# 5.25 the tensor plan leaves them out and the expert plan alone names them.
+ATTENTION = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}
+TP_EXPERTS = {"layers.*.mlp.experts.gate_up_proj": "packed_colwise", "layers.*.mlp.experts.down_proj": "rowwise",
+              "layers.*.mlp.experts": "moe_tp_experts"}  # fmt: skip
+EP_PLAN = {"layers.*.mlp.experts.gate_up_proj": "grouped_gemm", "layers.*.mlp.experts.down_proj": "grouped_gemm",
+           "layers.*.mlp.experts": "ep_dispatch_experts"}  # fmt: skip
+
+
+def test_both_transformers_layouts_of_the_experts_give_one_table():
+    old_layout = with_expert_entries({**ATTENTION, **TP_EXPERTS}, EP_PLAN)
+    new_layout = with_expert_entries(ATTENTION, EP_PLAN)
+    assert old_layout == new_layout == {**ATTENTION, **TP_EXPERTS}
+    assert with_expert_entries(ATTENTION, None) == ATTENTION  # a dense family: nothing added
+    # A grouped tensor of a name the split rule does not know keeps its expert style, refused by name.
+    odd = with_expert_entries(ATTENTION, {**EP_PLAN, "layers.*.mlp.experts.w13": "grouped_gemm"})
+    modules = [("model.layers.0.mlp.experts", "Experts", True)]
+    table, why = tensor_table("x", odd, "model", modules, ("", ""))
+    assert table == {} and "grouped_gemm (layers.*.mlp.experts.w13)" in why
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_mixture_of_experts_families_split_their_experts_under_this_transformers(family):
+    table, why = _table(family)
+    assert why == ""
+    assert module_style("model.layers.0.mlp.experts", table) == "experts"
+    assert module_style("model.layers.0.mlp.experts.gate_up_proj", table) == "packed_colwise"
+    assert module_style("model.layers.0.mlp.experts.down_proj", table) == "rowwise"
 
 
 def test_mixture_of_experts_plans_the_engine_cannot_run_are_refused_whole():

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from elixir_tune.engine.comm import Comm, Mesh, all_to_all_rows, exchange_counts, expert_groups
+from elixir_tune.models.hf_plans import config_plan
 
 __all__ = ["ExpertParallelError", "ExpertSplit", "expert_modules", "split_experts"]
 
@@ -111,7 +112,7 @@ def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     Raises:
         ExpertParallelError: the model's config ships no expert plan, or the plan names no module.
     """
-    ep_plan = getattr(getattr(model, "config", None), "base_model_ep_plan", None) or {}
+    ep_plan = config_plan(getattr(model, "config", None), "base_model_ep_plan")
     patterns = [_pattern(key) for key, style in ep_plan.items() if style == DISPATCH_STYLE]
     model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
     if not patterns:
