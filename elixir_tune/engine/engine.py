@@ -172,6 +172,8 @@ class Engine:
         self._handles = install_module_hooks(
             self.module_map.names, passes.pre_forward, passes.post_forward, passes.pre_backward
         )
+        # First of the root's hooks: a forward around the wrapper begins before any chunk is fetched.
+        self._handles.append(model.register_forward_pre_hook(self._root_pre_forward, prepend=True))
         # Frozen chunks' parameters get no gradient: nothing to stage or reduce for them.
         self._handles += install_grad_hooks([s.param for s in self.slots if not s.chunk.frozen], passes.on_grad)
         self._apply_checkpointing(checkpointed_block)
@@ -366,6 +368,10 @@ class Engine:
     @agreement.setter
     def agreement(self, agreement: ForwardAgreement | None) -> None:
         self.passes.agreement = agreement
+
+    def _root_pre_forward(self, *_: Any) -> None:
+        if self.pipeline is None:  # a pipeline's stages run their own forwards (engine/parallel/pipeline.py)
+            self.passes.root_pre_forward()
 
     def begin_forward(self) -> None:
         """``ModulePasses.begin_forward``: called before each forward (one micro-batch)."""

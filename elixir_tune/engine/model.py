@@ -104,12 +104,13 @@ class ElixirModel(torch.nn.Module):
     def forward(self, *args, **kwargs):
         if self.engine.pipeline is not None:
             raise RuntimeError(pipeline_call_message(self.engine.plan.parallel.pipeline.stages))
-        self.engine.begin_forward()  # first: a rank that runs it alone must not meet a collective before
-        self._check_inputs_once([dict(kwargs, **{f"arg{i}": a for i, a in enumerate(args)})])
-        # A vocabulary-parallel loss (tensor parallelism) runs inside loss_context; the first step's
-        # forward runs under the engine's read check.
-        with self.engine.loss_context(), self.engine.read_check():
-            return self.module(*args, **kwargs)
+        with self.engine.passes.through_wrapper():
+            self.engine.begin_forward()  # first: a rank that runs it alone must not meet a collective before
+            self._check_inputs_once([dict(kwargs, **{f"arg{i}": a for i, a in enumerate(args)})])
+            # A vocabulary-parallel loss (tensor parallelism) runs inside loss_context; the first step's
+            # forward runs under the engine's read check.
+            with self.engine.loss_context(), self.engine.read_check():
+                return self.module(*args, **kwargs)
 
     def forward_backward(
         self,
@@ -213,6 +214,12 @@ class ElixirModel(torch.nn.Module):
 
     def _run(self, scaled_loss: Callable[[int], torch.Tensor], count: int, layered: bool) -> list[torch.Tensor]:
         """Forward and backward of ``count`` micro-batches; their scaled losses."""
+        with self.engine.passes.through_wrapper():
+            return self._run_through_wrapper(scaled_loss, count, layered)
+
+    def _run_through_wrapper(
+        self, scaled_loss: Callable[[int], torch.Tensor], count: int, layered: bool
+    ) -> list[torch.Tensor]:
         if layered:
             self.engine.begin_forward()
             losses = run_layer_major(scaled_loss, count, self.engine.set_baton, self._micro_batch_threads)

@@ -14,7 +14,7 @@ A backward stopped by an exception never runs its callback: the next forward dro
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -75,6 +75,23 @@ class ModulePasses:
         self._bwd_pins: list[torch.nn.Module] = []
         self.in_backward = False
         self.backward_passes = 0
+        self.wrapper_depth = 0  # forwards the wrapper runs now; 0 while a forward goes around it
+
+    @contextlib.contextmanager
+    def through_wrapper(self) -> Iterator[None]:
+        """The model wrapper's forwards (``ElixirModel``): they call ``begin_forward`` themselves."""
+        self.wrapper_depth += 1
+        try:
+            yield
+        finally:
+            self.wrapper_depth -= 1
+
+    def root_pre_forward(self) -> None:
+        """The user's model starts a forward. One that went around the wrapper (the module object kept
+        from before setup, ``model.module(x)``, minGPT's ``generate``) begins as the wrapper's would:
+        a rank that runs it alone leads and the others serve it, instead of a gather that hangs."""
+        if self.wrapper_depth == 0:
+            self.begin_forward()
 
     # --- forward -------------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ import torch
 
 from elixir_tune import ranks
 from elixir_tune.engine.comm import init_mesh
-from elixir_tune.engine.comm.control import ControlChannel
+from elixir_tune.engine.comm.control import ControlChannel, settle_before_world_waits
 from elixir_tune.engine.engine import Engine
 from elixir_tune.engine.grad_view import GradPlaceholders
 from elixir_tune.engine.io.materialize import has_meta, make_source
@@ -254,4 +254,6 @@ def forward_agreement(engine: Engine, plan: Plan, mesh) -> ForwardAgreement | No
         optimizer_state=lambda: _discard(gather_whole_state(engine.optimizer)),
     )
     channel = ControlChannel(mesh.world.world_size, mesh.world.rank, collective_timeout_s())
-    return ForwardAgreement(channel, replay, refusal)
+    agreement = ForwardAgreement(channel, replay, refusal)
+    settle_before_world_waits(agreement.settle)
+    return agreement

@@ -14,6 +14,10 @@ channel (engine/comm/control.py):
   replay the leader's engine steps (each module's chunk fetch and release, each state dict gather)
   without computing anything, so every gather has its partners and every rank's cache ends in the
   same state. When the leader starts what the others wait for, all go on together;
+* one rank evaluates or asks for a state dict while the others wait at the end of the script, in
+  ``dist.barrier()`` or in ``dist.destroy_process_group()`` (a DDP script's last act: rank 0 saves,
+  then all meet; engine/comm/control.py ``settle_before_world_waits``): the others follow it there
+  too, and go on when it arrives;
 * anything else raises the same clear error on every rank, naming the ranks and what each does.
 
 A plan with tensor or expert parallelism computes collectives inside the model itself: there only
@@ -28,8 +32,9 @@ from dataclasses import dataclass
 from elixir_tune.engine.comm.control import ControlChannel, ControlTimeout
 
 # What a rank is about to do; a higher number leads a lower one.
-TRAIN, STATE, OPTIM, EVAL = 0, 1, 2, 3
+BARRIER, TRAIN, STATE, OPTIM, EVAL = -1, 0, 1, 2, 3
 KIND_NAMES = {
+    BARRIER: "a barrier or the end of the script",
     TRAIN: "a training forward",
     STATE: "model.state_dict()",
     OPTIM: "optimizer.state_dict()",
@@ -99,6 +104,15 @@ class ForwardAgreement:
                 return
             rows = self._follow(leader, rows[leader], kind, all_ranks)
 
+    def settle(self) -> None:
+        """Called before this rank waits for the world (a barrier, the group's teardown, the exit):
+        serves a rank that evaluates or saves alone until every rank arrives here too.
+
+        Raises:
+            UnevenForwardError: another rank runs a training forward instead, or never comes.
+        """
+        self.enter(BARRIER)
+
     def announce(self, op: int, module_index: int) -> None:
         """A leader's module hook (``PRE`` or ``POST``): its followers replay it (called while leading)."""
         self._exchange([op, module_index, 0], EVAL)
@@ -149,6 +163,11 @@ class ForwardAgreement:
             raise UnevenForwardError(
                 f"the ranks are about to run different things ({said}); {self.refusal}: run every forward and "
                 "state dict on every rank (each rank may evaluate its own share of the batches)"
+            )
+        if top == TRAIN:  # the others wait at a barrier: a training forward alone cannot be served
+            raise UnevenForwardError(
+                f"the ranks are about to run different things ({said}); a rank that trains needs every rank "
+                "in its forward and backward: every rank must run the same number of training steps"
             )
         if len(leaders) > 1 or len(groups) > 2:
             raise UnevenForwardError(

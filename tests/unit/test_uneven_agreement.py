@@ -6,7 +6,19 @@ from __future__ import annotations
 
 import pytest
 
-from elixir_tune.engine.uneven import ENTER, EVAL, OPTIM, POST, PRE, STATE, TRAIN, WAIT, ForwardAgreement, Replay
+from elixir_tune.engine.uneven import (
+    BARRIER,
+    ENTER,
+    EVAL,
+    OPTIM,
+    POST,
+    PRE,
+    STATE,
+    TRAIN,
+    WAIT,
+    ForwardAgreement,
+    Replay,
+)
 from elixir_tune.engine.uneven import UnevenForwardError as Uneven
 
 
@@ -83,3 +95,24 @@ def test_a_tensor_parallel_plan_refuses_any_mismatch_with_its_reason():
     agree, _ = agreement(1, [[[ENTER, EVAL, 0], [ENTER, TRAIN, 0]]], refusal="under tensor parallelism ...")
     with pytest.raises(Uneven, match=r"rank 0: a forward under torch.no_grad\(\); rank 1: a training forward"):
         agree.enter(TRAIN)
+
+
+def test_ranks_at_the_end_serve_a_rank_that_saves_alone_until_it_arrives():
+    # Rank 0 reads the state dict alone while rank 1 waits in dist.barrier() (a DDP script's last act).
+    follower, done = agreement(
+        1,
+        [
+            [[ENTER, STATE, 0], [ENTER, BARRIER, 0]],
+            [[ENTER, OPTIM, 0], [WAIT, BARRIER, 0]],
+            [[ENTER, BARRIER, 0], [WAIT, BARRIER, 0]],  # rank 0 reaches the barrier too: both go on
+        ],
+    )
+    follower.settle()
+    assert done == [("state", False), ("optimizer",)] and not follower.leading
+    assert follower.channel.sent[0] == [ENTER, BARRIER, 0]
+
+
+def test_a_training_forward_while_another_rank_waits_at_the_end_is_refused_at_once():
+    agree, _ = agreement(1, [[[ENTER, TRAIN, 0], [ENTER, BARRIER, 0]]])
+    with pytest.raises(Uneven, match="rank 0: a training forward; rank 1: a barrier or the end of the script"):
+        agree.settle()
