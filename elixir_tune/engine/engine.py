@@ -45,6 +45,7 @@ from elixir_tune.engine.io.materialize import (
 from elixir_tune.engine.io.weights import WeightsError
 from elixir_tune.engine.layered import Baton
 from elixir_tune.engine.module_map import ModuleMap
+from elixir_tune.engine.ownership import check_no_new_params
 from elixir_tune.engine.parallel.expert_parallel import ExpertSplit
 from elixir_tune.engine.parallel.tensor_parallel import TensorSplit, local_data, set_local_data
 from elixir_tune.engine.passes import ModulePasses
@@ -172,6 +173,7 @@ class Engine:
         self._handles = install_module_hooks(
             self.module_map.names, passes.pre_forward, passes.post_forward, passes.pre_backward
         )
+        self.known_param_ids: set[int] | None = None  # the model's parameters at the end of setup
         # First of the root's hooks: a forward around the wrapper begins before any chunk is fetched.
         self._handles.append(model.register_forward_pre_hook(self._root_pre_forward, prepend=True))
         # Frozen chunks' parameters get no gradient: nothing to stage or reduce for them.
@@ -371,6 +373,8 @@ class Engine:
 
     def _root_pre_forward(self, *_: Any) -> None:
         if self.pipeline is None:  # a pipeline's stages run their own forwards (engine/parallel/pipeline.py)
+            if self.known_param_ids is not None:  # a module added after setup would never train
+                check_no_new_params(self.model, self.known_param_ids)
             self.passes.root_pre_forward()
 
     def begin_forward(self) -> None:
@@ -406,9 +410,9 @@ class Engine:
         """``EngineState.full_state_dict``: full fp32 weights under the original names (a collective)."""
         return self.state.full_state_dict(all_ranks, trainable_only)
 
-    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_full_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> tuple[list[str], list[str]]:
         """``EngineState.load_full_state_dict``: sets the weights from a full state dict."""
-        self.state.load_full_state_dict(state)
+        return self.state.load_full_state_dict(state, strict)
 
     def memory_report(self) -> dict[str, int]:
         """``EngineState.memory_report``: bytes this rank's engine allocated, by the plan's keys."""

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar, overload
 
 import torch
@@ -289,8 +290,21 @@ class ElixirModel(torch.nn.Module):
             self.engine.finite_guard.check()
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Loads full weights (original names, as ``state_dict`` returns) into the shards."""
-        self.engine.load_full_state_dict(state_dict)
+        """Loads full weights (original names, as ``state_dict`` returns) into the shards.
+
+        As torch's: ``strict`` refuses missing and unexpected keys, a wrong shape names its key, and the
+        missing and unexpected keys are returned. Every rank calls it with the same dictionary.
+        """
+        # A pipeline stage holds part of the model: the other stages' keys are theirs, not unexpected.
+        whole = self.engine.pipeline is None
+        missing, unexpected = self.engine.load_full_state_dict(state_dict, strict and whole)
+        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected if whole else [])
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DDP's context for accumulation steps, accepted as is: the engine reduces each backward's
+        gradients into the shards as it ends (that frees them), and the step's gradient is the same sum."""
+        yield
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the gradients, as the optimizer's ``zero_grad`` does (they live in the shards)."""

@@ -3,8 +3,9 @@
 DDP scripts keep ``raw_model = model.module`` and call ``raw_model.state_dict()`` to save (nanoGPT
 does, on rank 0 alone). Under the engine that module's chunked parameters hold a placeholder
 (NaN) whenever their chunk is released, so torch's own ``state_dict`` would write NaN into the
-checkpoint. The module's ``state_dict``, ``zero_grad`` and ``save_pretrained`` are therefore the
-wrapper's: full weights gathered from the shards, gradients cleared in the shards, and a refusal
+checkpoint. The module's ``state_dict``, ``load_state_dict``, ``zero_grad`` and ``save_pretrained`` are
+therefore the wrapper's: full weights gathered from and written into the shards, gradients cleared in
+the shards, and a refusal
 where a whole-model save would need every rank.
 """
 
@@ -30,6 +31,7 @@ def stand_in_for_module(module: torch.nn.Module, wrapper: Any) -> None:
         return wrapper.state_dict(destination=destination, prefix=prefix)
 
     module.state_dict = state_dict  # type: ignore[method-assign]
+    module.load_state_dict = wrapper.load_state_dict  # type: ignore[method-assign]  # into the shards
     module.zero_grad = wrapper.zero_grad  # type: ignore[method-assign]
     save = getattr(module, "save_pretrained", None)
     if callable(save):

@@ -15,6 +15,7 @@ from elixir_tune.engine.io.materialize import has_meta, make_source
 from elixir_tune.engine.model import ElixirModel
 from elixir_tune.engine.optimizer import ShardedOptimizer
 from elixir_tune.engine.optimizer_state import gather_whole_state
+from elixir_tune.engine.ownership import check_optimizer_is_over, watch_optimizers
 from elixir_tune.engine.parallel.expert_parallel import split_experts
 from elixir_tune.engine.parallel.pipeline_tensor import check_combined
 from elixir_tune.engine.parallel.tensor_parallel import split_for_plan
@@ -159,6 +160,7 @@ def setup(
     """
     plan = _resolve_plan(plan)
     check_plan_matches(model, plan)
+    check_optimizer_is_over(model, optimizer)
     if plan.engine.name != "elixir":  # a peer engine (engine/peers/): FSDP2 or DeepSpeed
         from elixir_tune.engine.peers import setup_peer
 
@@ -214,7 +216,11 @@ def setup(
             engine.grads.grad_placeholders = GradPlaceholders(engine.trainable_params)
     global setup_calls
     setup_calls += 1
-    return ElixirModel(model, engine), ShardedOptimizer(optimizer, engine, find_unused_parameters)
+    sharded = ShardedOptimizer(optimizer, engine, find_unused_parameters)
+    if parallel.pipeline.stages == 1:  # objects beside the engine that would train it wrongly (ownership.py)
+        watch_optimizers(engine, [(slot.name, slot.param) for slot in engine.slots], sharded)
+        engine.known_param_ids = {id(param) for param in model.parameters()}
+    return ElixirModel(model, engine), sharded
 
 
 # How many times this process called setup: the launcher's worker says so at exit when a script

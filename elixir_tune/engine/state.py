@@ -142,31 +142,69 @@ class EngineState:
         return state
 
     @torch.no_grad()
-    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_full_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> tuple[list[str], list[str]]:
         """Sets the weights from a full state dict (as ``full_state_dict`` returns), on every rank.
 
+        Everything is checked before anything is written, so a refused dictionary loses nothing.
+
+        Args:
+            state: full weights by their original names.
+            strict: as torch's: a missing or unexpected key is an error (False: they are returned).
+
+        Returns:
+            (missing keys, unexpected keys), as torch's ``load_state_dict`` reports them.
+
         Raises:
-            KeyError: a chunked parameter is missing from ``state``.
+            RuntimeError: as torch words it: the missing or unexpected keys (strict), a key whose shape
+                differs from the model's, or a chunked parameter missing (its shards cannot keep part
+                of an old value).
         """
+        live = self.model.state_dict(keep_vars=True)
+        names = {id(value): name for name, value in live.items()}
+        missing = [name for name in live if name not in state]
+        unexpected = [name for name in state if name not in live]
+        chunked_missing = [
+            slot.name for slot in self.slot_of.values() if names.get(id(slot.param), slot.name) in missing
+        ]
+        if (strict and (missing or unexpected)) or chunked_missing:
+            raise RuntimeError(
+                "Error(s) in loading state_dict: "
+                + "; ".join(
+                    f"{what}: {', '.join(repr(k) for k in keys[:5])}{' ...' if len(keys) > 5 else ''}"
+                    for what, keys in (("Missing key(s)", missing), ("Unexpected key(s)", unexpected))
+                    if keys
+                )
+            )
+        locals_by_slot = {}
+        for chunk in self.chunks:
+            for slot in chunk.slots:
+                name = names.get(id(slot.param), slot.name)
+                locals_by_slot[id(slot)] = self._local_value(slot.param, state[name], name, slot.numel)
         self.cache.wait_all()  # no gather in flight may read a master while it is written
-        names = {id(value): name for name, value in self.model.state_dict(keep_vars=True).items()}
         for chunk in self.chunks:
             flat = torch.zeros(chunk.chunk_size, dtype=torch.float32, device=self.device)
             for slot in chunk.slots:
-                value = state[names.get(id(slot.param), slot.name)]
-                if self.tensor_parallel is not None:
-                    value = self.tensor_parallel.local_value(slot.param, value)
-                if self.experts is not None:
-                    value = self.experts.local_value(slot.param, value)
-                flat[slot.offset : slot.offset + slot.numel].copy_(value.reshape(-1))
+                flat[slot.offset : slot.offset + slot.numel].copy_(locals_by_slot[id(slot)].reshape(-1))
             chunk.init_master(flat)
-        for name, value in self.model.state_dict(keep_vars=True).items():
+        for name, value in live.items():
             if id(value) not in self.slot_of and name in state:
-                full = state[name]
-                if self.tensor_parallel is not None:
-                    full = self.tensor_parallel.local_value(value, full)
-                local_data(value).copy_(full)
+                local_data(value).copy_(self._local_value(value, state[name], name, value.numel()))
         self.after_step()
+        return missing, unexpected
+
+    def _local_value(self, param: torch.Tensor, value: torch.Tensor, name: str, numel: int) -> torch.Tensor:
+        """This rank's part of a full value (tensor and expert splits), checked against its size."""
+        full_shape = list(value.shape)
+        if self.tensor_parallel is not None:
+            value = self.tensor_parallel.local_value(param, value)
+        if self.experts is not None:
+            value = self.experts.local_value(param, value)
+        if value.numel() != numel:
+            raise RuntimeError(
+                f"Error(s) in loading state_dict: size mismatch for {name}: copying a param with shape "
+                f"{full_shape}, the parameter in current model holds {numel} elements on this rank"
+            )
+        return value
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank's engine allocated: the model states under the keys of

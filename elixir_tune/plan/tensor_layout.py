@@ -405,12 +405,8 @@ def tensor_table(
             "table: tensor parallelism needs a tensor plan for the model's family"
         )
     refused = sorted({f"{style} ({pattern})" for pattern, style in tp_plan.items() if style not in HF_STYLES})
-    if refused:
-        return {}, (
-            f"model type {model_type!r}: its tensor plan uses styles the engine does not run yet: {', '.join(refused)}"
-        )
     prefix = f"{base_prefix}." if base_prefix else ""
-    table: dict[str, str] = {f"{prefix}{pattern}": HF_STYLES[style] for pattern, style in tp_plan.items()}
+    table: dict[str, str] = {f"{prefix}{pattern}": HF_STYLES.get(style, style) for pattern, style in tp_plan.items()}
     input_embedding, output_head = embeddings
     for path in (input_embedding, output_head):
         if path and module_style(path, table) is None:
@@ -421,9 +417,14 @@ def tensor_table(
     regions = {
         path.rpartition(".")[0] for path, _, _ in modules if module_style(path, table) in ("colwise", "colwise_gather")
     }
+    # The experts' layout first: its reason stays the same whichever new styles a release adds beside it.
     moe_problem = _moe_problem(model_type, table, modules, regions)
     if moe_problem:
         return {}, moe_problem
+    if refused:
+        return {}, (
+            f"model type {model_type!r}: its tensor plan uses styles the engine does not run yet: {', '.join(refused)}"
+        )
     regions |= moe_blocks(table, (path for path, _, _ in modules))
     loose = []
     for path, class_name, has_params in modules:

@@ -7,6 +7,7 @@ tests/dropin/.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 import elixir_tune
+import elixir_tune.engine.ownership
 from elixir_tune.engine.grad_view import GradientInShardsError
 from tests.distributed.engine_plans import batches, make_plan, tiny_gpt2
 
@@ -243,3 +245,72 @@ def test_another_ranks_optimizer_shard_is_refused():
     state["shard_of"] = dict(state["shard_of"], rank=1, world_size=2)
     with pytest.raises(OptimizerStateError, match=r"one rank's shard of another place: rank 1 \(here 0\)"):
         optimizer.load_state_dict(state)
+
+
+# --- objects beside the engine that would train it wrongly (engine/ownership.py) --------------------
+
+
+def test_an_optimizer_over_another_model_is_refused_at_setup():
+    model, other, _ = _gpt2_pair()
+    with pytest.raises(elixir_tune.engine.ownership.OwnershipError, match="holds .* parameters outside the model"):
+        _setup(model, torch.optim.AdamW(other.parameters(), lr=LR))
+
+
+def test_a_second_optimizer_over_sharded_parameters_is_refused_at_its_first_step():
+    model, _, batch = _gpt2_pair()
+    embeddings = model.transformer.wte.weight
+    second = torch.optim.SGD([embeddings], lr=LR)
+    model, optimizer = _setup(model, torch.optim.AdamW(model.parameters(), lr=LR), cache="min")
+    model(**batch).loss.backward()
+    optimizer.step()  # the optimizer given to setup steps as ever
+    with pytest.raises(elixir_tune.engine.ownership.OwnershipError, match="a second optimizer .SGD. steps 1 param"):
+        second.step()
+    # An optimizer over tensors the engine does not own is no concern of it.
+    free = nn.Parameter(torch.ones(3))
+    free.grad = torch.ones(3)
+    torch.optim.SGD([free], lr=1.0).step()
+    assert torch.equal(free.detach(), torch.zeros(3))
+
+
+def test_a_module_added_after_setup_is_refused_at_the_next_forward():
+    model, _, batch = _gpt2_pair()
+    model, optimizer = _setup(model, torch.optim.AdamW(model.parameters(), lr=LR), cache="min")
+    model(**batch).loss.backward()
+    optimizer.step()
+    model.module.extra = nn.Linear(4, 4)
+    with pytest.raises(elixir_tune.engine.ownership.OwnershipError, match=r"never saw \(extra.weight, extra.bias\)"):
+        model(**batch)
+
+
+def test_load_state_dict_on_the_model_and_on_model_module_works_like_torch():
+    model, reference, batch = _gpt2_pair()
+    model, optimizer = _setup(model, torch.optim.AdamW(model.parameters(), lr=LR), cache="min")
+    _train(model, optimizer, batch, 2)
+    trained = model.state_dict()
+    model.module.load_state_dict(reference.state_dict())  # back to the start, through the inner module
+    assert all(torch.equal(value, reference.state_dict()[name]) for name, value in model.state_dict().items())
+    wrong = dict(trained, **{"transformer.wpe.weight": torch.zeros(3, 3)})
+    with pytest.raises(
+        RuntimeError, match=r"size mismatch for transformer.wpe.weight: copying a param with shape \[3, 3\]"
+    ):
+        model.load_state_dict(wrong)
+    # Nothing was written by the refused call; a missing key is refused as torch refuses it.
+    assert all(torch.equal(value, reference.state_dict()[name]) for name, value in model.state_dict().items())
+    with pytest.raises(RuntimeError, match="Missing key\\(s\\): 'transformer.ln_f.bias'"):
+        model.load_state_dict({k: v for k, v in trained.items() if k != "transformer.ln_f.bias"})
+    result = model.load_state_dict(dict(trained, extra=torch.ones(1)), strict=False)
+    assert result.unexpected_keys == ["extra"] and result.missing_keys == []
+    assert all(torch.equal(value, trained[name]) for name, value in model.state_dict().items())
+
+
+def test_no_sync_accumulation_trains_as_without_it():
+    model, reference, batch = _gpt2_pair()
+    plain_opt = torch.optim.SGD(reference.parameters(), lr=LR)
+    model, optimizer = _setup(model, torch.optim.SGD(model.parameters(), lr=LR), cache="min")
+    for wrapped, opt in ((model, optimizer), (reference, plain_opt)):
+        with model.no_sync() if wrapped is model else contextlib.nullcontext():
+            (wrapped(**batch).loss / 2).backward()
+        (wrapped(**batch).loss / 2).backward()
+        opt.step()
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, reference.state_dict()[name], rtol=0, atol=1e-6)
