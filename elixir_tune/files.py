@@ -20,6 +20,10 @@ import yaml
 MAX_INPUT_BYTES = 64 * 1024 * 1024
 
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+# Values a document may hold with its aliases expanded. A YAML alias bomb (anchors nested nine deep,
+# nine aliases each) is small on disk and as parsed (aliases are shared references), but any walk
+# of it, a validation or a fingerprint, would visit billions of values. OPT-175B's profile holds 28,307.
+MAX_EXPANDED_VALUES = 1_000_000
 
 
 class InputFileError(ValueError):
@@ -90,7 +94,14 @@ def load_yaml(path: str | os.PathLike, kind: str, hint: str = "") -> Any:
     """
     text = read_text(path, kind, hint)
     try:
-        return yaml.load(text, Loader=_YAML_LOADER)
+        document = yaml.load(text, Loader=_YAML_LOADER)
+        if "&" in text and expanded_values(document, MAX_EXPANDED_VALUES) > MAX_EXPANDED_VALUES:
+            raise InputFileError(
+                path,
+                f"its aliases expand to more than {MAX_EXPANDED_VALUES:,} values (a YAML alias bomb?); not a {kind}",
+                hint,
+            )
+        return document
     except yaml.MarkedYAMLError as error:
         mark = error.problem_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
@@ -99,6 +110,20 @@ def load_yaml(path: str | os.PathLike, kind: str, hint: str = "") -> Any:
         raise InputFileError(
             path, f"not valid YAML: {str(error).splitlines()[0] if str(error) else error!r}", hint
         ) from None
+
+
+def expanded_values(document: Any, limit: int) -> int:
+    """How many values ``document`` holds with shared references counted each time (stops past ``limit``)."""
+    count, stack = 0, [document]
+    while stack and count <= limit:
+        value = stack.pop()
+        count += 1
+        if isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return count
 
 
 def load_yaml_mapping(path: str | os.PathLike, kind: str, hint: str = "") -> dict:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import types
 import typing
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
@@ -46,7 +47,7 @@ PositiveInt = Annotated[int, Min(1)]
 NonNegativeInt = Annotated[int, Min(0)]
 NonNegativeFloat = Annotated[float, Min(0)]
 
-_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+_TYPE_NAMES = {int: "an integer", float: "a finite number", str: "a string", bool: "true or false"}
 
 
 @functools.cache
@@ -103,8 +104,8 @@ def _matches(value: Any, bare: Any) -> bool:
         return True
     if isinstance(value, bool):
         return bare is bool
-    if bare is float:
-        return isinstance(value, (int, float))
+    if bare is float:  # nan and inf would flow into every prediction made from the file
+        return isinstance(value, (int, float)) and math.isfinite(value)
     if get_origin(bare) is Literal:
         return isinstance(value, type(get_args(bare)[0]))
     if dataclasses.is_dataclass(bare):

@@ -425,6 +425,11 @@ def _check_batch_and_blocks(training: dict, model: dict, data_size: int | None, 
             "training.activation_checkpointing.every: the model has no repeated blocks "
             "(model.num_blocks is 0) to checkpoint"
         )
+    elif every > model.get("num_blocks", every):
+        errors.append(
+            f"training.activation_checkpointing.every: {every} is more than the model's {model['num_blocks']} "
+            "blocks, so no block would be checkpointed; set every to at most model.num_blocks, or 0 for none"
+        )
     if training.get("activation_checkpointing", {}).get("mode") == "selective" and every == 0:
         errors.append(
             "training.activation_checkpointing.mode: selective, but every is 0 (no block is checkpointed); "

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from elixir_tune.cli.main import cli
 from elixir_tune.cli.run import run_command
 from elixir_tune.costmodel.synthetic import gpt2_profile
-from elixir_tune.files import InputFileError, load_json
+from elixir_tune.files import InputFileError, load_json, load_yaml
 from elixir_tune.hardware import load_hardware, preset_path
 from elixir_tune.paths import REPO_DIR
 from elixir_tune.profiler.schema import load_profile, save_profile
@@ -134,3 +134,29 @@ def test_force_runs_it_with_a_warning(tmp_path):
     result = CliRunner().invoke(run_command, ["--force", "--dry-run", str(plan), str(WORKER)])
     assert result.exit_code == 0, result.output
     assert "warn host memory: plan needs" in result.output
+
+
+def _alias_bomb(levels: int = 9) -> str:
+    """Nine anchors, each a list of nine aliases of the one before: 9**9 values once expanded."""
+    lines = ['l0: &l0 ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, levels)]
+    return "\n".join(lines) + "\nschema_version: 1\n"
+
+
+@pytest.mark.parametrize("command", ["validate", "show", "search-profile", "search-hardware"])
+def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path, command):
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(_alias_bomb())
+    args = {
+        "validate": ["validate", str(bomb)],
+        "show": ["show", str(bomb)],
+        "search-profile": ["search", "--gpus", "2", "--profile", str(bomb)],
+        "search-hardware": ["search", "--gpus", "2", "--hardware", str(bomb), "--profile", str(bomb)],
+    }[command]
+    result = CliRunner().invoke(cli, args)
+    _no_traceback(result)
+    assert result.exit_code != 0 and "aliases expand to more than 1,000,000 values" in result.output
+    # Aliases within reason still load (PyYAML's dumper writes them for shared lists).
+    small = tmp_path / "small.yaml"
+    small.write_text(_alias_bomb(levels=3))
+    assert load_yaml(small, "plan")["l2"][0][0] == ["x"] * 9

@@ -153,6 +153,13 @@ MALFORMED = [
         1,
         "training.activation_checkpointing.each: unknown field (known: every, mode)",
     ),
+    (
+        "training.activation_checkpointing.every",
+        5,
+        "training.activation_checkpointing.every: 5 is more than the model's 2 blocks, so no block would be "
+        "checkpointed; set every to at most model.num_blocks, or 0 for none",
+    ),
+    ("memory.staging_buffers", float("nan"), "memory.staging_buffers: expected an integer, got nan"),
 ]
 
 
@@ -177,7 +184,14 @@ def test_prediction_maps_are_checked_by_key_and_value(raw: dict):
     assert validate_dict(raw) == [
         "prediction.model_state_bytes.kv_bytes: unknown key (known: cache_bytes, resident_bytes, "
         "device_shard_bytes, host_shard_bytes)",
-        "prediction.breakdown.compute_s: expected a number, got 'fast'",
+        "prediction.breakdown.compute_s: expected a finite number, got 'fast'",
+    ]
+    raw["prediction"]["model_state_bytes"] = {}
+    raw["prediction"]["breakdown"] = {"compute_s": float("nan")}
+    raw["prediction"]["mfu"] = float("inf")
+    assert validate_dict(raw) == [
+        "prediction.mfu: expected a finite number, got inf",
+        "prediction.breakdown.compute_s: expected a finite number, got nan",
     ]
 
 
