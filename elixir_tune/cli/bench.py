@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import click
 
 from elixir_tune.cli.console import Table, console, fail, print_wide
+from elixir_tune.cli.types import FiniteRange
 
 DEFAULT_STEPS = 4
 DEFAULT_ROUNDS = 2
@@ -36,7 +37,7 @@ def measure_options(function):
         ),
         click.option(
             "--measure-budget",
-            type=click.FloatRange(min=1),
+            type=FiniteRange(min=1),
             default=DEFAULT_BUDGET_S,
             show_default=True,
             metavar="SECONDS",
@@ -202,7 +203,7 @@ def measure_search(result, profile, hardware, hardware_ref: str, out_path: str, 
 @click.argument("plans", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--steps", type=click.IntRange(min=2), default=DEFAULT_STEPS, show_default=True, help="Steps per trial.")
 @click.option("--rounds", type=click.IntRange(min=1), default=DEFAULT_ROUNDS, show_default=True)
-@click.option("--budget", type=click.FloatRange(min=1), default=DEFAULT_BUDGET_S, show_default=True, metavar="SECONDS")
+@click.option("--budget", type=FiniteRange(min=1), default=DEFAULT_BUDGET_S, show_default=True, metavar="SECONDS")
 @click.option("--data", default=None, help="Training data [default: synthetic tokens].")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Also write the results here.")
 def bench_command(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Any, NoReturn
 
 from rich.console import Console, RenderableType
@@ -39,6 +40,24 @@ def fail(message: str, hint: str = "", code: int = EXIT_FAILED) -> NoReturn:
     if hint:
         err_console.print(Text.assemble(("hint: ", "yellow"), hint), soft_wrap=True)
     sys.exit(code)
+
+
+def refuse_output_over_input(out: str, inputs: dict[str, str | None]) -> None:
+    """Exits (usage) when ``out`` names the same file as one of the command's inputs, which writing it
+    would replace without a word.
+
+    Args:
+        out: the output path.
+        inputs: option name -> the input path it was given (None: not given).
+    """
+    target = Path(out).resolve()
+    for option, path in inputs.items():
+        if path and Path(path).is_file() and Path(path).resolve() == target:
+            fail(
+                f"--out {out} is the file given as {option}; writing it would replace that input",
+                "name another output file with --out",
+                code=EXIT_USAGE,
+            )
 
 
 def print_wide(renderable: RenderableType, width: int = WIDE_COLUMNS) -> None:

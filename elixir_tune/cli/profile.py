@@ -6,7 +6,8 @@ from pathlib import Path
 
 import click
 
-from elixir_tune.cli.console import Table, console, err_console, fail, print_json
+from elixir_tune.cli.console import Table, console, err_console, fail, print_json, refuse_output_over_input
+from elixir_tune.cli.types import FiniteRange
 from elixir_tune.paths import split_model_spec
 
 MODEL_HINT = (
@@ -57,10 +58,10 @@ MODEL_HINT = (
     help="Profile the model with LoRA adapters of this rank (PEFT): the base frozen, only the adapters trained.",
 )
 @click.option(
-    "--lora-alpha", type=click.FloatRange(min=0, min_open=True), default=None, help="LoRA alpha [default: 2 x rank]."
+    "--lora-alpha", type=FiniteRange(min=0, min_open=True), default=None, help="LoRA alpha [default: 2 x rank]."
 )
 @click.option(
-    "--lora-dropout", type=click.FloatRange(0, 1, max_open=True), default=0.0, show_default=True, help="LoRA dropout."
+    "--lora-dropout", type=FiniteRange(0, 1, max_open=True), default=0.0, show_default=True, help="LoRA dropout."
 )
 @click.option(
     "--lora-targets",
@@ -99,6 +100,7 @@ def profile_command(
     model_path = Path(split_model_spec(model)[0])
     if model_path.suffix in (".py", ".yaml", ".yml") and not model_path.exists():
         fail(f"{model_path}: no such file", MODEL_HINT)
+    refuse_output_over_input(out, {"MODEL": str(model_path)})
     from elixir_tune.profiler import ModelSourceError, profile_model, save_profile
 
     if lora_rank is None and (lora_alpha is not None or lora_targets is not None or lora_dropout):

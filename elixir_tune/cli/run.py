@@ -20,6 +20,7 @@ from elixir_tune.cli.console import (
     fail,
     print_json,
 )
+from elixir_tune.cli.types import FiniteRange
 from elixir_tune.launcher import (
     ArgvError,
     LaunchSpec,
@@ -89,7 +90,7 @@ _MARK = {True: "[green]ok[/]", False: "[red]FAIL[/]"}
 @click.option(
     "--rdzv-timeout",
     "rdzv_timeout_s",
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteRange(min=0, min_open=True),
     default=300,
     show_default=True,
     metavar="SECONDS",
@@ -99,7 +100,7 @@ _MARK = {True: "[green]ok[/]", False: "[red]FAIL[/]"}
 @click.option(
     "--collective-timeout",
     "collective_timeout_s",
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteRange(min=0, min_open=True),
     default=300,
     show_default=True,
     envvar=COLLECTIVE_TIMEOUT_ENV,

@@ -14,7 +14,7 @@ import click
 from elixir_tune.cli import time_to_train
 from elixir_tune.cli.bench import measure_options, measure_search
 from elixir_tune.cli.candidates import candidates_table
-from elixir_tune.cli.console import console, err_console, fail, print_json, print_wide
+from elixir_tune.cli.console import console, err_console, fail, print_json, print_wide, refuse_output_over_input
 from elixir_tune.cli.run_script import run_script_for
 from elixir_tune.cli.time_to_train import time_to_train_options
 from elixir_tune.hardware.networks import with_network
@@ -256,6 +256,7 @@ def search_command(
     """
     from elixir_tune.search import InfeasibleError, search
 
+    refuse_output_over_input(out_path, {"--profile": profile_path, "--hardware": hardware_ref})
     host_bytes = _bytes_option(host_memory, "--host-memory")
     device_bytes = _bytes_option(device_memory, "--device-memory")
     profile, hardware, hardware_ref = _load_inputs(profile_path, hardware_ref)

@@ -14,6 +14,7 @@ from typing import Any
 import click
 
 from elixir_tune.cli.console import Table, console, err_console, fail, print_json, print_wide
+from elixir_tune.cli.types import FiniteRange
 from elixir_tune.hardware.networks import NETWORK_WORDS, NETWORKS
 
 # Token counts: 300e9, 300B, 3.5T, 2M (SI: thousand, million, billion, trillion).
@@ -67,7 +68,7 @@ def time_to_train_options(command: Callable[..., Any]) -> Callable[..., Any]:
         ),
         click.option(
             "--gpu-hour-price",
-            type=click.FloatRange(min=0),
+            type=FiniteRange(min=0),
             default=None,
             help="With --train-tokens: price of one GPU-hour, to show each run's cost.",
         ),

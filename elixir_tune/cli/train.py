@@ -18,6 +18,7 @@ import click
 
 from elixir_tune.cli.console import EXIT_USAGE, console, err_console, fail
 from elixir_tune.cli.profile import MODEL_HINT
+from elixir_tune.cli.types import FiniteRange
 from elixir_tune.units import gib
 
 PROFILE_BATCH_SIZE = 8  # the micro-batch traced (the profile gives activations at any micro-batch from two)
@@ -50,7 +51,7 @@ PROFILE_BATCH_SIZE = 8  # the micro-batch traced (the profile gives activations 
     help="Compute dtype [default: bf16 on GPUs, fp32 on the CPU].",
 )
 @click.option("--lora-rank", type=click.IntRange(min=1), default=None, help="Train LoRA adapters of this rank.")
-@click.option("--lora-alpha", type=click.FloatRange(min=0, min_open=True), default=None, help="LoRA alpha.")
+@click.option("--lora-alpha", type=FiniteRange(min=0, min_open=True), default=None, help="LoRA alpha.")
 @click.option("--lora-targets", default=None, help="Modules to adapt, e.g. q_proj,v_proj.")
 @click.option("--plan-out", type=click.Path(dir_okay=False), default=None, help="Also write the plan used here.")
 @click.option("--dry-run", is_flag=True, help="Profile and search (or reuse them), print the plan and the command.")

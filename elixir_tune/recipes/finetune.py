@@ -90,7 +90,8 @@ def load_tokenizer(model_dir: Path):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir)
+    # Never asked: a tokenizer folder with auto_map would otherwise prompt to run its code on a terminal.
+    return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
 
 
 def preflight(argv: list[str], plan_path: str) -> list[str]:

@@ -102,6 +102,19 @@ def _choice(key: str, value: Any) -> str:
     return text
 
 
+def _pairs(items: list[str] | tuple[str, ...]) -> dict[str, str]:
+    """KEY=VALUE strings as a mapping; a key pinned twice to different values is refused, not the last kept."""
+    pairs: dict[str, str] = {}
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"--fix {item}: expected KEY=VALUE (keys: {', '.join(FIX_KEYS)})")
+        key, value = (part.strip() for part in item.split("=", 1))
+        if pairs.get(key, value) != value:
+            raise ValueError(f"--fix {key} is given twice ({pairs[key]} and {value}); pin it once")
+        pairs[key] = value
+    return pairs
+
+
 def parse_fixed(fixed: dict[str, Any] | list[str] | None) -> dict[str, Any]:
     """Normalises pinned choices.
 
@@ -118,13 +131,7 @@ def parse_fixed(fixed: dict[str, Any] | list[str] | None) -> dict[str, Any]:
     if fixed is None:
         return {}
     if isinstance(fixed, (list, tuple)):
-        pairs = {}
-        for item in fixed:
-            if "=" not in item:
-                raise ValueError(f"--fix {item}: expected KEY=VALUE (keys: {', '.join(FIX_KEYS)})")
-            key, value = item.split("=", 1)
-            pairs[key.strip()] = value.strip()
-        fixed = pairs
+        fixed = _pairs(fixed)
     out: dict[str, Any] = {}
     for key, value in fixed.items():
         if key not in FIX_KEYS:
