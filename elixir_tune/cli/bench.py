@@ -223,6 +223,8 @@ def bench_command(
     from elixir_tune.measure.trials import Trial
     from elixir_tune.plan import load_plan
 
+    if data and not Path(data).exists():  # every trial would fail on it, one start-up after another
+        fail(f"--data {data}: no such file or directory", hint="give the training data's path, or leave --data out")
     trials = []
     for path in plans:
         try:
@@ -247,6 +249,9 @@ def bench_command(
         console.print(f"stopped early: {measurement.stopped}", markup=False, soft_wrap=True)
     if json_path:
         _write_json(Path(json_path), measurement, {})
+    ran = [result for result in measurement.results if result.trial.skip_reason is None]
+    if ran and all(result.failure and not result.step_times_s for result in ran):
+        fail(f"every trial failed; the first: {ran[0].failure}", hint="run one plan with elixir-run to see it whole")
 
 
 def _profile_of(plan):

@@ -60,3 +60,8 @@ def test_a_tokenizer_with_remote_code_is_refused_without_asking(tmp_path):
     with pytest.raises(ValueError, match="contains custom code"):
         load_tokenizer(tmp_path)
     assert not marker.exists()
+
+
+def test_bench_with_missing_data_fails_before_any_trial(tmp_path):
+    result = CliRunner().invoke(cli, ["bench", str(EXAMPLE_PLAN), "--data", str(tmp_path / "none.txt")])
+    assert result.exit_code == 1 and "none.txt: no such file or directory" in result.output
