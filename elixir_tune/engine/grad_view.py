@@ -115,6 +115,11 @@ def _owner(param: torch.Tensor) -> Any:
     return entry[1]() if entry is not None and entry[0]() is param else None
 
 
+def is_sharded(param: torch.Tensor) -> bool:
+    """Whether ``param``'s gradient lives in a ShardedOptimizer's shards (torch's clipping goes there)."""
+    return _owner(param) is not None
+
+
 def _owner_of(parameters: Any, function: str) -> tuple[Any, list[torch.Tensor]]:
     """The ShardedOptimizer that owns ``parameters`` (None: none of them is sharded), and the list."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)

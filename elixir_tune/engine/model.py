@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar, overload
@@ -96,6 +97,9 @@ class ElixirModel(torch.nn.Module):
         self._inputs_checked = False  # the data contract, compared once over the ranks (engine/contract.py)
         self._forward_keys: frozenset[str] | None = None  # what the module's forward takes (empty: **kwargs)
         stand_in_for_module(module, self)
+        # The module's signature on our forward: Trainer keeps the data columns that the model's forward
+        # names, and would drop every one for (*args, **kwargs).
+        self.forward = functools.update_wrapper(functools.partial(type(self).forward, self), module.forward)  # type: ignore[method-assign]
 
     def _check_inputs_once(self, micro_batches: Sequence[Any]) -> None:
         if not self._inputs_checked:

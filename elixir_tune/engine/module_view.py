@@ -5,8 +5,7 @@ does, on rank 0 alone). Under the engine that module's chunked parameters hold a
 (NaN) whenever their chunk is released, so torch's own ``state_dict`` would write NaN into the
 checkpoint. The module's ``state_dict``, ``load_state_dict``, ``zero_grad`` and ``save_pretrained`` are
 therefore the wrapper's: full weights gathered from and written into the shards, gradients cleared in
-the shards, and a refusal
-where a whole-model save would need every rank.
+the shards, and ``save_pretrained`` writing the weights gathered to rank 0.
 """
 
 from __future__ import annotations
@@ -38,11 +37,11 @@ def stand_in_for_module(module: torch.nn.Module, wrapper: Any) -> None:
 
         def save_pretrained(save_directory: Any, *args: Any, state_dict=None, **kwargs: Any):
             if state_dict is None:
-                raise ValueError(
-                    "model.save_pretrained(...) after elixir_tune.setup would save released parameters (each "
-                    "rank holds only its shards); call elixir_tune.save_pretrained(model, directory) on every "
-                    "rank, or pass state_dict=model.state_dict() gathered on rank 0"
-                )
+                # The whole weights, gathered to rank 0 (Trainer saves there alone; the others serve it).
+                # Called on every rank, rank 0 writes and the others, holding nothing, write nothing.
+                state_dict = wrapper.state_dict()
+                if not state_dict:
+                    return None
             return save(save_directory, *args, state_dict=state_dict, **kwargs)
 
         module.save_pretrained = save_pretrained  # type: ignore[assignment]

@@ -5,6 +5,8 @@ ignores the plan: the chunks, the offload and the memory the search promised. So
 
 * constructing ``torch.nn.parallel.DistributedDataParallel`` raises at once, saying what to write
   instead (``$ELIXIR_TUNE_ALLOW_DDP=1`` allows it, e.g. for a DDP baseline under the same launcher);
+* accelerate's ``Accelerator.prepare`` sets the model up on the plan instead (Trainer, TRL and
+  accelerate loops run unchanged: ``elixir_tune/integrations/accelerate.py``);
 * a script that ends without ever calling ``elixir_tune.setup`` gets one line on rank 0 saying that
   the plan was not used.
 
@@ -17,10 +19,12 @@ import importlib.abc
 import importlib.machinery
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 ALLOW_DDP_ENV = "ELIXIR_TUNE_ALLOW_DDP"
 _DDP_MODULE = "torch.nn.parallel.distributed"
+_ACCELERATOR_MODULE = "accelerate.accelerator"
 PORT_HINT = (
     "replace `model = DDP(model, ...)` with `model, optimizer = elixir_tune.setup(model, optimizer)` "
     "(README: Your own training script)"
@@ -38,11 +42,15 @@ def _refusing_init(original: Any) -> Any:
     return __init__
 
 
-class _DDPFinder(importlib.abc.MetaPathFinder):
-    """Finds torch's DDP module as usual, then wraps the class's constructor once it is loaded."""
+class _PatchOnLoad(importlib.abc.MetaPathFinder):
+    """Finds one module as usual, then runs ``patch(module)`` once it is loaded."""
+
+    def __init__(self, name: str, patch: Callable[[Any], None]):
+        self.name = name
+        self.patch = patch
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if name != _DDP_MODULE:
+        if name != self.name:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         loader = spec.loader if spec is not None else None
@@ -52,19 +60,34 @@ class _DDPFinder(importlib.abc.MetaPathFinder):
 
         def exec_module(module: Any) -> None:
             load(module)
-            ddp = getattr(module, "DistributedDataParallel", None)
-            if ddp is not None:
-                ddp.__init__ = _refusing_init(ddp.__init__)
+            self.patch(module)
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
 
 
+def _refuse_ddp_in(module: Any) -> None:
+    ddp = getattr(module, "DistributedDataParallel", None)
+    if ddp is not None:
+        ddp.__init__ = _refusing_init(ddp.__init__)
+
+
+def _prepare_on_plan(module: Any) -> None:
+    from elixir_tune.integrations.accelerate import install  # loads torch, which accelerate already did
+
+    install(module)
+
+
 def refuse_ddp() -> None:
-    """Makes DDP's constructor raise in this process (unless ``$ELIXIR_TUNE_ALLOW_DDP`` is 1)."""
-    if os.environ.get(ALLOW_DDP_ENV) == "1" or _DDP_MODULE in sys.modules:
+    """Makes DDP's constructor raise in this process (unless ``$ELIXIR_TUNE_ALLOW_DDP`` is 1), and sets
+    up on the plan the model that accelerate (Trainer, TRL, accelerate loops) prepares
+    (``elixir_tune/integrations/accelerate.py``)."""
+    if os.environ.get(ALLOW_DDP_ENV) == "1":
         return
-    sys.meta_path.insert(0, _DDPFinder())
+    if _DDP_MODULE not in sys.modules:
+        sys.meta_path.insert(0, _PatchOnLoad(_DDP_MODULE, _refuse_ddp_in))
+    if _ACCELERATOR_MODULE not in sys.modules:
+        sys.meta_path.insert(0, _PatchOnLoad(_ACCELERATOR_MODULE, _prepare_on_plan))
 
 
 def unused_plan_note() -> str | None:

@@ -58,7 +58,7 @@ def run_ddp(script: Path, args: list[str], cwd: Path, out: str) -> dict:
     """The script as written, under torchrun (2 processes, gloo); rank 0's ``out/record.json``."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     done = subprocess.run(
-        [*command, str(script), *args], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=300
+        [*command, str(script), *args], cwd=cwd, env=script_env(), capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads((cwd / out / "record.json").read_text())
@@ -72,7 +72,7 @@ def run_port(plan: Path, script: Path, args: list[str], cwd: Path, out: str) -> 
     return json.loads((cwd / out / "record.json").read_text())
 
 
-def _env() -> dict[str, str]:
+def script_env() -> dict[str, str]:
     env = job_env()
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = str(REPO_DIR)

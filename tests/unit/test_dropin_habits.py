@@ -173,7 +173,7 @@ def test_forward_backward_takes_bare_losses_tuples_and_models_without_labels():
         loss_of((torch.ones(3), torch.ones(3)))
 
 
-def test_state_dicts_hold_gathered_weights_and_save_pretrained_is_refused(tmp_path):
+def test_state_dicts_hold_gathered_weights_and_save_pretrained_writes_them(tmp_path):
     model, reference, batch = _gpt2_pair()
     model, optimizer = _setup(model, torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-6), cache="min")
     _train(model, optimizer, batch, 2)
@@ -183,11 +183,14 @@ def test_state_dicts_hold_gathered_weights_and_save_pretrained_is_refused(tmp_pa
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(inner[name], value, rtol=0, atol=1e-5, msg=name)
     assert any(torch.isnan(v).any() for v in model.module.state_dict(keep_vars=True).values())  # released ones
-    with pytest.raises(ValueError, match="elixir_tune.save_pretrained"):
-        model.module.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="elixir_tune.save_pretrained"):
-        model.save_pretrained(tmp_path)
-    assert not list(tmp_path.iterdir())
+    # save_pretrained writes the gathered weights (Trainer's save_model calls it), for model and model.module.
+    from transformers import GPT2LMHeadModel
+
+    for saver, out in ((model.module.save_pretrained, tmp_path / "inner"), (model.save_pretrained, tmp_path / "outer")):
+        saver(out)
+        loaded = GPT2LMHeadModel.from_pretrained(out).state_dict()
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(loaded[name], value, rtol=0, atol=1e-5, msg=name)
 
 
 def test_an_fp16_plan_refuses_an_unscaled_backward_before_the_step():
