@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from elixir_tune.engine.comm.control import ControlChannel, ControlTimeout
+from elixir_tune.engine.comm.control import ControlChannel, ControlTimeout, settle_before_world_waits
 
 # What a rank is about to do; a higher number leads a lower one.
 BARRIER, TRAIN, STATE, OPTIM, EVAL = -1, 0, 1, 2, 3
@@ -96,6 +96,8 @@ class ForwardAgreement:
             UnevenForwardError: the ranks cannot be paired (the same message on every rank), or some
                 rank never came within the collective timeout.
         """
+        if kind != BARRIER and isinstance(self.channel, ControlChannel):
+            settle_before_world_waits(self.settle)  # the one a barrier or the exit settles from now on
         rows = self._exchange([ENTER, kind, int(all_ranks)], kind)
         while True:
             leader = self._leader(rows)

@@ -58,22 +58,27 @@ class ControlChannel:
         return [row.tolist() for row in rows]
 
 
-# The agreements to settle before the script's own world-wide barrier, teardown or exit, newest first.
-_settlers: list[weakref.WeakMethod] = []
+# The agreement to settle before the script's own world-wide barrier, teardown or exit: the one used
+# last. Every rank runs the same forwards and state dicts, so every rank names the same one; an older
+# engine kept alive on one rank and collected on another must not be asked, or the ranks would wait
+# on different channels.
+_current: list[weakref.WeakMethod] = []
 _originals: dict[str, Callable[..., Any]] = {}
 
 
 def settle_before_world_waits(settle: Callable[[], None]) -> None:
-    """Runs ``settle`` (a bound method, held weakly) before this process waits for the world.
+    """Runs ``settle`` (a bound method, held weakly) before this process waits for the world, until
+    another agreement is used; called at each use of an agreement.
 
     A DDP script ends with rank 0 saving alone while the others wait in ``dist.barrier()``,
     ``accelerator.wait_for_everyone()`` (the same barrier), ``dist.destroy_process_group()`` or
     simply at the end of the script. Those ranks must serve rank 0's gathers first, as they would in
     their next forward (engine/uneven.py). So torch.distributed's ``barrier`` and
-    ``destroy_process_group`` on the default group, and the interpreter's normal exit, first run
-    every live ``settle``. The engine's own collectives name their groups and are not affected.
+    ``destroy_process_group`` on the default group, and the interpreter's normal exit, first run the
+    current ``settle``. The engine's own collectives name their groups and are not affected.
     """
-    _settlers.insert(0, weakref.WeakMethod(settle))
+    if not _current or _current[0]() != settle:
+        _current[:] = [weakref.WeakMethod(settle)]
     if _originals:
         return
     _originals["barrier"], _originals["destroy_process_group"] = dist.barrier, dist.destroy_process_group
@@ -81,25 +86,24 @@ def settle_before_world_waits(settle: Callable[[], None]) -> None:
     @functools.wraps(_originals["barrier"])
     def barrier(group=None, *args, **kwargs):
         if group is None or group is dist.GroupMember.WORLD:
-            _settle_all()
+            _settle_current()
         return _originals["barrier"](group, *args, **kwargs)
 
     @functools.wraps(_originals["destroy_process_group"])
     def destroy_process_group(group=None):
         if group is None or group is dist.GroupMember.WORLD:
-            _settle_all()
-            _settlers.clear()  # their channels go with the world
+            _settle_current()
+            _current.clear()  # its channel goes with the world
         return _originals["destroy_process_group"](group)
 
     dist.barrier, dist.destroy_process_group = barrier, destroy_process_group
     atexit.register(_settle_at_exit)
 
 
-def _settle_all() -> None:
-    for ref in list(_settlers):
-        settle = ref()
-        if settle is not None:
-            settle()
+def _settle_current() -> None:
+    settle = _current[0]() if _current else None
+    if settle is not None:
+        settle()
 
 
 def _settle_at_exit() -> None:
@@ -107,4 +111,4 @@ def _settle_at_exit() -> None:
     is failing; it leaves at once (the others learn so in their next exchange)."""
     if getattr(sys, "last_value", None) is not None or not (dist.is_available() and dist.is_initialized()):
         return
-    _settle_all()
+    _settle_current()
