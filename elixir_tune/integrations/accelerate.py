@@ -26,6 +26,9 @@ import torch
 from elixir_tune.engine import grad_view
 from elixir_tune.engine.model import ElixirModel
 
+# The name of the forward TRL puts on a model for its fused LM head (trl/trainer/utils.py add_fused_lm_head).
+TRL_FUSED_FORWARD = "_fused_forward"
+
 
 class PrepareError(RuntimeError):
     """An ``accelerator.prepare`` call the plan cannot run."""
@@ -54,6 +57,7 @@ def prepare_with_plan(original: Any) -> Any:
             )
         import elixir_tune
 
+        refuse_patched_head(args[models[0]])
         model, optimizer = elixir_tune.setup(args[models[0]], args[optimizers[0]])
         objects = list(args)
         objects[models[0]], objects[optimizers[0]] = model, optimizer
@@ -61,6 +65,27 @@ def prepare_with_plan(original: Any) -> Any:
 
     prepare.__wrapped__ = original  # type: ignore[attr-defined]
     return prepare
+
+
+def refuse_patched_head(model: torch.nn.Module) -> None:
+    """Refuses a model whose forward TRL replaced with its fused LM head (``add_fused_lm_head``).
+
+    That forward reads the output head's weight and projects through it in tiles, never calling the
+    head module, so the engine would not gather the head's chunk for it. Recorded as a read of the
+    model itself (``model.foreign_reads``) it runs, but its first losses differed from DDP's by up to
+    8e-6 relative for reasons not yet found: refused until they match.
+
+    Raises:
+        PrepareError: the model carries TRL's fused forward.
+    """
+    patched = model.__dict__.get("forward")
+    code = getattr(getattr(patched, "__func__", None), "__code__", None)
+    if code is not None and code.co_name == TRL_FUSED_FORWARD:
+        raise PrepareError(
+            "this model's forward is TRL's fused LM head (SFTTrainer and other TRL trainers patch it in), which "
+            "elixir-run does not run yet: it reads lm_head.weight outside lm_head's forward. Train with "
+            "transformers.Trainer under elixir-run, or run the TRL script under torchrun"
+        )
 
 
 def _prepare_around(
