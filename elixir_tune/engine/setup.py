@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -19,7 +21,7 @@ from elixir_tune.engine.ownership import check_optimizer_is_over, watch_optimize
 from elixir_tune.engine.parallel.expert_parallel import split_experts
 from elixir_tune.engine.parallel.pipeline_tensor import check_combined
 from elixir_tune.engine.parallel.tensor_parallel import split_for_plan
-from elixir_tune.engine.uneven import ForwardAgreement, Replay
+from elixir_tune.engine.uneven import ForwardAgreement, Replay, UnevenForwardError
 from elixir_tune.engine.worker import collective_timeout_s
 from elixir_tune.plan import PLAN_ENV_VAR, Plan, PlanError, load_plan, validate
 from elixir_tune.plan.fingerprint import model_fingerprint as _plan_fingerprint
@@ -232,6 +234,21 @@ def _discard(_: object) -> None:
     """A follower takes part in the leader's state dict gathers; the result is the leader's."""
 
 
+def _live(ref: weakref.ref) -> Callable[[], Engine]:
+    """The engine behind ``ref``; raises when the script dropped it on this rank while another leads."""
+
+    def engine() -> Engine:
+        found = ref()
+        if found is None:
+            raise UnevenForwardError(
+                "another rank evaluates or saves a model alone, but this rank already dropped that model; keep "
+                "the model on every rank until every rank is done with it"
+            )
+        return found
+
+    return engine
+
+
 def forward_agreement(engine: Engine, plan: Plan, mesh) -> ForwardAgreement | None:
     """The agreement on forwards and state dicts (engine/uneven.py), where a forward has collectives.
 
@@ -251,13 +268,15 @@ def forward_agreement(engine: Engine, plan: Plan, mesh) -> ForwardAgreement | No
         refusal = "under context parallelism the ranks of a context group exchange keys and values in every forward"
     if refusal is None and not gathers:
         return None
-    modules = list(engine.module_map.names)
+    # The replay holds the engine weakly: the agreement outlives it as the one a barrier settles
+    # (engine/comm/control.py), and must not keep a model the script dropped in memory.
+    live = _live(weakref.ref(engine))
     replay = Replay(
-        begin=engine.passes.start_microbatch,
-        pre_forward=lambda index: engine.passes.pre_forward(modules[index]),
-        post_forward=lambda index: engine.passes.post_forward(modules[index]),
-        state_dict=lambda all_ranks: _discard(engine.full_state_dict(all_ranks=all_ranks)),
-        optimizer_state=lambda: _discard(gather_whole_state(engine.optimizer)),
+        begin=lambda: live().passes.start_microbatch(),
+        pre_forward=lambda index: live().passes.pre_forward(list(live().module_map.names)[index]),
+        post_forward=lambda index: live().passes.post_forward(list(live().module_map.names)[index]),
+        state_dict=lambda all_ranks: _discard(live().full_state_dict(all_ranks=all_ranks)),
+        optimizer_state=lambda: _discard(gather_whole_state(live().optimizer)),
     )
     channel = ControlChannel(mesh.world.world_size, mesh.world.rank, collective_timeout_s())
     agreement = ForwardAgreement(channel, replay, refusal)

@@ -12,7 +12,6 @@ import atexit
 import datetime
 import functools
 import sys
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -59,15 +58,15 @@ class ControlChannel:
 
 
 # The agreement to settle before the script's own world-wide barrier, teardown or exit: the one used
-# last. Every rank runs the same forwards and state dicts, so every rank names the same one; an older
-# engine kept alive on one rank and collected on another must not be asked, or the ranks would wait
-# on different channels.
-_current: list[weakref.WeakMethod] = []
+# last. Every rank runs the same forwards and state dicts, so every rank names the same one. It is held
+# strongly (it holds its engine weakly): were it collected on one rank and not on another, as a dropped
+# model is, the ranks would wait in different places.
+_current: list[Callable[[], None]] = []
 _originals: dict[str, Callable[..., Any]] = {}
 
 
 def settle_before_world_waits(settle: Callable[[], None]) -> None:
-    """Runs ``settle`` (a bound method, held weakly) before this process waits for the world, until
+    """Runs ``settle`` before this process waits for the world, until
     another agreement is used; called at each use of an agreement.
 
     A DDP script ends with rank 0 saving alone while the others wait in ``dist.barrier()``,
@@ -77,8 +76,8 @@ def settle_before_world_waits(settle: Callable[[], None]) -> None:
     ``destroy_process_group`` on the default group, and the interpreter's normal exit, first run the
     current ``settle``. The engine's own collectives name their groups and are not affected.
     """
-    if not _current or _current[0]() != settle:
-        _current[:] = [weakref.WeakMethod(settle)]
+    if not _current or _current[0] != settle:
+        _current[:] = [settle]
     if _originals:
         return
     _originals["barrier"], _originals["destroy_process_group"] = dist.barrier, dist.destroy_process_group
@@ -101,9 +100,8 @@ def settle_before_world_waits(settle: Callable[[], None]) -> None:
 
 
 def _settle_current() -> None:
-    settle = _current[0]() if _current else None
-    if settle is not None:
-        settle()
+    if _current:
+        _current[0]()
 
 
 def _settle_at_exit() -> None:
