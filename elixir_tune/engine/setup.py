@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
 from collections.abc import Callable
 
@@ -161,6 +162,7 @@ def setup(
         ``zero_grad()``.
     """
     plan = _resolve_plan(plan)
+    model = _uncompiled(model)
     check_plan_matches(model, plan)
     check_optimizer_is_over(model, optimizer)
     if plan.engine.name != "elixir":  # a peer engine (engine/peers/): FSDP2 or DeepSpeed
@@ -232,6 +234,19 @@ setup_calls = 0
 
 def _discard(_: object) -> None:
     """A follower takes part in the leader's state dict gathers; the result is the leader's."""
+
+
+def _uncompiled(model: torch.nn.Module) -> torch.nn.Module:
+    """The module ``torch.compile`` wrapped, when ``model`` is its wrapper (its parameter names carry
+    ``_orig_mod.``, so the plan would not match). The engine runs it uncompiled, and says so."""
+    original = getattr(model, "_orig_mod", None)
+    if not isinstance(original, torch.nn.Module):
+        return model
+    warnings.warn(
+        "elixir_tune.setup got a torch.compile'd model: the engine's hooks run the original module uncompiled",
+        stacklevel=3,
+    )
+    return original
 
 
 def _live(ref: weakref.ref) -> Callable[[], Engine]:

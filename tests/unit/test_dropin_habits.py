@@ -317,3 +317,13 @@ def test_no_sync_accumulation_trains_as_without_it():
         opt.step()
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, reference.state_dict()[name], rtol=0, atol=1e-6)
+
+
+def test_a_model_compiled_before_setup_trains_as_the_plain_one():
+    model, reference, batch = _gpt2_pair()
+    plain_opt = torch.optim.SGD(reference.parameters(), lr=LR)
+    compiled = torch.compile(model)
+    with pytest.warns(UserWarning, match="torch.compile'd model"):
+        plan = make_plan(model, 1, 4096, cache="min")  # the profile of the model, as `elixir-tune profile` makes it
+        wrapped, optimizer = elixir_tune.setup(compiled, torch.optim.SGD(model.parameters(), lr=LR), plan=plan)
+    assert _train(wrapped, optimizer, batch, 2) == pytest.approx(_train(reference, plain_opt, batch, 2), rel=1e-6)
