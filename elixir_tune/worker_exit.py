@@ -28,6 +28,11 @@ def exit_worker(code: int | None) -> None:
     shutdown = getattr(threading, "_shutdown", None)  # what the interpreter calls at exit to join threads
     if shutdown is not None:
         shutdown()
+    # An engine's exit settles only after a normal end (engine/comm/control.py), which the atexit
+    # handler alone cannot tell from a nonzero status.
+    control = sys.modules.get("elixir_tune.engine.comm.control")
+    if control is not None:
+        control.script_ended(not code)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -29,6 +29,7 @@ from elixir_tune.cpu_binding import bind_cpu_worker
 from elixir_tune.launcher.env import LAUNCHER_PID_ENV, RUN_DIR_ENV
 from elixir_tune.launcher.script_guard import refuse_ddp, unused_plan_note
 from elixir_tune.plan.io import PLAN_ENV_VAR
+from elixir_tune.worker_exit import exit_worker
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -102,15 +103,29 @@ def main(argv: list[str]) -> None:
             sys.path[0] = os.path.dirname(os.path.abspath(script))
             runpy.run_path(script, run_name="__main__")
     except SystemExit as stop:
+        _script_ended(stop.code in (0, None))
         if stop.code in (0, None):
             _note_unused_plan(rank)
         raise
     except BaseException as error:
+        _script_ended(False)
         if run_dir:
             text = str(error).strip().splitlines()
             _write(run_dir, f"rank{rank}.error", f"{type(error).__name__}: {text[-1] if text else ''}".strip())
         raise
+    _script_ended(True)
     _note_unused_plan(rank)
+    # As the recipes end (worker_exit.py): atexit handlers and flushed output, without the
+    # interpreter's C++ teardown, where a gloo thread was seen to abort a finished worker.
+    exit_worker(0)
+
+
+def _script_ended(normally: bool) -> None:
+    """Tells the engine, if the script set one up, how the script ended: a normal end serves a rank
+    still saving alone before the process leaves (engine/comm/control.py ``script_ended``)."""
+    control = sys.modules.get("elixir_tune.engine.comm.control")
+    if control is not None:
+        control.script_ended(normally)
 
 
 def _note_unused_plan(rank: str) -> None:

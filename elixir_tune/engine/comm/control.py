@@ -90,7 +90,7 @@ def settle_before_world_waits(settle: Callable[[], None]) -> None:
 
     @functools.wraps(_originals["destroy_process_group"])
     def destroy_process_group(group=None):
-        if group is None or group is dist.GroupMember.WORLD:
+        if (group is None or group is dist.GroupMember.WORLD) and not _ended:  # the end settled already
             _settle_current()
             _current.clear()  # its channel goes with the world
         return _originals["destroy_process_group"](group)
@@ -104,9 +104,36 @@ def _settle_current() -> None:
         _current[0]()
 
 
-def _settle_at_exit() -> None:
-    """At a normal exit: settle while the world still stands. After an uncaught exception the rank
-    is failing; it leaves at once (the others learn so in their next exchange)."""
-    if getattr(sys, "last_value", None) is not None or not (dist.is_available() and dist.is_initialized()):
+def script_ended(normally: bool) -> None:
+    """The end of the script (elixir-run's worker says how it ended; else the interpreter's exit).
+
+    A normal end settles while the world still stands, then ends the process group: a gloo group
+    left alive at interpreter exit can abort the process mid-teardown. A failing rank leaves at once
+    (the others learn so in their next exchange). Only the first call acts.
+
+    Args:
+        normally: the script returned or exited with status 0.
+    """
+    if _ended or not (dist.is_available() and dist.is_initialized()):
         return
-    _settle_current()
+    _ended.append(normally)
+    if normally and _current:
+        try:
+            _settle_current()
+        except RuntimeError as error:  # another rank failed: its own error is the one to read
+            print(f"elixir-tune: at the end of the script: {error}", file=sys.stderr, flush=True)
+            return
+        _current.clear()
+        # Every rank past its last exchange before any closes its connections, as `barrier();
+        # destroy_process_group()` ends a DDP script.
+        _originals["barrier"]()
+        _originals["destroy_process_group"]()
+
+
+_ended: list[bool] = []
+
+
+def _settle_at_exit() -> None:
+    # Outside elixir-run's worker nobody said how the script ended: an uncaught exception leaves
+    # sys.last_value (a nonzero sys.exit does not, and is taken as normal).
+    script_ended(getattr(sys, "last_value", None) is None)
