@@ -232,7 +232,7 @@ def test_the_readme_names_the_versions_the_constraints_pin():
         assert f"{name} {oldest[name].rpartition('.0')[0] or oldest[name]}" in readme, name
     # The metadata's lower bounds are the oldest set's versions.
     setup = (ROOT / "setup.cfg").read_text()
-    for name in ("transformers", "tokenizers", "peft", "datasets", "click", "rich", "pyyaml"):
+    for name in ("transformers", "tokenizers", "peft", "datasets", "tensorboard", "click", "rich", "pyyaml"):
         bound = re.search(rf"^\s+{name}>=([\d.]+)$", setup, re.MULTILINE | re.IGNORECASE)
         assert bound and oldest[name].startswith(bound.group(1)), (name, bound and bound.group(1), oldest[name])
 

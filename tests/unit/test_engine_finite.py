@@ -15,7 +15,7 @@ MICRO = 2
 ACCUM = 2
 
 
-def setup(dtype: str, lr: float):
+def set_up(dtype: str, lr: float):
     model = tiny_gpt2()
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     plan = make_plan(model, 1, 4096, block_list="transformer.h", dtype=dtype, grad_accum_steps=ACCUM)
@@ -43,7 +43,7 @@ def test_the_errors_are_exported_with_their_bases():
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_a_diverging_learning_rate_stops_at_the_step_with_the_last_finite_weights(dtype, tmp_path):
-    model, opt = setup(dtype, lr=1e6)
+    model, opt = set_up(dtype, lr=1e6)
     steps = batches(10, MICRO * ACCUM, 8)
     checkpoint = tmp_path / "ckpt"
     before = masters(model)
@@ -78,7 +78,7 @@ def test_a_diverging_learning_rate_stops_at_the_step_with_the_last_finite_weight
 
 @pytest.mark.parametrize("loop", ["forward_backward", "plain"])
 def test_one_nan_micro_batch_stops_the_run_at_its_step(loop):
-    model, opt = setup("fp32", lr=1e-3)
+    model, opt = set_up("fp32", lr=1e-3)
     with pytest.raises(elixir_tune.NonFiniteError, match="optimizer step 3 .*a micro-batch loss not finite"):
         for step, batch in enumerate(batches(5, MICRO * ACCUM, 8)):
             bad = step == 2
@@ -95,7 +95,7 @@ def test_one_nan_micro_batch_stops_the_run_at_its_step(loop):
 
 
 def test_fp16_skips_a_nan_micro_batch_and_lowers_its_loss_scale():
-    model, opt = setup("fp16", lr=1e-3)
+    model, opt = set_up("fp16", lr=1e-3)
     steps = batches(4, MICRO * ACCUM, 8)
     scales, skipped = [], []
     for step, batch in enumerate(steps):

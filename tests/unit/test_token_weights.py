@@ -15,7 +15,7 @@ MICRO = 2
 ACCUM = 2
 
 
-def setup():
+def set_up():
     model = tiny_gpt2()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     plan = make_plan(model, 1, 4096, block_list="transformer.h", grad_accum_steps=ACCUM)
@@ -60,7 +60,7 @@ def test_the_default_weighs_the_models_own_loss_only():
 
 
 def test_uneven_masks_weigh_each_micro_batch_by_its_tokens():
-    model, _ = setup()
+    model, _ = set_up()
     micro = split(batches(1, MICRO * ACCUM, 8)[0])
     micro[0]["labels"][:, :6] = -100  # 2 rows x 2 counted tokens; the other micro-batch 2 x 7
     assert model.token_weights(micro) == [4 / 18, 14 / 18]
@@ -76,7 +76,7 @@ def test_unmasked_steps_are_bitwise_the_plain_mean():
     steps = batches(3, MICRO * ACCUM, 8)
     runs = []
     for weight_by_tokens in (None, False):
-        model, opt = setup()
+        model, opt = set_up()
         assert model.token_weights(split(steps[0])) == [1 / ACCUM] * ACCUM
         losses = []
         for batch in steps:
