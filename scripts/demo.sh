@@ -17,11 +17,11 @@ PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 # A plain `torch` requirement would pull the newest CUDA build (gigabytes); take the CPU build first.
 .venv/bin/python -c "import torch" 2>/dev/null || "${PIP[@]}" torch==2.13.0
 # Install this checkout (editable, with transformers) unless it already is.
-.venv/bin/python - <<'EOF' 2>/dev/null || "${PIP[@]}" -e '.[hf]'
+.venv/bin/python - <<'EOF' 2>/dev/null || "${PIP[@]}" -c constraints/tested.txt -e '.[hf]'
 import os, sys, transformers, elixir_tune
 sys.exit(0 if os.path.realpath(elixir_tune.__file__).startswith(os.path.realpath("elixir_tune")) else 1)
 EOF
-[ -x .venv/bin/elixir-run ] || "${PIP[@]}" -e '.[hf]'
+[ -x .venv/bin/elixir-run ] || "${PIP[@]}" -c constraints/tested.txt -e '.[hf]'
 mkdir -p "$OUT"
 BIN=.venv/bin
 
