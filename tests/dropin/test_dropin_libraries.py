@@ -63,28 +63,30 @@ def _assert_same_saved_model(found, expected) -> None:
     assert all(torch.isfinite(value).all() for value in mine.values())
 
 
+def _run_both(work, plan: str, library: str) -> None:
+    """The library's script under torchrun DDP (once) and under elixir-run with ``plan``: the same 20
+    logged losses and the same saved model, in ``LIBRARY-ddp`` and ``LIBRARY-PLAN``."""
+    directory, plan_files = work
+    script = f"train_{library}.py"
+    if not (directory / f"{library}-ddp" / "losses.json").exists():
+        _torchrun(directory, script, f"{library}-ddp")
+    expected = json.loads((directory / f"{library}-ddp" / "losses.json").read_text())
+    found = _elixir(directory, plan_files[plan], script, f"{library}-{plan}")
+    assert len(found) == 20 and relative_gap(found, expected) < LOSS_REL
+    _assert_same_saved_model(directory / f"{library}-{plan}", directory / f"{library}-ddp")
+
+
 @pytest.mark.parametrize("plan", SOME_PLANS)
 def test_an_unchanged_trainer_script_matches_ddp_and_saves_a_model_transformers_loads(work, plan):
-    directory, plan_files = work
-    if not (directory / "trainer-ddp" / "losses.json").exists():
-        _torchrun(directory, "train_trainer.py", "trainer-ddp")
-    expected = json.loads((directory / "trainer-ddp" / "losses.json").read_text())
-    found = _elixir(directory, plan_files[plan], "train_trainer.py", f"trainer-{plan}")
-    assert len(found) == 20 and relative_gap(found, expected) < LOSS_REL
-    _assert_same_saved_model(directory / f"trainer-{plan}", directory / "trainer-ddp")
+    _run_both(work, plan, "trainer")
 
 
 @pytest.mark.parametrize("plan", SOME_PLANS)
 def test_an_unchanged_accelerate_loop_matches_ddp_with_its_documented_final_saves(work, plan):
-    directory, plan_files = work
-    if not (directory / "accelerate-ddp" / "losses.json").exists():
-        _torchrun(directory, "train_accelerate.py", "accelerate-ddp")
-    expected = json.loads((directory / "accelerate-ddp" / "losses.json").read_text())
-    found = _elixir(directory, plan_files[plan], "train_accelerate.py", f"accelerate-{plan}")
-    assert len(found) == 20 and relative_gap(found, expected) < LOSS_REL
-    _assert_same_saved_model(directory / f"accelerate-{plan}", directory / "accelerate-ddp")
-    saved = directory / f"accelerate-{plan}" / "save_model" / "model.safetensors"
     from safetensors.torch import load_file
 
+    _run_both(work, plan, "accelerate")
+    directory = work[0]
+    saved = load_file(directory / f"accelerate-{plan}" / "save_model" / "model.safetensors")
     reference = load_file(directory / "accelerate-ddp" / "save_model" / "model.safetensors")
-    assert max((load_file(saved)[k] - v).abs().max().item() for k, v in reference.items()) < WEIGHT_ABS
+    assert max((saved[k] - v).abs().max().item() for k, v in reference.items()) < WEIGHT_ABS
