@@ -1,3 +1,3 @@
-"""Training libraries whose unchanged scripts run a plan under elixir-run: transformers' ``Trainer``,
-TRL's trainers and plain accelerate loops all prepare their model through accelerate
-(``accelerate.py``). Importing the package imports none of them."""
+"""Training libraries whose unchanged scripts run a plan under elixir-run: transformers' ``Trainer`` and
+plain accelerate loops prepare their model through accelerate (``accelerate.py``; TRL's fused LM head
+is refused there). Importing the package imports none of them."""

@@ -1,7 +1,8 @@
-"""accelerate's ``Accelerator.prepare`` on the chunk engine: how Trainer, TRL and accelerate scripts run a plan.
+"""accelerate's ``Accelerator.prepare`` on the chunk engine: how Trainer and accelerate scripts run a plan.
 
-transformers' ``Trainer`` (and TRL's ``SFTTrainer``, its subclass) hands its model and optimizer to
-``accelerator.prepare``, as a plain accelerate loop does. Under elixir-run that call would wrap the
+transformers' ``Trainer`` hands its model and optimizer to ``accelerator.prepare``, as a plain
+accelerate loop does (and TRL's trainers, Trainer's subclasses, whose fused LM head is refused:
+``refuse_patched_head``). Under elixir-run that call would wrap the
 model in DistributedDataParallel and ignore the plan. So in each worker, once accelerate is imported,
 ``prepare`` is replaced by ``prepare_with_plan``:
 
