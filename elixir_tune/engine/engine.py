@@ -45,7 +45,7 @@ from elixir_tune.engine.io.materialize import (
 from elixir_tune.engine.io.weights import WeightsError
 from elixir_tune.engine.layered import Baton
 from elixir_tune.engine.module_map import ModuleMap
-from elixir_tune.engine.ownership import check_no_new_params
+from elixir_tune.engine.ownership import check_no_new_params, registrations
 from elixir_tune.engine.parallel.expert_parallel import ExpertSplit
 from elixir_tune.engine.parallel.tensor_parallel import TensorSplit, local_data, set_local_data
 from elixir_tune.engine.passes import ModulePasses
@@ -174,6 +174,7 @@ class Engine:
             self.module_map.names, passes.pre_forward, passes.post_forward, passes.pre_backward
         )
         self.known_param_ids: set[int] | None = None  # the model's parameters at the end of setup
+        self.registrations_seen = -1  # ownership.registrations() when they were last checked
         # First of the root's hooks: a forward around the wrapper begins before any chunk is fetched.
         self._handles.append(model.register_forward_pre_hook(self._root_pre_forward, prepend=True))
         # Frozen chunks' parameters get no gradient: nothing to stage or reduce for them.
@@ -373,8 +374,10 @@ class Engine:
 
     def _root_pre_forward(self, *_: Any) -> None:
         if self.pipeline is None:  # a pipeline's stages run their own forwards (engine/parallel/pipeline.py)
-            if self.known_param_ids is not None:  # a module added after setup would never train
+            # A module added after setup would never train: walked for only when something registered.
+            if self.known_param_ids is not None and registrations() != self.registrations_seen:
                 check_no_new_params(self.model, self.known_param_ids)
+                self.registrations_seen = registrations()
             self.passes.root_pre_forward()
 
     def begin_forward(self) -> None:

@@ -77,6 +77,27 @@ def _refuse_foreign_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None
             )
 
 
+# Modules and parameters registered in this process since it started (torch's global registration
+# hooks count them): a forward walks the model for new parameters only when this moved.
+_registrations = [0]
+
+
+def _count_registration(*_: object) -> None:
+    _registrations[0] += 1
+
+
+def registrations() -> int:
+    """How many modules and parameters were registered on any module so far (installs the count)."""
+    if not _registrations_hooked:
+        torch.nn.modules.module.register_module_module_registration_hook(_count_registration)
+        torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+        _registrations_hooked.append(True)
+    return _registrations[0]
+
+
+_registrations_hooked: list[bool] = []
+
+
 def check_no_new_params(model: torch.nn.Module, known_ids: set[int]) -> None:
     """Raises when ``model`` holds parameters ``setup`` never saw (a module added or replaced after it).
 

@@ -62,6 +62,7 @@ class ControlChannel:
 # strongly (it holds its engine weakly): were it collected on one rank and not on another, as a dropped
 # model is, the ranks would wait in different places.
 _current: list[Callable[[], None]] = []
+_ended: list[bool] = []  # how the script ended, once it did (script_ended)
 _originals: dict[str, Callable[..., Any]] = {}
 
 
@@ -128,9 +129,6 @@ def script_ended(normally: bool) -> None:
         # destroy_process_group()` ends a DDP script.
         _originals["barrier"]()
         _originals["destroy_process_group"]()
-
-
-_ended: list[bool] = []
 
 
 def _settle_at_exit() -> None:
