@@ -37,7 +37,8 @@ class ModuleMap:
         self.slot_of = slot_of
         # hooked module -> its name, the non-resident chunks it reads, the slots it reads (model order)
         self.names, self.chunks, self.slots = self._map_modules(named)
-        self.index = {module: index for index, module in enumerate(self.names)}
+        self.order = list(self.names)  # hooked modules by number (what a leader's announcements carry)
+        self.index = {module: index for index, module in enumerate(self.order)}
         self.ancestors = self._hooked_ancestors()  # hooked module -> its hooked ancestors, outermost first
         self.sharing_ancestors = self._sharing_ancestors()
 

@@ -289,8 +289,8 @@ def forward_agreement(engine: Engine, plan: Plan, mesh) -> ForwardAgreement | No
     live = _live(weakref.ref(engine))
     replay = Replay(
         begin=lambda: live().passes.start_microbatch(),
-        pre_forward=lambda index: live().passes.pre_forward(list(live().module_map.names)[index]),
-        post_forward=lambda index: live().passes.post_forward(list(live().module_map.names)[index]),
+        pre_forward=lambda index: live().passes.pre_forward(live().module_map.order[index]),
+        post_forward=lambda index: live().passes.post_forward(live().module_map.order[index]),
         state_dict=lambda all_ranks: _discard(live().full_state_dict(all_ranks=all_ranks)),
         optimizer_state=lambda: _discard(gather_whole_state(live().optimizer)),
     )
