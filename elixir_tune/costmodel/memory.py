@@ -59,11 +59,16 @@ GRAD_KERNEL_BYTES = 4
 # torch's foreach and fused AdamW. And a fixed few 0-dim tensors of the engine's own: loss and
 # finite flags between steps, the gradient norm's parts, the clip coefficient and found_inf during one
 # (GPT-2 13M at world 2, tests/distributed/test_memory_fidelity.py: 22 bytes alive between steps and 104
-# during one, beyond the rest; ENGINE_SCALAR_BYTES counts them with room).
+# during one, beyond the rest; GPT-2 tiny at offload 0.5 and prefetch 2 measured steps 216 bytes apart,
+# 700868 to 701084, as the upload thread's timing decides which coexist at the peak). On a GPU each
+# 0-dim tensor takes one block of the caching allocator, 512 bytes at least; ENGINE_SCALARS counts them
+# with room.
 TOKEN_BYTES = 8
 CPU_RNG_STATE_BYTES = 5056
 STEP_COUNTER_BYTES = 4
-ENGINE_SCALAR_BYTES = 256
+ENGINE_SCALARS = 16
+ALLOCATOR_BLOCK_BYTES = 512
+ENGINE_SCALAR_BYTES = ENGINE_SCALARS * ALLOCATOR_BLOCK_BYTES
 
 
 def untraced_step_bytes(profile: ModelProfile, micro_batch_size: int, every: int, activation_copies: int) -> int:
