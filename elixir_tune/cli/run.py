@@ -43,6 +43,7 @@ from elixir_tune.launcher.launch import lost_node_outcome
 from elixir_tune.launcher.rendezvous import RendezvousWaitError, roll_call
 from elixir_tune.launcher.watch import WorkerWatch
 from elixir_tune.plan import PlanError, load_plan
+from elixir_tune.profiler.plan_match import plan_profile_problems, profile_beside
 from elixir_tune.recipes import RECIPES, UnknownRecipeError, is_recipe_name, recipe_module
 from elixir_tune.recipes import preflight as recipe_preflight
 
@@ -190,6 +191,7 @@ def run_command(
             hint=f"`elixir-tune validate {plan_path}` lists the problems; `elixir-tune search ... --out "
             f"{plan_path}` writes a fresh plan",
         )
+    _refuse_plan_against_profile(plan, plan_path)
     if script_is_a_file(torchrun_options) and is_recipe_name(script) and not os.path.isfile(script):
         torchrun_options, script = _recipe(script, script_args, plan_path, torchrun_options)
     elif script_is_a_file(torchrun_options) and not os.path.isfile(script):
@@ -271,6 +273,19 @@ def run_command(
     if force and failed(checks, fatal=False):
         say("--force: running although the plan does not fit this node (see the warnings above)")
     _launch(spec, env, plan, rdzv_timeout_s, collective_timeout_s)
+
+
+def _refuse_plan_against_profile(plan, plan_path: str) -> None:
+    """The check ``elixir-tune validate`` makes against the plan's profile, before any worker starts."""
+    raw = plan.to_dict()
+    profile, _ = profile_beside(raw, plan_path)
+    problems = plan_profile_problems(raw, profile) if profile else []
+    if problems:
+        fail(
+            f"{plan_path} does not match its model's profile: " + "; ".join(problems),
+            hint=f"`elixir-tune validate {plan_path}` lists them; `elixir-tune search --profile "
+            f"{plan.search.profile}` writes a plan that matches",
+        )
 
 
 def _recipe(name: str, script_args: list[str], plan_path: str, torchrun_options: list[str]) -> tuple[list[str], str]:

@@ -437,6 +437,11 @@ def _check_batch_and_blocks(training: dict, model: dict, data_size: int | None, 
         )
     if model.get("num_blocks") and not model.get("block_list"):
         errors.append("model.block_list: missing, but model.num_blocks is set")
+    if model.get("block_list") and model.get("num_blocks") == 0:
+        errors.append(
+            f"model.num_blocks: 0, but model.block_list names {model['block_list']!r}; "
+            "set it to the blocks that list holds, as the profile records them"
+        )
 
 
 def _check_memory(

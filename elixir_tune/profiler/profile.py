@@ -198,6 +198,7 @@ def profile_model(
         foreign_reads=_foreign_reads(model, [*plain, *ckpt, *selective], [named[pos][0] for pos in order], new_index),
         lora=lora_settings(model) if lora else {},
         inputs=_input_names(source, seq_len),
+        max_seq_len=source.max_seq_len or 0,
         token_vocab=token_vocab(model),
     )
     profile.summary = summarize(profile)

@@ -190,6 +190,9 @@ class ModelProfile:
             ``labels``, ...); the search names the command that feeds them. Empty in older profiles.
         token_vocab: the token ids the model's input takes (``arch.token_vocab``: the config's
             vocab_size, else its first embedding's rows); 0 when unknown or in older profiles.
+        max_seq_len: the longest sequence the model's position table takes (its config's
+            ``n_positions`` or ``max_position_embeddings``); 0 when unbounded, unknown or in older
+            profiles. ``validate`` holds a plan's ``seq_len`` to it.
     """
 
     name: str
@@ -220,6 +223,7 @@ class ModelProfile:
     lora: dict[str, Any] = field(default_factory=dict)
     inputs: list[str] = field(default_factory=list)
     token_vocab: NonNegativeInt = 0
+    max_seq_len: NonNegativeInt = 0
     version: int = PROFILE_VERSION
 
     def layout_reasons(self) -> dict[str, str]:
@@ -255,7 +259,32 @@ def profile_problems(raw: object) -> list[str]:
         return [f"profile: expected a mapping, got {type(raw).__name__}"]
     errors: list[str] = []
     check_fields(raw, ModelProfile, "", errors)
+    if not errors:
+        _check_consistency(raw, errors)
     return errors
+
+
+def _check_consistency(raw: dict, errors: list[str]) -> None:
+    """Rules across a well-typed profile's fields: what the cost model and the search rely on."""
+    params = raw["params"]
+    total = sum(param["numel"] for param in params)
+    if raw["num_params"] != total:
+        errors.append(f"num_params: {raw['num_params']}, but the parameters listed hold {total}")
+    if any(param.get("requires_grad", True) for param in params) and not raw["trace"]:
+        errors.append("trace: empty, but the model has trainable parameters: no operation of the step reads them")
+    if raw["trace"] and raw["flops_per_sample"] <= 0:
+        errors.append("flops_per_sample: 0, but the trace records operations")
+    for key in ("trace", "trace_checkpointed"):
+        beyond = sorted({index for step in raw.get(key, []) for index in step if index >= len(params)})
+        if beyond:
+            errors.append(f"{key}: parameter index {beyond[0]} is beyond the {len(params)} parameters listed")
+    for position, block in enumerate(raw.get("blocks", [])):
+        if block["index"] != position:
+            errors.append(f"blocks[{position}].index: expected {position}, got {block['index']}")
+        if block["first_param"] + block["num_params"] > len(params):
+            errors.append(f"blocks[{position}]: its parameters run beyond the {len(params)} listed")
+    if raw.get("blocks") and not raw.get("block_list"):
+        errors.append("block_list: empty, but blocks are listed")
 
 
 def save_profile(profile: ModelProfile, path: str | Path) -> None:

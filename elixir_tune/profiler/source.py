@@ -250,6 +250,10 @@ def _load_yaml(path: Path, spec: str) -> ModelSource:
     return _from_raw(raw, path, spec)
 
 
+# A config's sizes, by transformers' common names (its attribute_map answers them for every family).
+_SIZE_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings")
+
+
 def _from_raw(raw: dict, path: Path, spec: str) -> ModelSource:
     """A transformers causal LM from ``architecture`` (model_type) and ``config`` fields."""
     architecture = str(raw["architecture"])
@@ -277,6 +281,11 @@ def _from_raw(raw: dict, path: Path, spec: str) -> ModelSource:
             raise ModelSourceError(f"{path}: config for {architecture!r} rejected: {exc}") from exc
 
     config = make_config()
+    # transformers builds a model of -1 layers as one of none; the profile would plan an empty stack.
+    for name in _SIZE_FIELDS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise ModelSourceError(f"{path}: config {name} is {value}; a model needs at least 1")
     if not getattr(config, "vocab_size", None):
         raise ModelSourceError(f"{path}: {architecture!r} has no vocab_size; model YAMLs are for token models")
     vocab_size = int(config.vocab_size)

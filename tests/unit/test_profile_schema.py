@@ -49,6 +49,35 @@ def test_every_problem_is_listed(tmp_path: Path, raw: dict):
     assert "elixir-tune profile" in str(caught.value)
 
 
+def test_fields_that_contradict_each_other_are_listed(raw: dict):
+    """Each well-typed on its own; together no model: the search would plan from nonsense."""
+    raw["num_params"] += 1
+    raw["trace_checkpointed"] = [[len(raw["params"])]]
+    raw["blocks"][1]["index"] = 5
+    assert profile_problems(raw) == [
+        f"num_params: {raw['num_params']}, but the parameters listed hold {raw['num_params'] - 1}",
+        f"trace_checkpointed: parameter index {len(raw['params'])} is beyond the {len(raw['params'])} "
+        "parameters listed",
+        "blocks[1].index: expected 1, got 5",
+    ]
+
+
+def test_an_empty_trace_is_refused(raw: dict):
+    raw["trace"] = []
+    assert profile_problems(raw) == [
+        "trace: empty, but the model has trainable parameters: no operation of the step reads them"
+    ]
+
+
+def test_a_model_yaml_of_minus_one_layers_is_refused(tmp_path: Path):
+    from elixir_tune.profiler import ModelSourceError, load_model_source
+
+    path = tmp_path / "neg.yaml"
+    path.write_text("architecture: gpt2\nconfig: {n_layer: -1, n_embd: 64, n_head: 4, vocab_size: 256}\n")
+    with pytest.raises(ModelSourceError, match="config num_hidden_layers is -1; a model needs at least 1"):
+        load_model_source(str(path))
+
+
 def test_a_profile_written_before_the_architecture_numbers_loads(tmp_path: Path, raw: dict):
     del raw["arch"]
     path = tmp_path / "old.yaml"
