@@ -14,6 +14,7 @@ from elixir_tune.engine.contract import check_shared_inputs
 from elixir_tune.engine.engine import Engine
 from elixir_tune.engine.layered import MicroBatchThreads, run_layer_major
 from elixir_tune.engine.module_view import stand_in_for_module
+from elixir_tune.engine.ownership import check_conversion
 from elixir_tune.engine.parallel.pipeline_stages import pipeline_call_message
 from elixir_tune.engine.parallel.tensor_parallel import plain
 from elixir_tune.engine.token_weights import is_causal_lm, token_weights, wants_token_weights
@@ -55,6 +56,24 @@ def check_micro_batches(micro_batches: Sequence[Any]) -> None:
             raise ValueError(
                 f"micro-batch {index} is a {type(batch).__name__}; forward_backward takes a list of dicts of "
                 "the model's keyword arguments (e.g. input_ids, labels)"
+            )
+        check_not_empty((), batch)
+
+
+# The inputs whose first dimension is the batch, in every transformers causal LM.
+_BATCH_INPUTS = ("input_ids", "inputs_embeds", "labels", "attention_mask")
+
+
+def check_not_empty(args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+    """Raises ValueError for a batch of 0 samples (a loader's short last batch split over ranks), which
+    would otherwise fail deep in the model's attention reshape."""
+    named = [(f"argument {i}", value) for i, value in enumerate(args[:1])]
+    named += [(key, kwargs[key]) for key in _BATCH_INPUTS if key in kwargs]
+    for name, value in named:
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == 0:
+            raise ValueError(
+                f"a batch of 0 samples ({name} has shape {tuple(value.shape)}); skip empty batches, or give "
+                "the DataLoader drop_last=True so that its last batch is never empty on a rank"
             )
 
 
@@ -101,6 +120,11 @@ class ElixirModel(torch.nn.Module):
         # names, and would drop every one for (*args, **kwargs).
         self.forward = functools.update_wrapper(functools.partial(type(self).forward, self), module.forward)  # type: ignore[method-assign]
 
+    def _apply(self, fn, recurse=True):
+        # model.half(), .to(...), .cuda() reach here: a no-op conversion passes, any other is refused.
+        check_conversion(fn, self.engine.compute_dtype, self.engine.device, self.engine.plan.training.dtype)
+        return self
+
     def _check_inputs_once(self, micro_batches: Sequence[Any]) -> None:
         if not self._inputs_checked:
             self._inputs_checked = True
@@ -110,6 +134,7 @@ class ElixirModel(torch.nn.Module):
         if self.engine.pipeline is not None:
             raise RuntimeError(pipeline_call_message(self.engine.plan.parallel.pipeline.stages))
         with self.engine.passes.through_wrapper():
+            check_not_empty(args, kwargs)
             self.engine.begin_forward()  # first: a rank that runs it alone must not meet a collective before
             self._check_inputs_once([dict(kwargs, **{f"arg{i}": a for i, a in enumerate(args)})])
             # A vocabulary-parallel loss (tensor parallelism) runs inside loss_context; the first step's

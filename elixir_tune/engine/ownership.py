@@ -111,3 +111,35 @@ def check_no_new_params(model: torch.nn.Module, known_ids: set[int]) -> None:
             "module added or replaced after setup would run in every forward and never train; build the whole "
             "model before calling setup"
         )
+
+
+def check_conversion(convert, dtype: torch.dtype, device: torch.device, plan_dtype: str) -> None:
+    """Raises when ``convert`` (what ``model.half()``, ``.to(...)``, ``.cuda()`` apply) would change the
+    dtype or device of what ``setup`` returned; a conversion to what it already is passes.
+
+    The plan fixes both: the engine keeps fp32 masters and computes in ``training.dtype`` on the plan's
+    device, so converting the parameters it lends a module would be undone at the next gather.
+
+    Raises:
+        OwnershipError: naming the conversion and what to do instead.
+    """
+    probe = torch.empty(1, dtype=dtype, device=device)
+    try:
+        converted = convert(probe)
+    except (AssertionError, RuntimeError) as error:  # torch's "not compiled with CUDA", a missing device
+        raise OwnershipError(
+            f"a move after elixir_tune.setup, which torch cannot make here ({error}): the plan places the "
+            f"model on {device}; drop the call, and move the batches instead"
+        ) from error
+    if converted.dtype != probe.dtype:
+        raise OwnershipError(
+            f"a {converted.dtype} conversion (model.half(), .to(dtype), ...) after elixir_tune.setup: the plan "
+            f"trains in {plan_dtype} with fp32 master weights, and the engine would undo it; for another "
+            f"precision search with `--fix dtype=bf16` (or fp16), or drop the call"
+        )
+    if converted.device != probe.device:
+        raise OwnershipError(
+            f"a move to {converted.device} (model.to(device), .cuda(), .cpu()) after elixir_tune.setup: the "
+            f"plan places the model on {probe.device}; move the batches instead, and save with "
+            "model.state_dict(), which gathers the weights"
+        )

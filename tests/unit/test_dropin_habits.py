@@ -327,3 +327,32 @@ def test_a_model_compiled_before_setup_trains_as_the_plain_one():
         plan = make_plan(model, 1, 4096, cache="min")  # the profile of the model, as `elixir-tune profile` makes it
         wrapped, optimizer = elixir_tune.setup(compiled, torch.optim.SGD(model.parameters(), lr=LR), plan=plan)
     assert _train(wrapped, optimizer, batch, 2) == pytest.approx(_train(reference, plain_opt, batch, 2), rel=1e-6)
+
+
+def test_a_conversion_to_what_the_model_is_passes_and_any_other_is_refused():
+    model, reference, batch = _gpt2_pair()
+    plain_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    model, optimizer = _setup(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    assert model.to("cpu") is model and model.float() is model and model.to(torch.float32) is model
+    Ownership = elixir_tune.engine.ownership.OwnershipError
+    with pytest.raises(Ownership, match=r"a torch.float16 conversion .* search with `--fix dtype=bf16`"):
+        model.half()
+    with pytest.raises(Ownership, match="a torch.float64 conversion"):
+        model.to(torch.float64)
+    if not torch.cuda.is_available():
+        with pytest.raises(Ownership, match="the plan places the model on cpu"):
+            model.cuda()
+    # Nothing was converted: the run trains as the plain model.
+    assert _train(model, optimizer, batch, 3) == pytest.approx(_train(reference, plain_opt, batch, 3), abs=1e-6)
+
+
+def test_a_batch_of_zero_samples_is_refused_by_name():
+    model, _, batch = _gpt2_pair()
+    model, optimizer = _setup(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    empty = {key: value[:0] for key, value in batch.items()}
+    with pytest.raises(ValueError, match=r"a batch of 0 samples \(input_ids has shape \(0, 16\)\).*drop_last=True"):
+        model(**empty)
+    with pytest.raises(ValueError, match="a batch of 0 samples"):
+        model.forward_backward([batch, empty])
+    model(**batch).loss.backward()  # the run goes on with the next batch
+    optimizer.step()
