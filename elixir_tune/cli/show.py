@@ -21,6 +21,7 @@ from elixir_tune.costmodel.memory import model_state_bytes
 from elixir_tune.costmodel.rates import BOUND_LABELS, binding_bound
 from elixir_tune.plan import Plan, PlanError, load_plan
 from elixir_tune.plan.capabilities import LOOP_CONTRACT, plan_loop
+from elixir_tune.plan.schema import MODEL_STATE_KEYS
 from elixir_tune.ranks import mesh_groups
 from elixir_tune.units import human_bytes
 
@@ -45,8 +46,9 @@ def bound_line(plan: Plan) -> str:
 
 def plan_states(plan: Plan) -> dict[str, int]:
     """Model-state bytes per rank by the plan's formula (the prediction's, or computed here)."""
-    if plan.prediction is not None and plan.prediction.model_state_bytes:
-        return {str(key): value for key, value in plan.prediction.model_state_bytes.items()}
+    predicted = plan.prediction.model_state_bytes if plan.prediction is not None else {}
+    if set(predicted) == set(MODEL_STATE_KEYS):  # a hand-edited plan may lack a part: computed here then
+        return {str(key): value for key, value in predicted.items()}
     chunks = plan.memory.chunks
     trained = [c for c in chunks if not c.frozen]
     frozen = [c for c in chunks if c.frozen]

@@ -127,14 +127,15 @@ def stages_table(plan: Plan) -> Table | None:
         table.add_column("peak per worker", justify="right")
     for entry in stages:
         states, held = entry.model_state_bytes, entry.transient_bytes.get("held_grad_bytes", 0)
+        # A hand-edited plan may lack a part: shown as unknown, not as 0.
         row = [str(entry.stage)] + [
-            human_bytes(value)
+            "-" if value is None else human_bytes(value)
             for value in (
-                states["cache_bytes"],
-                states["resident_bytes"],
-                states["device_shard_bytes"],
+                states.get("cache_bytes"),
+                states.get("resident_bytes"),
+                states.get("device_shard_bytes"),
                 held,
-                states["host_shard_bytes"],
+                states.get("host_shard_bytes"),
                 entry.peak_gpu_bytes,
             )
         ]

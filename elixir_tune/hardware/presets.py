@@ -150,6 +150,10 @@ _PER_DTYPE_RULES: dict[str, Rule] = {
 }
 
 
+# The fields that hold mappings (an edit may put a number or nothing there).
+_MAPPINGS = (*_PER_DTYPE_RULES, "matmul_tflops", "sources", "block_tflops_curves", "bandwidth_curves")
+
+
 def spec_problems(spec: HardwareSpec) -> list[str]:
     """Every way ``spec`` is not a usable description of a node (empty list when it is).
 
@@ -162,8 +166,13 @@ def spec_problems(spec: HardwareSpec) -> list[str]:
     ]
     for name, rule in _FIELD_RULES.items():
         problems.append(rule(name, getattr(spec, name)))
+    not_mappings = [name for name in _MAPPINGS if not isinstance(getattr(spec, name), dict)]
+    if not_mappings:  # the rules below read them as mappings
+        return [found for found in problems if found] + [
+            f"{name}: expected a mapping, got {getattr(spec, name)!r}" for name in not_mappings
+        ]
     for name, rule in _PER_DTYPE_RULES.items():
-        problems += [rule(f"{name}.{dtype}", value) for dtype, value in (getattr(spec, name) or {}).items()]
+        problems += [rule(f"{name}.{dtype}", value) for dtype, value in getattr(spec, name).items()]
     if (
         isinstance(spec.usable_memory_bytes, int)
         and isinstance(spec.gpu_memory_bytes, int)
@@ -188,14 +197,14 @@ def _mapping_problems(spec: HardwareSpec) -> list[str]:
         problems.append("sources: expected a mapping of field name -> source")
     else:
         problems += [f"sources.{key}: not a hardware field" for key in spec.sources if key not in fields]
-    for dtype, curve in (spec.block_tflops_curves or {}).items():
+    for dtype, curve in spec.block_tflops_curves.items():
         if (
             not isinstance(curve, dict)
             or not curve
             or not all(_is_number(f) and f > 0 and _is_number(t) and t > 0 for f, t in curve.items())
         ):
             problems.append(f"block_tflops_curves.{dtype}: expected {{block parameters: positive TFLOP/s}}")
-    for curve_name, curve in (spec.bandwidth_curves or {}).items():
+    for curve_name, curve in spec.bandwidth_curves.items():
         if curve_name not in fields:
             problems.append(f"bandwidth_curves.{curve_name}: not a hardware field")
         elif not isinstance(curve, dict) or not all(

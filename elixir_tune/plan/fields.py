@@ -47,6 +47,9 @@ PositiveInt = Annotated[int, Min(1)]
 NonNegativeInt = Annotated[int, Min(0)]
 NonNegativeFloat = Annotated[float, Min(0)]
 
+# Every count and size ends in a torch tensor's shape or a byte count: int64.
+INT64_LIMIT = 2**63
+
 _TYPE_NAMES = {int: "an integer", float: "a finite number", str: "a string", bool: "true or false"}
 
 
@@ -132,6 +135,9 @@ def check_value(value: Any, hint: Any, path: str, errors: list[str]) -> Any:
     bare, bound = _unwrap(hint)
     if not _matches(value, bare):
         errors.append(f"{path}: expected {describe(hint)}, got {value!r}")
+        return _BAD
+    if bare is int and not -INT64_LIMIT < value < INT64_LIMIT:
+        errors.append(f"{path}: {value} is beyond a 64-bit integer, the largest size torch takes")
         return _BAD
     origin = get_origin(bare)
     if origin is Literal and value not in get_args(bare):
