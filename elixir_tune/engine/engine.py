@@ -45,7 +45,7 @@ from elixir_tune.engine.io.materialize import (
 from elixir_tune.engine.io.weights import WeightsError
 from elixir_tune.engine.layered import Baton
 from elixir_tune.engine.module_map import ModuleMap
-from elixir_tune.engine.ownership import check_no_new_params, registrations
+from elixir_tune.engine.ownership import WriteWatch, check_no_new_params, registrations
 from elixir_tune.engine.parallel.expert_parallel import ExpertSplit
 from elixir_tune.engine.parallel.tensor_parallel import TensorSplit, local_data, set_local_data
 from elixir_tune.engine.passes import ModulePasses
@@ -175,6 +175,7 @@ class Engine:
         )
         self.known_param_ids: set[int] | None = None  # the model's parameters at the end of setup
         self.registrations_seen = -1  # ownership.registrations() when they were last checked
+        self.write_watch: WriteWatch | None = None  # in-place writes to parameters after setup (ownership.py)
         # First of the root's hooks: a forward around the wrapper begins before any chunk is fetched.
         self._handles.append(model.register_forward_pre_hook(self._root_pre_forward, prepend=True))
         # Frozen chunks' parameters get no gradient: nothing to stage or reduce for them.
@@ -378,6 +379,8 @@ class Engine:
             if self.known_param_ids is not None and registrations() != self.registrations_seen:
                 check_no_new_params(self.model, self.known_param_ids)
                 self.registrations_seen = registrations()
+            if self.write_watch is not None:
+                self.write_watch.check()
             self.passes.root_pre_forward()
 
     def begin_forward(self) -> None:

@@ -143,3 +143,32 @@ def check_conversion(convert, dtype: torch.dtype, device: torch.device, plan_dty
             f"plan places the model on {probe.device}; move the batches instead, and save with "
             "model.state_dict(), which gathers the weights"
         )
+
+
+class WriteWatch:
+    """Notices an in-place write to a chunked parameter made through the parameter itself (``p.fill_``,
+    ``p.copy_``, ``torch.nn.init``) after ``setup``: its values live in the engine's shards, so the
+    write would be lost without a word. Torch counts every in-place change in the parameter's
+    ``_version``; the engine's own writes go through payload views of their own counters, never the
+    parameter's. Reading the counters costs no device synchronization.
+    """
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]]):
+        self._named = named
+        self._versions = [param._version for _, param in named]
+        self._total = sum(self._versions)
+
+    def check(self) -> None:
+        """Raises OwnershipError when a parameter was written in place since setup (one sum when none was)."""
+        versions = [param._version for _, param in self._named]
+        if sum(versions) == self._total:
+            return
+        written = [
+            name for (name, _), now, then in zip(self._named, versions, self._versions, strict=True) if now != then
+        ]
+        self._versions, self._total = versions, sum(versions)
+        raise OwnershipError(
+            f"{', '.join(written[:3])}{' and others' if len(written) > 3 else ''} written in place after "
+            "elixir_tune.setup (p.fill_, p.copy_, torch.nn.init): the values live in the engine's shards, so the "
+            "write changed nothing; load new weights with model.load_state_dict(...), or write them before setup"
+        )

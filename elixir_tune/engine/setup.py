@@ -18,7 +18,7 @@ from elixir_tune.engine.io.materialize import has_meta, make_source
 from elixir_tune.engine.model import ElixirModel
 from elixir_tune.engine.optimizer import ShardedOptimizer
 from elixir_tune.engine.optimizer_state import gather_whole_state
-from elixir_tune.engine.ownership import check_optimizer_is_over, registrations, watch_optimizers
+from elixir_tune.engine.ownership import WriteWatch, check_optimizer_is_over, registrations, watch_optimizers
 from elixir_tune.engine.parallel.expert_parallel import split_experts
 from elixir_tune.engine.parallel.pipeline_tensor import check_combined
 from elixir_tune.engine.parallel.tensor_parallel import split_for_plan
@@ -225,6 +225,7 @@ def setup(
         watch_optimizers(engine, [(slot.name, slot.param) for slot in engine.slots], sharded)
         engine.known_param_ids = {id(param) for param in model.parameters()}
         engine.registrations_seen = registrations()
+        engine.write_watch = WriteWatch([(slot.name, slot.param) for slot in engine.slots])
     return ElixirModel(model, engine), sharded
 
 

@@ -356,3 +356,21 @@ def test_a_batch_of_zero_samples_is_refused_by_name():
         model.forward_backward([batch, empty])
     model(**batch).loss.backward()  # the run goes on with the next batch
     optimizer.step()
+
+
+# fill_ and nn.init's constants write to the released parameter's placeholder without a word (a copy_ or
+# normal_ there fails at once in torch: the placeholder expands one element).
+@pytest.mark.parametrize("write", ["fill_", "init"])
+def test_a_write_to_a_parameter_outside_a_forward_is_refused_at_the_next_forward(write):
+    model, _, batch = _gpt2_pair()
+    model, optimizer = _setup(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    model(**batch).loss.backward()
+    optimizer.step()
+    weight = model.module.transformer.h[0].mlp.c_fc.weight
+    with torch.no_grad():
+        weight.fill_(0) if write == "fill_" else nn.init.zeros_(weight)
+    with pytest.raises(
+        elixir_tune.engine.ownership.OwnershipError,
+        match=r"transformer.h.0.mlp.c_fc.weight written in place after elixir_tune.setup .*load_state_dict",
+    ):
+        model(**batch)
