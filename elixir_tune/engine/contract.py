@@ -91,3 +91,27 @@ def check_shared_inputs(mesh: Mesh, micro_batches: Sequence[Any]) -> None:
             + ". Take each rank's slice of the global batch with elixir_tune.data_rank() and "
             f"elixir_tune.data_size() (the data-parallel index and degree: {data_size} here), not RANK and WORLD_SIZE"
         )
+
+
+def batch_shape_note(micro_batches: Sequence[Any], micro_batch_size: int, seq_len: int) -> str | None:
+    """A note when the first step's micro-batch is not the plan's (samples x tokens of ``input_ids``).
+
+    The plan's predictions (step time, peak memory) were made for its own micro-batch; a script that
+    feeds another still trains right, but the figures ``elixir-run`` announced do not apply to it.
+
+    Returns:
+        The note, or None when the shapes agree or there is no ``input_ids`` to read.
+    """
+    batch = micro_batches[0] if micro_batches else None
+    ids = batch.get("input_ids") if isinstance(batch, dict) else None
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        return None
+    samples, tokens = ids.shape
+    if (samples, tokens) == (micro_batch_size, seq_len):
+        return None
+    risk = "its peak memory may exceed the prediction" if samples * tokens > micro_batch_size * seq_len else ""
+    return (
+        f"this script's micro-batch is {samples} x {tokens} tokens, the plan's {micro_batch_size} x {seq_len}: "
+        f"the plan's step time and memory were predicted for its own{'; ' + risk if risk else ''}. For a plan "
+        f"of this script, search with --fix micro_batch_size={samples} (profiled at seq_len {tokens})"
+    )

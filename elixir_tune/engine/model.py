@@ -5,12 +5,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar, overload
 
 import torch
 
-from elixir_tune.engine.contract import check_shared_inputs
+from elixir_tune.engine.contract import batch_shape_note, check_shared_inputs
 from elixir_tune.engine.engine import Engine
 from elixir_tune.engine.layered import MicroBatchThreads, run_layer_major
 from elixir_tune.engine.module_view import stand_in_for_module
@@ -129,6 +130,11 @@ class ElixirModel(torch.nn.Module):
         if not self._inputs_checked:
             self._inputs_checked = True
             check_shared_inputs(self.engine.mesh, micro_batches)
+            training = self.engine.plan.training
+            note = batch_shape_note(micro_batches, training.micro_batch_size, training.seq_len)
+            # A context group splits each sequence: its ranks' shapes are not the plan's by design.
+            if note and self.engine.mesh.world.rank == 0 and self.engine.plan.parallel.context.degree == 1:
+                warnings.warn(note, stacklevel=3)
 
     def forward(self, *args, **kwargs):
         if self.engine.pipeline is not None:

@@ -374,3 +374,13 @@ def test_a_write_to_a_parameter_outside_a_forward_is_refused_at_the_next_forward
         match=r"transformer.h.0.mlp.c_fc.weight written in place after elixir_tune.setup .*load_state_dict",
     ):
         model(**batch)
+
+
+def test_a_first_batch_of_another_shape_than_the_plans_gets_a_note():
+    model, reference, batch = _gpt2_pair()  # 4 x 16 tokens; _setup's plan says 2 x 8
+    model, optimizer = _setup(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    with pytest.warns(UserWarning, match=r"micro-batch is 4 x 16 tokens, the plan's 2 x 8.*--fix micro_batch_size=4"):
+        model(**batch).loss.backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: the next steps say nothing
+        model(**batch).loss.backward()
