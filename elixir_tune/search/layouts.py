@@ -189,10 +189,13 @@ def layout_choices(
             f"the pins --fix pipeline/tensor/tensor_mode: not possible for {profile.name}: {frozen_problem}"
         )
     layouts = _with_context_degrees(profile, layouts, bases, gpus_per_node, nodes, global_batch_size, fixed)
-    if not layouts and "pipeline" in fixed:
+    pins = [f"{axis}={fixed[axis]}" for axis in ("pipeline", "tensor", "context", "expert") if axis in fixed]
+    if not layouts and pins:
         raise ValueError(
-            f"--fix pipeline={stages}: no tensor degree leaves a pipeline of {stages} that divides the world of "
-            f"{world} GPUs and a data-parallel degree that divides the global batch {global_batch_size}"
+            f"the layout pins {', '.join(pins)} leave no layout of the world of {world} GPUs whose data-parallel "
+            f"degree divides the global batch {global_batch_size}; raise --global-batch-size to a multiple of the "
+            "data-parallel degree, or drop a pin (the plain loop runs pipeline 1 and tensor 1 only: "
+            "--loop forward_backward lifts that)"
         )
     if not layouts:
         raise ValueError(

@@ -85,7 +85,7 @@ def test_a_pinned_contiguous_assignment_runs_one_run_of_blocks_per_stage(small):
         (["tensor=8"], "does not divide the 4 GPUs"),
         (["tensor=2", "tensor_mode=2d"], "square degree"),
         (["pipeline=8"], "4 repeated blocks; a stage needs at least one"),
-        (["pipeline=3"], "no tensor degree leaves a pipeline of 3"),
+        (["pipeline=3"], "the layout pins pipeline=3 leave no layout of the world of"),
         (["pipeline=2", "accumulation=standard"], "breadth-first"),
     ],
 )
@@ -219,3 +219,13 @@ def test_elixir_baseline_has_neither(small):
             fixed=["tensor=2"],
             loop="forward_backward",
         )
+
+
+def test_a_global_batch_smaller_than_the_world_splits_sequences_or_names_every_pin(small):
+    """Issue 48: a global batch of 1 on 2 GPUs was written as micro 1 x world 2."""
+    hardware = example_hardware(gpus_per_node=2)
+    result = search(small, hardware, gpus_per_node=2, global_batch_size=1)
+    layout = result.candidates[0].layout
+    assert (layout.context, result.plan.data_parallel_size) == (2, 1)  # each sequence split, one data share
+    with pytest.raises(ValueError, match=r"pins pipeline=1, tensor=1, context=1 leave no layout .* global batch 1"):
+        search(small, hardware, gpus_per_node=2, global_batch_size=1, fixed=["context=1"])
