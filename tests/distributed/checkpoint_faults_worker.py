@@ -99,6 +99,13 @@ def _harm_files(case: dict, step_dir: Path, rank: int, marker: Path) -> None:
             with open(target, "r+b") as file:  # 4 KiB in the middle, the size unchanged
                 file.seek(target.stat().st_size // 2)
                 file.write(os.urandom(4096))
+        elif harm == "corrupt_model":  # one byte of model.pt, which an exact resume does not read
+            target = step_dir / "model.pt"
+            with open(target, "r+b") as file:
+                file.seek(target.stat().st_size // 2)
+                byte = file.read(1)
+                file.seek(-1, os.SEEK_CUR)
+                file.write(bytes([byte[0] ^ 0xFF]))
         elif harm == "truncated":
             target = step_dir / "rank-00000.pt"
             os.truncate(target, target.stat().st_size // 2)

@@ -19,6 +19,7 @@ HARMS = [
     "pickle",
     "pickle_old_format",
     "corrupt",
+    "corrupt_model",
     "truncated",
     "missing",
     "garbled_meta",
@@ -90,6 +91,15 @@ def test_a_pickle_payload_never_runs(results, harm):
 def test_damage_is_found_and_named_on_every_rank(results, harm, expected):
     error = _same_error_on_both(results[harm], "load")
     assert expected in error, error
+
+
+def test_a_flipped_byte_in_model_pt_refuses_an_exact_resume_too(results):
+    """An exact resume reads the rank files only, so one flipped byte of model.pt went unnoticed (and stayed
+    in the checkpoint, to be offered again). Every file is now verified before any loads: both ranks refuse,
+    naming model.pt and what to do."""
+    error = _same_error_on_both(results["corrupt_model"], "load")
+    assert "cannot resume from " in error and "step-000001/model.pt is corrupt: its sha256 differs" in error, error
+    assert error.endswith("; restore the file, or start over without --resume (no other checkpoint is beside it)")
 
 
 def test_a_checkpoint_without_checksums_still_loads_with_a_note(results):

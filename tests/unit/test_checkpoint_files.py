@@ -87,3 +87,32 @@ def test_a_live_holder_refuses_and_a_dead_ones_lock_is_taken_over(tmp_path):
         files.release_lock(root)
     assert files.acquire_lock(root) == []  # released cleanly: no note
     files.release_lock(root)
+
+
+def test_every_file_is_verified_once_over_the_ranks_and_damage_names_another_checkpoint(tmp_path):
+    """A resume of a 3-rank checkpoint on 2 ranks: the ranks' shares cover every file (model.pt and the rank file
+    no rank of this run owns included), each once; a damaged one is named, with another checkpoint to resume."""
+    directory = tmp_path / "step-000002"
+    directory.mkdir()
+    names = ["model.pt", "rank-00000.pt", "rank-00001.pt", "rank-00002.pt"]
+    records = {
+        name: files.write_tensors({"w": torch.full((4,), float(i))}, directory / name) for i, name in enumerate(names)
+    }
+    shares = [files.verify_share(directory, records, 3, rank, 2) for rank in range(2)]
+    assert "rank-00000.pt" in shares[0] and "rank-00001.pt" in shares[1]
+    assert sorted(shares[0] | shares[1]) == names and not shares[0] & shares[1]
+    model = directory / "model.pt"
+    damaged = bytearray(model.read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    model.write_bytes(bytes(damaged))
+    owner = 0 if "model.pt" in shares[0] else 1
+    with pytest.raises(CheckpointError, match=r"step-000002/model.pt is corrupt: its sha256 differs"):
+        files.verify_share(directory, records, 3, owner, 2)
+    with pytest.raises(CheckpointError, match=r"records no checksum for rank-00002.pt: the metadata is damaged"):
+        files.verify_share(directory, {k: v for k, v in records.items() if k != "rank-00002.pt"}, 3, 0, 2)
+    assert files.damage_advice(directory).startswith("restore the file, or start over without --resume")
+    _fake_checkpoint(tmp_path / "step-000001", 1, 100)
+    assert files.damage_advice(directory) == (
+        f"resume from another checkpoint (--resume {tmp_path / 'step-000001'}; step-000001 there) "
+        "or start over without --resume"
+    )

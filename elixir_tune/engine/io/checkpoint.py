@@ -14,8 +14,8 @@ root (another live job holds its lock), when a rank's weights or optimizer state
 when the filesystem has less free space than the checkpoint needs; the files go to a hidden
 ``.step-NNNNNN.tmp`` first, renamed into place by rank 0 with ``meta.json`` written last, and a failed
 write removes it: the previous checkpoints are never touched by a save that fails. Loading uses
-``torch.load(weights_only=True)`` only (nothing in a file can run) and checks every file it reads
-against meta.json. The ranks agree on every outcome before any of them raises: each raises the same
+``torch.load(weights_only=True)`` only (nothing in a file can run) and checks every file of the
+checkpoint against meta.json before any loads. The ranks agree on every outcome before any of them raises: each raises the same
 one-line :class:`CheckpointError`, none waits in a collective for a rank that gave up. Ranks must
 see the same filesystem (the usual shared checkpoint directory).
 """
@@ -97,15 +97,16 @@ def _replicated(engine) -> dict[str, torch.Tensor]:
     }
 
 
-def _agree(comm: Comm, error: str | None, prefix: str = "") -> None:
-    """Every rank learns every rank's error; when there is one, all raise the same CheckpointError.
+def _agree(comm: Comm, error: str | None, prefix: str = "", advice: str = "") -> None:
+    """Every rank learns every rank's error; when there is one, all raise the same CheckpointError
+    (``prefix``, the errors, then ``advice``: what to do).
 
     A rank that raised alone would leave the others waiting in their next collective (gloo then
     reports "Connection closed" on a rank that did nothing wrong).
     """
     distinct = shared_errors(comm, error)
     if distinct:
-        raise CheckpointError(prefix + "; ".join(distinct))
+        raise CheckpointError(prefix + "; ".join(distinct) + (f"; {advice}" if advice else ""))
 
 
 def _note(comm: Comm, notes: list[str]) -> None:
@@ -341,8 +342,8 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer) -> dict:
     The same plan layout (world size, chunk size, chunk packing) restores this rank's shards,
     optimizer state, loss scaler, skipped steps and RNG state exactly: training continues bitwise as
     if never stopped. Another layout restores only the weights (from ``model.pt``) and warns that
-    the optimizer state starts afresh. Every file read is checked against the size and sha256 that
-    meta.json records, and loaded with ``weights_only=True``: nothing stored in it can run.
+    the optimizer state starts afresh. Every file of the checkpoint, read or not, is first checked against
+    the size and sha256 that meta.json records; files load with ``weights_only=True``: nothing stored in them runs.
 
     Args:
         path: a checkpoint root (its ``latest`` checkpoint is loaded) or one checkpoint directory.
@@ -390,15 +391,23 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer) -> dict:
         _note(comm, [f"{directory} has no checksums (saved by an older elixir-tune): its files cannot be verified"])
     same_layout = meta.get("layout") == plan_layout(plan) and meta.get("world_size") == comm.world_size
     same_optimizer = meta.get("optimizer") == optimizer.optimizer_class.__name__
-    cannot = f"cannot resume from {directory}: "
+    cannot, advice = f"cannot resume from {directory}: ", files.damage_advice(directory)
+    verified: set[str] = set()
+    error = None
+    try:  # every file, whichever of them loads: a damaged model.pt is found on an exact resume too
+        if records is not None:
+            verified = files.verify_share(directory, records, int(meta["world_size"]), comm.rank, comm.world_size)
+    except (CheckpointError, OSError) as failure:  # a rank that cannot read agrees, then raises
+        error = _read_error(failure, comm.rank)
+    _agree(comm, error, prefix=cannot, advice=advice)
     if same_layout and same_optimizer:
-        shard, error = None, None
+        shard = None
         try:
-            shard = _read_checked(directory, rank_file_name(comm.rank), records)
+            shard = _read_checked(directory, rank_file_name(comm.rank), records, verified)
             _check_shard(shard, engine, directory / rank_file_name(comm.rank))
         except (CheckpointError, OSError) as failure:  # a rank that cannot read agrees, then raises
             error = _read_error(failure, comm.rank)
-        _agree(comm, error, prefix=cannot)
+        _agree(comm, error, prefix=cannot, advice=advice)
         assert shard is not None  # every rank read its shard (_agree raised otherwise)
         _load_shards(shard, engine, optimizer)
         meta["exact"] = True
@@ -415,12 +424,12 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer) -> dict:
         "(moments, step counts, loss scale) could NOT be restored and starts afresh",
         stacklevel=2,
     )
-    full, error = None, None
+    full = None
     try:
-        full = _read_checked(directory, MODEL_NAME, records)
+        full = _read_checked(directory, MODEL_NAME, records, verified)
     except (CheckpointError, OSError) as failure:  # a rank that cannot read agrees, then raises
         error = _read_error(failure, comm.rank)
-    _agree(comm, error, prefix=cannot)
+    _agree(comm, error, prefix=cannot, advice=advice)
     with torch.no_grad():
         model.load_state_dict(full)
     meta["exact"] = False
@@ -437,11 +446,13 @@ def _tensor_note(meta: dict, plan: Plan) -> str:
     return f" (tensor degree {saved} then, {degree} now: the shards hold pieces of another split)"
 
 
-def _read_checked(directory: Path, name: str, records: dict | None):
-    """The tensors of ``directory/name``, after checking it against meta.json's record of it."""
+def _read_checked(directory: Path, name: str, records: dict | None, verified: set[str]):
+    """The tensors of ``directory/name``, after checking it against meta.json's record of it (unless this
+    rank has just done so: ``verified``)."""
     if records is not None and name not in records:
         raise CheckpointError(f"{directory / META_NAME} records no checksum for {name}: the metadata is damaged")
-    files.verify_file(directory / name, records[name] if records is not None else None)
+    if name not in verified:
+        files.verify_file(directory / name, records[name] if records is not None else None)
     return files.read_tensors(directory / name)
 
 

@@ -145,6 +145,52 @@ def verify_file(path: Path, record: dict | None) -> None:
         )
 
 
+def verify_share(directory: Path, records: dict, saved_world_size: int, rank: int, world_size: int) -> set[str]:
+    """Verifies this rank's share of a checkpoint's files (``verify_file``), so that the job checks every
+    file once before any is loaded: its own rank file (the one it reads on an exact resume) and every
+    ``world_size``-th of the rest (``model.pt``, the rank files of ranks this run does not have).
+
+    Args:
+        directory: the checkpoint.
+        records: its meta.json's ``files``: name -> ``{"size_bytes", "sha256"}``.
+        saved_world_size: the world size it was saved with (its rank files are 0 .. N-1).
+        rank: this process's rank.
+        world_size: this run's world size.
+
+    Returns:
+        The names verified here.
+
+    Raises:
+        CheckpointError: a file is missing, truncated or corrupt, or meta.json records no checksum for one.
+    """
+    expected = [MODEL_NAME, *(rank_file_name(r) for r in range(saved_world_size))]
+    unrecorded = [name for name in expected if name not in records]
+    if unrecorded:
+        raise CheckpointError(
+            f"{directory / META_NAME} records no checksum for {', '.join(unrecorded)}: the metadata is damaged"
+        )
+    owned = {rank_file_name(r) for r in range(world_size)}
+    rest = sorted(name for name in records if name not in owned)
+    share = ([rank_file_name(rank)] if rank_file_name(rank) in records else []) + rest[rank::world_size]
+    for name in share:
+        verify_file(directory / name, records[name])
+    return set(share)
+
+
+def damage_advice(directory: Path) -> str:
+    """What to do about a damaged checkpoint: another complete checkpoint beside it, or starting over."""
+    try:
+        others = [p.name for p in step_dirs(directory.parent) if p.resolve() != directory.resolve()]
+    except OSError:
+        others = []
+    if others:
+        return (
+            f"resume from another checkpoint (--resume {directory.parent / others[-1]}; "
+            f"{', '.join(others)} there) or start over without --resume"
+        )
+    return "restore the file, or start over without --resume (no other checkpoint is beside it)"
+
+
 def read_tensors(path: Path) -> Any:
     """``torch.load(path, weights_only=True)``: tensors and plain values only; nothing in the file runs.
 
