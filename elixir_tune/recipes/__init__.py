@@ -7,7 +7,8 @@
 elixir-run reads a bare SCRIPT (no ``/``, no ``.py``) as a recipe name: it runs the recipe's module on every
 worker (``python -m elixir_tune.recipes.NAME``), after the recipe's ``preflight`` has checked the inputs in
 elixir-run's own process. A path is still the user's own script. The shared parts: options.py (the command-line
-options and the run's plan, device and model), text_data.py (pretrain's byte and random samplers), loop.py (the steps),
+options and the run's plan, device and model), text_data.py (pretrain's byte and random samplers), data_identity.py
+(the data a checkpoint records, and the refusal of a resume on other data), loop.py (the steps),
 evaluation.py (eval loss over a split), progress.py (the bar, the printed lines and the JSON log),
 throughput.py (the tokens a step learned from, padding apart; the plan's prediction against the run) and
 metrics.py (TensorBoard, Weights & Biases). Imports nothing heavy itself: a recipe's module imports torch.

@@ -105,8 +105,10 @@ def preflight(argv: list[str], plan_path: str) -> list[str]:
         Problems: options that do not parse, a model that does not resolve or has no config.json, a tokenizer
         that does not load or cannot render the data (no chat template for messages), a data file that is
         missing, does not parse or fits no format, packing under a plan that cannot carry it, a plan made for
-        another model or other LoRA settings, a logger not installed.
+        another model or other LoRA settings, a --resume on other data than its checkpoint's, a logger not
+        installed.
     """
+    from elixir_tune.recipes.data_identity import resume_data_problem
     from elixir_tune.recipes.metrics import metric_problems
 
     try:
@@ -118,6 +120,7 @@ def preflight(argv: list[str], plan_path: str) -> list[str]:
     plan = elixir_tune.load_plan(plan_path)
     adopt_plan_lora(args, plan)
     problems = metric_problems(args) + output_problems(args) + lora_option_problems(args)
+    problems += [problem for problem in [resume_data_problem(args)] if problem]
     found, data_format = data_problems(args, plan)
     problems += found
     try:

@@ -31,6 +31,7 @@ from elixir_tune.engine.io.checkpoint_files import LATEST_NAME, CheckpointError
 from elixir_tune.engine.io.pretrained_files import describe_failure
 from elixir_tune.engine.model import loss_of
 from elixir_tune.engine.peers.common import world_comm
+from elixir_tune.recipes.data_identity import data_change, data_record, data_refusal
 from elixir_tune.recipes.evaluation import evaluate
 from elixir_tune.recipes.fp16_watch import Fp16Watch
 from elixir_tune.recipes.restarts import lost_peer_line, restart_count, resume_after_restart
@@ -188,7 +189,10 @@ def _prepare(run: _Run) -> str | None:
         return str(error)
     if args.resume:
         run.start_step = int(run.meta["step"])
-        _say_resumed(run)
+        changed = data_change(run.meta.get("extra", {}), args)
+        if changed and not args.new_data:  # every rank sees the same files: all refuse alike
+            return data_refusal(changed)
+        _say_resumed(run, changed)
     run.steps_done = run.start_step
     run.stop_step = min(run.steps, args.stop_at) if args.stop_at is not None else run.steps
     if run.stop_step <= run.start_step:  # nothing would run, and a save would relabel the checkpoint as done
@@ -202,14 +206,14 @@ def _prepare(run: _Run) -> str | None:
         "seed": args.seed,
         "lr": args.lr,
         "warmup_steps": run.warmup,
-        "data": args.data,
+        **data_record(args),  # what the run really trains on ("synthetic" for random tokens)
     }
     run.best_loss = float(run.meta.get("extra", {}).get("best_eval_loss", math.inf))
     return None
 
 
-def _say_resumed(run: _Run) -> None:
-    """Rank 0 says where the run resumed, and which settings differ from the checkpoint's."""
+def _say_resumed(run: _Run, data_changed: str | None) -> None:
+    """Rank 0 says where the run resumed, and which settings and data differ from the checkpoint's."""
     if run.rank != 0:
         return
     args, saved = run.args, run.meta.get("extra", {})
@@ -225,6 +229,8 @@ def _say_resumed(run: _Run) -> None:
                 "the data or LR schedule differs from the original run",
                 flush=True,
             )
+    if data_changed:  # allowed by --new-data, and said where the user looks first
+        print(f"warning: --new-data: {data_changed}; the run goes on with this data", flush=True)
 
 
 def _header(run: _Run, described: str) -> dict:

@@ -96,6 +96,11 @@ def add_training_args(parser: argparse.ArgumentParser, lr: float = 3e-3) -> None
         "--resume", default=None, metavar="DIR", help="continue from this checkpoint (a --save DIR: its latest)"
     )
     parser.add_argument(
+        "--new-data",
+        action="store_true",
+        help="with --resume: go on with other data than the checkpoint was saved with (refused otherwise)",
+    )
+    parser.add_argument(
         "--stop-at",
         type=int,
         default=None,
@@ -142,6 +147,8 @@ def option_problems(args: argparse.Namespace) -> list[str]:
         problems.append(f"--eval-fraction is a share of the samples, 0 <= F < 1, not {args.eval_fraction:g}")
     if args.eval_fraction and args.eval_data:
         problems.append("give --eval-fraction or --eval-data, not both")
+    if args.new_data and not args.resume:
+        problems.append("--new-data allows other data on a --resume: add --resume DIR, or drop it")
     if args.keep_best and not args.save:
         problems.append("--keep-best keeps the best checkpoint under --save DIR: add --save")
     return problems

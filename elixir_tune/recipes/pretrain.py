@@ -55,13 +55,14 @@ def preflight(argv: list[str], plan_path: str) -> list[str]:
         plan_path: the plan the job runs.
 
     Returns:
-        Problems: options that do not parse, a missing data file, a model spec that does not resolve, a logger
-        that is not installed.
+        Problems: options that do not parse, a missing data file, a --resume on other data than its checkpoint's,
+        a model spec that does not resolve, a logger that is not installed.
     """
     from pathlib import Path
 
     import elixir_tune
     from elixir_tune.profiler import ModelSourceError, check_model_source
+    from elixir_tune.recipes.data_identity import resume_data_problem
     from elixir_tune.recipes.metrics import metric_problems
 
     try:
@@ -69,6 +70,9 @@ def preflight(argv: list[str], plan_path: str) -> list[str]:
     except OptionsError as error:
         return [f"pretrain: {error}"]
     problems = metric_problems(args) + output_problems(args)
+    data_problem = resume_data_problem(args)
+    if data_problem:
+        problems.append(data_problem)
     if not args.synthetic:
         for option, path in (("--data", args.data), ("--eval-data", args.eval_data)):
             if path and not Path(path).is_file():
