@@ -270,9 +270,32 @@ def read_records(path: Path) -> datasets.Dataset:
             raise DataError(
                 f"data file {path} does not parse as {suffix.lstrip('.') or 'data'}: {where or _root_cause(error)}"
             ) from None
+    if builder == "json" and _is_one_object(path):  # datasets reads it as one row: a file that trains on one sample
+        raise DataError(
+            f"data file {path} holds one JSON object, not rows of records: give a JSON list of records "
+            '([{"text": ...}, {"text": ...}]) or JSON Lines (.jsonl, one record per line)'
+        )
     if len(dataset) == 0:
         raise DataError(f"data file {path} has no records")
     return dataset
+
+
+def _is_one_object(path: Path) -> bool:
+    """Whether a JSON file that ``datasets`` parsed is a single object rather than rows: an object spread over
+    several lines (JSON lines hold one record per line), or a .json file whose only line is an object (in a
+    .jsonl file that line is one record, as JSON lines mean it). Reads the first lines only."""
+    import json
+
+    with open(path, encoding="utf-8", errors="replace") as file:
+        lines = (line for line in file if line.strip())
+        first = next(lines, "")
+        if not first.lstrip().startswith("{"):
+            return False  # a list of records
+        try:
+            json.loads(first)
+        except json.JSONDecodeError:
+            return True  # the object goes on over the next lines: the whole file is one document
+        return path.suffix.lower() == ".json" and next(lines, None) is None
 
 
 def _load_saved(path: Path, datasets: Any) -> datasets.Dataset:

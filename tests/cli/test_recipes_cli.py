@@ -107,3 +107,15 @@ def test_a_logger_that_is_not_installed(tmp_path: Path):
     assert code == 2 and _errors(output) == [
         "error: --wandb my-project logs to Weights & Biases: pip install wandb (and `wandb login`)"
     ], output
+
+
+def test_a_json_data_file_of_one_object_is_refused_before_anything_starts(tmp_path: Path):
+    (tmp_path / "empty").mkdir()
+    data = tmp_path / "corpus.json"
+    data.write_text('{"text": "all of it in one object"}')
+    code, output = _invoke([EXAMPLE_PLAN, "finetune", "--model", tmp_path / "empty", "--data", data], tmp_path)
+    assert code == 2 and "starting" not in output, output
+    assert _errors(output)[0] == (
+        f"error: data file {data} holds one JSON object, not rows of records: give a JSON list of records "
+        '([{"text": ...}, {"text": ...}]) or JSON Lines (.jsonl, one record per line)'
+    )

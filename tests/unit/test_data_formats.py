@@ -162,3 +162,25 @@ def test_importing_the_package_loads_no_torch_datasets_or_transformers():
     code = "import sys, elixir_tune.data; print(sorted({'torch', 'datasets', 'transformers'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_json_file_of_one_object_is_refused_and_lists_and_lines_are_read(tmp_path):
+    """datasets reads a .json file holding one object as one row: a run trained on that one sample (or a dict
+    of columns as one row of lists). One object is refused; a list of records and JSON lines are rows."""
+    refused = 'holds one JSON object, not rows of records: give a JSON list of records ([{"text": ...}, {"text": ...}])'
+    for name, content in (
+        ("one.json", '{"text": "a whole corpus in one record"}'),
+        ("pretty.json", '{\n  "text": "a",\n  "source": "b"\n}\n'),
+        ("columns.json", '{"text": ["a", "b"]}'),
+        ("pretty.jsonl", '{\n  "text": "a"\n}\n'),  # JSON lines hold one record per line
+    ):
+        (tmp_path / name).write_text(content)
+        message = one_line_error(DataSpec(str(tmp_path / name)))
+        assert message == f"data file {tmp_path / name} {refused} or JSON Lines (.jsonl, one record per line)"
+    (tmp_path / "rows.json").write_text('[{"text": "a"}, {"text": "b"}]')
+    (tmp_path / "lines.json").write_text('{"text": "a"}\n{"text": "b"}\n')
+    (tmp_path / "one.jsonl").write_text('{"text": "a"}\n')  # one record, as JSON lines mean it
+    counts = {
+        n: inspect_data(DataSpec(str(tmp_path / n))).num_records for n in ("rows.json", "lines.json", "one.jsonl")
+    }
+    assert counts == {"rows.json": 2, "lines.json": 2, "one.jsonl": 1}
