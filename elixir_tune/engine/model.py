@@ -58,7 +58,6 @@ def check_micro_batches(micro_batches: Sequence[Any]) -> None:
                 f"micro-batch {index} is a {type(batch).__name__}; forward_backward takes a list of dicts of "
                 "the model's keyword arguments (e.g. input_ids, labels)"
             )
-        check_not_empty((), batch)
 
 
 # The inputs whose first dimension is the batch, in every transformers causal LM.
@@ -140,9 +139,9 @@ class ElixirModel(torch.nn.Module):
         if self.engine.pipeline is not None:
             raise RuntimeError(pipeline_call_message(self.engine.plan.parallel.pipeline.stages))
         with self.engine.passes.through_wrapper():
-            check_not_empty(args, kwargs)
             self.engine.begin_forward()  # first: a rank that runs it alone must not meet a collective before
             self._check_inputs_once([dict(kwargs, **{f"arg{i}": a for i, a in enumerate(args)})])
+            check_not_empty(args, kwargs)  # after the first step's contract check, which every rank meets
             # A vocabulary-parallel loss (tensor parallelism) runs inside loss_context; the first step's
             # forward runs under the engine's read check.
             with self.engine.loss_context(), self.engine.read_check():
@@ -197,6 +196,8 @@ class ElixirModel(torch.nn.Module):
         if self.engine.finite_guard is not None and self.engine.finite_guard.failed is not None:
             raise self.engine.finite_guard.failed  # known already: the run stopped at that step
         self._check_inputs_once(micro_batches)
+        for batch in micro_batches:  # after the first step's contract check, which every rank meets
+            check_not_empty((), batch)
         causal = is_causal_lm(self.module)
         weighted = wants_token_weights(micro_batches, weight_by_tokens, loss_fn is not None, causal)
         weights = token_weights(micro_batches, self.engine.comm, shift=causal) if weighted else None
