@@ -22,6 +22,11 @@ class RecipeParser(argparse.ArgumentParser):
 
     raise_errors = False
 
+    def __init__(self, *args, **kwargs):
+        # argparse takes --epoch 1 as --epochs 1 and --step 3 as --steps 3: a full run from a typo.
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> NoReturn:
         message += did_you_mean(message, list(self._option_string_actions))  # argparse keeps no public list
         if self.raise_errors:

@@ -69,6 +69,11 @@ def test_a_model_dir_without_config_and_a_bad_option(tmp_path: Path):
     assert code == 2 and _errors(output) == [
         "error: pretrain: unrecognized arguments: --stepz 3 (did you mean --steps?)"
     ], output
+    # An abbreviation is not taken for the option it begins: --step 3 must not start a run of --steps 3.
+    code, output = _invoke([EXAMPLE_PLAN, "pretrain", "--step", "3"], tmp_path)
+    assert code == 2 and _errors(output) == [
+        "error: pretrain: unrecognized arguments: --step 3 (did you mean --steps?)"
+    ], output
     code, output = _invoke([EXAMPLE_PLAN, "pretrain", "--keep-best"], tmp_path)
     assert _errors(output) == ["error: pretrain: --keep-best keeps the best checkpoint under --save DIR: add --save"]
 
