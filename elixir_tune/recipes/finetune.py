@@ -15,7 +15,8 @@ directory whose records have ``text``, ``prompt`` + ``completion`` (loss on the 
 printed; ``--packing`` puts several samples in a row without letting them attend to each other. LoRA:
 ``--lora-rank R`` wraps the meta model with PEFT's adapters before setup (the base frozen); profile with the same
 ``--lora-*`` options. Without ``--lora-*`` options the plan's LoRA settings (the profile's) are used. ``--save-pretrained OUT`` writes the weights, config, tokenizer files and generation config
-at the end (with LoRA: the adapter in PEFT's format, or with ``--merge-lora`` the merged model), so
+into a new or empty directory, or over an earlier export (export_dir.py), at the end (with LoRA: the adapter in
+PEFT's format, or with ``--merge-lora`` the merged model), so
 ``from_pretrained(OUT)`` loads it as it is. elixir-run calls ``preflight`` before any worker starts, so a wrong
 path or a file that fits no format is one line, not a traceback per rank.
 """
@@ -105,10 +106,11 @@ def preflight(argv: list[str], plan_path: str) -> list[str]:
         Problems: options that do not parse, a model that does not resolve or has no config.json, a tokenizer
         that does not load or cannot render the data (no chat template for messages), a data file that is
         missing, does not parse or fits no format, packing under a plan that cannot carry it, a plan made for
-        another model or other LoRA settings, a --resume on other data than its checkpoint's, a logger not
-        installed.
+        another model or other LoRA settings, a --resume on other data than its checkpoint's, a
+        --save-pretrained directory holding files that are not an elixir-tune export, a logger not installed.
     """
     from elixir_tune.recipes.data_identity import resume_data_problem
+    from elixir_tune.recipes.export_dir import export_dir_problem
     from elixir_tune.recipes.metrics import metric_problems
 
     try:
@@ -120,7 +122,9 @@ def preflight(argv: list[str], plan_path: str) -> list[str]:
     plan = elixir_tune.load_plan(plan_path)
     adopt_plan_lora(args, plan)
     problems = metric_problems(args) + output_problems(args) + lora_option_problems(args)
-    problems += [problem for problem in [resume_data_problem(args)] if problem]
+    problems += [
+        problem for problem in (resume_data_problem(args), export_dir_problem(args.save_pretrained)) if problem
+    ]
     found, data_format = data_problems(args, plan)
     problems += found
     try:
@@ -187,14 +191,21 @@ def write_usable_dir(model, model_dir: Path, args, rank: int) -> str:
 
     Raises:
         SaveError: on every rank, when rank 0 could not write (the message names the rank, the file
-            or directory and the cause): the ranks agree before any returns.
+            or directory and the cause), or when the directory holds files that are not an elixir-tune
+            export (export_dir.py; nothing is written): the ranks agree before any returns.
     """
     import elixir_tune
     from elixir_tune.engine.comm import shared_errors
     from elixir_tune.engine.io.pretrained_files import SaveError, describe_failure
     from elixir_tune.models.lora import save_adapter, save_merged
+    from elixir_tune.recipes.export_dir import export_dir_problem, mark_export
 
     out = args.save_pretrained
+    world = model.engine.mesh.world
+    # The user's files may have come there while the run trained (the preflight found none): nothing replaces them.
+    refused = shared_errors(world, export_dir_problem(out) if rank == 0 else None)
+    if refused:
+        raise SaveError(refused[0])
     error = None
     # Rank 0 writes the adapter, the merged model and the tokenizer files alone, after the last collective:
     # a failure there must reach the other ranks as well (shared_errors below), or they would exit 0.
@@ -210,11 +221,12 @@ def write_usable_dir(model, model_dir: Path, args, rank: int) -> str:
             written = f"the LoRA adapter (load it with PeftModel.from_pretrained(base, {out}))"
         if rank == 0:
             _write_tokenizer_files(model_dir, Path(out), args)
+            mark_export(Path(out), SCRIPT_NAME, written)  # the next run may replace this export, and no other files
     except SaveError as failure:  # save_pretrained's: already the same on every rank
         error = str(failure)
     except Exception as failure:  # noqa: BLE001  (PEFT's, transformers' and the tokenizer's writers)
         error = f"rank {rank} could not write {out}: {describe_failure(failure)}"
-    errors = shared_errors(model.engine.mesh.world, error)
+    errors = shared_errors(world, error)
     if errors:
         raise SaveError("; ".join(errors))
     return written

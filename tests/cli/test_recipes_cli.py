@@ -124,3 +124,22 @@ def test_a_json_data_file_of_one_object_is_refused_before_anything_starts(tmp_pa
         f"error: data file {data} holds one JSON object, not rows of records: give a JSON list of records "
         '([{"text": ...}, {"text": ...}]) or JSON Lines (.jsonl, one record per line)'
     )
+
+
+def test_save_pretrained_into_a_users_folder_is_refused_before_anything_starts(tmp_path: Path):
+    """The export overwrote config.json (and the rest) in a folder of the user's; an earlier export of the
+    recipe (its marker file there) may still be replaced."""
+    (tmp_path / "empty").mkdir()
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "config.json").write_text('{"mine": true}')
+    args = [EXAMPLE_PLAN, "finetune", "--model", tmp_path / "empty", "--save-pretrained", theirs]
+    code, output = _invoke(args, tmp_path)
+    assert code == 2 and "starting" not in output, output
+    assert (
+        f"error: --save-pretrained {theirs}: the directory holds files that are not an elixir-tune export "
+        "(config.json), which the export would overwrite: give a new or empty directory, or move those files away"
+    ) in _errors(output)
+    (theirs / ".elixir-tune-export.json").write_text("{}")  # what an export of the recipe leaves
+    code, output = _invoke(args, tmp_path)
+    assert not any("--save-pretrained" in line for line in _errors(output)), output

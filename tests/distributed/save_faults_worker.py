@@ -9,7 +9,8 @@ Run by ``engine_launch.py`` (argv: cases.json, output prefix). Each case is a di
 * ``stages``: 1 (a data-parallel plan on every rank) or 2 (a pipeline of 2 stages);
 * ``harm``: what makes rank 0's write fail: ``"file_too_large"`` (a file size limit of a few KiB on rank 0
   alone, ``RLIMIT_FSIZE``: the kernel answers EFBIG mid-file, as a full disk answers ENOSPC), or
-  ``"not_a_directory"`` (the target's parent is a regular file: ENOTDIR).
+  ``"not_a_directory"`` (the target's parent is a regular file: ENOTDIR), or ``"user_files"`` (the target is a
+  folder holding a file of the user's, which the recipe's export refuses to overwrite).
 
 Every rank sets up the tiny GPT-2 of tests/unit/models/stage_families.py (hidden 32, 3 blocks), trains
 one step, saves a good copy, trains another step and saves again into the same place with the harm in force.
@@ -106,6 +107,12 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
     _train_step(model, opt, steps[1][elixir_tune.data_rank()][:ACCUM])
 
     target = good
+    if case["harm"] == "user_files":  # a folder of the user's: the export must not overwrite their config.json
+        target = base / "theirs"
+        if rank == 0:
+            target.mkdir(parents=True)
+            (target / "config.json").write_text('{"mine": true}\n')
+        dist.barrier()
     if case["harm"] == "not_a_directory":
         blocker = base / "a-file"
         if rank == 0:
@@ -133,6 +140,8 @@ def run_case(case: dict, index: int, rank: int, world: int, out_path: str) -> di
         "in_step": rank != 0 or all(bool(torch.isfinite(v).all()) for v in state.values() if v.is_floating_point()),
     }
     after = _tree_hashes(good) if rank == 0 else {}
+    if case["harm"] == "user_files" and rank == 0:
+        report["theirs"] = {path.name: path.read_text() for path in (base / "theirs").iterdir()}
     leftovers = sorted(str(p.relative_to(base)) for p in base.rglob("*") if ".tmp" in p.name) if rank == 0 else []
     # The same save with the harm gone succeeds, in place of the previous one.
     _save(case, model, opt, good, 3)

@@ -2,9 +2,10 @@
 
 Rank 0 writes for real into a place it cannot write: a file size limit of 4 KiB on rank 0 alone
 (``RLIMIT_FSIZE``: the kernel answers EFBIG in the middle of a file, as a full disk answers ENOSPC), or
-a target under a regular file (ENOTDIR). Eight cases in one launch: ``save_pretrained`` under a
+a target under a regular file (ENOTDIR). Nine cases in one launch: ``save_pretrained`` under a
 data-parallel plan (both harms, several files) and a pipeline of 2 stages, ``save_checkpoint``
-under both plans, the finetune recipe's ``--save-pretrained`` of a LoRA adapter, and a user's own
+under both plans, the finetune recipe's ``--save-pretrained`` of a LoRA adapter (and into a folder of the
+user's, which it refuses to overwrite), and a user's own
 ``lora.save_adapter`` (a pipeline of 2 stages) and ``lora.save_merged`` (PEFT and transformers write on
 rank 0 alone after the last collective: before, rank 0 failed alone, the others returned as if the save
 had worked, and a half-written file replaced the good one). Each saves a good copy first, then fails,
@@ -31,6 +32,7 @@ CASES = [
     dict(save="checkpoint", stages=1, harm="file_too_large"),
     dict(save="checkpoint", stages=2, harm="not_a_directory"),
     dict(save="recipe_adapter", stages=1, harm="not_a_directory"),
+    dict(save="recipe_adapter", stages=1, harm="user_files"),
     dict(save="adapter", stages=2, harm="file_too_large"),
     dict(save="merged", stages=1, harm="file_too_large"),
 ]
@@ -47,6 +49,11 @@ def results() -> list[list[dict]]:
 
 
 def _expected_error(case: dict) -> str:
+    if case["harm"] == "user_files":  # refused before anything is written
+        return (
+            "--save-pretrained {base}/theirs: the directory holds files that are not an elixir-tune export "
+            "(config.json), which the export would overwrite: give a new or empty directory, or move those files away"
+        )
     if case["save"] == "recipe_adapter":  # save_adapter's error, passed on by the recipe
         return "save_adapter: rank 0 could not create {base}/a-file/out: [Errno 20] Not a directory"
     if case["save"] in ("adapter", "merged"):  # PEFT's or transformers' writer, staged on rank 0
@@ -99,3 +106,11 @@ def test_the_save_succeeds_once_the_cause_is_gone(results, index):
         assert any(name.endswith(".safetensors") for name in changed), changed
     else:  # a new step directory beside the first one, latest pointing at it
         assert "step-000003/meta.json" in written["retried"] and "step-000001/meta.json" in written["retried"]
+
+
+def test_the_recipe_export_leaves_a_users_folder_as_it_was(results):
+    """--save-pretrained into a folder of the user's wrote config.json and the rest over their files without a
+    word; now every rank refuses (the error above) and the folder is as it was. An earlier export of the recipe
+    (its marker there) is still replaced: the retried save above."""
+    written = results[CASES.index(dict(save="recipe_adapter", stages=1, harm="user_files"))][0]
+    assert written["theirs"] == {"config.json": '{"mine": true}\n'}  # nothing replaced, nothing added
