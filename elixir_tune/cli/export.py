@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 import yaml
 
-from elixir_tune.cli.console import console, err_console, fail
+from elixir_tune.cli.console import console, err_console, fail, print_json, refuse_output_over_input
 from elixir_tune.plan import PlanError, load_plan
 
 DEFAULT_OUT = {"deepspeed": "ds_config.json", "fsdp2": "fsdp2_setup.py", "accelerate": "accelerate_config.yaml"}
@@ -19,7 +19,8 @@ DEFAULT_OUT = {"deepspeed": "ds_config.json", "fsdp2": "fsdp2_setup.py", "accele
 @click.option("--to", "target", type=click.Choice(sorted(DEFAULT_OUT)), required=True, help="The engine to write for.")
 @click.option("-o", "--out", type=click.Path(dir_okay=False), help="Where to write (default: by --to).")
 @click.option("--block-class", help="accelerate: the class name of the model's blocks (auto wrap).")
-def export_command(plan_path: str, target: str, out: str | None, block_class: str | None) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print {plan, target, out, not_expressed} as JSON.")
+def export_command(plan_path: str, target: str, out: str | None, block_class: str | None, as_json: bool) -> None:
     """Write DeepSpeed's, FSDP2's or accelerate's configuration reproducing PLAN as far as it can,
     and list what it cannot express.
 
@@ -28,12 +29,14 @@ def export_command(plan_path: str, target: str, out: str | None, block_class: st
         elixir-tune export plan.yaml --to deepspeed          # -> ds_config.json
         elixir-tune export plan.yaml --to fsdp2              # -> fsdp2_setup.py (apply_plan(model))
         elixir-tune export plan.yaml --to accelerate --block-class LlamaDecoderLayer
+        elixir-tune export plan.yaml --to deepspeed --json   # what was written, what was not expressed
     """
     try:
         plan = load_plan(plan_path)
     except PlanError as error:
         fail(f"{plan_path}: not a valid plan: " + "; ".join(error.problems[:3]), "check it with elixir-tune validate")
     path = Path(out or DEFAULT_OUT[target])
+    refuse_output_over_input(str(path), {"PLAN": plan_path})
     if target == "deepspeed":
         from elixir_tune.export.deepspeed_config import deepspeed_config, deepspeed_unexpressed
 
@@ -48,6 +51,9 @@ def export_command(plan_path: str, target: str, out: str | None, block_class: st
         config, notes = accelerate_config(plan, block_class)
         text = yaml.safe_dump(config, sort_keys=False)
     path.write_text(text)
+    if as_json:
+        print_json({"plan": plan_path, "target": target, "out": str(path), "not_expressed": notes})
+        return
     console.print(f"wrote {path} ({target})")
     if notes:
         err_console.print(f"not expressed in {target}'s configuration:")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from elixir_tune.cli.console import EXIT_USAGE, console, err_console, fail
+from elixir_tune.cli.console import EXIT_USAGE, console, err_console, fail, print_json
 from elixir_tune.cli.profile import MODEL_HINT
 from elixir_tune.cli.types import FiniteRange
 from elixir_tune.units import gib
@@ -55,6 +55,7 @@ PROFILE_BATCH_SIZE = 8  # the micro-batch traced (the profile gives activations 
 @click.option("--lora-targets", default=None, help="Modules to adapt, e.g. q_proj,v_proj.")
 @click.option("--plan-out", type=click.Path(dir_okay=False), default=None, help="Also write the plan used here.")
 @click.option("--dry-run", is_flag=True, help="Profile and search (or reuse them), print the plan and the command.")
+@click.option("--json", "as_json", is_flag=True, help="With --dry-run: print the plan file and the command as JSON.")
 @click.argument("recipe_args", nargs=-1, type=click.UNPROCESSED, metavar="[RECIPE_OPTIONS]...")
 def train_command(
     model: str,
@@ -69,6 +70,7 @@ def train_command(
     lora_targets: str | None,
     plan_out: str | None,
     dry_run: bool,
+    as_json: bool,
     recipe_args: tuple[str, ...],
 ) -> None:
     """Profile MODEL, search a plan for this machine and train it, in one command.
@@ -85,6 +87,8 @@ def train_command(
         elixir-tune train gpt2-tiny --gpus 2 --steps 50
         elixir-tune train path/to/model --data chat.jsonl --gpus 4 --hardware h100-80gb-sxm --dry-run
     """
+    if as_json and not dry_run:  # a run's output is its training log, not one document
+        fail("--json goes with --dry-run", hint="add --dry-run, or drop --json", code=EXIT_USAGE)
     if data is not None and not Path(data).exists():  # before any heavy import: an answer at once
         fail(f"--data {data}: no such file", hint="give the training data's path", code=EXIT_USAGE)
     if lora_rank is None and (lora_alpha is not None or lora_targets is not None):
@@ -113,14 +117,15 @@ def train_command(
     warn_cpu_oversubscription(plan.cluster.device, gpus, runs_here=True)
     if plan_out:
         Path(plan_out).write_text(plan_file.read_text())
-    for line in plan_lines(plan):
-        console.print(line, markup=False, soft_wrap=True)
     reused = " and ".join(what for what, hit in (("profile", profile_reused), ("plan", plan_reused)) if hit)
-    console.print(
-        f"plan file: {plan_out or plan_file}" + (f" (cached {reused} reused)" if reused else ""),
-        markup=False,
-        soft_wrap=True,
-    )
+    if not as_json:
+        for line in plan_lines(plan):
+            console.print(line, markup=False, soft_wrap=True)
+        console.print(
+            f"plan file: {plan_out or plan_file}" + (f" (cached {reused} reused)" if reused else ""),
+            markup=False,
+            soft_wrap=True,
+        )
 
     script, note = run_script_for(profile, shlex.quote(data) if data else "")
     if script == "train.py":
@@ -133,6 +138,17 @@ def train_command(
     elif data:
         words += ["--data", data]
     argv = [str(plan_out or plan_file), *words, *recipe_args]
+    if as_json:
+        command = ["elixir-run", *argv]
+        print_json(
+            {
+                "profile_file": str(profile_file),
+                "plan_file": str(plan_out or plan_file),
+                "reused": reused,
+                "command": command,
+            }
+        )
+        return
     # The same job later, or on a cluster, without this command: the line to keep.
     console.print(("" if dry_run else "running: ") + "elixir-run " + shlex.join(argv), markup=False, soft_wrap=True)
     if dry_run:

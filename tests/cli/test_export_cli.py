@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import yaml
 from click.testing import CliRunner
@@ -48,3 +49,17 @@ def test_export_refuses_an_invalid_plan(tmp_path):
     bad.write_text("schema_version: 1\n")
     result = CliRunner().invoke(cli, ["export", str(bad), "--to", "deepspeed"])
     assert result.exit_code != 0 and "not a valid plan" in result.output
+
+
+def test_export_json_says_what_was_written_and_never_writes_over_the_plan(tmp_path):
+    out = tmp_path / "ds.json"
+    result = CliRunner().invoke(cli, ["export", EXAMPLE, "--to", "deepspeed", "-o", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["out"] == str(out) and report["target"] == "deepspeed" and out.is_file()
+    assert any("chunk cache" in note for note in report["not_expressed"])
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(Path(EXAMPLE).read_text())
+    result = CliRunner().invoke(cli, ["export", str(plan), "--to", "deepspeed", "-o", str(plan)])
+    assert result.exit_code == 2 and "is the file given as PLAN" in result.output
+    assert plan.read_text() == Path(EXAMPLE).read_text()

@@ -64,6 +64,11 @@ def test_one_command_fine_tunes_with_lora_and_reuses_its_plan(tmp_path: Path):
     (command,) = [line for line in again.stdout.splitlines() if line.startswith("elixir-run ")]
     assert command == f"elixir-run {plans[0]} finetune --model {model_dir} --data {chat} --epochs 1"  # no --lora-*
 
+    as_json = _train([model_dir, "--data", chat, *settings, "--epochs", 1, "--dry-run", "--json"], tmp_path, cache)
+    assert as_json.returncode == 0, as_json.stderr[-3000:]
+    report = json.loads(as_json.stdout)  # the document alone on stdout
+    assert report["command"] == ["elixir-run", str(plans[0]), *command.split()[2:]] and report["reused"]
+
     longer = _train([model_dir, "--data", chat, *settings[:-4], "--seq-len", 64, "--dry-run"], tmp_path, cache)
     assert longer.returncode == 0 and "seq 64" in longer.stdout and "reused" not in longer.stdout
     assert len(list((cache / "plans").glob("plan-*.yaml"))) == 2
