@@ -50,6 +50,9 @@ def cases(work: Path) -> dict[str, list[str]]:
             str(work / "missing.jsonl"),
         ],
         "elixir-tune profile: missing model file": [tune, "profile", str(work / "missing_model.py")],
+        "elixir-run PLAN pretrain --help": [run, str(EXAMPLE_PLAN), "pretrain", "--help"],
+        "elixir-run PLAN finetune --help": [run, str(EXAMPLE_PLAN), "finetune", "--help"],
+        "elixir-run PLAN pretrain --stepz 3": [run, str(EXAMPLE_PLAN), "pretrain", "--stepz", "3"],
         "elixir-tune train --help": [tune, "train", "--help"],
         "elixir-tune train: missing data file": [tune, "train", str(model_dir), "--data", str(work / "missing.jsonl")],
     }

@@ -60,15 +60,15 @@ def preflight(argv: list[str], plan_path: str) -> list[str]:
     """
     from pathlib import Path
 
+    try:  # first: --help and a bad option answer at once, before the imports of torch below
+        args = parse_options(build_parser(), argv, for_preflight=True)
+    except OptionsError as error:
+        return [f"pretrain: {error}"]
     import elixir_tune
     from elixir_tune.profiler import ModelSourceError, check_model_source
     from elixir_tune.recipes.data_identity import resume_data_problem
     from elixir_tune.recipes.metrics import metric_problems
 
-    try:
-        args = parse_options(build_parser(), argv, for_preflight=True)
-    except OptionsError as error:
-        return [f"pretrain: {error}"]
     problems = metric_problems(args) + output_problems(args)
     data_problem = resume_data_problem(args)
     if data_problem:

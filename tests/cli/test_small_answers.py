@@ -136,6 +136,12 @@ NO_HEAVY_IMPORTS = {
     f"run_command([{str(EXAMPLE_PLAN)!r}, 'finetune', '--model', 'MODEL', '--data', 'missing.jsonl'])",
     "elixir-tune train: missing data file": "from elixir_tune.cli.main import cli; "
     "cli(['train', 'MODEL', '--data', 'missing.jsonl'])",
+    **{
+        f"elixir-run PLAN {recipe} {option}": "from elixir_tune.cli.run import run_command; "
+        f"run_command([{str(EXAMPLE_PLAN)!r}, {recipe!r}, {option!r}])"
+        for recipe in ("pretrain", "finetune")
+        for option in ("--help", "--stepz")
+    },
 }
 
 
