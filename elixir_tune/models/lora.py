@@ -202,7 +202,7 @@ def _gatherer(engine: Any) -> Any:
     return engine.pipeline or engine
 
 
-def save_adapter(model: nn.Module, out_dir: str | os.PathLike) -> None:
+def save_adapter(model: nn.Module, out_dir: str | os.PathLike, base_model: str | None = None) -> None:
     """Writes the adapters in PEFT's format: ``adapter_config.json`` + ``adapter_model.safetensors``.
 
     ``PeftModel.from_pretrained(base_model, out_dir)`` reads it. On the engine every rank must call
@@ -212,6 +212,9 @@ def save_adapter(model: nn.Module, out_dir: str | os.PathLike) -> None:
     Args:
         model: the ``ElixirModel`` of a LoRA model (or the PEFT model itself).
         out_dir: directory to write (created).
+        base_model: the base model's Hub name or directory, written as ``base_model_name_or_path`` (a
+            model built from its config has none), so that ``AutoPeftModelForCausalLM.from_pretrained``
+            finds it; None keeps what PEFT recorded.
 
     Raises:
         LoraError: the model has no LoRA adapters.
@@ -220,6 +223,9 @@ def save_adapter(model: nn.Module, out_dir: str | os.PathLike) -> None:
     """
     peft_model = _peft_model_of(model)
     state = _trainable_state(model)
+    if base_model is not None:
+        for config in peft_model.peft_config.values():
+            config.base_model_name_or_path = base_model
 
     def write(staging: Path) -> None:
         peft_model.save_pretrained(str(staging), state_dict=state, safe_serialization=True)

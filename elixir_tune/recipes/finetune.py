@@ -217,7 +217,7 @@ def write_usable_dir(model, model_dir: Path, args, rank: int) -> str:
             save_merged(model, out)
             written = "the model with the LoRA adapters merged (load it with AutoModelForCausalLM.from_pretrained)"
         else:
-            save_adapter(model, out)
+            save_adapter(model, out, base_model=_base_model_name(args.model, model_dir))
             written = f"the LoRA adapter (load it with PeftModel.from_pretrained(base, {out}))"
         if rank == 0:
             _write_tokenizer_files(model_dir, Path(out), args)
@@ -230,6 +230,14 @@ def write_usable_dir(model, model_dir: Path, args, rank: int) -> str:
     if errors:
         raise SaveError("; ".join(errors))
     return written
+
+
+def _base_model_name(spec: str | None, model_dir: Path) -> str:
+    """What an adapter names as its base: the Hub name as given (it loads anywhere), else the directory's
+    absolute path; PEFT's AutoPeftModelForCausalLM loads the base from it."""
+    from elixir_tune.hf_cache import looks_like_hub_name
+
+    return spec if spec and looks_like_hub_name(spec) else str(model_dir.resolve())
 
 
 def _write_tokenizer_files(model_dir: Path, out: Path, args) -> None:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -31,7 +32,7 @@ def _train(args: list, cwd: Path, cache: Path) -> subprocess.CompletedProcess:
 
 
 def test_one_command_fine_tunes_with_lora_and_reuses_its_plan(tmp_path: Path):
-    from peft import PeftModel
+    from peft import AutoPeftModelForCausalLM, PeftModel
     from transformers import AutoModelForCausalLM
 
     from tests.fixtures.tiny_hf import CONVERSATIONS, make_llama_dir
@@ -57,6 +58,11 @@ def test_one_command_fine_tunes_with_lora_and_reuses_its_plan(tmp_path: Path):
     tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), out)
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
     assert max(float(p.abs().max()) for n, p in tuned.named_parameters() if "lora_B" in n) > 0  # trained
+    # PEFT's own loader finds the base from the adapter alone.
+    auto = AutoPeftModelForCausalLM.from_pretrained(out)
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(model_dir.resolve())
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.equal(auto(input_ids=ids).logits, tuned(input_ids=ids).logits)
 
     again = _train([model_dir, "--data", chat, *settings, "--epochs", 1, "--dry-run"], tmp_path, cache)
     assert again.returncode == 0, again.stderr[-3000:]
