@@ -25,6 +25,10 @@ from elixir_tune.launcher.checks import parse_endpoint
 # How long a TCP listener may take to answer as a store before we call it another program. A store
 # answers in about a millisecond; another program that accepts the connection never answers.
 STORE_PROBE_S = 3.0
+# How long a fresh connection is watched before any store client talks to the listener. A store never
+# speaks first nor hangs up on a client that has not spoken; a web server's banner or a program that
+# closes at once does so in this time.
+FIRST_WORD_S = 0.5
 # How often each node's elixir-run counts up its beat in the store while its workers run.
 HEARTBEAT_S = 1.0
 
@@ -134,12 +138,31 @@ def _store(host: str, port: int, serve: bool, timeout_s: float):
     )
 
 
+def _speaks_or_hangs_up(host: str, port: int, wait_s: float = FIRST_WORD_S) -> bool:
+    """Whether the listener at host:port sends bytes unasked or closes a connection that said nothing:
+    another program, told apart in Python. A TCPStore client facing it retries with a page of C++ frames
+    on stderr per try, and one still retrying at exit aborts the process (SIGABRT)."""
+    try:
+        with socket.create_connection((host, port), timeout=2.0) as sock:
+            sock.settimeout(wait_s)
+            try:
+                sock.recv(1)  # a byte (it spoke first) or b"" (it hung up)
+            except TimeoutError:
+                return False  # silent, as a store is
+            return True
+    except OSError:
+        return True  # refused or reset: nothing that serves a store
+
+
 def _probe_store(host: str, port: int, timeout_s: float):
     """A client of the store at host:port, or None when what listens there does not answer as one.
 
-    A TCPStore client facing another program blocks beyond its own timeout, so it runs in a
-    daemon thread that is abandoned when it does not come back in time.
+    A program that speaks first or hangs up is told apart without a store client. A silent one
+    blocks a TCPStore client beyond its own timeout, so the client runs in a daemon thread that is
+    abandoned when it does not come back in time.
     """
+    if _speaks_or_hangs_up(host, port):
+        return None
     result: list[Any] = []
 
     def connect() -> None:

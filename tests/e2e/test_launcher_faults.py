@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 
 import pytest
@@ -65,6 +66,36 @@ def test_a_rendezvous_port_held_by_another_program_is_an_error_at_once(tmp_path)
     assert f"rendezvous port {port} (127.0.0.1:{port}) is held by another program" in result.stderr
     assert "choose another port with --rdzv-endpoint" in result.stderr
     assert took_s < 40  # start-up (torch import) plus the 3 s probe; was minutes of silence
+    assert not list(tmp_path.iterdir()), "workers started"
+
+
+def _hang_up_on_everyone(holder: socket.socket) -> None:
+    """Accepts each connection and closes it at once, as a program that rejects what it does not know."""
+    while True:
+        try:
+            connection, _ = holder.accept()
+        except OSError:  # the test closed the socket
+            return
+        connection.close()
+
+
+def test_a_rendezvous_port_whose_program_hangs_up_is_one_line_without_cpp_frames(tmp_path):
+    """A TCPStore client retried against it, printing a page of C++ frames per try, and the process sometimes
+    ended in SIGABRT ('terminate called without an active exception') after the right line."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(16)
+        port = holder.getsockname()[1]
+        threading.Thread(target=_hang_up_on_everyone, args=(holder,), daemon=True).start()
+        result = run_elixir(
+            ["--rdzv-endpoint", f"127.0.0.1:{port}", EXAMPLE_PLAN, ALLREDUCE_WORKER, "--out", tmp_path], timeout_s=60
+        )
+        holder.shutdown(socket.SHUT_RDWR)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert f"error: rendezvous port {port} (127.0.0.1:{port}) is held by another program" in result.stderr
+    assert "choose another port with --rdzv-endpoint" in result.stderr
+    assert "frame #" not in output and "TCPStore" not in output and "terminate called" not in output, output
     assert not list(tmp_path.iterdir()), "workers started"
 
 
