@@ -15,6 +15,7 @@ Formats, by the fields of the records:
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import tempfile
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ TEXT_MODES = ("pack", "document", "line", "paragraph")
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 # suffix -> the ``datasets`` builder that reads it
 TABLE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+_UTF8_BLOCK_BYTES = 1 << 20  # how much of a data file the UTF-8 check reads at a time
 
 
 class DataError(ValueError):
@@ -260,6 +262,8 @@ def read_records(path: Path) -> datasets.Dataset:
                 raise DataError(f"data file {path}: unknown suffix {suffix!r}; give one of {kinds} or a saved dataset")
             if path.stat().st_size == 0:
                 raise DataError(f"data file {path} is empty")
+            if builder != "parquet":
+                _refuse_non_utf8(path)
             dataset = datasets.load_dataset(
                 builder, data_files=str(path), split="train", cache_dir=cache_dir, keep_in_memory=True, **options
             )
@@ -336,6 +340,36 @@ def _json_error(path: Path) -> str | None:
             except json.JSONDecodeError as error:
                 return f"line {number}: {error.msg} (column {error.colno})"
     return None
+
+
+def _refuse_non_utf8(path: Path) -> None:
+    """Refuses a text, JSON or CSV file holding a byte that is not UTF-8, naming its line and byte offset.
+
+    pyarrow's JSON reader keeps such a byte inside a string without a word: the preflight passed and every
+    worker then failed in its tokenizer with a traceback. Read in blocks: a data file may be gigabytes.
+
+    Raises:
+        DataError: the first such byte, or a character cut off at the end of the file.
+    """
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    fed = newlines = 0  # bytes and line ends before the block being decoded
+    with open(path, "rb") as file:
+        while True:
+            block = file.read(_UTF8_BLOCK_BYTES)
+            pending = len(decoder.getstate()[0])  # the start of a character cut by the last block's end
+            try:
+                decoder.decode(block, final=not block)
+            except UnicodeDecodeError as error:  # error.object is pending + block
+                offset = fed - pending + error.start
+                line = newlines + error.object[pending : error.start].count(b"\n") + 1
+                raise DataError(
+                    f"data file {path} is not UTF-8: line {line} (byte offset {offset}) holds byte "
+                    f"0x{error.object[error.start]:02x}; save it as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+                ) from None
+            if not block:
+                return
+            fed += len(block)
+            newlines += block.count(b"\n")
 
 
 def _root_cause(error: BaseException) -> str:
