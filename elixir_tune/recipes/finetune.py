@@ -45,6 +45,7 @@ from elixir_tune.recipes.options import (  # noqa: E402
     OptionsError,
     RecipeParser,
     add_training_args,
+    bundled_data_note,
     output_problems,
     parse_options,
     resolve_model_dir,
@@ -324,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         device=device,
         rank=rank,
         world=world,
+        notes=[note for note in (bundled_data_note(args),) if note],
     )
     if code == 0 and args.save_pretrained:
         from elixir_tune.engine.io.pretrained_files import SaveError

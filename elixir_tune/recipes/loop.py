@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import elixir_tune
+from elixir_tune.cli.console import escape
 from elixir_tune.cli.progress import Reporter
 from elixir_tune.device import ops_for
 from elixir_tune.engine.comm import shared_errors
@@ -110,6 +111,7 @@ class _Run:
     device: torch.device
     rank: int
     world: int
+    notes: list[str]
     steps: int = 0
     start_step: int = 0
     stop_step: int = 0
@@ -138,6 +140,7 @@ def train(
     device: torch.device,
     rank: int,
     world: int,
+    notes: list[str] | None = None,
 ) -> int:
     """Runs the training steps of ``args`` (length, resume, schedule, evaluation, logging, checkpoints).
 
@@ -154,12 +157,13 @@ def train(
         device: where this rank computes.
         rank: this process's global rank (0 reports).
         world: the number of processes.
+        notes: lines rank 0 prints after the run's first line (what a default chose, advice on the data).
 
     Returns:
         0 when the steps are done, 130 when interrupted (after saving with --save), 1 when a step's loss or
         gradient norm was not finite (``NonFiniteError``; nothing is saved after it) or a checkpoint failed.
     """
-    run = _Run(args, model, optimizer, plan, data, script, model_name, num_params, device, rank, world)
+    run = _Run(args, model, optimizer, plan, data, script, model_name, num_params, device, rank, world, notes or [])
     problem = _prepare(run) or _open_reports(run)
     if problem:
         return fail_once(problem, rank)
@@ -295,6 +299,8 @@ def _open_reports(run: _Run) -> str | None:
         + (f"; {run.world} workers" if dp != run.world else "")
         + f"), data: {described}"
     )
+    for note in run.notes:
+        reporter.say(escape(note))  # plain text: a [ in a file name is no markup
     return None
 
 

@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 from typing import NoReturn
 
+from elixir_tune.recipes import BUNDLED_TEXT
+
 
 class OptionsError(ValueError):
     """A recipe's command line does not parse (the message is argparse's)."""
@@ -200,6 +202,17 @@ def plan_and_device():
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     ops_for(device).set_device()
     return plan_path, plan, device
+
+
+def bundled_data_note(args: argparse.Namespace) -> str | None:
+    """The line a run on the bundled demo text prints at its start, or None when the data is the user's.
+
+    Without ``--data`` a recipe trains on the public-domain text it ships; the run must say so, or a user who
+    forgot ``--data`` would fine-tune on it unawares.
+    """
+    if getattr(args, "synthetic", False) or Path(args.data).resolve() != BUNDLED_TEXT:
+        return None
+    return f"data: the bundled demo text ({BUNDLED_TEXT.name}); give --data FILE for yours"
 
 
 def resolve_model_spec(spec: str, plan_path: str) -> str:

@@ -25,6 +25,7 @@ from elixir_tune.recipes.options import (  # noqa: E402
     OptionsError,
     RecipeParser,
     add_training_args,
+    bundled_data_note,
     output_problems,
     parse_options,
     resolve_model_spec,
@@ -177,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         device=device,
         rank=rank,
         world=world,
+        notes=[note for note in (bundled_data_note(args),) if note],
     )
     if code == 0 and dist.is_initialized():
         dist.destroy_process_group()
