@@ -10,12 +10,16 @@ elixir-run, which then stops them through the agent.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import signal
 from dataclasses import dataclass, field
 
 from elixir_tune.launcher.argv import LaunchSpec, compose_torchrun_argv
 from elixir_tune.launcher.watch import WorkerWatch, is_timeout
 
+# The logger of torchrun's agent's line for each failed worker group ("failed (exitcode: N) local_rank: L
+# (pid: P) of binary: ..."), which elixir-run leaves out for a worker that ended on purpose (_QuietChosenExits).
+_TORCHRUN_FAILURE_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 _HANDLED_SIGNALS = tuple(
     getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name)
 )
@@ -153,6 +157,43 @@ def lost_node_outcome(outcome: LaunchOutcome, lost: list[str]) -> LaunchOutcome:
     )
 
 
+def refusal_outcome(failures: list[WorkerFailure], refusals: dict[int, str]) -> LaunchOutcome | None:
+    """The job's end when its first failure is a refusal (an error elixir-tune raised on purpose in a worker,
+    worker_main ``refusal_message``): its message once, naming every rank that refused alike.
+
+    Args:
+        failures: the failed workers, root cause first (``order_failures``, ``add_watch_findings``).
+        refusals: rank -> the refusal it recorded (``WorkerWatch.refusals``).
+
+    Returns:
+        The outcome, or None when the first failure is something else (then the full report stands).
+    """
+    root = failures[0]
+    message = refusals.get(root.rank)
+    if message is None or root.note:
+        return None
+    ranks = sorted(failure.rank for failure in failures if refusals.get(failure.rank) == message)
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+    return LaunchOutcome(exit_code_of(root), f"{who}: {message}", failures=failures)
+
+
+class _QuietChosenExits(logging.Filter):
+    """Leaves out torchrun's failure line for a worker that ended itself on purpose (a refusal, ``sys.exit(1)``,
+    a recipe's ``exit_worker(1)`` after its error line): the worker said why, and elixir-run's own report names
+    the rank and status. A worker that died of a signal or an unexpected error keeps torchrun's line."""
+
+    def __init__(self, watch: WorkerWatch):
+        super().__init__()
+        self.watch = watch
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if not str(record.msg).startswith("failed (exitcode") or len(args) < 3:
+            return True
+        pid = str(args[2])  # torchrun's format: exitcode, local rank, pid, binary
+        return not (pid.isdigit() and self.watch.ended_on_purpose(int(pid)))
+
+
 def _failures_from(error) -> list[WorkerFailure]:
     failures = []
     # torchrun's failures map rank -> failure; order them as first observed, as torchrun does.
@@ -197,6 +238,9 @@ def run_torchrun(spec: LaunchSpec, watch: WorkerWatch | None = None) -> LaunchOu
     # With the bootstrap, the parsed arguments already hold the script (worker_main's first argument).
     args.training_script_args = [*args.training_script_args, *spec.script_args]
     saved_handlers = {sig: signal.getsignal(sig) for sig in _HANDLED_SIGNALS}
+    quiet = _QuietChosenExits(watch) if watch is not None else None
+    if quiet is not None:
+        logging.getLogger(_TORCHRUN_FAILURE_LOGGER).addFilter(quiet)
     try:
         torchrun.run(args)
         return LaunchOutcome(0)
@@ -206,6 +250,9 @@ def run_torchrun(spec: LaunchSpec, watch: WorkerWatch | None = None) -> LaunchOu
             failures = add_watch_findings(failures, watch)
         if not failures:
             return LaunchOutcome(1, f"the job failed: {error}")
+        refused = refusal_outcome(failures, watch.refusals()) if watch is not None else None
+        if refused is not None:
+            return refused
         root = failures[0]
         hint = "the worker's output above shows why"
         if root.note:
@@ -247,6 +294,8 @@ def run_torchrun(spec: LaunchSpec, watch: WorkerWatch | None = None) -> LaunchOu
             "host is reachable from every node",
         )
     finally:
+        if quiet is not None:
+            logging.getLogger(_TORCHRUN_FAILURE_LOGGER).removeFilter(quiet)
         # torchrun leaves its raising handlers installed; later signals must behave normally.
         for sig, handler in saved_handlers.items():
             if handler is not None:

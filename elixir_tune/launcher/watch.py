@@ -1,7 +1,9 @@
 """elixir-run's watch over this node's workers while torchrun's agent runs them.
 
 Each worker's bootstrap (worker_main) writes ``rank<R>.pid`` into the job's run directory and, when
-the script raises, ``rank<R>.error`` with the exception's last line. The watch reads them:
+the script raises, ``rank<R>.error`` with the exception's last line; ``rank<R>.refusal`` holds the
+message of an error elixir-tune raised on purpose, and ``rank<R>.exit`` the status of a worker that
+ended itself (worker_exit.py). The watch reads them:
 
 * a worker stopped (SIGSTOP, state ``T``) for longer than the collective timeout cannot answer
   its peers and cannot be stopped by the agent's SIGTERM either (a stopped process does not run
@@ -81,8 +83,21 @@ class WorkerWatch:
 
     def errors(self) -> dict[int, str]:
         """rank -> the last line of the exception the rank's script raised."""
+        return self._read("error")
+
+    def refusals(self) -> dict[int, str]:
+        """rank -> the message of an error elixir-tune raised on purpose there (worker_main ``refusal_message``)."""
+        return self._read("refusal")
+
+    def ended_on_purpose(self, pid: int) -> bool:
+        """Whether the worker with this pid ended itself with its nonzero status (a refusal, ``sys.exit(1)``,
+        ``exit_worker(1)``: worker_exit.py), rather than dying of a signal or an unexpected error."""
+        ranks = [rank for rank, known in self.workers().items() if known == pid]
+        return bool(ranks) and (self.run_dir / f"rank{ranks[0]}.exit").exists()
+
+    def _read(self, ending: str) -> dict[int, str]:
         found = {}
-        for path in self.run_dir.glob("rank*.error"):
+        for path in self.run_dir.glob(f"rank*.{ending}"):
             try:
                 found[int(path.stem[4:])] = path.read_text().strip()
             except (OSError, ValueError):
