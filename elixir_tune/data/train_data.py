@@ -139,17 +139,25 @@ class TrainData:
         return batches()
 
     def stats(self) -> dict[str, int]:
-        """Counts over the training samples (encodes every sample once; cached)."""
+        """Counts over the training samples (encodes every sample once; cached).
+
+        ``rows`` is the rows an epoch computes, each seq_len tokens long (the samples, or the packed rows), and
+        ``packed_rows`` the rows best-fit packing makes of the same samples: the padding share of the rows is
+        ``1 - tokens / (rows x seq_len)``, with packing ``1 - tokens / (packed_rows x seq_len)``.
+        """
         if self._stats is None:
             encoded = [self.train.encode(i) for i in range(len(self.train))]
             lengths = [len(ids) for ids, _ in encoded]
+            kept = [min(length, self.seq_len) for length in lengths]
             # the tokens the shifted loss predicts: a row's first label never counts
             loss_tokens = sum(1 for _, labels in encoded for label in labels[1 : self.seq_len] if label != IGNORE)
             self._stats = {
                 "samples": len(lengths),
-                "tokens": sum(min(length, self.seq_len) for length in lengths),
+                "tokens": sum(kept),
                 "loss_tokens": loss_tokens,
                 "truncated": sum(1 for length in lengths if length > self.seq_len),
+                "rows": self.num_samples(),
+                "packed_rows": len(self.rows) if self.rows is not None else len(best_fit_bins(kept, self.seq_len)),
             }
         return self._stats
 

@@ -39,6 +39,7 @@ from elixir_tune.recipes.finetune_options import (  # noqa: E402
     lora_option_problems,
     lora_options,
     lora_plan_problem,
+    padding_note,
     tokenizer_problem,
 )
 from elixir_tune.recipes.options import (  # noqa: E402
@@ -325,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
         device=device,
         rank=rank,
         world=world,
-        notes=[note for note in (bundled_data_note(args),) if note],
+        # padding_note encodes every training sample once (describe() reuses the counts): rank 0 alone
+        notes=[note for note in (bundled_data_note(args), padding_note(data, plan) if rank == 0 else None) if note],
     )
     if code == 0 and args.save_pretrained:
         from elixir_tune.engine.io.pretrained_files import SaveError

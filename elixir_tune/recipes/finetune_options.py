@@ -194,6 +194,40 @@ def data_problems(args: argparse.Namespace, plan) -> tuple[list[str], str | None
     return problems, info.format
 
 
+def padding_note(data, plan) -> str | None:
+    """The line that says how much of the rows' compute is padding and, when packing would waste less, that
+    ``--packing`` would pack them: short chats padded to seq_len are mostly padding, and nothing else says so.
+
+    Args:
+        data: the run's ``TrainData``; the figures come from every training sample's real length (``stats``).
+        plan: the plan the job runs (a 2D tensor plan cannot carry packed rows).
+
+    Returns:
+        The line, or None for text cut into full windows (``--text-mode pack``: nothing to pad).
+    """
+    if data.format == "text" and data.spec.text_mode == "pack":
+        return None
+    stats, seq_len = data.stats(), data.seq_len
+
+    def padding(rows: int) -> str:
+        return f"{1 - stats['tokens'] / (rows * seq_len):.0%}"
+
+    if data.packed:
+        return (
+            f"rows: {stats['samples']:,} samples packed into {stats['rows']:,} rows of {seq_len} tokens: "
+            f"{padding(stats['rows'])} of the tokens computed are padding"
+        )
+    line = f"rows are padded to {seq_len} tokens: {padding(stats['rows'])} of the tokens computed are padding"
+    if stats["packed_rows"] < stats["rows"]:
+        line += (
+            f"; --packing would pack the {stats['samples']:,} samples into {stats['packed_rows']:,} rows "
+            f"({padding(stats['packed_rows'])} padding)"
+        )
+        if plan.parallel.tensor.degree > 1 and plan.parallel.tensor.mode == "2d":
+            line += " under a data-parallel or 1D tensor plan"
+    return line
+
+
 def tokenizer_problem(data_format: str | None, tokenizer) -> str | None:
     """A format the tokenizer cannot serve: no tokenizer for records, no chat template for messages."""
     from elixir_tune.data.chat import check_chat_tokenizer

@@ -75,6 +75,9 @@ def test_padded_chat_data_reports_learned_tokens_and_padding_apart(tmp_path):
     )
 
     lines = result.stdout.splitlines()
+    # Said before the first step too, with what --packing would do about it (tests/unit/test_padding_note.py).
+    padded = f"rows are padded to {SEQ_LEN} tokens: {padding / computed:.0%} of the tokens computed are padding; "
+    assert any(line.startswith(padded + f"--packing would pack the {len(chats)} samples into") for line in lines)
     (first,) = [line for line in lines if line.startswith("step     1/2")]
     assert "tok/s learned (of" in first and "% padding" in first and "% no loss" in first, first
     assert any(line.startswith("plan vs run: step time") and "predicted" in line for line in lines), lines[-5:]
