@@ -33,7 +33,8 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     return _plan_fingerprint(model)
 
 
-def _resolve_plan(plan: Plan | str | os.PathLike | None) -> Plan:
+def resolve_plan(plan: Plan | str | os.PathLike | None) -> Plan:
+    """The plan ``setup`` runs: ``plan`` itself (validated), a file, or ``$ELIXIR_TUNE_PLAN`` when None."""
     if plan is None:
         path = os.environ.get(PLAN_ENV_VAR)
         if not path:
@@ -161,7 +162,7 @@ def setup(
         ShardedOptimizer with ``backward(loss)``, ``clip_grad_norm(max_norm)``, ``step()`` and
         ``zero_grad()``.
     """
-    plan = _resolve_plan(plan)
+    plan = resolve_plan(plan)
     model = _uncompiled(model)
     check_plan_matches(model, plan)
     check_optimizer_is_over(model, optimizer)

@@ -1,13 +1,17 @@
 """accelerate's ``Accelerator.prepare`` on the chunk engine: how Trainer and accelerate scripts run a plan.
 
 transformers' ``Trainer`` hands its model and optimizer to ``accelerator.prepare``, as a plain
-accelerate loop does (and TRL's trainers, Trainer's subclasses, whose fused LM head is refused:
-``refuse_patched_head``). Under elixir-run that call would wrap the
-model in DistributedDataParallel and ignore the plan. So in each worker, once accelerate is imported,
-``prepare`` is replaced by ``prepare_with_plan``:
+accelerate loop and TRL's trainers (Trainer's subclasses) do. Under elixir-run that call would wrap
+the model in DistributedDataParallel and ignore the plan. So in each worker, once accelerate is
+imported, ``prepare`` is replaced by ``prepare_with_plan``:
 
 * the model and its optimizer go through ``elixir_tune.setup`` (the plan of ``$ELIXIR_TUNE_PLAN``):
-  the model comes back as the ``ElixirModel``, never wrapped in DDP;
+  the model comes back as the ``ElixirModel``, never wrapped in DDP. TRL's fused LM head
+  (``add_fused_lm_head``) reads the output head's weight in the model's own forward, never calling the
+  head module: the plan gets that read (``with_fused_head_read``), so the engine gathers the head for it;
+* accelerate's mixed precision must be the plan's dtype (``check_precision``): the plan sets the
+  precision on the engine, and accelerate's autocast (SFTConfig's default bf16=True) would never reach
+  the model, so a mismatch is refused rather than trained in another precision than asked;
 * every other object (the sharded optimizer, data loaders, schedulers) goes through accelerate's own
   ``prepare`` as usual: its loaders still shard the data by rank, its ``AcceleratedOptimizer``
   still steps only at the end of each accumulation.
@@ -20,12 +24,16 @@ optimizer, or two models, cannot be set up and are refused with what to do.
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from typing import Any
 
 import torch
 
 from elixir_tune.engine import grad_view
 from elixir_tune.engine.model import ElixirModel
+from elixir_tune.plan import Plan
+from elixir_tune.plan.schema import ForeignRead
 
 # The name of the forward TRL puts on a model for its fused LM head (trl/trainer/utils.py add_fused_lm_head).
 TRL_FUSED_FORWARD = "_fused_forward"
@@ -57,9 +65,11 @@ def prepare_with_plan(original: Any) -> Any:
                 "accelerator.prepare(model, optimizer, ...)"
             )
         import elixir_tune
+        from elixir_tune.engine.setup import resolve_plan
 
-        refuse_patched_head(args[models[0]])
-        model, optimizer = elixir_tune.setup(args[models[0]], args[optimizers[0]])
+        plan = with_fused_head_read(args[models[0]], resolve_plan(None))
+        check_precision(getattr(self, "mixed_precision", "no"), plan.training.dtype)
+        model, optimizer = elixir_tune.setup(args[models[0]], args[optimizers[0]], plan=plan)
         objects = list(args)
         objects[models[0]], objects[optimizers[0]] = model, optimizer
         return _prepare_around(self, original, tuple(objects), models[0], device_placement)
@@ -68,24 +78,68 @@ def prepare_with_plan(original: Any) -> Any:
     return prepare
 
 
-def refuse_patched_head(model: torch.nn.Module) -> None:
-    """Refuses a model whose forward TRL replaced with its fused LM head (``add_fused_lm_head``).
+def with_fused_head_read(model: torch.nn.Module, plan: Plan) -> Plan:
+    """``plan`` with the model's own read of its output head when TRL's fused LM head is on its forward.
 
-    That forward reads the output head's weight and projects through it in tiles, never calling the
-    head module, so the engine would not gather the head's chunk for it. Recorded as a read of the
-    model itself (``model.foreign_reads``) it runs, but its first losses differed from DDP's by up to
-    8e-6 relative for reasons not yet found: refused until they match.
+    That forward (``add_fused_lm_head``) projects the backbone's output through the head's weight in
+    tiles, never calling the head module, so the profile of the plain model does not show the read: it
+    is added as a read of the model itself (``model.foreign_reads``, module ""), and the engine gathers
+    the head's chunk around every forward of the model. That chunk then stays gathered beside each
+    block's, so the cache gets a block more for it (a warning says how much).
 
-    Raises:
-        PrepareError: the model carries TRL's fused forward.
+    Returns:
+        ``plan`` itself when the forward is the model's own.
     """
     patched = model.__dict__.get("forward")
     code = getattr(getattr(patched, "__func__", None), "__code__", None)
-    if code is not None and code.co_name == TRL_FUSED_FORWARD:
+    get_head = getattr(model, "get_output_embeddings", None)  # transformers' models have it
+    head = get_head() if callable(get_head) else None
+    if code is None or code.co_name != TRL_FUSED_FORWARD or not isinstance(head, torch.nn.Module):
+        return plan
+    held = {id(param) for param in head.parameters()}
+    names = [name for name, param in model.named_parameters() if id(param) in held]
+    reads = [*plan.model.foreign_reads, ForeignRead(module="", params=names)]
+    # The head's chunks stay gathered through the whole forward now, beside each block's: room for them.
+    head_chunks = [c for c in plan.memory.chunks if not c.resident and set(names) & set(c.params)]
+    cacheable = sum(1 for c in plan.memory.chunks if not c.resident)
+    cache_blocks = min(plan.memory.cache_blocks + len(head_chunks), cacheable)
+    if cache_blocks != plan.memory.cache_blocks:
+        warnings.warn(
+            f"TRL's fused LM head reads {', '.join(names)} through the model's whole forward: the plan's "
+            f"chunk cache grows from {plan.memory.cache_blocks} to {cache_blocks} blocks, "
+            f"{plan.memory.chunk_size * (cache_blocks - plan.memory.cache_blocks):,} elements more than predicted",
+            stacklevel=2,
+        )
+    return dataclasses.replace(
+        plan,
+        model=dataclasses.replace(plan.model, foreign_reads=reads),
+        memory=dataclasses.replace(plan.memory, cache_blocks=cache_blocks),
+    )
+
+
+# accelerate's mixed precision -> the plan dtype that computes the same way.
+_PRECISION_DTYPE = {"no": "fp32", "bf16": "bf16"}
+
+
+def check_precision(mixed_precision: str, plan_dtype: str) -> None:
+    """Refuses accelerate's mixed precision unless it is the plan's dtype.
+
+    Raises:
+        PrepareError: naming both and the two ways to agree them.
+    """
+    asked = str(getattr(mixed_precision, "value", mixed_precision))
+    if asked == "fp16":
         raise PrepareError(
-            "this model's forward is TRL's fused LM head (SFTTrainer and other TRL trainers patch it in), which "
-            "elixir-run does not run yet: it reads lm_head.weight outside lm_head's forward. Train with "
-            "transformers.Trainer under elixir-run, or run the TRL script under torchrun"
+            "the script asks accelerate for fp16 mixed precision (fp16=True): accelerate's GradScaler and the "
+            "engine's own loss scaling would both apply; use bf16 (bf16=True with a plan searched with "
+            "--fix dtype=bf16) or fp32"
+        )
+    if _PRECISION_DTYPE.get(asked) != plan_dtype:
+        setting = "bf16=True" if plan_dtype == "bf16" else "bf16=False and fp16=False"
+        raise PrepareError(
+            f"the script asks accelerate for mixed precision {asked!r} (TrainingArguments/SFTConfig bf16 and "
+            f"fp16; TRL's SFTConfig defaults to bf16=True), the plan trains in {plan_dtype}: set {setting}, or "
+            f"search again with --fix dtype={_PRECISION_DTYPE.get(asked, 'fp32')}"
         )
 
 

@@ -1,4 +1,4 @@
-"""Scripts written for transformers' Trainer and for accelerate, unchanged, under elixir-run.
+"""Scripts written for transformers' Trainer, TRL's SFTTrainer and accelerate, unchanged, under elixir-run.
 
 Each runs as written under torchrun (the reference: DDP through accelerate, 2 processes, gloo) and
 under elixir-run with the three plans of harness.py. Nothing in the scripts names elixir-tune: the
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 LOSS_REL = 1e-6
 WEIGHT_ABS = 1e-6
-SCRIPTS = ["tiny_llama_model.py", "train_trainer.py", "train_accelerate.py"]
+SCRIPTS = ["tiny_llama_model.py", "train_trainer.py", "train_trl.py", "train_accelerate.py"]
 # CI's time budget: the chunk-releasing plan there, all three with `scripts/test.sh --all`.
 SOME_PLANS = [
     pytest.param(p, marks=[] if p == "released" else [pytest.mark.heavy]) for p in ("default", "released", "offload")
@@ -79,6 +79,12 @@ def _run_both(work, plan: str, library: str) -> None:
 @pytest.mark.parametrize("plan", SOME_PLANS)
 def test_an_unchanged_trainer_script_matches_ddp_and_saves_a_model_transformers_loads(work, plan):
     _run_both(work, plan, "trainer")
+
+
+@pytest.mark.parametrize("plan", SOME_PLANS)
+def test_an_unchanged_trl_sft_script_matches_ddp_and_saves_a_model_transformers_loads(work, plan):
+    """SFTTrainer's fused LM head reads the head's weight in the model's own forward: the engine gathers it."""
+    _run_both(work, plan, "trl")
 
 
 @pytest.mark.parametrize("plan", SOME_PLANS)
