@@ -139,7 +139,8 @@ def run_command(
     worker starts) or the path of your own Python file. The plan decides the processes per node
     (cluster.gpus_per_node); SCRIPT reads the plan from $ELIXIR_TUNE_PLAN (elixir_tune.setup does). Other torchrun options (e.g. --monitor-interval=1,
     --redirects 3, --log-dir DIR) go after elixir-run's own options and before PLAN. The exit
-    status is the job's: 0, the failed worker's code, or 128 + the signal that killed it.
+    status is the job's: 0, the failed worker's code, or 128 + the signal that ended it (130 for
+    Ctrl-C, 143 for SIGTERM, after a recipe with --save saved; 137 for a worker's SIGKILL).
 
     Faults end the job with a message, never a silent wait: a plan that needs more memory than this
     node has is refused (--force runs it anyway); a rendezvous port held by another program is

@@ -10,6 +10,7 @@ elixir-run, which then stops them through the agent.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import signal
 from dataclasses import dataclass, field
@@ -194,6 +195,18 @@ class _QuietChosenExits(logging.Filter):
         return not (pid.isdigit() and self.watch.ended_on_purpose(int(pid)))
 
 
+def _close_torchrun_rendezvous() -> None:
+    """Ends torchrun's rendezvous keep-alive thread from this (the main) thread after a signal.
+
+    On a signal torchrun's launcher leaves its rendezvous handler open (a restarted agent could rejoin), so the
+    handler's keep-alive thread runs on until the handler is collected, whose finalizer then joins that thread.
+    Collected by a garbage collection that ran in that very thread, it printed "Exception ignored in:
+    <finalize object ...> RuntimeError: cannot join current thread" after the job had saved and stopped.
+    The handler is unreachable once torchrun's exception is gone: collected here, the join runs here.
+    """
+    gc.collect()
+
+
 def _failures_from(error) -> list[WorkerFailure]:
     failures = []
     # torchrun's failures map rank -> failure; order them as first observed, as torchrun does.
@@ -239,6 +252,7 @@ def run_torchrun(spec: LaunchSpec, watch: WorkerWatch | None = None) -> LaunchOu
     args.training_script_args = [*args.training_script_args, *spec.script_args]
     saved_handlers = {sig: signal.getsignal(sig) for sig in _HANDLED_SIGNALS}
     quiet = _QuietChosenExits(watch) if watch is not None else None
+    signalled = False
     if quiet is not None:
         logging.getLogger(_TORCHRUN_FAILURE_LOGGER).addFilter(quiet)
     try:
@@ -267,6 +281,7 @@ def run_torchrun(spec: LaunchSpec, watch: WorkerWatch | None = None) -> LaunchOu
         )
     except SignalException as error:
         name = signal.Signals(error.sigval).name
+        signalled = True
         return LaunchOutcome(128 + int(error.sigval), f"interrupted by {name}; the workers were stopped")
     except KeyboardInterrupt:
         return LaunchOutcome(128 + signal.SIGINT, "interrupted by SIGINT before the workers started")
@@ -296,6 +311,8 @@ def run_torchrun(spec: LaunchSpec, watch: WorkerWatch | None = None) -> LaunchOu
     finally:
         if quiet is not None:
             logging.getLogger(_TORCHRUN_FAILURE_LOGGER).removeFilter(quiet)
+        if signalled:
+            _close_torchrun_rendezvous()
         # torchrun leaves its raising handlers installed; later signals must behave normally.
         for sig, handler in saved_handlers.items():
             if handler is not None:

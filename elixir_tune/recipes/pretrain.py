@@ -10,7 +10,8 @@ config) unless ``--model`` names another. Data: the bytes of a text file are the
 to download); every step draws a global batch of random windows, the same on every rank, and each data-parallel
 rank trains on its rows. Batching comes from the plan: global batch = micro-batch x accumulation x data-parallel
 degree. Progress, the JSON log, evaluation (``--eval-fraction`` holds out the end of the text), checkpoints
-(--save; Ctrl-C or SIGTERM saves and exits 130) and --resume are those of every recipe (loop.py).
+(--save; Ctrl-C or SIGTERM to elixir-run saves, then it exits 128 + the signal: 130 or 143) and --resume are
+those of every recipe (loop.py).
 """
 
 from __future__ import annotations
