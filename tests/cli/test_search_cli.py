@@ -149,3 +149,20 @@ def test_a_model_without_attention_gets_a_plan_and_a_plain_tensor_refusal(tmp_pa
     assert "model type 'mamba' ships no tensor plan" in pinned.output
     assert "tensor parallelism needs a tensor plan for the model's family" in pinned.output
     assert "head counts" not in pinned.output
+
+
+def test_an_fsdp2_pin_on_a_three_block_qwen2_writes_a_valid_plan(tmp_path, monkeypatch):
+    """Issue 48 saw 'the search produced an invalid plan: memory.prefetch: 1 must be smaller than
+    memory.cache_blocks 1' here (it worked on a 6-block GPT-2)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "qwen2.yaml").write_text(
+        "architecture: qwen2\nseq_len: 64\nconfig: {hidden_size: 64, num_hidden_layers: 3, num_attention_heads: 4, "
+        "num_key_value_heads: 2, intermediate_size: 128, vocab_size: 256, max_position_embeddings: 128}\n"
+    )
+    runner = CliRunner()
+    assert runner.invoke(cli, ["profile", "qwen2.yaml", "--out", "p.yaml"]).exit_code == 0
+    args = ["search", "--profile", "p.yaml", "--gpus", "2", "--hardware", "cpu", "--global-batch-size", "4"]
+    result = runner.invoke(cli, [*args, "--fix", "dtype=fp32", "--fix", "engine=fsdp2", "--out", "plan.yaml"])
+    assert result.exit_code == 0, result.output
+    assert load_plan("plan.yaml").engine.name == "fsdp2"
+    assert runner.invoke(cli, ["validate", "plan.yaml"]).exit_code == 0
