@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from elixir_tune.cli.console import Table, console, err_console, fail, print_json, refuse_output_over_input
+from elixir_tune.cli.default_outputs import guards_default_output, refuse_replacing_profile
 from elixir_tune.cli.types import FiniteRange
 from elixir_tune.paths import split_model_spec
 
@@ -52,6 +53,11 @@ MODEL_HINT = (
     help="Profile file to write.",
 )
 @click.option(
+    "--force",
+    is_flag=True,
+    help="Replace profile.yaml (when --out is not given) even if it holds another model's profile.",
+)
+@click.option(
     "--lora-rank",
     type=click.IntRange(min=1),
     default=None,
@@ -76,6 +82,7 @@ def profile_command(
     dtype: str,
     checkpointing: str,
     out: str,
+    force: bool,
     lora_rank: int | None,
     lora_alpha: float | None,
     lora_dropout: float,
@@ -124,6 +131,8 @@ def profile_command(
             )
     except ModelSourceError as exc:
         fail(str(exc), MODEL_HINT)
+    if guards_default_output("out", force):
+        refuse_replacing_profile(out, profile)
     try:
         save_profile(profile, out)
     except OSError as exc:

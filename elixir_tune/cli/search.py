@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shlex
@@ -15,6 +16,7 @@ from elixir_tune.cli import time_to_train
 from elixir_tune.cli.bench import measure_options, measure_search
 from elixir_tune.cli.candidates import candidates_table
 from elixir_tune.cli.console import console, err_console, fail, print_json, print_wide, refuse_output_over_input
+from elixir_tune.cli.default_outputs import guards_default_output, refuse_replacing_plan
 from elixir_tune.cli.run_script import run_script_for
 from elixir_tune.cli.time_to_train import time_to_train_options
 from elixir_tune.hardware.networks import with_network
@@ -189,6 +191,12 @@ def warn_loaded_hardware(hardware, hardware_ref: str) -> None:
     help="Where to write the plan.",
 )
 @click.option(
+    "--force",
+    is_flag=True,
+    help="Replace plan.yaml (when --out is not given) even if it holds another plan: another model, cluster, "
+    "batch or settings.",
+)
+@click.option(
     "--timeline",
     "timeline_path",
     default=None,
@@ -218,6 +226,7 @@ def search_command(
     top_k: int,
     strategy: str,
     out_path: str,
+    force: bool,
     timeline_path: str | None,
     train_tokens: str | None,
     max_gpus: int | None,
@@ -257,6 +266,7 @@ def search_command(
     from elixir_tune.search import InfeasibleError, search
 
     refuse_output_over_input(out_path, {"--profile": profile_path, "--hardware": hardware_ref})
+    write = functools.partial(write_plan, keep=guards_default_output("out_path", force))
     host_bytes = _bytes_option(host_memory, "--host-memory")
     device_bytes = _bytes_option(device_memory, "--device-memory")
     profile, hardware, hardware_ref = _load_inputs(profile_path, hardware_ref)
@@ -281,7 +291,7 @@ def search_command(
             search_kwargs=search_kwargs,
             out_path=out_path,
             as_json=as_json,
-            write_plan=write_plan,
+            write_plan=write,
         )
         return
     if gpus is None:
@@ -317,7 +327,7 @@ def search_command(
     plan = result.plan
     prediction = plan.prediction
     assert prediction is not None, "search always writes a prediction"
-    run_script, run_note = write_plan(result, profile, profile_path, hardware_ref, out_path, f"--gpus {gpus}")
+    run_script, run_note = write(result, profile, profile_path, hardware_ref, out_path, f"--gpus {gpus}")
     if timeline_path:
         _draw(timeline_path, result, result.usable_gpu_bytes)
     if measure["measure"]:
@@ -351,7 +361,9 @@ def search_command(
     )
 
 
-def write_plan(result, profile, profile_path: str, hardware_ref: str, out_path: str, args: str) -> tuple[str, str]:
+def write_plan(
+    result, profile, profile_path: str, hardware_ref: str, out_path: str, args: str, keep: bool = False
+) -> tuple[str, str]:
     """Validates the search's plan and writes it with a header that says how it was made and run.
 
     Args:
@@ -361,6 +373,8 @@ def write_plan(result, profile, profile_path: str, hardware_ref: str, out_path: 
         hardware_ref: the hardware preset or file (named in the header).
         out_path: where to write.
         args: the search's arguments, when this process was not started as ``elixir-tune search``.
+        keep: ``out_path`` is the default output: exit instead of replacing another plan there
+            (``default_outputs.py``).
 
     Returns:
         (the script ``elixir-run`` runs, why when it is not a recipe's plain command).
@@ -369,6 +383,8 @@ def write_plan(result, profile, profile_path: str, hardware_ref: str, out_path: 
     problems = validate(plan)
     if problems:  # a bug, not a user error: say so plainly
         fail("the search produced an invalid plan: " + "; ".join(problems))
+    if keep:
+        refuse_replacing_plan(out_path, plan)
     command = (
         "elixir-tune search " + " ".join(shlex.quote(arg) for arg in sys.argv[2:])
         if len(sys.argv) > 1 and sys.argv[1] == "search"

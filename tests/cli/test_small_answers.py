@@ -68,8 +68,10 @@ def test_a_cpu_search_for_more_workers_than_cores_is_warned(tmp_path: Path):
         assert CliRunner().invoke(cli, ["profile", "gpt2-tiny", "-b", "2", "-s", "16"]).exit_code == 0
         cores = os.cpu_count() or 1
         too_many = CliRunner().invoke(cli, ["search", "--gpus", str(cores * 4), "--hardware", "cpu"])
-        fits = CliRunner().invoke(cli, ["search", "--gpus", "1", "--hardware", "cpu"])
-        gpu = CliRunner().invoke(cli, ["search", "--gpus", str(cores * 4), "--hardware", "a100-40gb-pcie"])
+        fits = CliRunner().invoke(cli, ["search", "--gpus", "1", "--hardware", "cpu", "--out", "fits.yaml"])
+        gpu = CliRunner().invoke(
+            cli, ["search", "--gpus", str(cores * 4), "--hardware", "a100-40gb-pcie", "--out", "gpu.yaml"]
+        )
     finally:
         os.chdir(previous)
     assert too_many.exit_code == 0, too_many.output  # warned, and the plan is still written
