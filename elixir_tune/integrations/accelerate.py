@@ -68,6 +68,7 @@ def prepare_with_plan(original: Any) -> Any:
         from elixir_tune.engine.setup import resolve_plan
 
         plan = with_fused_head_read(args[models[0]], resolve_plan(None))
+        check_engine(plan.engine.name)
         check_precision(getattr(self, "mixed_precision", "no"), plan.training.dtype)
         model, optimizer = elixir_tune.setup(args[models[0]], args[optimizers[0]], plan=plan)
         objects = list(args)
@@ -115,6 +116,22 @@ def with_fused_head_read(model: torch.nn.Module, plan: Plan) -> Plan:
         model=dataclasses.replace(plan.model, foreign_reads=reads),
         memory=dataclasses.replace(plan.memory, cache_blocks=cache_blocks),
     )
+
+
+def check_engine(name: str) -> None:
+    """Refuses a peer plan (FSDP2, DeepSpeed) under accelerate: Trainer would save on rank 0 alone from
+    a model sharded by a peer that accelerate does not know of, and lose the model at the end of the run.
+
+    Raises:
+        PrepareError: naming the way that works: accelerate's own plugin, configured from the plan.
+    """
+    if name != "elixir":
+        raise PrepareError(
+            f"the plan runs engine {name}, which elixir-run does not set up under accelerate (Trainer's final save "
+            f"would fail on the sharded model); write accelerate's config from the plan with `elixir-tune export "
+            f"PLAN --to accelerate` and run the script with `accelerate launch --config_file accelerate_config.yaml`, "
+            "or search a plan of engine elixir"
+        )
 
 
 # accelerate's mixed precision -> the plan dtype that computes the same way.

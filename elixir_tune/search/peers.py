@@ -185,7 +185,9 @@ def peer_plan(plan: Plan, candidate: PeerCandidate) -> Plan:
     """A plan built from a peer candidate (``build_plan``) made the peer's: its engine section, and no
     per-chunk offload or resident choices (the peers cannot express them)."""
     chunks = [replace(chunk, offload=False, resident=False) for chunk in plan.memory.chunks]
-    memory = replace(plan.memory, chunks=chunks, cache_blocks=len(chunks), prefetch=1)
+    # Every chunk cached, one ahead where there are two: a chunk plan the peer ignores but validate reads
+    # (a prefetch must leave room beside the chunk in use; a small model packs into one chunk).
+    memory = replace(plan.memory, chunks=chunks, cache_blocks=len(chunks), prefetch=min(1, len(chunks) - 1))
     return replace(plan, engine=replace(candidate.engine), memory=memory)
 
 

@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from elixir_tune.integrations.accelerate import PrepareError, check_precision, prepare_with_plan, with_fused_head_read
+from elixir_tune.integrations.accelerate import (
+    PrepareError,
+    check_engine,
+    check_precision,
+    prepare_with_plan,
+    with_fused_head_read,
+)
 
 
 def _plan_for(model: nn.Module, dtype: str = "fp32"):
@@ -55,3 +61,9 @@ def test_a_model_without_its_optimizer_or_two_models_are_refused():
     with pytest.raises(PrepareError, match="2 model\\(s\\)"):
         prepare(object(), nn.Linear(2, 2), nn.Linear(2, 2))
     assert prepare(object(), [1, 2]) == ([1, 2],) and calls  # no model: accelerate's own prepare
+
+
+def test_a_peer_plan_is_refused_under_accelerate_with_the_way_that_works():
+    check_engine("elixir")
+    with pytest.raises(PrepareError, match=r"engine fsdp2, .*elixir-tune export PLAN --to accelerate"):
+        check_engine("fsdp2")
