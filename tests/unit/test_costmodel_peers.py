@@ -99,11 +99,10 @@ def test_fsdp2_and_zero3_pay_the_compute_loss_of_their_overlapped_collectives():
 def test_a_peer_plan_of_a_model_packed_in_one_chunk_is_valid(engine):
     """Issue 48: a model small enough for one chunk got a peer plan of cache 1 and prefetch 1, which the
     search then called invalid ('memory.prefetch: 1 must be smaller than memory.cache_blocks 1')."""
-    from elixir_tune.plan import validate
-    from elixir_tune.search import search
-
     from elixir_tune.paths import REPO_DIR
+    from elixir_tune.plan import validate
     from elixir_tune.profiler import load_model_source, profile_model
+    from elixir_tune.search import search
 
     # The drop-in tests' tiny Llama (no tied weights): the peers' plan packs it into one chunk.
     tiny = profile_model(load_model_source(str(REPO_DIR / "tests" / "dropin" / "tiny_llama_model.py")), 4, 32)
