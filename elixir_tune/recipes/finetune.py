@@ -267,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     from elixir_tune.recipes.loop import fail_once, train
     from elixir_tune.recipes.metrics import metric_problems
     from elixir_tune.recipes.options import plan_and_device
+    from elixir_tune.recipes.settings_file import write_settings
 
     args = parse_options(build_parser(), sys.argv[1:] if argv is None else argv)
     plan_path, plan, device = plan_and_device()  # $ELIXIR_TUNE_PLAN, set by elixir-run
@@ -279,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     problems = metric_problems(args) + lora_option_problems(args)
     if problems:
         return fail_once(problems[0], rank)
+    write_settings(args, SCRIPT_NAME, rank)  # with the plan's LoRA; before train sets --steps from --epochs
 
     torch.manual_seed(args.seed)  # the initializer's seed with --from-scratch
     source = load_model_source(str(model_dir))

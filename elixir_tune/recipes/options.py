@@ -50,7 +50,10 @@ def did_you_mean(message: str, options: list[str]) -> str:
 
 
 def add_training_args(parser: argparse.ArgumentParser, lr: float = 3e-3) -> None:
-    """The options every recipe takes: length, schedule, evaluation, logging, checkpoints."""
+    """The options every recipe takes: its settings file, length, schedule, evaluation, logging, checkpoints."""
+    from elixir_tune.recipes.settings_file import CONFIG_HELP
+
+    parser.add_argument("--config", default=None, metavar="FILE", help=CONFIG_HELP)
     length = parser.add_mutually_exclusive_group()
     length.add_argument("--steps", type=int, default=None, help="optimizer steps (default: 100)")
     length.add_argument(
@@ -119,6 +122,9 @@ def add_training_args(parser: argparse.ArgumentParser, lr: float = 3e-3) -> None
 def parse_options(parser: RecipeParser, argv: list[str], for_preflight: bool = False) -> argparse.Namespace:
     """Parses a recipe's arguments and checks the ones that need no file.
 
+    ``--config FILE`` and ``KEY=VALUE`` arguments set options too (settings_file.py): the file < the overrides <
+    the ``--flags``.
+
     Args:
         parser: the recipe's parser.
         argv: its arguments.
@@ -128,10 +134,18 @@ def parse_options(parser: RecipeParser, argv: list[str], for_preflight: bool = F
         The options.
 
     Raises:
-        OptionsError: (with ``for_preflight``) an option is unknown, malformed or out of range.
+        OptionsError: (with ``for_preflight``) an option is unknown, malformed or out of range, or the settings
+            file or an override does not fit the options.
     """
+    from elixir_tune.recipes.settings_file import SettingsError, apply_settings, split_overrides
+
     parser.raise_errors = for_preflight
-    args = parser.parse_args(argv)
+    flags, overrides = split_overrides(parser, argv)
+    args = parser.parse_args(flags)
+    try:
+        apply_settings(parser, args, flags, overrides)
+    except SettingsError as error:
+        parser.error(str(error))
     problems = option_problems(args)
     if problems:
         parser.error(problems[0])

@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     from elixir_tune.recipes.loop import fail_once, train
     from elixir_tune.recipes.metrics import metric_problems
     from elixir_tune.recipes.options import plan_and_device
+    from elixir_tune.recipes.settings_file import write_settings
     from elixir_tune.recipes.text_data import DataProblem
 
     args = parse_options(build_parser(), sys.argv[1:] if argv is None else argv)
@@ -144,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     if metric_problems(args):
         return fail_once(metric_problems(args)[0], rank)
+    write_settings(args, SCRIPT_NAME, rank)  # before anything changes args (train sets --steps from --epochs)
 
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     source = load_model_source(resolve_model_spec(args.model or plan.model.source, plan_path))

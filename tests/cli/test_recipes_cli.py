@@ -143,3 +143,17 @@ def test_save_pretrained_into_a_users_folder_is_refused_before_anything_starts(t
     (theirs / ".elixir-tune-export.json").write_text("{}")  # what an export of the recipe leaves
     code, output = _invoke(args, tmp_path)
     assert not any("--save-pretrained" in line for line in _errors(output)), output
+
+
+def test_a_settings_file_with_a_wrong_key_is_refused_before_anything_starts(tmp_path: Path):
+    (tmp_path / "bad.yaml").write_text("steps: 3\nlr: 3e-4\nstepz: 3\n")
+    code, output = _invoke([EXAMPLE_PLAN, "pretrain", "--config", "bad.yaml", "seed=1"], tmp_path)
+    assert code == 2, output
+    assert _errors(output) == [
+        "error: pretrain: --config bad.yaml: 'stepz': no option of this recipe has that name (did you mean --steps?); "
+        "`elixir-run PLAN pretrain --help` lists them"
+    ]
+    assert "nothing was started" in output and "starting" not in output
+    code, output = _invoke([EXAMPLE_PLAN, "pretrain", "--help"], tmp_path)
+    assert code == 0 and "--config FILE" in output
+    assert "KEY=VALUE arguments override it and --flags override both" in " ".join(output.split())
