@@ -157,3 +157,24 @@ def test_a_settings_file_with_a_wrong_key_is_refused_before_anything_starts(tmp_
     code, output = _invoke([EXAMPLE_PLAN, "pretrain", "--help"], tmp_path)
     assert code == 0 and "--config FILE" in output
     assert "KEY=VALUE arguments override it and --flags override both" in " ".join(output.split())
+
+
+def test_train_passes_the_settings_file_and_overrides_to_the_recipe(tmp_path: Path, monkeypatch):
+    import json
+
+    from elixir_tune.cli.main import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("ELIXIR_TUNE_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "run.yaml").write_text("steps: 2\nseed: 4\n")
+    args = ["train", "gpt2-tiny", "--gpus", "1", "--dry-run", "--json", "--config", "run.yaml", "lr=3e-4"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    command = json.loads(result.stdout)["command"]
+    assert command[2] == "pretrain" and command[-3:] == ["--config", "run.yaml", "lr=3e-4"]
+    # the command it would run gets past elixir-run's preflight, and a wrong override stops it there
+    code, output = _invoke(["--dry-run", *command[1:]], tmp_path)
+    assert code == 0, output
+    code, output = _invoke([*command[1:], "seeds=5"], tmp_path)
+    assert code == 2 and _errors(output)[0].startswith("error: pretrain: seeds=5: no option of this recipe"), output
+    assert "(did you mean --seed?)" in output and "starting" not in output
