@@ -65,7 +65,7 @@ def _save(case: dict, model, opt, target: Path, step: int) -> None:
     elif case["save"] == "recipe_adapter":  # the finetune recipe's --save-pretrained with --lora-rank
         from elixir_tune.recipes.finetune import write_usable_dir
 
-        options = dict(save_pretrained=str(target), max_shard_size="5GB", merge_lora=False, **LORA_OPTIONS)
+        options = dict(save_pretrained=str(target), max_shard_size="5GB", merge_lora=False, model=None, **LORA_OPTIONS)
         write_usable_dir(model, target.parent, argparse.Namespace(**options), dist.get_rank())
     else:
         elixir_tune.save_checkpoint(target, model, opt, step=step)
