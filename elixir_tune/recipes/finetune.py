@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     from elixir_tune.models.lora import LoraError, apply_lora
     from elixir_tune.profiler import load_model_source
     from elixir_tune.recipes.finetune_options import data_spec
-    from elixir_tune.recipes.loop import fail_once, train
+    from elixir_tune.recipes.loop import fail_once, mark_process_start, train
     from elixir_tune.recipes.metrics import metric_problems
     from elixir_tune.recipes.options import plan_and_device
     from elixir_tune.recipes.settings_file import write_settings
@@ -292,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                 model = apply_lora(model, **lora)
             except LoraError as error:
                 return fail_once(str(error), rank)
+    mark_process_start(model)  # what the run's memory is measured above, on the CPU (a meta model: 0 bytes)
     num_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     try:

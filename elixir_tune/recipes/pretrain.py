@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     import elixir_tune
     from elixir_tune.profiler import load_model_source
     from elixir_tune.profiler.arch import token_vocab
-    from elixir_tune.recipes.loop import fail_once, train
+    from elixir_tune.recipes.loop import fail_once, mark_process_start, train
     from elixir_tune.recipes.metrics import metric_problems
     from elixir_tune.recipes.options import plan_and_device
     from elixir_tune.recipes.settings_file import write_settings
@@ -150,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     source = load_model_source(resolve_model_spec(args.model or plan.model.source, plan_path))
     model = source.build_model()
+    mark_process_start(model)  # what the run's memory is measured above, on the CPU
     num_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     vocab_size = source.vocab_size or token_vocab(model) or None  # a model file's own: its embedding's rows
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
