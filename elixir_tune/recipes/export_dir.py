@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from elixir_tune.recipes.settings_file import SETTINGS_NAME
-
 # Written into DIR after a complete export (hidden: from_pretrained and the Hub ignore it).
 MARKER_NAME = ".elixir-tune-export.json"
+# The settings a run writes into its --save and --save-pretrained directories (settings_file.py).
+SETTINGS_NAME = "elixir-tune.settings.yaml"
 # A killed save's staging directory (engine/io/pretrained_files.py): the next save clears it. The run's settings
-# (settings_file.py) are written before it trains, and the next run replaces them.
+# are written before it trains, and the next run replaces them.
 STAGING_NAMES = (".elixir-save.tmp", SETTINGS_NAME)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from elixir_tune.recipes import BUNDLED_TEXT
+from elixir_tune.recipes.suggest import did_you_mean
 
 
 class OptionsError(ValueError):
@@ -34,19 +35,6 @@ class RecipeParser(argparse.ArgumentParser):
         if self.raise_errors:
             raise OptionsError(message)
         super().error(message)
-
-
-def did_you_mean(message: str, options: list[str]) -> str:
-    """`` (did you mean --steps?)`` for argparse's "unrecognized arguments: --stepz 3", naming the closest
-    option of each unknown one; "" when none is close or the message is another."""
-    import difflib
-
-    prefix = "unrecognized arguments: "
-    if not message.startswith(prefix):
-        return ""
-    unknown = [token.split("=", 1)[0] for token in message[len(prefix) :].split() if token.startswith("--")]
-    close = [match for token in unknown for match in difflib.get_close_matches(token, options, n=1, cutoff=0.6)]
-    return f" (did you mean {' or '.join(dict.fromkeys(close))}?)" if close else ""
 
 
 def add_training_args(parser: argparse.ArgumentParser, lr: float = 3e-3) -> None:

@@ -16,8 +16,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-# The file a run writes into its --save and --save-pretrained directories (an export check ignores it).
-SETTINGS_NAME = "elixir-tune.settings.yaml"
+from elixir_tune.recipes.export_dir import SETTINGS_NAME
+
 CONFIG_HELP = (
     "a YAML file of this recipe's options by name (steps: 200, lr: 3e-4, data: chats.jsonl); KEY=VALUE arguments "
     "override it and --flags override both. Every run writes its settings back (DIR/" + SETTINGS_NAME + " in --save "
@@ -127,7 +127,7 @@ def _layers(parser: argparse.ArgumentParser, actions: dict, config: str | None, 
 
 def _dest(parser: argparse.ArgumentParser, actions: dict, key: Any, where: str) -> str:
     """The option a key names (``save_pretrained`` or ``save-pretrained``); refused, with the closest, if none."""
-    from elixir_tune.recipes.options import did_you_mean
+    from elixir_tune.recipes.suggest import did_you_mean
 
     dest = str(key).strip().replace("-", "_")
     if dest in actions:
