@@ -16,13 +16,15 @@ PYTHON=${PYTHON:-python3}
 MARKERS="not heavy"
 VENV=.venv
 CONSTRAINTS=(-c constraints/tested.txt)
+# trl (the drop-in TRL test's) needs datasets>=4.7: the oldest set, datasets 4.0, goes without it and skips that test.
+EXTRAS="test,lint,trl"
 PYTEST_ARGS=()
 for arg in "$@"; do
     case "$arg" in
         --fast) MARKERS="not slow" ;;
         --all) MARKERS="" ;;
         --latest) VENV=.venv-latest CONSTRAINTS=() ;;
-        --oldest) VENV=.venv-oldest CONSTRAINTS=(-c constraints/oldest.txt) ;;
+        --oldest) VENV=.venv-oldest CONSTRAINTS=(-c constraints/oldest.txt) EXTRAS="test,lint" ;;
         *) PYTEST_ARGS+=("$arg") ;;
     esac
 done
@@ -34,9 +36,9 @@ if [ ${#CONSTRAINTS[@]} -eq 0 ]; then
     # The newest of everything but torch, whose newer releases here are CUDA builds of gigabytes.
     TORCH_PIN="$VENV/torch-pin.txt"
     "$VENV/bin/python" -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > "$TORCH_PIN"
-    "${PIP[@]}" --upgrade --upgrade-strategy eager -c "$TORCH_PIN" -e '.[test,lint]'
+    "${PIP[@]}" --upgrade --upgrade-strategy eager -c "$TORCH_PIN" -e ".[$EXTRAS]"
 else
-    "${PIP[@]}" "${CONSTRAINTS[@]}" -e '.[test,lint]'
+    "${PIP[@]}" "${CONSTRAINTS[@]}" -e ".[$EXTRAS]"
 fi
 "$VENV/bin/python" -c "import torch, transformers; print('== versions: torch', torch.__version__, '| transformers', transformers.__version__)"
 echo "== ruff check"
