@@ -160,9 +160,10 @@ class WriteWatch:
 
     def check(self) -> None:
         """Raises OwnershipError when a parameter was written in place since setup (one sum when none was)."""
-        versions = [param._version for _, param in self._named]
-        if sum(versions) == self._total:
+        # Every root forward comes here (minGPT's generate: once per token): the sum alone, no list, when unchanged.
+        if sum(param._version for _, param in self._named) == self._total:
             return
+        versions = [param._version for _, param in self._named]
         written = [
             name for (name, _), now, then in zip(self._named, versions, self._versions, strict=True) if now != then
         ]
